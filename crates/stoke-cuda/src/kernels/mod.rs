@@ -1,0 +1,23 @@
+//! Kernel sources (from the top-level `kernels/` directory) and their Rust-side launch rules.
+//! Each module mirrors its kernel's `#[repr(C)]` parameter struct and picks entry points.
+
+pub mod rms_norm;
+
+/// A kernel source file compiled as one module.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelSource {
+    /// File name under `kernels/`.
+    pub file: &'static str,
+    pub source: &'static str,
+    /// `extern "C"` entry points the module must contain.
+    pub entries: &'static [&'static str],
+}
+
+/// Every kernel source Stoke ships; the precompile check builds each of them.
+pub const ALL: &[KernelSource] = &[KernelSource {
+    file: "rms_norm.cu",
+    source: rms_norm::SOURCE,
+    entries: rms_norm::ENTRY_POINTS,
+}];
+
+pub const RMS_NORM: KernelSource = ALL[0];

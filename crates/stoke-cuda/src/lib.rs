@@ -1,0 +1,55 @@
+//! Stoke's CUDA runtime.
+//!
+//! - Runs in the device's primary context, the one burn-cuda (cubecl) uses, so device pointers
+//!   pass freely between the two; Stoke's kernels run on a stream of Stoke's own.
+//! - Compiles the kernel sources under `kernels/` with NVRTC for the device's architecture at
+//!   first use, and caches the cubin on disk keyed by source, options, arch and NVRTC version.
+//! - Launches with one flat `#[repr(C)]` parameter struct per kernel.
+//! - Holds what a queued kernel borrows from other owners (burn-cuda buffers) until an event
+//!   says the kernel finished, so the owner can't reuse the memory under it.
+//!
+//! Every CUDA call's status is checked and returned as [`Error`].
+
+pub mod compile;
+pub mod kernels;
+mod runtime;
+
+pub use compile::{CompileReport, compile_cubin, nvrtc_version};
+pub use runtime::{DeviceBuffer, Kernel, LaunchShape, Runtime, Unavailable};
+
+use cudarc::driver::DriverError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("CUDA driver call `{call}` failed: {source}")]
+    Driver {
+        call: &'static str,
+        #[source]
+        source: DriverError,
+    },
+    #[error("NVRTC could not compile kernels/{file} for {arch}:\n{log}")]
+    Compile { file: String, arch: String, log: String },
+    #[error("NVRTC is not available: {0}")]
+    NvrtcMissing(String),
+    #[error("kernel `{entry}` not found in kernels/{file}")]
+    MissingEntry { file: String, entry: String },
+    #[error("kernel cache at {path}: {source}")]
+    Cache {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Attaches the failing call's name to a driver error.
+pub(crate) trait DriverContext<T> {
+    fn call(self, call: &'static str) -> Result<T>;
+}
+
+impl<T> DriverContext<T> for std::result::Result<T, DriverError> {
+    fn call(self, call: &'static str) -> Result<T> {
+        self.map_err(|source| Error::Driver { call, source })
+    }
+}

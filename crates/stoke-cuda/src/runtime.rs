@@ -1,0 +1,313 @@
+//! One [`Runtime`] per GPU: the context, Stoke's stream, loaded modules, owned buffers and the
+//! list of borrowed allocations held until the kernels that read them have finished.
+
+use crate::kernels::KernelSource;
+use crate::{DriverContext, Error, Result, compile::CompileReport};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, result, sys};
+use std::any::Any;
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// Why Stoke's kernels cannot run on a device; the caller falls back to the inner backend.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Unavailable {
+    #[error("no CUDA driver (libcuda.so not found)")]
+    NoDriver,
+    #[error("NVRTC is not available: {0}")]
+    NoNvrtc(String),
+    #[error("CUDA device {ordinal} cannot be opened: {reason}")]
+    NoDevice { ordinal: usize, reason: String },
+    #[error("GPU {ordinal} ({name}) is sm_{major}{minor}; Stoke's kernels need Hopper (sm_90)")]
+    Arch { ordinal: usize, name: String, major: i32, minor: i32 },
+    #[error("Stoke's kernels are disabled by STOKE_DISABLE")]
+    Disabled,
+}
+
+/// A compiled kernel entry point.
+#[derive(Debug, Clone)]
+pub struct Kernel {
+    func: CudaFunction,
+    pub entry: &'static str,
+}
+
+/// Grid, block and dynamic shared memory of one launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchShape {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_mem_bytes: u32,
+}
+
+pub struct Runtime {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    pub ordinal: usize,
+    pub name: String,
+    /// NVRTC architecture, e.g. `sm_90a`.
+    pub arch: String,
+    pub sm_count: u32,
+    modules: Mutex<HashMap<&'static str, (Arc<CudaModule>, Vec<CompileReport>)>>,
+    functions: Mutex<HashMap<(&'static str, &'static str), Kernel>>,
+    /// Borrowed allocations kept alive until the event after their last use completes.
+    in_flight: Mutex<VecDeque<(CudaEvent, Box<dyn Any + Send>)>>,
+    /// Tests set this so every new buffer starts as 0xFF bytes (NaN in f32 and bf16): an
+    /// element a kernel forgets to write shows up as NaN.
+    poison: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "stoke runtime on GPU {} ({}, {})", self.ordinal, self.name, self.arch)
+    }
+}
+
+impl Runtime {
+    /// Opens GPU `ordinal` in its primary context, or says why Stoke can't use it.
+    pub fn new(ordinal: usize) -> std::result::Result<Arc<Self>, Unavailable> {
+        if std::env::var_os("STOKE_DISABLE").is_some_and(|v| !v.is_empty() && v != "0") {
+            return Err(Unavailable::Disabled);
+        }
+        // SAFETY: only probes whether the shared library can be opened.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Unavailable::NoDriver);
+        }
+        crate::compile::nvrtc_version().map_err(|e| Unavailable::NoNvrtc(e.to_string()))?;
+        let no_device = |e: cudarc::driver::DriverError| Unavailable::NoDevice {
+            ordinal,
+            reason: e.to_string(),
+        };
+        let ctx = CudaContext::new(ordinal).map_err(no_device)?;
+        let (major, minor) = ctx.compute_capability().map_err(no_device)?;
+        let name = ctx.name().map_err(no_device)?;
+        if major != 9 {
+            return Err(Unavailable::Arch { ordinal, name, major, minor });
+        }
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(no_device)? as u32;
+        // SAFETY: Stoke synchronizes its own buffers explicitly (one stream, events for
+        // borrowed memory); cudarc's per-slice event tracking would only add launches.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(no_device)?;
+        Ok(Arc::new(Self {
+            ctx,
+            stream,
+            ordinal,
+            name,
+            arch: "sm_90a".to_string(),
+            sm_count,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+            in_flight: Mutex::new(VecDeque::new()),
+            poison: Default::default(),
+        }))
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().call("cuCtxSetCurrent")
+    }
+
+    /// The raw stream handle Stoke's kernels run on.
+    pub fn cu_stream(&self) -> sys::CUstream {
+        self.stream.cu_stream()
+    }
+
+    /// Loads (compiling on first use, through the disk cache) one kernel entry point.
+    pub fn kernel(&self, src: &KernelSource, entry: &'static str) -> Result<Kernel> {
+        if let Some(k) = self.functions.lock().unwrap().get(&(src.file, entry)) {
+            return Ok(k.clone());
+        }
+        let mut modules = self.modules.lock().unwrap();
+        if !modules.contains_key(src.file) {
+            let t0 = std::time::Instant::now();
+            let (cubin, report, cached) = crate::compile_cubin(src.file, src.source, &self.arch, &[])?;
+            self.bind()?;
+            let module = self
+                .ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                .call("cuModuleLoadData")?;
+            tracing::debug!(
+                "loaded kernels/{} for {} in {:?}{}",
+                src.file,
+                self.arch,
+                t0.elapsed(),
+                if cached { " (disk cache)" } else { "" }
+            );
+            modules.insert(src.file, (module, report));
+        }
+        let (module, _) = &modules[src.file];
+        let func = module.load_function(entry).map_err(|_| Error::MissingEntry {
+            file: src.file.to_string(),
+            entry: entry.to_string(),
+        })?;
+        let kernel = Kernel { func, entry };
+        self.functions.lock().unwrap().insert((src.file, entry), kernel.clone());
+        Ok(kernel)
+    }
+
+    /// Launches `kernel` on Stoke's stream with `params` as its single by-value argument.
+    ///
+    /// # Safety
+    /// `P` must be the `#[repr(C)]` mirror of the kernel's parameter struct, and every device
+    /// pointer in it must stay valid until the kernel finishes (owned by a [`DeviceBuffer`] that
+    /// is dropped only on this stream, or held with [`Runtime::hold_until_done`]).
+    pub unsafe fn launch<P: Copy>(&self, kernel: &Kernel, shape: LaunchShape, params: &P) -> Result<()> {
+        self.bind()?;
+        let mut p = *params;
+        let mut args = [&mut p as *mut P as *mut c_void];
+        // SAFETY: the caller guarantees the parameter layout and pointer lifetimes; the driver
+        // copies the argument block before returning.
+        unsafe {
+            result::launch_kernel(
+                kernel.func.cu_function(),
+                shape.grid,
+                shape.block,
+                shape.shared_mem_bytes,
+                self.cu_stream(),
+                &mut args,
+            )
+        }
+        .call("cuLaunchKernel")?;
+        Ok(())
+    }
+
+    /// Keeps `keep` (e.g. a burn-cuda buffer pin) alive until everything queued on Stoke's
+    /// stream so far has finished. Completed entries are dropped on later calls.
+    pub fn hold_until_done(&self, keep: Box<dyn Any + Send>) -> Result<()> {
+        let event = self.ctx.new_event(None).call("cuEventCreate")?;
+        event.record(&self.stream).call("cuEventRecord")?;
+        let mut list = self.in_flight.lock().unwrap();
+        while list.front().is_some_and(|(e, _)| e.is_complete()) {
+            list.pop_front();
+        }
+        list.push_back((event, keep));
+        Ok(())
+    }
+
+    /// Waits for all of Stoke's work on this device and releases held allocations.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().call("cuStreamSynchronize")?;
+        self.in_flight.lock().unwrap().clear();
+        Ok(())
+    }
+
+    /// Allocates `bytes` on Stoke's stream (stream-ordered, from the driver's pool).
+    pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DeviceBuffer> {
+        self.bind()?;
+        // SAFETY: stream-ordered allocation on a live stream; freed on the same stream.
+        let ptr = unsafe { result::malloc_async(self.cu_stream(), bytes.max(1)) }.call("cuMemAllocAsync")?;
+        let buf = DeviceBuffer { ptr, bytes, rt: self.clone() };
+        if self.poison.load(std::sync::atomic::Ordering::Relaxed) {
+            // SAFETY: the buffer was just allocated with `bytes` bytes.
+            unsafe { self.fill_bytes(ptr, 0xFF, bytes) }?;
+        }
+        Ok(buf)
+    }
+
+    /// Queues a device-to-device copy on Stoke's stream.
+    ///
+    /// # Safety
+    /// Both ranges must be valid device memory for the duration of the copy.
+    pub unsafe fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: guaranteed by the caller.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.cu_stream()) }.call("cuMemcpyDtoDAsync")
+    }
+
+    /// Copies `src` to the host after Stoke's queued work, and waits for it.
+    ///
+    /// # Safety
+    /// `src` must be valid device memory of at least `dst.len()` bytes.
+    pub unsafe fn copy_dtoh(&self, dst: &mut [u8], src: u64) -> Result<()> {
+        self.bind()?;
+        // SAFETY: guaranteed by the caller; the synchronize below completes the copy before
+        // `dst` can be touched again.
+        unsafe { result::memcpy_dtoh_async(dst, src, self.cu_stream()) }.call("cuMemcpyDtoHAsync")?;
+        self.stream.synchronize().call("cuStreamSynchronize")
+    }
+
+    /// Copies host bytes into device memory and waits for it.
+    ///
+    /// # Safety
+    /// `dst` must be valid device memory of at least `src.len()` bytes.
+    pub unsafe fn copy_htod(&self, dst: u64, src: &[u8]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: guaranteed by the caller; synchronized before `src` may be freed.
+        unsafe { result::memcpy_htod_async(dst, src, self.cu_stream()) }.call("cuMemcpyHtoDAsync")?;
+        self.stream.synchronize().call("cuStreamSynchronize")
+    }
+
+    /// Fills `bytes` bytes at `dst` with `value` on Stoke's stream (tests poison outputs).
+    ///
+    /// # Safety
+    /// `dst` must be valid device memory of at least `bytes` bytes.
+    pub unsafe fn fill_bytes(&self, dst: u64, value: u8, bytes: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: guaranteed by the caller.
+        unsafe { result::memset_d8_async(dst, value, bytes, self.cu_stream()) }.call("cuMemsetD8Async")
+    }
+
+    /// Poisons every buffer allocated from now on (see the field's docs).
+    pub fn set_poison_allocations(&self, on: bool) {
+        self.poison.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Resource reports of the modules loaded so far.
+    pub fn loaded_reports(&self) -> Vec<(String, CompileReport)> {
+        let modules = self.modules.lock().unwrap();
+        modules
+            .iter()
+            .flat_map(|(file, (_, r))| r.iter().map(|r| (file.to_string(), r.clone())))
+            .collect()
+    }
+
+    /// Creates a timing event (for benchmarks).
+    pub fn timing_event(&self) -> Result<CudaEvent> {
+        self.ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .call("cuEventCreate")
+    }
+
+    /// Records `event` on Stoke's stream.
+    pub fn record(&self, event: &CudaEvent) -> Result<()> {
+        event.record(&self.stream).call("cuEventRecord")
+    }
+}
+
+/// Device memory owned by Stoke, allocated and freed on Stoke's stream, so that any kernel
+/// queued on that stream before the free has finished with it.
+pub struct DeviceBuffer {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    rt: Arc<Runtime>,
+}
+
+impl DeviceBuffer {
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    pub fn runtime(&self) -> &Arc<Runtime> {
+        &self.rt
+    }
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBuffer({:#x}, {} bytes, GPU {})", self.ptr, self.bytes, self.rt.ordinal)
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let _ = self.rt.bind();
+        // SAFETY: allocated by `Runtime::alloc` on this stream; stream order makes the free
+        // wait for every kernel queued on it before.
+        if let Err(e) = unsafe { result::free_async(self.ptr, self.rt.cu_stream()) } {
+            tracing::error!("cuMemFreeAsync failed for {self:?}: {e}");
+        }
+    }
+}

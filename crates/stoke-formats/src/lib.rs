@@ -1,0 +1,5 @@
+//! Stoke's data formats and plain reference implementations. No GPU code: everything here is
+//! the specification that kernels are tested against, written for clarity in f64.
+
+pub mod bf16;
+pub mod reference;

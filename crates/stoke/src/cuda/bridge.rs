@@ -1,0 +1,297 @@
+//! Runtime lookup, Stoke-owned tensors and the crossings between burn-cuda and Stoke.
+
+use crate::backend::Stoke;
+use crate::tensor::{StokeData, StokeTensor};
+use burn::tensor::{Tensor, TensorPrimitive};
+use burn_backend::{Backend, DType, DeviceOps, ExecutionError, FloatDType, Shape, TensorData, TensorMetadata};
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cuda::CudaRuntime;
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use stoke_cuda::{DeviceBuffer, Runtime};
+
+type Cube = CubeTensor<CudaRuntime>;
+
+/// Whether the inner backend's float tensors are burn-cuda tensors (`CubeTensor<CudaRuntime>`).
+fn inner_is_cuda<I: Backend>() -> bool {
+    TypeId::of::<I::FloatTensorPrimitive>() == TypeId::of::<Cube>()
+}
+
+fn to_cube<I: Backend>(t: I::FloatTensorPrimitive) -> Cube {
+    let boxed: Box<dyn Any> = Box::new(t);
+    *boxed.downcast::<Cube>().expect("inner float primitive is a burn-cuda tensor")
+}
+
+fn from_cube<I: Backend>(t: Cube) -> I::FloatTensorPrimitive {
+    let boxed: Box<dyn Any> = Box::new(t);
+    *boxed.downcast::<I::FloatTensorPrimitive>().expect("inner float primitive is a burn-cuda tensor")
+}
+
+/// Stoke's runtime for `device`, or `None` when Stoke's kernels can't run there (the inner
+/// backend is not burn-cuda, no driver, not a Hopper GPU, `STOKE_DISABLE` set). The reason is
+/// logged once per device at `warn` level.
+pub fn runtime_for<I: Backend>(device: &I::Device) -> Option<Arc<Runtime>> {
+    if !inner_is_cuda::<I>() {
+        return None;
+    }
+    static RUNTIMES: OnceLock<Mutex<HashMap<usize, Option<Arc<Runtime>>>>> = OnceLock::new();
+    let ordinal = device.id().index_id as usize;
+    let mut map = RUNTIMES.get_or_init(Default::default).lock().unwrap();
+    map.entry(ordinal)
+        .or_insert_with(|| match Runtime::new(ordinal) {
+            Ok(rt) => {
+                tracing::info!("stoke: kernels enabled on GPU {ordinal} ({}, {})", rt.name, rt.arch);
+                Some(rt)
+            }
+            Err(reason) => {
+                tracing::warn!("stoke: falling back to the inner backend on GPU {ordinal}: {reason}");
+                None
+            }
+        })
+        .clone()
+}
+
+/// Fatal CUDA failure inside an op that Burn's API gives no error channel for.
+fn fatal(what: &str, e: impl std::fmt::Display) -> ! {
+    panic!("stoke: {what} failed: {e}")
+}
+
+/// A burn-cuda buffer pinned so that its device pointer stays valid. When dropped, the pin is
+/// handed to the runtime, which releases it once Stoke's queued kernels are done with it.
+struct Pin {
+    rt: Arc<Runtime>,
+    held: Option<Box<dyn Any + Send + Sync>>,
+    ptr: u64,
+}
+
+/// Holds cubecl's `ManagedResource` (the pin), whose raw pointer field makes it `!Sync`. Stoke
+/// reads the device address out of it once, at creation, and afterwards only keeps and drops
+/// it: no shared access ever happens.
+struct Held<T>(#[allow(dead_code)] T);
+// SAFETY: see above: the value is never accessed through a shared reference.
+unsafe impl<T: Send> Sync for Held<T> {}
+
+impl Pin {
+    /// Pins `t` (made contiguous first) and waits for burn-cuda's stream: the one
+    /// synchronization of a crossing into Stoke.
+    fn new<I: Backend>(rt: &Arc<Runtime>, t: Cube, device: &I::Device) -> Pin {
+        let t = if t.is_contiguous() { t } else { burn_cubecl::kernel::into_contiguous(t) };
+        let res = t
+            .client
+            .get_resource(t.handle.clone())
+            .unwrap_or_else(|e| fatal("get_resource on a burn-cuda tensor", format!("{e:?}")));
+        let ptr = res.resource().ptr;
+        I::sync(device).unwrap_or_else(|e| fatal("synchronizing burn-cuda", e));
+        Pin { rt: rt.clone(), held: Some(Box::new(Held((res, t)))), ptr }
+    }
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        if let Some(held) = self.held.take() {
+            if let Err(e) = self.rt.hold_until_done(held) {
+                // Without the event the only safe release is after a full synchronization.
+                tracing::error!("stoke: {e}; synchronizing before releasing a pinned buffer");
+                let _ = self.rt.synchronize();
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Pin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Pin({:#x})", self.ptr)
+    }
+}
+
+/// Output of a Stoke kernel, in memory Stoke owns on its stream.
+pub struct DeviceTensor<I: Backend> {
+    buf: DeviceBuffer,
+    shape: Shape,
+    dtype: DType,
+    device: I::Device,
+    materialized: OnceLock<I::FloatTensorPrimitive>,
+}
+
+impl<I: Backend> std::fmt::Debug for DeviceTensor<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceTensor({:?}, {:?}, {:?})", self.shape, self.dtype, self.buf)
+    }
+}
+
+impl<I: Backend> DeviceTensor<I> {
+    pub(crate) fn alloc(rt: &Arc<Runtime>, shape: Shape, dtype: DType, device: I::Device) -> Self {
+        let bytes = shape.num_elements() * dtype.size();
+        let buf = rt.alloc(bytes).unwrap_or_else(|e| fatal("allocating a Stoke buffer", e));
+        Self { buf, shape, dtype, device, materialized: OnceLock::new() }
+    }
+
+    pub fn ptr(&self) -> u64 {
+        self.buf.ptr()
+    }
+
+    /// Copies the values to the host (after Stoke's queued work).
+    fn read(&self) -> TensorData {
+        let mut bytes = vec![0u8; self.buf.bytes()];
+        // SAFETY: the buffer holds exactly `bytes()` bytes and lives for the copy.
+        unsafe { self.buf.runtime().copy_dtoh(&mut bytes, self.buf.ptr()) }
+            .unwrap_or_else(|e| fatal("reading a Stoke buffer", e));
+        TensorData::from_bytes_vec(bytes, self.shape.clone(), self.dtype)
+    }
+}
+
+impl<I: Backend> StokeData<I> for DeviceTensor<I> {
+    fn shape(&self) -> Shape {
+        self.shape.clone()
+    }
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn device(&self) -> I::Device {
+        self.device.clone()
+    }
+    /// The crossing out of Stoke; see the module docs.
+    fn materialize(&self) -> I::FloatTensorPrimitive {
+        self.materialized
+            .get_or_init(|| {
+                let rt = self.buf.runtime();
+                let out = to_cube::<I>(I::float_empty(self.shape.clone(), &self.device, FloatDType::from(self.dtype)));
+                let res = out
+                    .client
+                    .get_resource(out.handle.clone())
+                    .unwrap_or_else(|e| fatal("get_resource on a new burn-cuda tensor", format!("{e:?}")));
+                I::sync(&self.device).unwrap_or_else(|e| fatal("synchronizing burn-cuda", e));
+                // SAFETY: both buffers hold `bytes()` bytes; `res` pins the destination and the
+                // synchronize below completes the copy before it is released.
+                unsafe { rt.copy_dtod(res.resource().ptr, self.buf.ptr(), self.buf.bytes()) }
+                    .and_then(|_| rt.synchronize())
+                    .unwrap_or_else(|e| fatal("copying a Stoke buffer to burn-cuda", e));
+                drop(res);
+                from_cube::<I>(out)
+            })
+            .clone()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A burn-cuda tensor whose device pointer Stoke resolved once (weights, caches).
+pub struct ResidentTensor<I: Backend> {
+    tensor: I::FloatTensorPrimitive,
+    device: I::Device,
+    pin: Pin,
+}
+
+impl<I: Backend> std::fmt::Debug for ResidentTensor<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ResidentTensor({:?})", self.pin)
+    }
+}
+
+impl<I: Backend> ResidentTensor<I> {
+    pub fn ptr(&self) -> u64 {
+        self.pin.ptr
+    }
+}
+
+impl<I: Backend> StokeData<I> for ResidentTensor<I> {
+    fn shape(&self) -> Shape {
+        self.tensor.shape()
+    }
+    fn dtype(&self) -> DType {
+        self.tensor.dtype()
+    }
+    fn device(&self) -> I::Device {
+        self.device.clone()
+    }
+    fn materialize(&self) -> I::FloatTensorPrimitive {
+        self.tensor.clone()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Pins a float primitive for Stoke's kernels; returns it unchanged where Stoke's kernels
+/// don't run or it is already Stoke-owned.
+pub fn pin_tensor<I: Backend>(t: StokeTensor<I>) -> StokeTensor<I> {
+    let StokeTensor::Inner(inner) = t else { return t };
+    let device = I::float_device(&inner);
+    let Some(rt) = runtime_for::<I>(&device) else { return StokeTensor::Inner(inner) };
+    let pin = Pin::new::<I>(&rt, to_cube::<I>(inner.clone()), &device);
+    StokeTensor::owned(ResidentTensor::<I> { tensor: inner, device, pin })
+}
+
+/// Pins a weight once so that Stoke's kernels use it with no per-op resolution. The tensor
+/// still behaves as an ordinary tensor for every other op.
+pub fn pin<I: Backend, const D: usize>(t: Tensor<Stoke<I>, D>) -> Tensor<Stoke<I>, D> {
+    match t.into_primitive() {
+        TensorPrimitive::Float(p) => Tensor::from_primitive(TensorPrimitive::Float(pin_tensor(p))),
+        q => Tensor::from_primitive(q),
+    }
+}
+
+/// A kernel argument resolved to a device pointer, with whatever keeps it valid.
+pub(crate) struct KernelInput {
+    pub ptr: u64,
+    /// A crossing's pin; released (after the kernel) when this value is dropped.
+    _pin: Option<Pin>,
+}
+
+impl KernelInput {
+    pub(crate) fn resolve<I: Backend>(rt: &Arc<Runtime>, t: &StokeTensor<I>, device: &I::Device) -> Self {
+        if let Some(d) = t.downcast_ref::<DeviceTensor<I>>() {
+            // Freed on Stoke's stream: stream order keeps it valid for this kernel.
+            return Self { ptr: d.ptr(), _pin: None };
+        }
+        if let Some(r) = t.downcast_ref::<ResidentTensor<I>>() {
+            // Its pin is released through the runtime when the tensor drops, i.e. after every
+            // kernel queued before that: nothing to hold per launch.
+            return Self { ptr: r.ptr(), _pin: None };
+        }
+        let pin = Pin::new::<I>(rt, to_cube::<I>(t.clone().into_inner()), device);
+        Self { ptr: pin.ptr, _pin: Some(pin) }
+    }
+}
+
+/// Device of a Stoke tensor without materializing it.
+pub(crate) fn float_device<I: Backend>(t: &StokeTensor<I>) -> I::Device {
+    match t {
+        StokeTensor::Inner(t) => I::float_device(t),
+        StokeTensor::Owned(d) => d.device(),
+    }
+}
+
+/// Reads a Stoke tensor; Stoke's own buffers go straight to the host.
+pub(crate) async fn float_into_data<I: Backend>(t: StokeTensor<I>) -> Result<TensorData, ExecutionError> {
+    if let Some(d) = t.downcast_ref::<DeviceTensor<I>>() {
+        if d.materialized.get().is_none() {
+            return Ok(d.read());
+        }
+    }
+    I::float_into_data(t.into_inner()).await
+}
+
+/// `Backend::sync` for `Stoke<I>`: also waits for Stoke's stream on that device.
+pub(crate) fn sync_device<I: Backend>(device: &I::Device) -> Result<(), ExecutionError> {
+    if let Some(rt) = runtime_for::<I>(device) {
+        rt.synchronize()
+            .map_err(|e| ExecutionError::WithContext { reason: format!("stoke: {e}") })?;
+    }
+    Ok(())
+}
+
+/// Pins every float parameter of a module (see [`pin`]): weights are resolved once, at load.
+pub fn pin_module<I: Backend, M: burn::module::Module<Stoke<I>>>(module: M) -> M {
+    use burn::module::{ModuleMapper, Param};
+    struct Pinner;
+    impl<I: Backend> ModuleMapper<Stoke<I>> for Pinner {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<Stoke<I>, D>>) -> Param<Tensor<Stoke<I>, D>> {
+            let (id, tensor, mapper) = param.consume();
+            Param::from_mapped_value(id, pin(tensor), mapper)
+        }
+    }
+    module.map(&mut Pinner)
+}

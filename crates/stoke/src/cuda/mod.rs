@@ -1,0 +1,24 @@
+//! The bridge between burn-cuda and Stoke's CUDA runtime.
+//!
+//! Stoke's kernels run on Stoke's own stream (cubecl's stream cannot be reached). The rules
+//! that keep the two streams coherent, each crossing paying for exactly one synchronization:
+//!
+//! - **Into Stoke** (a kernel reads a burn-cuda tensor): the buffer is pinned with
+//!   `get_resource` and burn-cuda's stream is synchronized once, so the kernel sees finished
+//!   data. The pin is released only after an event on Stoke's stream says the kernel is done,
+//!   so cubecl cannot hand the memory to another tensor while Stoke still reads it.
+//! - **Inside Stoke** (a kernel reads another Stoke kernel's output): outputs are
+//!   [`DeviceTensor`]s in memory Stoke allocates and frees on its own stream. A chain of Stoke
+//!   ops needs no synchronization and no `get_resource`.
+//! - **Weights** are pinned once with [`pin`] ([`ResidentTensor`]): their pointer is resolved at
+//!   load, never per op.
+//! - **Out of Stoke** (a burn-cuda op reads a Stoke output): the tensor materializes once into
+//!   a burn-cuda buffer: burn's stream is synchronized (the new buffer may be memory a queued
+//!   burn kernel still uses), Stoke's stream copies, and Stoke's stream is synchronized before
+//!   burn-cuda can read it. The copy is cached, so each output crosses at most once.
+
+mod bridge;
+pub(crate) mod rms_norm;
+
+pub use bridge::{DeviceTensor, ResidentTensor, pin, pin_module, pin_tensor, runtime_for};
+pub(crate) use bridge::{float_device, float_into_data, sync_device};

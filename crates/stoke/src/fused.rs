@@ -1,0 +1,116 @@
+//! Fused ops that Burn has no op for, as an extension trait of `Backend`.
+//!
+//! Each method's default body is the plain reference composition in Burn ops (f32 math), so
+//! model code written against [`FusedOps`] runs on any backend that implements it (an empty
+//! impl); `Stoke<I>` overrides them with its
+//! kernels where they apply and falls back to the same composition elsewhere.
+
+use crate::backend::Stoke;
+use burn::tensor::{Tensor, TensorPrimitive};
+use burn_backend::ops::FloatTensorOps;
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, DType, FloatDType, Scalar, TensorMetadata};
+
+pub trait FusedOps: Backend {
+    /// `x * rsqrt(mean(x^2, last dim) + eps) * gamma`, in f32 and rounded to `x`'s dtype.
+    /// `gamma` has shape `[hidden]`, `hidden` being `x`'s last dimension.
+    fn rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        rms_norm_reference::<Self>(x, gamma, eps)
+    }
+
+    /// `s = x + residual` (in `x`'s dtype) and `rms_norm(s, gamma, eps)`; returns `(s, normed)`.
+    fn residual_rms_norm(
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let sum = Self::float_add(x, residual);
+        let normed = rms_norm_reference::<Self>(sum.clone(), gamma, eps);
+        (sum, normed)
+    }
+}
+
+/// The reference RMSNorm composition on any backend.
+pub fn rms_norm_reference<B: Backend>(x: FloatTensor<B>, gamma: FloatTensor<B>, eps: f64) -> FloatTensor<B> {
+    let dtype = x.dtype();
+    let shape = x.shape();
+    let last = shape.num_dims() - 1;
+    let f32_of = |t: FloatTensor<B>| if t.dtype() == DType::F32 { t } else { B::float_cast(t, FloatDType::F32) };
+    let xf = f32_of(x);
+    let mean_sq = B::float_mean_dim(B::float_mul(xf.clone(), xf.clone()), last);
+    let inv = B::float_recip(B::float_sqrt(B::float_add_scalar(mean_sq, Scalar::from(eps))));
+    let mut gamma_shape = vec![1; shape.num_dims()];
+    gamma_shape[last] = shape[last];
+    let g = f32_of(B::float_reshape(gamma, gamma_shape.into()));
+    let y = B::float_mul(B::float_mul(xf, inv), g);
+    if dtype == DType::F32 { y } else { B::float_cast(y, FloatDType::from(dtype)) }
+}
+
+impl<I: Backend> FusedOps for Stoke<I> {
+    fn rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        match crate::cuda::rms_norm::try_rms_norm::<I>(&x, None, &gamma, eps) {
+            Some((normed, _)) => normed,
+            None => rms_norm_reference::<Self>(x, gamma, eps),
+        }
+    }
+
+    fn residual_rms_norm(
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        match crate::cuda::rms_norm::try_rms_norm::<I>(&x, Some(&residual), &gamma, eps) {
+            Some((normed, Some(sum))) => (sum, normed),
+            _ => {
+                let sum = Self::float_add(x, residual);
+                (sum.clone(), rms_norm_reference::<Self>(sum, gamma, eps))
+            }
+        }
+    }
+}
+
+// The inner backends Stoke is used with get the reference compositions. Another backend opts
+// in with an empty `impl stoke::FusedOps for MyBackend {}`.
+impl<E, J, Q> FusedOps for burn_ndarray::NdArray<E, J, Q>
+where
+    E: burn_ndarray::FloatNdArrayElement,
+    J: burn_ndarray::IntNdArrayElement,
+    Q: burn_ndarray::QuantElement,
+    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<E>> + From<burn_ndarray::SharedArray<J>>,
+{
+}
+
+impl<R, F, J, BT> FusedOps for burn_cubecl::CubeBackend<R, F, J, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    J: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+}
+
+fn float<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+fn tensor<B: Backend, const D: usize>(p: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+
+/// RMSNorm over the last dimension: `x * rsqrt(mean(x^2) + eps) * gamma`.
+pub fn rms_norm<B: FusedOps, const D: usize>(x: Tensor<B, D>, gamma: Tensor<B, 1>, eps: f64) -> Tensor<B, D> {
+    tensor(B::rms_norm(float(x), float(gamma), eps))
+}
+
+/// `s = x + residual` and `rms_norm(s)`, in one pass where a kernel applies. Returns `(s, normed)`.
+pub fn residual_rms_norm<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    residual: Tensor<B, D>,
+    gamma: Tensor<B, 1>,
+    eps: f64,
+) -> (Tensor<B, D>, Tensor<B, D>) {
+    let (sum, normed) = B::residual_rms_norm(float(x), float(residual), float(gamma), eps);
+    (tensor(sum), tensor(normed))
+}

@@ -1,0 +1,29 @@
+//! # Stoke
+//!
+//! `Stoke<B>` is a Burn backend decorator. Every Burn op goes to the inner backend `B`, except
+//! the few that Stoke routes to its own CUDA kernels on Hopper GPUs (linear, RMSNorm,
+//! attention). A Burn user selects it like any backend:
+//!
+//! ```no_run
+//! use burn::tensor::Tensor;
+//! type B = stoke::Stoke<burn_cuda::Cuda>;
+//! let device = Default::default();
+//! let x = Tensor::<B, 2>::ones([4, 576], &device);
+//! let gamma = Tensor::<B, 1>::ones([576], &device);
+//! let y = stoke::rms_norm(x, gamma, 1e-5);
+//! ```
+//!
+//! On a machine without a usable Hopper GPU, the same code runs on the inner backend (Stoke
+//! logs the reason once). With `Stoke<NdArray>` the fused ops run their reference compositions
+//! on the CPU, so model code is written once.
+
+mod backend;
+pub mod cuda;
+pub mod fused;
+mod ops;
+mod route;
+pub mod tensor;
+
+pub use backend::Stoke;
+pub use fused::{FusedOps, residual_rms_norm, rms_norm};
+pub use tensor::{StokeData, StokeTensor};

@@ -1,0 +1,57 @@
+//! The ops Stoke intercepts instead of forwarding (named in `stoke-forwardgen`'s table).
+//! Each either runs a Stoke kernel or forwards to the inner backend.
+
+use crate::cuda;
+use crate::tensor::{StokeTensor, lift_float, lower_float};
+use burn_backend::ops::AttentionModuleOptions;
+use burn_backend::tensor::BoolTensor;
+use burn_backend::{Backend, ExecutionError, TensorData};
+
+/// `ModuleOps::linear` (weight `[d_in, d_out]`). Packed INT4/FP8 weights will be recognized
+/// here; a plain weight goes to the inner backend's matmul.
+pub(crate) fn linear<I: Backend>(
+    x: StokeTensor<I>,
+    weight: StokeTensor<I>,
+    bias: Option<StokeTensor<I>>,
+) -> StokeTensor<I> {
+    lift_float::<I>(I::linear(lower_float(x), lower_float(weight), bias.map(lower_float)))
+}
+
+/// `ModuleOps::attention`: forwarded until Stoke's attention kernels apply.
+pub(crate) fn attention<I: Backend>(
+    query: StokeTensor<I>,
+    key: StokeTensor<I>,
+    value: StokeTensor<I>,
+    mask: Option<BoolTensor<I>>,
+    attn_bias: Option<StokeTensor<I>>,
+    options: AttentionModuleOptions,
+) -> StokeTensor<I> {
+    lift_float::<I>(I::attention(
+        lower_float(query),
+        lower_float(key),
+        lower_float(value),
+        mask,
+        attn_bias.map(lower_float),
+        options,
+    ))
+}
+
+/// The device, without materializing Stoke-owned data.
+pub(crate) fn float_device<I: Backend>(tensor: &StokeTensor<I>) -> I::Device {
+    cuda::float_device(tensor)
+}
+
+/// Stoke-owned data is never tracked by an autodiff decorator inside Stoke.
+pub(crate) fn float_is_require_grad<I: Backend>(tensor: &StokeTensor<I>) -> bool {
+    match tensor {
+        StokeTensor::Inner(t) => I::float_is_require_grad(t),
+        StokeTensor::Owned(_) => false,
+    }
+}
+
+/// Reads values; Stoke's own buffers are copied straight to the host.
+pub(crate) fn float_into_data<I: Backend>(
+    tensor: StokeTensor<I>,
+) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    cuda::float_into_data(tensor)
+}

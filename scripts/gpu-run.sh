@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, with .bundle/ from scripts/gpu-bundle.sh:
+# every GPU test, then the benchmarks, then the PyTorch peers, writing JSON into OUTDIR.
+# Usage: bash scripts/gpu-run.sh OUTDIR [test|bench|all]
+set -uo pipefail
+out=${1:?usage: gpu-run.sh OUTDIR [test|bench|all]}
+what=${2:-all}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+export STOKE_KERNEL_CACHE=${STOKE_KERNEL_CACHE:-/tmp/stoke-kernels}
+export PYTHONUNBUFFERED=1
+(cd .bundle && sha256sum -c SHA256SUMS) || exit 1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$out/gpu.txt"
+commit=$(cat .bundle/COMMIT)
+status=0
+.bundle/stoke-gpu --out "$out" --commit "$commit" "$what" 2>&1 | tee "$out/stoke-gpu.log" || status=1
+if [ "$what" != test ]; then
+  python3 scripts/peers/rms_norm_torch.py "$out/torch-rms.json" 2>&1 | tee "$out/torch.log" || status=1
+fi
+exit $status

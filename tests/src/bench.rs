@@ -1,0 +1,264 @@
+//! Benchmarks run by `stoke-gpu bench`. Every figure is printed beside the same run's ceiling
+//! (device-to-device copy bandwidth) and, where there is one, the plain burn-cuda peer.
+//! Kernel times come from CUDA events on Stoke's stream; times that include host work (API
+//! calls, crossings) are wall-clock around a full synchronization.
+
+use crate::{PlainCuda, StokeCuda, gpu};
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorData};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::Instant;
+use stoke_cuda::kernels::RMS_NORM;
+use stoke_cuda::kernels::rms_norm::{ElemType, RmsNormParams, launch};
+use stoke_cuda::{DeviceBuffer, LaunchShape, Runtime};
+
+/// Bytes of working set beyond which repeated inputs no longer fit the 60 MB L2.
+const L2_ESCAPE_BYTES: usize = 256 << 20;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// Median over `reps` of the mean µs per iteration of `body`, timed with events on Stoke's stream.
+fn time_events(rt: &Runtime, reps: usize, iters: usize, mut body: impl FnMut(usize)) -> f64 {
+    let (start, stop) = (rt.timing_event().unwrap(), rt.timing_event().unwrap());
+    for i in 0..iters.min(8) {
+        body(i); // warm-up: module load, allocator pools
+    }
+    let mut samples = Vec::new();
+    for _ in 0..reps {
+        rt.record(&start).unwrap();
+        for i in 0..iters {
+            body(i);
+        }
+        rt.record(&stop).unwrap();
+        stop.synchronize().unwrap();
+        samples.push(start.elapsed_ms(&stop).unwrap() as f64 * 1e3 / iters as f64);
+    }
+    median(samples)
+}
+
+/// Median over `reps` of wall-clock µs per iteration, `sync` called before and after.
+fn time_wall(reps: usize, iters: usize, mut sync: impl FnMut(), mut body: impl FnMut(usize)) -> f64 {
+    for i in 0..iters.min(8) {
+        body(i);
+    }
+    sync();
+    let mut samples = Vec::new();
+    for _ in 0..reps {
+        sync();
+        let t0 = Instant::now();
+        for i in 0..iters {
+            body(i);
+        }
+        sync();
+        samples.push(t0.elapsed().as_secs_f64() * 1e6 / iters as f64);
+    }
+    median(samples)
+}
+
+/// Device-to-device copy of 1 GiB, bytes read + written per second.
+pub fn copy_bandwidth(rt: &Arc<Runtime>) -> f64 {
+    let bytes = 1usize << 30;
+    let (a, b) = (rt.alloc(bytes).unwrap(), rt.alloc(bytes).unwrap());
+    // SAFETY: fills and copies within two live buffers of `bytes` bytes.
+    unsafe { rt.fill_bytes(a.ptr(), 0x3c, bytes).unwrap() };
+    let us = time_events(rt, 5, 10, |_| unsafe { rt.copy_dtod(b.ptr(), a.ptr(), bytes).unwrap() });
+    2.0 * bytes as f64 / (us * 1e-6) / 1e9
+}
+
+struct RmsBuffers {
+    x: Vec<DeviceBuffer>,
+    out: Vec<DeviceBuffer>,
+    gamma: DeviceBuffer,
+}
+
+fn rms_buffers(rt: &Arc<Runtime>, rows: usize, hidden: usize, elem: usize) -> RmsBuffers {
+    let bytes = rows * hidden * elem;
+    let sets = (L2_ESCAPE_BYTES / (2 * bytes)).clamp(1, 64);
+    let alloc = |n: usize| {
+        let b = rt.alloc(n).unwrap();
+        // Random-looking, finite bit patterns (never time zeros): 0x3c3c.. is ~0.0115 in both
+        // dtypes, and the kernel's work doesn't depend on the values.
+        unsafe { rt.fill_bytes(b.ptr(), 0x3c, n).unwrap() };
+        b
+    };
+    RmsBuffers {
+        x: (0..sets).map(|_| alloc(bytes)).collect(),
+        out: (0..sets).map(|_| alloc(bytes)).collect(),
+        gamma: alloc(hidden * elem),
+    }
+}
+
+/// RMSNorm kernel time (events, inputs rotated so they come from HBM) and effective bandwidth,
+/// and the plain burn-cuda composition of the same op (wall-clock).
+pub fn rms_norm(rt: &Arc<Runtime>, copy_gbps: f64) -> Vec<Value> {
+    let device = Default::default();
+    let mut rows_out = Vec::new();
+    for (dtype, elem_type, elem) in [(DType::BF16, ElemType::Bf16, 2usize), (DType::F32, ElemType::F32, 4)] {
+        for &hidden in &[576usize, 4096, 8192] {
+            for &rows in &[1usize, 32, 2048, 16384] {
+                let bufs = rms_buffers(rt, rows, hidden, elem);
+                let l = launch(elem_type, false, rows as u32, hidden as u32, true, rt.sm_count);
+                let kernel = rt.kernel(&RMS_NORM, l.entry).unwrap();
+                let shape = LaunchShape { grid: l.grid, block: l.block, shared_mem_bytes: l.shared_mem_bytes };
+                let sets = bufs.x.len();
+                let iters = if rows >= 2048 { 50 } else { 200 };
+                let kernel_us = time_events(rt, 7, iters, |i| {
+                    let p = RmsNormParams {
+                        x: bufs.x[i % sets].ptr(),
+                        residual: 0,
+                        gamma: bufs.gamma.ptr(),
+                        out: bufs.out[i % sets].ptr(),
+                        sum_out: 0,
+                        rows: rows as u32,
+                        hidden: hidden as u32,
+                        eps: 1e-5,
+                    };
+                    // SAFETY: params mirror the kernel's struct; buffers outlive the timing.
+                    unsafe { rt.launch(&kernel, shape, &p).unwrap() };
+                });
+                let bytes = (2 * rows * hidden + hidden) * elem;
+                let gbps = bytes as f64 / (kernel_us * 1e-6) / 1e9;
+
+                // The same op as burn-cuda runs it: the reference composition.
+                let x = Tensor::<PlainCuda, 2>::from_data(TensorData::new(vec![0.5f32; rows * hidden], [rows, hidden]), &device).cast(dtype);
+                let g = Tensor::<PlainCuda, 1>::ones([hidden], &device).cast(dtype);
+                let burn_us = time_wall(5, 20, || PlainCuda::sync(&device).unwrap(), |_| {
+                    let _ = stoke::rms_norm(x.clone(), g.clone(), 1e-5);
+                });
+                println!(
+                    "rms_norm {dtype:?} rows {rows:5} hidden {hidden:5}: {kernel_us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) | burn-cuda composition {burn_us:8.2} us ({} entry {})",
+                    100.0 * gbps / copy_gbps,
+                    if burn_us > kernel_us { format!("{:.1}x", burn_us / kernel_us) } else { "slower".into() },
+                    l.entry
+                );
+                rows_out.push(json!({
+                    "dtype": format!("{dtype:?}"), "rows": rows, "hidden": hidden, "entry": l.entry,
+                    "kernel_us": kernel_us, "effective_gbps": gbps, "fraction_of_copy": gbps / copy_gbps,
+                    "burn_cuda_composition_us": burn_us, "input_sets": sets,
+                }));
+            }
+        }
+    }
+    rows_out
+}
+
+fn pinned(t: Tensor<StokeCuda, 2>) -> Tensor<StokeCuda, 2> {
+    stoke::cuda::pin(t)
+}
+
+/// Host cost of Stoke launches and of crossings between burn-cuda and Stoke.
+pub fn host_and_crossing(rt: &Arc<Runtime>) -> Value {
+    let device = Default::default();
+    let (rows, hidden) = (1, 4096);
+    let x = pinned(Tensor::<StokeCuda, 2>::random([rows, hidden], burn::tensor::Distribution::Default, &device).cast(DType::BF16));
+    let g = stoke::cuda::pin(Tensor::<StokeCuda, 1>::ones([hidden], &device).cast(DType::BF16));
+    let stoke_sync = || rt.synchronize().unwrap();
+
+    // Host time to enqueue one Stoke op through the Burn API (no synchronization inside).
+    let n = 2000;
+    let _ = stoke::rms_norm(x.clone(), g.clone(), 1e-5);
+    stoke_sync();
+    let t0 = Instant::now();
+    for _ in 0..n {
+        let _ = stoke::rms_norm(x.clone(), g.clone(), 1e-5);
+    }
+    let host_launch_us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+    stoke_sync();
+
+    // Building blocks measured alone.
+    let plain = Tensor::<PlainCuda, 2>::ones([rows, hidden], &device);
+    let prim = plain.clone().into_primitive().tensor();
+    let get_resource_us = time_wall(5, 200, || {}, |_| {
+        let _ = prim.client.get_resource(prim.handle.clone()).unwrap();
+    });
+    let burn_sync_us = time_wall(5, 200, || {}, |_| PlainCuda::sync(&device).unwrap());
+    let stoke_sync_us = time_wall(5, 200, || {}, |_| rt.synchronize().unwrap());
+
+    // Crossing in: a Stoke op on a burn-cuda tensor (pin + one burn sync + launch).
+    let unpinned = Tensor::<StokeCuda, 2>::ones([rows, hidden], &device).cast(DType::BF16);
+    let cross_in_us = time_wall(5, 200, stoke_sync, |_| {
+        let _ = stoke::rms_norm(unpinned.clone(), g.clone(), 1e-5);
+    });
+    // Crossing out: a burn-cuda op on a Stoke output (sync, copy, sync), then the op itself.
+    let outs: Vec<_> = (0..1200).map(|_| stoke::rms_norm(x.clone(), g.clone(), 1e-5)).collect();
+    stoke_sync();
+    let mut it = outs.into_iter();
+    let cross_out_us = time_wall(5, 200, stoke_sync, |_| {
+        let y = it.next().unwrap();
+        let _ = y.add_scalar(1.0);
+    });
+    // One round trip as the alternation test does it: Stoke op, then burn op on its output.
+    let mut cur = Tensor::<StokeCuda, 2>::ones([rows, hidden], &device).cast(DType::BF16);
+    let round_trip_us = time_wall(5, 200, || { rt.synchronize().unwrap(); StokeCuda::sync(&device).unwrap() }, |_| {
+        let n = stoke::rms_norm(cur.clone(), g.clone(), 1e-5);
+        cur = n.add_scalar(0.01);
+    });
+    let v = json!({
+        "shape": [rows, hidden], "dtype": "BF16",
+        "host_us_per_stoke_launch": host_launch_us,
+        "get_resource_us": get_resource_us,
+        "burn_cuda_sync_idle_us": burn_sync_us,
+        "stoke_sync_idle_us": stoke_sync_us,
+        "cross_in_us": cross_in_us,
+        "cross_out_us": cross_out_us,
+        "round_trip_us": round_trip_us,
+    });
+    println!("host and crossings: {v}");
+    v
+}
+
+/// A chain of 100 RMSNorms, `x <- rms_norm(x)`: Stoke keeps every intermediate on its stream
+/// (one crossing in, none inside); plain burn-cuda runs the composition. Wall-clock from the
+/// first call to the final synchronization.
+pub fn chain100() -> Vec<Value> {
+    let device = Default::default();
+    let mut out = Vec::new();
+    for &(rows, hidden) in &[(1usize, 4096usize), (32, 4096), (2048, 4096), (16384, 576)] {
+        let xs = Tensor::<StokeCuda, 2>::random([rows, hidden], burn::tensor::Distribution::Default, &device).cast(DType::BF16);
+        let gs = stoke::cuda::pin(Tensor::<StokeCuda, 1>::ones([hidden], &device).cast(DType::BF16));
+        let xp = Tensor::<PlainCuda, 2>::from_data(xs.to_data(), &device);
+        let gp = Tensor::<PlainCuda, 1>::ones([hidden], &device).cast(DType::BF16);
+        let stoke_us = time_wall(7, 1, || StokeCuda::sync(&device).unwrap(), |_| {
+            let mut x = xs.clone();
+            for _ in 0..100 {
+                x = stoke::rms_norm(x, gs.clone(), 1e-5);
+            }
+            StokeCuda::sync(&device).unwrap();
+        });
+        let burn_us = time_wall(7, 1, || PlainCuda::sync(&device).unwrap(), |_| {
+            let mut x = xp.clone();
+            for _ in 0..100 {
+                x = stoke::rms_norm(x, gp.clone(), 1e-5);
+            }
+            PlainCuda::sync(&device).unwrap();
+        });
+        println!("chain of 100 rms_norm [{rows}, {hidden}] bf16: stoke {stoke_us:9.1} us, burn-cuda {burn_us:9.1} us ({:.1}x)", burn_us / stoke_us);
+        out.push(json!({ "rows": rows, "hidden": hidden, "dtype": "BF16", "stoke_us": stoke_us, "burn_cuda_us": burn_us, "speedup": burn_us / stoke_us }));
+    }
+    out
+}
+
+/// Everything, as one JSON document.
+pub fn all() -> Result<Value, String> {
+    let rt = gpu()?;
+    let copy_gbps = copy_bandwidth(&rt);
+    println!("device-to-device copy: {copy_gbps:.0} GB/s (read + write)");
+    let rms = rms_norm(&rt, copy_gbps);
+    let host = host_and_crossing(&rt);
+    let chain = chain100();
+    Ok(json!({
+        "gpu": rt.name, "sm_count": rt.sm_count, "arch": rt.arch,
+        "copy_gbps": copy_gbps,
+        "rms_norm": rms,
+        "host_and_crossing": host,
+        "chain100": chain,
+        "kernels": rt.loaded_reports().into_iter().map(|(f, r)| json!({
+            "file": f, "entry": r.entry, "registers": r.registers, "shared_bytes": r.shared_bytes,
+            "stack_bytes": r.stack_bytes, "spill_store_bytes": r.spill_store_bytes, "spill_load_bytes": r.spill_load_bytes,
+        })).collect::<Vec<_>>(),
+    }))
+}

@@ -1,0 +1,106 @@
+//! `stoke-gpu`: Stoke's GPU tests and benchmarks in one self-contained binary, for a GPU
+//! machine without a Rust toolchain (built and packed by `scripts/gpu-bundle.sh`).
+
+use clap::{Parser, Subcommand};
+use serde_json::{Value, json};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(about = "Run Stoke's GPU tests and benchmarks and write JSON results")]
+struct Cli {
+    /// Directory for the JSON results (created if missing).
+    #[arg(long, global = true, default_value = ".")]
+    out: PathBuf,
+    /// Source revision recorded in the results.
+    #[arg(long, global = true, env = "STOKE_COMMIT", default_value = "unknown")]
+    commit: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the GPU tests (all, or those named).
+    Test { names: Vec<String> },
+    /// Run the benchmarks.
+    Bench,
+    /// Tests, then benchmarks (only if every test passed).
+    All,
+    /// List the GPU test cases.
+    List,
+}
+
+fn meta(commit: &str) -> Value {
+    let gpu = stoke_tests::gpu().map(|rt| rt.name.clone()).unwrap_or_else(|e| format!("none: {e}"));
+    json!({ "commit": commit, "date_utc": now_utc(), "gpu": gpu })
+}
+
+fn now_utc() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let (days, rem) = (secs / 86400, secs % 86400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
+}
+
+fn write(out: &PathBuf, name: &str, v: &Value) {
+    std::fs::create_dir_all(out).unwrap();
+    let path = out.join(name);
+    std::fs::write(&path, serde_json::to_string_pretty(v).unwrap()).unwrap();
+    println!("wrote {}", path.display());
+}
+
+fn run_tests(cli: &Cli, names: &[String]) -> bool {
+    let mut outcomes = Vec::new();
+    for (name, _) in stoke_tests::gpu::CASES {
+        if !names.is_empty() && !names.iter().any(|n| n == name) {
+            continue;
+        }
+        let o = stoke_tests::gpu::run(name);
+        println!("{:<40} {:<8} {:7.2}s {}", o.name, o.status, o.seconds, if o.message.is_empty() { o.details.to_string() } else { o.message.clone() });
+        outcomes.push(o);
+    }
+    let failed = outcomes.iter().filter(|o| o.status == "failed").count();
+    let passed = outcomes.iter().filter(|o| o.status == "passed").count();
+    let skipped = outcomes.len() - failed - passed;
+    println!("{passed} passed, {failed} failed, {skipped} skipped");
+    write(&cli.out, "gpu-tests.json", &json!({ "meta": meta(&cli.commit), "tests": outcomes }));
+    failed == 0 && skipped == 0
+}
+
+fn run_bench(cli: &Cli) -> bool {
+    match stoke_tests::bench::all() {
+        Ok(v) => {
+            write(&cli.out, "bench.json", &json!({ "meta": meta(&cli.commit), "bench": v }));
+            true
+        }
+        Err(e) => {
+            eprintln!("benchmarks not run: {e}");
+            false
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
+    let cli = Cli::parse();
+    let ok = match &cli.command {
+        Command::List => {
+            stoke_tests::gpu::CASES.iter().for_each(|(n, _)| println!("{n}"));
+            true
+        }
+        Command::Test { names } => run_tests(&cli, names),
+        Command::Bench => run_bench(&cli),
+        Command::All => run_tests(&cli, &[]) && run_bench(&cli),
+    };
+    if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+}

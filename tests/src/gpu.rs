@@ -1,0 +1,233 @@
+//! GPU test cases. Each returns JSON details on success and a message on failure.
+
+use crate::{Cpu, PlainCuda, StokeCuda, Outcome, gpu, seed, suite};
+use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use serde_json::{Value, json};
+use stoke_formats::{bf16, reference};
+
+type Case = fn() -> Result<Value, String>;
+
+/// Every GPU case, in the order the bundle runs them.
+pub const CASES: &[(&str, Case)] = &[
+    ("forwarded_ops_match_burn_cuda", forwarded_ops_match_burn_cuda),
+    ("rms_norm_matches_reference", rms_norm_matches_reference),
+    ("residual_rms_norm_matches_reference", residual_rms_norm_matches_reference),
+    ("stream_crossing_1000_alternations", stream_crossing_1000_alternations),
+    ("burn_nn_model_with_stoke_tensors", burn_nn_model_with_stoke_tensors),
+];
+
+/// Runs one case, catching panics, or skips it without a usable GPU.
+pub fn run(name: &str) -> Outcome {
+    let (name, case) = *CASES.iter().find(|(n, _)| *n == name).unwrap_or_else(|| panic!("no GPU case {name}"));
+    if let Err(reason) = gpu() {
+        return Outcome { name, status: "skipped", message: reason, seconds: 0.0, details: Value::Null };
+    }
+    let t0 = std::time::Instant::now();
+    let result = std::panic::catch_unwind(case);
+    let seconds = t0.elapsed().as_secs_f64();
+    match result {
+        Ok(Ok(details)) => Outcome { name, status: "passed", message: String::new(), seconds, details },
+        Ok(Err(message)) => Outcome { name, status: "failed", message, seconds, details: Value::Null },
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "panicked".into());
+            Outcome { name, status: "failed", message: format!("panic: {message}"), seconds, details: Value::Null }
+        }
+    }
+}
+
+fn f64s(d: TensorData) -> Vec<f64> {
+    d.convert::<f32>().to_vec::<f32>().unwrap().into_iter().map(f64::from).collect()
+}
+
+/// Whether a tensor is the output of a Stoke kernel (not the reference fallback).
+fn is_stoke_output<const D: usize>(t: &Tensor<StokeCuda, D>) -> bool {
+    match t.clone().into_primitive() {
+        TensorPrimitive::Float(p) => p.downcast_ref::<stoke::cuda::DeviceTensor<burn_cuda::Cuda>>().is_some(),
+        _ => false,
+    }
+}
+
+fn forwarded_ops_match_burn_cuda() -> Result<Value, String> {
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (a, b) = (suite::random(&mut rng, 8, 16), suite::random(&mut rng, 16, 12));
+    let device = Default::default();
+    let got = suite::run::<StokeCuda>(a.clone(), b.clone(), true, &device);
+    let want = suite::run::<PlainCuda>(a, b, true, &device);
+    let mut mismatched = Vec::new();
+    for ((name, g), (_, w)) in got.iter().zip(&want) {
+        if g.as_bytes() != w.as_bytes() || g.shape != w.shape || g.dtype != w.dtype {
+            mismatched.push(*name);
+        }
+    }
+    if !mismatched.is_empty() {
+        return Err(format!("seed {seed}: results differ from burn-cuda for {mismatched:?}"));
+    }
+    Ok(json!({ "seed": seed, "ops_compared_bitwise": got.len() }))
+}
+
+/// Shapes for the RMSNorm tests: one row, a few, many; hidden sizes of real models, a small
+/// one, and one that is not a multiple of the vector width (scalar path).
+const RMS_ROWS: &[usize] = &[1, 3, 32, 2048];
+const RMS_HIDDEN: &[usize] = &[64, 576, 577, 4096, 8192];
+
+/// The bf16 kernel's outputs are compared with the f64 reference rounded to bf16: the
+/// rounding of the output itself (~2e-3 relative RMS for bf16) is then not counted as kernel
+/// error. f32 outputs are compared with the unrounded reference.
+fn rms_tolerance(dtype: DType) -> f64 {
+    if dtype == DType::BF16 { 1e-3 } else { 1e-5 }
+}
+
+fn round_like(v: &[f64], dtype: DType) -> Vec<f64> {
+    if dtype == DType::BF16 { v.iter().map(|x| bf16::round(*x as f32) as f64).collect() } else { v.to_vec() }
+}
+
+fn make_input(rng: &mut StdRng, rows: usize, hidden: usize, scale: f32, dtype: DType, device: &burn_cuda::CudaDevice) -> Tensor<StokeCuda, 2> {
+    let v: Vec<f32> = (0..rows * hidden).map(|_| rng.random_range(-scale..scale)).collect();
+    Tensor::<StokeCuda, 2>::from_data(TensorData::new(v, [rows, hidden]), device).cast(dtype)
+}
+
+fn rms_norm_matches_reference() -> Result<Value, String> {
+    let rt = gpu()?;
+    rt.set_poison_allocations(true);
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let device = Default::default();
+    let eps = 1e-5;
+    let mut worst = json!({});
+    for dtype in [DType::F32, DType::BF16] {
+        let mut worst_err = 0.0f64;
+        for &rows in RMS_ROWS {
+            for &hidden in RMS_HIDDEN {
+                let x = make_input(&mut rng, rows, hidden, 3.0, dtype, &device);
+                let gamma_f: Vec<f32> = (0..hidden).map(|_| rng.random_range(0.5f32..1.5)).collect();
+                let mut gamma = Tensor::<StokeCuda, 1>::from_data(TensorData::new(gamma_f, [hidden]), &device).cast(dtype);
+                if rows % 2 == 1 {
+                    gamma = stoke::cuda::pin(gamma); // both a pinned and a crossing gamma
+                }
+                let out = stoke::rms_norm(x.clone(), gamma.clone(), eps);
+                if !is_stoke_output(&out) {
+                    return Err(format!("{dtype:?} [{rows}, {hidden}]: the kernel did not run"));
+                }
+                let got = f64s(out.to_data());
+                let want = reference::rms_norm(&f64s(x.to_data()), &f64s(gamma.to_data()), hidden, eps);
+                if got.iter().any(|v| !v.is_finite()) {
+                    return Err(format!("seed {seed}: {dtype:?} [{rows}, {hidden}]: unwritten (poisoned) or non-finite outputs"));
+                }
+                let err = reference::relative_error(&got, &round_like(&want, dtype));
+                worst_err = worst_err.max(err);
+                if err > rms_tolerance(dtype) {
+                    return Err(format!("seed {seed}: {dtype:?} [{rows}, {hidden}]: relative error {err:.3e}"));
+                }
+            }
+        }
+        worst[format!("{dtype:?}")] = json!(worst_err);
+    }
+    rt.set_poison_allocations(false);
+    Ok(json!({ "seed": seed, "max_relative_error": worst, "rows": RMS_ROWS, "hidden": RMS_HIDDEN }))
+}
+
+fn residual_rms_norm_matches_reference() -> Result<Value, String> {
+    let rt = gpu()?;
+    rt.set_poison_allocations(true);
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let device = Default::default();
+    let eps = 1e-6;
+    let mut worst = json!({});
+    for dtype in [DType::F32, DType::BF16] {
+        let mut worst_err = 0.0f64;
+        for &rows in RMS_ROWS {
+            for &hidden in RMS_HIDDEN {
+                let x = make_input(&mut rng, rows, hidden, 2.0, dtype, &device);
+                let r = make_input(&mut rng, rows, hidden, 4.0, dtype, &device);
+                let gamma_f: Vec<f32> = (0..hidden).map(|_| rng.random_range(-1.5f32..1.5)).collect();
+                let gamma = stoke::cuda::pin(Tensor::<StokeCuda, 1>::from_data(TensorData::new(gamma_f, [hidden]), &device).cast(dtype));
+                let (sum, out) = stoke::residual_rms_norm(x.clone(), r.clone(), gamma.clone(), eps);
+                if !is_stoke_output(&out) || !is_stoke_output(&sum) {
+                    return Err(format!("{dtype:?} [{rows}, {hidden}]: the kernel did not run"));
+                }
+                let sum_got = f64s(sum.to_data());
+                let sum_want: Vec<f64> = f64s(x.to_data()).iter().zip(f64s(r.to_data())).map(|(a, b)| a + b).collect();
+                let sum_err = reference::relative_error(&sum_got, &sum_want);
+                // The normalization is checked against the kernel's own (rounded) sum.
+                let want = reference::rms_norm(&sum_got, &f64s(gamma.to_data()), hidden, eps);
+                let got = f64s(out.to_data());
+                if got.iter().chain(&sum_got).any(|v| !v.is_finite()) {
+                    return Err(format!("seed {seed}: {dtype:?} [{rows}, {hidden}]: unwritten (poisoned) or non-finite outputs"));
+                }
+                let err = reference::relative_error(&got, &round_like(&want, dtype));
+                worst_err = worst_err.max(err).max(sum_err);
+                if err > rms_tolerance(dtype) || sum_err > rms_tolerance(dtype) {
+                    return Err(format!("seed {seed}: {dtype:?} [{rows}, {hidden}]: relative error {err:.3e}, sum {sum_err:.3e}"));
+                }
+            }
+        }
+        worst[format!("{dtype:?}")] = json!(worst_err);
+    }
+    rt.set_poison_allocations(false);
+    Ok(json!({ "seed": seed, "max_relative_error": worst }))
+}
+
+/// The same loop on the GPU and on the CPU:
+/// `n = rms_norm(x)` (Stoke kernel: crossing in), then `x = 0.5 n + 0.5 x + 0.01` (burn-cuda
+/// ops on a Stoke output and a burn tensor: crossing out), 1000 times. A missing
+/// synchronization in either direction reads stale or reused memory and the two diverge.
+fn stream_crossing_1000_alternations() -> Result<Value, String> {
+    const STEPS: usize = 1000;
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (rows, hidden) = (64, 4096);
+    let x0 = suite::random(&mut rng, rows, hidden);
+    let g0 = TensorData::new(suite::random(&mut rng, 1, hidden).to_vec::<f32>().unwrap(), [hidden]);
+    let device = Default::default();
+
+    fn run<B: stoke::FusedOps>(x0: TensorData, g0: TensorData, device: &B::Device) -> TensorData {
+        let mut x = Tensor::<B, 2>::from_data(x0, device);
+        let g = Tensor::<B, 1>::from_data(g0, device);
+        for _ in 0..STEPS {
+            let n = stoke::rms_norm(x.clone(), g.clone(), 1e-5);
+            x = (n * 0.5 + x * 0.5).add_scalar(0.01);
+        }
+        x.to_data()
+    }
+    let t0 = std::time::Instant::now();
+    let got = f64s(run::<StokeCuda>(x0.clone(), g0.clone(), &device));
+    let gpu_seconds = t0.elapsed().as_secs_f64();
+    let want = f64s(run::<Cpu>(x0, g0, &Default::default()));
+    let err = reference::relative_error(&got, &want);
+    if !(err < 1e-4) {
+        return Err(format!("seed {seed}: after {STEPS} alternations relative error vs CPU {err:.3e}"));
+    }
+    Ok(json!({ "seed": seed, "steps": STEPS, "relative_error_vs_cpu": err, "gpu_seconds": gpu_seconds }))
+}
+
+/// An unmodified burn-nn model keeps working when its weights are pinned Stoke tensors and its
+/// input is a Stoke kernel's output (materialized on demand).
+fn burn_nn_model_with_stoke_tensors() -> Result<Value, String> {
+    use burn::module::Module;
+    use burn::nn::{Linear, LinearConfig};
+    let device = Default::default();
+    let seed = seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let model: Linear<StokeCuda> = LinearConfig::new(576, 320).init(&device);
+    // Parameters initialize lazily, per clone: materialize them before cloning the model.
+    let _ = (model.weight.val(), model.bias.as_ref().map(|b| b.val()));
+    let pinned = stoke::cuda::pin_module(model.clone());
+    let x = make_input(&mut rng, 7, 576, 1.0, DType::F32, &device);
+    let gamma = Tensor::<StokeCuda, 1>::ones([576], &device);
+    let normed = stoke::rms_norm(x, gamma, 1e-5);
+    let a = model.forward(normed.clone()).to_data();
+    let b = pinned.forward(normed.clone()).to_data();
+    let plain = model.forward(Tensor::<StokeCuda, 2>::from_data(normed.to_data(), &device)).to_data();
+    if a.as_bytes() != b.as_bytes() || a.as_bytes() != plain.as_bytes() {
+        return Err("pinned weights or a Stoke-owned input changed a burn-nn Linear's output".into());
+    }
+    let n = pinned.num_params();
+    Ok(json!({ "seed": seed, "params": n }))
+}

@@ -1,0 +1,62 @@
+//! Stoke's GPU tests and benchmarks.
+//!
+//! The test bodies live here, in a library, so that two front ends run the same code: `cargo
+//! test` (tests/tests/gpu.rs; each GPU test prints `skipped: no CUDA device` where there is none)
+//! and the `stoke-gpu` binary, the self-contained bundle that runs on a GPU machine without a
+//! Rust toolchain and writes JSON results.
+
+pub mod bench;
+pub mod gpu;
+pub mod suite;
+
+use std::sync::Arc;
+use stoke_cuda::Runtime;
+
+/// Stoke on burn-cuda: the backend under test.
+pub type StokeCuda = stoke::Stoke<burn_cuda::Cuda>;
+/// Plain burn-cuda: the peer for forwarded ops and compositions.
+pub type PlainCuda = burn_cuda::Cuda;
+/// The CPU backend.
+pub type Cpu = burn_ndarray::NdArray<f32>;
+
+/// Stoke's runtime on GPU 0, or why there is none.
+pub fn gpu() -> Result<Arc<Runtime>, String> {
+    // Probe without touching burn-cuda, which would panic with no driver.
+    Runtime::new(0).map_err(|e| e.to_string())?;
+    stoke::cuda::runtime_for::<burn_cuda::Cuda>(&Default::default())
+        .ok_or_else(|| "Stoke's runtime is unavailable on GPU 0".to_string())
+}
+
+/// Result of one GPU test case.
+#[derive(Debug, serde::Serialize)]
+pub struct Outcome {
+    pub name: &'static str,
+    /// "passed", "failed" or "skipped".
+    pub status: &'static str,
+    pub message: String,
+    pub seconds: f64,
+    pub details: serde_json::Value,
+}
+
+/// Runs GPU case `name` for `cargo test`: prints a visible skip without a usable GPU, panics on
+/// failure.
+pub fn cargo_test(name: &str) {
+    use std::io::Write;
+    let outcome = gpu::run(name);
+    match outcome.status {
+        // Written past libtest's capture, so the skip shows in a normal `cargo test` run.
+        "skipped" => {
+            let _ = writeln!(std::io::stdout(), "{name}: skipped: no CUDA device ({})", outcome.message);
+        }
+        "passed" => println!("{name}: passed in {:.2}s {}", outcome.seconds, outcome.details),
+        _ => panic!("{name} failed: {}", outcome.message),
+    }
+}
+
+/// A fresh seed per run (printed with every result so a failure can be replayed with
+/// `STOKE_TEST_SEED`).
+pub fn seed() -> u64 {
+    std::env::var("STOKE_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    })
+}

@@ -1,0 +1,23 @@
+//! GPU tests through `cargo test`. Without a usable GPU each prints `skipped: no CUDA device`.
+
+macro_rules! gpu_tests {
+    ($($name:ident),* $(,)?) => {
+        $(#[test] fn $name() { stoke_tests::cargo_test(stringify!($name)); })*
+
+        #[test]
+        fn every_case_has_a_cargo_test() {
+            let listed = [$(stringify!($name)),*];
+            for (case, _) in stoke_tests::gpu::CASES {
+                assert!(listed.contains(case), "GPU case {case} has no cargo test");
+            }
+        }
+    };
+}
+
+gpu_tests!(
+    forwarded_ops_match_burn_cuda,
+    rms_norm_matches_reference,
+    residual_rms_norm_matches_reference,
+    stream_crossing_1000_alternations,
+    burn_nn_model_with_stoke_tensors,
+);
