@@ -25,7 +25,7 @@ enum Command {
     Test { names: Vec<String> },
     /// Run the benchmarks.
     Bench,
-    /// Tests, then benchmarks (only if every test passed).
+    /// Tests, then benchmarks (the exit status fails if either did).
     All,
     /// List the GPU test cases.
     List,
@@ -100,7 +100,10 @@ fn main() -> ExitCode {
         }
         Command::Test { names } => run_tests(&cli, names),
         Command::Bench => run_bench(&cli),
-        Command::All => run_tests(&cli, &[]) && run_bench(&cli),
+        Command::All => {
+            let tests = run_tests(&cli, &[]);
+            run_bench(&cli) && tests
+        }
     };
     if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE }
 }
