@@ -106,7 +106,7 @@ pub fn rms_norm(rt: &Arc<Runtime>, copy_gbps: f64) -> Vec<Value> {
                 let shape = LaunchShape { grid: l.grid, block: l.block, shared_mem_bytes: l.shared_mem_bytes };
                 let sets = bufs.x.len();
                 let iters = if rows >= 2048 { 50 } else { 200 };
-                let kernel_us = time_events(rt, 7, iters, |i| {
+                let launch_one = |i: usize| {
                     let p = RmsNormParams {
                         x: bufs.x[i % sets].ptr(),
                         residual: 0,
@@ -118,8 +118,16 @@ pub fn rms_norm(rt: &Arc<Runtime>, copy_gbps: f64) -> Vec<Value> {
                         eps: 1e-5,
                     };
                     // SAFETY: params mirror the kernel's struct; buffers outlive the timing.
-                    unsafe { rt.launch(&kernel, shape, &p).unwrap() };
-                });
+                    unsafe { rt.launch(&kernel, shape, &p) }
+                };
+                // Back-to-back launches on the stream: small shapes are bound by the host's
+                // launch rate here.
+                let stream_us = time_events(rt, 7, iters, |i| launch_one(i).unwrap());
+                // The same launches replayed from a CUDA graph: GPU time per kernel, as in a
+                // graphed decode step.
+                let graph = rt.capture(|| (0..iters).try_for_each(launch_one)).unwrap();
+                graph.upload().unwrap();
+                let kernel_us = time_events(rt, 7, 1, |_| graph.launch().unwrap()) / iters as f64;
                 let bytes = (2 * rows * hidden + hidden) * elem;
                 let gbps = bytes as f64 / (kernel_us * 1e-6) / 1e9;
 
@@ -130,14 +138,14 @@ pub fn rms_norm(rt: &Arc<Runtime>, copy_gbps: f64) -> Vec<Value> {
                     let _ = stoke::rms_norm(x.clone(), g.clone(), 1e-5);
                 });
                 println!(
-                    "rms_norm {dtype:?} rows {rows:5} hidden {hidden:5}: {kernel_us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) | burn-cuda composition {burn_us:8.2} us ({} entry {})",
+                    "rms_norm {dtype:?} rows {rows:5} hidden {hidden:5}: {kernel_us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy), stream {stream_us:7.2} us | burn-cuda composition {burn_us:8.2} us ({} entry {})",
                     100.0 * gbps / copy_gbps,
                     if burn_us > kernel_us { format!("{:.1}x", burn_us / kernel_us) } else { "slower".into() },
                     l.entry
                 );
                 rows_out.push(json!({
                     "dtype": format!("{dtype:?}"), "rows": rows, "hidden": hidden, "entry": l.entry,
-                    "kernel_us": kernel_us, "effective_gbps": gbps, "fraction_of_copy": gbps / copy_gbps,
+                    "kernel_us": kernel_us, "stream_us": stream_us, "effective_gbps": gbps, "fraction_of_copy": gbps / copy_gbps,
                     "burn_cuda_composition_us": burn_us, "input_sets": sets,
                 }));
             }
@@ -169,7 +177,24 @@ pub fn host_and_crossing(rt: &Arc<Runtime>) -> Value {
     let host_launch_us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
     stoke_sync();
 
-    // Building blocks measured alone.
+    // Building blocks measured alone: a pooled buffer allocation + release, a raw launch.
+    let alloc_release_us = time_wall(5, 2000, || {}, |_| drop(rt.alloc(8192).unwrap()));
+    let tiny = rms_buffers(rt, 1, hidden, 2);
+    let l = launch(ElemType::Bf16, false, 1, hidden as u32, true, rt.sm_count);
+    let kernel = rt.kernel(&RMS_NORM, l.entry).unwrap();
+    let shape = LaunchShape { grid: l.grid, block: l.block, shared_mem_bytes: l.shared_mem_bytes };
+    let p = RmsNormParams {
+        x: tiny.x[0].ptr(), residual: 0, gamma: tiny.gamma.ptr(), out: tiny.out[0].ptr(), sum_out: 0,
+        rows: 1, hidden: hidden as u32, eps: 1e-5,
+    };
+    let t0 = Instant::now();
+    for _ in 0..n {
+        // SAFETY: params mirror the kernel's struct; the buffers outlive the synchronize below.
+        unsafe { rt.launch(&kernel, shape, &p).unwrap() };
+    }
+    let raw_launch_us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
+    stoke_sync();
+    // Building blocks of a crossing.
     let plain = Tensor::<PlainCuda, 2>::ones([rows, hidden], &device);
     let prim = plain.clone().into_primitive().tensor();
     let get_resource_us = time_wall(5, 200, || {}, |_| {
@@ -200,6 +225,8 @@ pub fn host_and_crossing(rt: &Arc<Runtime>) -> Value {
     let v = json!({
         "shape": [rows, hidden], "dtype": "BF16",
         "host_us_per_stoke_launch": host_launch_us,
+        "host_us_per_raw_launch": raw_launch_us,
+        "host_us_per_pooled_alloc_release": alloc_release_us,
         "get_resource_us": get_resource_us,
         "burn_cuda_sync_idle_us": burn_sync_us,
         "stoke_sync_idle_us": stoke_sync_us,

@@ -51,6 +51,11 @@ pub struct Runtime {
     functions: Mutex<HashMap<(&'static str, &'static str), Kernel>>,
     /// Borrowed allocations kept alive until the event after their last use completes.
     in_flight: Mutex<VecDeque<(CudaEvent, Box<dyn Any + Send>)>>,
+    /// Buffers returned by dropped `DeviceBuffer`s, by size, for reuse without a driver call.
+    /// Reuse is safe because every use of a Stoke buffer is on Stoke's one stream: a new owner's
+    /// work is queued after the old owner's.
+    pool: Mutex<HashMap<usize, Vec<sys::CUdeviceptr>>>,
+    pooled_bytes: std::sync::atomic::AtomicUsize,
     /// Tests set this so every new buffer starts as 0xFF bytes (NaN in f32 and bf16): an
     /// element a kernel forgets to write shows up as NaN.
     poison: std::sync::atomic::AtomicBool,
@@ -101,6 +106,8 @@ impl Runtime {
             functions: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(VecDeque::new()),
             poison: Default::default(),
+            pool: Mutex::new(HashMap::new()),
+            pooled_bytes: Default::default(),
         }))
     }
 
@@ -192,17 +199,71 @@ impl Runtime {
         Ok(())
     }
 
-    /// Allocates `bytes` on Stoke's stream (stream-ordered, from the driver's pool).
+    /// Allocates `bytes` on Stoke's stream: from the pool of buffers Stoke dropped earlier, or
+    /// stream-ordered from the driver's pool (`cuMemAllocAsync`).
     pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DeviceBuffer> {
-        self.bind()?;
-        // SAFETY: stream-ordered allocation on a live stream; freed on the same stream.
-        let ptr = unsafe { result::malloc_async(self.cu_stream(), bytes.max(1)) }.call("cuMemAllocAsync")?;
+        let size = pool_size(bytes);
+        let reused = self.pool.lock().unwrap().get_mut(&size).and_then(|v| v.pop());
+        let ptr = match reused {
+            Some(ptr) => {
+                self.pooled_bytes.fetch_sub(size, std::sync::atomic::Ordering::Relaxed);
+                ptr
+            }
+            None => {
+                self.bind()?;
+                // SAFETY: stream-ordered allocation on a live stream; freed on the same stream.
+                unsafe { result::malloc_async(self.cu_stream(), size) }.call("cuMemAllocAsync")?
+            }
+        };
         let buf = DeviceBuffer { ptr, bytes, rt: self.clone() };
         if self.poison.load(std::sync::atomic::Ordering::Relaxed) {
-            // SAFETY: the buffer was just allocated with `bytes` bytes.
+            // SAFETY: the buffer holds at least `bytes` bytes.
             unsafe { self.fill_bytes(ptr, 0xFF, bytes) }?;
         }
         Ok(buf)
+    }
+
+    /// Takes back a dropped buffer: pooled while the pool is under its limit, else freed.
+    fn release(&self, ptr: sys::CUdeviceptr, bytes: usize) {
+        let size = pool_size(bytes);
+        let pooled = self.pooled_bytes.load(std::sync::atomic::Ordering::Relaxed);
+        if pooled + size <= POOL_LIMIT_BYTES {
+            self.pooled_bytes.fetch_add(size, std::sync::atomic::Ordering::Relaxed);
+            self.pool.lock().unwrap().entry(size).or_default().push(ptr);
+            return;
+        }
+        let _ = self.bind();
+        // SAFETY: allocated by `alloc` on this stream; stream order makes the free wait for
+        // every kernel queued on it before.
+        if let Err(e) = unsafe { result::free_async(ptr, self.cu_stream()) } {
+            tracing::error!("cuMemFreeAsync failed for {ptr:#x}: {e}");
+        }
+    }
+
+    /// Returns every pooled buffer to the driver.
+    pub fn release_pool(&self) -> Result<()> {
+        let drained: Vec<_> = self.pool.lock().unwrap().drain().flat_map(|(_, v)| v).collect();
+        self.pooled_bytes.store(0, std::sync::atomic::Ordering::Relaxed);
+        self.bind()?;
+        for ptr in drained {
+            // SAFETY: pooled buffers are owned by no one; the free is ordered after their uses.
+            unsafe { result::free_async(ptr, self.cu_stream()) }.call("cuMemFreeAsync")?;
+        }
+        Ok(())
+    }
+
+    /// Captures the work `body` queues on Stoke's stream into a CUDA graph.
+    pub fn capture(&self, body: impl FnOnce() -> Result<()>) -> Result<cudarc::driver::CudaGraph> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .call("cuStreamBeginCapture")?;
+        let queued = body();
+        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).call("cuStreamEndCapture")?;
+        queued?;
+        graph.ok_or_else(|| Error::Driver {
+            call: "cuStreamEndCapture",
+            source: cudarc::driver::DriverError(sys::cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
+        })
     }
 
     /// Queues a device-to-device copy on Stoke's stream.
@@ -275,8 +336,9 @@ impl Runtime {
     }
 }
 
-/// Device memory owned by Stoke, allocated and freed on Stoke's stream, so that any kernel
-/// queued on that stream before the free has finished with it.
+/// Device memory owned by Stoke, used only on Stoke's stream. Dropping it returns it to the
+/// runtime's pool (or frees it, stream-ordered), so any kernel queued before has finished with
+/// it by the time a new owner's work runs.
 pub struct DeviceBuffer {
     ptr: sys::CUdeviceptr,
     bytes: usize,
@@ -303,11 +365,15 @@ impl std::fmt::Debug for DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        let _ = self.rt.bind();
-        // SAFETY: allocated by `Runtime::alloc` on this stream; stream order makes the free
-        // wait for every kernel queued on it before.
-        if let Err(e) = unsafe { result::free_async(self.ptr, self.rt.cu_stream()) } {
-            tracing::error!("cuMemFreeAsync failed for {self:?}: {e}");
-        }
+        self.rt.release(self.ptr, self.bytes);
     }
+}
+
+/// Most bytes the buffer pool keeps for reuse; beyond it dropped buffers are freed.
+const POOL_LIMIT_BYTES: usize = 2 << 30;
+
+/// Pool size class of a request: whole 512-byte units (and at least one), so buffers of one
+/// tensor shape always share a class.
+fn pool_size(bytes: usize) -> usize {
+    bytes.max(1).div_ceil(512) * 512
 }

@@ -37,7 +37,9 @@ impl<I: Backend> Backend for Stoke<I> {
         I::memory_persistent_allocations(device, input, func)
     }
 
+    /// Also returns the buffers Stoke pooled on this device to the driver.
     fn memory_cleanup(device: &Self::Device) {
+        crate::cuda::memory_cleanup::<I>(device);
         I::memory_cleanup(device)
     }
 

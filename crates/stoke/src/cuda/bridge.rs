@@ -295,3 +295,12 @@ pub fn pin_module<I: Backend, M: burn::module::Module<Stoke<I>>>(module: M) -> M
     }
     module.map(&mut Pinner)
 }
+
+/// `Backend::memory_cleanup` for `Stoke<I>`: returns Stoke's pooled buffers to the driver.
+pub(crate) fn memory_cleanup<I: Backend>(device: &I::Device) {
+    if let Some(rt) = runtime_for::<I>(device) {
+        if let Err(e) = rt.release_pool() {
+            tracing::warn!("stoke: releasing pooled buffers: {e}");
+        }
+    }
+}

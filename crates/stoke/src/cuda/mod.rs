@@ -21,4 +21,4 @@ mod bridge;
 pub(crate) mod rms_norm;
 
 pub use bridge::{DeviceTensor, ResidentTensor, pin, pin_module, pin_tensor, runtime_for};
-pub(crate) use bridge::{float_device, float_into_data, sync_device};
+pub(crate) use bridge::{float_device, float_into_data, memory_cleanup, sync_device};
