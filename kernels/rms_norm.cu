@@ -13,9 +13,9 @@
 // (4 for f32, 8 for bf16); nvec = hidden / V.
 //
 //   OP_DT_warp     one warp per row, the row held in registers (one read, one write).
-//                  Vectorized; needs nvec <= 32 * WARP_PACKS (WARP_PACKS = 5 for f32, 3 for
-//                  bf16: hidden <= 640 for f32, <= 768 for bf16).
-//                  block = (32, W, 1), W in 1..4 rows per CTA; grid.x = ceil(rows / W).
+//                  Vectorized; needs nvec <= 32 * WARP_PACKS (WARP_PACKS = 5 for f32, 4 for
+//                  bf16: hidden <= 640 for f32, <= 1024 for bf16).
+//                  block = (32, W, 1), W in 1..8 rows per CTA; grid.x = ceil(rows / W).
 //   OP_DT_block    one CTA per row, the row held in registers (one read, one write).
 //                  Vectorized; needs nvec <= blockDim.x * BLOCK_PACKS (BLOCK_PACKS = 4:
 //                  hidden <= 16384 for f32, <= 32768 for bf16 at 1024 threads).
@@ -81,7 +81,7 @@ struct F32 {
 };
 struct BF16 {
     static constexpr int kBytes = 2;
-    static constexpr int kWarpPacks = 3;
+    static constexpr int kWarpPacks = 4;
 };
 constexpr int kBlockPacks = 4;  // 16-byte packs per thread in the _block kernels
 constexpr int kUnroll = 4;      // packs per thread in flight per step of the twopass kernels
@@ -431,19 +431,13 @@ __device__ __forceinline__ void twopass_kernel(const RmsNormParams& p) {
 
 // ---- entry points --------------------------------------------------------------------------
 //
-// The _block and _twopass launch bounds carry an explicit minimum of 1 block per SM. Without it
-// (or with a higher minimum) ptxas aims at fewer registers by sinking the later row loads below
-// the arithmetic on the first ones, so a thread waits for one memory round trip per pack; with
-// it every row load is issued before the first is used, at 48-56 registers.
-// The bf16 _warp kernels hold at most 3 packs per lane and fit 32 registers with every row load
-// still issued first (checked in the SASS), so their bounds ask for 16 CTAs of 128 threads per
-// SM: full occupancy. At hidden 576 and 16384 rows that turns 2.6 waves of warps into 1.9, and
-// the wave tail is what limits these short rows. The f32 ones (5 packs) would spill at 32
-// registers and keep the minimum of 1.
+// The launch bounds carry an explicit minimum of 1 block per SM. Without it (or with a higher
+// minimum) ptxas aims at fewer registers by sinking the later row loads below the arithmetic on
+// the first ones, so a thread waits for one memory round trip per pack; with it every row load
+// is issued before the first is used, at 40-56 registers.
 
-#define STOKE_RMS_NORM_ENTRIES(OP, DT, D, RES, WARP_MIN_CTAS)                                    \
-    extern "C" __global__ void __launch_bounds__(128, WARP_MIN_CTAS)                             \
-        OP##_##DT##_warp(RmsNormParams p) {                                                      \
+#define STOKE_RMS_NORM_ENTRIES(OP, DT, D, RES)                                                   \
+    extern "C" __global__ void __launch_bounds__(256, 1) OP##_##DT##_warp(RmsNormParams p) {     \
         stoke_rms_norm::warp_kernel<stoke_rms_norm::D, RES>(p);                                  \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(1024, 1) OP##_##DT##_block(RmsNormParams p) {   \
@@ -457,7 +451,7 @@ __device__ __forceinline__ void twopass_kernel(const RmsNormParams& p) {
         stoke_rms_norm::twopass_kernel<stoke_rms_norm::D, RES, 1>(p);                            \
     }
 
-STOKE_RMS_NORM_ENTRIES(rms_norm, f32, F32, false, 1)
-STOKE_RMS_NORM_ENTRIES(rms_norm, bf16, BF16, false, 16)
-STOKE_RMS_NORM_ENTRIES(residual_rms_norm, f32, F32, true, 1)
-STOKE_RMS_NORM_ENTRIES(residual_rms_norm, bf16, BF16, true, 16)
+STOKE_RMS_NORM_ENTRIES(rms_norm, f32, F32, false)
+STOKE_RMS_NORM_ENTRIES(rms_norm, bf16, BF16, false)
+STOKE_RMS_NORM_ENTRIES(residual_rms_norm, f32, F32, true)
+STOKE_RMS_NORM_ENTRIES(residual_rms_norm, bf16, BF16, true)
