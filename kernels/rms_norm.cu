@@ -24,6 +24,10 @@
 //                  (and writes sum_out), pass 2 reads it again (x, or sum_out for the residual
 //                  op) and writes out. Vectorized. block = (T, 1, 1), T a multiple of 32,
 //                  T <= 1024 (512 recommended); grid.x = rows.
+//   OP_DT_warp_lat, OP_DT_block_lat
+//                  the same, with gamma loaded together with the row instead of after the
+//                  reduction: one memory round trip instead of two, for grids of at most one
+//                  CTA per SM (decode-sized row counts), where latency is all there is.
 //   OP_DT          the fallback: the twopass algorithm on single elements, so it has no
 //                  alignment requirement beyond the element's own and takes any hidden >= 1.
 //                  block = (T, 1, 1), T a multiple of 32, T <= 1024; grid.x = rows.
@@ -131,6 +135,13 @@ struct alignas(4 * N) Pack<F32, N> {
             asm("ld.global.nc.f32 %0, [%1];" : "=f"(v[0]) : "l"(p));
         }
     }
+    // The same load, volatile so that it stays where it is written (see GAMMA_EARLY).
+    __device__ __forceinline__ void load_ro_now(const Pack* p) {
+        static_assert(N == 4, "only 16-byte packs are loaded early");
+        asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+                     : "l"(p));
+    }
 };
 
 template <int N>  // N even: pairs of bf16 in 32-bit words
@@ -163,6 +174,13 @@ struct alignas(2 * N) Pack<BF16, N> {
         asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
             : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
             : "l"(p));
+    }
+    // The same load, volatile so that it stays where it is written (see GAMMA_EARLY).
+    __device__ __forceinline__ void load_ro_now(const Pack* p) {
+        static_assert(N == 8, "bf16 packs of several elements are 16 bytes");
+        asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                     : "l"(p));
     }
     __device__ __forceinline__ void set(const float (&f)[N]) {
 #pragma unroll
@@ -278,7 +296,11 @@ struct BlockReduce {
 //
 // Thread t of nt handles packs t, t + nt, ..., t + (NV - 1) * nt of the row (coalesced 16-byte
 // accesses); packs past the row's end are zero and never stored.
-template <class D, bool RES, int NV, class Reduce>
+// GAMMA_EARLY: load gamma with the row, before the reduction (the `_lat` entry points). With
+// few rows the kernel is one memory round trip plus a reduction long, and gamma read after the
+// reduction adds a second round trip; with many rows the extra NV packs of registers cost
+// rows in flight instead, so the throughput entry points read gamma next to each store.
+template <class D, bool RES, int NV, bool GAMMA_EARLY, class Reduce>
 __device__ __forceinline__ void norm_row_in_registers(const RmsNormParams& p, u64 row, u32 t, u32 nt,
                                                       Reduce& reduce) {
     constexpr int N = 16 / D::kBytes;
@@ -286,8 +308,20 @@ __device__ __forceinline__ void norm_row_in_registers(const RmsNormParams& p, u6
     const u32 nvec = p.hidden / N;
     const u64 base = row * nvec;
 
+    const P* g = gptr<P>(p.gamma);
     P s[NV];
+    P gv[GAMMA_EARLY ? NV : 1];
     {
+        // gamma first in program order and volatile: ptxas otherwise sinks these loads below
+        // the sum of squares, i.e. after x has arrived: the second round trip this avoids.
+        if constexpr (GAMMA_EARLY) {
+#pragma unroll
+            for (int k = 0; k < NV; ++k) {
+                const u32 i = t + u32(k) * nt;
+                if (i < nvec) gv[k].load_ro_now(g + i);
+                else gv[k].zero();
+            }
+        }
         const P* x = gptr<P>(p.x) + base;
 #pragma unroll
         for (int k = 0; k < NV; ++k) {
@@ -321,32 +355,34 @@ __device__ __forceinline__ void norm_row_in_registers(const RmsNormParams& p, u6
     ss = reduce(ss);
     const float inv = rsqrtf(ss / float(p.hidden) + p.eps);
 
-    // gamma is read pack by pack next to each store rather than all at once: it comes from L1
-    // (every row reads the same gamma), and not holding NV more packs keeps these kernels at
-    // 40-56 registers, which buys more rows in flight per SM.
-    const P* g = gptr<P>(p.gamma);
+    // Without GAMMA_EARLY, gamma is read pack by pack next to each store rather than all at
+    // once: it comes from L1 (every row reads the same gamma), and not holding NV more packs
+    // keeps these kernels at 40-56 registers, which buys more rows in flight per SM.
     P* o = gptr_mut<P>(p.out) + base;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
         const u32 i = t + u32(k) * nt;
-        if (i < nvec) o[i] = scale_by<P, N>(s[k], ld_ro(g + i), inv);
+        if (i < nvec) {
+            if constexpr (GAMMA_EARLY) o[i] = scale_by<P, N>(s[k], gv[GAMMA_EARLY ? k : 0], inv);
+            else o[i] = scale_by<P, N>(s[k], ld_ro(g + i), inv);
+        }
     }
 }
 
-template <class D, bool RES>
+template <class D, bool RES, bool GAMMA_EARLY>
 __device__ __forceinline__ void warp_kernel(const RmsNormParams& p) {
     WarpReduce reduce;
     const u64 stride = u64(gridDim.x) * blockDim.y;
     for (u64 row = u64(blockIdx.x) * blockDim.y + threadIdx.y; row < p.rows; row += stride)
-        norm_row_in_registers<D, RES, D::kWarpPacks>(p, row, threadIdx.x, 32u, reduce);
+        norm_row_in_registers<D, RES, D::kWarpPacks, GAMMA_EARLY>(p, row, threadIdx.x, 32u, reduce);
 }
 
-template <class D, bool RES>
+template <class D, bool RES, bool GAMMA_EARLY>
 __device__ __forceinline__ void block_kernel(const RmsNormParams& p) {
     __shared__ float red[64];
     BlockReduce reduce{red, 0u};
     for (u64 row = blockIdx.x; row < p.rows; row += gridDim.x)
-        norm_row_in_registers<D, RES, kBlockPacks>(p, row, threadIdx.x, blockDim.x, reduce);
+        norm_row_in_registers<D, RES, kBlockPacks, GAMMA_EARLY>(p, row, threadIdx.x, blockDim.x, reduce);
 }
 
 // ---- two passes over the row (the _twopass kernels and the unvectorized fallback) -------------
@@ -438,10 +474,17 @@ __device__ __forceinline__ void twopass_kernel(const RmsNormParams& p) {
 
 #define STOKE_RMS_NORM_ENTRIES(OP, DT, D, RES)                                                   \
     extern "C" __global__ void __launch_bounds__(256, 1) OP##_##DT##_warp(RmsNormParams p) {     \
-        stoke_rms_norm::warp_kernel<stoke_rms_norm::D, RES>(p);                                  \
+        stoke_rms_norm::warp_kernel<stoke_rms_norm::D, RES, false>(p);                           \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(1024, 1) OP##_##DT##_block(RmsNormParams p) {   \
-        stoke_rms_norm::block_kernel<stoke_rms_norm::D, RES>(p);                                 \
+        stoke_rms_norm::block_kernel<stoke_rms_norm::D, RES, false>(p);                          \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256, 1) OP##_##DT##_warp_lat(RmsNormParams p) { \
+        stoke_rms_norm::warp_kernel<stoke_rms_norm::D, RES, true>(p);                            \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(1024, 1)                                        \
+        OP##_##DT##_block_lat(RmsNormParams p) {                                                 \
+        stoke_rms_norm::block_kernel<stoke_rms_norm::D, RES, true>(p);                           \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(1024, 1) OP##_##DT##_twopass(RmsNormParams p) { \
         stoke_rms_norm::twopass_kernel<stoke_rms_norm::D, RES, 16 / stoke_rms_norm::D::kBytes>(  \

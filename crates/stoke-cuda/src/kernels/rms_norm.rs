@@ -38,18 +38,26 @@ pub const ENTRY_POINTS: &[&str] = &[
     "rms_norm_f32_warp",
     "rms_norm_f32_block",
     "rms_norm_f32_twopass",
+    "rms_norm_f32_warp_lat",
+    "rms_norm_f32_block_lat",
     "rms_norm_bf16",
     "rms_norm_bf16_warp",
     "rms_norm_bf16_block",
     "rms_norm_bf16_twopass",
+    "rms_norm_bf16_warp_lat",
+    "rms_norm_bf16_block_lat",
     "residual_rms_norm_f32",
     "residual_rms_norm_f32_warp",
     "residual_rms_norm_f32_block",
     "residual_rms_norm_f32_twopass",
+    "residual_rms_norm_f32_warp_lat",
+    "residual_rms_norm_f32_block_lat",
     "residual_rms_norm_bf16",
     "residual_rms_norm_bf16_warp",
     "residual_rms_norm_bf16_block",
     "residual_rms_norm_bf16_twopass",
+    "residual_rms_norm_bf16_warp_lat",
+    "residual_rms_norm_bf16_block_lat",
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,20 +126,25 @@ impl Launch {
     }
 }
 
+/// Entry point suffixes in `ENTRY_POINTS` order (the `Variant` discriminants).
+pub const VARIANT_SUFFIXES: [&str; 6] = ["", "_warp", "_block", "_twopass", "_warp_lat", "_block_lat"];
+
 #[derive(Clone, Copy)]
 enum Variant {
     Fallback = 0,
     Warp = 1,
     Block = 2,
     TwoPass = 3,
+    WarpLat = 4,
+    BlockLat = 5,
 }
 
 /// `ENTRY_POINTS` is ordered op (plain, residual), then dtype (f32, bf16), then variant.
 fn entry(elem: ElemType, residual: bool, variant: Variant) -> &'static str {
-    let op = if residual { 8 } else { 0 };
+    let op = if residual { 12 } else { 0 };
     let dt = match elem {
         ElemType::F32 => 0,
-        ElemType::Bf16 => 4,
+        ElemType::Bf16 => 6,
     };
     ENTRY_POINTS[op + dt + variant as usize]
 }
@@ -155,6 +168,10 @@ fn grid_x(ctas: u32) -> u32 {
 /// - `nvec <= 1024 * 4` (hidden <= 16384 for f32, <= 32768 for bf16): `OP_DT_block`, one CTA per
 ///   row, `round_up(ceil(nvec / 4), 32)` threads;
 /// - larger: `OP_DT_twopass`, one CTA of 512 threads per row, reading the row twice.
+///
+/// The `_warp` and `_block` choices become `_warp_lat` / `_block_lat` (gamma loaded with the
+/// row: one memory round trip instead of two) when the grid has at most one CTA per SM, i.e.
+/// when latency, not bandwidth, bounds the kernel.
 ///
 /// `rows == 0` gives a one-CTA grid that does nothing. No entry point uses dynamic shared memory.
 pub fn launch(
@@ -182,17 +199,20 @@ pub fn launch(
         while w > 1 && rows.div_ceil(w) < want_ctas {
             w /= 2;
         }
+        let ctas = rows.div_ceil(w);
+        let variant = if ctas <= sm_count { Variant::WarpLat } else { Variant::Warp };
         return Launch {
-            entry: entry(elem, residual, Variant::Warp),
-            grid: (grid_x(rows.div_ceil(w)), 1, 1),
+            entry: entry(elem, residual, variant),
+            grid: (grid_x(ctas), 1, 1),
             block: (32, w, 1),
             shared_mem_bytes: 0,
         };
     }
     if nvec <= MAX_THREADS * BLOCK_PACKS {
         let threads = round_up(nvec.div_ceil(BLOCK_PACKS), 32);
+        let variant = if rows <= sm_count { Variant::BlockLat } else { Variant::Block };
         return Launch {
-            entry: entry(elem, residual, Variant::Block),
+            entry: entry(elem, residual, variant),
             grid: (grid_x(rows), 1, 1),
             block: (threads, 1, 1),
             shared_mem_bytes: 0,
@@ -263,12 +283,12 @@ mod tests {
             );
         }
         // The entry points are stamped out by STOKE_RMS_NORM_ENTRIES(OP, DT, ...) with the
-        // suffixes _warp, _block, _twopass and none.
+        // suffixes of VARIANT_SUFFIXES.
         for op in ["rms_norm", "residual_rms_norm"] {
             for dt in ["f32", "bf16"] {
                 let inst = format!("STOKE_RMS_NORM_ENTRIES({op}, {dt},");
                 assert!(SOURCE.contains(&inst), "missing {}", inst);
-                for suffix in ["", "_warp", "_block", "_twopass"] {
+                for suffix in VARIANT_SUFFIXES {
                     let name = format!("{op}_{dt}{suffix}");
                     assert!(
                         ENTRY_POINTS.contains(&name.as_str()),
@@ -278,16 +298,16 @@ mod tests {
                 }
             }
         }
-        for suffix in ["_warp(", "_block(", "_twopass(", "OP##_##DT("] {
+        for suffix in ["_warp(", "_block(", "_twopass(", "_warp_lat(", "_block_lat(", "OP##_##DT("] {
             assert!(SOURCE.contains(suffix), "macro lacks {}", suffix);
         }
-        assert_eq!(ENTRY_POINTS.len(), 16);
+        assert_eq!(ENTRY_POINTS.len(), 24);
         // The order entry() indexes by.
         for (r, op) in ["rms_norm", "residual_rms_norm"].iter().enumerate() {
             for (d, elem) in [ElemType::F32, ElemType::Bf16].iter().enumerate() {
-                for (v, suffix) in ["", "_warp", "_block", "_twopass"].iter().enumerate() {
+                for (v, suffix) in VARIANT_SUFFIXES.iter().enumerate() {
                     assert_eq!(
-                        ENTRY_POINTS[r * 8 + d * 4 + v],
+                        ENTRY_POINTS[r * 12 + d * 6 + v],
                         format!("{op}_{}{suffix}", elem.name())
                     );
                 }
@@ -297,6 +317,10 @@ mod tests {
         sorted.sort();
         sorted.dedup();
         assert_eq!(sorted.len(), ENTRY_POINTS.len());
+    }
+
+    fn gx_of(l: &Launch) -> u32 {
+        l.grid.0
     }
 
     #[test]
@@ -327,7 +351,13 @@ mod tests {
             assert!(bx > 0 && bx % 32 == 0, "{}", ctx);
             assert_eq!(bz, 1, "{}", ctx);
             let threads = bx * by;
-            if l.entry.ends_with("_warp") {
+            let is_warp = l.entry.ends_with("_warp") || l.entry.ends_with("_warp_lat");
+            let is_block = l.entry.ends_with("_block") || l.entry.ends_with("_block_lat");
+            if l.entry.ends_with("_lat") {
+                // Latency variants only for grids of at most one CTA per SM.
+                assert!(gx_of(&l) <= sms.max(1) || gx_of(&l) == 1, "{}", ctx);
+            }
+            if is_warp {
                 assert_eq!(bx, 32, "{}", ctx);
                 assert!((1..=WARP_MAX_ROWS_PER_CTA).contains(&by), "{}", ctx);
                 assert!(threads <= 256, "{}", ctx); // __launch_bounds__(256, 1)
@@ -353,19 +383,17 @@ mod tests {
 
             // Vectorized kernels only with 16-byte aligned rows; capacity respected.
             let v = elem.per_vector();
-            let vectorized = l.entry.ends_with("_warp")
-                || l.entry.ends_with("_block")
-                || l.entry.ends_with("_twopass");
+            let vectorized = is_warp || is_block || l.entry.ends_with("_twopass");
             if vectorized {
                 assert!(aligned && hidden % v == 0, "{}", ctx);
             } else {
                 assert!(!aligned || hidden % v != 0, "{}", ctx);
             }
             let nvec = hidden / v;
-            if l.entry.ends_with("_warp") {
+            if is_warp {
                 assert!(nvec <= 32 * elem.warp_packs(), "{}", ctx);
             }
-            if l.entry.ends_with("_block") {
+            if is_block {
                 assert!(nvec <= bx * BLOCK_PACKS, "{}", ctx);
                 assert!(nvec > 32 * elem.warp_packs(), "{}", ctx);
                 // No warp entirely idle.
@@ -421,8 +449,14 @@ mod tests {
         assert_eq!(l(F32, false, 16384, 8192).block, (512, 1, 1));
         assert_eq!(l(Bf16, false, 1, 16384).block, (512, 1, 1));
         assert_eq!(l(F32, false, 1, 16384).block, (1024, 1, 1));
-        assert_eq!(l(F32, false, 1, 16384).entry, "rms_norm_f32_block");
-        assert_eq!(l(Bf16, false, 1, 32768).entry, "rms_norm_bf16_block");
+        assert_eq!(l(F32, false, 1, 16384).entry, "rms_norm_f32_block_lat");
+        assert_eq!(l(Bf16, false, 1, 32768).entry, "rms_norm_bf16_block_lat");
+        // Decode-sized row counts (a grid of at most one CTA per SM): the latency variants.
+        assert_eq!(l(Bf16, false, 1, 576).entry, "rms_norm_bf16_warp_lat");
+        assert_eq!(l(Bf16, true, 32, 4096).entry, "residual_rms_norm_bf16_block_lat");
+        assert_eq!(l(Bf16, false, 132, 4096).entry, "rms_norm_bf16_block_lat");
+        assert_eq!(l(Bf16, false, 133, 4096).entry, "rms_norm_bf16_block");
+        assert_eq!(l(F32, false, 2048, 4096).entry, "rms_norm_f32_block");
 
         // Beyond what registers hold: two passes.
         assert_eq!(l(F32, false, 7, 16388).entry, "rms_norm_f32_twopass");
