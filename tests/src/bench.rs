@@ -130,6 +130,18 @@ pub fn rms_norm(rt: &Arc<Runtime>, copy_gbps: f64) -> Vec<Value> {
                 let kernel_us = time_events(rt, 7, 1, |_| graph.launch().unwrap()) / iters as f64;
                 let bytes = (2 * rows * hidden + hidden) * elem;
                 let gbps = bytes as f64 / (kernel_us * 1e-6) / 1e9;
+                // The floor for this many bytes: copying x to out (same bytes read and written,
+                // same rotation), replayed from a graph the same way.
+                let copy_graph = rt
+                    .capture(|| {
+                        (0..iters).try_for_each(|i| unsafe {
+                            // SAFETY: both buffers hold rows * hidden * elem bytes.
+                            rt.copy_dtod(bufs.out[i % sets].ptr(), bufs.x[i % sets].ptr(), rows * hidden * elem)
+                        })
+                    })
+                    .unwrap();
+                copy_graph.upload().unwrap();
+                let same_size_copy_us = time_events(rt, 7, 1, |_| copy_graph.launch().unwrap()) / iters as f64;
 
                 // The same op as burn-cuda runs it: the reference composition.
                 let x = Tensor::<PlainCuda, 2>::from_data(TensorData::new(vec![0.5f32; rows * hidden], [rows, hidden]), &device).cast(dtype);
@@ -138,14 +150,14 @@ pub fn rms_norm(rt: &Arc<Runtime>, copy_gbps: f64) -> Vec<Value> {
                     let _ = stoke::rms_norm(x.clone(), g.clone(), 1e-5);
                 });
                 println!(
-                    "rms_norm {dtype:?} rows {rows:5} hidden {hidden:5}: {kernel_us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy), stream {stream_us:7.2} us | burn-cuda composition {burn_us:8.2} us ({} entry {})",
+                    "rms_norm {dtype:?} rows {rows:5} hidden {hidden:5}: {kernel_us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy), same-size copy {same_size_copy_us:7.2} us, stream {stream_us:7.2} us | burn-cuda composition {burn_us:8.2} us ({} entry {})",
                     100.0 * gbps / copy_gbps,
                     if burn_us > kernel_us { format!("{:.1}x", burn_us / kernel_us) } else { "slower".into() },
                     l.entry
                 );
                 rows_out.push(json!({
                     "dtype": format!("{dtype:?}"), "rows": rows, "hidden": hidden, "entry": l.entry,
-                    "kernel_us": kernel_us, "stream_us": stream_us, "effective_gbps": gbps, "fraction_of_copy": gbps / copy_gbps,
+                    "kernel_us": kernel_us, "stream_us": stream_us, "same_size_copy_us": same_size_copy_us, "effective_gbps": gbps, "fraction_of_copy": gbps / copy_gbps,
                     "burn_cuda_composition_us": burn_us, "input_sets": sets,
                 }));
             }
