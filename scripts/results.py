@@ -46,6 +46,23 @@ def render(res, results_path):
     w(f"- Commit `{m['commit']}`, run {m['date_utc']}")
     w(f"- Same-run device-to-device copy rate (1 GiB, bytes read + written): **{b['copy_gbps']:.0f} GB/s**")
     w("")
+    w("## Summary")
+    w("")
+    big = [r for r in b["rms_norm"] if r["rows"] == 16384]
+    w("RMSNorm at 16384 rows (effective bandwidth as a share of the big-copy rate, and of a copy of the same bytes):")
+    w("")
+    for r in big:
+        dt = "bf16" if r["dtype"] == "BF16" else "f32"
+        ratio = r["same_size_copy_us"] / r["kernel_us"]
+        flag = " (that copy, a graph memcpy node, ran under the big-copy rate: an anomaly of the copy, not a ceiling)" if ratio > 1.05 else ""
+        w(f"- {dt}, hidden {r['hidden']}: {100 * r['fraction_of_copy']:.1f}% of the copy rate, {100 * ratio:.0f}% of a same-size copy's speed{flag}")
+    h = b["host_and_crossing"]
+    w(f"- Host time per Stoke op through the Burn API: {h['host_us_per_stoke_launch']:.1f} µs; crossing into Stoke {h['cross_in_us']:.0f} µs, out of Stoke {h['cross_out_us']:.0f} µs")
+    c = {(x["rows"], x["hidden"]): x for x in b["chain100"]}
+    one = c.get((1, 4096))
+    if one:
+        w(f"- 100 chained RMSNorms at [1, 4096] bf16: {one['stoke_us']:.0f} µs through Stoke vs {one['burn_cuda_us']:.0f} µs as a burn-cuda composition")
+    w("")
     w("## GPU tests")
     w("")
     w("| test | status | seconds | details |")
