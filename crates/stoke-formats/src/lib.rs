@@ -2,4 +2,5 @@
 //! the specification that kernels are tested against, written for clarity in f64.
 
 pub mod bf16;
+pub mod gguf;
 pub mod reference;
