@@ -127,3 +127,20 @@ fn residual_rms_norm_reference_returns_sum_and_normed() {
     let want = reference::rms_norm(&sum_want, &f64s(g.to_data()), hidden, 1e-6);
     assert!(reference::relative_error(&f64s(normed.to_data()), &want) < 1e-6);
 }
+
+/// Model code written against `FusedOps` trains: under autodiff the reference composition
+/// runs and gradients flow. d/dgamma_j of sum(rms_norm(x)) is sum_r x_rj / rms_r.
+#[test]
+fn fused_ops_train_under_autodiff() {
+    type A = burn_autodiff::Autodiff<Cpu>;
+    let device = Default::default();
+    let (rows, hidden) = (3, 16);
+    let x = Tensor::<A, 2>::random([rows, hidden], Distribution::Uniform(-2.0, 2.0), &device);
+    let g = Tensor::<A, 1>::random([hidden], Distribution::Uniform(0.5, 1.5), &device).require_grad();
+    let grads = stoke::rms_norm(x.clone(), g.clone(), 1e-5).sum().backward();
+    let got = f64s(g.grad(&grads).expect("gamma has a gradient").to_data());
+    let ones = vec![1.0; hidden];
+    let normed = reference::rms_norm(&f64s(x.to_data()), &ones, hidden, 1e-5);
+    let want: Vec<f64> = (0..hidden).map(|j| (0..rows).map(|r| normed[r * hidden + j]).sum()).collect();
+    assert!(reference::relative_error(&got, &want) < 1e-5);
+}

@@ -91,6 +91,13 @@ where
 {
 }
 
+// Training: under autodiff the reference composition runs, so gradients flow through ordinary
+// ops (train on `Autodiff<Cuda>`, serve the same model code on `Stoke<Cuda>`).
+impl<B: Backend, C: burn_autodiff::checkpoint::strategy::CheckpointStrategy> FusedOps
+    for burn_autodiff::Autodiff<B, C>
+{
+}
+
 fn float<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
     t.into_primitive().tensor()
 }
