@@ -1,0 +1,121 @@
+//! Llama model configuration, from GGUF metadata (`llama.*` keys).
+
+use stoke_formats::gguf::{Gguf, Value};
+
+/// Llama-3 style RoPE frequency scaling (`rope_scaling` with `rope_type = "llama3"`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Llama3RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: usize,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    pub rms_norm_eps: f64,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// A configuration that a file's metadata does not give or contradicts.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: architecture `{found}` is not supported (llama is)")]
+    Architecture { file: String, found: String },
+    #[error("{file}: metadata `{key}` is missing or not {expected}")]
+    Missing { file: String, key: String, expected: &'static str },
+    #[error("{file}: {what}")]
+    Inconsistent { file: String, what: String },
+}
+
+impl LlamaConfig {
+    /// Reads the `llama.*` metadata of a GGUF file. The vocabulary size comes from
+    /// `llama.vocab_size` or the tokenizer's token list; tied embeddings are inferred from the
+    /// absence of `output.weight`.
+    pub fn from_gguf(g: &Gguf) -> Result<Self, ConfigError> {
+        let file = g.file.clone();
+        let arch = g.metadata.get("general.architecture").and_then(Value::as_str).unwrap_or("");
+        if arch != "llama" {
+            return Err(ConfigError::Architecture { file, found: arch.to_string() });
+        }
+        let int = |key: &str| -> Result<usize, ConfigError> {
+            g.metadata.get(key).and_then(Value::as_u64).map(|v| v as usize).ok_or_else(|| ConfigError::Missing {
+                file: g.file.clone(),
+                key: key.into(),
+                expected: "an unsigned integer",
+            })
+        };
+        let float = |key: &str| g.metadata.get(key).and_then(Value::as_f64);
+        let hidden_size = int("llama.embedding_length")?;
+        let num_attention_heads = int("llama.attention.head_count")?;
+        let num_key_value_heads = int("llama.attention.head_count_kv").unwrap_or(num_attention_heads);
+        let head_dim = int("llama.attention.key_length")
+            .or_else(|_| int("llama.rope.dimension_count"))
+            .unwrap_or(hidden_size / num_attention_heads.max(1));
+        let vocab_size = int("llama.vocab_size").or_else(|_| {
+            g.metadata
+                .get("tokenizer.ggml.tokens")
+                .and_then(Value::as_array)
+                .map(|t| t.len())
+                .ok_or_else(|| ConfigError::Missing { file: file.clone(), key: "llama.vocab_size".into(), expected: "an unsigned integer" })
+        })?;
+        let rope_scaling = match g.metadata.get("llama.rope.scaling.type").and_then(Value::as_str) {
+            Some("llama3") => Some(Llama3RopeScaling {
+                factor: float("llama.rope.scaling.factor").unwrap_or(8.0),
+                low_freq_factor: float("llama.rope.scaling.low_freq_factor").unwrap_or(1.0),
+                high_freq_factor: float("llama.rope.scaling.high_freq_factor").unwrap_or(4.0),
+                original_max_position_embeddings: int("llama.rope.scaling.original_context_length").unwrap_or(8192),
+            }),
+            _ => None,
+        };
+        let eos = g.metadata.get("tokenizer.ggml.eos_token_id").and_then(Value::as_u64);
+        let cfg = LlamaConfig {
+            vocab_size,
+            hidden_size,
+            intermediate_size: int("llama.feed_forward_length")?,
+            num_hidden_layers: int("llama.block_count")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rope_theta: float("llama.rope.freq_base").unwrap_or(10000.0),
+            rope_scaling,
+            rms_norm_eps: float("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+            max_position_embeddings: int("llama.context_length").unwrap_or(4096),
+            tie_word_embeddings: !g.tensors.iter().any(|t| t.name == "output.weight"),
+            bos_token_id: g.metadata.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u64).map(|v| v as u32),
+            eos_token_ids: eos.into_iter().map(|v| v as u32).collect(),
+        };
+        cfg.validate(&file)?;
+        Ok(cfg)
+    }
+
+    /// Checks the relations between sizes that the model relies on.
+    pub fn validate(&self, file: &str) -> Result<(), ConfigError> {
+        let bad = |what: String| Err(ConfigError::Inconsistent { file: file.into(), what });
+        if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
+            return bad("head counts must be positive".into());
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return bad(format!(
+                "{} attention heads are not a multiple of {} key/value heads",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return bad(format!("head_dim {} is odd (RoPE rotates pairs)", self.head_dim));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,9 @@
+//! Llama-family models for Stoke: configuration and tokenizer from GGUF metadata (the model,
+//! its loaders and generation follow in this crate).
+
+pub mod config;
+pub mod load;
+pub mod model;
+pub mod tokenizer;
+
+pub use config::LlamaConfig;

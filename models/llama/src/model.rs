@@ -1,0 +1,247 @@
+//! Llama in Burn, generic over the backend, read top to bottom: rotary embedding -> KV cache ->
+//! attention -> MLP -> block -> model.
+//!
+//! Written so that `Stoke<B>` routes its hot ops: projections are `burn::nn::Linear`
+//! (`ModuleOps::linear`), norms are `stoke::rms_norm` / `stoke::residual_rms_norm`, attention goes
+//! through `burn::tensor::module::attention` (`ModuleOps::attention`) and nothing else.
+
+use crate::config::LlamaConfig;
+use burn::module::{Module, Param};
+use burn::nn::Linear;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, Int, Tensor, TensorData, activation, module};
+use stoke::FusedOps;
+
+/// Rotary position embedding tables (rotate-half form), `[max_positions, head_dim / 2]`.
+#[derive(Module, Debug)]
+pub struct Rope<B: Backend> {
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+}
+
+impl<B: Backend> Rope<B> {
+    pub fn new(cfg: &LlamaConfig, max_positions: usize, device: &B::Device) -> Self {
+        let half = cfg.head_dim / 2;
+        let inv_freq = inverse_frequencies(cfg);
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for p in 0..max_positions {
+            for f in &inv_freq {
+                let a = p as f64 * f;
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
+        }
+        Self {
+            cos: Tensor::from_data(TensorData::new(cos, [max_positions, half]), device),
+            sin: Tensor::from_data(TensorData::new(sin, [max_positions, half]), device),
+        }
+    }
+
+    /// Rotates `x: [batch, heads, seq, head_dim]` by the angles of `positions: [batch, seq]`.
+    pub fn apply(&self, x: Tensor<B, 4>, positions: Tensor<B, 2, Int>) -> Tensor<B, 4> {
+        let [b, _, s, d] = x.dims();
+        let half = d / 2;
+        let flat = positions.reshape([b * s]);
+        let dtype = x.dtype();
+        let cos = self.cos.clone().select(0, flat.clone()).reshape([b, 1, s, half]).cast(dtype);
+        let sin = self.sin.clone().select(0, flat).reshape([b, 1, s, half]).cast(dtype);
+        let x1 = x.clone().narrow(3, 0, half);
+        let x2 = x.narrow(3, half, half);
+        Tensor::cat(vec![x1.clone() * cos.clone() - x2.clone() * sin.clone(), x2 * cos + x1 * sin], 3)
+    }
+}
+
+/// RoPE inverse frequencies `theta^(-2i/d)`, with Llama-3 scaling when configured.
+pub fn inverse_frequencies(cfg: &LlamaConfig) -> Vec<f64> {
+    let d = cfg.head_dim as f64;
+    let base: Vec<f64> = (0..cfg.head_dim / 2).map(|i| cfg.rope_theta.powf(-((2 * i) as f64) / d)).collect();
+    let Some(s) = &cfg.rope_scaling else { return base };
+    let old = s.original_max_position_embeddings as f64;
+    let low_wavelen = old / s.low_freq_factor;
+    let high_wavelen = old / s.high_freq_factor;
+    base.into_iter()
+        .map(|f| {
+            let wavelen = 2.0 * std::f64::consts::PI / f;
+            if wavelen < high_wavelen {
+                f
+            } else if wavelen > low_wavelen {
+                f / s.factor
+            } else {
+                let smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                (1.0 - smooth) * f / s.factor + smooth * f
+            }
+        })
+        .collect()
+}
+
+/// Preallocated keys and values of every layer for a batch of sequences, with each sequence's
+/// own length: `[batch, kv_heads, capacity, head_dim]` per layer.
+#[derive(Debug, Clone)]
+pub struct KvCache<B: Backend> {
+    keys: Vec<Tensor<B, 4>>,
+    values: Vec<Tensor<B, 4>>,
+    /// Tokens already in the cache, per sequence.
+    pub lens: Vec<usize>,
+    pub capacity: usize,
+}
+
+impl<B: Backend> KvCache<B> {
+    pub fn new(cfg: &LlamaConfig, batch: usize, capacity: usize, dtype: burn::tensor::DType, device: &B::Device) -> Self {
+        let shape = [batch, cfg.num_key_value_heads, capacity, cfg.head_dim];
+        let z = || Tensor::<B, 4>::zeros(shape, device).cast(dtype);
+        Self {
+            keys: (0..cfg.num_hidden_layers).map(|_| z()).collect(),
+            values: (0..cfg.num_hidden_layers).map(|_| z()).collect(),
+            lens: vec![0; batch],
+            capacity,
+        }
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    pub q_proj: Linear<B>,
+    pub k_proj: Linear<B>,
+    pub v_proj: Linear<B>,
+    pub o_proj: Linear<B>,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl<B: Backend> Attention<B> {
+    /// `x: [batch, seq, hidden]`; writes the new keys/values at each sequence's `starts[b]`
+    /// and attends over `mask` (`true` = hidden) of shape `[batch, 1, seq, keys]`.
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        positions: Tensor<B, 2, Int>,
+        cache: (&mut Tensor<B, 4>, &mut Tensor<B, 4>),
+        starts: &[usize],
+        mask: Tensor<B, 4, Bool>,
+    ) -> Tensor<B, 3> {
+        let [b, s, _] = x.dims();
+        let (h, kvh, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let q = self.q_proj.forward(x.clone()).reshape([b, s, h, d]).swap_dims(1, 2);
+        let k = self.k_proj.forward(x.clone()).reshape([b, s, kvh, d]).swap_dims(1, 2);
+        let v = self.v_proj.forward(x).reshape([b, s, kvh, d]).swap_dims(1, 2);
+        let q = rope.apply(q, positions.clone());
+        let k = rope.apply(k, positions);
+
+        let (kc, vc) = cache;
+        for (i, &start) in starts.iter().enumerate() {
+            let rows = [i..i + 1, 0..kvh, start..start + s, 0..d];
+            *kc = kc.clone().slice_assign(rows.clone(), k.clone().slice([i..i + 1]));
+            *vc = vc.clone().slice_assign(rows, v.clone().slice([i..i + 1]));
+        }
+        let keys = mask.dims()[3];
+        let expand = |t: Tensor<B, 4>| {
+            // GQA: each key/value head serves h / kvh query heads.
+            let t = t.slice([0..b, 0..kvh, 0..keys, 0..d]);
+            t.reshape([b, kvh, 1, keys, d]).expand([b, kvh, h / kvh, keys, d]).reshape([b, h, keys, d])
+        };
+        let (k, v) = (expand(kc.clone()), expand(vc.clone()));
+        let mask = mask.expand([b, h, s, keys]);
+        let out = module::attention(q, k, v, Some(mask), None, Default::default());
+        self.o_proj.forward(out.swap_dims(1, 2).reshape([b, s, h * d]))
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    pub gate_proj: Linear<B>,
+    pub up_proj: Linear<B>,
+    pub down_proj: Linear<B>,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.down_proj.forward(activation::silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    pub attn_norm: Param<Tensor<B, 1>>,
+    pub attn: Attention<B>,
+    pub mlp_norm: Param<Tensor<B, 1>>,
+    pub mlp: Mlp<B>,
+}
+
+#[derive(Module, Debug)]
+pub struct Llama<B: Backend> {
+    pub embed_tokens: Param<Tensor<B, 2>>,
+    pub layers: Vec<Block<B>>,
+    pub norm: Param<Tensor<B, 1>>,
+    /// `None` when the output projection is tied to the embedding.
+    pub lm_head: Option<Linear<B>>,
+    pub rope: Rope<B>,
+    pub rms_norm_eps: f64,
+}
+
+impl<B: FusedOps> Llama<B> {
+    /// Runs `tokens: [batch, seq]` (row `b` holding `new_lens[b]` real tokens, the rest padding),
+    /// appending to `cache`. Returns logits `[batch, seq, vocab]`; rows past a sequence's real
+    /// tokens are meaningless. Only the last real token's logits are needed for generation:
+    /// `last_only` computes just those (`[batch, 1, vocab]`).
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>, new_lens: &[usize], cache: &mut KvCache<B>, last_only: bool) -> Tensor<B, 3> {
+        let [b, s] = tokens.dims();
+        assert_eq!(new_lens.len(), b, "one length per sequence");
+        assert!(new_lens.iter().all(|&n| n <= s), "a sequence is longer than the token tensor");
+        let device = tokens.device();
+        let starts = cache.lens.clone();
+        let keys = starts.iter().map(|st| st + s).max().unwrap_or(0);
+        assert!(keys <= cache.capacity, "KV cache capacity {} exceeded ({keys} positions)", cache.capacity);
+
+        // Positions and the mask, per sequence: query i of sequence b sits at starts[b] + i and
+        // sees keys 0..=starts[b] + i, never the padding past starts[b] + new_lens[b].
+        let mut pos = Vec::with_capacity(b * s);
+        let mut hidden = Vec::with_capacity(b * s * keys);
+        for (bi, &st) in starts.iter().enumerate() {
+            for i in 0..s {
+                pos.push((st + i.min(new_lens[bi].saturating_sub(1))) as i64);
+                let visible = st + i.min(new_lens[bi].saturating_sub(1));
+                hidden.extend((0..keys).map(|j| j > visible));
+            }
+        }
+        let positions = Tensor::<B, 2, Int>::from_data(TensorData::new(pos, [b, s]), &device);
+        let mask = Tensor::<B, 4, Bool>::from_data(TensorData::new(hidden, [b, 1, s, keys]), &device);
+
+        let embed = self.embed_tokens.val();
+        let mut x = embed.clone().select(0, tokens.reshape([b * s])).reshape([b, s, embed.dims()[1]]);
+        let mut normed = stoke::rms_norm(x.clone(), self.layers[0].attn_norm.val(), self.rms_norm_eps);
+        let n_layers = self.layers.len();
+        for (l, layer) in self.layers.iter().enumerate() {
+            let attn = layer.attn.forward(
+                normed,
+                &self.rope,
+                positions.clone(),
+                (&mut cache.keys[l], &mut cache.values[l]),
+                &starts,
+                mask.clone(),
+            );
+            let (h, n) = stoke::residual_rms_norm(attn, x, layer.mlp_norm.val(), self.rms_norm_eps);
+            let mlp = layer.mlp.forward(n);
+            let next_gamma = if l + 1 < n_layers { self.layers[l + 1].attn_norm.val() } else { self.norm.val() };
+            let (sum, n) = stoke::residual_rms_norm(mlp, h, next_gamma, self.rms_norm_eps);
+            x = sum;
+            normed = n;
+        }
+        for (len, n) in cache.lens.iter_mut().zip(new_lens) {
+            *len += n;
+        }
+        let normed = if last_only {
+            let rows: Vec<Tensor<B, 3>> =
+                (0..b).map(|i| normed.clone().slice([i..i + 1, new_lens[i].max(1) - 1..new_lens[i].max(1)])).collect();
+            Tensor::cat(rows, 0)
+        } else {
+            normed
+        };
+        match &self.lm_head {
+            Some(head) => head.forward(normed),
+            None => module::linear(normed, embed.transpose(), None),
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! The tokenizer stored in GGUF metadata, rebuilt with the `tokenizers` crate.
+//!
+//! Supported: `tokenizer.ggml.model = "gpt2"` (byte-level BPE), with the pre-tokenizers that
+//! `tokenizer.ggml.pre` names: `smollm` (single digits, then byte-level splitting) and the
+//! plain byte-level regex for `default`/`gpt2`/`llama-bpe`-style files. Tokens of type 3
+//! (control) become special tokens; no BOS is added unless the file asks for it.
+
+use stoke_formats::gguf::{Gguf, Value};
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("{file}: metadata `{key}` is missing or malformed ({expected})")]
+    Metadata { file: String, key: String, expected: &'static str },
+    #[error("{file}: tokenizer model `{found}` is not supported (gpt2 byte-level BPE is)")]
+    Model { file: String, found: String },
+    #[error("{file}: pre-tokenizer `{found}` is not supported (smollm, default, gpt2 are)")]
+    PreTokenizer { file: String, found: String },
+    #[error("{file}: building the tokenizer: {reason}")]
+    Build { file: String, reason: String },
+}
+
+/// Builds the tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata.
+pub fn from_gguf(g: &Gguf) -> Result<Tokenizer, TokenizerError> {
+    let file = || g.file.clone();
+    let missing = |key: &str, expected| TokenizerError::Metadata { file: file(), key: key.into(), expected };
+    let model = g.metadata.get("tokenizer.ggml.model").and_then(Value::as_str).ok_or_else(|| missing("tokenizer.ggml.model", "a string"))?;
+    if model != "gpt2" {
+        return Err(TokenizerError::Model { file: file(), found: model.into() });
+    }
+    let strings = |key: &str| -> Result<Vec<String>, TokenizerError> {
+        g.metadata
+            .get(key)
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_string)).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| missing(key, "an array of strings"))
+    };
+    let tokens = strings("tokenizer.ggml.tokens")?;
+    let merges = strings("tokenizer.ggml.merges")?;
+    let types: Vec<u64> = match g.metadata.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
+        Some(a) => a.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
+        None => vec![1; tokens.len()],
+    };
+    let vocab: ahash::AHashMap<String, u32> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+    let merges: Vec<(String, String)> = merges
+        .iter()
+        .map(|m| {
+            let (a, b) = m.split_once(' ').ok_or_else(|| missing("tokenizer.ggml.merges", "pairs separated by one space"))?;
+            Ok((a.to_string(), b.to_string()))
+        })
+        .collect::<Result<_, TokenizerError>>()?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(|e| TokenizerError::Build { file: file(), reason: e.to_string() })?;
+    let mut tok = Tokenizer::new(bpe);
+    let pre = g.metadata.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
+    let byte_level = ByteLevel::new(false, true, true);
+    let pre_tokenizer: PreTokenizerWrapper = match pre {
+        "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
+        "default" | "gpt2" => byte_level.into(),
+        other => return Err(TokenizerError::PreTokenizer { file: file(), found: other.into() }),
+    };
+    tok.with_pre_tokenizer(Some(pre_tokenizer));
+    tok.with_decoder(Some(ByteLevelDecoder::default()));
+    let specials: Vec<AddedToken> = tokens
+        .iter()
+        .zip(&types)
+        .filter(|(_, t)| **t == 3)
+        .map(|(s, _)| AddedToken::from(s.clone(), true))
+        .collect();
+    tok.add_special_tokens(&specials);
+    Ok(tok)
+}
