@@ -2,6 +2,8 @@
 //! its loaders and generation follow in this crate).
 
 pub mod config;
+pub mod fetch;
+pub mod generate;
 pub mod load;
 pub mod model;
 pub mod tokenizer;

