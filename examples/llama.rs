@@ -104,18 +104,16 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         (Some(Precision::F16), _) => DType::F16,
     };
     match (args.device, args.backend) {
-        (Device::Cpu, _) => generate_on::<burn_ndarray::NdArray<f32>>(&args, &model, dtype, Default::default(), false),
-        (Device::Cuda, Backend::Stoke) => generate_on::<stoke::Stoke<burn_cuda::Cuda>>(&args, &model, dtype, Default::default(), true),
-        (Device::Cuda, Backend::Burn) => generate_on::<burn_cuda::Cuda>(&args, &model, dtype, Default::default(), false),
+        (Device::Cpu, _) => generate_on::<burn_ndarray::NdArray<f32>>(&args, &model, dtype, Default::default()),
+        (Device::Cuda, Backend::Stoke) => generate_on::<stoke::Stoke<burn_cuda::Cuda>>(&args, &model, dtype, Default::default()),
+        (Device::Cuda, Backend::Burn) => generate_on::<burn_cuda::Cuda>(&args, &model, dtype, Default::default()),
     }
 }
 
-fn generate_on<B: FusedOps>(args: &Args, path: &PathBuf, dtype: DType, device: B::Device, pin: bool) -> Result<(), Box<dyn std::error::Error>> {
+fn generate_on<B: FusedOps>(args: &Args, path: &PathBuf, dtype: DType, device: B::Device) -> Result<(), Box<dyn std::error::Error>> {
     let t0 = Instant::now();
     let mut loaded = stoke_llama::load::load_gguf::<B>(path, &device, dtype, args.context)?;
-    if pin {
-        loaded.model = pin_if_stoke::<B>(loaded.model);
-    }
+    loaded.model = loaded.model.pinned();
     B::sync(&device)?;
     let load = t0.elapsed();
     eprintln!("{} on {}: loaded in {:.2} s ({:?})", path.display(), B::name(&device), load.as_secs_f64(), dtype);
@@ -164,18 +162,4 @@ fn generate_on<B: FusedOps>(args: &Args, path: &PathBuf, dtype: DType, device: B
         prompts.len(),
     );
     Ok(())
-}
-
-/// Pins the weights when `B` is `Stoke<Cuda>` (resolved once, used by Stoke's kernels with no
-/// per-op resolution); any other backend gets the model back unchanged.
-fn pin_if_stoke<B: FusedOps>(model: stoke_llama::model::Llama<B>) -> stoke_llama::model::Llama<B> {
-    use std::any::Any;
-    let boxed: Box<dyn Any> = Box::new(model);
-    match boxed.downcast::<stoke_llama::model::Llama<stoke::Stoke<burn_cuda::Cuda>>>() {
-        Ok(m) => {
-            let pinned: Box<dyn Any> = Box::new(stoke::cuda::pin_module(*m));
-            *pinned.downcast().unwrap()
-        }
-        Err(other) => *other.downcast().unwrap(),
-    }
 }

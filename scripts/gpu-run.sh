@@ -17,5 +17,10 @@ status=0
 .bundle/stoke-gpu --out "$out" --commit "$commit" "$what" 2>&1 | tee "$out/stoke-gpu.log" || status=1
 if [ "$what" != test ]; then
   python3 scripts/peers/rms_norm_torch.py "$out/torch-rms.json" 2>&1 | tee "$out/torch.log" || status=1
+  # The default model's speed, when the model cache holds it (STOKE_MODEL_CACHE; the GPU
+  # machine has no network to fetch it).
+  if [ -f "${STOKE_MODEL_CACHE:-$HOME/.cache/stoke/models}/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+    .bundle/stoke-gpu --out "$out" --commit "$commit" llama 2>&1 | tee "$out/llama.log" || status=1
+  fi
 fi
 exit $status

@@ -19,10 +19,12 @@ def merge(run):
     tests = load(run, "gpu-tests.json")
     bench = load(run, "bench.json")
     torch = load(run, "torch-rms.json")
+    llama = load(run, "llama.json")
     gpu_txt = (Path(run) / "gpu.txt").read_text() if (Path(run) / "gpu.txt").exists() else ""
     meta = dict(bench["meta"])
     meta["nvidia_smi"] = gpu_txt.strip().splitlines()[-1] if gpu_txt.strip() else ""
-    return {"meta": meta, "gpu_tests": tests["tests"], "bench": bench["bench"], "torch_rms_norm": torch}
+    return {"meta": meta, "gpu_tests": tests["tests"], "bench": bench["bench"], "torch_rms_norm": torch,
+            "llama": llama["llama"] if llama else None}
 
 
 def torch_best(torch, rows, hidden, dtype, impls):
@@ -123,6 +125,18 @@ def render(res, results_path):
     for c in b["chain100"]:
         w(f"| [{c['rows']}, {c['hidden']}] | {c['stoke_us']:.0f} | {c['burn_cuda_us']:.0f} | {c['speedup']:.1f}x |")
     w("")
+    if res.get("llama"):
+        w(f"## SmolLM2-135M-Instruct ({res['llama']['model']}): the baseline")
+        w("")
+        w("Greedy generation through `stoke_llama::generate`, weights dequantized from the GGUF at load. Stoke<Cuda> routes only")
+        w("RMSNorm to its kernel so far; every other op is burn-cuda's, and each RMSNorm crosses between the two streams")
+        w("(see the crossing costs above). Median of 3 runs after a warm-up.")
+        w("")
+        w("| backend | dtype | batch | prompt tokens | prefill tokens/s | decode tokens/s | decode step ms | load s |")
+        w("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in res["llama"]["runs"]:
+            w(f"| {r['backend']} | {r['dtype']} | {r['batch']} | {r['prompt_tokens']} | {r['prefill_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.1f} | {r['decode_step_ms']:.2f} | {r['load_s']:.2f} |")
+        w("")
     w("## Kernel resources (ptxas, as loaded in this run)")
     w("")
     w("| file | entry | registers | shared bytes | stack | spills (st/ld) |")

@@ -15,6 +15,7 @@ pub const CASES: &[(&str, Case)] = &[
     ("residual_rms_norm_matches_reference", residual_rms_norm_matches_reference),
     ("stream_crossing_1000_alternations", stream_crossing_1000_alternations),
     ("burn_nn_model_with_stoke_tensors", burn_nn_model_with_stoke_tensors),
+    ("smollm2_greedy_on_gpu", smollm2_greedy_on_gpu),
 ];
 
 /// Runs one case, catching panics, or skips it without a usable GPU.
@@ -231,4 +232,26 @@ fn burn_nn_model_with_stoke_tensors() -> Result<Value, String> {
     }
     let n = pinned.num_params();
     Ok(json!({ "seed": seed, "params": n }))
+}
+
+/// SmolLM2's greedy continuation of "Once upon a time" on the GPU, through plain burn-cuda and
+/// through `Stoke<Cuda>` (f32 and bf16 weights), starts as the f32 reference says.
+fn smollm2_greedy_on_gpu() -> Result<Value, String> {
+    use crate::llama::{EXPECTED_CONTINUATION, greedy, model_path};
+    let path = model_path()?;
+    let mut seen = json!({});
+    for (name, dtype) in [("f32", DType::F32), ("bf16", DType::BF16)] {
+        let plain = greedy::<PlainCuda>(&path, dtype, "Once upon a time", 12)?;
+        let stoke = greedy::<StokeCuda>(&path, dtype, "Once upon a time", 12)?;
+        seen[format!("burn_cuda_{name}")] = json!(plain);
+        seen[format!("stoke_{name}")] = json!(stoke);
+        // bf16 weights and activations may drift after the first words; f32 must match.
+        let want = if dtype == DType::F32 { EXPECTED_CONTINUATION } else { ", the city of" };
+        for (who, text) in [("burn-cuda", &plain), ("stoke", &stoke)] {
+            if !text.starts_with(want) {
+                return Err(format!("{who} {name}: continuation {text:?} does not start with {want:?}"));
+            }
+        }
+    }
+    Ok(seen)
 }

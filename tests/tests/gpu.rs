@@ -20,4 +20,5 @@ gpu_tests!(
     residual_rms_norm_matches_reference,
     stream_crossing_1000_alternations,
     burn_nn_model_with_stoke_tensors,
+    smollm2_greedy_on_gpu,
 );

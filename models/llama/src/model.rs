@@ -191,6 +191,20 @@ pub struct Llama<B: Backend> {
 }
 
 impl<B: FusedOps> Llama<B> {
+    /// With `B = Stoke<Cuda>`, pins every weight (its device pointer resolved once, for Stoke's
+    /// kernels); any other backend gets the model back unchanged.
+    pub fn pinned(self) -> Self {
+        use std::any::Any;
+        let boxed: Box<dyn Any> = Box::new(self);
+        match boxed.downcast::<Llama<stoke::Stoke<burn_cuda::Cuda>>>() {
+            Ok(m) => {
+                let pinned: Box<dyn Any> = Box::new(stoke::cuda::pin_module(*m));
+                *pinned.downcast().expect("same type")
+            }
+            Err(other) => *other.downcast().expect("same type"),
+        }
+    }
+
     /// Runs `tokens: [batch, seq]` (row `b` holding `new_lens[b]` real tokens, the rest padding),
     /// appending to `cache`. Returns logits `[batch, seq, vocab]`; rows past a sequence's real
     /// tokens are meaningless. Only the last real token's logits are needed for generation:

@@ -25,6 +25,9 @@ enum Command {
     Test { names: Vec<String> },
     /// Run the benchmarks.
     Bench,
+    /// SmolLM2 prefill and decode speed through burn-cuda and Stoke<Cuda> (the model comes from
+    /// the model cache: STOKE_MODEL_CACHE).
+    Llama,
     /// Tests, then benchmarks (the exit status fails if either did).
     All,
     /// List the GPU test cases.
@@ -100,6 +103,16 @@ fn main() -> ExitCode {
         }
         Command::Test { names } => run_tests(&cli, names),
         Command::Bench => run_bench(&cli),
+        Command::Llama => match stoke_tests::llama::bench() {
+            Ok(v) => {
+                write(&cli.out, "llama.json", &json!({ "meta": meta(&cli.commit), "llama": v }));
+                true
+            }
+            Err(e) => {
+                eprintln!("llama benchmark not run: {e}");
+                false
+            }
+        },
         Command::All => {
             let tests = run_tests(&cli, &[]);
             run_bench(&cli) && tests
