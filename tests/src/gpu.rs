@@ -15,6 +15,7 @@ pub const CASES: &[(&str, Case)] = &[
     ("residual_rms_norm_matches_reference", residual_rms_norm_matches_reference),
     ("stream_crossing_1000_alternations", stream_crossing_1000_alternations),
     ("burn_nn_model_with_stoke_tensors", burn_nn_model_with_stoke_tensors),
+    ("synthetic_llama_stoke_matches_burn_cuda", synthetic_llama_stoke_matches_burn_cuda),
     ("smollm2_greedy_on_gpu", smollm2_greedy_on_gpu),
 ];
 
@@ -254,4 +255,52 @@ fn smollm2_greedy_on_gpu() -> Result<Value, String> {
         }
     }
     Ok(seen)
+}
+
+/// Random-weight Llamas (the tiny GQA one and one with SmolLM2's layer shapes) give the same
+/// logits on `Stoke<Cuda>` (weights pinned or not) as on plain burn-cuda: prefill of 8 tokens,
+/// then 3 decode steps.
+fn synthetic_llama_stoke_matches_burn_cuda() -> Result<Value, String> {
+    use burn::tensor::Int;
+    use stoke_llama::model::KvCache;
+    use stoke_llama::synthetic::{TINY, Tiny, gguf, weights};
+    let smol_like = Tiny { vocab: 300, hidden: 576, inter: 1536, layers: 4, heads: 9, kv_heads: 3, head_dim: 64, theta: 100000.0, eps: 1e-5 };
+    fn run<B: stoke::FusedOps>(path: &std::path::Path, dtype: DType, pin: bool) -> Vec<f64> {
+        let device = Default::default();
+        let mut m = stoke_llama::load::load_gguf::<B>(path, &device, dtype, 64).unwrap().model;
+        if pin {
+            m = m.pinned();
+        }
+        let mut cache = KvCache::for_model(&m, 1, 64, dtype, &device);
+        let mut out = Vec::new();
+        let mut step = |ids: Vec<i64>, cache: &mut KvCache<B>| {
+            let n = ids.len();
+            let t = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
+            out.extend(f64s(m.forward(t, &[n], cache, false).to_data()));
+        };
+        step(vec![3, 141, 59, 26, 5, 35, 8, 97], &mut cache);
+        for id in [11, 222, 33] {
+            step(vec![id], &mut cache);
+        }
+        out
+    }
+    let mut report = json!({});
+    let mut failures = Vec::new();
+    for (name, cfg) in [("tiny", TINY), ("smollm2_shapes", smol_like)] {
+        let path = std::env::temp_dir().join(format!("stoke-synthetic-{name}-{}.gguf", std::process::id()));
+        std::fs::write(&path, gguf(&cfg, &weights(&cfg, true, 5))).map_err(|e| e.to_string())?;
+        for (dname, dtype, tol) in [("f32", DType::F32, 1e-4), ("bf16", DType::BF16, 3e-2)] {
+            let want = run::<PlainCuda>(&path, dtype, false);
+            for pin in [false, true] {
+                let got = run::<StokeCuda>(&path, dtype, pin);
+                let err = reference::relative_error(&got, &want);
+                let key = format!("{name}_{dname}{}", if pin { "_pinned" } else { "" });
+                report[&key] = json!(err);
+                if !(err < tol) {
+                    failures.push(format!("{key}: {err:.3e}"));
+                }
+            }
+        }
+    }
+    if failures.is_empty() { Ok(report) } else { Err(format!("logits differ from burn-cuda: {failures:?}; all: {report}")) }
 }

@@ -20,5 +20,6 @@ gpu_tests!(
     residual_rms_norm_matches_reference,
     stream_crossing_1000_alternations,
     burn_nn_model_with_stoke_tensors,
+    synthetic_llama_stoke_matches_burn_cuda,
     smollm2_greedy_on_gpu,
 );

@@ -6,6 +6,7 @@ pub mod fetch;
 pub mod generate;
 pub mod load;
 pub mod model;
+pub mod synthetic;
 pub mod tokenizer;
 
 pub use config::LlamaConfig;

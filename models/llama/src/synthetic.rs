@@ -1,0 +1,147 @@
+//! Random-weight Llama models written as GGUF files, for tests of the model and its loader on
+//! any backend (no real checkpoint needed). Weights are kept in the Hugging Face layout, f64,
+//! so tests can run a plain reference forward over them.
+
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use stoke_formats::gguf::{GgmlType, Value, Writer};
+
+/// Sizes of a synthetic Llama.
+#[derive(Clone, Copy, Debug)]
+pub struct Tiny {
+    pub vocab: usize,
+    pub hidden: usize,
+    pub inter: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub theta: f64,
+    pub eps: f64,
+}
+
+/// The default tiny model: GQA (4 query heads on 2 key/value heads), 2 layers.
+pub const TINY: Tiny = Tiny { vocab: 300, hidden: 32, inter: 48, layers: 2, heads: 4, kv_heads: 2, head_dim: 8, theta: 10000.0, eps: 1e-5 };
+
+/// Weights in the Hugging Face layout (`[out, in]` row-major), f64.
+pub struct Weights {
+    pub embed: Vec<f64>,
+    pub head: Option<Vec<f64>>,
+    pub norm: Vec<f64>,
+    pub layers: Vec<[Vec<f64>; 9]>, // attn_norm, q, k, v, o, ffn_norm, gate, up, down
+}
+
+fn random(rng: &mut StdRng, n: usize, scale: f64) -> Vec<f64> {
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+/// Random weights; `tied` leaves out the output projection.
+pub fn weights(t: &Tiny, tied: bool, seed: u64) -> Weights {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (h, d) = (t.hidden, t.head_dim);
+    let layers = (0..t.layers)
+        .map(|_| {
+            [
+                (0..h).map(|_| rng.random_range(0.5..1.5)).collect(),
+                random(&mut rng, t.heads * d * h, 0.3),
+                random(&mut rng, t.kv_heads * d * h, 0.3),
+                random(&mut rng, t.kv_heads * d * h, 0.3),
+                random(&mut rng, h * t.heads * d, 0.3),
+                (0..h).map(|_| rng.random_range(0.5..1.5)).collect(),
+                random(&mut rng, t.inter * h, 0.3),
+                random(&mut rng, t.inter * h, 0.3),
+                random(&mut rng, h * t.inter, 0.3),
+            ]
+        })
+        .collect();
+    Weights {
+        embed: random(&mut rng, t.vocab * h, 1.0),
+        head: (!tied).then(|| random(&mut rng, t.vocab * h, 0.3)),
+        norm: (0..h).map(|_| rng.random_range(0.5..1.5)).collect(),
+        layers,
+    }
+}
+
+/// llama.cpp's permutation of q/k rows (the inverse of what the loader undoes).
+pub fn permute(w: &[f64], rows: usize, cols: usize, n_head: usize) -> Vec<f64> {
+    let half = rows / n_head / 2;
+    let mut out = vec![0.0; w.len()];
+    for hh in 0..n_head {
+        for j in 0..2 {
+            for i in 0..half {
+                let hf = (hh * 2 + j) * half + i; // HF row (h, j, i)
+                let gg = (hh * half + i) * 2 + j; // GGUF row (h, i, j)
+                out[gg * cols..(gg + 1) * cols].copy_from_slice(&w[hf * cols..(hf + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+/// GPT-2's byte-to-unicode table: the 256 single-byte tokens of a byte-level BPE vocabulary.
+pub fn byte_tokens() -> Vec<String> {
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut cs = bs.clone();
+    let mut n = 0;
+    for b in 0..256u32 {
+        if !bs.contains(&b) {
+            bs.push(b);
+            cs.push(256 + n);
+            n += 1;
+        }
+    }
+    let mut table = vec![String::new(); 256];
+    for (b, c) in bs.iter().zip(cs) {
+        table[*b as usize] = char::from_u32(c).unwrap().to_string();
+    }
+    table
+}
+
+fn f32_bytes(v: &[f64]) -> Vec<u8> {
+    v.iter().flat_map(|x| (*x as f32).to_le_bytes()).collect()
+}
+
+/// The model as GGUF bytes (F32 tensors, q/k rows in llama.cpp's order, a byte-level tokenizer).
+pub fn gguf(t: &Tiny, w: &Weights) -> Vec<u8> {
+    let (h, d) = (t.hidden as u64, t.head_dim as u64);
+    let mut tokens = byte_tokens();
+    while tokens.len() < t.vocab {
+        tokens.push(format!("<extra_{}>", tokens.len()));
+    }
+    let mut g = Writer::default()
+        .meta("general.architecture", Value::String("llama".into()))
+        .meta("llama.embedding_length", Value::U32(t.hidden as u32))
+        .meta("llama.feed_forward_length", Value::U32(t.inter as u32))
+        .meta("llama.block_count", Value::U32(t.layers as u32))
+        .meta("llama.attention.head_count", Value::U32(t.heads as u32))
+        .meta("llama.attention.head_count_kv", Value::U32(t.kv_heads as u32))
+        .meta("llama.rope.dimension_count", Value::U32(t.head_dim as u32))
+        .meta("llama.rope.freq_base", Value::F32(t.theta as f32))
+        .meta("llama.attention.layer_norm_rms_epsilon", Value::F32(t.eps as f32))
+        .meta("llama.context_length", Value::U32(256))
+        .meta("tokenizer.ggml.model", Value::String("gpt2".into()))
+        .meta("tokenizer.ggml.pre", Value::String("default".into()))
+        .meta("tokenizer.ggml.tokens", Value::Array(tokens.into_iter().map(Value::String).collect()))
+        .meta("tokenizer.ggml.merges", Value::Array(vec![]))
+        .meta("tokenizer.ggml.eos_token_id", Value::U32(299))
+        .tensor("token_embd.weight", &[h, t.vocab as u64], GgmlType::F32, f32_bytes(&w.embed))
+        .tensor("output_norm.weight", &[h], GgmlType::F32, f32_bytes(&w.norm));
+    if let Some(head) = &w.head {
+        g = g.tensor("output.weight", &[h, t.vocab as u64], GgmlType::F32, f32_bytes(head));
+    }
+    for (l, lw) in w.layers.iter().enumerate() {
+        let n = |s: &str| format!("blk.{l}.{s}.weight");
+        let (qh, kvh, inter) = (t.heads as u64 * d, t.kv_heads as u64 * d, t.inter as u64);
+        g = g
+            .tensor(&n("attn_norm"), &[h], GgmlType::F32, f32_bytes(&lw[0]))
+            .tensor(&n("attn_q"), &[h, qh], GgmlType::F32, f32_bytes(&permute(&lw[1], qh as usize, t.hidden, t.heads)))
+            .tensor(&n("attn_k"), &[h, kvh], GgmlType::F32, f32_bytes(&permute(&lw[2], kvh as usize, t.hidden, t.kv_heads)))
+            .tensor(&n("attn_v"), &[h, kvh], GgmlType::F32, f32_bytes(&lw[3]))
+            .tensor(&n("attn_output"), &[qh, h], GgmlType::F32, f32_bytes(&lw[4]))
+            .tensor(&n("ffn_norm"), &[h], GgmlType::F32, f32_bytes(&lw[5]))
+            .tensor(&n("ffn_gate"), &[h, inter], GgmlType::F32, f32_bytes(&lw[6]))
+            .tensor(&n("ffn_up"), &[h, inter], GgmlType::F32, f32_bytes(&lw[7]))
+            .tensor(&n("ffn_down"), &[inter, h], GgmlType::F32, f32_bytes(&lw[8]));
+    }
+    g.to_bytes()
+}
+
