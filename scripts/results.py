@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Merges one GPU run's JSON files into a committed results file and renders docs/RESULTS.md.
 
-Usage: scripts/results.py RUN_DIR results/NAME.json
+Usage: scripts/results.py RUN_DIR results/NAME.json [results/EXTRA.json ...]
 RUN_DIR holds what scripts/gpu-run.sh wrote: gpu-tests.json, bench.json, torch-rms.json, gpu.txt.
 Docs quote only numbers that come from a committed results file, so RESULTS.md is generated.
 """
@@ -36,7 +36,34 @@ def torch_best(torch, rows, hidden, dtype, impls):
     return best
 
 
-def render(res, results_path):
+def render_llama(w, res, path):
+    m = res["meta"]
+    w(f"## SmolLM2-135M-Instruct: the baseline ([`{path}`](../{path}), commit `{m['commit']}`, {m['date_utc']})")
+    w("")
+    if m.get("note"):
+        w(f"Note: {m['note']}")
+        w("")
+    w("Greedy generation through `stoke_llama::generate`, weights dequantized from the GGUF at load. Stoke<Cuda> routes only")
+    w("RMSNorm to its kernel so far; every other op is burn-cuda's, and each RMSNorm crosses between the two streams")
+    w("(see the crossing costs). Median of 3 runs after a warm-up.")
+    w("")
+    w("| backend | dtype | batch | prompt tokens | prefill tokens/s | decode tokens/s | decode step ms | load s |")
+    w("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in res["llama"]["runs"]:
+        w(f"| {r['backend']} | {r['dtype']} | {r['batch']} | {r['prompt_tokens']} | {r['prefill_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.1f} | {r['decode_step_ms']:.2f} | {r['load_s']:.2f} |")
+    w("")
+    if res.get("gpu_tests"):
+        w("GPU tests in that run:")
+        w("")
+        w("| test | status | details |")
+        w("| --- | --- | --- |")
+        for t in res["gpu_tests"]:
+            details = t["message"] or json.dumps(t["details"])
+            w(f"| {t['name']} | {t['status']} | `{details[:300]}` |")
+        w("")
+
+
+def render(res, results_path, extras=()):
     m, b = res["meta"], res["bench"]
     out = []
     w = out.append
@@ -126,17 +153,9 @@ def render(res, results_path):
         w(f"| [{c['rows']}, {c['hidden']}] | {c['stoke_us']:.0f} | {c['burn_cuda_us']:.0f} | {c['speedup']:.1f}x |")
     w("")
     if res.get("llama"):
-        w(f"## SmolLM2-135M-Instruct ({res['llama']['model']}): the baseline")
-        w("")
-        w("Greedy generation through `stoke_llama::generate`, weights dequantized from the GGUF at load. Stoke<Cuda> routes only")
-        w("RMSNorm to its kernel so far; every other op is burn-cuda's, and each RMSNorm crosses between the two streams")
-        w("(see the crossing costs above). Median of 3 runs after a warm-up.")
-        w("")
-        w("| backend | dtype | batch | prompt tokens | prefill tokens/s | decode tokens/s | decode step ms | load s |")
-        w("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for r in res["llama"]["runs"]:
-            w(f"| {r['backend']} | {r['dtype']} | {r['batch']} | {r['prompt_tokens']} | {r['prefill_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.1f} | {r['decode_step_ms']:.2f} | {r['load_s']:.2f} |")
-        w("")
+        render_llama(w, res, results_path)
+    for path in extras:
+        render_llama(w, json.loads(Path(path).read_text()), path)
     w("## Kernel resources (ptxas, as loaded in this run)")
     w("")
     w("| file | entry | registers | shared bytes | stack | spills (st/ld) |")
@@ -148,11 +167,11 @@ def render(res, results_path):
 
 
 def main():
-    run, dest = sys.argv[1], sys.argv[2]
+    run, dest, extras = sys.argv[1], sys.argv[2], sys.argv[3:]
     res = merge(run)
     Path(dest).parent.mkdir(parents=True, exist_ok=True)
     Path(dest).write_text(json.dumps(res, indent=1) + "\n")
-    Path("docs/RESULTS.md").write_text(render(res, dest))
+    Path("docs/RESULTS.md").write_text(render(res, dest, extras))
     print(f"wrote {dest} and docs/RESULTS.md")
 
 
