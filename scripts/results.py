@@ -36,6 +36,15 @@ def torch_best(torch, rows, hidden, dtype, impls):
     return best
 
 
+def render_tests(w, tests, max_details=None):
+    w("| test | status | seconds | details |")
+    w("| --- | --- | ---: | --- |")
+    for t in tests:
+        details = t["message"] or json.dumps(t["details"])
+        w(f"| {t['name']} | {t['status']} | {t['seconds']:.1f} | `{details[:max_details]}` |")
+    w("")
+
+
 def render_llama(w, res, path):
     m = res["meta"]
     w(f"## SmolLM2-135M-Instruct: the baseline ([`{path}`](../{path}), commit `{m['commit']}`, {m['date_utc']})")
@@ -55,12 +64,7 @@ def render_llama(w, res, path):
     if res.get("gpu_tests"):
         w("GPU tests in that run:")
         w("")
-        w("| test | status | details |")
-        w("| --- | --- | --- |")
-        for t in res["gpu_tests"]:
-            details = t["message"] or json.dumps(t["details"])
-            w(f"| {t['name']} | {t['status']} | `{details[:300]}` |")
-        w("")
+        render_tests(w, res["gpu_tests"], max_details=300)
 
 
 def render(res, results_path, extras=()):
@@ -94,12 +98,7 @@ def render(res, results_path, extras=()):
     w("")
     w("## GPU tests")
     w("")
-    w("| test | status | seconds | details |")
-    w("| --- | --- | ---: | --- |")
-    for t in res["gpu_tests"]:
-        details = t["message"] or json.dumps(t["details"])
-        w(f"| {t['name']} | {t['status']} | {t['seconds']:.1f} | `{details}` |")
-    w("")
+    render_tests(w, res["gpu_tests"])
     w("## RMSNorm kernel")
     w("")
     w("Stoke: kernel time per call from a CUDA graph of back-to-back launches (inputs rotated so they come from HBM),")
