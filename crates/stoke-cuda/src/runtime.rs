@@ -22,6 +22,8 @@ pub enum Unavailable {
     Arch { ordinal: usize, name: String, major: i32, minor: i32 },
     #[error("Stoke's kernels are disabled by STOKE_DISABLE")]
     Disabled,
+    #[error("the inner backend is not burn-cuda")]
+    InnerBackend,
 }
 
 /// A compiled kernel entry point.

@@ -9,7 +9,7 @@ use cubecl::cuda::CudaRuntime;
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
-use stoke_cuda::{DeviceBuffer, Runtime};
+use stoke_cuda::{DeviceBuffer, Runtime, Unavailable};
 
 type Cube = CubeTensor<CudaRuntime>;
 
@@ -28,28 +28,32 @@ fn from_cube<I: Backend>(t: Cube) -> I::FloatTensorPrimitive {
     *boxed.downcast::<I::FloatTensorPrimitive>().expect("inner float primitive is a burn-cuda tensor")
 }
 
-/// Stoke's runtime for `device`, or `None` when Stoke's kernels can't run there (the inner
-/// backend is not burn-cuda, no driver, not a Hopper GPU, `STOKE_DISABLE` set). The reason is
-/// logged once per device at `warn` level.
-pub fn runtime_for<I: Backend>(device: &I::Device) -> Option<Arc<Runtime>> {
+/// Stoke's runtime for `device`, or why Stoke's kernels can't run there (the inner backend is
+/// not burn-cuda, no driver, not a Hopper GPU, `STOKE_DISABLE` set). Opened once per device;
+/// the reason is logged once, at `warn` level, when the inner backend is burn-cuda.
+pub fn runtime_status<I: Backend>(device: &I::Device) -> Result<Arc<Runtime>, Unavailable> {
     if !inner_is_cuda::<I>() {
-        return None;
+        return Err(Unavailable::InnerBackend);
     }
-    static RUNTIMES: OnceLock<Mutex<HashMap<usize, Option<Arc<Runtime>>>>> = OnceLock::new();
+    static RUNTIMES: OnceLock<Mutex<HashMap<usize, Result<Arc<Runtime>, Unavailable>>>> = OnceLock::new();
     let ordinal = device.id().index_id as usize;
     let mut map = RUNTIMES.get_or_init(Default::default).lock().unwrap();
     map.entry(ordinal)
-        .or_insert_with(|| match Runtime::new(ordinal) {
-            Ok(rt) => {
-                tracing::info!("stoke: kernels enabled on GPU {ordinal} ({}, {})", rt.name, rt.arch);
-                Some(rt)
+        .or_insert_with(|| {
+            let rt = Runtime::new(ordinal);
+            match &rt {
+                Ok(rt) => tracing::info!("stoke: kernels enabled on GPU {ordinal} ({}, {})", rt.name, rt.arch),
+                Err(reason) => tracing::warn!("stoke: falling back to the inner backend on GPU {ordinal}: {reason}"),
             }
-            Err(reason) => {
-                tracing::warn!("stoke: falling back to the inner backend on GPU {ordinal}: {reason}");
-                None
-            }
+            rt
         })
         .clone()
+}
+
+/// Stoke's runtime for `device`, or `None` where Stoke's kernels can't run (see
+/// [`runtime_status`] for why).
+pub fn runtime_for<I: Backend>(device: &I::Device) -> Option<Arc<Runtime>> {
+    runtime_status::<I>(device).ok()
 }
 
 /// Fatal CUDA failure inside an op that Burn's API gives no error channel for.
