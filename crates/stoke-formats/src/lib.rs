@@ -3,4 +3,5 @@
 
 pub mod bf16;
 pub mod gguf;
+pub mod int4;
 pub mod reference;

@@ -1,0 +1,354 @@
+//! Group-wise INT4 weights in the tensor-core fragment order Stoke's W4A16 kernels read.
+//! The packer in this module is the specification; `docs/INT4_FORMAT.md` draws it.
+//!
+//! A weight `W` of `k` input rows and `n` output columns (`y = x W`, Burn's Linear layout) is
+//! split into groups of `group` consecutive rows per column. Every element is an unsigned
+//! nibble `q` in 0..=15 and its group has a scale `d` and an offset `m`:
+//!
+//! ```text
+//!     w = d * q + m          (asymmetric: GGUF Q4_1, AWQ/GPTQ zero points)
+//!     w = d * (q - 8)        (symmetric: RTN, GPTQ, GGUF Q4_0), i.e. m = -8 d, exact
+//! ```
+//!
+//! so the kernel's inner loop is the same for both: `q` becomes a 16-bit float `q` exactly
+//! (magic-number LOP3 and one subtraction), then one fused multiply-add with the group's `d`
+//! and `m`. Scales and offsets are stored as raw 16-bit patterns of `scale_dtype` (bf16 or f16:
+//! GGUF's f16 scales load exactly).
+//!
+//! Nibble order. `mma.sync.m16n8k16` takes B as 16x8 (k x n) tiles; lane `l` of a warp
+//! (`g = l / 4`, `t = l % 4`) holds column `g`, rows `2t, 2t+1` in register `b0` and rows
+//! `2t+8, 2t+9` in `b1` (PTX ISA, "Matrix Fragments for mma.m16n8k16"). One 32-bit word per lane
+//! covers a 16x16 tile (two n-tiles, so four registers):
+//!
+//! ```text
+//!     bits  0..4 | 16..20  -> n-tile 0, b0: rows 2t, 2t+1    (column g)
+//!     bits  4..8 | 20..24  -> n-tile 0, b1: rows 2t+8, 2t+9  (column g)
+//!     bits  8..12| 24..28  -> n-tile 1, b0: rows 2t, 2t+1    (column 8+g)
+//!     bits 12..16| 28..32  -> n-tile 1, b1: rows 2t+8, 2t+9  (column 8+g)
+//! ```
+//!
+//! so `(word >> 4i) & 0x000f000f` is register `i`'s two values, low half first. Words are
+//! stored tile-major: for each 16-row k-tile, for each group of four 16-column tiles, the 32
+//! lanes' four words in a row, so a lane fetches four tiles' words with one 16-byte load:
+//! `words[((kt * (n / 64) + nq) * 32 + lane) * 4 + j]` for column tile `nt = 4 nq + j`.
+//! `k` must be a multiple of 16 and `n` of 64 (callers pad); `group` a multiple of 16 dividing
+//! `k`.
+
+/// The 16-bit float type of scales and offsets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleType {
+    Bf16,
+    F16,
+}
+
+impl ScaleType {
+    pub fn to_f32(self, bits: u16) -> f32 {
+        match self {
+            ScaleType::Bf16 => half::bf16::from_bits(bits).to_f32(),
+            ScaleType::F16 => half::f16::from_bits(bits).to_f32(),
+        }
+    }
+    pub fn from_f32(self, v: f32) -> u16 {
+        match self {
+            ScaleType::Bf16 => half::bf16::from_f32(v).to_bits(),
+            ScaleType::F16 => half::f16::from_f32(v).to_bits(),
+        }
+    }
+}
+
+/// A packed INT4 weight.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedInt4 {
+    pub k: usize,
+    pub n: usize,
+    pub group: usize,
+    pub scale_type: ScaleType,
+    /// `[k / group, n]` row-major.
+    pub scales: Vec<u16>,
+    /// `[k / group, n]` row-major; `None` for symmetric weights (offset = -8 x scale).
+    pub offsets: Option<Vec<u16>>,
+    /// `k * n / 8` words in fragment order (see the module docs).
+    pub words: Vec<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Int4Error {
+    #[error("INT4 weight of {k} x {n}: k must be a multiple of 16 and n of 64")]
+    Shape { k: usize, n: usize },
+    #[error("INT4 group size {group} must be a multiple of 16 that divides k = {k}")]
+    Group { group: usize, k: usize },
+    #[error("INT4 {what} has {actual} values, expected {expected}")]
+    Len { what: &'static str, expected: usize, actual: usize },
+    #[error("INT4 value {value} at ({row}, {col}) is outside 0..=15")]
+    Range { row: usize, col: usize, value: u8 },
+}
+
+/// Position of element `(row, col)`: (word index, bit shift of its nibble).
+pub fn nibble_position(n: usize, row: usize, col: usize) -> (usize, u32) {
+    let (kt, r) = (row / 16, row % 16);
+    let (nt, c) = (col / 16, col % 16);
+    let (nq, j) = (nt / 4, nt % 4);
+    let (half, g) = (c / 8, c % 8); // which n-tile of the pair, and the fragment column
+    let (reg_k, t, hi) = (r / 8, (r % 8) / 2, r % 2); // b0 or b1, thread in group, second value
+    let lane = g * 4 + t;
+    let reg = half * 2 + reg_k;
+    let word = ((kt * (n / 64) + nq) * 32 + lane) * 4 + j;
+    (word, reg as u32 * 4 + hi as u32 * 16)
+}
+
+fn check_shape(k: usize, n: usize, group: usize) -> Result<(), Int4Error> {
+    if k % 16 != 0 || n % 64 != 0 || k == 0 || n == 0 {
+        return Err(Int4Error::Shape { k, n });
+    }
+    if group == 0 || group % 16 != 0 || k % group != 0 {
+        return Err(Int4Error::Group { group, k });
+    }
+    Ok(())
+}
+
+impl PackedInt4 {
+    /// Packs unsigned nibbles `q` (`[k, n]` row-major, values 0..=15) with their groups' scales
+    /// and offsets (`None`: symmetric).
+    pub fn pack(
+        q: &[u8],
+        k: usize,
+        n: usize,
+        group: usize,
+        scale_type: ScaleType,
+        scales: Vec<u16>,
+        offsets: Option<Vec<u16>>,
+    ) -> Result<Self, Int4Error> {
+        check_shape(k, n, group)?;
+        let len = |what, expected: usize, actual: usize| if expected == actual { Ok(()) } else { Err(Int4Error::Len { what, expected, actual }) };
+        len("q", k * n, q.len())?;
+        len("scales", k / group * n, scales.len())?;
+        if let Some(o) = &offsets {
+            len("offsets", k / group * n, o.len())?;
+        }
+        let mut words = vec![0u32; k * n / 8];
+        for row in 0..k {
+            for col in 0..n {
+                let v = q[row * n + col];
+                if v > 15 {
+                    return Err(Int4Error::Range { row, col, value: v });
+                }
+                let (w, shift) = nibble_position(n, row, col);
+                words[w] |= (v as u32) << shift;
+            }
+        }
+        Ok(Self { k, n, group, scale_type, scales, offsets, words })
+    }
+
+    /// The exact inverse of [`PackedInt4::pack`]'s nibble placement: `q` as `[k, n]`.
+    pub fn unpack_q(&self) -> Vec<u8> {
+        let mut q = vec![0u8; self.k * self.n];
+        for row in 0..self.k {
+            for col in 0..self.n {
+                let (w, shift) = nibble_position(self.n, row, col);
+                q[row * self.n + col] = ((self.words[w] >> shift) & 0xF) as u8;
+            }
+        }
+        q
+    }
+
+    /// Scale and offset of the group holding `(row, col)`, as f32.
+    pub fn group_params(&self, row: usize, col: usize) -> (f32, f32) {
+        let i = (row / self.group) * self.n + col;
+        let d = self.scale_type.to_f32(self.scales[i]);
+        let m = match &self.offsets {
+            Some(o) => self.scale_type.to_f32(o[i]),
+            None => -8.0 * d,
+        };
+        (d, m)
+    }
+
+    /// The weight as f32 `[k, n]`: `d * q + m` per element, computed in f32 (the reference the
+    /// kernels are tested against).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let q = self.unpack_q();
+        let mut out = vec![0f32; self.k * self.n];
+        for row in 0..self.k {
+            for col in 0..self.n {
+                let (d, m) = self.group_params(row, col);
+                out[row * self.n + col] = d * q[row * self.n + col] as f32 + m;
+            }
+        }
+        out
+    }
+
+    /// Bytes the kernel reads: packed words plus scales (and offsets).
+    pub fn bytes(&self) -> usize {
+        self.words.len() * 4 + self.scales.len() * 2 + self.offsets.as_ref().map_or(0, |o| o.len() * 2)
+    }
+}
+
+/// Round-to-nearest symmetric quantization of `w` (`[k, n]` row-major, f32): per group of
+/// `group` rows and per column, `scale = amax / 7`, `q = clamp(round(w / scale), -8, 7) + 8`.
+/// The scale is rounded to `scale_type` first, and `q` computed with the rounded scale.
+pub fn quantize_rtn(w: &[f32], k: usize, n: usize, group: usize, scale_type: ScaleType) -> Result<PackedInt4, Int4Error> {
+    check_shape(k, n, group)?;
+    if w.len() != k * n {
+        return Err(Int4Error::Len { what: "w", expected: k * n, actual: w.len() });
+    }
+    let groups = k / group;
+    let mut scales = vec![0u16; groups * n];
+    let mut q = vec![0u8; k * n];
+    for gi in 0..groups {
+        for col in 0..n {
+            let rows = gi * group..(gi + 1) * group;
+            let amax = rows.clone().map(|r| w[r * n + col].abs()).fold(0f32, f32::max);
+            let bits = scale_type.from_f32(amax / 7.0);
+            scales[gi * n + col] = bits;
+            let d = scale_type.to_f32(bits);
+            for r in rows {
+                let v = if d > 0.0 { (w[r * n + col] / d).round().clamp(-8.0, 7.0) } else { 0.0 };
+                q[r * n + col] = (v as i32 + 8) as u8;
+            }
+        }
+    }
+    PackedInt4::pack(&q, k, n, group, scale_type, scales, None)
+}
+
+/// GGUF Q4_0 / Q4_1 blocks of a `[n, k]` (out x in) matrix, loaded into the kernel format
+/// without re-quantization: each 32-value block along `k` is one group of its column (`x W`
+/// layout transposes the file's rows), the block's f16 `d` (and `m`) kept bit for bit.
+/// `asymmetric`: Q4_1 (`d * q + m`); otherwise Q4_0 (`d * (q - 8)`).
+pub fn from_gguf_q4(raw: &[u8], out_features: usize, in_features: usize, asymmetric: bool) -> Result<PackedInt4, Int4Error> {
+    let (k, n, group) = (in_features, out_features, 32);
+    check_shape(k, n, group)?;
+    let block = if asymmetric { 20 } else { 18 };
+    let blocks_per_row = k / 32;
+    let expected = n * blocks_per_row * block;
+    if raw.len() != expected {
+        return Err(Int4Error::Len { what: "GGUF Q4 bytes", expected, actual: raw.len() });
+    }
+    let mut q = vec![0u8; k * n];
+    let mut scales = vec![0u16; (k / group) * n];
+    let mut offsets = asymmetric.then(|| vec![0u16; (k / group) * n]);
+    for col in 0..n {
+        for b in 0..blocks_per_row {
+            let blk = &raw[(col * blocks_per_row + b) * block..][..block];
+            scales[b * n + col] = u16::from_le_bytes([blk[0], blk[1]]);
+            let qs = if asymmetric {
+                offsets.as_mut().unwrap()[b * n + col] = u16::from_le_bytes([blk[2], blk[3]]);
+                &blk[4..20]
+            } else {
+                &blk[2..18]
+            };
+            // Byte j holds element j (low nibble) and element j + 16 (high nibble).
+            for (j, &byte) in qs.iter().enumerate() {
+                q[(b * 32 + j) * n + col] = byte & 0xF;
+                q[(b * 32 + j + 16) * n + col] = byte >> 4;
+            }
+        }
+    }
+    PackedInt4::pack(&q, k, n, group, ScaleType::F16, scales, offsets)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> u32 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (*seed >> 33) as u32
+    }
+
+    #[test]
+    fn every_nibble_has_its_own_place() {
+        let (k, n) = (64, 128);
+        let mut seen = vec![false; k * n * 4];
+        for row in 0..k {
+            for col in 0..n {
+                let (w, s) = nibble_position(n, row, col);
+                assert!(s % 4 == 0 && s < 32);
+                let slot = w * 8 + (s / 4) as usize;
+                assert!(!seen[slot], "({row}, {col}) collides");
+                seen[slot] = true;
+            }
+        }
+        assert!(seen.iter().take(k * n).all(|&b| b));
+    }
+
+    #[test]
+    fn fragment_registers_hold_the_mma_b_layout() {
+        // Lane l = 4g + t, register i = 2*half + reg_k: rows 2t(+8) and 2t+1(+8), column 8*half + g.
+        let n = 64;
+        for lane in 0..32 {
+            let (g, t) = (lane / 4, lane % 4);
+            for reg in 0..4u32 {
+                let (half, reg_k) = ((reg / 2) as usize, (reg % 2) as usize);
+                let col = 8 * half + g;
+                let lo_row = 2 * t + 8 * reg_k;
+                assert_eq!(nibble_position(n, lo_row, col), (lane * 4, reg * 4));
+                assert_eq!(nibble_position(n, lo_row + 1, col), (lane * 4, reg * 4 + 16));
+            }
+        }
+    }
+
+    #[test]
+    fn pack_and_unpack_round_trip() {
+        let mut seed = 1;
+        for &(k, n, group) in &[(16, 64, 16), (576, 128, 64), (256, 192, 128)] {
+            let q: Vec<u8> = (0..k * n).map(|_| (lcg(&mut seed) % 16) as u8).collect();
+            let scales: Vec<u16> = (0..k / group * n).map(|i| half::bf16::from_f32(0.01 + i as f32 * 1e-4).to_bits()).collect();
+            let p = PackedInt4::pack(&q, k, n, group, ScaleType::Bf16, scales, None).unwrap();
+            assert_eq!(p.unpack_q(), q);
+            assert_eq!(p.words.len(), k * n / 8);
+        }
+    }
+
+    #[test]
+    fn rtn_error_is_within_half_a_step() {
+        let (k, n, group) = (128, 64, 64);
+        let mut seed = 7;
+        let w: Vec<f32> = (0..k * n).map(|_| lcg(&mut seed) as f32 / u32::MAX as f32 - 0.25).collect();
+        let p = quantize_rtn(&w, k, n, group, ScaleType::Bf16).unwrap();
+        let dq = p.dequantize();
+        for row in 0..k {
+            for col in 0..n {
+                let (d, _) = p.group_params(row, col);
+                let err = (dq[row * n + col] - w[row * n + col]).abs();
+                // Half a step, plus the clamp of the positive extreme (+8 is not representable).
+                assert!(err <= 0.5 * d + 1e-6 || w[row * n + col] > 7.0 * d, "({row},{col}) err {err} step {d}");
+            }
+        }
+    }
+
+    #[test]
+    fn gguf_q4_blocks_load_exactly() {
+        use crate::gguf::{GgmlType, dequantize_into};
+        let (out_f, in_f) = (64, 64);
+        let mut seed = 3;
+        for asym in [false, true] {
+            let block = if asym { 20 } else { 18 };
+            let mut raw = Vec::new();
+            for _ in 0..out_f * in_f / 32 {
+                raw.extend(half::f16::from_f32(0.01 + (lcg(&mut seed) % 100) as f32 * 1e-3).to_le_bytes());
+                if asym {
+                    raw.extend(half::f16::from_f32(-0.1 + (lcg(&mut seed) % 100) as f32 * 1e-3).to_le_bytes());
+                }
+                raw.extend((0..16).map(|_| (lcg(&mut seed) % 256) as u8));
+            }
+            assert_eq!(raw.len(), out_f * in_f / 32 * block);
+            let p = from_gguf_q4(&raw, out_f, in_f, asym).unwrap();
+            let mut file_order = Vec::new(); // [out, in]
+            dequantize_into(if asym { GgmlType::Q4_1 } else { GgmlType::Q4_0 }, &raw, &mut file_order);
+            let dq = p.dequantize(); // [in, out]
+            for o in 0..out_f {
+                for i in 0..in_f {
+                    assert_eq!(dq[i * out_f + o], file_order[o * in_f + i], "asym={asym} ({o}, {i})");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_shapes_and_values_are_errors() {
+        assert!(matches!(PackedInt4::pack(&[0; 16 * 32], 16, 32, 16, ScaleType::Bf16, vec![0; 32], None), Err(Int4Error::Shape { .. })));
+        assert!(matches!(PackedInt4::pack(&[0; 48 * 64], 48, 64, 32, ScaleType::Bf16, vec![0; 64], None), Err(Int4Error::Group { .. })));
+        let mut q = vec![0u8; 16 * 64];
+        q[5] = 16;
+        assert!(matches!(PackedInt4::pack(&q, 16, 64, 16, ScaleType::Bf16, vec![0; 64], None), Err(Int4Error::Range { row: 0, col: 5, .. })));
+    }
+}
