@@ -83,6 +83,13 @@ struct Args {
     /// Context length to allocate the KV cache for (prompt + new tokens must fit).
     #[arg(long, default_value_t = 1024)]
     context: usize,
+    /// Instead of generating, report perplexity on this text file: the first `--windows`
+    /// non-overlapping windows of `--context` tokens (no BOS).
+    #[arg(long)]
+    perplexity: Option<PathBuf>,
+    /// Windows for `--perplexity`.
+    #[arg(long, default_value_t = 6)]
+    windows: usize,
 }
 
 fn main() {
@@ -118,6 +125,16 @@ fn generate_on<B: FusedOps>(args: &Args, path: &PathBuf, dtype: DType, device: B
     B::sync(&device)?;
     let load = t0.elapsed();
     eprintln!("{} on {}: loaded in {:.2} s ({:?})", path.display(), B::name(&device), load.as_secs_f64(), dtype);
+    if let Some(file) = &args.perplexity {
+        let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
+        let t1 = Instant::now();
+        let p = stoke_llama::eval::perplexity(&loaded.model, &loaded.tokenizer, &text, args.context, args.windows, dtype, &device)?;
+        println!(
+            "perplexity {:.3} (mean NLL {:.5}) over {} tokens in {} windows of {} ({:.1} s)",
+            p.perplexity, p.mean_nll, p.predicted_tokens, p.windows, args.context, t1.elapsed().as_secs_f64()
+        );
+        return Ok(());
+    }
     let cfg = SamplingConfig {
         temperature: args.temperature,
         top_k: args.top_k,

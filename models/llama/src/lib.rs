@@ -2,6 +2,7 @@
 //! its loaders and generation follow in this crate).
 
 pub mod config;
+pub mod eval;
 pub mod fetch;
 pub mod generate;
 pub mod load;
