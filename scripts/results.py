@@ -45,6 +45,19 @@ def render_tests(w, tests, max_details=None):
     w("")
 
 
+def render_quality(w, res, path):
+    m = res["meta"]
+    w(f"## Model quality ([`{path}`](../{path}), commit `{m['commit']}`, {m['date_utc']}, {m['machine']})")
+    w("")
+    w(f"`{m['command']}`")
+    w("")
+    w("| model | weights | text | windows x tokens | predicted tokens | perplexity | reference |")
+    w("| --- | --- | --- | --- | ---: | ---: | --- |")
+    for q in res["quality"]:
+        w(f"| {q['model']} | {q['weights']} | {q['text']} | {q['windows']} x {q['window_tokens']} | {q['predicted_tokens']} | {q['perplexity']:.3f} | {q['reference_perplexity']:.3f} ({q['reference']}) |")
+    w("")
+
+
 def render_llama(w, res, path):
     m = res["meta"]
     w(f"## SmolLM2-135M-Instruct: the baseline ([`{path}`](../{path}), commit `{m['commit']}`, {m['date_utc']})")
@@ -154,7 +167,11 @@ def render(res, results_path, extras=()):
     if res.get("llama"):
         render_llama(w, res, results_path)
     for path in extras:
-        render_llama(w, json.loads(Path(path).read_text()), path)
+        extra = json.loads(Path(path).read_text())
+        if "quality" in extra:
+            render_quality(w, extra, path)
+        else:
+            render_llama(w, extra, path)
     w("## Kernel resources (ptxas, as loaded in this run)")
     w("")
     w("| file | entry | registers | shared bytes | stack | spills (st/ld) |")
