@@ -117,7 +117,7 @@ def render(res, results_path, extras=()):
     w("Stoke: kernel time per call from a CUDA graph of back-to-back launches (inputs rotated so they come from HBM),")
     w("effective bandwidth over x read + gamma read + out written, against the same-run copy rate; `stream` is the same")
     w("launches issued one by one (bound by host launch rate for small shapes). burn-cuda: the same op as a composition")
-    w("of burn-cuda ops (wall-clock). PyTorch (same GPU, same session): `F.rms_norm` and the best `torch.compile`d form,")
+    w("of burn-cuda ops (wall-clock). PyTorch (same GPU, same run): `F.rms_norm` and the best `torch.compile`d form,")
     w("both replayed from CUDA graphs.")
     w("")
     w("`copy µs` is a device-to-device copy of the same bytes (x to out), timed the same way: the floor for that size.")

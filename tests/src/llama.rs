@@ -61,7 +61,7 @@ fn speed<B: FusedOps>(path: &PathBuf, dtype: DType, batch: usize, prompt_tokens:
     })
 }
 
-/// The baseline the kernel issues will beat: SmolLM2 through burn-cuda and `Stoke<Cuda>` (only
+/// The baseline that Stoke's GEMM and attention kernels are measured against: SmolLM2 through burn-cuda and `Stoke<Cuda>` (only
 /// the RMSNorm kernel so far), bf16 and f32, batch 1 and 8.
 pub fn bench() -> Result<Value, String> {
     let path = model_path()?;
