@@ -90,6 +90,19 @@ struct Args {
     /// Windows for `--perplexity`.
     #[arg(long, default_value_t = 6)]
     windows: usize,
+    /// Re-quantize every projection to INT4 with round-to-nearest in groups of this many inputs
+    /// (simulated: the dequantized values are used), to measure the quantizer's quality cost.
+    #[arg(long)]
+    rtn_group: Option<usize>,
+    /// Scale type for `--rtn-group`: bf16 (default) or f16.
+    #[arg(long, value_enum, default_value_t = ScaleArg::Bf16)]
+    rtn_scale: ScaleArg,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum ScaleArg {
+    Bf16,
+    F16,
 }
 
 fn main() {
@@ -121,6 +134,13 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
 fn generate_on<B: FusedOps>(args: &Args, path: &PathBuf, dtype: DType, device: B::Device) -> Result<(), Box<dyn std::error::Error>> {
     let t0 = Instant::now();
     let mut loaded = stoke_llama::load::load::<B>(path, &device, dtype, args.context)?;
+    if let Some(group) = args.rtn_group {
+        let scale = match args.rtn_scale {
+            ScaleArg::Bf16 => stoke_formats::int4::ScaleType::Bf16,
+            ScaleArg::F16 => stoke_formats::int4::ScaleType::F16,
+        };
+        loaded.model = stoke_llama::quant::simulate_rtn(loaded.model, group, scale)?;
+    }
     loaded.model = loaded.model.pinned();
     B::sync(&device)?;
     let load = t0.elapsed();

@@ -7,6 +7,7 @@ pub mod fetch;
 pub mod generate;
 pub mod load;
 pub mod model;
+pub mod quant;
 pub mod synthetic;
 pub mod tokenizer;
 
