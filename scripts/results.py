@@ -51,10 +51,10 @@ def render_quality(w, res, path):
     w("")
     w(f"`{m['command']}`")
     w("")
-    w("| model | weights | text | windows x tokens | predicted tokens | perplexity | reference |")
-    w("| --- | --- | --- | --- | ---: | ---: | --- |")
+    w("| model | weights | text | windows x tokens | predicted tokens | perplexity | reference | commit |")
+    w("| --- | --- | --- | --- | ---: | ---: | --- | --- |")
     for q in res["quality"]:
-        w(f"| {q['model']} | {q['weights']} | {q['text']} | {q['windows']} x {q['window_tokens']} | {q['predicted_tokens']} | {q['perplexity']:.3f} | {q['reference_perplexity']:.3f} ({q['reference']}) |")
+        w(f"| {q['model']} | {q['weights']} | {q['text']} | {q['windows']} x {q['window_tokens']} | {q['predicted_tokens']} | {q['perplexity']:.3f} | {q['reference_perplexity']:.3f} ({q['reference']}) | `{q.get('commit', m['commit'])}` |")
     w("")
 
 
