@@ -3,5 +3,6 @@
 
 pub mod bf16;
 pub mod gguf;
+pub mod gptq;
 pub mod int4;
 pub mod reference;

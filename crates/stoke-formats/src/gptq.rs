@@ -1,0 +1,228 @@
+//! GPTQ (Frantar et al., 2022) into the INT4 format of [`crate::int4`]: weights quantized one
+//! input row at a time, each row's rounding error pushed onto the rows not yet quantized
+//! through the inverse Hessian of the layer's calibration inputs, so the layer's *output* error
+//! `‖X W − X Ŵ‖` is what gets minimized, not the weight error.
+//!
+//! Everything is f64. Groups are static: each group's scale comes from the original weights
+//! (as RTN's would), so activation reordering cannot change which rows share a scale.
+
+use crate::int4::{Int4Error, PackedInt4, ScaleType};
+
+#[derive(Clone, Copy, Debug)]
+pub struct GptqConfig {
+    pub group: usize,
+    /// Added to the Hessian's diagonal, as a fraction of its mean (0.01 is customary).
+    pub damp: f64,
+    /// Quantize input rows in order of decreasing Hessian diagonal.
+    pub act_order: bool,
+    pub scale_type: ScaleType,
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GptqError {
+    #[error(transparent)]
+    Int4(#[from] Int4Error),
+    #[error("Hessian has {actual} values, expected {k} x {k}")]
+    Hessian { k: usize, actual: usize },
+    #[error("the damped Hessian is not positive definite (raise the damping)")]
+    NotPositiveDefinite,
+}
+
+/// Accumulates `H = Σ xᵀx` over calibration input rows `x` (`[rows, k]` row-major).
+pub fn accumulate_hessian(h: &mut [f64], x: &[f32], k: usize) {
+    assert_eq!(h.len(), k * k);
+    for row in x.chunks_exact(k) {
+        for i in 0..k {
+            let xi = row[i] as f64;
+            if xi == 0.0 {
+                continue;
+            }
+            let hr = &mut h[i * k..(i + 1) * k];
+            for (j, &xj) in row.iter().enumerate() {
+                hr[j] += xi * xj as f64;
+            }
+        }
+    }
+}
+
+/// In-place lower Cholesky factor `L` (`A = L Lᵀ`) of the symmetric positive definite `a`.
+fn cholesky(a: &mut [f64], k: usize) -> Result<(), GptqError> {
+    for j in 0..k {
+        let mut d = a[j * k + j];
+        for p in 0..j {
+            d -= a[j * k + p] * a[j * k + p];
+        }
+        if d <= 0.0 || !d.is_finite() {
+            return Err(GptqError::NotPositiveDefinite);
+        }
+        let d = d.sqrt();
+        a[j * k + j] = d;
+        for i in j + 1..k {
+            let mut s = a[i * k + j];
+            for p in 0..j {
+                s -= a[i * k + p] * a[j * k + p];
+            }
+            a[i * k + j] = s / d;
+        }
+        for i in 0..j {
+            a[i * k + j] = 0.0;
+        }
+    }
+    Ok(())
+}
+
+/// `A⁻¹` from the lower Cholesky factor `L` of `A`.
+fn inverse_from_cholesky(l: &[f64], k: usize) -> Vec<f64> {
+    // L⁻¹ by forward substitution, then A⁻¹ = L⁻ᵀ L⁻¹.
+    let mut li = vec![0.0; k * k];
+    for c in 0..k {
+        for i in c..k {
+            let mut s = if i == c { 1.0 } else { 0.0 };
+            for p in c..i {
+                s -= l[i * k + p] * li[p * k + c];
+            }
+            li[i * k + c] = s / l[i * k + i];
+        }
+    }
+    let mut inv = vec![0.0; k * k];
+    for i in 0..k {
+        for j in 0..=i {
+            let s: f64 = (i.max(j)..k).map(|p| li[p * k + i] * li[p * k + j]).sum();
+            inv[i * k + j] = s;
+            inv[j * k + i] = s;
+        }
+    }
+    inv
+}
+
+/// GPTQ-quantizes `w` (`[k, n]` row-major, `y = x w`) given the Hessian `h` (`[k, k]`) of the
+/// layer's inputs. Returns the packed weight (symmetric INT4, static groups).
+pub fn quantize_gptq(w: &[f32], k: usize, n: usize, h: &[f64], cfg: &GptqConfig) -> Result<PackedInt4, GptqError> {
+    if h.len() != k * k {
+        return Err(GptqError::Hessian { k, actual: h.len() });
+    }
+    // Static group scales from the original weights (the same as RTN's).
+    let rtn = crate::int4::quantize_rtn(w, k, n, cfg.group, cfg.scale_type)?;
+    let scale = |row: usize, col: usize| rtn.group_params(row, col).0 as f64;
+
+    let mut h = h.to_vec();
+    let mut w: Vec<f64> = w.iter().map(|&v| v as f64).collect();
+    // Inputs that never fire carry no information: their weights are set to zero.
+    for i in 0..k {
+        if h[i * k + i] == 0.0 {
+            h[i * k + i] = 1.0;
+            w[i * n..(i + 1) * n].iter_mut().for_each(|v| *v = 0.0);
+        }
+    }
+    let mean_diag = (0..k).map(|i| h[i * k + i]).sum::<f64>() / k as f64;
+    for i in 0..k {
+        h[i * k + i] += cfg.damp * mean_diag;
+    }
+    let order: Vec<usize> = if cfg.act_order {
+        let mut o: Vec<usize> = (0..k).collect();
+        o.sort_by(|&a, &b| h[b * k + b].total_cmp(&h[a * k + a]));
+        o
+    } else {
+        (0..k).collect()
+    };
+    // Work in the permuted order: H_p[i][j] = H[o_i][o_j].
+    let hp: Vec<f64> = (0..k * k).map(|idx| h[order[idx / k] * k + order[idx % k]]).collect();
+    let mut l = hp;
+    cholesky(&mut l, k)?;
+    let hinv = inverse_from_cholesky(&l, k);
+    // Upper Cholesky factor U of H⁻¹ (H⁻¹ = Uᵀ U): transpose of the lower factor.
+    let mut u = hinv;
+    cholesky(&mut u, k)?;
+    let upper = |i: usize, j: usize| u[j * k + i];
+
+    let mut q = vec![0u8; k * n];
+    for pi in 0..k {
+        let row = order[pi];
+        let d_ii = upper(pi, pi);
+        for col in 0..n {
+            let s = scale(row, col);
+            let v = w[row * n + col];
+            let qi = if s > 0.0 { (v / s).round().clamp(-8.0, 7.0) } else { 0.0 };
+            q[row * n + col] = (qi as i32 + 8) as u8;
+            let err = (v - qi * s) / d_ii;
+            for pj in pi + 1..k {
+                w[order[pj] * n + col] -= err * upper(pi, pj);
+            }
+        }
+    }
+    Ok(PackedInt4::pack(&q, k, n, cfg.group, cfg.scale_type, rtn.scales, None)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> f64 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((*seed >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+    }
+
+    #[test]
+    fn cholesky_inverse_is_an_inverse() {
+        let k = 5;
+        let mut seed = 3;
+        let b: Vec<f64> = (0..k * k).map(|_| lcg(&mut seed)).collect();
+        // A = B Bᵀ + I is symmetric positive definite.
+        let mut a = vec![0.0; k * k];
+        for i in 0..k {
+            for j in 0..k {
+                a[i * k + j] = (0..k).map(|p| b[i * k + p] * b[j * k + p]).sum::<f64>() + if i == j { 1.0 } else { 0.0 };
+            }
+        }
+        let mut l = a.clone();
+        cholesky(&mut l, k).unwrap();
+        let inv = inverse_from_cholesky(&l, k);
+        for i in 0..k {
+            for j in 0..k {
+                let v: f64 = (0..k).map(|p| a[i * k + p] * inv[p * k + j]).sum();
+                assert!((v - if i == j { 1.0 } else { 0.0 }).abs() < 1e-10);
+            }
+        }
+    }
+
+    /// On correlated inputs GPTQ's output error is clearly below RTN's (same groups, same
+    /// scales), and with or without activation reordering.
+    #[test]
+    fn gptq_beats_rtn_on_correlated_inputs() {
+        let (k, n, rows, group) = (128, 64, 1024, 32);
+        let mut seed = 11;
+        // x = z M: 16 latent factors mixed into 128 inputs, plus a little noise.
+        let m: Vec<f64> = (0..16 * k).map(|_| lcg(&mut seed)).collect();
+        let mut x: Vec<f32> = Vec::with_capacity(rows * k);
+        for _ in 0..rows {
+            let z: Vec<f64> = (0..16).map(|_| lcg(&mut seed)).collect();
+            for i in 0..k {
+                let v = (0..16).map(|f| z[f] * m[f * k + i]).sum::<f64>() + 0.05 * lcg(&mut seed);
+                x.push(v as f32);
+            }
+        }
+        let w: Vec<f32> = (0..k * n).map(|_| lcg(&mut seed) as f32 * 0.1).collect();
+        let mut h = vec![0.0; k * k];
+        accumulate_hessian(&mut h, &x, k);
+
+        let out_err = |wq: &[f32]| -> f64 {
+            let mut e = 0.0;
+            for r in x.chunks_exact(k) {
+                for c in 0..n {
+                    let d: f64 = (0..k).map(|i| r[i] as f64 * (w[i * n + c] - wq[i * n + c]) as f64).sum();
+                    e += d * d;
+                }
+            }
+            e
+        };
+        let rtn = crate::int4::quantize_rtn(&w, k, n, group, ScaleType::F16).unwrap().dequantize();
+        let e_rtn = out_err(&rtn);
+        for act_order in [false, true] {
+            let cfg = GptqConfig { group, damp: 0.01, act_order, scale_type: ScaleType::F16 };
+            let g = quantize_gptq(&w, k, n, &h, &cfg).unwrap().dequantize();
+            let e_gptq = out_err(&g);
+            println!("act_order={act_order}: output error GPTQ {e_gptq:.4e}, RTN {e_rtn:.4e} ({:.2}x)", e_gptq / e_rtn);
+            assert!(e_gptq < 0.6 * e_rtn, "act_order={act_order}: GPTQ {e_gptq:.4e} vs RTN {e_rtn:.4e}");
+        }
+    }
+}
