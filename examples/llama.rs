@@ -106,7 +106,10 @@ enum ScaleArg {
 }
 
 fn main() {
-    let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
     let args = Args::parse();
     if let Err(e) = run(args) {
         eprintln!("error: {e}");
@@ -125,13 +128,24 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         (Some(Precision::F16), _) => DType::F16,
     };
     match (args.device, args.backend) {
-        (Device::Cpu, _) => generate_on::<burn_ndarray::NdArray<f32>>(&args, &model, dtype, Default::default()),
-        (Device::Cuda, Backend::Stoke) => generate_on::<stoke::Stoke<burn_cuda::Cuda>>(&args, &model, dtype, Default::default()),
-        (Device::Cuda, Backend::Burn) => generate_on::<burn_cuda::Cuda>(&args, &model, dtype, Default::default()),
+        (Device::Cpu, _) => {
+            generate_on::<burn_ndarray::NdArray<f32>>(&args, &model, dtype, Default::default())
+        }
+        (Device::Cuda, Backend::Stoke) => {
+            generate_on::<stoke::Stoke<burn_cuda::Cuda>>(&args, &model, dtype, Default::default())
+        }
+        (Device::Cuda, Backend::Burn) => {
+            generate_on::<burn_cuda::Cuda>(&args, &model, dtype, Default::default())
+        }
     }
 }
 
-fn generate_on<B: FusedOps>(args: &Args, path: &PathBuf, dtype: DType, device: B::Device) -> Result<(), Box<dyn std::error::Error>> {
+fn generate_on<B: FusedOps>(
+    args: &Args,
+    path: &PathBuf,
+    dtype: DType,
+    device: B::Device,
+) -> Result<(), Box<dyn std::error::Error>> {
     let t0 = Instant::now();
     let mut loaded = stoke_llama::load::load::<B>(path, &device, dtype, args.context)?;
     if let Some(group) = args.rtn_group {
@@ -144,14 +158,33 @@ fn generate_on<B: FusedOps>(args: &Args, path: &PathBuf, dtype: DType, device: B
     loaded.model = loaded.model.pinned();
     B::sync(&device)?;
     let load = t0.elapsed();
-    eprintln!("{} on {}: loaded in {:.2} s ({:?})", path.display(), B::name(&device), load.as_secs_f64(), dtype);
+    eprintln!(
+        "{} on {}: loaded in {:.2} s ({:?})",
+        path.display(),
+        B::name(&device),
+        load.as_secs_f64(),
+        dtype
+    );
     if let Some(file) = &args.perplexity {
         let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
         let t1 = Instant::now();
-        let p = stoke_llama::eval::perplexity(&loaded.model, &loaded.tokenizer, &text, args.context, args.windows, dtype, &device)?;
+        let p = stoke_llama::eval::perplexity(
+            &loaded.model,
+            &loaded.tokenizer,
+            &text,
+            args.context,
+            args.windows,
+            dtype,
+            &device,
+        )?;
         println!(
             "perplexity {:.3} (mean NLL {:.5}) over {} tokens in {} windows of {} ({:.1} s)",
-            p.perplexity, p.mean_nll, p.predicted_tokens, p.windows, args.context, t1.elapsed().as_secs_f64()
+            p.perplexity,
+            p.mean_nll,
+            p.predicted_tokens,
+            p.windows,
+            args.context,
+            t1.elapsed().as_secs_f64()
         );
         return Ok(());
     }
@@ -165,7 +198,17 @@ fn generate_on<B: FusedOps>(args: &Args, path: &PathBuf, dtype: DType, device: B
         stop_strings: args.stop.clone(),
         eos_token_ids: loaded.config.eos_token_ids.clone(),
     };
-    let prompts: Vec<String> = args.prompt.iter().map(|p| if args.chat { generate::chatml(p) } else { p.clone() }).collect();
+    let prompts: Vec<String> = args
+        .prompt
+        .iter()
+        .map(|p| {
+            if args.chat {
+                generate::chatml(p)
+            } else {
+                p.clone()
+            }
+        })
+        .collect();
     let single = prompts.len() == 1;
     if single {
         print!("{}", args.prompt[0]);
@@ -174,12 +217,21 @@ fn generate_on<B: FusedOps>(args: &Args, path: &PathBuf, dtype: DType, device: B
         }
     }
     let mut stdout = std::io::stdout();
-    let (outputs, t) = generate::generate(&loaded.model, &loaded.tokenizer, &prompts, &cfg, args.context, dtype, &device, |_, piece| {
-        if single {
-            print!("{piece}");
-            let _ = stdout.flush();
-        }
-    })?;
+    let (outputs, t) = generate::generate(
+        &loaded.model,
+        &loaded.tokenizer,
+        &prompts,
+        &cfg,
+        args.context,
+        dtype,
+        &device,
+        |_, piece| {
+            if single {
+                print!("{piece}");
+                let _ = stdout.flush();
+            }
+        },
+    )?;
     if single {
         println!();
     } else {

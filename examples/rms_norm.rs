@@ -21,7 +21,12 @@ fn run<B: FusedOps>(device: B::Device) {
     let t0 = std::time::Instant::now();
     let y = block(x, gamma, &proj);
     let sum: f32 = y.sum().into_scalar().elem();
-    println!("{}: {} params, output sum {sum:.4} in {:?}", B::name(&device), proj.num_params(), t0.elapsed());
+    println!(
+        "{}: {} params, output sum {sum:.4} in {:?}",
+        B::name(&device),
+        proj.num_params(),
+        t0.elapsed()
+    );
 }
 
 fn main() {
@@ -39,5 +44,7 @@ fn main() {
 }
 
 fn tracing_subscriber_init() {
-    let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .try_init();
 }

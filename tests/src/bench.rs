@@ -41,7 +41,12 @@ fn time_events(rt: &Runtime, reps: usize, iters: usize, mut body: impl FnMut(usi
 }
 
 /// Median over `reps` of wall-clock µs per iteration, `sync` called before and after.
-fn time_wall(reps: usize, iters: usize, mut sync: impl FnMut(), mut body: impl FnMut(usize)) -> f64 {
+fn time_wall(
+    reps: usize,
+    iters: usize,
+    mut sync: impl FnMut(),
+    mut body: impl FnMut(usize),
+) -> f64 {
     for i in 0..iters.min(8) {
         body(i);
     }
@@ -65,7 +70,9 @@ pub fn copy_bandwidth(rt: &Arc<Runtime>) -> f64 {
     let (a, b) = (rt.alloc(bytes).unwrap(), rt.alloc(bytes).unwrap());
     // SAFETY: fills and copies within two live buffers of `bytes` bytes.
     unsafe { rt.fill_bytes(a.ptr(), 0x3c, bytes).unwrap() };
-    let us = time_events(rt, 5, 10, |_| unsafe { rt.copy_dtod(b.ptr(), a.ptr(), bytes).unwrap() });
+    let us = time_events(rt, 5, 10, |_| unsafe {
+        rt.copy_dtod(b.ptr(), a.ptr(), bytes).unwrap()
+    });
     2.0 * bytes as f64 / (us * 1e-6) / 1e9
 }
 
@@ -97,13 +104,27 @@ fn rms_buffers(rt: &Arc<Runtime>, rows: usize, hidden: usize, elem: usize) -> Rm
 pub fn rms_norm(rt: &Arc<Runtime>, copy_gbps: f64) -> Vec<Value> {
     let device = Default::default();
     let mut rows_out = Vec::new();
-    for (dtype, elem_type, elem) in [(DType::BF16, ElemType::Bf16, 2usize), (DType::F32, ElemType::F32, 4)] {
+    for (dtype, elem_type, elem) in [
+        (DType::BF16, ElemType::Bf16, 2usize),
+        (DType::F32, ElemType::F32, 4),
+    ] {
         for &hidden in &[576usize, 4096, 8192] {
             for &rows in &[1usize, 32, 2048, 16384] {
                 let bufs = rms_buffers(rt, rows, hidden, elem);
-                let l = launch(elem_type, false, rows as u32, hidden as u32, true, rt.sm_count);
+                let l = launch(
+                    elem_type,
+                    false,
+                    rows as u32,
+                    hidden as u32,
+                    true,
+                    rt.sm_count,
+                );
                 let kernel = rt.kernel(&RMS_NORM, l.entry).unwrap();
-                let shape = LaunchShape { grid: l.grid, block: l.block, shared_mem_bytes: l.shared_mem_bytes };
+                let shape = LaunchShape {
+                    grid: l.grid,
+                    block: l.block,
+                    shared_mem_bytes: l.shared_mem_bytes,
+                };
                 let sets = bufs.x.len();
                 let iters = if rows >= 2048 { 50 } else { 200 };
                 let launch_one = |i: usize| {
@@ -136,23 +157,41 @@ pub fn rms_norm(rt: &Arc<Runtime>, copy_gbps: f64) -> Vec<Value> {
                     .capture(|| {
                         (0..iters).try_for_each(|i| unsafe {
                             // SAFETY: both buffers hold rows * hidden * elem bytes.
-                            rt.copy_dtod(bufs.out[i % sets].ptr(), bufs.x[i % sets].ptr(), rows * hidden * elem)
+                            rt.copy_dtod(
+                                bufs.out[i % sets].ptr(),
+                                bufs.x[i % sets].ptr(),
+                                rows * hidden * elem,
+                            )
                         })
                     })
                     .unwrap();
                 copy_graph.upload().unwrap();
-                let same_size_copy_us = time_events(rt, 7, 1, |_| copy_graph.launch().unwrap()) / iters as f64;
+                let same_size_copy_us =
+                    time_events(rt, 7, 1, |_| copy_graph.launch().unwrap()) / iters as f64;
 
                 // The same op as burn-cuda runs it: the reference composition.
-                let x = Tensor::<PlainCuda, 2>::from_data(TensorData::new(vec![0.5f32; rows * hidden], [rows, hidden]), &device).cast(dtype);
+                let x = Tensor::<PlainCuda, 2>::from_data(
+                    TensorData::new(vec![0.5f32; rows * hidden], [rows, hidden]),
+                    &device,
+                )
+                .cast(dtype);
                 let g = Tensor::<PlainCuda, 1>::ones([hidden], &device).cast(dtype);
-                let burn_us = time_wall(5, 20, || PlainCuda::sync(&device).unwrap(), |_| {
-                    let _ = stoke::rms_norm(x.clone(), g.clone(), 1e-5);
-                });
+                let burn_us = time_wall(
+                    5,
+                    20,
+                    || PlainCuda::sync(&device).unwrap(),
+                    |_| {
+                        let _ = stoke::rms_norm(x.clone(), g.clone(), 1e-5);
+                    },
+                );
                 println!(
                     "rms_norm {dtype:?} rows {rows:5} hidden {hidden:5}: {kernel_us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy), same-size copy {same_size_copy_us:7.2} us, stream {stream_us:7.2} us | burn-cuda composition {burn_us:8.2} us ({} entry {})",
                     100.0 * gbps / copy_gbps,
-                    if burn_us > kernel_us { format!("{:.1}x", burn_us / kernel_us) } else { "slower".into() },
+                    if burn_us > kernel_us {
+                        format!("{:.1}x", burn_us / kernel_us)
+                    } else {
+                        "slower".into()
+                    },
                     l.entry
                 );
                 rows_out.push(json!({
@@ -174,7 +213,14 @@ fn pinned(t: Tensor<StokeCuda, 2>) -> Tensor<StokeCuda, 2> {
 pub fn host_and_crossing(rt: &Arc<Runtime>) -> Value {
     let device = Default::default();
     let (rows, hidden) = (1, 4096);
-    let x = pinned(Tensor::<StokeCuda, 2>::random([rows, hidden], burn::tensor::Distribution::Default, &device).cast(DType::BF16));
+    let x = pinned(
+        Tensor::<StokeCuda, 2>::random(
+            [rows, hidden],
+            burn::tensor::Distribution::Default,
+            &device,
+        )
+        .cast(DType::BF16),
+    );
     let g = stoke::cuda::pin(Tensor::<StokeCuda, 1>::ones([hidden], &device).cast(DType::BF16));
     let stoke_sync = || rt.synchronize().unwrap();
 
@@ -194,10 +240,20 @@ pub fn host_and_crossing(rt: &Arc<Runtime>) -> Value {
     let tiny = rms_buffers(rt, 1, hidden, 2);
     let l = launch(ElemType::Bf16, false, 1, hidden as u32, true, rt.sm_count);
     let kernel = rt.kernel(&RMS_NORM, l.entry).unwrap();
-    let shape = LaunchShape { grid: l.grid, block: l.block, shared_mem_bytes: l.shared_mem_bytes };
+    let shape = LaunchShape {
+        grid: l.grid,
+        block: l.block,
+        shared_mem_bytes: l.shared_mem_bytes,
+    };
     let p = RmsNormParams {
-        x: tiny.x[0].ptr(), residual: 0, gamma: tiny.gamma.ptr(), out: tiny.out[0].ptr(), sum_out: 0,
-        rows: 1, hidden: hidden as u32, eps: 1e-5,
+        x: tiny.x[0].ptr(),
+        residual: 0,
+        gamma: tiny.gamma.ptr(),
+        out: tiny.out[0].ptr(),
+        sum_out: 0,
+        rows: 1,
+        hidden: hidden as u32,
+        eps: 1e-5,
     };
     let t0 = Instant::now();
     for _ in 0..n {
@@ -209,9 +265,14 @@ pub fn host_and_crossing(rt: &Arc<Runtime>) -> Value {
     // Building blocks of a crossing.
     let plain = Tensor::<PlainCuda, 2>::ones([rows, hidden], &device);
     let prim = plain.clone().into_primitive().tensor();
-    let get_resource_us = time_wall(5, 200, || {}, |_| {
-        let _ = prim.client.get_resource(prim.handle.clone()).unwrap();
-    });
+    let get_resource_us = time_wall(
+        5,
+        200,
+        || {},
+        |_| {
+            let _ = prim.client.get_resource(prim.handle.clone()).unwrap();
+        },
+    );
     let burn_sync_us = time_wall(5, 200, || {}, |_| PlainCuda::sync(&device).unwrap());
     let stoke_sync_us = time_wall(5, 200, || {}, |_| rt.synchronize().unwrap());
 
@@ -221,7 +282,9 @@ pub fn host_and_crossing(rt: &Arc<Runtime>) -> Value {
         let _ = stoke::rms_norm(unpinned.clone(), g.clone(), 1e-5);
     });
     // Crossing out: a burn-cuda op on a Stoke output (sync, copy, sync), then the op itself.
-    let outs: Vec<_> = (0..1200).map(|_| stoke::rms_norm(x.clone(), g.clone(), 1e-5)).collect();
+    let outs: Vec<_> = (0..1200)
+        .map(|_| stoke::rms_norm(x.clone(), g.clone(), 1e-5))
+        .collect();
     stoke_sync();
     let mut it = outs.into_iter();
     let cross_out_us = time_wall(5, 200, stoke_sync, |_| {
@@ -230,10 +293,18 @@ pub fn host_and_crossing(rt: &Arc<Runtime>) -> Value {
     });
     // One round trip as the alternation test does it: Stoke op, then burn op on its output.
     let mut cur = Tensor::<StokeCuda, 2>::ones([rows, hidden], &device).cast(DType::BF16);
-    let round_trip_us = time_wall(5, 200, || { rt.synchronize().unwrap(); StokeCuda::sync(&device).unwrap() }, |_| {
-        let n = stoke::rms_norm(cur.clone(), g.clone(), 1e-5);
-        cur = n.add_scalar(0.01);
-    });
+    let round_trip_us = time_wall(
+        5,
+        200,
+        || {
+            rt.synchronize().unwrap();
+            StokeCuda::sync(&device).unwrap()
+        },
+        |_| {
+            let n = stoke::rms_norm(cur.clone(), g.clone(), 1e-5);
+            cur = n.add_scalar(0.01);
+        },
+    );
     let v = json!({
         "shape": [rows, hidden], "dtype": "BF16",
         "host_us_per_stoke_launch": host_launch_us,
@@ -257,25 +328,44 @@ pub fn chain100() -> Vec<Value> {
     let device = Default::default();
     let mut out = Vec::new();
     for &(rows, hidden) in &[(1usize, 4096usize), (32, 4096), (2048, 4096), (16384, 576)] {
-        let xs = Tensor::<StokeCuda, 2>::random([rows, hidden], burn::tensor::Distribution::Default, &device).cast(DType::BF16);
-        let gs = stoke::cuda::pin(Tensor::<StokeCuda, 1>::ones([hidden], &device).cast(DType::BF16));
+        let xs = Tensor::<StokeCuda, 2>::random(
+            [rows, hidden],
+            burn::tensor::Distribution::Default,
+            &device,
+        )
+        .cast(DType::BF16);
+        let gs =
+            stoke::cuda::pin(Tensor::<StokeCuda, 1>::ones([hidden], &device).cast(DType::BF16));
         let xp = Tensor::<PlainCuda, 2>::from_data(xs.to_data(), &device);
         let gp = Tensor::<PlainCuda, 1>::ones([hidden], &device).cast(DType::BF16);
-        let stoke_us = time_wall(7, 1, || StokeCuda::sync(&device).unwrap(), |_| {
-            let mut x = xs.clone();
-            for _ in 0..100 {
-                x = stoke::rms_norm(x, gs.clone(), 1e-5);
-            }
-            StokeCuda::sync(&device).unwrap();
-        });
-        let burn_us = time_wall(7, 1, || PlainCuda::sync(&device).unwrap(), |_| {
-            let mut x = xp.clone();
-            for _ in 0..100 {
-                x = stoke::rms_norm(x, gp.clone(), 1e-5);
-            }
-            PlainCuda::sync(&device).unwrap();
-        });
-        println!("chain of 100 rms_norm [{rows}, {hidden}] bf16: stoke {stoke_us:9.1} us, burn-cuda {burn_us:9.1} us ({:.1}x)", burn_us / stoke_us);
+        let stoke_us = time_wall(
+            7,
+            1,
+            || StokeCuda::sync(&device).unwrap(),
+            |_| {
+                let mut x = xs.clone();
+                for _ in 0..100 {
+                    x = stoke::rms_norm(x, gs.clone(), 1e-5);
+                }
+                StokeCuda::sync(&device).unwrap();
+            },
+        );
+        let burn_us = time_wall(
+            7,
+            1,
+            || PlainCuda::sync(&device).unwrap(),
+            |_| {
+                let mut x = xp.clone();
+                for _ in 0..100 {
+                    x = stoke::rms_norm(x, gp.clone(), 1e-5);
+                }
+                PlainCuda::sync(&device).unwrap();
+            },
+        );
+        println!(
+            "chain of 100 rms_norm [{rows}, {hidden}] bf16: stoke {stoke_us:9.1} us, burn-cuda {burn_us:9.1} us ({:.1}x)",
+            burn_us / stoke_us
+        );
         out.push(json!({ "rows": rows, "hidden": hidden, "dtype": "BF16", "stoke_us": stoke_us, "burn_cuda_us": burn_us, "speedup": burn_us / stoke_us }));
     }
     out

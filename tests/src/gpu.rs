@@ -1,6 +1,6 @@
 //! GPU test cases. Each returns JSON details on success and a message on failure.
 
-use crate::{Cpu, PlainCuda, StokeCuda, Outcome, gpu, seed, suite};
+use crate::{Cpu, Outcome, PlainCuda, StokeCuda, gpu, seed, suite};
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde_json::{Value, json};
@@ -10,46 +10,95 @@ type Case = fn() -> Result<Value, String>;
 
 /// Every GPU case, in the order the bundle runs them.
 pub const CASES: &[(&str, Case)] = &[
-    ("forwarded_ops_match_burn_cuda", forwarded_ops_match_burn_cuda),
+    (
+        "forwarded_ops_match_burn_cuda",
+        forwarded_ops_match_burn_cuda,
+    ),
     ("rms_norm_matches_reference", rms_norm_matches_reference),
-    ("residual_rms_norm_matches_reference", residual_rms_norm_matches_reference),
-    ("stream_crossing_1000_alternations", stream_crossing_1000_alternations),
-    ("burn_nn_model_with_stoke_tensors", burn_nn_model_with_stoke_tensors),
-    ("synthetic_llama_stoke_matches_burn_cuda", synthetic_llama_stoke_matches_burn_cuda),
+    (
+        "residual_rms_norm_matches_reference",
+        residual_rms_norm_matches_reference,
+    ),
+    (
+        "stream_crossing_1000_alternations",
+        stream_crossing_1000_alternations,
+    ),
+    (
+        "burn_nn_model_with_stoke_tensors",
+        burn_nn_model_with_stoke_tensors,
+    ),
+    (
+        "synthetic_llama_stoke_matches_burn_cuda",
+        synthetic_llama_stoke_matches_burn_cuda,
+    ),
     ("smollm2_greedy_on_gpu", smollm2_greedy_on_gpu),
 ];
 
 /// Runs one case, catching panics, or skips it without a usable GPU.
 pub fn run(name: &str) -> Outcome {
-    let (name, case) = *CASES.iter().find(|(n, _)| *n == name).unwrap_or_else(|| panic!("no GPU case {name}"));
+    let (name, case) = *CASES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .unwrap_or_else(|| panic!("no GPU case {name}"));
     if let Err(reason) = gpu() {
-        return Outcome { name, status: "skipped", message: reason, seconds: 0.0, details: Value::Null };
+        return Outcome {
+            name,
+            status: "skipped",
+            message: reason,
+            seconds: 0.0,
+            details: Value::Null,
+        };
     }
     let t0 = std::time::Instant::now();
     let result = std::panic::catch_unwind(case);
     let seconds = t0.elapsed().as_secs_f64();
     match result {
-        Ok(Ok(details)) => Outcome { name, status: "passed", message: String::new(), seconds, details },
-        Ok(Err(message)) => Outcome { name, status: "failed", message, seconds, details: Value::Null },
+        Ok(Ok(details)) => Outcome {
+            name,
+            status: "passed",
+            message: String::new(),
+            seconds,
+            details,
+        },
+        Ok(Err(message)) => Outcome {
+            name,
+            status: "failed",
+            message,
+            seconds,
+            details: Value::Null,
+        },
         Err(panic) => {
             let message = panic
                 .downcast_ref::<String>()
                 .cloned()
                 .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "panicked".into());
-            Outcome { name, status: "failed", message: format!("panic: {message}"), seconds, details: Value::Null }
+            Outcome {
+                name,
+                status: "failed",
+                message: format!("panic: {message}"),
+                seconds,
+                details: Value::Null,
+            }
         }
     }
 }
 
 fn f64s(d: TensorData) -> Vec<f64> {
-    d.convert::<f32>().to_vec::<f32>().unwrap().into_iter().map(f64::from).collect()
+    d.convert::<f32>()
+        .to_vec::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect()
 }
 
 /// Whether a tensor is the output of a Stoke kernel (not the reference fallback).
 fn is_stoke_output<const D: usize>(t: &Tensor<StokeCuda, D>) -> bool {
     match t.clone().into_primitive() {
-        TensorPrimitive::Float(p) => p.downcast_ref::<stoke::cuda::DeviceTensor<burn_cuda::Cuda>>().is_some(),
+        TensorPrimitive::Float(p) => p
+            .downcast_ref::<stoke::cuda::DeviceTensor<burn_cuda::Cuda>>()
+            .is_some(),
         _ => false,
     }
 }
@@ -57,7 +106,10 @@ fn is_stoke_output<const D: usize>(t: &Tensor<StokeCuda, D>) -> bool {
 fn forwarded_ops_match_burn_cuda() -> Result<Value, String> {
     let seed = seed();
     let mut rng = StdRng::seed_from_u64(seed);
-    let (a, b) = (suite::random(&mut rng, 8, 16), suite::random(&mut rng, 16, 12));
+    let (a, b) = (
+        suite::random(&mut rng, 8, 16),
+        suite::random(&mut rng, 16, 12),
+    );
     let device = Default::default();
     let got = suite::run::<StokeCuda>(a.clone(), b.clone(), true, &device);
     let want = suite::run::<PlainCuda>(a, b, true, &device);
@@ -68,7 +120,9 @@ fn forwarded_ops_match_burn_cuda() -> Result<Value, String> {
         }
     }
     if !mismatched.is_empty() {
-        return Err(format!("seed {seed}: results differ from burn-cuda for {mismatched:?}"));
+        return Err(format!(
+            "seed {seed}: results differ from burn-cuda for {mismatched:?}"
+        ));
     }
     Ok(json!({ "seed": seed, "ops_compared_bitwise": got.len() }))
 }
@@ -86,11 +140,24 @@ fn rms_tolerance(dtype: DType) -> f64 {
 }
 
 fn round_like(v: &[f64], dtype: DType) -> Vec<f64> {
-    if dtype == DType::BF16 { v.iter().map(|x| bf16::round(*x as f32) as f64).collect() } else { v.to_vec() }
+    if dtype == DType::BF16 {
+        v.iter().map(|x| bf16::round(*x as f32) as f64).collect()
+    } else {
+        v.to_vec()
+    }
 }
 
-fn make_input(rng: &mut StdRng, rows: usize, hidden: usize, scale: f32, dtype: DType, device: &burn_cuda::CudaDevice) -> Tensor<StokeCuda, 2> {
-    let v: Vec<f32> = (0..rows * hidden).map(|_| rng.random_range(-scale..scale)).collect();
+fn make_input(
+    rng: &mut StdRng,
+    rows: usize,
+    hidden: usize,
+    scale: f32,
+    dtype: DType,
+    device: &burn_cuda::CudaDevice,
+) -> Tensor<StokeCuda, 2> {
+    let v: Vec<f32> = (0..rows * hidden)
+        .map(|_| rng.random_range(-scale..scale))
+        .collect();
     Tensor::<StokeCuda, 2>::from_data(TensorData::new(v, [rows, hidden]), device).cast(dtype)
 }
 
@@ -107,24 +174,34 @@ fn rms_norm_matches_reference() -> Result<Value, String> {
         for &rows in RMS_ROWS {
             for &hidden in RMS_HIDDEN {
                 let x = make_input(&mut rng, rows, hidden, 3.0, dtype, &device);
-                let gamma_f: Vec<f32> = (0..hidden).map(|_| rng.random_range(0.5f32..1.5)).collect();
-                let mut gamma = Tensor::<StokeCuda, 1>::from_data(TensorData::new(gamma_f, [hidden]), &device).cast(dtype);
+                let gamma_f: Vec<f32> =
+                    (0..hidden).map(|_| rng.random_range(0.5f32..1.5)).collect();
+                let mut gamma =
+                    Tensor::<StokeCuda, 1>::from_data(TensorData::new(gamma_f, [hidden]), &device)
+                        .cast(dtype);
                 if rows % 2 == 1 {
                     gamma = stoke::cuda::pin(gamma); // both a pinned and a crossing gamma
                 }
                 let out = stoke::rms_norm(x.clone(), gamma.clone(), eps);
                 if !is_stoke_output(&out) {
-                    return Err(format!("{dtype:?} [{rows}, {hidden}]: the kernel did not run"));
+                    return Err(format!(
+                        "{dtype:?} [{rows}, {hidden}]: the kernel did not run"
+                    ));
                 }
                 let got = f64s(out.to_data());
-                let want = reference::rms_norm(&f64s(x.to_data()), &f64s(gamma.to_data()), hidden, eps);
+                let want =
+                    reference::rms_norm(&f64s(x.to_data()), &f64s(gamma.to_data()), hidden, eps);
                 if got.iter().any(|v| !v.is_finite()) {
-                    return Err(format!("seed {seed}: {dtype:?} [{rows}, {hidden}]: unwritten (poisoned) or non-finite outputs"));
+                    return Err(format!(
+                        "seed {seed}: {dtype:?} [{rows}, {hidden}]: unwritten (poisoned) or non-finite outputs"
+                    ));
                 }
                 let err = reference::relative_error(&got, &round_like(&want, dtype));
                 worst_err = worst_err.max(err);
                 if err > rms_tolerance(dtype) {
-                    return Err(format!("seed {seed}: {dtype:?} [{rows}, {hidden}]: relative error {err:.3e}"));
+                    return Err(format!(
+                        "seed {seed}: {dtype:?} [{rows}, {hidden}]: relative error {err:.3e}"
+                    ));
                 }
             }
         }
@@ -148,26 +225,41 @@ fn residual_rms_norm_matches_reference() -> Result<Value, String> {
             for &hidden in RMS_HIDDEN {
                 let x = make_input(&mut rng, rows, hidden, 2.0, dtype, &device);
                 let r = make_input(&mut rng, rows, hidden, 4.0, dtype, &device);
-                let gamma_f: Vec<f32> = (0..hidden).map(|_| rng.random_range(-1.5f32..1.5)).collect();
-                let gamma = stoke::cuda::pin(Tensor::<StokeCuda, 1>::from_data(TensorData::new(gamma_f, [hidden]), &device).cast(dtype));
+                let gamma_f: Vec<f32> = (0..hidden)
+                    .map(|_| rng.random_range(-1.5f32..1.5))
+                    .collect();
+                let gamma = stoke::cuda::pin(
+                    Tensor::<StokeCuda, 1>::from_data(TensorData::new(gamma_f, [hidden]), &device)
+                        .cast(dtype),
+                );
                 let (sum, out) = stoke::residual_rms_norm(x.clone(), r.clone(), gamma.clone(), eps);
                 if !is_stoke_output(&out) || !is_stoke_output(&sum) {
-                    return Err(format!("{dtype:?} [{rows}, {hidden}]: the kernel did not run"));
+                    return Err(format!(
+                        "{dtype:?} [{rows}, {hidden}]: the kernel did not run"
+                    ));
                 }
                 let sum_got = f64s(sum.to_data());
-                let sum_want: Vec<f64> = f64s(x.to_data()).iter().zip(f64s(r.to_data())).map(|(a, b)| a + b).collect();
+                let sum_want: Vec<f64> = f64s(x.to_data())
+                    .iter()
+                    .zip(f64s(r.to_data()))
+                    .map(|(a, b)| a + b)
+                    .collect();
                 // The sum is rounded once to the output dtype (bf16: ~2e-3 relative by itself).
                 let sum_err = reference::relative_error(&sum_got, &round_like(&sum_want, dtype));
                 // The normalization is checked against the kernel's own (rounded) sum.
                 let want = reference::rms_norm(&sum_got, &f64s(gamma.to_data()), hidden, eps);
                 let got = f64s(out.to_data());
                 if got.iter().chain(&sum_got).any(|v| !v.is_finite()) {
-                    return Err(format!("seed {seed}: {dtype:?} [{rows}, {hidden}]: unwritten (poisoned) or non-finite outputs"));
+                    return Err(format!(
+                        "seed {seed}: {dtype:?} [{rows}, {hidden}]: unwritten (poisoned) or non-finite outputs"
+                    ));
                 }
                 let err = reference::relative_error(&got, &round_like(&want, dtype));
                 worst_err = worst_err.max(err).max(sum_err);
                 if err > rms_tolerance(dtype) || sum_err > rms_tolerance(dtype) {
-                    return Err(format!("seed {seed}: {dtype:?} [{rows}, {hidden}]: relative error {err:.3e}, sum {sum_err:.3e}"));
+                    return Err(format!(
+                        "seed {seed}: {dtype:?} [{rows}, {hidden}]: relative error {err:.3e}, sum {sum_err:.3e}"
+                    ));
                 }
             }
         }
@@ -187,7 +279,10 @@ fn stream_crossing_1000_alternations() -> Result<Value, String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let (rows, hidden) = (64, 4096);
     let x0 = suite::random(&mut rng, rows, hidden);
-    let g0 = TensorData::new(suite::random(&mut rng, 1, hidden).to_vec::<f32>().unwrap(), [hidden]);
+    let g0 = TensorData::new(
+        suite::random(&mut rng, 1, hidden).to_vec::<f32>().unwrap(),
+        [hidden],
+    );
     let device = Default::default();
 
     fn run<B: stoke::FusedOps>(x0: TensorData, g0: TensorData, device: &B::Device) -> TensorData {
@@ -205,9 +300,13 @@ fn stream_crossing_1000_alternations() -> Result<Value, String> {
     let want = f64s(run::<Cpu>(x0, g0, &Default::default()));
     let err = reference::relative_error(&got, &want);
     if !(err < 1e-4) {
-        return Err(format!("seed {seed}: after {STEPS} alternations relative error vs CPU {err:.3e}"));
+        return Err(format!(
+            "seed {seed}: after {STEPS} alternations relative error vs CPU {err:.3e}"
+        ));
     }
-    Ok(json!({ "seed": seed, "steps": STEPS, "relative_error_vs_cpu": err, "gpu_seconds": gpu_seconds }))
+    Ok(
+        json!({ "seed": seed, "steps": STEPS, "relative_error_vs_cpu": err, "gpu_seconds": gpu_seconds }),
+    )
 }
 
 /// An unmodified burn-nn model keeps working when its weights are pinned Stoke tensors and its
@@ -227,9 +326,13 @@ fn burn_nn_model_with_stoke_tensors() -> Result<Value, String> {
     let normed = stoke::rms_norm(x, gamma, 1e-5);
     let a = model.forward(normed.clone()).to_data();
     let b = pinned.forward(normed.clone()).to_data();
-    let plain = model.forward(Tensor::<StokeCuda, 2>::from_data(normed.to_data(), &device)).to_data();
+    let plain = model
+        .forward(Tensor::<StokeCuda, 2>::from_data(normed.to_data(), &device))
+        .to_data();
     if a.as_bytes() != b.as_bytes() || a.as_bytes() != plain.as_bytes() {
-        return Err("pinned weights or a Stoke-owned input changed a burn-nn Linear's output".into());
+        return Err(
+            "pinned weights or a Stoke-owned input changed a burn-nn Linear's output".into(),
+        );
     }
     let n = pinned.num_params();
     Ok(json!({ "seed": seed, "params": n }))
@@ -247,10 +350,16 @@ fn smollm2_greedy_on_gpu() -> Result<Value, String> {
         seen[format!("burn_cuda_{name}")] = json!(plain);
         seen[format!("stoke_{name}")] = json!(stoke);
         // bf16 weights and activations may drift after the first words; f32 must match.
-        let want = if dtype == DType::F32 { EXPECTED_CONTINUATION } else { ", the city of" };
+        let want = if dtype == DType::F32 {
+            EXPECTED_CONTINUATION
+        } else {
+            ", the city of"
+        };
         for (who, text) in [("burn-cuda", &plain), ("stoke", &stoke)] {
             if !text.starts_with(want) {
-                return Err(format!("{who} {name}: continuation {text:?} does not start with {want:?}"));
+                return Err(format!(
+                    "{who} {name}: continuation {text:?} does not start with {want:?}"
+                ));
             }
         }
     }
@@ -264,10 +373,22 @@ fn synthetic_llama_stoke_matches_burn_cuda() -> Result<Value, String> {
     use burn::tensor::Int;
     use stoke_llama::model::KvCache;
     use stoke_llama::synthetic::{TINY, Tiny, gguf, weights};
-    let smol_like = Tiny { vocab: 300, hidden: 576, inter: 1536, layers: 4, heads: 9, kv_heads: 3, head_dim: 64, theta: 100000.0, eps: 1e-5 };
+    let smol_like = Tiny {
+        vocab: 300,
+        hidden: 576,
+        inter: 1536,
+        layers: 4,
+        heads: 9,
+        kv_heads: 3,
+        head_dim: 64,
+        theta: 100000.0,
+        eps: 1e-5,
+    };
     fn run<B: stoke::FusedOps>(path: &std::path::Path, dtype: DType, pin: bool) -> Vec<f64> {
         let device = Default::default();
-        let mut m = stoke_llama::load::load_gguf::<B>(path, &device, dtype, 64).unwrap().model;
+        let mut m = stoke_llama::load::load_gguf::<B>(path, &device, dtype, 64)
+            .unwrap()
+            .model;
         if pin {
             m = m.pinned();
         }
@@ -287,7 +408,10 @@ fn synthetic_llama_stoke_matches_burn_cuda() -> Result<Value, String> {
     let mut report = json!({});
     let mut failures = Vec::new();
     for (name, cfg) in [("tiny", TINY), ("smollm2_shapes", smol_like)] {
-        let path = std::env::temp_dir().join(format!("stoke-synthetic-{name}-{}.gguf", std::process::id()));
+        let path = std::env::temp_dir().join(format!(
+            "stoke-synthetic-{name}-{}.gguf",
+            std::process::id()
+        ));
         std::fs::write(&path, gguf(&cfg, &weights(&cfg, true, 5))).map_err(|e| e.to_string())?;
         for (dname, dtype, tol) in [("f32", DType::F32, 1e-4), ("bf16", DType::BF16, 3e-2)] {
             let want = run::<PlainCuda>(&path, dtype, false);
@@ -302,5 +426,11 @@ fn synthetic_llama_stoke_matches_burn_cuda() -> Result<Value, String> {
             }
         }
     }
-    if failures.is_empty() { Ok(report) } else { Err(format!("logits differ from burn-cuda: {failures:?}; all: {report}")) }
+    if failures.is_empty() {
+        Ok(report)
+    } else {
+        Err(format!(
+            "logits differ from burn-cuda: {failures:?}; all: {report}"
+        ))
+    }
 }

@@ -45,9 +45,16 @@ pub fn cargo_test(name: &str) {
     match outcome.status {
         // Written past libtest's capture, so the skip shows in a normal `cargo test` run.
         "skipped" => {
-            let _ = writeln!(std::io::stdout(), "{name}: skipped: no CUDA device ({})", outcome.message);
+            let _ = writeln!(
+                std::io::stdout(),
+                "{name}: skipped: no CUDA device ({})",
+                outcome.message
+            );
         }
-        "passed" => println!("{name}: passed in {:.2}s {}", outcome.seconds, outcome.details),
+        "passed" => println!(
+            "{name}: passed in {:.2}s {}",
+            outcome.seconds, outcome.details
+        ),
         _ => panic!("{name} failed: {}", outcome.message),
     }
 }
@@ -55,7 +62,13 @@ pub fn cargo_test(name: &str) {
 /// A fresh seed per run (printed with every result so a failure can be replayed with
 /// `STOKE_TEST_SEED`).
 pub fn seed() -> u64 {
-    std::env::var("STOKE_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
-    })
+    std::env::var("STOKE_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        })
 }

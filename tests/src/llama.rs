@@ -17,18 +17,42 @@ pub fn model_path() -> Result<PathBuf, String> {
 }
 
 /// Greedy `max_tokens` after `prompt`, returning the text.
-pub fn greedy<B: FusedOps>(path: &PathBuf, dtype: DType, prompt: &str, max_tokens: usize) -> Result<String, String> {
+pub fn greedy<B: FusedOps>(
+    path: &PathBuf,
+    dtype: DType,
+    prompt: &str,
+    max_tokens: usize,
+) -> Result<String, String> {
     let device = Default::default();
     let l = load_gguf::<B>(path, &device, dtype, 256).map_err(|e| e.to_string())?;
-    let cfg = SamplingConfig { max_new_tokens: max_tokens, eos_token_ids: l.config.eos_token_ids.clone(), ..Default::default() };
-    let (out, _) = generate(&l.model, &l.tokenizer, &[prompt.to_string()], &cfg, 256, dtype, &device, |_, _| {})
-        .map_err(|e| e.to_string())?;
+    let cfg = SamplingConfig {
+        max_new_tokens: max_tokens,
+        eos_token_ids: l.config.eos_token_ids.clone(),
+        ..Default::default()
+    };
+    let (out, _) = generate(
+        &l.model,
+        &l.tokenizer,
+        &[prompt.to_string()],
+        &cfg,
+        256,
+        dtype,
+        &device,
+        |_, _| {},
+    )
+    .map_err(|e| e.to_string())?;
     Ok(out[0].text.clone())
 }
 
 /// Prefill and decode speed for one backend: prompts of `prompt_tokens` tokens, `batch`
 /// sequences, `new_tokens` greedy decode steps. Median of `reps` runs after one warm-up.
-fn speed<B: FusedOps>(path: &PathBuf, dtype: DType, batch: usize, prompt_tokens: usize, new_tokens: usize) -> Value {
+fn speed<B: FusedOps>(
+    path: &PathBuf,
+    dtype: DType,
+    batch: usize,
+    prompt_tokens: usize,
+    new_tokens: usize,
+) -> Value {
     let device: B::Device = Default::default();
     let t0 = std::time::Instant::now();
     let mut l = load_gguf::<B>(path, &device, dtype, 2048).unwrap();
@@ -41,10 +65,23 @@ fn speed<B: FusedOps>(path: &PathBuf, dtype: DType, batch: usize, prompt_tokens:
     let prompt = l.tokenizer.decode(&ids, false).unwrap();
     let prompts = vec![prompt; batch];
     // No EOS stop: every run decodes exactly `new_tokens` steps.
-    let cfg = SamplingConfig { max_new_tokens: new_tokens, ..Default::default() };
+    let cfg = SamplingConfig {
+        max_new_tokens: new_tokens,
+        ..Default::default()
+    };
     let mut runs = Vec::new();
     for _ in 0..4 {
-        let (_, t) = generate(&l.model, &l.tokenizer, &prompts, &cfg, 2048, dtype, &device, |_, _| {}).unwrap();
+        let (_, t) = generate(
+            &l.model,
+            &l.tokenizer,
+            &prompts,
+            &cfg,
+            2048,
+            dtype,
+            &device,
+            |_, _| {},
+        )
+        .unwrap();
         runs.push(t);
     }
     runs.remove(0);
@@ -70,7 +107,9 @@ pub fn bench() -> Result<Value, String> {
         for &(batch, prompt, new) in &[(1usize, 512usize, 64usize), (8, 128, 32)] {
             let plain = speed::<crate::PlainCuda>(&path, dtype, batch, prompt, new);
             let stoke = speed::<crate::StokeCuda>(&path, dtype, batch, prompt, new);
-            println!("smollm2 {dtype:?} batch {batch} prompt {prompt}: burn-cuda {plain}\n    stoke {stoke}");
+            println!(
+                "smollm2 {dtype:?} batch {batch} prompt {prompt}: burn-cuda {plain}\n    stoke {stoke}"
+            );
             rows.push(plain);
             rows.push(stoke);
         }

@@ -16,14 +16,22 @@ use stoke_tests::{Cpu, suite};
 type S = Stoke<Cpu>;
 
 fn f64s(d: TensorData) -> Vec<f64> {
-    d.convert::<f32>().to_vec::<f32>().unwrap().into_iter().map(f64::from).collect()
+    d.convert::<f32>()
+        .to_vec::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect()
 }
 
 #[test]
 fn forwarded_ops_are_bitwise_identical_to_the_inner_backend() {
     let seed = stoke_tests::seed();
     let mut rng = StdRng::seed_from_u64(seed);
-    let (a, b) = (suite::random(&mut rng, 8, 16), suite::random(&mut rng, 16, 12));
+    let (a, b) = (
+        suite::random(&mut rng, 8, 16),
+        suite::random(&mut rng, 16, 12),
+    );
     let got = suite::run::<S>(a.clone(), b.clone(), false, &Default::default());
     let want = suite::run::<Cpu>(a, b, false, &Default::default());
     assert_eq!(got.len(), want.len());
@@ -36,7 +44,10 @@ fn forwarded_ops_are_bitwise_identical_to_the_inner_backend() {
 #[test]
 fn backend_is_named_after_its_inner_backend() {
     let name = S::name(&Default::default());
-    assert!(name.starts_with("stoke<") && name.contains(&Cpu::name(&Default::default())), "{name}");
+    assert!(
+        name.starts_with("stoke<") && name.contains(&Cpu::name(&Default::default())),
+        "{name}"
+    );
 }
 
 #[test]
@@ -62,7 +73,8 @@ impl StokeData<Cpu> for HostOwned {
         Default::default()
     }
     fn materialize(&self) -> <Cpu as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive {
-        self.materialized.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.materialized
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Cpu::float_from_data(self.data.clone(), &Default::default())
     }
     fn as_any(&self) -> &dyn std::any::Any {
@@ -72,7 +84,10 @@ impl StokeData<Cpu> for HostOwned {
 
 fn host_owned<const D: usize>(t: Tensor<S, D>) -> Tensor<S, D> {
     let data = t.to_data();
-    let owned = StokeTensor::owned(HostOwned { data, materialized: 0.into() });
+    let owned = StokeTensor::owned(HostOwned {
+        data,
+        materialized: 0.into(),
+    });
     Tensor::from_primitive(TensorPrimitive::Float(owned))
 }
 
@@ -84,15 +99,23 @@ fn burn_nn_model_runs_unchanged_on_stoke_owned_weights() {
     let _ = (model.weight.val(), model.bias.as_ref().map(|b| b.val()));
     struct ToOwned;
     impl burn::module::ModuleMapper<S> for ToOwned {
-        fn map_float<const D: usize>(&mut self, p: burn::module::Param<Tensor<S, D>>) -> burn::module::Param<Tensor<S, D>> {
+        fn map_float<const D: usize>(
+            &mut self,
+            p: burn::module::Param<Tensor<S, D>>,
+        ) -> burn::module::Param<Tensor<S, D>> {
             let (id, t, m) = p.consume();
             burn::module::Param::from_mapped_value(id, host_owned(t), m)
         }
     }
     let converted = model.clone().map(&mut ToOwned);
     let weight = converted.weight.val().into_primitive();
-    let TensorPrimitive::Float(w) = weight else { panic!("float weight") };
-    assert!(w.downcast_ref::<HostOwned>().is_some(), "weights are Stoke-owned after conversion");
+    let TensorPrimitive::Float(w) = weight else {
+        panic!("float weight")
+    };
+    assert!(
+        w.downcast_ref::<HostOwned>().is_some(),
+        "weights are Stoke-owned after conversion"
+    );
     assert_eq!(w.shape().as_slice(), &[64, 32]);
 
     let x = Tensor::<S, 2>::random([5, 64], Distribution::Default, &device);
@@ -122,7 +145,11 @@ fn residual_rms_norm_reference_returns_sum_and_normed() {
     let r = Tensor::<S, 2>::random([rows, hidden], Distribution::Uniform(-1.0, 1.0), &device);
     let g = Tensor::<S, 1>::random([hidden], Distribution::Uniform(0.5, 1.5), &device);
     let (sum, normed) = stoke::residual_rms_norm(x.clone(), r.clone(), g.clone(), 1e-6);
-    let sum_want: Vec<f64> = f64s(x.to_data()).iter().zip(f64s(r.to_data())).map(|(a, b)| a + b).collect();
+    let sum_want: Vec<f64> = f64s(x.to_data())
+        .iter()
+        .zip(f64s(r.to_data()))
+        .map(|(a, b)| a + b)
+        .collect();
     assert!(reference::relative_error(&f64s(sum.to_data()), &sum_want) < 1e-7);
     let want = reference::rms_norm(&sum_want, &f64s(g.to_data()), hidden, 1e-6);
     assert!(reference::relative_error(&f64s(normed.to_data()), &want) < 1e-6);
@@ -136,11 +163,14 @@ fn fused_ops_train_under_autodiff() {
     let device = Default::default();
     let (rows, hidden) = (3, 16);
     let x = Tensor::<A, 2>::random([rows, hidden], Distribution::Uniform(-2.0, 2.0), &device);
-    let g = Tensor::<A, 1>::random([hidden], Distribution::Uniform(0.5, 1.5), &device).require_grad();
+    let g =
+        Tensor::<A, 1>::random([hidden], Distribution::Uniform(0.5, 1.5), &device).require_grad();
     let grads = stoke::rms_norm(x.clone(), g.clone(), 1e-5).sum().backward();
     let got = f64s(g.grad(&grads).expect("gamma has a gradient").to_data());
     let ones = vec![1.0; hidden];
     let normed = reference::rms_norm(&f64s(x.to_data()), &ones, hidden, 1e-5);
-    let want: Vec<f64> = (0..hidden).map(|j| (0..rows).map(|r| normed[r * hidden + j]).sum()).collect();
+    let want: Vec<f64> = (0..hidden)
+        .map(|j| (0..rows).map(|r| normed[r * hidden + j]).sum())
+        .collect();
     assert!(reference::relative_error(&got, &want) < 1e-5);
 }

@@ -7,7 +7,11 @@ use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 
 /// Options every kernel is compiled with. Part of the cache key.
-pub const BASE_OPTIONS: &[&str] = &["--std=c++17", "-default-device", "--ptxas-options=--verbose"];
+pub const BASE_OPTIONS: &[&str] = &[
+    "--std=c++17",
+    "-default-device",
+    "--ptxas-options=--verbose",
+];
 
 /// Resources ptxas reports for one entry point.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -64,10 +68,14 @@ pub fn compile_cubin(
     let key = format!("{:x}", hasher.finalize());
     let cached = cache_dir().map(|d| {
         let stem = file.trim_end_matches(".cu");
-        (d.join(format!("{stem}-{arch}-{}.cubin", &key[..16])), d.join(format!("{stem}-{arch}-{}.log", &key[..16])))
+        (
+            d.join(format!("{stem}-{arch}-{}.cubin", &key[..16])),
+            d.join(format!("{stem}-{arch}-{}.log", &key[..16])),
+        )
     });
     if let Some((cubin_path, log_path)) = &cached {
-        if let (Ok(cubin), Ok(log)) = (std::fs::read(cubin_path), std::fs::read_to_string(log_path)) {
+        if let (Ok(cubin), Ok(log)) = (std::fs::read(cubin_path), std::fs::read_to_string(log_path))
+        {
             return Ok((cubin, parse_ptxas_log(&log), true));
         }
     }
@@ -138,7 +146,11 @@ fn nvrtc_compile(
     let compiled = unsafe { nvrtc::compile_program(prog.0, options) };
     // SAFETY: `prog` is live; the log is a NUL-terminated string NVRTC owns a copy of.
     let log = unsafe { nvrtc::get_program_log(prog.0) }
-        .map(|raw| unsafe { CStr::from_ptr(raw.as_ptr()) }.to_string_lossy().into_owned())
+        .map(|raw| {
+            unsafe { CStr::from_ptr(raw.as_ptr()) }
+                .to_string_lossy()
+                .into_owned()
+        })
         .unwrap_or_default();
     if let Err(e) = compiled {
         return Err(format!("{e:?}\n{log}"));
@@ -163,13 +175,21 @@ fn nvrtc_compile(
 pub fn parse_ptxas_log(log: &str) -> Vec<CompileReport> {
     fn number_before(line: &str, unit: &str) -> Option<u32> {
         let idx = line.find(unit)?;
-        line[..idx].split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty()).last()?.parse().ok()
+        line[..idx]
+            .split(|c: char| !c.is_ascii_digit())
+            .filter(|s| !s.is_empty())
+            .last()?
+            .parse()
+            .ok()
     }
     let mut out: Vec<CompileReport> = Vec::new();
     for line in log.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             let entry = rest.split('\'').next().unwrap_or_default().to_string();
-            out.push(CompileReport { entry, ..Default::default() });
+            out.push(CompileReport {
+                entry,
+                ..Default::default()
+            });
             continue;
         }
         let Some(cur) = out.last_mut() else { continue };

@@ -28,7 +28,11 @@ pub enum Error {
         source: DriverError,
     },
     #[error("NVRTC could not compile kernels/{file} for {arch}:\n{log}")]
-    Compile { file: String, arch: String, log: String },
+    Compile {
+        file: String,
+        arch: String,
+        log: String,
+    },
     #[error("NVRTC is not available: {0}")]
     NvrtcMissing(String),
     #[error("kernel `{entry}` not found in kernels/{file}")]

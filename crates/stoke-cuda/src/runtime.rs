@@ -19,7 +19,12 @@ pub enum Unavailable {
     #[error("CUDA device {ordinal} cannot be opened: {reason}")]
     NoDevice { ordinal: usize, reason: String },
     #[error("GPU {ordinal} ({name}) is sm_{major}{minor}; Stoke's kernels need Hopper (sm_90)")]
-    Arch { ordinal: usize, name: String, major: i32, minor: i32 },
+    Arch {
+        ordinal: usize,
+        name: String,
+        major: i32,
+        minor: i32,
+    },
     #[error("Stoke's kernels are disabled by STOKE_DISABLE")]
     Disabled,
     #[error("the inner backend is not burn-cuda")]
@@ -65,7 +70,11 @@ pub struct Runtime {
 
 impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "stoke runtime on GPU {} ({}, {})", self.ordinal, self.name, self.arch)
+        write!(
+            f,
+            "stoke runtime on GPU {} ({}, {})",
+            self.ordinal, self.name, self.arch
+        )
     }
 }
 
@@ -88,7 +97,12 @@ impl Runtime {
         let (major, minor) = ctx.compute_capability().map_err(no_device)?;
         let name = ctx.name().map_err(no_device)?;
         if major != 9 {
-            return Err(Unavailable::Arch { ordinal, name, major, minor });
+            return Err(Unavailable::Arch {
+                ordinal,
+                name,
+                major,
+                minor,
+            });
         }
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -130,7 +144,8 @@ impl Runtime {
         let mut modules = self.modules.lock().unwrap();
         if !modules.contains_key(src.file) {
             let t0 = std::time::Instant::now();
-            let (cubin, report, cached) = crate::compile_cubin(src.file, src.source, &self.arch, &[])?;
+            let (cubin, report, cached) =
+                crate::compile_cubin(src.file, src.source, &self.arch, &[])?;
             self.bind()?;
             let module = self
                 .ctx
@@ -146,12 +161,17 @@ impl Runtime {
             modules.insert(src.file, (module, report));
         }
         let (module, _) = &modules[src.file];
-        let func = module.load_function(entry).map_err(|_| Error::MissingEntry {
-            file: src.file.to_string(),
-            entry: entry.to_string(),
-        })?;
+        let func = module
+            .load_function(entry)
+            .map_err(|_| Error::MissingEntry {
+                file: src.file.to_string(),
+                entry: entry.to_string(),
+            })?;
         let kernel = Kernel { func, entry };
-        self.functions.lock().unwrap().insert((src.file, entry), kernel.clone());
+        self.functions
+            .lock()
+            .unwrap()
+            .insert((src.file, entry), kernel.clone());
         Ok(kernel)
     }
 
@@ -161,7 +181,12 @@ impl Runtime {
     /// `P` must be the `#[repr(C)]` mirror of the kernel's parameter struct, and every device
     /// pointer in it must stay valid until the kernel finishes (owned by a [`DeviceBuffer`] that
     /// is dropped only on this stream, or held with [`Runtime::hold_until_done`]).
-    pub unsafe fn launch<P: Copy>(&self, kernel: &Kernel, shape: LaunchShape, params: &P) -> Result<()> {
+    pub unsafe fn launch<P: Copy>(
+        &self,
+        kernel: &Kernel,
+        shape: LaunchShape,
+        params: &P,
+    ) -> Result<()> {
         self.bind()?;
         let mut p = *params;
         let mut args = [&mut p as *mut P as *mut c_void];
@@ -205,10 +230,16 @@ impl Runtime {
     /// stream-ordered from the driver's pool (`cuMemAllocAsync`).
     pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DeviceBuffer> {
         let size = pool_size(bytes);
-        let reused = self.pool.lock().unwrap().get_mut(&size).and_then(|v| v.pop());
+        let reused = self
+            .pool
+            .lock()
+            .unwrap()
+            .get_mut(&size)
+            .and_then(|v| v.pop());
         let ptr = match reused {
             Some(ptr) => {
-                self.pooled_bytes.fetch_sub(size, std::sync::atomic::Ordering::Relaxed);
+                self.pooled_bytes
+                    .fetch_sub(size, std::sync::atomic::Ordering::Relaxed);
                 ptr
             }
             None => {
@@ -217,7 +248,11 @@ impl Runtime {
                 unsafe { result::malloc_async(self.cu_stream(), size) }.call("cuMemAllocAsync")?
             }
         };
-        let buf = DeviceBuffer { ptr, bytes, rt: self.clone() };
+        let buf = DeviceBuffer {
+            ptr,
+            bytes,
+            rt: self.clone(),
+        };
         if self.poison.load(std::sync::atomic::Ordering::Relaxed) {
             // SAFETY: the buffer holds at least `bytes` bytes.
             unsafe { self.fill_bytes(ptr, 0xFF, bytes) }?;
@@ -230,7 +265,8 @@ impl Runtime {
         let size = pool_size(bytes);
         let pooled = self.pooled_bytes.load(std::sync::atomic::Ordering::Relaxed);
         if pooled + size <= POOL_LIMIT_BYTES {
-            self.pooled_bytes.fetch_add(size, std::sync::atomic::Ordering::Relaxed);
+            self.pooled_bytes
+                .fetch_add(size, std::sync::atomic::Ordering::Relaxed);
             self.pool.lock().unwrap().entry(size).or_default().push(ptr);
             return;
         }
@@ -244,8 +280,15 @@ impl Runtime {
 
     /// Returns every pooled buffer to the driver.
     pub fn release_pool(&self) -> Result<()> {
-        let drained: Vec<_> = self.pool.lock().unwrap().drain().flat_map(|(_, v)| v).collect();
-        self.pooled_bytes.store(0, std::sync::atomic::Ordering::Relaxed);
+        let drained: Vec<_> = self
+            .pool
+            .lock()
+            .unwrap()
+            .drain()
+            .flat_map(|(_, v)| v)
+            .collect();
+        self.pooled_bytes
+            .store(0, std::sync::atomic::Ordering::Relaxed);
         self.bind()?;
         for ptr in drained {
             // SAFETY: pooled buffers are owned by no one; the free is ordered after their uses.
@@ -260,11 +303,16 @@ impl Runtime {
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .call("cuStreamBeginCapture")?;
         let queued = body();
-        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).call("cuStreamEndCapture")?;
+        let graph = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .call("cuStreamEndCapture")?;
         queued?;
         graph.ok_or_else(|| Error::Driver {
             call: "cuStreamEndCapture",
-            source: cudarc::driver::DriverError(sys::cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
+            source: cudarc::driver::DriverError(
+                sys::cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+            ),
         })
     }
 
@@ -275,7 +323,8 @@ impl Runtime {
     pub unsafe fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         self.bind()?;
         // SAFETY: guaranteed by the caller.
-        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.cu_stream()) }.call("cuMemcpyDtoDAsync")
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.cu_stream()) }
+            .call("cuMemcpyDtoDAsync")
     }
 
     /// Copies `src` to the host after Stoke's queued work, and waits for it.
@@ -286,7 +335,8 @@ impl Runtime {
         self.bind()?;
         // SAFETY: guaranteed by the caller; the synchronize below completes the copy before
         // `dst` can be touched again.
-        unsafe { result::memcpy_dtoh_async(dst, src, self.cu_stream()) }.call("cuMemcpyDtoHAsync")?;
+        unsafe { result::memcpy_dtoh_async(dst, src, self.cu_stream()) }
+            .call("cuMemcpyDtoHAsync")?;
         self.stream.synchronize().call("cuStreamSynchronize")
     }
 
@@ -297,7 +347,8 @@ impl Runtime {
     pub unsafe fn copy_htod(&self, dst: u64, src: &[u8]) -> Result<()> {
         self.bind()?;
         // SAFETY: guaranteed by the caller; synchronized before `src` may be freed.
-        unsafe { result::memcpy_htod_async(dst, src, self.cu_stream()) }.call("cuMemcpyHtoDAsync")?;
+        unsafe { result::memcpy_htod_async(dst, src, self.cu_stream()) }
+            .call("cuMemcpyHtoDAsync")?;
         self.stream.synchronize().call("cuStreamSynchronize")
     }
 
@@ -308,7 +359,8 @@ impl Runtime {
     pub unsafe fn fill_bytes(&self, dst: u64, value: u8, bytes: usize) -> Result<()> {
         self.bind()?;
         // SAFETY: guaranteed by the caller.
-        unsafe { result::memset_d8_async(dst, value, bytes, self.cu_stream()) }.call("cuMemsetD8Async")
+        unsafe { result::memset_d8_async(dst, value, bytes, self.cu_stream()) }
+            .call("cuMemsetD8Async")
     }
 
     /// Poisons every buffer allocated from now on (see the field's docs).
@@ -361,7 +413,11 @@ impl DeviceBuffer {
 
 impl std::fmt::Debug for DeviceBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DeviceBuffer({:#x}, {} bytes, GPU {})", self.ptr, self.bytes, self.rt.ordinal)
+        write!(
+            f,
+            "DeviceBuffer({:#x}, {} bytes, GPU {})",
+            self.ptr, self.bytes, self.rt.ordinal
+        )
     }
 }
 

@@ -29,8 +29,17 @@ fn every_kernel_compiles_for_sm_90a_without_spills() {
                 .iter()
                 .find(|r| r.entry == *entry)
                 .unwrap_or_else(|| panic!("{}: no ptxas report for {entry}", src.file));
-            assert_eq!(r.spill_store_bytes + r.spill_load_bytes, 0, "{}: {entry} spills: {r:?}", src.file);
-            assert_eq!(r.stack_bytes, 0, "{}: {entry} uses a stack frame: {r:?}", src.file);
+            assert_eq!(
+                r.spill_store_bytes + r.spill_load_bytes,
+                0,
+                "{}: {entry} spills: {r:?}",
+                src.file
+            );
+            assert_eq!(
+                r.stack_bytes, 0,
+                "{}: {entry} uses a stack frame: {r:?}",
+                src.file
+            );
         }
     }
 }
@@ -40,7 +49,8 @@ fn a_kernel_that_does_not_compile_is_an_error_with_the_log() {
     if !nvrtc_or_skip("a_kernel_that_does_not_compile_is_an_error_with_the_log") {
         return;
     }
-    let broken = r#"extern "C" __global__ void broken_f32(float* out) { out[0] = not_declared(1.0f); }"#;
+    let broken =
+        r#"extern "C" __global__ void broken_f32(float* out) { out[0] = not_declared(1.0f); }"#;
     match compile_uncached("broken.cu", broken, "sm_90a", &[]) {
         Err(Error::Compile { file, arch, log }) => {
             assert_eq!(file, "broken.cu");

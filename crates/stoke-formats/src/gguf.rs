@@ -158,17 +158,37 @@ pub enum GgufError {
     #[error("{file}: GGUF version {version} is not supported (2 and 3 are)")]
     Version { file: String, version: u32 },
     #[error("{file}: truncated at byte {offset} while reading {what} (file has {len} bytes)")]
-    Truncated { file: String, what: String, offset: usize, len: usize },
+    Truncated {
+        file: String,
+        what: String,
+        offset: usize,
+        len: usize,
+    },
     #[error("{file}: metadata `{key}` has unknown value type {ty}")]
     ValueType { file: String, key: String, ty: u32 },
     #[error("{file}: {what} is not valid UTF-8")]
     Utf8 { file: String, what: String },
     #[error("{file}: tensor `{tensor}` has {dims} dimensions (at most 4 are allowed)")]
-    Rank { file: String, tensor: String, dims: u32 },
+    Rank {
+        file: String,
+        tensor: String,
+        dims: u32,
+    },
     #[error("{file}: tensor `{tensor}` of type {ty}: {problem}")]
-    TensorType { file: String, tensor: String, ty: GgmlType, problem: String },
+    TensorType {
+        file: String,
+        tensor: String,
+        ty: GgmlType,
+        problem: String,
+    },
     #[error("{file}: tensor `{tensor}` data [{start}, {end}) lies outside the file ({len} bytes)")]
-    TensorBounds { file: String, tensor: String, start: u64, end: u64, len: usize },
+    TensorBounds {
+        file: String,
+        tensor: String,
+        start: u64,
+        end: u64,
+        len: usize,
+    },
     #[error("{file}: no tensor named `{tensor}`")]
     MissingTensor { file: String, tensor: String },
     #[error("{file}: alignment {alignment} is not a power of two")]
@@ -218,17 +238,23 @@ impl<'a> Reader<'a> {
         let n = self.u64(what)?;
         // A length can never exceed the bytes left; checking here keeps a corrupt length from
         // becoming a huge allocation.
-        usize::try_from(n).ok().filter(|&n| n <= self.bytes.len() - self.pos).ok_or_else(|| GgufError::Truncated {
-            file: self.file.to_string(),
-            what: format!("{} (length {n})", what()),
-            offset: self.pos,
-            len: self.bytes.len(),
-        })
+        usize::try_from(n)
+            .ok()
+            .filter(|&n| n <= self.bytes.len() - self.pos)
+            .ok_or_else(|| GgufError::Truncated {
+                file: self.file.to_string(),
+                what: format!("{} (length {n})", what()),
+                offset: self.pos,
+                len: self.bytes.len(),
+            })
     }
     fn string(&mut self, what: &dyn Fn() -> String) -> Result<String, GgufError> {
         let n = self.len(what)?;
         let b = self.take(n, what)?;
-        String::from_utf8(b.to_vec()).map_err(|_| GgufError::Utf8 { file: self.file.to_string(), what: what() })
+        String::from_utf8(b.to_vec()).map_err(|_| GgufError::Utf8 {
+            file: self.file.to_string(),
+            what: what(),
+        })
     }
     fn value(&mut self, ty: u32, key: &str) -> Result<Value, GgufError> {
         let what = || format!("metadata `{key}`");
@@ -254,7 +280,13 @@ impl<'a> Reader<'a> {
             10 => Value::U64(self.u64(&what)?),
             11 => Value::I64(self.u64(&what)? as i64),
             12 => Value::F64(f64::from_bits(self.u64(&what)?)),
-            other => return Err(GgufError::ValueType { file: self.file.to_string(), key: key.to_string(), ty: other }),
+            other => {
+                return Err(GgufError::ValueType {
+                    file: self.file.to_string(),
+                    key: key.to_string(),
+                    ty: other,
+                });
+            }
         })
     }
 }
@@ -263,14 +295,24 @@ impl<'a> Gguf<'a> {
     /// Parses the header, metadata and tensor directory of `bytes` (the contents of `file`), and
     /// checks that every tensor's data lies inside the file.
     pub fn parse(file: &str, bytes: &'a [u8]) -> Result<Self, GgufError> {
-        let mut r = Reader { bytes, pos: 0, file };
+        let mut r = Reader {
+            bytes,
+            pos: 0,
+            file,
+        };
         let magic: [u8; 4] = r.take(4, &|| "the magic".into())?.try_into().unwrap();
         if &magic != b"GGUF" {
-            return Err(GgufError::BadMagic { file: file.into(), found: magic });
+            return Err(GgufError::BadMagic {
+                file: file.into(),
+                found: magic,
+            });
         }
         let version = r.u32(&|| "the version".into())?;
         if !(2..=3).contains(&version) {
-            return Err(GgufError::Version { file: file.into(), version });
+            return Err(GgufError::Version {
+                file: file.into(),
+                version,
+            });
         }
         let n_tensors = r.u64(&|| "the tensor count".into())?;
         let n_kv = r.u64(&|| "the metadata count".into())?;
@@ -287,19 +329,43 @@ impl<'a> Gguf<'a> {
             let what = || format!("tensor `{name}`'s directory entry");
             let rank = r.u32(&what)?;
             if rank > 4 {
-                return Err(GgufError::Rank { file: file.into(), tensor: name, dims: rank });
+                return Err(GgufError::Rank {
+                    file: file.into(),
+                    tensor: name,
+                    dims: rank,
+                });
             }
-            let dims = (0..rank).map(|_| r.u64(&what)).collect::<Result<Vec<_>, _>>()?;
+            let dims = (0..rank)
+                .map(|_| r.u64(&what))
+                .collect::<Result<Vec<_>, _>>()?;
             let ggml_type = GgmlType::from_u32(r.u32(&what)?);
             let offset = r.u64(&what)?;
-            tensors.push(TensorInfo { name, dims, ggml_type, offset });
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                ggml_type,
+                offset,
+            });
         }
-        let alignment = metadata.get("general.alignment").and_then(Value::as_u64).unwrap_or(32);
+        let alignment = metadata
+            .get("general.alignment")
+            .and_then(Value::as_u64)
+            .unwrap_or(32);
         if !alignment.is_power_of_two() {
-            return Err(GgufError::Alignment { file: file.into(), alignment });
+            return Err(GgufError::Alignment {
+                file: file.into(),
+                alignment,
+            });
         }
         let data_start = r.pos.div_ceil(alignment as usize) * alignment as usize;
-        let g = Gguf { file: file.into(), version, metadata, tensors, bytes, data_start };
+        let g = Gguf {
+            file: file.into(),
+            version,
+            metadata,
+            tensors,
+            bytes,
+            data_start,
+        };
         for t in &g.tensors {
             g.data_range(t)?;
         }
@@ -314,10 +380,19 @@ impl<'a> Gguf<'a> {
             ty: t.ggml_type,
             problem,
         };
-        let (per_block, block_bytes) = t.ggml_type.block().ok_or_else(|| ty_err("not a supported type (F32, F16, BF16, Q8_0, Q4_0, Q4_1 are)".into()))?;
-        let n = t.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or_else(|| ty_err(format!("dims {:?} overflow", t.dims)))?;
+        let (per_block, block_bytes) = t.ggml_type.block().ok_or_else(|| {
+            ty_err("not a supported type (F32, F16, BF16, Q8_0, Q4_0, Q4_1 are)".into())
+        })?;
+        let n = t
+            .dims
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| ty_err(format!("dims {:?} overflow", t.dims)))?;
         if t.dims.first().is_some_and(|&d| d % per_block as u64 != 0) {
-            return Err(ty_err(format!("row length {} is not a multiple of the block size {per_block}", t.dims[0])));
+            return Err(ty_err(format!(
+                "row length {} is not a multiple of the block size {per_block}",
+                t.dims[0]
+            )));
         }
         let bytes = (n / per_block as u64) * block_bytes as u64;
         let start = (self.data_start as u64).checked_add(t.offset);
@@ -338,7 +413,10 @@ impl<'a> Gguf<'a> {
         self.tensors
             .iter()
             .find(|t| t.name == name)
-            .ok_or_else(|| GgufError::MissingTensor { file: self.file.clone(), tensor: name.into() })
+            .ok_or_else(|| GgufError::MissingTensor {
+                file: self.file.clone(),
+                tensor: name.into(),
+            })
     }
 
     /// The raw bytes of a tensor (quantized blocks as stored).
@@ -362,9 +440,15 @@ fn f16(b: &[u8]) -> f32 {
 /// Appends the values of `raw` (whole blocks of `ty`) to `out`. `ty` must have a block layout.
 pub fn dequantize_into(ty: GgmlType, raw: &[u8], out: &mut Vec<f32>) {
     match ty {
-        GgmlType::F32 => out.extend(raw.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap()))),
+        GgmlType::F32 => out.extend(
+            raw.chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap())),
+        ),
         GgmlType::F16 => out.extend(raw.chunks_exact(2).map(f16)),
-        GgmlType::BF16 => out.extend(raw.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())),
+        GgmlType::BF16 => out.extend(
+            raw.chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        ),
         // d (f16), 32 x i8: x = d * q
         GgmlType::Q8_0 => {
             for b in raw.chunks_exact(34) {
@@ -400,7 +484,11 @@ pub fn dequantize_into(ty: GgmlType, raw: &[u8], out: &mut Vec<f32>) {
 /// `w.reshape(n_head, rows / n_head / 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)`.
 pub fn unpermute_qk_rows<T: Copy>(w: &[T], rows: usize, cols: usize, n_head: usize) -> Vec<T> {
     assert_eq!(w.len(), rows * cols);
-    assert_eq!(rows % (2 * n_head), 0, "rows {rows} not divisible by 2 * n_head {n_head}");
+    assert_eq!(
+        rows % (2 * n_head),
+        0,
+        "rows {rows} not divisible by 2 * n_head {n_head}"
+    );
     let half = rows / n_head / 2;
     let mut out = Vec::with_capacity(w.len());
     for h in 0..n_head {
@@ -528,18 +616,27 @@ mod tests {
         let lo: Vec<u8> = (0..16).collect();
         let hi: Vec<u8> = (0..16).rev().collect();
         raw.extend(lo.iter().zip(&hi).map(|(l, h)| l | (h << 4)));
-        let (d, m) = (half::f16::from_f32(d).to_f32(), half::f16::from_f32(m).to_f32());
+        let (d, m) = (
+            half::f16::from_f32(d).to_f32(),
+            half::f16::from_f32(m).to_f32(),
+        );
         let vals = lo.iter().chain(&hi).map(|&q| d * q as f32 + m).collect();
         (raw, vals)
     }
 
     fn sample() -> Vec<u8> {
         let (q41, _) = q4_1_block(0.5, -1.0);
-        let f32s: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let f32s: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
         Writer::default()
             .meta("general.architecture", Value::String("llama".into()))
             .meta("llama.block_count", Value::U32(2))
-            .meta("tokenizer.ggml.tokens", Value::Array(vec![Value::String("a".into()), Value::String("b".into())]))
+            .meta(
+                "tokenizer.ggml.tokens",
+                Value::Array(vec![Value::String("a".into()), Value::String("b".into())]),
+            )
             .tensor("w", &[3, 2], GgmlType::F32, f32s)
             .tensor("q", &[32, 1], GgmlType::Q4_1, q41)
             .to_bytes()
@@ -552,7 +649,13 @@ mod tests {
         assert_eq!(g.version, 3);
         assert_eq!(g.metadata["general.architecture"].as_str(), Some("llama"));
         assert_eq!(g.metadata["llama.block_count"].as_u64(), Some(2));
-        assert_eq!(g.metadata["tokenizer.ggml.tokens"].as_array().unwrap().len(), 2);
+        assert_eq!(
+            g.metadata["tokenizer.ggml.tokens"]
+                .as_array()
+                .unwrap()
+                .len(),
+            2
+        );
         let w = g.tensor("w").unwrap();
         assert_eq!(w.shape(), vec![2, 3]);
         assert_eq!(g.dequantize(w).unwrap(), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
@@ -569,14 +672,20 @@ mod tests {
         raw.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
         let mut got = Vec::new();
         dequantize_into(GgmlType::Q4_0, &raw, &mut got);
-        let want: Vec<f32> = (0..16).map(|j| 2.0 * (j - 8) as f32).chain((0..16).map(|j| 2.0 * (7 - j) as f32)).collect();
+        let want: Vec<f32> = (0..16)
+            .map(|j| 2.0 * (j - 8) as f32)
+            .chain((0..16).map(|j| 2.0 * (7 - j) as f32))
+            .collect();
         assert_eq!(got, want);
 
         let mut raw = f16_bytes(0.5).to_vec();
         raw.extend((0..32).map(|i| (i as i8 - 16) as u8));
         let mut got = Vec::new();
         dequantize_into(GgmlType::Q8_0, &raw, &mut got);
-        assert_eq!(got, (0..32).map(|i| 0.5 * (i - 16) as f32).collect::<Vec<_>>());
+        assert_eq!(
+            got,
+            (0..32).map(|i| 0.5 * (i - 16) as f32).collect::<Vec<_>>()
+        );
     }
 
     #[test]
@@ -594,13 +703,23 @@ mod tests {
     fn bad_magic_version_and_type_are_named() {
         let mut bytes = sample();
         bytes[0] = b'X';
-        assert!(matches!(Gguf::parse("f", &bytes), Err(GgufError::BadMagic { .. })));
+        assert!(matches!(
+            Gguf::parse("f", &bytes),
+            Err(GgufError::BadMagic { .. })
+        ));
         let mut bytes = sample();
         bytes[4] = 9;
-        assert!(matches!(Gguf::parse("f", &bytes), Err(GgufError::Version { version: 9, .. })));
-        let bytes = Writer::default().tensor("odd", &[32], GgmlType::Other(12), vec![0; 144]).to_bytes();
+        assert!(matches!(
+            Gguf::parse("f", &bytes),
+            Err(GgufError::Version { version: 9, .. })
+        ));
+        let bytes = Writer::default()
+            .tensor("odd", &[32], GgmlType::Other(12), vec![0; 144])
+            .to_bytes();
         match Gguf::parse("f.gguf", &bytes) {
-            Err(e @ GgufError::TensorType { .. }) => assert!(e.to_string().contains("`odd`"), "{e}"),
+            Err(e @ GgufError::TensorType { .. }) => {
+                assert!(e.to_string().contains("`odd`"), "{e}")
+            }
             other => panic!("{other:?}"),
         }
         let bytes = sample();
@@ -615,7 +734,9 @@ mod tests {
     fn unpermute_matches_the_reshape_swapaxes_definition() {
         // 2 heads, 4 rows per head (half = 2), 3 columns; row r holds value r in every column.
         let (rows, cols, n_head) = (8, 3, 2);
-        let w: Vec<usize> = (0..rows).flat_map(|r| std::iter::repeat_n(r, cols)).collect();
+        let w: Vec<usize> = (0..rows)
+            .flat_map(|r| std::iter::repeat_n(r, cols))
+            .collect();
         let out = unpermute_qk_rows(&w, rows, cols, n_head);
         // (h, i, j) -> (h, j, i): head 0 rows [0, 2, 1, 3], head 1 rows [4, 6, 5, 7].
         let order: Vec<usize> = out.chunks(cols).map(|c| c[0]).collect();

@@ -97,7 +97,13 @@ fn inverse_from_cholesky(l: &[f64], k: usize) -> Vec<f64> {
 
 /// GPTQ-quantizes `w` (`[k, n]` row-major, `y = x w`) given the Hessian `h` (`[k, k]`) of the
 /// layer's inputs. Returns the packed weight (symmetric INT4, static groups).
-pub fn quantize_gptq(w: &[f32], k: usize, n: usize, h: &[f64], cfg: &GptqConfig) -> Result<PackedInt4, GptqError> {
+pub fn quantize_gptq(
+    w: &[f32],
+    k: usize,
+    n: usize,
+    h: &[f64],
+    cfg: &GptqConfig,
+) -> Result<PackedInt4, GptqError> {
     if h.len() != k * k {
         return Err(GptqError::Hessian { k, actual: h.len() });
     }
@@ -126,7 +132,9 @@ pub fn quantize_gptq(w: &[f32], k: usize, n: usize, h: &[f64], cfg: &GptqConfig)
         (0..k).collect()
     };
     // Work in the permuted order: H_p[i][j] = H[o_i][o_j].
-    let hp: Vec<f64> = (0..k * k).map(|idx| h[order[idx / k] * k + order[idx % k]]).collect();
+    let hp: Vec<f64> = (0..k * k)
+        .map(|idx| h[order[idx / k] * k + order[idx % k]])
+        .collect();
     let mut l = hp;
     cholesky(&mut l, k)?;
     let hinv = inverse_from_cholesky(&l, k);
@@ -142,7 +150,11 @@ pub fn quantize_gptq(w: &[f32], k: usize, n: usize, h: &[f64], cfg: &GptqConfig)
         for col in 0..n {
             let s = scale(row, col);
             let v = w[row * n + col];
-            let qi = if s > 0.0 { (v / s).round().clamp(-8.0, 7.0) } else { 0.0 };
+            let qi = if s > 0.0 {
+                (v / s).round().clamp(-8.0, 7.0)
+            } else {
+                0.0
+            };
             q[row * n + col] = (qi as i32 + 8) as u8;
             let err = (v - qi * s) / d_ii;
             for pj in pi + 1..k {
@@ -150,7 +162,15 @@ pub fn quantize_gptq(w: &[f32], k: usize, n: usize, h: &[f64], cfg: &GptqConfig)
             }
         }
     }
-    Ok(PackedInt4::pack(&q, k, n, cfg.group, cfg.scale_type, rtn.scales, None)?)
+    Ok(PackedInt4::pack(
+        &q,
+        k,
+        n,
+        cfg.group,
+        cfg.scale_type,
+        rtn.scales,
+        None,
+    )?)
 }
 
 #[cfg(test)]
@@ -158,7 +178,9 @@ mod tests {
     use super::*;
 
     fn lcg(seed: &mut u64) -> f64 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((*seed >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
     }
 
@@ -171,7 +193,8 @@ mod tests {
         let mut a = vec![0.0; k * k];
         for i in 0..k {
             for j in 0..k {
-                a[i * k + j] = (0..k).map(|p| b[i * k + p] * b[j * k + p]).sum::<f64>() + if i == j { 1.0 } else { 0.0 };
+                a[i * k + j] = (0..k).map(|p| b[i * k + p] * b[j * k + p]).sum::<f64>()
+                    + if i == j { 1.0 } else { 0.0 };
             }
         }
         let mut l = a.clone();
@@ -209,20 +232,35 @@ mod tests {
             let mut e = 0.0;
             for r in x.chunks_exact(k) {
                 for c in 0..n {
-                    let d: f64 = (0..k).map(|i| r[i] as f64 * (w[i * n + c] - wq[i * n + c]) as f64).sum();
+                    let d: f64 = (0..k)
+                        .map(|i| r[i] as f64 * (w[i * n + c] - wq[i * n + c]) as f64)
+                        .sum();
                     e += d * d;
                 }
             }
             e
         };
-        let rtn = crate::int4::quantize_rtn(&w, k, n, group, ScaleType::F16).unwrap().dequantize();
+        let rtn = crate::int4::quantize_rtn(&w, k, n, group, ScaleType::F16)
+            .unwrap()
+            .dequantize();
         let e_rtn = out_err(&rtn);
         for act_order in [false, true] {
-            let cfg = GptqConfig { group, damp: 0.01, act_order, scale_type: ScaleType::F16 };
+            let cfg = GptqConfig {
+                group,
+                damp: 0.01,
+                act_order,
+                scale_type: ScaleType::F16,
+            };
             let g = quantize_gptq(&w, k, n, &h, &cfg).unwrap().dequantize();
             let e_gptq = out_err(&g);
-            println!("act_order={act_order}: output error GPTQ {e_gptq:.4e}, RTN {e_rtn:.4e} ({:.2}x)", e_gptq / e_rtn);
-            assert!(e_gptq < 0.6 * e_rtn, "act_order={act_order}: GPTQ {e_gptq:.4e} vs RTN {e_rtn:.4e}");
+            println!(
+                "act_order={act_order}: output error GPTQ {e_gptq:.4e}, RTN {e_rtn:.4e} ({:.2}x)",
+                e_gptq / e_rtn
+            );
+            assert!(
+                e_gptq < 0.6 * e_rtn,
+                "act_order={act_order}: GPTQ {e_gptq:.4e} vs RTN {e_rtn:.4e}"
+            );
         }
     }
 }

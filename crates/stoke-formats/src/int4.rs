@@ -78,7 +78,11 @@ pub enum Int4Error {
     #[error("INT4 group size {group} must be a multiple of 16 that divides k = {k}")]
     Group { group: usize, k: usize },
     #[error("INT4 {what} has {actual} values, expected {expected}")]
-    Len { what: &'static str, expected: usize, actual: usize },
+    Len {
+        what: &'static str,
+        expected: usize,
+        actual: usize,
+    },
     #[error("INT4 value {value} at ({row}, {col}) is outside 0..=15")]
     Range { row: usize, col: usize, value: u8 },
 }
@@ -119,7 +123,17 @@ impl PackedInt4 {
         offsets: Option<Vec<u16>>,
     ) -> Result<Self, Int4Error> {
         check_shape(k, n, group)?;
-        let len = |what, expected: usize, actual: usize| if expected == actual { Ok(()) } else { Err(Int4Error::Len { what, expected, actual }) };
+        let len = |what, expected: usize, actual: usize| {
+            if expected == actual {
+                Ok(())
+            } else {
+                Err(Int4Error::Len {
+                    what,
+                    expected,
+                    actual,
+                })
+            }
+        };
         len("q", k * n, q.len())?;
         len("scales", k / group * n, scales.len())?;
         if let Some(o) = &offsets {
@@ -136,7 +150,15 @@ impl PackedInt4 {
                 words[w] |= (v as u32) << shift;
             }
         }
-        Ok(Self { k, n, group, scale_type, scales, offsets, words })
+        Ok(Self {
+            k,
+            n,
+            group,
+            scale_type,
+            scales,
+            offsets,
+            words,
+        })
     }
 
     /// The exact inverse of [`PackedInt4::pack`]'s nibble placement: `q` as `[k, n]`.
@@ -178,17 +200,29 @@ impl PackedInt4 {
 
     /// Bytes the kernel reads: packed words plus scales (and offsets).
     pub fn bytes(&self) -> usize {
-        self.words.len() * 4 + self.scales.len() * 2 + self.offsets.as_ref().map_or(0, |o| o.len() * 2)
+        self.words.len() * 4
+            + self.scales.len() * 2
+            + self.offsets.as_ref().map_or(0, |o| o.len() * 2)
     }
 }
 
 /// Round-to-nearest symmetric quantization of `w` (`[k, n]` row-major, f32): per group of
 /// `group` rows and per column, `scale = amax / 7`, `q = clamp(round(w / scale), -8, 7) + 8`.
 /// The scale is rounded to `scale_type` first, and `q` computed with the rounded scale.
-pub fn quantize_rtn(w: &[f32], k: usize, n: usize, group: usize, scale_type: ScaleType) -> Result<PackedInt4, Int4Error> {
+pub fn quantize_rtn(
+    w: &[f32],
+    k: usize,
+    n: usize,
+    group: usize,
+    scale_type: ScaleType,
+) -> Result<PackedInt4, Int4Error> {
     check_shape(k, n, group)?;
     if w.len() != k * n {
-        return Err(Int4Error::Len { what: "w", expected: k * n, actual: w.len() });
+        return Err(Int4Error::Len {
+            what: "w",
+            expected: k * n,
+            actual: w.len(),
+        });
     }
     let groups = k / group;
     let mut scales = vec![0u16; groups * n];
@@ -196,12 +230,19 @@ pub fn quantize_rtn(w: &[f32], k: usize, n: usize, group: usize, scale_type: Sca
     for gi in 0..groups {
         for col in 0..n {
             let rows = gi * group..(gi + 1) * group;
-            let amax = rows.clone().map(|r| w[r * n + col].abs()).fold(0f32, f32::max);
+            let amax = rows
+                .clone()
+                .map(|r| w[r * n + col].abs())
+                .fold(0f32, f32::max);
             let bits = scale_type.from_f32(amax / 7.0);
             scales[gi * n + col] = bits;
             let d = scale_type.to_f32(bits);
             for r in rows {
-                let v = if d > 0.0 { (w[r * n + col] / d).round().clamp(-8.0, 7.0) } else { 0.0 };
+                let v = if d > 0.0 {
+                    (w[r * n + col] / d).round().clamp(-8.0, 7.0)
+                } else {
+                    0.0
+                };
                 q[r * n + col] = (v as i32 + 8) as u8;
             }
         }
@@ -213,14 +254,23 @@ pub fn quantize_rtn(w: &[f32], k: usize, n: usize, group: usize, scale_type: Sca
 /// without re-quantization: each 32-value block along `k` is one group of its column (`x W`
 /// layout transposes the file's rows), the block's f16 `d` (and `m`) kept bit for bit.
 /// `asymmetric`: Q4_1 (`d * q + m`); otherwise Q4_0 (`d * (q - 8)`).
-pub fn from_gguf_q4(raw: &[u8], out_features: usize, in_features: usize, asymmetric: bool) -> Result<PackedInt4, Int4Error> {
+pub fn from_gguf_q4(
+    raw: &[u8],
+    out_features: usize,
+    in_features: usize,
+    asymmetric: bool,
+) -> Result<PackedInt4, Int4Error> {
     let (k, n, group) = (in_features, out_features, 32);
     check_shape(k, n, group)?;
     let block = if asymmetric { 20 } else { 18 };
     let blocks_per_row = k / 32;
     let expected = n * blocks_per_row * block;
     if raw.len() != expected {
-        return Err(Int4Error::Len { what: "GGUF Q4 bytes", expected, actual: raw.len() });
+        return Err(Int4Error::Len {
+            what: "GGUF Q4 bytes",
+            expected,
+            actual: raw.len(),
+        });
     }
     let mut q = vec![0u8; k * n];
     let mut scales = vec![0u16; (k / group) * n];
@@ -250,7 +300,9 @@ mod tests {
     use super::*;
 
     fn lcg(seed: &mut u64) -> u32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (*seed >> 33) as u32
     }
 
@@ -281,7 +333,10 @@ mod tests {
                 let col = 8 * half + g;
                 let lo_row = 2 * t + 8 * reg_k;
                 assert_eq!(nibble_position(n, lo_row, col), (lane * 4, reg * 4));
-                assert_eq!(nibble_position(n, lo_row + 1, col), (lane * 4, reg * 4 + 16));
+                assert_eq!(
+                    nibble_position(n, lo_row + 1, col),
+                    (lane * 4, reg * 4 + 16)
+                );
             }
         }
     }
@@ -291,7 +346,9 @@ mod tests {
         let mut seed = 1;
         for &(k, n, group) in &[(16, 64, 16), (576, 128, 64), (256, 192, 128)] {
             let q: Vec<u8> = (0..k * n).map(|_| (lcg(&mut seed) % 16) as u8).collect();
-            let scales: Vec<u16> = (0..k / group * n).map(|i| half::bf16::from_f32(0.01 + i as f32 * 1e-4).to_bits()).collect();
+            let scales: Vec<u16> = (0..k / group * n)
+                .map(|i| half::bf16::from_f32(0.01 + i as f32 * 1e-4).to_bits())
+                .collect();
             let p = PackedInt4::pack(&q, k, n, group, ScaleType::Bf16, scales, None).unwrap();
             assert_eq!(p.unpack_q(), q);
             assert_eq!(p.words.len(), k * n / 8);
@@ -302,7 +359,9 @@ mod tests {
     fn rtn_error_is_within_half_a_step() {
         let (k, n, group) = (128, 64, 64);
         let mut seed = 7;
-        let w: Vec<f32> = (0..k * n).map(|_| lcg(&mut seed) as f32 / u32::MAX as f32 - 0.25).collect();
+        let w: Vec<f32> = (0..k * n)
+            .map(|_| lcg(&mut seed) as f32 / u32::MAX as f32 - 0.25)
+            .collect();
         let p = quantize_rtn(&w, k, n, group, ScaleType::Bf16).unwrap();
         let dq = p.dequantize();
         for row in 0..k {
@@ -310,7 +369,10 @@ mod tests {
                 let (d, _) = p.group_params(row, col);
                 let err = (dq[row * n + col] - w[row * n + col]).abs();
                 // Half a step, plus the clamp of the positive extreme (+8 is not representable).
-                assert!(err <= 0.5 * d + 1e-6 || w[row * n + col] > 7.0 * d, "({row},{col}) err {err} step {d}");
+                assert!(
+                    err <= 0.5 * d + 1e-6 || w[row * n + col] > 7.0 * d,
+                    "({row},{col}) err {err} step {d}"
+                );
             }
         }
     }
@@ -324,20 +386,33 @@ mod tests {
             let block = if asym { 20 } else { 18 };
             let mut raw = Vec::new();
             for _ in 0..out_f * in_f / 32 {
-                raw.extend(half::f16::from_f32(0.01 + (lcg(&mut seed) % 100) as f32 * 1e-3).to_le_bytes());
+                raw.extend(
+                    half::f16::from_f32(0.01 + (lcg(&mut seed) % 100) as f32 * 1e-3).to_le_bytes(),
+                );
                 if asym {
-                    raw.extend(half::f16::from_f32(-0.1 + (lcg(&mut seed) % 100) as f32 * 1e-3).to_le_bytes());
+                    raw.extend(
+                        half::f16::from_f32(-0.1 + (lcg(&mut seed) % 100) as f32 * 1e-3)
+                            .to_le_bytes(),
+                    );
                 }
                 raw.extend((0..16).map(|_| (lcg(&mut seed) % 256) as u8));
             }
             assert_eq!(raw.len(), out_f * in_f / 32 * block);
             let p = from_gguf_q4(&raw, out_f, in_f, asym).unwrap();
             let mut file_order = Vec::new(); // [out, in]
-            dequantize_into(if asym { GgmlType::Q4_1 } else { GgmlType::Q4_0 }, &raw, &mut file_order);
+            dequantize_into(
+                if asym { GgmlType::Q4_1 } else { GgmlType::Q4_0 },
+                &raw,
+                &mut file_order,
+            );
             let dq = p.dequantize(); // [in, out]
             for o in 0..out_f {
                 for i in 0..in_f {
-                    assert_eq!(dq[i * out_f + o], file_order[o * in_f + i], "asym={asym} ({o}, {i})");
+                    assert_eq!(
+                        dq[i * out_f + o],
+                        file_order[o * in_f + i],
+                        "asym={asym} ({o}, {i})"
+                    );
                 }
             }
         }
@@ -345,10 +420,35 @@ mod tests {
 
     #[test]
     fn bad_shapes_and_values_are_errors() {
-        assert!(matches!(PackedInt4::pack(&[0; 16 * 32], 16, 32, 16, ScaleType::Bf16, vec![0; 32], None), Err(Int4Error::Shape { .. })));
-        assert!(matches!(PackedInt4::pack(&[0; 48 * 64], 48, 64, 32, ScaleType::Bf16, vec![0; 64], None), Err(Int4Error::Group { .. })));
+        assert!(matches!(
+            PackedInt4::pack(
+                &[0; 16 * 32],
+                16,
+                32,
+                16,
+                ScaleType::Bf16,
+                vec![0; 32],
+                None
+            ),
+            Err(Int4Error::Shape { .. })
+        ));
+        assert!(matches!(
+            PackedInt4::pack(
+                &[0; 48 * 64],
+                48,
+                64,
+                32,
+                ScaleType::Bf16,
+                vec![0; 64],
+                None
+            ),
+            Err(Int4Error::Group { .. })
+        ));
         let mut q = vec![0u8; 16 * 64];
         q[5] = 16;
-        assert!(matches!(PackedInt4::pack(&q, 16, 64, 16, ScaleType::Bf16, vec![0; 64], None), Err(Int4Error::Range { row: 0, col: 5, .. })));
+        assert!(matches!(
+            PackedInt4::pack(&q, 16, 64, 16, ScaleType::Bf16, vec![0; 64], None),
+            Err(Int4Error::Range { row: 0, col: 5, .. })
+        ));
     }
 }

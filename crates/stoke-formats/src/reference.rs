@@ -27,7 +27,13 @@ pub fn max_tolerance_ratio(a: &[f64], b: &[f64], atol: f64, rtol: f64) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter()
         .zip(b)
-        .map(|(x, y)| if x.is_nan() || y.is_nan() { f64::INFINITY } else { (x - y).abs() / (atol + rtol * y.abs()) })
+        .map(|(x, y)| {
+            if x.is_nan() || y.is_nan() {
+                f64::INFINITY
+            } else {
+                (x - y).abs() / (atol + rtol * y.abs())
+            }
+        })
         .fold(0.0, f64::max)
 }
 

@@ -34,7 +34,12 @@ const TRAITS: &[(&str, &str, &str, &[&str])] = &[
     ),
     ("int_tensor.rs", "IntTensorOps", "int.rs", &[]),
     ("bool_tensor.rs", "BoolTensorOps", "bool.rs", &[]),
-    ("modules/base.rs", "ModuleOps", "module.rs", &["linear", "attention"]),
+    (
+        "modules/base.rs",
+        "ModuleOps",
+        "module.rs",
+        &["linear", "attention"],
+    ),
     ("activation.rs", "ActivationOps", "activation.rs", &[]),
     ("qtensor.rs", "QTensorOps", "qtensor.rs", &[]),
     ("transaction.rs", "TransactionOps", "transaction.rs", &[]),
@@ -97,7 +102,10 @@ fn main() -> ExitCode {
 }
 
 fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap()
 }
 
 /// The burn-backend source directory cargo resolved for this workspace.
@@ -115,7 +123,10 @@ fn burn_backend_src(root: &Path) -> PathBuf {
         .iter()
         .find(|p| p["name"] == "burn-backend")
         .expect("burn-backend in cargo metadata");
-    PathBuf::from(pkg["manifest_path"].as_str().unwrap()).parent().unwrap().to_path_buf()
+    PathBuf::from(pkg["manifest_path"].as_str().unwrap())
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 /// Rewrites the trait's backend parameter `B` into `Self`, and burn-backend's `crate::` paths
@@ -144,12 +155,21 @@ fn generate(item: &syn::ItemTrait, intercepted: &[&str]) -> String {
         // Arguments may be patterns like `_x`; give every argument a plain name.
         let mut arg_names = Vec::new();
         for (idx, input) in sig.inputs.iter_mut().enumerate() {
-            let FnArg::Typed(pt) = input else { panic!("{}: receiver", sig.ident) };
+            let FnArg::Typed(pt) = input else {
+                panic!("{}: receiver", sig.ident)
+            };
             let name = match &*pt.pat {
                 Pat::Ident(pi) => pi.ident.to_string().trim_start_matches('_').to_string(),
                 _ => format!("arg{idx}"),
             };
-            let name = format_ident!("{}", if name.is_empty() { format!("arg{idx}") } else { name });
+            let name = format_ident!(
+                "{}",
+                if name.is_empty() {
+                    format!("arg{idx}")
+                } else {
+                    name
+                }
+            );
             *pt.pat = syn::parse_quote!(#name);
             arg_names.push((name, (*pt.ty).clone()));
         }
@@ -173,7 +193,9 @@ fn generate(item: &syn::ItemTrait, intercepted: &[&str]) -> String {
             }
         });
     }
+    // Laid out by prettyplease; rustfmt leaves it so, so that `--check` and `cargo fmt` agree.
     let file: syn::File = syn::parse2(quote! {
+        #[rustfmt::skip]
         impl<I: Backend> #trait_ident<Self> for Stoke<I> {
             #(#methods)*
         }
@@ -223,11 +245,19 @@ fn is_self(t: &Type) -> bool {
 fn kind(t: &Type) -> Kind {
     match t {
         Type::Reference(r) => {
-            if needs_conversion(&r.elem) { Kind::Ref(r.elem.clone()) } else { Kind::Plain }
+            if needs_conversion(&r.elem) {
+                Kind::Ref(r.elem.clone())
+            } else {
+                Kind::Plain
+            }
         }
         Type::Tuple(tt) => {
             let elems: Vec<Type> = tt.elems.iter().cloned().collect();
-            if elems.iter().any(needs_conversion) { Kind::Tuple(elems) } else { Kind::Plain }
+            if elems.iter().any(needs_conversion) {
+                Kind::Tuple(elems)
+            } else {
+                Kind::Plain
+            }
         }
         Type::Paren(p) => kind(&p.elem),
         Type::Path(p) if p.qself.is_none() => {
@@ -316,7 +346,9 @@ fn lift_return(call: TokenStream, ty: &Type) -> TokenStream {
                 }
                 match &seg.arguments {
                     PathArguments::AngleBracketed(a) => a.args.iter().find_map(|g| match g {
-                        GenericArgument::AssocType(at) if at.ident == "Output" => Some(at.ty.clone()),
+                        GenericArgument::AssocType(at) if at.ident == "Output" => {
+                            Some(at.ty.clone())
+                        }
                         _ => None,
                     }),
                     _ => None,

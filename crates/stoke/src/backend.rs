@@ -29,7 +29,11 @@ impl<I: Backend> Backend for Stoke<I> {
         I::ad_enabled(device)
     }
 
-    fn memory_persistent_allocations<Output: Send, Input: Send, Func: Fn(Input) -> Output + Send>(
+    fn memory_persistent_allocations<
+        Output: Send,
+        Input: Send,
+        Func: Fn(Input) -> Output + Send,
+    >(
         device: &Self::Device,
         input: Input,
         func: Func,

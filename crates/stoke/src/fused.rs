@@ -32,19 +32,36 @@ pub trait FusedOps: Backend {
 }
 
 /// The reference RMSNorm composition on any backend.
-pub fn rms_norm_reference<B: Backend>(x: FloatTensor<B>, gamma: FloatTensor<B>, eps: f64) -> FloatTensor<B> {
+pub fn rms_norm_reference<B: Backend>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    eps: f64,
+) -> FloatTensor<B> {
     let dtype = x.dtype();
     let shape = x.shape();
     let last = shape.num_dims() - 1;
-    let f32_of = |t: FloatTensor<B>| if t.dtype() == DType::F32 { t } else { B::float_cast(t, FloatDType::F32) };
+    let f32_of = |t: FloatTensor<B>| {
+        if t.dtype() == DType::F32 {
+            t
+        } else {
+            B::float_cast(t, FloatDType::F32)
+        }
+    };
     let xf = f32_of(x);
     let mean_sq = B::float_mean_dim(B::float_mul(xf.clone(), xf.clone()), last);
-    let inv = B::float_recip(B::float_sqrt(B::float_add_scalar(mean_sq, Scalar::from(eps))));
+    let inv = B::float_recip(B::float_sqrt(B::float_add_scalar(
+        mean_sq,
+        Scalar::from(eps),
+    )));
     let mut gamma_shape = vec![1; shape.num_dims()];
     gamma_shape[last] = shape[last];
     let g = f32_of(B::float_reshape(gamma, gamma_shape.into()));
     let y = B::float_mul(B::float_mul(xf, inv), g);
-    if dtype == DType::F32 { y } else { B::float_cast(y, FloatDType::from(dtype)) }
+    if dtype == DType::F32 {
+        y
+    } else {
+        B::float_cast(y, FloatDType::from(dtype))
+    }
 }
 
 impl<I: Backend> FusedOps for Stoke<I> {
@@ -78,7 +95,8 @@ where
     E: burn_ndarray::FloatNdArrayElement,
     J: burn_ndarray::IntNdArrayElement,
     Q: burn_ndarray::QuantElement,
-    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<E>> + From<burn_ndarray::SharedArray<J>>,
+    burn_ndarray::NdArrayTensor:
+        From<burn_ndarray::SharedArray<E>> + From<burn_ndarray::SharedArray<J>>,
 {
 }
 
@@ -107,7 +125,11 @@ fn tensor<B: Backend, const D: usize>(p: FloatTensor<B>) -> Tensor<B, D> {
 }
 
 /// RMSNorm over the last dimension: `x * rsqrt(mean(x^2) + eps) * gamma`.
-pub fn rms_norm<B: FusedOps, const D: usize>(x: Tensor<B, D>, gamma: Tensor<B, 1>, eps: f64) -> Tensor<B, D> {
+pub fn rms_norm<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    gamma: Tensor<B, 1>,
+    eps: f64,
+) -> Tensor<B, D> {
     tensor(B::rms_norm(float(x), float(gamma), eps))
 }
 

@@ -14,7 +14,11 @@ pub(crate) fn linear<I: Backend>(
     weight: StokeTensor<I>,
     bias: Option<StokeTensor<I>>,
 ) -> StokeTensor<I> {
-    lift_float::<I>(I::linear(lower_float(x), lower_float(weight), bias.map(lower_float)))
+    lift_float::<I>(I::linear(
+        lower_float(x),
+        lower_float(weight),
+        bias.map(lower_float),
+    ))
 }
 
 /// `ModuleOps::attention`: forwarded until Stoke's attention kernels apply.

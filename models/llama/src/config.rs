@@ -35,7 +35,11 @@ pub enum ConfigError {
     #[error("{file}: architecture `{found}` is not supported (llama is)")]
     Architecture { file: String, found: String },
     #[error("{file}: metadata `{key}` is missing or not {expected}")]
-    Missing { file: String, key: String, expected: &'static str },
+    Missing {
+        file: String,
+        key: String,
+        expected: &'static str,
+    },
     #[error("{file}: {what}")]
     Inconsistent { file: String, what: String },
 }
@@ -46,21 +50,33 @@ impl LlamaConfig {
     /// absence of `output.weight`.
     pub fn from_gguf(g: &Gguf) -> Result<Self, ConfigError> {
         let file = g.file.clone();
-        let arch = g.metadata.get("general.architecture").and_then(Value::as_str).unwrap_or("");
+        let arch = g
+            .metadata
+            .get("general.architecture")
+            .and_then(Value::as_str)
+            .unwrap_or("");
         if arch != "llama" {
-            return Err(ConfigError::Architecture { file, found: arch.to_string() });
+            return Err(ConfigError::Architecture {
+                file,
+                found: arch.to_string(),
+            });
         }
         let int = |key: &str| -> Result<usize, ConfigError> {
-            g.metadata.get(key).and_then(Value::as_u64).map(|v| v as usize).ok_or_else(|| ConfigError::Missing {
-                file: g.file.clone(),
-                key: key.into(),
-                expected: "an unsigned integer",
-            })
+            g.metadata
+                .get(key)
+                .and_then(Value::as_u64)
+                .map(|v| v as usize)
+                .ok_or_else(|| ConfigError::Missing {
+                    file: g.file.clone(),
+                    key: key.into(),
+                    expected: "an unsigned integer",
+                })
         };
         let float = |key: &str| g.metadata.get(key).and_then(Value::as_f64);
         let hidden_size = int("llama.embedding_length")?;
         let num_attention_heads = int("llama.attention.head_count")?;
-        let num_key_value_heads = int("llama.attention.head_count_kv").unwrap_or(num_attention_heads);
+        let num_key_value_heads =
+            int("llama.attention.head_count_kv").unwrap_or(num_attention_heads);
         let head_dim = int("llama.attention.key_length")
             .or_else(|_| int("llama.rope.dimension_count"))
             .unwrap_or(hidden_size / num_attention_heads.max(1));
@@ -69,18 +85,30 @@ impl LlamaConfig {
                 .get("tokenizer.ggml.tokens")
                 .and_then(Value::as_array)
                 .map(|t| t.len())
-                .ok_or_else(|| ConfigError::Missing { file: file.clone(), key: "llama.vocab_size".into(), expected: "an unsigned integer" })
+                .ok_or_else(|| ConfigError::Missing {
+                    file: file.clone(),
+                    key: "llama.vocab_size".into(),
+                    expected: "an unsigned integer",
+                })
         })?;
-        let rope_scaling = match g.metadata.get("llama.rope.scaling.type").and_then(Value::as_str) {
+        let rope_scaling = match g
+            .metadata
+            .get("llama.rope.scaling.type")
+            .and_then(Value::as_str)
+        {
             Some("llama3") => Some(Llama3RopeScaling {
                 factor: float("llama.rope.scaling.factor").unwrap_or(8.0),
                 low_freq_factor: float("llama.rope.scaling.low_freq_factor").unwrap_or(1.0),
                 high_freq_factor: float("llama.rope.scaling.high_freq_factor").unwrap_or(4.0),
-                original_max_position_embeddings: int("llama.rope.scaling.original_context_length").unwrap_or(8192),
+                original_max_position_embeddings: int("llama.rope.scaling.original_context_length")
+                    .unwrap_or(8192),
             }),
             _ => None,
         };
-        let eos = g.metadata.get("tokenizer.ggml.eos_token_id").and_then(Value::as_u64);
+        let eos = g
+            .metadata
+            .get("tokenizer.ggml.eos_token_id")
+            .and_then(Value::as_u64);
         let cfg = LlamaConfig {
             vocab_size,
             hidden_size,
@@ -94,7 +122,11 @@ impl LlamaConfig {
             rms_norm_eps: float("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
             max_position_embeddings: int("llama.context_length").unwrap_or(4096),
             tie_word_embeddings: !g.tensors.iter().any(|t| t.name == "output.weight"),
-            bos_token_id: g.metadata.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u64).map(|v| v as u32),
+            bos_token_id: g
+                .metadata
+                .get("tokenizer.ggml.bos_token_id")
+                .and_then(Value::as_u64)
+                .map(|v| v as u32),
             eos_token_ids: eos.into_iter().map(|v| v as u32).collect(),
         };
         cfg.validate(&file)?;
@@ -104,26 +136,51 @@ impl LlamaConfig {
     /// Reads a Hugging Face `config.json` (already parsed) of a Llama model.
     pub fn from_hf_json(file: &str, j: &serde_json::Value) -> Result<Self, ConfigError> {
         let arch_ok = j["model_type"].as_str() == Some("llama")
-            || j["architectures"].as_array().is_some_and(|a| a.iter().any(|v| v.as_str() == Some("LlamaForCausalLM")));
+            || j["architectures"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|v| v.as_str() == Some("LlamaForCausalLM")));
         if !arch_ok {
-            let found = j["model_type"].as_str().or_else(|| j["architectures"][0].as_str()).unwrap_or("none");
-            return Err(ConfigError::Architecture { file: file.into(), found: found.into() });
+            let found = j["model_type"]
+                .as_str()
+                .or_else(|| j["architectures"][0].as_str())
+                .unwrap_or("none");
+            return Err(ConfigError::Architecture {
+                file: file.into(),
+                found: found.into(),
+            });
         }
         let int = |key: &str| -> Result<usize, ConfigError> {
-            j[key].as_u64().map(|v| v as usize).ok_or_else(|| ConfigError::Missing { file: file.into(), key: key.into(), expected: "an unsigned integer" })
+            j[key]
+                .as_u64()
+                .map(|v| v as usize)
+                .ok_or_else(|| ConfigError::Missing {
+                    file: file.into(),
+                    key: key.into(),
+                    expected: "an unsigned integer",
+                })
         };
         let hidden_size = int("hidden_size")?;
         let num_attention_heads = int("num_attention_heads")?;
         let rope_scaling = match &j["rope_scaling"] {
-            s if s["rope_type"].as_str() == Some("llama3") || s["type"].as_str() == Some("llama3") => Some(Llama3RopeScaling {
-                factor: s["factor"].as_f64().unwrap_or(8.0),
-                low_freq_factor: s["low_freq_factor"].as_f64().unwrap_or(1.0),
-                high_freq_factor: s["high_freq_factor"].as_f64().unwrap_or(4.0),
-                original_max_position_embeddings: s["original_max_position_embeddings"].as_u64().unwrap_or(8192) as usize,
-            }),
+            s if s["rope_type"].as_str() == Some("llama3")
+                || s["type"].as_str() == Some("llama3") =>
+            {
+                Some(Llama3RopeScaling {
+                    factor: s["factor"].as_f64().unwrap_or(8.0),
+                    low_freq_factor: s["low_freq_factor"].as_f64().unwrap_or(1.0),
+                    high_freq_factor: s["high_freq_factor"].as_f64().unwrap_or(4.0),
+                    original_max_position_embeddings: s["original_max_position_embeddings"]
+                        .as_u64()
+                        .unwrap_or(8192)
+                        as usize,
+                })
+            }
             serde_json::Value::Null => None,
             other => {
-                return Err(ConfigError::Inconsistent { file: file.into(), what: format!("rope_scaling {other} is not supported (llama3 is)") });
+                return Err(ConfigError::Inconsistent {
+                    file: file.into(),
+                    what: format!("rope_scaling {other} is not supported (llama3 is)"),
+                });
             }
         };
         let cfg = LlamaConfig {
@@ -148,7 +205,12 @@ impl LlamaConfig {
 
     /// Checks the relations between sizes that the model relies on.
     pub fn validate(&self, file: &str) -> Result<(), ConfigError> {
-        let bad = |what: String| Err(ConfigError::Inconsistent { file: file.into(), what });
+        let bad = |what: String| {
+            Err(ConfigError::Inconsistent {
+                file: file.into(),
+                what,
+            })
+        };
         if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
             return bad("head counts must be positive".into());
         }
@@ -159,7 +221,10 @@ impl LlamaConfig {
             ));
         }
         if self.head_dim % 2 != 0 {
-            return bad(format!("head_dim {} is odd (RoPE rotates pairs)", self.head_dim));
+            return bad(format!(
+                "head_dim {} is odd (RoPE rotates pairs)",
+                self.head_dim
+            ));
         }
         Ok(())
     }
@@ -168,7 +233,11 @@ impl LlamaConfig {
 /// A token id field that may be one integer or a list of them.
 pub fn token_ids(v: &serde_json::Value) -> Vec<u32> {
     match v {
-        serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        serde_json::Value::Array(a) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
         other => other.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
     }
 }

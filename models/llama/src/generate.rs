@@ -77,8 +77,15 @@ pub enum GenerateError {
     Tokenizer(String),
     #[error("prompt {index} is empty after tokenization")]
     EmptyPrompt { index: usize },
-    #[error("prompt {index} has {tokens} tokens; with {max_new} new tokens that exceeds the context of {context}")]
-    TooLong { index: usize, tokens: usize, max_new: usize, context: usize },
+    #[error(
+        "prompt {index} has {tokens} tokens; with {max_new} new tokens that exceeds the context of {context}"
+    )]
+    TooLong {
+        index: usize,
+        tokens: usize,
+        max_new: usize,
+        context: usize,
+    },
 }
 
 /// Picks the next token from `logits` (one sequence), given the tokens so far.
@@ -86,10 +93,23 @@ pub fn sample(logits: &mut [f32], history: &[u32], cfg: &SamplingConfig, rng: &m
     if cfg.repetition_penalty != 1.0 {
         for &t in history {
             let l = &mut logits[t as usize];
-            *l = if *l > 0.0 { *l / cfg.repetition_penalty } else { *l * cfg.repetition_penalty };
+            *l = if *l > 0.0 {
+                *l / cfg.repetition_penalty
+            } else {
+                *l * cfg.repetition_penalty
+            };
         }
     }
-    let argmax = || logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32;
+    let argmax = || {
+        logits
+            .iter()
+            .enumerate()
+            .fold(
+                (0, f32::NEG_INFINITY),
+                |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+            )
+            .0 as u32
+    };
     if cfg.temperature <= 0.0 {
         return argmax();
     }
@@ -99,7 +119,10 @@ pub fn sample(logits: &mut [f32], history: &[u32], cfg: &SamplingConfig, rng: &m
         idx.truncate(k.max(1));
     }
     let max = logits[idx[0]];
-    let mut probs: Vec<f64> = idx.iter().map(|&i| (((logits[i] - max) / cfg.temperature) as f64).exp()).collect();
+    let mut probs: Vec<f64> = idx
+        .iter()
+        .map(|&i| (((logits[i] - max) / cfg.temperature) as f64).exp())
+        .collect();
     let total: f64 = probs.iter().sum();
     probs.iter_mut().for_each(|p| *p /= total);
     if let Some(p) = cfg.top_p {
@@ -143,24 +166,39 @@ pub fn generate<B: FusedOps>(
 ) -> Result<(Vec<Output>, Timings), GenerateError> {
     let encoded: Vec<Vec<u32>> = prompts
         .iter()
-        .map(|p| tokenizer.encode(p.as_str(), false).map(|e| e.get_ids().to_vec()).map_err(|e| GenerateError::Tokenizer(e.to_string())))
+        .map(|p| {
+            tokenizer
+                .encode(p.as_str(), false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| GenerateError::Tokenizer(e.to_string()))
+        })
         .collect::<Result<_, _>>()?;
     for (index, e) in encoded.iter().enumerate() {
         if e.is_empty() {
             return Err(GenerateError::EmptyPrompt { index });
         }
         if e.len() + cfg.max_new_tokens > context {
-            return Err(GenerateError::TooLong { index, tokens: e.len(), max_new: cfg.max_new_tokens, context });
+            return Err(GenerateError::TooLong {
+                index,
+                tokens: e.len(),
+                max_new: cfg.max_new_tokens,
+                context,
+            });
         }
     }
     let b = prompts.len();
     let longest = encoded.iter().map(Vec::len).max().unwrap_or(0);
     let mut cache = KvCache::<B>::for_model(model, b, context, dtype, device);
-    let mut rngs: Vec<StdRng> = (0..b).map(|i| StdRng::seed_from_u64(cfg.seed.wrapping_add(i as u64))).collect();
+    let mut rngs: Vec<StdRng> = (0..b)
+        .map(|i| StdRng::seed_from_u64(cfg.seed.wrapping_add(i as u64)))
+        .collect();
     let mut generated: Vec<Vec<u32>> = vec![vec![]; b];
     let mut emitted: Vec<usize> = vec![0; b];
     let mut done: Vec<Option<StopReason>> = vec![None; b];
-    let mut timings = Timings { prefill_tokens: encoded.iter().map(Vec::len).sum(), ..Default::default() };
+    let mut timings = Timings {
+        prefill_tokens: encoded.iter().map(Vec::len).sum(),
+        ..Default::default()
+    };
 
     // Prefill: all prompts at once, padded to the longest, each with its own length.
     let mut flat = Vec::with_capacity(b * longest);
@@ -174,7 +212,11 @@ pub fn generate<B: FusedOps>(
     loop {
         let t0 = Instant::now();
         let logits = model.forward(tokens, &new_lens, &mut cache, true);
-        let host = logits.into_data().convert::<f32>().to_vec::<f32>().expect("f32 logits");
+        let host = logits
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .expect("f32 logits");
         if step == 0 {
             timings.prefill = t0.elapsed();
         } else {
@@ -198,9 +240,16 @@ pub fn generate<B: FusedOps>(
             } else {
                 generated[i].push(t);
             }
-            let text = tokenizer.decode(&generated[i], false).map_err(|e| GenerateError::Tokenizer(e.to_string()))?;
+            let text = tokenizer
+                .decode(&generated[i], false)
+                .map_err(|e| GenerateError::Tokenizer(e.to_string()))?;
             let mut end = text.len();
-            if let Some(pos) = cfg.stop_strings.iter().filter_map(|s| text.find(s.as_str())).min() {
+            if let Some(pos) = cfg
+                .stop_strings
+                .iter()
+                .filter_map(|s| text.find(s.as_str()))
+                .min()
+            {
                 end = pos;
                 done[i] = Some(StopReason::StopString);
             } else if done[i].is_none() && generated[i].len() >= cfg.max_new_tokens {
@@ -222,7 +271,8 @@ pub fn generate<B: FusedOps>(
                     }
                 }
             }
-            if safe > emitted[i] && text.is_char_boundary(safe) && text.is_char_boundary(emitted[i]) {
+            if safe > emitted[i] && text.is_char_boundary(safe) && text.is_char_boundary(emitted[i])
+            {
                 on_text(i, &text[emitted[i]..safe]);
                 emitted[i] = safe;
             }
@@ -237,8 +287,18 @@ pub fn generate<B: FusedOps>(
     let outputs = (0..b)
         .map(|i| {
             let text = tokenizer.decode(&generated[i], false).unwrap_or_default();
-            let end = cfg.stop_strings.iter().filter_map(|s| text.find(s.as_str())).min().unwrap_or(text.len());
-            Output { prompt_tokens: encoded[i].len(), tokens: generated[i].clone(), text: text[..end].to_string(), stop: done[i].unwrap_or(StopReason::MaxTokens) }
+            let end = cfg
+                .stop_strings
+                .iter()
+                .filter_map(|s| text.find(s.as_str()))
+                .min()
+                .unwrap_or(text.len());
+            Output {
+                prompt_tokens: encoded[i].len(),
+                tokens: generated[i].clone(),
+                text: text[..end].to_string(),
+                stop: done[i].unwrap_or(StopReason::MaxTokens),
+            }
         })
         .collect();
     Ok((outputs, timings))

@@ -34,8 +34,15 @@ pub enum LoadError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
-    #[error("{file}: tensor `{tensor}` has shape {actual:?}, the configuration implies {expected:?}")]
-    Shape { file: String, tensor: String, expected: Vec<usize>, actual: Vec<usize> },
+    #[error(
+        "{file}: tensor `{tensor}` has shape {actual:?}, the configuration implies {expected:?}"
+    )]
+    Shape {
+        file: String,
+        tensor: String,
+        expected: Vec<usize>,
+        actual: Vec<usize>,
+    },
     #[error("{file}: {what}")]
     Json { file: String, what: String },
     #[error("{file}: not a valid safetensors file: {reason}")]
@@ -43,7 +50,11 @@ pub enum LoadError {
     #[error("{file}: tensor `{tensor}` is missing")]
     MissingTensor { file: String, tensor: String },
     #[error("{file}: tensor `{tensor}` has dtype {dtype}; F32, F16 and BF16 are supported")]
-    Dtype { file: String, tensor: String, dtype: String },
+    Dtype {
+        file: String,
+        tensor: String,
+        dtype: String,
+    },
 }
 
 /// A loaded model with its configuration and tokenizer.
@@ -73,7 +84,13 @@ pub enum Weight {
 impl Weight {
     /// Shape in row-major `[out, in]` order (vectors `[n]`).
     fn shape(self, c: &LlamaConfig) -> Vec<usize> {
-        let (h, q, kv, i, v) = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size, c.vocab_size);
+        let (h, q, kv, i, v) = (
+            c.hidden_size,
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+            c.intermediate_size,
+            c.vocab_size,
+        );
         match self {
             Weight::Embed | Weight::Head => vec![v, h],
             Weight::FinalNorm | Weight::AttnNorm(_) | Weight::MlpNorm(_) => vec![h],
@@ -129,16 +146,27 @@ fn build<B: Backend>(
     max_positions: usize,
     mut get: impl FnMut(Weight) -> Result<Vec<f32>, LoadError>,
 ) -> Result<Llama<B>, LoadError> {
-    let (hid, h, kvh, d, inter) = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size);
+    let (hid, h, kvh, d, inter) = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+    );
     let total = 3 + 9 * cfg.num_hidden_layers as u64;
     let bar = indicatif::ProgressBar::new(total).with_style(
-        indicatif::ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors {elapsed}").expect("valid template"),
+        indicatif::ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors {elapsed}")
+            .expect("valid template"),
     );
     let mut get = |w: Weight| {
         bar.inc(1);
         get(w)
     };
-    let vector = |v: Vec<f32>| Param::from_tensor(Tensor::<B, 1>::from_data(TensorData::new(v.clone(), [v.len()]), device).cast(dtype));
+    let vector = |v: Vec<f32>| {
+        Param::from_tensor(
+            Tensor::<B, 1>::from_data(TensorData::new(v.clone(), [v.len()]), device).cast(dtype),
+        )
+    };
     // Burn's Linear wants `[in, out]`; the sources give `[out, in]`.
     let linear = |w: Vec<f32>, out: usize, inp: usize| -> Linear<B> {
         let mut t = vec![0f32; w.len()];
@@ -148,7 +176,10 @@ fn build<B: Backend>(
             }
         }
         let weight = Tensor::<B, 2>::from_data(TensorData::new(t, [inp, out]), device).cast(dtype);
-        Linear { weight: Param::from_tensor(weight), bias: None }
+        Linear {
+            weight: Param::from_tensor(weight),
+            bias: None,
+        }
     };
 
     let embed = get(Weight::Embed)?;
@@ -160,7 +191,10 @@ fn build<B: Backend>(
     } else {
         linear(get(Weight::Head)?, cfg.vocab_size, hid)
     };
-    let embed_tokens = Param::from_tensor(Tensor::<B, 2>::from_data(TensorData::new(embed, [cfg.vocab_size, hid]), device).cast(dtype));
+    let embed_tokens = Param::from_tensor(
+        Tensor::<B, 2>::from_data(TensorData::new(embed, [cfg.vocab_size, hid]), device)
+            .cast(dtype),
+    );
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
     for l in 0..cfg.num_hidden_layers {
         layers.push(Block {
@@ -189,13 +223,20 @@ fn build<B: Backend>(
         layers,
         norm,
         lm_head,
-        rope: Rope::new(cfg, max_positions.min(cfg.max_position_embeddings).max(1), device),
+        rope: Rope::new(
+            cfg,
+            max_positions.min(cfg.max_position_embeddings).max(1),
+            device,
+        ),
         rms_norm_eps: cfg.rms_norm_eps,
     })
 }
 
 fn mmap(path: &Path) -> Result<memmap2::Mmap, LoadError> {
-    let io = |source| LoadError::Io { file: path.display().to_string(), source };
+    let io = |source| LoadError::Io {
+        file: path.display().to_string(),
+        source,
+    };
     let f = std::fs::File::open(path).map_err(io)?;
     // SAFETY: the map is read-only and lives only while loading; a concurrent writer to the file
     // could change bytes under it, which would at worst produce wrong weights.
@@ -204,7 +245,12 @@ fn mmap(path: &Path) -> Result<memmap2::Mmap, LoadError> {
 
 /// Loads a llama-architecture GGUF file onto `device`, weights in `dtype` (F32, F16 or BF16).
 /// `max_positions` bounds the rotary tables (and so the context length used).
-pub fn load_gguf<B: Backend>(path: &Path, device: &B::Device, dtype: DType, max_positions: usize) -> Result<Loaded<B>, LoadError> {
+pub fn load_gguf<B: Backend>(
+    path: &Path,
+    device: &B::Device,
+    dtype: DType,
+    max_positions: usize,
+) -> Result<Loaded<B>, LoadError> {
     let file = path.display().to_string();
     let map = mmap(path)?;
     let g = Gguf::parse(&file, &map)?;
@@ -214,7 +260,12 @@ pub fn load_gguf<B: Backend>(path: &Path, device: &B::Device, dtype: DType, max_
         let (name, shape) = (w.gguf_name(), w.shape(&cfg));
         let t = g.tensor(&name)?;
         if t.shape() != shape {
-            return Err(LoadError::Shape { file: file.clone(), tensor: name, expected: shape, actual: t.shape() });
+            return Err(LoadError::Shape {
+                file: file.clone(),
+                tensor: name,
+                expected: shape,
+                actual: t.shape(),
+            });
         }
         let v = g.dequantize(t)?;
         Ok(match w {
@@ -223,24 +274,51 @@ pub fn load_gguf<B: Backend>(path: &Path, device: &B::Device, dtype: DType, max_
             _ => v,
         })
     })?;
-    Ok(Loaded { config: cfg, model, tokenizer })
+    Ok(Loaded {
+        config: cfg,
+        model,
+        tokenizer,
+    })
 }
 
 /// Loads `path`: a Hugging Face model directory, or else a GGUF file.
-pub fn load<B: Backend>(path: &Path, device: &B::Device, dtype: DType, max_positions: usize) -> Result<Loaded<B>, LoadError> {
-    if path.is_dir() { load_hf_dir(path, device, dtype, max_positions) } else { load_gguf(path, device, dtype, max_positions) }
+pub fn load<B: Backend>(
+    path: &Path,
+    device: &B::Device,
+    dtype: DType,
+    max_positions: usize,
+) -> Result<Loaded<B>, LoadError> {
+    if path.is_dir() {
+        load_hf_dir(path, device, dtype, max_positions)
+    } else {
+        load_gguf(path, device, dtype, max_positions)
+    }
 }
 
 fn read_json(path: &Path) -> Result<serde_json::Value, LoadError> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io { file: file.clone(), source })?;
-    serde_json::from_str(&text).map_err(|e| LoadError::Json { file, what: format!("invalid JSON: {e}") })
+    let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
+        file: file.clone(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| LoadError::Json {
+        file,
+        what: format!("invalid JSON: {e}"),
+    })
 }
 
 /// Loads a Hugging Face Llama model directory (see the module docs) onto `device`.
-pub fn load_hf_dir<B: Backend>(dir: &Path, device: &B::Device, dtype: DType, max_positions: usize) -> Result<Loaded<B>, LoadError> {
+pub fn load_hf_dir<B: Backend>(
+    dir: &Path,
+    device: &B::Device,
+    dtype: DType,
+    max_positions: usize,
+) -> Result<Loaded<B>, LoadError> {
     let config_path = dir.join("config.json");
-    let mut cfg = LlamaConfig::from_hf_json(&config_path.display().to_string(), &read_json(&config_path)?)?;
+    let mut cfg = LlamaConfig::from_hf_json(
+        &config_path.display().to_string(),
+        &read_json(&config_path)?,
+    )?;
     let gen_path = dir.join("generation_config.json");
     if gen_path.exists() {
         let eos = crate::config::token_ids(&read_json(&gen_path)?["eos_token_id"]);
@@ -249,22 +327,28 @@ pub fn load_hf_dir<B: Backend>(dir: &Path, device: &B::Device, dtype: DType, max
         }
     }
     let tok_path = dir.join("tokenizer.json");
-    let tokenizer = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| TokenizerError::Build {
-        file: tok_path.display().to_string(),
-        reason: e.to_string(),
-    })?;
+    let tokenizer =
+        tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| TokenizerError::Build {
+            file: tok_path.display().to_string(),
+            reason: e.to_string(),
+        })?;
 
     // The shards: one file, or the files the index's weight map names.
     let index_path = dir.join("model.safetensors.index.json");
     let mut shard_of: BTreeMap<String, String> = BTreeMap::new();
     let shards: Vec<String> = if index_path.exists() {
         let index = read_json(&index_path)?;
-        let map = index["weight_map"].as_object().ok_or_else(|| LoadError::Json {
-            file: index_path.display().to_string(),
-            what: "no `weight_map` object".into(),
-        })?;
+        let map = index["weight_map"]
+            .as_object()
+            .ok_or_else(|| LoadError::Json {
+                file: index_path.display().to_string(),
+                what: "no `weight_map` object".into(),
+            })?;
         for (k, v) in map {
-            let f = v.as_str().ok_or_else(|| LoadError::Json { file: index_path.display().to_string(), what: format!("`weight_map.{k}` is not a file name") })?;
+            let f = v.as_str().ok_or_else(|| LoadError::Json {
+                file: index_path.display().to_string(),
+                what: format!("`weight_map.{k}` is not a file name"),
+            })?;
             shard_of.insert(k.clone(), f.to_string());
         }
         let mut files: Vec<String> = shard_of.values().cloned().collect();
@@ -274,30 +358,72 @@ pub fn load_hf_dir<B: Backend>(dir: &Path, device: &B::Device, dtype: DType, max
     } else {
         vec!["model.safetensors".to_string()]
     };
-    let maps: Vec<(String, memmap2::Mmap)> = shards.iter().map(|s| mmap(&dir.join(s)).map(|m| (s.clone(), m))).collect::<Result<_, _>>()?;
+    let maps: Vec<(String, memmap2::Mmap)> = shards
+        .iter()
+        .map(|s| mmap(&dir.join(s)).map(|m| (s.clone(), m)))
+        .collect::<Result<_, _>>()?;
     let parsed: Vec<(String, safetensors::SafeTensors)> = maps
         .iter()
         .map(|(name, m)| {
             let file = dir.join(name).display().to_string();
-            safetensors::SafeTensors::deserialize(m).map(|st| (name.clone(), st)).map_err(|e| LoadError::Safetensors { file, reason: e.to_string() })
+            safetensors::SafeTensors::deserialize(m)
+                .map(|st| (name.clone(), st))
+                .map_err(|e| LoadError::Safetensors {
+                    file,
+                    reason: e.to_string(),
+                })
         })
         .collect::<Result<_, _>>()?;
     let model = build::<B>(&cfg, device, dtype, max_positions, |w| {
         let (name, shape) = (w.hf_name(), w.shape(&cfg));
-        let shard = shard_of.get(&name).cloned().unwrap_or_else(|| shards[0].clone());
+        let shard = shard_of
+            .get(&name)
+            .cloned()
+            .unwrap_or_else(|| shards[0].clone());
         let file = dir.join(&shard).display().to_string();
-        let st = &parsed.iter().find(|(n, _)| *n == shard).expect("every shard was parsed").1;
-        let view = st.tensor(&name).map_err(|_| LoadError::MissingTensor { file: file.clone(), tensor: name.clone() })?;
+        let st = &parsed
+            .iter()
+            .find(|(n, _)| *n == shard)
+            .expect("every shard was parsed")
+            .1;
+        let view = st.tensor(&name).map_err(|_| LoadError::MissingTensor {
+            file: file.clone(),
+            tensor: name.clone(),
+        })?;
         if view.shape() != shape.as_slice() {
-            return Err(LoadError::Shape { file, tensor: name, expected: shape, actual: view.shape().to_vec() });
+            return Err(LoadError::Shape {
+                file,
+                tensor: name,
+                expected: shape,
+                actual: view.shape().to_vec(),
+            });
         }
         let data = view.data();
         Ok(match view.dtype() {
-            safetensors::Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
-            safetensors::Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            safetensors::Dtype::BF16 => data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            other => return Err(LoadError::Dtype { file, tensor: name, dtype: format!("{other:?}") }),
+            safetensors::Dtype::F32 => data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect(),
+            safetensors::Dtype::F16 => data
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            safetensors::Dtype::BF16 => data
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(LoadError::Dtype {
+                    file,
+                    tensor: name,
+                    dtype: format!("{other:?}"),
+                });
+            }
         })
     })?;
-    Ok(Loaded { config: cfg, model, tokenizer })
+    Ok(Loaded {
+        config: cfg,
+        model,
+        tokenizer,
+    })
 }

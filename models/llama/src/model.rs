@@ -44,19 +44,39 @@ impl<B: Backend> Rope<B> {
         let half = d / 2;
         let flat = positions.reshape([b * s]);
         let dtype = x.dtype();
-        let cos = self.cos.clone().select(0, flat.clone()).reshape([b, 1, s, half]).cast(dtype);
-        let sin = self.sin.clone().select(0, flat).reshape([b, 1, s, half]).cast(dtype);
+        let cos = self
+            .cos
+            .clone()
+            .select(0, flat.clone())
+            .reshape([b, 1, s, half])
+            .cast(dtype);
+        let sin = self
+            .sin
+            .clone()
+            .select(0, flat)
+            .reshape([b, 1, s, half])
+            .cast(dtype);
         let x1 = x.clone().narrow(3, 0, half);
         let x2 = x.narrow(3, half, half);
-        Tensor::cat(vec![x1.clone() * cos.clone() - x2.clone() * sin.clone(), x2 * cos + x1 * sin], 3)
+        Tensor::cat(
+            vec![
+                x1.clone() * cos.clone() - x2.clone() * sin.clone(),
+                x2 * cos + x1 * sin,
+            ],
+            3,
+        )
     }
 }
 
 /// RoPE inverse frequencies `theta^(-2i/d)`, with Llama-3 scaling when configured.
 pub fn inverse_frequencies(cfg: &LlamaConfig) -> Vec<f64> {
     let d = cfg.head_dim as f64;
-    let base: Vec<f64> = (0..cfg.head_dim / 2).map(|i| cfg.rope_theta.powf(-((2 * i) as f64) / d)).collect();
-    let Some(s) = &cfg.rope_scaling else { return base };
+    let base: Vec<f64> = (0..cfg.head_dim / 2)
+        .map(|i| cfg.rope_theta.powf(-((2 * i) as f64) / d))
+        .collect();
+    let Some(s) = &cfg.rope_scaling else {
+        return base;
+    };
     let old = s.original_max_position_embeddings as f64;
     let low_wavelen = old / s.low_freq_factor;
     let high_wavelen = old / s.high_freq_factor;
@@ -68,7 +88,8 @@ pub fn inverse_frequencies(cfg: &LlamaConfig) -> Vec<f64> {
             } else if wavelen > low_wavelen {
                 f / s.factor
             } else {
-                let smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                let smooth =
+                    (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
                 (1.0 - smooth) * f / s.factor + smooth * f
             }
         })
@@ -87,17 +108,53 @@ pub struct KvCache<B: Backend> {
 }
 
 impl<B: Backend> KvCache<B> {
-    pub fn new(cfg: &LlamaConfig, batch: usize, capacity: usize, dtype: burn::tensor::DType, device: &B::Device) -> Self {
-        Self::with_sizes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, batch, capacity, dtype, device)
+    pub fn new(
+        cfg: &LlamaConfig,
+        batch: usize,
+        capacity: usize,
+        dtype: burn::tensor::DType,
+        device: &B::Device,
+    ) -> Self {
+        Self::with_sizes(
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            batch,
+            capacity,
+            dtype,
+            device,
+        )
     }
 
     /// A cache sized for `model`'s layers and heads.
-    pub fn for_model(model: &Llama<B>, batch: usize, capacity: usize, dtype: burn::tensor::DType, device: &B::Device) -> Self {
+    pub fn for_model(
+        model: &Llama<B>,
+        batch: usize,
+        capacity: usize,
+        dtype: burn::tensor::DType,
+        device: &B::Device,
+    ) -> Self {
         let a = &model.layers[0].attn;
-        Self::with_sizes(model.layers.len(), a.n_kv_heads, a.head_dim, batch, capacity, dtype, device)
+        Self::with_sizes(
+            model.layers.len(),
+            a.n_kv_heads,
+            a.head_dim,
+            batch,
+            capacity,
+            dtype,
+            device,
+        )
     }
 
-    fn with_sizes(layers: usize, kv_heads: usize, head_dim: usize, batch: usize, capacity: usize, dtype: burn::tensor::DType, device: &B::Device) -> Self {
+    fn with_sizes(
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        batch: usize,
+        capacity: usize,
+        dtype: burn::tensor::DType,
+        device: &B::Device,
+    ) -> Self {
         let z = || Tensor::<B, 4>::zeros([batch, kv_heads, capacity, head_dim], device).cast(dtype);
         Self {
             keys: (0..layers).map(|_| z()).collect(),
@@ -133,28 +190,45 @@ impl<B: Backend> Attention<B> {
     ) -> Tensor<B, 3> {
         let [b, s, _] = x.dims();
         let (h, kvh, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let q = self.q_proj.forward(x.clone()).reshape([b, s, h, d]).swap_dims(1, 2);
-        let k = self.k_proj.forward(x.clone()).reshape([b, s, kvh, d]).swap_dims(1, 2);
-        let v = self.v_proj.forward(x).reshape([b, s, kvh, d]).swap_dims(1, 2);
+        let q = self
+            .q_proj
+            .forward(x.clone())
+            .reshape([b, s, h, d])
+            .swap_dims(1, 2);
+        let k = self
+            .k_proj
+            .forward(x.clone())
+            .reshape([b, s, kvh, d])
+            .swap_dims(1, 2);
+        let v = self
+            .v_proj
+            .forward(x)
+            .reshape([b, s, kvh, d])
+            .swap_dims(1, 2);
         let q = rope.apply(q, positions.clone());
         let k = rope.apply(k, positions);
 
         let (kc, vc) = cache;
         for (i, &start) in starts.iter().enumerate() {
             let rows = [i..i + 1, 0..kvh, start..start + s, 0..d];
-            *kc = kc.clone().slice_assign(rows.clone(), k.clone().slice([i..i + 1]));
+            *kc = kc
+                .clone()
+                .slice_assign(rows.clone(), k.clone().slice([i..i + 1]));
             *vc = vc.clone().slice_assign(rows, v.clone().slice([i..i + 1]));
         }
         let keys = mask.dims()[3];
         let expand = |t: Tensor<B, 4>| {
             // GQA: each key/value head serves h / kvh query heads.
             let t = t.slice([0..b, 0..kvh, 0..keys, 0..d]);
-            t.reshape([b, kvh, 1, keys, d]).expand([b, kvh, h / kvh, keys, d]).reshape([b, h, keys, d])
+            t.reshape([b, kvh, 1, keys, d])
+                .expand([b, kvh, h / kvh, keys, d])
+                .reshape([b, h, keys, d])
         };
         let (k, v) = (expand(kc.clone()), expand(vc.clone()));
         let mask = mask.expand([b, h, s, keys]);
         let out = module::attention(q, k, v, Some(mask), None, Default::default());
-        self.o_proj.forward(out.swap_dims(1, 2).reshape([b, s, h * d]))
+        self.o_proj
+            .forward(out.swap_dims(1, 2).reshape([b, s, h * d]))
     }
 }
 
@@ -167,7 +241,8 @@ pub struct Mlp<B: Backend> {
 
 impl<B: Backend> Mlp<B> {
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.down_proj.forward(activation::silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
+        self.down_proj
+            .forward(activation::silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
     }
 }
 
@@ -209,14 +284,27 @@ impl<B: FusedOps> Llama<B> {
     /// appending to `cache`. Returns logits `[batch, seq, vocab]`; rows past a sequence's real
     /// tokens are meaningless. Only the last real token's logits are needed for generation:
     /// `last_only` computes just those (`[batch, 1, vocab]`).
-    pub fn forward(&self, tokens: Tensor<B, 2, Int>, new_lens: &[usize], cache: &mut KvCache<B>, last_only: bool) -> Tensor<B, 3> {
+    pub fn forward(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        new_lens: &[usize],
+        cache: &mut KvCache<B>,
+        last_only: bool,
+    ) -> Tensor<B, 3> {
         let [b, s] = tokens.dims();
         assert_eq!(new_lens.len(), b, "one length per sequence");
-        assert!(new_lens.iter().all(|&n| n <= s), "a sequence is longer than the token tensor");
+        assert!(
+            new_lens.iter().all(|&n| n <= s),
+            "a sequence is longer than the token tensor"
+        );
         let device = tokens.device();
         let starts = cache.lens.clone();
         let keys = starts.iter().map(|st| st + s).max().unwrap_or(0);
-        assert!(keys <= cache.capacity, "KV cache capacity {} exceeded ({keys} positions)", cache.capacity);
+        assert!(
+            keys <= cache.capacity,
+            "KV cache capacity {} exceeded ({keys} positions)",
+            cache.capacity
+        );
 
         // Positions and the mask, per sequence: query i of sequence b sits at starts[b] + i and
         // sees keys 0..=starts[b] + i, never the padding past starts[b] + new_lens[b].
@@ -230,11 +318,17 @@ impl<B: FusedOps> Llama<B> {
             }
         }
         let positions = Tensor::<B, 2, Int>::from_data(TensorData::new(pos, [b, s]), &device);
-        let mask = Tensor::<B, 4, Bool>::from_data(TensorData::new(hidden, [b, 1, s, keys]), &device);
+        let mask =
+            Tensor::<B, 4, Bool>::from_data(TensorData::new(hidden, [b, 1, s, keys]), &device);
 
         let embed = self.embed_tokens.val();
-        let mut x = embed.clone().select(0, tokens.reshape([b * s])).reshape([b, s, embed.dims()[1]]);
-        let mut normed = stoke::rms_norm(x.clone(), self.layers[0].attn_norm.val(), self.rms_norm_eps);
+        let mut x =
+            embed
+                .clone()
+                .select(0, tokens.reshape([b * s]))
+                .reshape([b, s, embed.dims()[1]]);
+        let mut normed =
+            stoke::rms_norm(x.clone(), self.layers[0].attn_norm.val(), self.rms_norm_eps);
         let n_layers = self.layers.len();
         for (l, layer) in self.layers.iter().enumerate() {
             let attn = layer.attn.forward(
@@ -247,7 +341,11 @@ impl<B: FusedOps> Llama<B> {
             );
             let (h, n) = stoke::residual_rms_norm(attn, x, layer.mlp_norm.val(), self.rms_norm_eps);
             let mlp = layer.mlp.forward(n);
-            let next_gamma = if l + 1 < n_layers { self.layers[l + 1].attn_norm.val() } else { self.norm.val() };
+            let next_gamma = if l + 1 < n_layers {
+                self.layers[l + 1].attn_norm.val()
+            } else {
+                self.norm.val()
+            };
             let (sum, n) = stoke::residual_rms_norm(mlp, h, next_gamma, self.rms_norm_eps);
             x = sum;
             normed = n;
@@ -256,8 +354,13 @@ impl<B: FusedOps> Llama<B> {
             *len += n;
         }
         let normed = if last_only {
-            let rows: Vec<Tensor<B, 3>> =
-                (0..b).map(|i| normed.clone().slice([i..i + 1, new_lens[i].max(1) - 1..new_lens[i].max(1)])).collect();
+            let rows: Vec<Tensor<B, 3>> = (0..b)
+                .map(|i| {
+                    normed
+                        .clone()
+                        .slice([i..i + 1, new_lens[i].max(1) - 1..new_lens[i].max(1)])
+                })
+                .collect();
             Tensor::cat(rows, 0)
         } else {
             normed

@@ -20,7 +20,17 @@ pub struct Tiny {
 }
 
 /// The default tiny model: GQA (4 query heads on 2 key/value heads), 2 layers.
-pub const TINY: Tiny = Tiny { vocab: 300, hidden: 32, inter: 48, layers: 2, heads: 4, kv_heads: 2, head_dim: 8, theta: 10000.0, eps: 1e-5 };
+pub const TINY: Tiny = Tiny {
+    vocab: 300,
+    hidden: 32,
+    inter: 48,
+    layers: 2,
+    heads: 4,
+    kv_heads: 2,
+    head_dim: 8,
+    theta: 10000.0,
+    eps: 1e-5,
+};
 
 /// Weights in the Hugging Face layout (`[out, in]` row-major), f64.
 pub struct Weights {
@@ -79,7 +89,10 @@ pub fn permute(w: &[f64], rows: usize, cols: usize, n_head: usize) -> Vec<f64> {
 
 /// GPT-2's byte-to-unicode table: the 256 single-byte tokens of a byte-level BPE vocabulary.
 pub fn byte_tokens() -> Vec<String> {
-    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
     let mut cs = bs.clone();
     let mut n = 0;
     for b in 0..256u32 {
@@ -113,43 +126,96 @@ pub fn gguf(t: &Tiny, w: &Weights) -> Vec<u8> {
         .meta("llama.feed_forward_length", Value::U32(t.inter as u32))
         .meta("llama.block_count", Value::U32(t.layers as u32))
         .meta("llama.attention.head_count", Value::U32(t.heads as u32))
-        .meta("llama.attention.head_count_kv", Value::U32(t.kv_heads as u32))
+        .meta(
+            "llama.attention.head_count_kv",
+            Value::U32(t.kv_heads as u32),
+        )
         .meta("llama.rope.dimension_count", Value::U32(t.head_dim as u32))
         .meta("llama.rope.freq_base", Value::F32(t.theta as f32))
-        .meta("llama.attention.layer_norm_rms_epsilon", Value::F32(t.eps as f32))
+        .meta(
+            "llama.attention.layer_norm_rms_epsilon",
+            Value::F32(t.eps as f32),
+        )
         .meta("llama.context_length", Value::U32(256))
         .meta("tokenizer.ggml.model", Value::String("gpt2".into()))
         .meta("tokenizer.ggml.pre", Value::String("default".into()))
-        .meta("tokenizer.ggml.tokens", Value::Array(tokens.into_iter().map(Value::String).collect()))
+        .meta(
+            "tokenizer.ggml.tokens",
+            Value::Array(tokens.into_iter().map(Value::String).collect()),
+        )
         .meta("tokenizer.ggml.merges", Value::Array(vec![]))
         .meta("tokenizer.ggml.eos_token_id", Value::U32(299))
-        .tensor("token_embd.weight", &[h, t.vocab as u64], GgmlType::F32, f32_bytes(&w.embed))
-        .tensor("output_norm.weight", &[h], GgmlType::F32, f32_bytes(&w.norm));
+        .tensor(
+            "token_embd.weight",
+            &[h, t.vocab as u64],
+            GgmlType::F32,
+            f32_bytes(&w.embed),
+        )
+        .tensor(
+            "output_norm.weight",
+            &[h],
+            GgmlType::F32,
+            f32_bytes(&w.norm),
+        );
     if let Some(head) = &w.head {
-        g = g.tensor("output.weight", &[h, t.vocab as u64], GgmlType::F32, f32_bytes(head));
+        g = g.tensor(
+            "output.weight",
+            &[h, t.vocab as u64],
+            GgmlType::F32,
+            f32_bytes(head),
+        );
     }
     for (l, lw) in w.layers.iter().enumerate() {
         let n = |s: &str| format!("blk.{l}.{s}.weight");
         let (qh, kvh, inter) = (t.heads as u64 * d, t.kv_heads as u64 * d, t.inter as u64);
         g = g
             .tensor(&n("attn_norm"), &[h], GgmlType::F32, f32_bytes(&lw[0]))
-            .tensor(&n("attn_q"), &[h, qh], GgmlType::F32, f32_bytes(&permute(&lw[1], qh as usize, t.hidden, t.heads)))
-            .tensor(&n("attn_k"), &[h, kvh], GgmlType::F32, f32_bytes(&permute(&lw[2], kvh as usize, t.hidden, t.kv_heads)))
+            .tensor(
+                &n("attn_q"),
+                &[h, qh],
+                GgmlType::F32,
+                f32_bytes(&permute(&lw[1], qh as usize, t.hidden, t.heads)),
+            )
+            .tensor(
+                &n("attn_k"),
+                &[h, kvh],
+                GgmlType::F32,
+                f32_bytes(&permute(&lw[2], kvh as usize, t.hidden, t.kv_heads)),
+            )
             .tensor(&n("attn_v"), &[h, kvh], GgmlType::F32, f32_bytes(&lw[3]))
-            .tensor(&n("attn_output"), &[qh, h], GgmlType::F32, f32_bytes(&lw[4]))
+            .tensor(
+                &n("attn_output"),
+                &[qh, h],
+                GgmlType::F32,
+                f32_bytes(&lw[4]),
+            )
             .tensor(&n("ffn_norm"), &[h], GgmlType::F32, f32_bytes(&lw[5]))
-            .tensor(&n("ffn_gate"), &[h, inter], GgmlType::F32, f32_bytes(&lw[6]))
+            .tensor(
+                &n("ffn_gate"),
+                &[h, inter],
+                GgmlType::F32,
+                f32_bytes(&lw[6]),
+            )
             .tensor(&n("ffn_up"), &[h, inter], GgmlType::F32, f32_bytes(&lw[7]))
-            .tensor(&n("ffn_down"), &[inter, h], GgmlType::F32, f32_bytes(&lw[8]));
+            .tensor(
+                &n("ffn_down"),
+                &[inter, h],
+                GgmlType::F32,
+                f32_bytes(&lw[8]),
+            );
     }
     g.to_bytes()
 }
 
-
 /// Writes the model as a Hugging Face directory: `config.json`, `tokenizer.json` (the byte-level
 /// tokenizer of [`gguf`]), `generation_config.json`, and the weights in F32 safetensors, split
 /// over `shards` files with a `model.safetensors.index.json` when `shards > 1`.
-pub fn write_hf_dir(t: &Tiny, w: &Weights, dir: &std::path::Path, shards: usize) -> std::io::Result<()> {
+pub fn write_hf_dir(
+    t: &Tiny,
+    w: &Weights,
+    dir: &std::path::Path,
+    shards: usize,
+) -> std::io::Result<()> {
     use safetensors::tensor::{Dtype, TensorView};
     std::fs::create_dir_all(dir)?;
     let config = serde_json::json!({
@@ -160,16 +226,27 @@ pub fn write_hf_dir(t: &Tiny, w: &Weights, dir: &std::path::Path, shards: usize)
         "max_position_embeddings": 256, "tie_word_embeddings": w.head.is_none(),
         "bos_token_id": 298, "eos_token_id": 299,
     });
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
-    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [299, 298]}"#)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
+    std::fs::write(
+        dir.join("generation_config.json"),
+        r#"{"eos_token_id": [299, 298]}"#,
+    )?;
     let bytes = gguf(t, w);
     let g = stoke_formats::gguf::Gguf::parse("synthetic.gguf", &bytes).expect("own GGUF parses");
     let tok = crate::tokenizer::from_gguf(&g).expect("own tokenizer builds");
-    tok.save(dir.join("tokenizer.json"), false).map_err(|e| std::io::Error::other(e.to_string()))?;
+    tok.save(dir.join("tokenizer.json"), false)
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
 
     let (h, d) = (t.hidden, t.head_dim);
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = vec![
-        ("model.embed_tokens.weight".into(), vec![t.vocab, h], f32_bytes(&w.embed)),
+        (
+            "model.embed_tokens.weight".into(),
+            vec![t.vocab, h],
+            f32_bytes(&w.embed),
+        ),
         ("model.norm.weight".into(), vec![h], f32_bytes(&w.norm)),
     ];
     if let Some(head) = &w.head {
@@ -193,22 +270,33 @@ pub fn write_hf_dir(t: &Tiny, w: &Weights, dir: &std::path::Path, shards: usize)
     let shards = shards.max(1);
     let mut weight_map = serde_json::Map::new();
     for s in 0..shards {
-        let file = if shards == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{shards:05}.safetensors", s + 1) };
+        let file = if shards == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{shards:05}.safetensors", s + 1)
+        };
         let views: Vec<(String, TensorView)> = tensors
             .iter()
             .enumerate()
             .filter(|(i, _)| i % shards == s)
             .map(|(_, (name, shape, data))| {
                 weight_map.insert(name.clone(), serde_json::Value::String(file.clone()));
-                (name.clone(), TensorView::new(Dtype::F32, shape.clone(), data).expect("consistent view"))
+                (
+                    name.clone(),
+                    TensorView::new(Dtype::F32, shape.clone(), data).expect("consistent view"),
+                )
             })
             .collect();
-        let bytes = safetensors::serialize(views, None).map_err(|e| std::io::Error::other(e.to_string()))?;
+        let bytes = safetensors::serialize(views, None)
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
         std::fs::write(dir.join(&file), bytes)?;
     }
     if shards > 1 {
         let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
-        std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)?)?;
+        std::fs::write(
+            dir.join("model.safetensors.index.json"),
+            serde_json::to_string_pretty(&index)?,
+        )?;
     }
     Ok(())
 }

@@ -16,7 +16,11 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
     #[error("{file}: metadata `{key}` is missing or malformed ({expected})")]
-    Metadata { file: String, key: String, expected: &'static str },
+    Metadata {
+        file: String,
+        key: String,
+        expected: &'static str,
+    },
     #[error("{file}: tokenizer model `{found}` is not supported (gpt2 byte-level BPE is)")]
     Model { file: String, found: String },
     #[error("{file}: pre-tokenizer `{found}` is not supported (smollm, default, gpt2 are)")]
@@ -28,43 +32,80 @@ pub enum TokenizerError {
 /// Builds the tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata.
 pub fn from_gguf(g: &Gguf) -> Result<Tokenizer, TokenizerError> {
     let file = || g.file.clone();
-    let missing = |key: &str, expected| TokenizerError::Metadata { file: file(), key: key.into(), expected };
-    let model = g.metadata.get("tokenizer.ggml.model").and_then(Value::as_str).ok_or_else(|| missing("tokenizer.ggml.model", "a string"))?;
+    let missing = |key: &str, expected| TokenizerError::Metadata {
+        file: file(),
+        key: key.into(),
+        expected,
+    };
+    let model = g
+        .metadata
+        .get("tokenizer.ggml.model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| missing("tokenizer.ggml.model", "a string"))?;
     if model != "gpt2" {
-        return Err(TokenizerError::Model { file: file(), found: model.into() });
+        return Err(TokenizerError::Model {
+            file: file(),
+            found: model.into(),
+        });
     }
     let strings = |key: &str| -> Result<Vec<String>, TokenizerError> {
         g.metadata
             .get(key)
             .and_then(Value::as_array)
-            .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_string)).collect::<Option<Vec<_>>>())
+            .and_then(|a| {
+                a.iter()
+                    .map(|v| v.as_str().map(str::to_string))
+                    .collect::<Option<Vec<_>>>()
+            })
             .ok_or_else(|| missing(key, "an array of strings"))
     };
     let tokens = strings("tokenizer.ggml.tokens")?;
     let merges = strings("tokenizer.ggml.merges")?;
-    let types: Vec<u64> = match g.metadata.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
+    let types: Vec<u64> = match g
+        .metadata
+        .get("tokenizer.ggml.token_type")
+        .and_then(Value::as_array)
+    {
         Some(a) => a.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
         None => vec![1; tokens.len()],
     };
-    let vocab: ahash::AHashMap<String, u32> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+    let vocab: ahash::AHashMap<String, u32> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
     let merges: Vec<(String, String)> = merges
         .iter()
         .map(|m| {
-            let (a, b) = m.split_once(' ').ok_or_else(|| missing("tokenizer.ggml.merges", "pairs separated by one space"))?;
+            let (a, b) = m
+                .split_once(' ')
+                .ok_or_else(|| missing("tokenizer.ggml.merges", "pairs separated by one space"))?;
             Ok((a.to_string(), b.to_string()))
         })
         .collect::<Result<_, TokenizerError>>()?;
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .build()
-        .map_err(|e| TokenizerError::Build { file: file(), reason: e.to_string() })?;
+        .map_err(|e| TokenizerError::Build {
+            file: file(),
+            reason: e.to_string(),
+        })?;
     let mut tok = Tokenizer::new(bpe);
-    let pre = g.metadata.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
+    let pre = g
+        .metadata
+        .get("tokenizer.ggml.pre")
+        .and_then(Value::as_str)
+        .unwrap_or("default");
     let byte_level = ByteLevel::new(false, true, true);
     let pre_tokenizer: PreTokenizerWrapper = match pre {
         "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
         "default" | "gpt2" => byte_level.into(),
-        other => return Err(TokenizerError::PreTokenizer { file: file(), found: other.into() }),
+        other => {
+            return Err(TokenizerError::PreTokenizer {
+                file: file(),
+                found: other.into(),
+            });
+        }
     };
     tok.with_pre_tokenizer(Some(pre_tokenizer));
     tok.with_decoder(Some(ByteLevelDecoder::default()));

@@ -19,8 +19,14 @@ fn tmp(name: &str) -> PathBuf {
 
 fn logits(m: &stoke_llama::model::Llama<B>) -> Vec<f32> {
     let mut cache = KvCache::for_model(m, 1, 32, DType::F32, &Default::default());
-    let t = Tensor::<B, 2, Int>::from_data(TensorData::new(vec![7i64, 70, 170, 42, 3], [1, 5]), &Default::default());
-    m.forward(t, &[5], &mut cache, false).into_data().to_vec::<f32>().unwrap()
+    let t = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(vec![7i64, 70, 170, 42, 3], [1, 5]),
+        &Default::default(),
+    );
+    m.forward(t, &[5], &mut cache, false)
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap()
 }
 
 #[test]
@@ -31,17 +37,33 @@ fn hf_directory_and_gguf_give_identical_logits() {
         write_hf_dir(&TINY, &w, &dir, shards).unwrap();
         std::fs::write(dir.join("model.gguf"), gguf(&TINY, &w)).unwrap();
         let hf = load_hf_dir::<B>(&dir, &Default::default(), DType::F32, 32).unwrap();
-        let gg = load_gguf::<B>(&dir.join("model.gguf"), &Default::default(), DType::F32, 32).unwrap();
+        let gg =
+            load_gguf::<B>(&dir.join("model.gguf"), &Default::default(), DType::F32, 32).unwrap();
         assert_eq!(hf.config.tie_word_embeddings, tied);
-        assert_eq!(hf.config.eos_token_ids, vec![299, 298], "generation_config.json's EOS list wins");
-        assert_eq!(logits(&hf.model), logits(&gg.model), "tied={tied} shards={shards}");
-        let ids = hf.tokenizer.encode("héllo", false).unwrap().get_ids().to_vec();
+        assert_eq!(
+            hf.config.eos_token_ids,
+            vec![299, 298],
+            "generation_config.json's EOS list wins"
+        );
+        assert_eq!(
+            logits(&hf.model),
+            logits(&gg.model),
+            "tied={tied} shards={shards}"
+        );
+        let ids = hf
+            .tokenizer
+            .encode("héllo", false)
+            .unwrap()
+            .get_ids()
+            .to_vec();
         assert_eq!(ids, gg.tokenizer.encode("héllo", false).unwrap().get_ids());
     }
 }
 
 fn load_err(dir: &std::path::Path) -> LoadError {
-    load_hf_dir::<B>(dir, &Default::default(), DType::F32, 32).err().expect("an error")
+    load_hf_dir::<B>(dir, &Default::default(), DType::F32, 32)
+        .err()
+        .expect("an error")
 }
 
 #[test]
@@ -50,33 +72,52 @@ fn bad_directories_get_typed_errors() {
 
     let dir = tmp("no-config");
     let e = load_err(&dir);
-    assert!(matches!(e, LoadError::Io { .. }) && e.to_string().contains("config.json"), "{e}");
+    assert!(
+        matches!(e, LoadError::Io { .. }) && e.to_string().contains("config.json"),
+        "{e}"
+    );
 
     let dir = tmp("bad-json");
     write_hf_dir(&TINY, &w, &dir, 1).unwrap();
     std::fs::write(dir.join("config.json"), "{ not json").unwrap();
     let e = load_err(&dir);
-    assert!(matches!(e, LoadError::Json { .. }) && e.to_string().contains("config.json"), "{e}");
+    assert!(
+        matches!(e, LoadError::Json { .. }) && e.to_string().contains("config.json"),
+        "{e}"
+    );
 
     let dir = tmp("mistral");
     write_hf_dir(&TINY, &w, &dir, 1).unwrap();
-    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap().replace("\"llama\"", "\"mistral\"").replace("LlamaForCausalLM", "MistralForCausalLM");
+    let cfg = std::fs::read_to_string(dir.join("config.json"))
+        .unwrap()
+        .replace("\"llama\"", "\"mistral\"")
+        .replace("LlamaForCausalLM", "MistralForCausalLM");
     std::fs::write(dir.join("config.json"), cfg).unwrap();
     assert!(load_err(&dir).to_string().contains("mistral"));
 
     let dir = tmp("shape");
     write_hf_dir(&TINY, &w, &dir, 1).unwrap();
-    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap().replace("\"intermediate_size\": 48", "\"intermediate_size\": 64");
+    let cfg = std::fs::read_to_string(dir.join("config.json"))
+        .unwrap()
+        .replace("\"intermediate_size\": 48", "\"intermediate_size\": 64");
     std::fs::write(dir.join("config.json"), cfg).unwrap();
     let e = load_err(&dir);
-    assert!(matches!(e, LoadError::Shape { .. }) && e.to_string().contains("model.layers.0.mlp.gate_proj.weight"), "{e}");
+    assert!(
+        matches!(e, LoadError::Shape { .. })
+            && e.to_string()
+                .contains("model.layers.0.mlp.gate_proj.weight"),
+        "{e}"
+    );
 
     let dir = tmp("truncated");
     write_hf_dir(&TINY, &w, &dir, 1).unwrap();
     let st = std::fs::read(dir.join("model.safetensors")).unwrap();
     std::fs::write(dir.join("model.safetensors"), &st[..st.len() / 2]).unwrap();
     let e = load_err(&dir);
-    assert!(matches!(e, LoadError::Safetensors { .. }) && e.to_string().contains("model.safetensors"), "{e}");
+    assert!(
+        matches!(e, LoadError::Safetensors { .. }) && e.to_string().contains("model.safetensors"),
+        "{e}"
+    );
 
     let dir = tmp("missing-tensor");
     write_hf_dir(&TINY, &w, &dir, 2).unwrap();
@@ -84,8 +125,15 @@ fn bad_directories_get_typed_errors() {
     // Point one tensor (written to shard 2) at shard 1, which does not hold it.
     let moved = "\"model.norm.weight\": \"model-00002-of-00002.safetensors\"";
     assert!(index.contains(moved), "{index}");
-    let index = index.replacen(moved, "\"model.norm.weight\": \"model-00001-of-00002.safetensors\"", 1);
+    let index = index.replacen(
+        moved,
+        "\"model.norm.weight\": \"model-00001-of-00002.safetensors\"",
+        1,
+    );
     std::fs::write(dir.join("model.safetensors.index.json"), index).unwrap();
     let e = load_err(&dir);
-    assert!(matches!(e, LoadError::MissingTensor { .. }) && e.to_string().contains("model.norm.weight"), "{e}");
+    assert!(
+        matches!(e, LoadError::MissingTensor { .. }) && e.to_string().contains("model.norm.weight"),
+        "{e}"
+    );
 }

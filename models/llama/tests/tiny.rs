@@ -4,17 +4,19 @@
 
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use stoke_formats::gguf::{Value, Writer};
-use stoke_llama::synthetic::{TINY, Tiny, Weights, byte_tokens, gguf, weights};
 use stoke_formats::reference::relative_error;
 use stoke_llama::load::{LoadError, load_gguf};
 use stoke_llama::model::KvCache;
+use stoke_llama::synthetic::{TINY, Tiny, Weights, byte_tokens, gguf, weights};
 
 type B = burn_ndarray::NdArray<f32>;
 
 /// y = W x for W `[out, in]` row-major.
 fn matvec(w: &[f64], x: &[f64], out: usize) -> Vec<f64> {
     let inp = x.len();
-    (0..out).map(|o| (0..inp).map(|i| w[o * inp + i] * x[i]).sum()).collect()
+    (0..out)
+        .map(|o| (0..inp).map(|i| w[o * inp + i] * x[i]).sum())
+        .collect()
 }
 
 fn rms(x: &[f64], g: &[f64], eps: f64) -> Vec<f64> {
@@ -32,12 +34,24 @@ fn reference_forward(t: &Tiny, w: &Weights, tokens: &[usize]) -> Vec<Vec<f64>> {
             v[i + half] = x2 * a.cos() + x1 * a.sin();
         }
     };
-    let mut xs: Vec<Vec<f64>> = tokens.iter().map(|&tk| w.embed[tk * hd..(tk + 1) * hd].to_vec()).collect();
+    let mut xs: Vec<Vec<f64>> = tokens
+        .iter()
+        .map(|&tk| w.embed[tk * hd..(tk + 1) * hd].to_vec())
+        .collect();
     for lw in &w.layers {
         let normed: Vec<Vec<f64>> = xs.iter().map(|x| rms(x, &lw[0], t.eps)).collect();
-        let mut qs: Vec<Vec<f64>> = normed.iter().map(|x| matvec(&lw[1], x, t.heads * d)).collect();
-        let mut ks: Vec<Vec<f64>> = normed.iter().map(|x| matvec(&lw[2], x, t.kv_heads * d)).collect();
-        let vs: Vec<Vec<f64>> = normed.iter().map(|x| matvec(&lw[3], x, t.kv_heads * d)).collect();
+        let mut qs: Vec<Vec<f64>> = normed
+            .iter()
+            .map(|x| matvec(&lw[1], x, t.heads * d))
+            .collect();
+        let mut ks: Vec<Vec<f64>> = normed
+            .iter()
+            .map(|x| matvec(&lw[2], x, t.kv_heads * d))
+            .collect();
+        let vs: Vec<Vec<f64>> = normed
+            .iter()
+            .map(|x| matvec(&lw[3], x, t.kv_heads * d))
+            .collect();
         for (p, (q, k)) in qs.iter_mut().zip(ks.iter_mut()).enumerate() {
             q.chunks_mut(d).for_each(|hq| rope(hq, p));
             k.chunks_mut(d).for_each(|hk| rope(hk, p));
@@ -48,7 +62,13 @@ fn reference_forward(t: &Tiny, w: &Weights, tokens: &[usize]) -> Vec<Vec<f64>> {
                 let kvh = hh / (t.heads / t.kv_heads);
                 let q = &qs[p][hh * d..(hh + 1) * d];
                 let scores: Vec<f64> = (0..=p)
-                    .map(|j| q.iter().zip(&ks[j][kvh * d..(kvh + 1) * d]).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt())
+                    .map(|j| {
+                        q.iter()
+                            .zip(&ks[j][kvh * d..(kvh + 1) * d])
+                            .map(|(a, b)| a * b)
+                            .sum::<f64>()
+                            / (d as f64).sqrt()
+                    })
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
@@ -64,13 +84,19 @@ fn reference_forward(t: &Tiny, w: &Weights, tokens: &[usize]) -> Vec<Vec<f64>> {
             let n = rms(&xs[p], &lw[5], t.eps);
             let g = matvec(&lw[6], &n, t.inter);
             let u = matvec(&lw[7], &n, t.inter);
-            let act: Vec<f64> = g.iter().zip(&u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+            let act: Vec<f64> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
             let down = matvec(&lw[8], &act, hd);
             xs[p].iter_mut().zip(down).for_each(|(x, y)| *x += y);
         }
     }
     let head = w.head.as_ref().unwrap_or(&w.embed);
-    xs.iter().map(|x| matvec(head, &rms(x, &w.norm, t.eps), t.vocab)).collect()
+    xs.iter()
+        .map(|x| matvec(head, &rms(x, &w.norm, t.eps), t.vocab))
+        .collect()
 }
 
 fn write_tmp(name: &str, bytes: &[u8]) -> std::path::PathBuf {
@@ -81,7 +107,11 @@ fn write_tmp(name: &str, bytes: &[u8]) -> std::path::PathBuf {
     p
 }
 
-fn logits(model: &stoke_llama::model::Llama<B>, tokens: &[Vec<usize>], cache: &mut KvCache<B>) -> Vec<f64> {
+fn logits(
+    model: &stoke_llama::model::Llama<B>,
+    tokens: &[Vec<usize>],
+    cache: &mut KvCache<B>,
+) -> Vec<f64> {
     let b = tokens.len();
     let s = tokens.iter().map(Vec::len).max().unwrap();
     let mut flat = vec![];
@@ -91,7 +121,15 @@ fn logits(model: &stoke_llama::model::Llama<B>, tokens: &[Vec<usize>], cache: &m
     }
     let lens: Vec<usize> = tokens.iter().map(Vec::len).collect();
     let x = Tensor::<B, 2, Int>::from_data(TensorData::new(flat, [b, s]), &Default::default());
-    model.forward(x, &lens, cache, false).into_data().convert::<f32>().to_vec::<f32>().unwrap().into_iter().map(f64::from).collect()
+    model
+        .forward(x, &lens, cache, false)
+        .into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect()
 }
 
 #[test]
@@ -114,7 +152,9 @@ fn logits_match_an_f64_reference_with_gqa_tied_and_untied() {
 fn incremental_decoding_matches_the_full_forward() {
     let w = weights(&TINY, true, 11);
     let path = write_tmp("tiny-incremental.gguf", &gguf(&TINY, &w));
-    let m = load_gguf::<B>(&path, &Default::default(), DType::F32, 64).unwrap().model;
+    let m = load_gguf::<B>(&path, &Default::default(), DType::F32, 64)
+        .unwrap()
+        .model;
     let tokens = vec![1usize, 2, 3, 250, 17, 42, 9];
     let mut full_cache = KvCache::for_model(&m, 1, 64, DType::F32, &Default::default());
     let full = logits(&m, &[tokens.clone()], &mut full_cache);
@@ -131,7 +171,9 @@ fn incremental_decoding_matches_the_full_forward() {
 fn a_batch_of_different_lengths_matches_each_sequence_alone() {
     let w = weights(&TINY, false, 13);
     let path = write_tmp("tiny-batch.gguf", &gguf(&TINY, &w));
-    let m = load_gguf::<B>(&path, &Default::default(), DType::F32, 64).unwrap().model;
+    let m = load_gguf::<B>(&path, &Default::default(), DType::F32, 64)
+        .unwrap()
+        .model;
     let seqs = vec![vec![5usize, 6, 7, 8, 9], vec![100usize, 200]];
     let mut cache = KvCache::for_model(&m, 2, 64, DType::F32, &Default::default());
     let batched = logits(&m, &seqs, &mut cache);
@@ -144,7 +186,10 @@ fn a_batch_of_different_lengths_matches_each_sequence_alone() {
         let got = &batched[i * 5 * v..(i * 5 + s.len()) * v];
         assert!(relative_error(got, &alone) < 1e-5, "sequence {i} prefill");
         let alone_next = logits(&m, &[vec![11 + i]], &mut alone_cache);
-        assert!(relative_error(&next[i * v..(i + 1) * v], &alone_next) < 1e-5, "sequence {i} decode");
+        assert!(
+            relative_error(&next[i * v..(i + 1) * v], &alone_next) < 1e-5,
+            "sequence {i} decode"
+        );
     }
 }
 
@@ -152,17 +197,32 @@ fn a_batch_of_different_lengths_matches_each_sequence_alone() {
 fn loader_errors_name_the_file_and_tensor() {
     let w = weights(&TINY, true, 17);
     let bytes = gguf(&TINY, &w);
-    let load = |name: &str, b: &[u8]| load_gguf::<B>(&write_tmp(name, b), &Default::default(), DType::F32, 64).err().expect("an error");
+    let load = |name: &str, b: &[u8]| {
+        load_gguf::<B>(&write_tmp(name, b), &Default::default(), DType::F32, 64)
+            .err()
+            .expect("an error")
+    };
 
     let e = load("truncated.gguf", &bytes[..bytes.len() - 100]);
-    assert!(matches!(e, LoadError::Gguf(_)) && e.to_string().contains("truncated.gguf"), "{e}");
+    assert!(
+        matches!(e, LoadError::Gguf(_)) && e.to_string().contains("truncated.gguf"),
+        "{e}"
+    );
 
     // A shape that contradicts the configuration: layer 1's o_proj with 16 input columns.
     let bytes2 = with_o_proj_inputs(&bytes, 1, 16);
     let e = load("shape.gguf", &bytes2);
-    assert!(matches!(e, LoadError::Shape { .. }) && e.to_string().contains("blk.1.attn_output.weight"), "{e}");
+    assert!(
+        matches!(e, LoadError::Shape { .. }) && e.to_string().contains("blk.1.attn_output.weight"),
+        "{e}"
+    );
 
-    let e = load("notllama.gguf", &Writer::default().meta("general.architecture", Value::String("mamba".into())).to_bytes());
+    let e = load(
+        "notllama.gguf",
+        &Writer::default()
+            .meta("general.architecture", Value::String("mamba".into()))
+            .to_bytes(),
+    );
     assert!(e.to_string().contains("mamba"), "{e}");
 
     let missing = Writer::default()
@@ -173,17 +233,28 @@ fn loader_errors_name_the_file_and_tensor() {
         .meta("llama.attention.head_count", Value::U32(4))
         .meta("llama.vocab_size", Value::U32(256))
         .meta("tokenizer.ggml.model", Value::String("gpt2".into()))
-        .meta("tokenizer.ggml.tokens", Value::Array(byte_tokens().into_iter().map(Value::String).collect()))
+        .meta(
+            "tokenizer.ggml.tokens",
+            Value::Array(byte_tokens().into_iter().map(Value::String).collect()),
+        )
         .meta("tokenizer.ggml.merges", Value::Array(vec![]))
         .to_bytes();
     let e = load("missing.gguf", &missing);
-    assert!(e.to_string().contains("no tensor named `token_embd.weight`"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("no tensor named `token_embd.weight`"),
+        "{e}"
+    );
 }
 
 /// `bytes` with the directory entry of layer `layer`'s o_proj claiming `inputs` input columns.
 fn with_o_proj_inputs(bytes: &[u8], layer: usize, inputs: u64) -> Vec<u8> {
     let needle = format!("blk.{layer}.attn_output.weight");
-    let pos = bytes.windows(needle.len()).position(|w| w == needle.as_bytes()).unwrap() + needle.len();
+    let pos = bytes
+        .windows(needle.len())
+        .position(|w| w == needle.as_bytes())
+        .unwrap()
+        + needle.len();
     let mut out = bytes.to_vec();
     // After the name: rank (u32), then dims[0] (u64), the input size.
     out[pos + 4..pos + 12].copy_from_slice(&inputs.to_le_bytes());
@@ -194,7 +265,9 @@ fn with_o_proj_inputs(bytes: &[u8], layer: usize, inputs: u64) -> Vec<u8> {
 fn tokenizer_round_trips_bytes() {
     let w = weights(&TINY, true, 23);
     let path = write_tmp("tiny-tok.gguf", &gguf(&TINY, &w));
-    let tok = load_gguf::<B>(&path, &Default::default(), DType::F32, 64).unwrap().tokenizer;
+    let tok = load_gguf::<B>(&path, &Default::default(), DType::F32, 64)
+        .unwrap()
+        .tokenizer;
     let text = "héllo, wörld 123\n";
     let ids = tok.encode(text, false).unwrap().get_ids().to_vec();
     assert_eq!(ids.len(), text.len(), "one token per byte with no merges");

@@ -35,12 +35,17 @@ enum Command {
 }
 
 fn meta(commit: &str) -> Value {
-    let gpu = stoke_tests::gpu().map(|rt| rt.name.clone()).unwrap_or_else(|e| format!("none: {e}"));
+    let gpu = stoke_tests::gpu()
+        .map(|rt| rt.name.clone())
+        .unwrap_or_else(|e| format!("none: {e}"));
     json!({ "commit": commit, "date_utc": now_utc(), "gpu": gpu })
 }
 
 fn now_utc() -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
     let (days, rem) = (secs / 86400, secs % 86400);
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
     let z = days as i64 + 719468;
@@ -52,7 +57,12 @@ fn now_utc() -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
 }
 
 fn write(out: &PathBuf, name: &str, v: &Value) {
@@ -69,21 +79,39 @@ fn run_tests(cli: &Cli, names: &[String]) -> bool {
             continue;
         }
         let o = stoke_tests::gpu::run(name);
-        println!("{:<40} {:<8} {:7.2}s {}", o.name, o.status, o.seconds, if o.message.is_empty() { o.details.to_string() } else { o.message.clone() });
+        println!(
+            "{:<40} {:<8} {:7.2}s {}",
+            o.name,
+            o.status,
+            o.seconds,
+            if o.message.is_empty() {
+                o.details.to_string()
+            } else {
+                o.message.clone()
+            }
+        );
         outcomes.push(o);
     }
     let failed = outcomes.iter().filter(|o| o.status == "failed").count();
     let passed = outcomes.iter().filter(|o| o.status == "passed").count();
     let skipped = outcomes.len() - failed - passed;
     println!("{passed} passed, {failed} failed, {skipped} skipped");
-    write(&cli.out, "gpu-tests.json", &json!({ "meta": meta(&cli.commit), "tests": outcomes }));
+    write(
+        &cli.out,
+        "gpu-tests.json",
+        &json!({ "meta": meta(&cli.commit), "tests": outcomes }),
+    );
     failed == 0 && skipped == 0
 }
 
 fn run_bench(cli: &Cli) -> bool {
     match stoke_tests::bench::all() {
         Ok(v) => {
-            write(&cli.out, "bench.json", &json!({ "meta": meta(&cli.commit), "bench": v }));
+            write(
+                &cli.out,
+                "bench.json",
+                &json!({ "meta": meta(&cli.commit), "bench": v }),
+            );
             true
         }
         Err(e) => {
@@ -94,18 +122,27 @@ fn run_bench(cli: &Cli) -> bool {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
     let cli = Cli::parse();
     let ok = match &cli.command {
         Command::List => {
-            stoke_tests::gpu::CASES.iter().for_each(|(n, _)| println!("{n}"));
+            stoke_tests::gpu::CASES
+                .iter()
+                .for_each(|(n, _)| println!("{n}"));
             true
         }
         Command::Test { names } => run_tests(&cli, names),
         Command::Bench => run_bench(&cli),
         Command::Llama => match stoke_tests::llama::bench() {
             Ok(v) => {
-                write(&cli.out, "llama.json", &json!({ "meta": meta(&cli.commit), "llama": v }));
+                write(
+                    &cli.out,
+                    "llama.json",
+                    &json!({ "meta": meta(&cli.commit), "llama": v }),
+                );
                 true
             }
             Err(e) => {
@@ -118,5 +155,9 @@ fn main() -> ExitCode {
             run_bench(&cli) && tests
         }
     };
-    if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
 }

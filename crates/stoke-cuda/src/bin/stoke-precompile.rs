@@ -32,19 +32,31 @@ fn main() -> ExitCode {
         }
     }
     let mut failed = false;
-    println!("{:<16} {:<36} {:>5} {:>8} {:>6} {:>12}", "file", "entry", "regs", "smem", "stack", "spills st/ld");
+    println!(
+        "{:<16} {:<36} {:>5} {:>8} {:>6} {:>12}",
+        "file", "entry", "regs", "smem", "stack", "spills st/ld"
+    );
     for src in ALL {
         match stoke_cuda::compile::compile_uncached(src.file, src.source, &arch, &[]) {
             Ok((cubin, reports)) => {
                 for r in &reports {
                     println!(
                         "{:<16} {:<36} {:>5} {:>8} {:>6} {:>6}/{:<6}",
-                        src.file, r.entry, r.registers, r.shared_bytes, r.stack_bytes, r.spill_store_bytes, r.spill_load_bytes
+                        src.file,
+                        r.entry,
+                        r.registers,
+                        r.shared_bytes,
+                        r.stack_bytes,
+                        r.spill_store_bytes,
+                        r.spill_load_bytes
                     );
                 }
                 for entry in src.entries {
                     if !reports.iter().any(|r| r.entry == *entry) {
-                        eprintln!("kernels/{}: entry point `{entry}` missing from the compiled module", src.file);
+                        eprintln!(
+                            "kernels/{}: entry point `{entry}` missing from the compiled module",
+                            src.file
+                        );
                         failed = true;
                     }
                 }
@@ -56,5 +68,9 @@ fn main() -> ExitCode {
             }
         }
     }
-    if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
 }

@@ -127,7 +127,8 @@ impl Launch {
 }
 
 /// Entry point suffixes in `ENTRY_POINTS` order (the `Variant` discriminants).
-pub const VARIANT_SUFFIXES: [&str; 6] = ["", "_warp", "_block", "_twopass", "_warp_lat", "_block_lat"];
+pub const VARIANT_SUFFIXES: [&str; 6] =
+    ["", "_warp", "_block", "_twopass", "_warp_lat", "_block_lat"];
 
 #[derive(Clone, Copy)]
 enum Variant {
@@ -200,7 +201,11 @@ pub fn launch(
             w /= 2;
         }
         let ctas = rows.div_ceil(w);
-        let variant = if ctas <= sm_count { Variant::WarpLat } else { Variant::Warp };
+        let variant = if ctas <= sm_count {
+            Variant::WarpLat
+        } else {
+            Variant::Warp
+        };
         return Launch {
             entry: entry(elem, residual, variant),
             grid: (grid_x(ctas), 1, 1),
@@ -210,7 +215,11 @@ pub fn launch(
     }
     if nvec <= MAX_THREADS * BLOCK_PACKS {
         let threads = round_up(nvec.div_ceil(BLOCK_PACKS), 32);
-        let variant = if rows <= sm_count { Variant::BlockLat } else { Variant::Block };
+        let variant = if rows <= sm_count {
+            Variant::BlockLat
+        } else {
+            Variant::Block
+        };
         return Launch {
             entry: entry(elem, residual, variant),
             grid: (grid_x(rows), 1, 1),
@@ -298,7 +307,14 @@ mod tests {
                 }
             }
         }
-        for suffix in ["_warp(", "_block(", "_twopass(", "_warp_lat(", "_block_lat(", "OP##_##DT("] {
+        for suffix in [
+            "_warp(",
+            "_block(",
+            "_twopass(",
+            "_warp_lat(",
+            "_block_lat(",
+            "OP##_##DT(",
+        ] {
             assert!(SOURCE.contains(suffix), "macro lacks {}", suffix);
         }
         assert_eq!(ENTRY_POINTS.len(), 24);
@@ -453,7 +469,10 @@ mod tests {
         assert_eq!(l(Bf16, false, 1, 32768).entry, "rms_norm_bf16_block_lat");
         // Decode-sized row counts (a grid of at most one CTA per SM): the latency variants.
         assert_eq!(l(Bf16, false, 1, 576).entry, "rms_norm_bf16_warp_lat");
-        assert_eq!(l(Bf16, true, 32, 4096).entry, "residual_rms_norm_bf16_block_lat");
+        assert_eq!(
+            l(Bf16, true, 32, 4096).entry,
+            "residual_rms_norm_bf16_block_lat"
+        );
         assert_eq!(l(Bf16, false, 132, 4096).entry, "rms_norm_bf16_block_lat");
         assert_eq!(l(Bf16, false, 133, 4096).entry, "rms_norm_bf16_block");
         assert_eq!(l(F32, false, 2048, 4096).entry, "rms_norm_f32_block");

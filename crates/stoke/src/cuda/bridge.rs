@@ -3,7 +3,9 @@
 use crate::backend::Stoke;
 use crate::tensor::{StokeData, StokeTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
-use burn_backend::{Backend, DType, DeviceOps, ExecutionError, FloatDType, Shape, TensorData, TensorMetadata};
+use burn_backend::{
+    Backend, DType, DeviceOps, ExecutionError, FloatDType, Shape, TensorData, TensorMetadata,
+};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 use std::any::{Any, TypeId};
@@ -20,12 +22,16 @@ fn inner_is_cuda<I: Backend>() -> bool {
 
 fn to_cube<I: Backend>(t: I::FloatTensorPrimitive) -> Cube {
     let boxed: Box<dyn Any> = Box::new(t);
-    *boxed.downcast::<Cube>().expect("inner float primitive is a burn-cuda tensor")
+    *boxed
+        .downcast::<Cube>()
+        .expect("inner float primitive is a burn-cuda tensor")
 }
 
 fn from_cube<I: Backend>(t: Cube) -> I::FloatTensorPrimitive {
     let boxed: Box<dyn Any> = Box::new(t);
-    *boxed.downcast::<I::FloatTensorPrimitive>().expect("inner float primitive is a burn-cuda tensor")
+    *boxed
+        .downcast::<I::FloatTensorPrimitive>()
+        .expect("inner float primitive is a burn-cuda tensor")
 }
 
 /// Stoke's runtime for `device`, or why Stoke's kernels can't run there (the inner backend is
@@ -35,15 +41,22 @@ pub fn runtime_status<I: Backend>(device: &I::Device) -> Result<Arc<Runtime>, Un
     if !inner_is_cuda::<I>() {
         return Err(Unavailable::InnerBackend);
     }
-    static RUNTIMES: OnceLock<Mutex<HashMap<usize, Result<Arc<Runtime>, Unavailable>>>> = OnceLock::new();
+    static RUNTIMES: OnceLock<Mutex<HashMap<usize, Result<Arc<Runtime>, Unavailable>>>> =
+        OnceLock::new();
     let ordinal = device.id().index_id as usize;
     let mut map = RUNTIMES.get_or_init(Default::default).lock().unwrap();
     map.entry(ordinal)
         .or_insert_with(|| {
             let rt = Runtime::new(ordinal);
             match &rt {
-                Ok(rt) => tracing::info!("stoke: kernels enabled on GPU {ordinal} ({}, {})", rt.name, rt.arch),
-                Err(reason) => tracing::warn!("stoke: falling back to the inner backend on GPU {ordinal}: {reason}"),
+                Ok(rt) => tracing::info!(
+                    "stoke: kernels enabled on GPU {ordinal} ({}, {})",
+                    rt.name,
+                    rt.arch
+                ),
+                Err(reason) => tracing::warn!(
+                    "stoke: falling back to the inner backend on GPU {ordinal}: {reason}"
+                ),
             }
             rt
         })
@@ -80,14 +93,22 @@ impl Pin {
     /// Pins `t` (made contiguous first) and waits for burn-cuda's stream: the one
     /// synchronization of a crossing into Stoke.
     fn new<I: Backend>(rt: &Arc<Runtime>, t: Cube, device: &I::Device) -> Pin {
-        let t = if t.is_contiguous() { t } else { burn_cubecl::kernel::into_contiguous(t) };
+        let t = if t.is_contiguous() {
+            t
+        } else {
+            burn_cubecl::kernel::into_contiguous(t)
+        };
         let res = t
             .client
             .get_resource(t.handle.clone())
             .unwrap_or_else(|e| fatal("get_resource on a burn-cuda tensor", format!("{e:?}")));
         let ptr = res.resource().ptr;
         I::sync(device).unwrap_or_else(|e| fatal("synchronizing burn-cuda", e));
-        Pin { rt: rt.clone(), held: Some(Box::new(Held((res, t)))), ptr }
+        Pin {
+            rt: rt.clone(),
+            held: Some(Box::new(Held((res, t)))),
+            ptr,
+        }
     }
 }
 
@@ -120,15 +141,27 @@ pub struct DeviceTensor<I: Backend> {
 
 impl<I: Backend> std::fmt::Debug for DeviceTensor<I> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DeviceTensor({:?}, {:?}, {:?})", self.shape, self.dtype, self.buf)
+        write!(
+            f,
+            "DeviceTensor({:?}, {:?}, {:?})",
+            self.shape, self.dtype, self.buf
+        )
     }
 }
 
 impl<I: Backend> DeviceTensor<I> {
     pub(crate) fn alloc(rt: &Arc<Runtime>, shape: Shape, dtype: DType, device: I::Device) -> Self {
         let bytes = shape.num_elements() * dtype.size();
-        let buf = rt.alloc(bytes).unwrap_or_else(|e| fatal("allocating a Stoke buffer", e));
-        Self { buf, shape, dtype, device, materialized: OnceLock::new() }
+        let buf = rt
+            .alloc(bytes)
+            .unwrap_or_else(|e| fatal("allocating a Stoke buffer", e));
+        Self {
+            buf,
+            shape,
+            dtype,
+            device,
+            materialized: OnceLock::new(),
+        }
     }
 
     pub fn ptr(&self) -> u64 {
@@ -160,11 +193,17 @@ impl<I: Backend> StokeData<I> for DeviceTensor<I> {
         self.materialized
             .get_or_init(|| {
                 let rt = self.buf.runtime();
-                let out = to_cube::<I>(I::float_empty(self.shape.clone(), &self.device, FloatDType::from(self.dtype)));
+                let out = to_cube::<I>(I::float_empty(
+                    self.shape.clone(),
+                    &self.device,
+                    FloatDType::from(self.dtype),
+                ));
                 let res = out
                     .client
                     .get_resource(out.handle.clone())
-                    .unwrap_or_else(|e| fatal("get_resource on a new burn-cuda tensor", format!("{e:?}")));
+                    .unwrap_or_else(|e| {
+                        fatal("get_resource on a new burn-cuda tensor", format!("{e:?}"))
+                    });
                 I::sync(&self.device).unwrap_or_else(|e| fatal("synchronizing burn-cuda", e));
                 // SAFETY: both buffers hold `bytes()` bytes; `res` pins the destination and the
                 // synchronize below completes the copy before it is released.
@@ -221,11 +260,19 @@ impl<I: Backend> StokeData<I> for ResidentTensor<I> {
 /// Pins a float primitive for Stoke's kernels; returns it unchanged where Stoke's kernels
 /// don't run or it is already Stoke-owned.
 pub fn pin_tensor<I: Backend>(t: StokeTensor<I>) -> StokeTensor<I> {
-    let StokeTensor::Inner(inner) = t else { return t };
+    let StokeTensor::Inner(inner) = t else {
+        return t;
+    };
     let device = I::float_device(&inner);
-    let Some(rt) = runtime_for::<I>(&device) else { return StokeTensor::Inner(inner) };
+    let Some(rt) = runtime_for::<I>(&device) else {
+        return StokeTensor::Inner(inner);
+    };
     let pin = Pin::new::<I>(&rt, to_cube::<I>(inner.clone()), &device);
-    StokeTensor::owned(ResidentTensor::<I> { tensor: inner, device, pin })
+    StokeTensor::owned(ResidentTensor::<I> {
+        tensor: inner,
+        device,
+        pin,
+    })
 }
 
 /// Pins a weight once so that Stoke's kernels use it with no per-op resolution. The tensor
@@ -245,18 +292,31 @@ pub(crate) struct KernelInput {
 }
 
 impl KernelInput {
-    pub(crate) fn resolve<I: Backend>(rt: &Arc<Runtime>, t: &StokeTensor<I>, device: &I::Device) -> Self {
+    pub(crate) fn resolve<I: Backend>(
+        rt: &Arc<Runtime>,
+        t: &StokeTensor<I>,
+        device: &I::Device,
+    ) -> Self {
         if let Some(d) = t.downcast_ref::<DeviceTensor<I>>() {
             // Freed on Stoke's stream: stream order keeps it valid for this kernel.
-            return Self { ptr: d.ptr(), _pin: None };
+            return Self {
+                ptr: d.ptr(),
+                _pin: None,
+            };
         }
         if let Some(r) = t.downcast_ref::<ResidentTensor<I>>() {
             // Its pin is released through the runtime when the tensor drops, i.e. after every
             // kernel queued before that: nothing to hold per launch.
-            return Self { ptr: r.ptr(), _pin: None };
+            return Self {
+                ptr: r.ptr(),
+                _pin: None,
+            };
         }
         let pin = Pin::new::<I>(rt, to_cube::<I>(t.clone().into_inner()), device);
-        Self { ptr: pin.ptr, _pin: Some(pin) }
+        Self {
+            ptr: pin.ptr,
+            _pin: Some(pin),
+        }
     }
 }
 
@@ -269,7 +329,9 @@ pub(crate) fn float_device<I: Backend>(t: &StokeTensor<I>) -> I::Device {
 }
 
 /// Reads a Stoke tensor; Stoke's own buffers go straight to the host.
-pub(crate) async fn float_into_data<I: Backend>(t: StokeTensor<I>) -> Result<TensorData, ExecutionError> {
+pub(crate) async fn float_into_data<I: Backend>(
+    t: StokeTensor<I>,
+) -> Result<TensorData, ExecutionError> {
     if let Some(d) = t.downcast_ref::<DeviceTensor<I>>() {
         if d.materialized.get().is_none() {
             return Ok(d.read());
@@ -281,8 +343,9 @@ pub(crate) async fn float_into_data<I: Backend>(t: StokeTensor<I>) -> Result<Ten
 /// `Backend::sync` for `Stoke<I>`: also waits for Stoke's stream on that device.
 pub(crate) fn sync_device<I: Backend>(device: &I::Device) -> Result<(), ExecutionError> {
     if let Some(rt) = runtime_for::<I>(device) {
-        rt.synchronize()
-            .map_err(|e| ExecutionError::WithContext { reason: format!("stoke: {e}") })?;
+        rt.synchronize().map_err(|e| ExecutionError::WithContext {
+            reason: format!("stoke: {e}"),
+        })?;
     }
     Ok(())
 }
@@ -292,7 +355,10 @@ pub fn pin_module<I: Backend, M: burn::module::Module<Stoke<I>>>(module: M) -> M
     use burn::module::{ModuleMapper, Param};
     struct Pinner;
     impl<I: Backend> ModuleMapper<Stoke<I>> for Pinner {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<Stoke<I>, D>>) -> Param<Tensor<Stoke<I>, D>> {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: Param<Tensor<Stoke<I>, D>>,
+        ) -> Param<Tensor<Stoke<I>, D>> {
             let (id, tensor, mapper) = param.consume();
             Param::from_mapped_value(id, pin(tensor), mapper)
         }

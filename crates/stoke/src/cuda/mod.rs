@@ -20,5 +20,7 @@
 mod bridge;
 pub(crate) mod rms_norm;
 
-pub use bridge::{DeviceTensor, ResidentTensor, pin, pin_module, pin_tensor, runtime_for, runtime_status};
+pub use bridge::{
+    DeviceTensor, ResidentTensor, pin, pin_module, pin_tensor, runtime_for, runtime_status,
+};
 pub(crate) use bridge::{float_device, float_into_data, memory_cleanup, sync_device};

@@ -3,9 +3,9 @@
 use super::bridge::{DeviceTensor, KernelInput, runtime_for};
 use crate::tensor::StokeTensor;
 use burn_backend::{Backend, DType, TensorMetadata};
-use stoke_cuda::kernels::rms_norm::{ElemType, RmsNormParams, launch};
-use stoke_cuda::kernels::RMS_NORM;
 use stoke_cuda::LaunchShape;
+use stoke_cuda::kernels::RMS_NORM;
+use stoke_cuda::kernels::rms_norm::{ElemType, RmsNormParams, launch};
 
 /// Runs the kernel when it applies: a Stoke runtime on the device, f32 or bf16 `x` with the
 /// same dtype for every input, `gamma` of shape `[hidden]`, `residual` shaped like `x`.
@@ -31,12 +31,21 @@ pub(crate) fn try_rms_norm<I: Backend>(
     let shape = x.shape();
     let hidden = *shape.as_slice().last()?;
     let rows = shape.num_elements() / hidden.max(1);
-    let same = |t: &StokeTensor<I>, dims: &[usize]| t.dtype() == dtype && t.shape().as_slice() == dims;
-    if hidden == 0 || rows == 0 || !same(gamma, &[hidden]) || residual.is_some_and(|r| !same(r, shape.as_slice())) {
-        tracing::debug!("stoke rms_norm: shapes/dtypes outside the kernel's contract, using the reference");
+    let same =
+        |t: &StokeTensor<I>, dims: &[usize]| t.dtype() == dtype && t.shape().as_slice() == dims;
+    if hidden == 0
+        || rows == 0
+        || !same(gamma, &[hidden])
+        || residual.is_some_and(|r| !same(r, shape.as_slice()))
+    {
+        tracing::debug!(
+            "stoke rms_norm: shapes/dtypes outside the kernel's contract, using the reference"
+        );
         return None;
     }
-    let (Ok(rows32), Ok(hidden32)) = (u32::try_from(rows), u32::try_from(hidden)) else { return None };
+    let (Ok(rows32), Ok(hidden32)) = (u32::try_from(rows), u32::try_from(hidden)) else {
+        return None;
+    };
 
     let x_in = KernelInput::resolve(&rt, x, &device);
     let res_in = residual.map(|r| KernelInput::resolve(&rt, r, &device));
@@ -54,11 +63,28 @@ pub(crate) fn try_rms_norm<I: Backend>(
         hidden: hidden32,
         eps: eps as f32,
     };
-    let aligned = [params.x, params.residual, params.gamma, params.out, params.sum_out]
-        .iter()
-        .all(|p| p % 16 == 0);
-    let l = launch(elem, residual.is_some(), rows32, hidden32, aligned, rt.sm_count);
-    let shape = LaunchShape { grid: l.grid, block: l.block, shared_mem_bytes: l.shared_mem_bytes };
+    let aligned = [
+        params.x,
+        params.residual,
+        params.gamma,
+        params.out,
+        params.sum_out,
+    ]
+    .iter()
+    .all(|p| p % 16 == 0);
+    let l = launch(
+        elem,
+        residual.is_some(),
+        rows32,
+        hidden32,
+        aligned,
+        rt.sm_count,
+    );
+    let shape = LaunchShape {
+        grid: l.grid,
+        block: l.block,
+        shared_mem_bytes: l.shared_mem_bytes,
+    };
     let result = rt.kernel(&RMS_NORM, l.entry).and_then(|k| {
         // SAFETY: `RmsNormParams` mirrors the kernel's struct (checked by a size test against the
         // C static_assert); inputs are pinned until the kernel is done (KernelInput), outputs

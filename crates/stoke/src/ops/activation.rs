@@ -3,6 +3,7 @@
 #![allow(unused_imports, clippy::all)]
 use super::prelude::*;
 
+#[rustfmt::skip]
 impl<I: Backend> ActivationOps<Self> for Stoke<I> {
     fn leaky_relu(
         tensor: FloatTensor<Self>,

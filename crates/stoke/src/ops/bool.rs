@@ -3,6 +3,7 @@
 #![allow(unused_imports, clippy::all)]
 use super::prelude::*;
 
+#[rustfmt::skip]
 impl<I: Backend> BoolTensorOps<Self> for Stoke<I> {
     fn bool_empty(
         shape: Shape,

@@ -3,6 +3,7 @@
 #![allow(unused_imports, clippy::all)]
 use super::prelude::*;
 
+#[rustfmt::skip]
 impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
     fn float_from_data(data: TensorData, device: &Device<Self>) -> FloatTensor<Self> {
         lift_float::<I>(I::float_from_data(data, device))

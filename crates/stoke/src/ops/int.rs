@@ -3,6 +3,7 @@
 #![allow(unused_imports, clippy::all)]
 use super::prelude::*;
 
+#[rustfmt::skip]
 impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
     fn int_empty(
         shape: Shape,

@@ -19,8 +19,8 @@ pub(crate) mod prelude {
     pub use burn_backend::quantization::*;
     pub use burn_backend::tensor::*;
     pub use burn_backend::{
-        Backend, BoolDType, Distribution, ExecutionError, FloatDType, IntDType, Scalar,
-        Shape, Slice, TensorData, TensorPrimitive,
+        Backend, BoolDType, Distribution, ExecutionError, FloatDType, IntDType, Scalar, Shape,
+        Slice, TensorData, TensorPrimitive,
     };
     pub use core::future::Future;
     pub use core::ops::Range;

@@ -3,6 +3,7 @@
 #![allow(unused_imports, clippy::all)]
 use super::prelude::*;
 
+#[rustfmt::skip]
 impl<I: Backend> ModuleOps<Self> for Stoke<I> {
     fn embedding(
         weights: FloatTensor<Self>,

@@ -3,6 +3,7 @@
 #![allow(unused_imports, clippy::all)]
 use super::prelude::*;
 
+#[rustfmt::skip]
 impl<I: Backend> QTensorOps<Self> for Stoke<I> {
     fn q_from_data(data: TensorData, device: &Device<Self>) -> QuantizedTensor<Self> {
         I::q_from_data(data, device)

@@ -3,6 +3,7 @@
 #![allow(unused_imports, clippy::all)]
 use super::prelude::*;
 
+#[rustfmt::skip]
 impl<I: Backend> TransactionOps<Self> for Stoke<I> {
     fn tr_execute(
         transaction: TransactionPrimitive<Self>,
