@@ -1,5 +1,6 @@
 //! GPU test cases. Each returns JSON details on success and a message on failure.
 
+use crate::f64s;
 use crate::{Cpu, Outcome, PlainCuda, StokeCuda, gpu, seed, suite};
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -82,15 +83,6 @@ pub fn run(name: &str) -> Outcome {
             }
         }
     }
-}
-
-fn f64s(d: TensorData) -> Vec<f64> {
-    d.convert::<f32>()
-        .to_vec::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f64::from)
-        .collect()
 }
 
 /// Whether a tensor is the output of a Stoke kernel (not the reference fallback).

@@ -59,6 +59,16 @@ pub fn cargo_test(name: &str) {
     }
 }
 
+/// A tensor's values as f64 (for comparisons with the f64 references).
+pub fn f64s(d: burn::tensor::TensorData) -> Vec<f64> {
+    d.convert::<f32>()
+        .to_vec::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
+
 /// A fresh seed per run (printed with every result so a failure can be replayed with
 /// `STOKE_TEST_SEED`).
 pub fn seed() -> u64 {

@@ -11,18 +11,10 @@ use burn_backend::ops::FloatTensorOps;
 use rand::{SeedableRng, rngs::StdRng};
 use stoke::{Stoke, StokeData, StokeTensor};
 use stoke_formats::reference;
+use stoke_tests::f64s;
 use stoke_tests::{Cpu, suite};
 
 type S = Stoke<Cpu>;
-
-fn f64s(d: TensorData) -> Vec<f64> {
-    d.convert::<f32>()
-        .to_vec::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f64::from)
-        .collect()
-}
 
 #[test]
 fn forwarded_ops_are_bitwise_identical_to_the_inner_backend() {
