@@ -484,19 +484,26 @@ pub fn dequantize_into(ty: GgmlType, raw: &[u8], out: &mut Vec<f32>) {
 /// `w.reshape(n_head, rows / n_head / 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)`.
 pub fn unpermute_qk_rows<T: Copy>(w: &[T], rows: usize, cols: usize, n_head: usize) -> Vec<T> {
     assert_eq!(w.len(), rows * cols);
+    unpermute_qk_index(rows, n_head)
+        .into_iter()
+        .flat_map(|src| w[src * cols..(src + 1) * cols].iter().copied())
+        .collect()
+}
+
+/// For each row of the un-permuted q/k matrix, the row of the GGUF matrix it comes from.
+pub fn unpermute_qk_index(rows: usize, n_head: usize) -> Vec<usize> {
     assert_eq!(
         rows % (2 * n_head),
         0,
         "rows {rows} not divisible by 2 * n_head {n_head}"
     );
     let half = rows / n_head / 2;
-    let mut out = Vec::with_capacity(w.len());
+    let mut out = Vec::with_capacity(rows);
     for h in 0..n_head {
         for j in 0..2 {
             for i in 0..half {
                 // Source row (h, i, j) in the (n_head, half, 2) view lands at (h, j, i).
-                let src = (h * half + i) * 2 + j;
-                out.extend_from_slice(&w[src * cols..(src + 1) * cols]);
+                out.push((h * half + i) * 2 + j);
             }
         }
     }

@@ -198,6 +198,34 @@ impl PackedInt4 {
         out
     }
 
+    /// The same weight with its columns reordered: new column `c` is old column `from[c]`.
+    pub fn permute_columns(&self, from: &[usize]) -> Result<Self, Int4Error> {
+        let (k, n, groups) = (self.k, self.n, self.k / self.group);
+        if from.len() != n {
+            return Err(Int4Error::Len {
+                what: "column permutation",
+                expected: n,
+                actual: from.len(),
+            });
+        }
+        let q = self.unpack_q();
+        let permute = |v: &[u16]| -> Vec<u16> {
+            (0..groups * n)
+                .map(|i| v[(i / n) * n + from[i % n]])
+                .collect()
+        };
+        let q2: Vec<u8> = (0..k * n).map(|i| q[(i / n) * n + from[i % n]]).collect();
+        PackedInt4::pack(
+            &q2,
+            k,
+            n,
+            self.group,
+            self.scale_type,
+            permute(&self.scales),
+            self.offsets.as_deref().map(permute),
+        )
+    }
+
     /// Bytes the kernel reads: packed words plus scales (and offsets).
     pub fn bytes(&self) -> usize {
         self.words.len() * 4
@@ -414,6 +442,30 @@ mod tests {
                         "asym={asym} ({o}, {i})"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn column_permutation_moves_values_scales_and_offsets() {
+        let (k, n, group) = (32, 64, 16);
+        let mut seed = 5;
+        let q: Vec<u8> = (0..k * n).map(|_| (lcg(&mut seed) % 16) as u8).collect();
+        let scales: Vec<u16> = (0..k / group * n)
+            .map(|i| half::f16::from_f32(0.01 * (i + 1) as f32).to_bits())
+            .collect();
+        let offsets: Vec<u16> = (0..k / group * n)
+            .map(|i| half::f16::from_f32(-0.001 * i as f32).to_bits())
+            .collect();
+        let p = PackedInt4::pack(&q, k, n, group, ScaleType::F16, scales, Some(offsets)).unwrap();
+        let from: Vec<usize> = (0..n).rev().collect();
+        let (a, b) = (
+            p.dequantize(),
+            p.permute_columns(&from).unwrap().dequantize(),
+        );
+        for r in 0..k {
+            for c in 0..n {
+                assert_eq!(b[r * n + c], a[r * n + from[c]]);
             }
         }
     }

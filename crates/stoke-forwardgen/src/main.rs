@@ -30,7 +30,12 @@ const TRAITS: &[(&str, &str, &str, &[&str])] = &[
         "tensor.rs",
         "FloatTensorOps",
         "float.rs",
-        &["float_device", "float_is_require_grad", "float_into_data"],
+        &[
+            "float_device",
+            "float_is_require_grad",
+            "float_set_require_grad",
+            "float_into_data",
+        ],
     ),
     ("int_tensor.rs", "IntTensorOps", "int.rs", &[]),
     ("bool_tensor.rs", "BoolTensorOps", "bool.rs", &[]),

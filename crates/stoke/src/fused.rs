@@ -29,6 +29,18 @@ pub trait FusedOps: Backend {
         let normed = rms_norm_reference::<Self>(sum.clone(), gamma, eps);
         (sum, normed)
     }
+
+    /// A linear weight `[k, n]` kept in Stoke's packed INT4 format, presenting as a float tensor
+    /// of `dtype`, on backends that keep such weights (`Stoke<I>`); `None` elsewhere, where
+    /// callers use the dequantized values.
+    fn packed_int4_weight(
+        packed: stoke_formats::int4::PackedInt4,
+        dtype: DType,
+        device: &Self::Device,
+    ) -> Option<FloatTensor<Self>> {
+        let _ = (packed, dtype, device);
+        None
+    }
 }
 
 /// The reference RMSNorm composition on any backend.
@@ -65,6 +77,16 @@ pub fn rms_norm_reference<B: Backend>(
 }
 
 impl<I: Backend> FusedOps for Stoke<I> {
+    fn packed_int4_weight(
+        packed: stoke_formats::int4::PackedInt4,
+        dtype: DType,
+        device: &Self::Device,
+    ) -> Option<FloatTensor<Self>> {
+        Some(crate::tensor::StokeTensor::owned(
+            crate::packed::PackedWeight::<I>::new(packed, dtype, device.clone()),
+        ))
+    }
+
     fn rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
         match crate::cuda::rms_norm::try_rms_norm::<I>(&x, None, &gamma, eps) {
             Some((normed, _)) => normed,

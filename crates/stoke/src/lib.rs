@@ -21,6 +21,7 @@ mod backend;
 pub mod cuda;
 pub mod fused;
 mod ops;
+pub mod packed;
 mod route;
 pub mod tensor;
 

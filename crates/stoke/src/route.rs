@@ -53,6 +53,19 @@ pub(crate) fn float_is_require_grad<I: Backend>(tensor: &StokeTensor<I>) -> bool
     }
 }
 
+/// Burn's `Param` marks every parameter through this op. Stoke-owned data (a pinned or packed
+/// weight) stays as it is: `Stoke<I>` tracks no gradients itself, so there is nothing to mark,
+/// and forwarding would materialize the weight into an ordinary tensor.
+pub(crate) fn float_set_require_grad<I: Backend>(
+    tensor: StokeTensor<I>,
+    require_grad: bool,
+) -> StokeTensor<I> {
+    match tensor {
+        StokeTensor::Inner(t) => StokeTensor::Inner(I::float_set_require_grad(t, require_grad)),
+        owned @ StokeTensor::Owned(_) => owned,
+    }
+}
+
 /// Reads values; Stoke's own buffers are copied straight to the host.
 pub(crate) fn float_into_data<I: Backend>(
     tensor: StokeTensor<I>,

@@ -14,11 +14,14 @@ use crate::model::{Attention, Block, Llama, Mlp, Rope};
 use crate::tokenizer::{self, TokenizerError};
 use burn::module::Param;
 use burn::nn::Linear;
+use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use std::collections::BTreeMap;
 use std::path::Path;
-use stoke_formats::gguf::{Gguf, GgufError, unpermute_qk_rows};
+use stoke::FusedOps;
+use stoke_formats::gguf::{GgmlType, Gguf, GgufError, unpermute_qk_index};
+use stoke_formats::int4::{PackedInt4, from_gguf_q4};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -139,12 +142,15 @@ impl Weight {
 
 /// Builds the model from `get(weight)` (values in the Hugging Face layout, shape already
 /// checked), with a progress bar over the tensors.
+/// `packed(weight)` may supply a projection's `[in, out]` weight tensor itself (a packed INT4
+/// weight); otherwise `get` gives its values.
 fn build<B: Backend>(
     cfg: &LlamaConfig,
     device: &B::Device,
     dtype: DType,
     max_positions: usize,
-    mut get: impl FnMut(Weight) -> Result<Vec<f32>, LoadError>,
+    get: impl Fn(Weight) -> Result<Vec<f32>, LoadError>,
+    packed: impl Fn(Weight) -> Result<Option<Tensor<B, 2>>, LoadError>,
 ) -> Result<Llama<B>, LoadError> {
     let (hid, h, kvh, d, inter) = (
         cfg.hidden_size,
@@ -158,9 +164,23 @@ fn build<B: Backend>(
         indicatif::ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors {elapsed}")
             .expect("valid template"),
     );
-    let mut get = |w: Weight| {
+    let get = |w: Weight| {
         bar.inc(1);
         get(w)
+    };
+    let project = |w: Weight,
+                   out: usize,
+                   inp: usize,
+                   linear: &dyn Fn(Vec<f32>, usize, usize) -> Linear<B>|
+     -> Result<Linear<B>, LoadError> {
+        if let Some(weight) = packed(w)? {
+            bar.inc(1);
+            return Ok(Linear {
+                weight: Param::from_tensor(weight),
+                bias: None,
+            });
+        }
+        Ok(linear(get(w)?, out, inp))
     };
     let vector = |v: Vec<f32>| {
         Param::from_tensor(
@@ -200,19 +220,19 @@ fn build<B: Backend>(
         layers.push(Block {
             attn_norm: vector(get(Weight::AttnNorm(l))?),
             attn: Attention {
-                q_proj: linear(get(Weight::Q(l))?, h * d, hid),
-                k_proj: linear(get(Weight::K(l))?, kvh * d, hid),
-                v_proj: linear(get(Weight::V(l))?, kvh * d, hid),
-                o_proj: linear(get(Weight::O(l))?, hid, h * d),
+                q_proj: project(Weight::Q(l), h * d, hid, &linear)?,
+                k_proj: project(Weight::K(l), kvh * d, hid, &linear)?,
+                v_proj: project(Weight::V(l), kvh * d, hid, &linear)?,
+                o_proj: project(Weight::O(l), hid, h * d, &linear)?,
                 n_heads: h,
                 n_kv_heads: kvh,
                 head_dim: d,
             },
             mlp_norm: vector(get(Weight::MlpNorm(l))?),
             mlp: Mlp {
-                gate_proj: linear(get(Weight::Gate(l))?, inter, hid),
-                up_proj: linear(get(Weight::Up(l))?, inter, hid),
-                down_proj: linear(get(Weight::Down(l))?, hid, inter),
+                gate_proj: project(Weight::Gate(l), inter, hid, &linear)?,
+                up_proj: project(Weight::Up(l), inter, hid, &linear)?,
+                down_proj: project(Weight::Down(l), hid, inter, &linear)?,
             },
         });
     }
@@ -251,12 +271,37 @@ pub fn load_gguf<B: Backend>(
     dtype: DType,
     max_positions: usize,
 ) -> Result<Loaded<B>, LoadError> {
+    load_gguf_with::<B>(path, device, dtype, max_positions, |_, _, _| None)
+}
+
+/// Like [`load_gguf`], but Q4_0 / Q4_1 projections stay in their 4-bit groups: loaded straight
+/// into Stoke's packed INT4 format (no re-quantization) on backends that keep packed weights
+/// (`Stoke<I>`); elsewhere they are dequantized as `load_gguf` does.
+pub fn load_gguf_packed<B: FusedOps>(
+    path: &Path,
+    device: &B::Device,
+    dtype: DType,
+    max_positions: usize,
+) -> Result<Loaded<B>, LoadError> {
+    load_gguf_with::<B>(path, device, dtype, max_positions, |p, dtype, device| {
+        B::packed_int4_weight(p, dtype, device)
+            .map(|t| Tensor::from_primitive(TensorPrimitive::Float(t)))
+    })
+}
+
+fn load_gguf_with<B: Backend>(
+    path: &Path,
+    device: &B::Device,
+    dtype: DType,
+    max_positions: usize,
+    keep_packed: impl Fn(PackedInt4, DType, &B::Device) -> Option<Tensor<B, 2>>,
+) -> Result<Loaded<B>, LoadError> {
     let file = path.display().to_string();
     let map = mmap(path)?;
     let g = Gguf::parse(&file, &map)?;
     let cfg = LlamaConfig::from_gguf(&g)?;
     let tokenizer = tokenizer::from_gguf(&g)?;
-    let model = build::<B>(&cfg, device, dtype, max_positions, |w| {
+    let tensor = |w: Weight| -> Result<(&stoke_formats::gguf::TensorInfo, Vec<usize>), LoadError> {
         let (name, shape) = (w.gguf_name(), w.shape(&cfg));
         let t = g.tensor(&name)?;
         if t.shape() != shape {
@@ -267,13 +312,46 @@ pub fn load_gguf<B: Backend>(
                 actual: t.shape(),
             });
         }
+        Ok((t, shape))
+    };
+    // Rows of q and k come in llama.cpp's order; this is where each row comes from.
+    let qk_order = |w: Weight, rows: usize| match w {
+        Weight::Q(_) => Some(unpermute_qk_index(rows, cfg.num_attention_heads)),
+        Weight::K(_) => Some(unpermute_qk_index(rows, cfg.num_key_value_heads)),
+        _ => None,
+    };
+    let get = |w: Weight| {
+        let (t, shape) = tensor(w)?;
         let v = g.dequantize(t)?;
-        Ok(match w {
-            Weight::Q(_) => unpermute_qk_rows(&v, shape[0], shape[1], cfg.num_attention_heads),
-            Weight::K(_) => unpermute_qk_rows(&v, shape[0], shape[1], cfg.num_key_value_heads),
-            _ => v,
+        Ok(match qk_order(w, shape[0]) {
+            Some(from) => from
+                .iter()
+                .flat_map(|&r| v[r * shape[1]..(r + 1) * shape[1]].iter().copied())
+                .collect(),
+            None => v,
         })
-    })?;
+    };
+    let packed = |w: Weight| -> Result<Option<Tensor<B, 2>>, LoadError> {
+        let (t, shape) = tensor(w)?;
+        let asymmetric = match t.ggml_type {
+            GgmlType::Q4_0 => false,
+            GgmlType::Q4_1 => true,
+            _ => return Ok(None),
+        };
+        // The kernel layout needs k % 16 and n % 64: other shapes stay dequantized.
+        let Ok(p) = from_gguf_q4(g.raw(t)?, shape[0], shape[1], asymmetric) else {
+            return Ok(None);
+        };
+        // GGUF rows are the packed weight's columns.
+        let p = match qk_order(w, shape[0]) {
+            Some(from) => p
+                .permute_columns(&from)
+                .expect("a permutation of the columns"),
+            None => p,
+        };
+        Ok(keep_packed(p, dtype, device))
+    };
+    let model = build::<B>(&cfg, device, dtype, max_positions, get, packed)?;
     Ok(Loaded {
         config: cfg,
         model,
@@ -374,53 +452,60 @@ pub fn load_hf_dir<B: Backend>(
                 })
         })
         .collect::<Result<_, _>>()?;
-    let model = build::<B>(&cfg, device, dtype, max_positions, |w| {
-        let (name, shape) = (w.hf_name(), w.shape(&cfg));
-        let shard = shard_of
-            .get(&name)
-            .cloned()
-            .unwrap_or_else(|| shards[0].clone());
-        let file = dir.join(&shard).display().to_string();
-        let st = &parsed
-            .iter()
-            .find(|(n, _)| *n == shard)
-            .expect("every shard was parsed")
-            .1;
-        let view = st.tensor(&name).map_err(|_| LoadError::MissingTensor {
-            file: file.clone(),
-            tensor: name.clone(),
-        })?;
-        if view.shape() != shape.as_slice() {
-            return Err(LoadError::Shape {
-                file,
-                tensor: name,
-                expected: shape,
-                actual: view.shape().to_vec(),
-            });
-        }
-        let data = view.data();
-        Ok(match view.dtype() {
-            safetensors::Dtype::F32 => data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect(),
-            safetensors::Dtype::F16 => data
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            safetensors::Dtype::BF16 => data
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            other => {
-                return Err(LoadError::Dtype {
+    let model = build::<B>(
+        &cfg,
+        device,
+        dtype,
+        max_positions,
+        |w| {
+            let (name, shape) = (w.hf_name(), w.shape(&cfg));
+            let shard = shard_of
+                .get(&name)
+                .cloned()
+                .unwrap_or_else(|| shards[0].clone());
+            let file = dir.join(&shard).display().to_string();
+            let st = &parsed
+                .iter()
+                .find(|(n, _)| *n == shard)
+                .expect("every shard was parsed")
+                .1;
+            let view = st.tensor(&name).map_err(|_| LoadError::MissingTensor {
+                file: file.clone(),
+                tensor: name.clone(),
+            })?;
+            if view.shape() != shape.as_slice() {
+                return Err(LoadError::Shape {
                     file,
                     tensor: name,
-                    dtype: format!("{other:?}"),
+                    expected: shape,
+                    actual: view.shape().to_vec(),
                 });
             }
-        })
-    })?;
+            let data = view.data();
+            Ok(match view.dtype() {
+                safetensors::Dtype::F32 => data
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect(),
+                safetensors::Dtype::F16 => data
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                safetensors::Dtype::BF16 => data
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                other => {
+                    return Err(LoadError::Dtype {
+                        file,
+                        tensor: name,
+                        dtype: format!("{other:?}"),
+                    });
+                }
+            })
+        },
+        |_| Ok(None),
+    )?;
     Ok(Loaded {
         config: cfg,
         model,

@@ -116,6 +116,50 @@ fn f32_bytes(v: &[f64]) -> Vec<u8> {
 /// The model as GGUF bytes (F32 tensors, q/k rows in llama.cpp's order, a byte-level tokenizer).
 pub fn gguf(t: &Tiny, w: &Weights) -> Vec<u8> {
     let (h, d) = (t.hidden as u64, t.head_dim as u64);
+    let (qh, kvh, inter) = (t.heads as u64 * d, t.kv_heads as u64 * d, t.inter as u64);
+    let mut g = gguf_writer(t, w);
+    for (l, lw) in w.layers.iter().enumerate() {
+        let n = |s: &str| format!("blk.{l}.{s}.weight");
+        g = g
+            .tensor(
+                &n("attn_q"),
+                &[h, qh],
+                GgmlType::F32,
+                f32_bytes(&permute(&lw[1], qh as usize, t.hidden, t.heads)),
+            )
+            .tensor(
+                &n("attn_k"),
+                &[h, kvh],
+                GgmlType::F32,
+                f32_bytes(&permute(&lw[2], kvh as usize, t.hidden, t.kv_heads)),
+            )
+            .tensor(&n("attn_v"), &[h, kvh], GgmlType::F32, f32_bytes(&lw[3]))
+            .tensor(
+                &n("attn_output"),
+                &[qh, h],
+                GgmlType::F32,
+                f32_bytes(&lw[4]),
+            )
+            .tensor(
+                &n("ffn_gate"),
+                &[h, inter],
+                GgmlType::F32,
+                f32_bytes(&lw[6]),
+            )
+            .tensor(&n("ffn_up"), &[h, inter], GgmlType::F32, f32_bytes(&lw[7]))
+            .tensor(
+                &n("ffn_down"),
+                &[inter, h],
+                GgmlType::F32,
+                f32_bytes(&lw[8]),
+            );
+    }
+    g.to_bytes()
+}
+
+/// The metadata, tokenizer, embedding, norms and head of [`gguf`] (no projections).
+fn gguf_writer(t: &Tiny, w: &Weights) -> Writer {
+    let h = t.hidden as u64;
     let mut tokens = byte_tokens();
     while tokens.len() < t.vocab {
         tokens.push(format!("<extra_{}>", tokens.len()));
@@ -166,45 +210,21 @@ pub fn gguf(t: &Tiny, w: &Weights) -> Vec<u8> {
         );
     }
     for (l, lw) in w.layers.iter().enumerate() {
-        let n = |s: &str| format!("blk.{l}.{s}.weight");
-        let (qh, kvh, inter) = (t.heads as u64 * d, t.kv_heads as u64 * d, t.inter as u64);
         g = g
-            .tensor(&n("attn_norm"), &[h], GgmlType::F32, f32_bytes(&lw[0]))
             .tensor(
-                &n("attn_q"),
-                &[h, qh],
+                &format!("blk.{l}.attn_norm.weight"),
+                &[h],
                 GgmlType::F32,
-                f32_bytes(&permute(&lw[1], qh as usize, t.hidden, t.heads)),
+                f32_bytes(&lw[0]),
             )
             .tensor(
-                &n("attn_k"),
-                &[h, kvh],
+                &format!("blk.{l}.ffn_norm.weight"),
+                &[h],
                 GgmlType::F32,
-                f32_bytes(&permute(&lw[2], kvh as usize, t.hidden, t.kv_heads)),
-            )
-            .tensor(&n("attn_v"), &[h, kvh], GgmlType::F32, f32_bytes(&lw[3]))
-            .tensor(
-                &n("attn_output"),
-                &[qh, h],
-                GgmlType::F32,
-                f32_bytes(&lw[4]),
-            )
-            .tensor(&n("ffn_norm"), &[h], GgmlType::F32, f32_bytes(&lw[5]))
-            .tensor(
-                &n("ffn_gate"),
-                &[h, inter],
-                GgmlType::F32,
-                f32_bytes(&lw[6]),
-            )
-            .tensor(&n("ffn_up"), &[h, inter], GgmlType::F32, f32_bytes(&lw[7]))
-            .tensor(
-                &n("ffn_down"),
-                &[inter, h],
-                GgmlType::F32,
-                f32_bytes(&lw[8]),
+                f32_bytes(&lw[5]),
             );
     }
-    g.to_bytes()
+    g
 }
 
 /// Writes the model as a Hugging Face directory: `config.json`, `tokenizer.json` (the byte-level
@@ -299,4 +319,89 @@ pub fn write_hf_dir(
         )?;
     }
     Ok(())
+}
+
+/// GGUF Q4_1 blocks of an `[rows, cols]` f64 matrix (`cols` a multiple of 32): per block of 32,
+/// `d = (max - min) / 15`, `m = min`, `q = round((w - m) / d)`.
+pub fn q4_1_bytes(w: &[f64], cols: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    for block in w.chunks_exact(32) {
+        let min = block.iter().cloned().fold(f64::INFINITY, f64::min);
+        let max = block.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let d = half::f16::from_f64((max - min) / 15.0);
+        let m = half::f16::from_f64(min);
+        out.extend(d.to_le_bytes());
+        out.extend(m.to_le_bytes());
+        let (df, mf) = (d.to_f64(), m.to_f64());
+        let q: Vec<u8> = block
+            .iter()
+            .map(|&v| {
+                if df > 0.0 {
+                    ((v - mf) / df).round().clamp(0.0, 15.0) as u8
+                } else {
+                    0
+                }
+            })
+            .collect();
+        out.extend((0..16).map(|j| q[j] | (q[j + 16] << 4)));
+    }
+    assert_eq!(w.len() % cols, 0);
+    out
+}
+
+/// [`gguf`] with every projection stored as Q4_1 blocks.
+pub fn gguf_q4_1(t: &Tiny, w: &Weights) -> Vec<u8> {
+    let (h, d) = (t.hidden as u64, t.head_dim as u64);
+    let (qh, kvh, inter) = (t.heads as u64 * d, t.kv_heads as u64 * d, t.inter as u64);
+    let mut g = gguf_writer(t, w);
+    for (l, lw) in w.layers.iter().enumerate() {
+        let n = |s: &str| format!("blk.{l}.{s}.weight");
+        g = g
+            .tensor(
+                &n("attn_q"),
+                &[h, qh],
+                GgmlType::Q4_1,
+                q4_1_bytes(&permute(&lw[1], qh as usize, t.hidden, t.heads), t.hidden),
+            )
+            .tensor(
+                &n("attn_k"),
+                &[h, kvh],
+                GgmlType::Q4_1,
+                q4_1_bytes(
+                    &permute(&lw[2], kvh as usize, t.hidden, t.kv_heads),
+                    t.hidden,
+                ),
+            )
+            .tensor(
+                &n("attn_v"),
+                &[h, kvh],
+                GgmlType::Q4_1,
+                q4_1_bytes(&lw[3], t.hidden),
+            )
+            .tensor(
+                &n("attn_output"),
+                &[qh, h],
+                GgmlType::Q4_1,
+                q4_1_bytes(&lw[4], qh as usize),
+            )
+            .tensor(
+                &n("ffn_gate"),
+                &[h, inter],
+                GgmlType::Q4_1,
+                q4_1_bytes(&lw[6], t.hidden),
+            )
+            .tensor(
+                &n("ffn_up"),
+                &[h, inter],
+                GgmlType::Q4_1,
+                q4_1_bytes(&lw[7], t.hidden),
+            )
+            .tensor(
+                &n("ffn_down"),
+                &[inter, h],
+                GgmlType::Q4_1,
+                q4_1_bytes(&lw[8], inter as usize),
+            );
+    }
+    g.to_bytes()
 }

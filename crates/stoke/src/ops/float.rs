@@ -354,9 +354,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         tensor: FloatTensor<Self>,
         require_grad: bool,
     ) -> FloatTensor<Self> {
-        lift_float::<
-            I,
-        >(I::float_set_require_grad(lower_float::<I>(tensor), require_grad))
+        crate::route::float_set_require_grad::<I>(tensor, require_grad)
     }
     fn float_is_require_grad(tensor: &FloatTensor<Self>) -> bool {
         crate::route::float_is_require_grad::<I>(tensor)

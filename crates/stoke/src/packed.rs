@@ -1,0 +1,70 @@
+//! Weights in Stoke's packed INT4 format (`stoke_formats::int4`) behind a float tensor.
+//!
+//! `linear` will hand these to the W4A16 kernels; every other use, and every backend or GPU
+//! where those kernels don't run, sees the dequantized values (`d * q + m`, computed in f32
+//! exactly as the format's reference does), materialized once and cached.
+
+use crate::tensor::StokeData;
+use burn_backend::{Backend, DType, FloatDType, Shape, TensorData};
+use std::any::Any;
+use std::sync::{Arc, OnceLock};
+use stoke_formats::int4::PackedInt4;
+
+/// A packed INT4 weight `[k, n]` (Burn's Linear layout) presenting as a float tensor of `dtype`.
+pub struct PackedWeight<I: Backend> {
+    pub packed: Arc<PackedInt4>,
+    dtype: DType,
+    device: I::Device,
+    materialized: OnceLock<I::FloatTensorPrimitive>,
+}
+
+impl<I: Backend> PackedWeight<I> {
+    pub fn new(packed: PackedInt4, dtype: DType, device: I::Device) -> Self {
+        Self {
+            packed: Arc::new(packed),
+            dtype,
+            device,
+            materialized: OnceLock::new(),
+        }
+    }
+}
+
+impl<I: Backend> std::fmt::Debug for PackedWeight<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = &self.packed;
+        write!(
+            f,
+            "PackedWeight(int4 [{}, {}], group {}, {:?})",
+            p.k, p.n, p.group, self.dtype
+        )
+    }
+}
+
+impl<I: Backend> StokeData<I> for PackedWeight<I> {
+    fn shape(&self) -> Shape {
+        Shape::new([self.packed.k, self.packed.n])
+    }
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn device(&self) -> I::Device {
+        self.device.clone()
+    }
+    fn materialize(&self) -> I::FloatTensorPrimitive {
+        self.materialized
+            .get_or_init(|| {
+                let data =
+                    TensorData::new(self.packed.dequantize(), [self.packed.k, self.packed.n]);
+                let t = I::float_from_data(data, &self.device);
+                if self.dtype == DType::F32 {
+                    t
+                } else {
+                    I::float_cast(t, FloatDType::from(self.dtype))
+                }
+            })
+            .clone()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

@@ -1,0 +1,62 @@
+//! GGUF Q4_1 projections loaded straight into Stoke's packed INT4 format (no re-quantization)
+//! give exactly the logits of the same file dequantized at load.
+
+use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
+use stoke_llama::load::{load_gguf, load_gguf_packed};
+use stoke_llama::model::KvCache;
+use stoke_llama::synthetic::{Tiny, gguf_q4_1, weights};
+
+type B = stoke::Stoke<burn_ndarray::NdArray<f32>>;
+
+/// Shapes the packed layout takes (k % 16, n % 64) with GQA.
+const SHAPES: Tiny = Tiny {
+    vocab: 300,
+    hidden: 128,
+    inter: 192,
+    layers: 2,
+    heads: 4,
+    kv_heads: 2,
+    head_dim: 32,
+    theta: 10000.0,
+    eps: 1e-5,
+};
+
+fn logits(m: &stoke_llama::model::Llama<B>) -> Vec<f32> {
+    let mut cache = KvCache::for_model(m, 1, 32, DType::F32, &Default::default());
+    let t = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(vec![7i64, 70, 170, 42, 3, 99], [1, 6]),
+        &Default::default(),
+    );
+    m.forward(t, &[6], &mut cache, false)
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap()
+}
+
+#[test]
+fn q4_1_loaded_packed_matches_q4_1_dequantized_exactly() {
+    let w = weights(&SHAPES, true, 41);
+    let path = std::env::temp_dir().join(format!("stoke-packed-{}.gguf", std::process::id()));
+    std::fs::write(&path, gguf_q4_1(&SHAPES, &w)).unwrap();
+    let dense = load_gguf::<B>(&path, &Default::default(), DType::F32, 32)
+        .unwrap()
+        .model;
+    let packed = load_gguf_packed::<B>(&path, &Default::default(), DType::F32, 32)
+        .unwrap()
+        .model;
+    for lin in [
+        &packed.layers[0].attn.q_proj,
+        &packed.layers[1].attn.k_proj,
+        &packed.layers[1].mlp.down_proj,
+    ] {
+        let TensorPrimitive::Float(p) = lin.weight.val().into_primitive() else {
+            panic!("float weight")
+        };
+        assert!(
+            p.downcast_ref::<stoke::packed::PackedWeight<burn_ndarray::NdArray<f32>>>()
+                .is_some(),
+            "weights stay packed"
+        );
+    }
+    assert_eq!(logits(&packed), logits(&dense));
+}
