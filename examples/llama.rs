@@ -94,6 +94,11 @@ struct Args {
     /// (simulated: the dequantized values are used), to measure the quantizer's quality cost.
     #[arg(long)]
     rtn_group: Option<usize>,
+    /// Keep GGUF Q4_0/Q4_1 projections in Stoke's packed INT4 format (loaded without
+    /// re-quantization) instead of dequantizing them at load. On the CPU this runs on
+    /// `Stoke<NdArray>`, which dequantizes each packed weight once where it is used.
+    #[arg(long)]
+    int4: bool,
     /// Scale type for `--rtn-group`: bf16 (default) or f16.
     #[arg(long, value_enum, default_value_t = ScaleArg::Bf16)]
     rtn_scale: ScaleArg,
@@ -128,6 +133,12 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         (Some(Precision::F16), _) => DType::F16,
     };
     match (args.device, args.backend) {
+        (Device::Cpu, _) if args.int4 => generate_on::<stoke::Stoke<burn_ndarray::NdArray<f32>>>(
+            &args,
+            &model,
+            dtype,
+            Default::default(),
+        ),
         (Device::Cpu, _) => {
             generate_on::<burn_ndarray::NdArray<f32>>(&args, &model, dtype, Default::default())
         }
@@ -147,7 +158,11 @@ fn generate_on<B: FusedOps>(
     device: B::Device,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let t0 = Instant::now();
-    let mut loaded = stoke_llama::load::load::<B>(path, &device, dtype, args.context)?;
+    let mut loaded = if args.int4 {
+        stoke_llama::load::load_gguf_packed::<B>(path, &device, dtype, args.context)?
+    } else {
+        stoke_llama::load::load::<B>(path, &device, dtype, args.context)?
+    };
     if let Some(group) = args.rtn_group {
         let scale = match args.rtn_scale {
             ScaleArg::Bf16 => stoke_formats::int4::ScaleType::Bf16,
