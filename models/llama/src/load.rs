@@ -20,7 +20,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use std::collections::BTreeMap;
 use std::path::Path;
 use stoke::FusedOps;
-use stoke_formats::gguf::{GgmlType, Gguf, GgufError, unpermute_qk_index};
+use stoke_formats::gguf::{GgmlType, Gguf, GgufError, unpermute_qk_index, unpermute_qk_rows};
 use stoke_formats::int4::{PackedInt4, from_gguf_q4};
 
 #[derive(Debug, thiserror::Error)]
@@ -315,19 +315,17 @@ fn load_gguf_with<B: Backend>(
         Ok((t, shape))
     };
     // Rows of q and k come in llama.cpp's order; this is where each row comes from.
-    let qk_order = |w: Weight, rows: usize| match w {
-        Weight::Q(_) => Some(unpermute_qk_index(rows, cfg.num_attention_heads)),
-        Weight::K(_) => Some(unpermute_qk_index(rows, cfg.num_key_value_heads)),
+    // Rows of q and k come in llama.cpp's order, per head.
+    let qk_heads = |w: Weight| match w {
+        Weight::Q(_) => Some(cfg.num_attention_heads),
+        Weight::K(_) => Some(cfg.num_key_value_heads),
         _ => None,
     };
     let get = |w: Weight| {
         let (t, shape) = tensor(w)?;
         let v = g.dequantize(t)?;
-        Ok(match qk_order(w, shape[0]) {
-            Some(from) => from
-                .iter()
-                .flat_map(|&r| v[r * shape[1]..(r + 1) * shape[1]].iter().copied())
-                .collect(),
+        Ok(match qk_heads(w) {
+            Some(heads) => unpermute_qk_rows(&v, shape[0], shape[1], heads),
             None => v,
         })
     };
@@ -343,9 +341,9 @@ fn load_gguf_with<B: Backend>(
             return Ok(None);
         };
         // GGUF rows are the packed weight's columns.
-        let p = match qk_order(w, shape[0]) {
-            Some(from) => p
-                .permute_columns(&from)
+        let p = match qk_heads(w) {
+            Some(heads) => p
+                .permute_columns(&unpermute_qk_index(shape[0], heads))
                 .expect("a permutation of the columns"),
             None => p,
         };

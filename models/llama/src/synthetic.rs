@@ -115,44 +115,43 @@ fn f32_bytes(v: &[f64]) -> Vec<u8> {
 
 /// The model as GGUF bytes (F32 tensors, q/k rows in llama.cpp's order, a byte-level tokenizer).
 pub fn gguf(t: &Tiny, w: &Weights) -> Vec<u8> {
-    let (h, d) = (t.hidden as u64, t.head_dim as u64);
-    let (qh, kvh, inter) = (t.heads as u64 * d, t.kv_heads as u64 * d, t.inter as u64);
+    gguf_with(t, w, |m, _cols| (GgmlType::F32, f32_bytes(m)))
+}
+
+/// [`gguf`] with every projection stored as Q4_1 blocks.
+pub fn gguf_q4_1(t: &Tiny, w: &Weights) -> Vec<u8> {
+    gguf_with(t, w, |m, cols| (GgmlType::Q4_1, q4_1_bytes(m, cols)))
+}
+
+/// [`gguf_writer`] plus the projections, each `[rows, cols]` matrix stored as `encode` gives.
+fn gguf_with(
+    t: &Tiny,
+    w: &Weights,
+    encode: impl Fn(&[f64], usize) -> (GgmlType, Vec<u8>),
+) -> Vec<u8> {
+    let (h, d) = (t.hidden, t.head_dim);
+    let (qh, kvh, inter) = (t.heads * d, t.kv_heads * d, t.inter);
     let mut g = gguf_writer(t, w);
     for (l, lw) in w.layers.iter().enumerate() {
-        let n = |s: &str| format!("blk.{l}.{s}.weight");
-        g = g
-            .tensor(
-                &n("attn_q"),
-                &[h, qh],
-                GgmlType::F32,
-                f32_bytes(&permute(&lw[1], qh as usize, t.hidden, t.heads)),
-            )
-            .tensor(
-                &n("attn_k"),
-                &[h, kvh],
-                GgmlType::F32,
-                f32_bytes(&permute(&lw[2], kvh as usize, t.hidden, t.kv_heads)),
-            )
-            .tensor(&n("attn_v"), &[h, kvh], GgmlType::F32, f32_bytes(&lw[3]))
-            .tensor(
-                &n("attn_output"),
-                &[qh, h],
-                GgmlType::F32,
-                f32_bytes(&lw[4]),
-            )
-            .tensor(
-                &n("ffn_gate"),
-                &[h, inter],
-                GgmlType::F32,
-                f32_bytes(&lw[6]),
-            )
-            .tensor(&n("ffn_up"), &[h, inter], GgmlType::F32, f32_bytes(&lw[7]))
-            .tensor(
-                &n("ffn_down"),
-                &[inter, h],
-                GgmlType::F32,
-                f32_bytes(&lw[8]),
+        // (name, weight [out, in], out, in); q and k rows in llama.cpp's order.
+        let projections = [
+            ("attn_q", permute(&lw[1], qh, h, t.heads), qh, h),
+            ("attn_k", permute(&lw[2], kvh, h, t.kv_heads), kvh, h),
+            ("attn_v", lw[3].clone(), kvh, h),
+            ("attn_output", lw[4].clone(), h, qh),
+            ("ffn_gate", lw[6].clone(), inter, h),
+            ("ffn_up", lw[7].clone(), inter, h),
+            ("ffn_down", lw[8].clone(), h, inter),
+        ];
+        for (name, m, out, inp) in projections {
+            let (ty, bytes) = encode(&m, inp);
+            g = g.tensor(
+                &format!("blk.{l}.{name}.weight"),
+                &[inp as u64, out as u64],
+                ty,
+                bytes,
             );
+        }
     }
     g.to_bytes()
 }
@@ -347,61 +346,4 @@ pub fn q4_1_bytes(w: &[f64], cols: usize) -> Vec<u8> {
     }
     assert_eq!(w.len() % cols, 0);
     out
-}
-
-/// [`gguf`] with every projection stored as Q4_1 blocks.
-pub fn gguf_q4_1(t: &Tiny, w: &Weights) -> Vec<u8> {
-    let (h, d) = (t.hidden as u64, t.head_dim as u64);
-    let (qh, kvh, inter) = (t.heads as u64 * d, t.kv_heads as u64 * d, t.inter as u64);
-    let mut g = gguf_writer(t, w);
-    for (l, lw) in w.layers.iter().enumerate() {
-        let n = |s: &str| format!("blk.{l}.{s}.weight");
-        g = g
-            .tensor(
-                &n("attn_q"),
-                &[h, qh],
-                GgmlType::Q4_1,
-                q4_1_bytes(&permute(&lw[1], qh as usize, t.hidden, t.heads), t.hidden),
-            )
-            .tensor(
-                &n("attn_k"),
-                &[h, kvh],
-                GgmlType::Q4_1,
-                q4_1_bytes(
-                    &permute(&lw[2], kvh as usize, t.hidden, t.kv_heads),
-                    t.hidden,
-                ),
-            )
-            .tensor(
-                &n("attn_v"),
-                &[h, kvh],
-                GgmlType::Q4_1,
-                q4_1_bytes(&lw[3], t.hidden),
-            )
-            .tensor(
-                &n("attn_output"),
-                &[qh, h],
-                GgmlType::Q4_1,
-                q4_1_bytes(&lw[4], qh as usize),
-            )
-            .tensor(
-                &n("ffn_gate"),
-                &[h, inter],
-                GgmlType::Q4_1,
-                q4_1_bytes(&lw[6], t.hidden),
-            )
-            .tensor(
-                &n("ffn_up"),
-                &[h, inter],
-                GgmlType::Q4_1,
-                q4_1_bytes(&lw[7], t.hidden),
-            )
-            .tensor(
-                &n("ffn_down"),
-                &[inter, h],
-                GgmlType::Q4_1,
-                q4_1_bytes(&lw[8], inter as usize),
-            );
-    }
-    g.to_bytes()
 }
