@@ -1,17 +1,33 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, with .bundle/ from scripts/gpu-bundle.sh:
 # every GPU test, then the benchmarks, then the PyTorch peers, writing JSON into OUTDIR.
-# Usage: bash scripts/gpu-run.sh OUTDIR [test|bench|all|llama]
+# Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama]
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
 #   llama: the SmolLM2 prefill/decode baseline alone (needs the model in STOKE_MODEL_CACHE)
 set -uo pipefail
 out=${1:?usage: gpu-run.sh OUTDIR [test|bench|all|llama]}
 what=${2:-all}
+shift $(( $# < 2 ? $# : 2 ))   # the rest: test names, for `test`
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-export STOKE_KERNEL_CACHE=${STOKE_KERNEL_CACHE:-/tmp/stoke-kernels}
 export PYTHONUNBUFFERED=1
+# Compiled kernels (Stoke's cubins, burn-cuda's PTX) and burn-cuda's autotune choices are cached
+# under one directory. The GPU machine forgets it when it goes cold, so the run packs it into
+# OUTDIR/gpucache.tar.gz; put that file at .gpucache/gpucache.tar.gz and carry `.gpucache` on
+# the next call to skip minutes of compilation and autotuning.
+cache=/tmp/stoke-gpucache
+mkdir -p "$cache"
+[ -f .gpucache/gpucache.tar.gz ] && tar -xzf .gpucache/gpucache.tar.gz -C "$cache"
+export STOKE_KERNEL_CACHE=$cache/stoke
+cat > cubecl.toml <<TOML
+[compilation]
+cache = { file = "$cache/cubecl" }
+[autotune]
+cache = { file = "$cache/autotune" }
+TOML
+pack_cache() { tar -czf "$out/gpucache.tar.gz" -C "$cache" . ; }
+trap pack_cache EXIT
 (cd .bundle && sha256sum -c SHA256SUMS) || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$out/gpu.txt"
 commit=$(cat .bundle/COMMIT)
@@ -20,8 +36,8 @@ if [ "$what" = llama ]; then
   .bundle/stoke-gpu --out "$out" --commit "$commit" llama 2>&1 | tee "$out/llama.log" || status=1
   exit $status
 fi
-.bundle/stoke-gpu --out "$out" --commit "$commit" "$what" 2>&1 | tee "$out/stoke-gpu.log" || status=1
-if [ "$what" != test ]; then
+.bundle/stoke-gpu --out "$out" --commit "$commit" "$what" "$@" 2>&1 | tee "$out/stoke-gpu.log" || status=1
+if [ "$what" = all ] || [ "$what" = bench ]; then
   python3 scripts/peers/rms_norm_torch.py "$out/torch-rms.json" 2>&1 | tee "$out/torch.log" || status=1
 fi
 exit $status

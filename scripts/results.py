@@ -2,6 +2,7 @@
 """Merges one GPU run's JSON files into a committed results file and renders docs/RESULTS.md.
 
 Usage: scripts/results.py RUN_DIR results/NAME.json [results/EXTRA.json ...]
+       scripts/results.py --render results/NAME.json [results/EXTRA.json ...]   (no new run)
 RUN_DIR holds what scripts/gpu-run.sh wrote: gpu-tests.json, bench.json, torch-rms.json, gpu.txt.
 Docs quote only numbers that come from a committed results file, so RESULTS.md is generated.
 """
@@ -184,11 +185,14 @@ def render(res, results_path, extras=()):
 
 def main():
     run, dest, extras = sys.argv[1], sys.argv[2], sys.argv[3:]
-    res = merge(run)
-    Path(dest).parent.mkdir(parents=True, exist_ok=True)
-    Path(dest).write_text(json.dumps(res, indent=1) + "\n")
+    if run == "--render":
+        res = json.loads(Path(dest).read_text())
+    else:
+        res = merge(run)
+        Path(dest).parent.mkdir(parents=True, exist_ok=True)
+        Path(dest).write_text(json.dumps(res, indent=1) + "\n")
     Path("docs/RESULTS.md").write_text(render(res, dest, extras))
-    print(f"wrote {dest} and docs/RESULTS.md")
+    print(f"wrote {'' if run == '--render' else dest + ' and '}docs/RESULTS.md")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,7 @@
 use crate::backend::Stoke;
 use crate::tensor::{StokeData, StokeTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
-use burn_backend::{
-    Backend, DType, DeviceOps, ExecutionError, FloatDType, Shape, TensorData, TensorMetadata,
-};
+use burn_backend::{Backend, DType, DeviceOps, ExecutionError, Shape, TensorData, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 use std::any::{Any, TypeId};
@@ -32,6 +30,17 @@ fn from_cube<I: Backend>(t: Cube) -> I::FloatTensorPrimitive {
     *boxed
         .downcast::<I::FloatTensorPrimitive>()
         .expect("inner float primitive is a burn-cuda tensor")
+}
+
+/// A new burn-cuda tensor with dense row-major strides. `float_empty` may pad rows (cubecl's
+/// pitched layout), which a flat copy of a Stoke buffer must not write into.
+fn empty_contiguous<I: Backend>(shape: Shape, device: &I::Device, dtype: DType) -> Cube {
+    let device = (device as &dyn Any)
+        .downcast_ref::<<CudaRuntime as cubecl::Runtime>::Device>()
+        .expect("inner device is a burn-cuda device")
+        .clone();
+    let client = <CudaRuntime as cubecl::Runtime>::client(&device);
+    burn_cubecl::ops::numeric::empty_device_contiguous_dtype(client, device, shape, dtype)
 }
 
 /// Stoke's runtime for `device`, or why Stoke's kernels can't run there (the inner backend is
@@ -193,11 +202,7 @@ impl<I: Backend> StokeData<I> for DeviceTensor<I> {
         self.materialized
             .get_or_init(|| {
                 let rt = self.buf.runtime();
-                let out = to_cube::<I>(I::float_empty(
-                    self.shape.clone(),
-                    &self.device,
-                    FloatDType::from(self.dtype),
-                ));
+                let out = empty_contiguous::<I>(self.shape.clone(), &self.device, self.dtype);
                 let res = out
                     .client
                     .get_resource(out.handle.clone())
