@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, with .bundle/ from scripts/gpu-bundle.sh:
 # every GPU test, then the benchmarks, then the PyTorch peers, writing JSON into OUTDIR.
-# Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama]
+# Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama|int4]
+#   int4:  the W4A16 GEMM test and benchmark, then its PyTorch peers
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
 #   llama: the SmolLM2 prefill/decode baseline alone (needs the model in STOKE_MODEL_CACHE)
 set -uo pipefail
@@ -37,6 +38,9 @@ if [ "$what" = llama ]; then
   exit $status
 fi
 .bundle/stoke-gpu --out "$out" --commit "$commit" "$what" "$@" 2>&1 | tee "$out/stoke-gpu.log" || status=1
+if [ "$what" = int4 ]; then
+  python3 scripts/peers/int4_torch.py "$out/torch-int4.json" 2>&1 | tee "$out/torch-int4.log" || status=1
+fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   python3 scripts/peers/rms_norm_torch.py "$out/torch-rms.json" 2>&1 | tee "$out/torch.log" || status=1
 fi

@@ -33,6 +33,14 @@ pub const CASES: &[(&str, Case)] = &[
         synthetic_llama_stoke_matches_burn_cuda,
     ),
     ("smollm2_greedy_on_gpu", smollm2_greedy_on_gpu),
+    (
+        "int4_gemm_matches_dequantized_reference",
+        crate::int4::int4_gemm_matches_dequantized_reference,
+    ),
+    (
+        "smollm2_int4_decode_matches_dequantized",
+        crate::llama::int4_decode_matches_dequantized,
+    ),
 ];
 
 /// Runs one case, catching panics, or skips it without a usable GPU.

@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod gpu;
+pub mod int4;
 pub mod llama;
 pub mod suite;
 

@@ -116,3 +116,120 @@ pub fn bench() -> Result<Value, String> {
     }
     Ok(json!({ "model": path.file_name().unwrap().to_string_lossy(), "runs": rows }))
 }
+
+/// Text for the decode comparison: the file named by `STOKE_EVAL_TEXT`, else a built-in
+/// paragraph repeated.
+fn eval_text() -> String {
+    std::env::var("STOKE_EVAL_TEXT")
+        .ok()
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .unwrap_or_else(|| {
+            "The river valley was settled early: farmers grew barley and flax on the terraces, \
+             and a market town grew where the old road crossed the water. In the twelfth \
+             century a stone bridge replaced the ferry, and the town's charter granted it a \
+             weekly market and two fairs a year. "
+                .repeat(40)
+        })
+}
+
+fn log_softmax_at(logits: &[f64], target: usize) -> f64 {
+    let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let lse = max + logits.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+    logits[target] - lse
+}
+
+/// SmolLM2 with its GGUF Q4_1 projections kept packed and run on the W4A16 kernels, decoded
+/// token by token (8 sequences x 64 tokens, teacher-forced), against the same model with the
+/// weights dequantized at load in plain burn-cuda ops; both bf16. Reports top-1 agreement, the
+/// largest logit difference and both models' perplexity over those tokens.
+pub fn int4_decode_matches_dequantized() -> Result<Value, String> {
+    use burn::tensor::{Int, Tensor, TensorData};
+    use stoke_llama::load::load_gguf_packed;
+    use stoke_llama::model::KvCache;
+    let path = model_path()?;
+    let device = Default::default();
+    let packed = load_gguf_packed::<crate::StokeCuda>(&path, &device, DType::BF16, 128)
+        .map_err(|e| e.to_string())?;
+    let plain = load_gguf::<crate::PlainCuda>(&path, &device, DType::BF16, 128)
+        .map_err(|e| e.to_string())?;
+    let (batch, steps) = (8usize, 64usize);
+    let ids: Vec<u32> = packed
+        .tokenizer
+        .encode(eval_text().as_str(), false)
+        .map_err(|e| e.to_string())?
+        .get_ids()
+        .to_vec();
+    if ids.len() < batch * steps {
+        return Err(format!(
+            "evaluation text has {} tokens, need {}",
+            ids.len(),
+            batch * steps
+        ));
+    }
+    let seq = |b: usize, s: usize| ids[b * steps + s] as i64;
+    let mut cache_k = KvCache::for_model(&packed.model, batch, steps, DType::BF16, &device);
+    let mut cache_p = KvCache::for_model(&plain.model, batch, steps, DType::BF16, &device);
+    let calls0 = stoke::cuda::int4_linear::kernel_calls();
+    let (mut agree, mut total, mut max_diff) = (0usize, 0usize, 0f64);
+    let (mut nll_k, mut nll_p, mut predicted) = (0f64, 0f64, 0usize);
+    for s in 0..steps {
+        let tok: Vec<i64> = (0..batch).map(|b| seq(b, s)).collect();
+        let lens = vec![1; batch];
+        let tk = Tensor::<crate::StokeCuda, 2, Int>::from_data(
+            TensorData::new(tok.clone(), [batch, 1]),
+            &device,
+        );
+        let tp = Tensor::<crate::PlainCuda, 2, Int>::from_data(
+            TensorData::new(tok, [batch, 1]),
+            &device,
+        );
+        let lk = crate::f64s(
+            packed
+                .model
+                .forward(tk, &lens, &mut cache_k, true)
+                .to_data(),
+        );
+        let lp = crate::f64s(plain.model.forward(tp, &lens, &mut cache_p, true).to_data());
+        let vocab = lk.len() / batch;
+        for b in 0..batch {
+            let (rk, rp) = (
+                &lk[b * vocab..(b + 1) * vocab],
+                &lp[b * vocab..(b + 1) * vocab],
+            );
+            let arg = |r: &[f64]| (0..vocab).max_by(|&i, &j| r[i].total_cmp(&r[j])).unwrap();
+            agree += usize::from(arg(rk) == arg(rp));
+            total += 1;
+            max_diff = rk
+                .iter()
+                .zip(rp)
+                .map(|(a, c)| (a - c).abs())
+                .fold(max_diff, f64::max);
+            if s + 1 < steps {
+                let target = seq(b, s + 1) as usize;
+                nll_k -= log_softmax_at(rk, target);
+                nll_p -= log_softmax_at(rp, target);
+                predicted += 1;
+            }
+        }
+    }
+    let kernel_calls = stoke::cuda::int4_linear::kernel_calls() - calls0;
+    let (ppl_k, ppl_p) = (
+        (nll_k / predicted as f64).exp(),
+        (nll_p / predicted as f64).exp(),
+    );
+    let report = json!({
+        "sequences": batch, "tokens_per_sequence": steps, "predicted_tokens": predicted,
+        "top1_agreement": agree as f64 / total as f64, "max_logit_diff": max_diff,
+        "perplexity_int4_kernels": ppl_k, "perplexity_dequantized_burn_cuda": ppl_p,
+        "int4_kernel_calls": kernel_calls,
+    });
+    if kernel_calls == 0 {
+        return Err(format!("the W4A16 kernels never ran: {report}"));
+    }
+    if (agree as f64) < 0.97 * total as f64 || (ppl_k / ppl_p - 1.0).abs() > 0.01 {
+        return Err(format!(
+            "INT4 kernel model disagrees with the dequantized one: {report}"
+        ));
+    }
+    Ok(report)
+}

@@ -22,4 +22,6 @@ gpu_tests!(
     burn_nn_model_with_stoke_tensors,
     synthetic_llama_stoke_matches_burn_cuda,
     smollm2_greedy_on_gpu,
+    int4_gemm_matches_dequantized_reference,
+    smollm2_int4_decode_matches_dequantized,
 );

@@ -11,6 +11,7 @@
 //! Every CUDA call's status is checked and returned as [`Error`].
 
 pub mod compile;
+pub mod int4;
 pub mod kernels;
 mod runtime;
 
@@ -37,6 +38,8 @@ pub enum Error {
     NvrtcMissing(String),
     #[error("kernel `{entry}` not found in kernels/{file}")]
     MissingEntry { file: String, entry: String },
+    #[error("{0}")]
+    Shape(String),
     #[error("kernel cache at {path}: {source}")]
     Cache {
         path: String,

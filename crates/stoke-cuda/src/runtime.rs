@@ -66,6 +66,9 @@ pub struct Runtime {
     /// Tests set this so every new buffer starts as 0xFF bytes (NaN in f32 and bf16): an
     /// element a kernel forgets to write shows up as NaN.
     poison: std::sync::atomic::AtomicBool,
+    /// Zero-filled scratch that kernels leave zeroed (split-K partial sums and arrival
+    /// counters): (pointer, bytes). Grown on demand; never poisoned.
+    zeroed: Mutex<(sys::CUdeviceptr, usize)>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -124,6 +127,7 @@ impl Runtime {
             poison: Default::default(),
             pool: Mutex::new(HashMap::new()),
             pooled_bytes: Default::default(),
+            zeroed: Mutex::new((0, 0)),
         }))
     }
 
@@ -361,6 +365,30 @@ impl Runtime {
         // SAFETY: guaranteed by the caller.
         unsafe { result::memset_d8_async(dst, value, bytes, self.cu_stream()) }
             .call("cuMemsetD8Async")
+    }
+
+    /// At least `bytes` of device memory that is all zeros for the next kernel queued on Stoke's
+    /// stream, shared by every user of the runtime: a kernel that uses it must leave it zeroed
+    /// (the split-K GEMMs put back zeros where they summed). Grown stream-ordered.
+    pub fn zeroed_scratch(&self, bytes: usize) -> Result<u64> {
+        let mut z = self.zeroed.lock().unwrap();
+        if z.1 < bytes {
+            self.bind()?;
+            let size = bytes.next_power_of_two().max(1 << 16);
+            if z.0 != 0 {
+                // SAFETY: allocated below on this stream; the free waits for queued users.
+                unsafe { result::free_async(z.0, self.cu_stream()) }.call("cuMemFreeAsync")?;
+                *z = (0, 0);
+            }
+            // SAFETY: stream-ordered allocation, zeroed on the same stream before any use.
+            let ptr =
+                unsafe { result::malloc_async(self.cu_stream(), size) }.call("cuMemAllocAsync")?;
+            // SAFETY: `ptr` holds `size` bytes.
+            unsafe { result::memset_d8_async(ptr, 0, size, self.cu_stream()) }
+                .call("cuMemsetD8Async")?;
+            *z = (ptr, size);
+        }
+        Ok(z.0)
     }
 
     /// Poisons every buffer allocated from now on (see the field's docs).

@@ -1,8 +1,9 @@
 //! Weights in Stoke's packed INT4 format (`stoke_formats::int4`) behind a float tensor.
 //!
-//! `linear` will hand these to the W4A16 kernels; every other use, and every backend or GPU
-//! where those kernels don't run, sees the dequantized values (`d * q + m`, computed in f32
-//! exactly as the format's reference does), materialized once and cached.
+//! `linear` hands these to the W4A16 kernels (`cuda::int4_linear`) for bf16 activations of up
+//! to 64 rows; every other use, and every backend or GPU where those kernels don't run, sees the
+//! dequantized values (`d * q + m`, computed in f32 exactly as the format's reference does),
+//! materialized once and cached (prefill-sized inputs use a dense GEMM on them).
 
 use crate::tensor::StokeData;
 use burn_backend::{Backend, DType, FloatDType, Shape, TensorData};
@@ -16,6 +17,9 @@ pub struct PackedWeight<I: Backend> {
     dtype: DType,
     device: I::Device,
     materialized: OnceLock<I::FloatTensorPrimitive>,
+    /// The packed weight in device memory, uploaded at the first kernel call (`None`: the
+    /// upload failed, and was logged).
+    pub(crate) gpu: OnceLock<Option<Arc<stoke_cuda::int4::DeviceInt4>>>,
 }
 
 impl<I: Backend> PackedWeight<I> {
@@ -25,6 +29,7 @@ impl<I: Backend> PackedWeight<I> {
             dtype,
             device,
             materialized: OnceLock::new(),
+            gpu: OnceLock::new(),
         }
     }
 }

@@ -7,13 +7,20 @@ use burn_backend::ops::AttentionModuleOptions;
 use burn_backend::tensor::BoolTensor;
 use burn_backend::{Backend, ExecutionError, TensorData};
 
-/// `ModuleOps::linear` (weight `[d_in, d_out]`). Packed INT4/FP8 weights will be recognized
-/// here; a plain weight goes to the inner backend's matmul.
+/// `ModuleOps::linear` (weight `[d_in, d_out]`). A packed INT4 weight with decode-sized bf16
+/// input runs the W4A16 kernel; anything else goes to the inner backend's matmul (a packed
+/// weight then as its dequantized values).
 pub(crate) fn linear<I: Backend>(
     x: StokeTensor<I>,
     weight: StokeTensor<I>,
     bias: Option<StokeTensor<I>>,
 ) -> StokeTensor<I> {
+    if let Some(y) = cuda::int4_linear::try_linear::<I>(&x, &weight) {
+        return match bias {
+            None => y,
+            Some(b) => lift_float::<I>(I::float_add(lower_float(y), lower_float(b))),
+        };
+    }
     lift_float::<I>(I::linear(
         lower_float(x),
         lower_float(weight),

@@ -28,6 +28,8 @@ enum Command {
     /// SmolLM2 prefill and decode speed through burn-cuda and Stoke<Cuda> (the model comes from
     /// the model cache: STOKE_MODEL_CACHE).
     Llama,
+    /// The W4A16 GEMM: its GPU test, then its benchmark beside the same run's copy rate.
+    Int4,
     /// Tests, then benchmarks (the exit status fails if either did).
     All,
     /// List the GPU test cases.
@@ -136,6 +138,29 @@ fn main() -> ExitCode {
         }
         Command::Test { names } => run_tests(&cli, names),
         Command::Bench => run_bench(&cli),
+        Command::Int4 => {
+            let ok = run_tests(
+                &cli,
+                &["int4_gemm_matches_dequantized_reference".to_string()],
+            );
+            match stoke_tests::gpu() {
+                Ok(rt) => {
+                    let copy_gbps = stoke_tests::bench::copy_bandwidth(&rt);
+                    println!("device-to-device copy: {copy_gbps:.0} GB/s (read + write)");
+                    let v = stoke_tests::int4::bench(copy_gbps);
+                    write(
+                        &cli.out,
+                        "int4.json",
+                        &json!({ "meta": meta(&cli.commit), "int4": v }),
+                    );
+                    ok
+                }
+                Err(e) => {
+                    eprintln!("INT4 benchmark not run: {e}");
+                    false
+                }
+            }
+        }
         Command::Llama => match stoke_tests::llama::bench() {
             Ok(v) => {
                 write(

@@ -1,6 +1,7 @@
 //! Kernel sources (from the top-level `kernels/` directory) and their Rust-side launch rules.
 //! Each module mirrors its kernel's `#[repr(C)]` parameter struct and picks entry points.
 
+pub mod int4_gemm;
 pub mod rms_norm;
 
 /// A kernel source file compiled as one module.
@@ -14,10 +15,18 @@ pub struct KernelSource {
 }
 
 /// Every kernel source Stoke ships; the precompile check builds each of them.
-pub const ALL: &[KernelSource] = &[KernelSource {
-    file: "rms_norm.cu",
-    source: rms_norm::SOURCE,
-    entries: rms_norm::ENTRY_POINTS,
-}];
+pub const ALL: &[KernelSource] = &[
+    KernelSource {
+        file: "rms_norm.cu",
+        source: rms_norm::SOURCE,
+        entries: rms_norm::ENTRY_POINTS,
+    },
+    KernelSource {
+        file: "int4_gemm.cu",
+        source: int4_gemm::SOURCE,
+        entries: int4_gemm::ENTRY_POINTS,
+    },
+];
 
 pub const RMS_NORM: KernelSource = ALL[0];
+pub const INT4_GEMM: KernelSource = ALL[1];

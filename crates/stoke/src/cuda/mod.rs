@@ -18,6 +18,7 @@
 //!   burn-cuda can read it. The copy is cached, so each output crosses at most once.
 
 mod bridge;
+pub mod int4_linear;
 pub(crate) mod rms_norm;
 
 pub use bridge::{

@@ -1,0 +1,172 @@
+//! Packed INT4 weights on the GPU and the W4A16 GEMM call (`kernels/int4_gemm.cu`).
+
+use crate::kernels::INT4_GEMM;
+use crate::kernels::int4_gemm::{Epilogue, Int4GemmParams, plan};
+use crate::{DeviceBuffer, Error, LaunchShape, Result, Runtime};
+use std::sync::Arc;
+
+/// A packed INT4 weight `[k, n]` (docs/INT4_FORMAT.md) in device memory.
+#[derive(Debug)]
+pub struct DeviceInt4 {
+    pub k: u32,
+    pub n: u32,
+    pub group: u32,
+    /// Scales and offsets are f16 (else bf16).
+    pub f16_scales: bool,
+    words: DeviceBuffer,
+    scales: DeviceBuffer,
+    offsets: Option<DeviceBuffer>,
+}
+
+fn bytes_of<T: Copy>(v: &[T]) -> &[u8] {
+    // SAFETY: plain integers (u16/u32) have no padding; the length covers the same memory.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+impl DeviceInt4 {
+    /// Uploads a packed weight: `words` in fragment order (`k * n / 8`), `scales` and
+    /// `offsets` (`None`: symmetric) as `[k / group, n]` 16-bit patterns.
+    pub fn upload(
+        rt: &Arc<Runtime>,
+        (k, n, group): (usize, usize, usize),
+        f16_scales: bool,
+        words: &[u32],
+        scales: &[u16],
+        offsets: Option<&[u16]>,
+    ) -> Result<Self> {
+        let shape_err = |what: &str, want: usize, got: usize| {
+            Error::Shape(format!(
+                "INT4 weight [{k}, {n}] group {group}: {what} has {got} values, expected {want}"
+            ))
+        };
+        plan(
+            1,
+            k as u32,
+            n as u32,
+            group as u32,
+            f16_scales,
+            Epilogue::Plain,
+            rt.sm_count,
+        )
+        .map_err(|e| Error::Shape(e.0))?;
+        if words.len() != k * n / 8 {
+            return Err(shape_err("words", k * n / 8, words.len()));
+        }
+        let groups = k / group * n;
+        if scales.len() != groups {
+            return Err(shape_err("scales", groups, scales.len()));
+        }
+        if let Some(o) = offsets {
+            if o.len() != groups {
+                return Err(shape_err("offsets", groups, o.len()));
+            }
+        }
+        let put = |data: &[u8]| -> Result<DeviceBuffer> {
+            let buf = rt.alloc(data.len())?;
+            // SAFETY: the buffer holds data.len() bytes.
+            unsafe { rt.copy_htod(buf.ptr(), data) }?;
+            Ok(buf)
+        };
+        Ok(Self {
+            k: k as u32,
+            n: n as u32,
+            group: group as u32,
+            f16_scales,
+            words: put(bytes_of(words))?,
+            scales: put(bytes_of(scales))?,
+            offsets: offsets.map(|o| put(bytes_of(o))).transpose()?,
+        })
+    }
+
+    /// Device bytes of the weight (words, scales, offsets).
+    pub fn bytes(&self) -> usize {
+        self.words.bytes() + self.scales.bytes() + self.offsets.as_ref().map_or(0, |o| o.bytes())
+    }
+}
+
+/// Device pointers of one W4A16 GEMM: `x [m, k]` bf16, `out [m, epilogue.out_cols(n)]` bf16,
+/// `residual [m, n]` bf16 for [`Epilogue::Residual`] (else 0), `row_scale [m]` f32 or 0.
+#[derive(Clone, Copy, Debug)]
+pub struct Int4Gemm {
+    pub x: u64,
+    pub m: u32,
+    pub out: u64,
+    pub epilogue: Epilogue,
+    pub residual: u64,
+    pub row_scale: u64,
+}
+
+/// Queues `out = epilogue(x @ w)` on Stoke's stream (one launch per 32 rows).
+///
+/// # Safety
+/// Every pointer in `call` must be valid device memory of the documented size, 4-byte aligned,
+/// and stay valid until the kernels finish (Stoke buffers, or pinned ones).
+pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> Result<()> {
+    if call.m == 0 {
+        return Ok(());
+    }
+    if call.epilogue == Epilogue::Residual && call.residual == 0 {
+        return Err(Error::Shape(
+            "INT4 GEMM residual epilogue without a residual".into(),
+        ));
+    }
+    let launches = plan(
+        call.m,
+        w.k,
+        w.n,
+        w.group,
+        w.f16_scales,
+        call.epilogue,
+        rt.sm_count,
+    )
+    .map_err(|e| Error::Shape(e.0))?;
+    let split = launches.iter().any(|l| l.splits > 1);
+    let rows = launches.iter().map(|l| l.rows).max().unwrap_or(0) as usize;
+    let ws_bytes = rows * w.n as usize * 4;
+    let (workspace, counters) = if split {
+        let base = rt.zeroed_scratch(ws_bytes.next_multiple_of(256) + w.n as usize / 64 * 4)?;
+        (base, base + ws_bytes.next_multiple_of(256) as u64)
+    } else {
+        (0, 0)
+    };
+    let out_cols = call.epilogue.out_cols(w.n as usize) as u64;
+    for l in launches {
+        let r0 = u64::from(l.row0);
+        let params = Int4GemmParams {
+            x: call.x + r0 * u64::from(w.k) * 2,
+            words: w.words.ptr(),
+            scales: w.scales.ptr(),
+            offsets: w.offsets.as_ref().map_or(0, |o| o.ptr()),
+            out: call.out + r0 * out_cols * 2,
+            residual: if call.residual == 0 {
+                0
+            } else {
+                call.residual + r0 * u64::from(w.n) * 2
+            },
+            row_scale: if call.row_scale == 0 {
+                0
+            } else {
+                call.row_scale + r0 * 4
+            },
+            workspace,
+            counters,
+            m: l.rows,
+            k: w.k,
+            n: w.n,
+            group: w.group,
+            fold_kt: l.fold_kt,
+            splits: l.splits,
+        };
+        let kernel = rt.kernel(&INT4_GEMM, l.entry)?;
+        let shape = LaunchShape {
+            grid: l.grid,
+            block: l.block,
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the params mirror the kernel's struct (layout test); the caller guarantees
+        // the pointers; the weight buffers live in `w`, borrowed for the call and freed on this
+        // stream; the scratch is the runtime's.
+        unsafe { rt.launch(&kernel, shape, &params) }?;
+    }
+    Ok(())
+}

@@ -1,0 +1,252 @@
+//! W4A16 GEMM kernels: params mirror and launch plan for `kernels/int4_gemm.cu`.
+//!
+//! `y = x W` for bf16 `x [m, k]` and a packed INT4 `W [k, n]` (docs/INT4_FORMAT.md), f32
+//! accumulation, bf16 output, with a plain, residual-add or SwiGLU epilogue and an optional
+//! per-row scale. One launch covers up to 32 rows; [`plan`] cuts larger `m` into 32-row chunks.
+//! The `.cu` file's header documents the algorithm.
+//!
+//! This module depends on nothing but `std`.
+
+/// The kernels' single argument, passed by value. Mirrors `struct Int4GemmParams` in
+/// `kernels/int4_gemm.cu` field for field (the `.cu` file asserts `sizeof == 96`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Int4GemmParams {
+    /// `[m, k]` bf16, row-major.
+    pub x: u64,
+    /// `k * n / 8` words in fragment order.
+    pub words: u64,
+    /// `[k / group, n]` 16-bit scales.
+    pub scales: u64,
+    /// `[k / group, n]` 16-bit offsets, or 0 for symmetric weights.
+    pub offsets: u64,
+    /// `[m, n]` bf16 (`[m, n / 2]` for SwiGLU).
+    pub out: u64,
+    /// `[m, n]` bf16, for the residual epilogue; 0 otherwise.
+    pub residual: u64,
+    /// `[m]` f32 row factors, or 0.
+    pub row_scale: u64,
+    /// `[m, n]` f32, all zeros on entry (left zeroed); needed when `splits > 1`.
+    pub workspace: u64,
+    /// `[n / 64]` u32, all zeros on entry (left zeroed); needed when `splits > 1`.
+    pub counters: u64,
+    pub m: u32,
+    pub k: u32,
+    pub n: u32,
+    pub group: u32,
+    pub fold_kt: u32,
+    pub splits: u32,
+}
+
+/// `kernels/int4_gemm.cu`, compiled with NVRTC (no include path needed).
+pub const SOURCE: &str = include_str!("../../../../kernels/int4_gemm.cu");
+
+/// Every `extern "C"` entry point in [`SOURCE`].
+pub const ENTRY_POINTS: &[&str] = &[
+    "int4_gemm_plain_bf16s_m8",
+    "int4_gemm_plain_bf16s_m16",
+    "int4_gemm_plain_bf16s_m32",
+    "int4_gemm_plain_f16s_m8",
+    "int4_gemm_plain_f16s_m16",
+    "int4_gemm_plain_f16s_m32",
+    "int4_gemm_residual_bf16s_m8",
+    "int4_gemm_residual_bf16s_m16",
+    "int4_gemm_residual_bf16s_m32",
+    "int4_gemm_residual_f16s_m8",
+    "int4_gemm_residual_f16s_m16",
+    "int4_gemm_residual_f16s_m32",
+    "int4_gemm_swiglu_bf16s_m8",
+    "int4_gemm_swiglu_bf16s_m16",
+    "int4_gemm_swiglu_bf16s_m32",
+    "int4_gemm_swiglu_f16s_m8",
+    "int4_gemm_swiglu_f16s_m16",
+    "int4_gemm_swiglu_f16s_m32",
+];
+
+/// What the kernel does with each finished value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    /// `out = x W`
+    Plain,
+    /// `out = residual + x W` (residual `[m, n]` bf16)
+    Residual,
+    /// `out[:, j] = silu((x W)[:, 2j]) * (x W)[:, 2j + 1]`: gate and up columns interleaved,
+    /// output `[m, n / 2]`.
+    SwiGlu,
+}
+
+impl Epilogue {
+    fn name(self) -> &'static str {
+        match self {
+            Epilogue::Plain => "plain",
+            Epilogue::Residual => "residual",
+            Epilogue::SwiGlu => "swiglu",
+        }
+    }
+
+    /// Output columns for a weight of `n` columns.
+    pub fn out_cols(self, n: usize) -> usize {
+        match self {
+            Epilogue::SwiGlu => n / 2,
+            _ => n,
+        }
+    }
+}
+
+/// Warps per CTA (`WARPS` in the `.cu` file).
+pub const WARPS: u32 = 4;
+/// Most rows one launch handles.
+pub const MAX_ROWS: u32 = 32;
+/// Resident warps per SM the plan aims to fill (the kernels use at most ~128 registers).
+const TARGET_WARPS_PER_SM: u32 = 16;
+
+/// One launch: entry point, grid, block, and the plan fields of its params.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Launch {
+    pub entry: &'static str,
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    /// First row of `x` (and of the output) this launch covers, and how many rows.
+    pub row0: u32,
+    pub rows: u32,
+    pub fold_kt: u32,
+    pub splits: u32,
+}
+
+/// Why a shape can't run on these kernels.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShapeError(pub String);
+
+impl std::fmt::Display for ShapeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// The launches for `x [m, k] @ W [k, n]` with `group`-row scale groups on a GPU of
+/// `sm_count` SMs: one per 32-row chunk of `m`.
+///
+/// Split-K: the k range is dealt out in fold units (`fold_kt` 16-row k-tiles, dividing both
+/// the group and the 8 k-tiles a warp keeps in flight); a 64-column slab gets as many CTAs
+/// along k as it takes for the grid to fill every SM with `TARGET_WARPS_PER_SM` warps, but
+/// never more warps than fold units.
+pub fn plan(
+    m: u32,
+    k: u32,
+    n: u32,
+    group: u32,
+    f16_scales: bool,
+    epilogue: Epilogue,
+    sm_count: u32,
+) -> Result<Vec<Launch>, ShapeError> {
+    if k == 0 || k % 16 != 0 || n == 0 || n % 64 != 0 {
+        return Err(ShapeError(format!(
+            "INT4 GEMM needs k % 16 == 0 and n % 64 == 0, got k = {k}, n = {n}"
+        )));
+    }
+    if group == 0 || group % 16 != 0 || k % group != 0 {
+        return Err(ShapeError(format!(
+            "INT4 GEMM group {group} must be a multiple of 16 dividing k = {k}"
+        )));
+    }
+    let fold_kt = gcd(group / 16, 8);
+    let units = k / 16 / fold_kt;
+    let slabs = n / 64;
+    let want_warps = sm_count.max(1) * TARGET_WARPS_PER_SM;
+    let warps_per_slab = want_warps.div_ceil(slabs).clamp(1, units);
+    let splits = warps_per_slab.div_ceil(WARPS).clamp(1, 65535);
+    let scales = if f16_scales { "f16s" } else { "bf16s" };
+    let mut out = Vec::new();
+    let mut row0 = 0;
+    while row0 < m {
+        let rows = (m - row0).min(MAX_ROWS);
+        let mt = match rows {
+            0..=8 => 8,
+            9..=16 => 16,
+            _ => 32,
+        };
+        let entry = ENTRY_POINTS
+            .iter()
+            .copied()
+            .find(|e| *e == format!("int4_gemm_{}_{scales}_m{mt}", epilogue.name()))
+            .expect("every (epilogue, scale type, m-tile) has an entry point");
+        out.push(Launch {
+            entry,
+            grid: (slabs, splits, 1),
+            block: (WARPS * 32, 1, 1),
+            row0,
+            rows,
+            fold_kt,
+            splits,
+        });
+        row0 += rows;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_layout_matches_c() {
+        assert_eq!(std::mem::size_of::<Int4GemmParams>(), 96);
+        assert!(SOURCE.contains(r#"static_assert(sizeof(Int4GemmParams) == 96"#));
+        assert_eq!(std::mem::offset_of!(Int4GemmParams, m), 72);
+        assert_eq!(std::mem::offset_of!(Int4GemmParams, splits), 92);
+    }
+
+    #[test]
+    fn source_is_self_contained_and_instantiates_every_entry() {
+        assert!(!SOURCE.contains("#include"));
+        for e in ENTRY_POINTS {
+            assert!(SOURCE.contains(&format!("INT4_GEMM_ENTRY({e},")), "{e}");
+        }
+        let defined = SOURCE.matches("INT4_GEMM_ENTRY(int4_gemm_").count();
+        assert_eq!(defined, ENTRY_POINTS.len());
+    }
+
+    #[test]
+    fn plans_cover_every_row_once_and_fill_the_gpu() {
+        for &(k, n, group) in &[
+            (576, 576, 64),
+            (576, 1536, 32),
+            (4096, 4096, 128),
+            (14336, 4096, 128),
+            (4096, 57344, 128),
+            (1536, 4160, 32),
+            (4096, 960, 4096),
+        ] {
+            for m in [1, 2, 7, 16, 31, 32, 33, 100] {
+                let plan = plan(m, k, n, group, false, Epilogue::Plain, 132).unwrap();
+                let covered: u32 = plan.iter().map(|l| l.rows).sum();
+                assert_eq!(covered, m);
+                for (i, l) in plan.iter().enumerate() {
+                    assert_eq!(l.row0, i as u32 * 32);
+                    assert!((16 * l.fold_kt) % 16 == 0 && group % (16 * l.fold_kt) == 0);
+                    assert!(8 % l.fold_kt == 0);
+                    let units = k / 16 / l.fold_kt;
+                    assert!(
+                        l.splits * WARPS <= units.max(WARPS) + WARPS,
+                        "{k} {n} {l:?}"
+                    );
+                    assert_eq!(l.grid, (n / 64, l.splits, 1));
+                    let tile = [8, 16, 32].into_iter().find(|t| l.rows <= *t).unwrap();
+                    assert!(l.entry.ends_with(&format!("_m{tile}")));
+                }
+            }
+        }
+        // A big square matrix is split along k until ~16 warps per SM are busy.
+        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, 132).unwrap()[0];
+        assert_eq!((l.fold_kt, l.splits), (8, 8));
+        let l = plan(1, 576, 576, 64, true, Epilogue::SwiGlu, 132).unwrap()[0];
+        assert_eq!(l.entry, "int4_gemm_swiglu_f16s_m8");
+        assert!(plan(1, 100, 64, 16, false, Epilogue::Plain, 132).is_err());
+        assert!(plan(1, 128, 96, 16, false, Epilogue::Plain, 132).is_err());
+        assert!(plan(1, 128, 64, 48, false, Epilogue::Plain, 132).is_err());
+    }
+}

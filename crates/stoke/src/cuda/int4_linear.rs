@@ -1,0 +1,87 @@
+//! `linear` on a packed INT4 weight through the W4A16 kernels (`kernels/int4_gemm.cu`).
+
+use super::bridge::{DeviceTensor, KernelInput, runtime_for};
+use crate::packed::PackedWeight;
+use crate::tensor::StokeTensor;
+use burn_backend::{Backend, DType, Shape, TensorMetadata};
+use std::sync::Arc;
+use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
+use stoke_cuda::kernels::int4_gemm::Epilogue;
+use stoke_formats::int4::ScaleType;
+
+static KERNEL_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many `linear` calls have run on the W4A16 kernels in this process.
+pub fn kernel_calls() -> u64 {
+    KERNEL_CALLS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Most rows the kernels take before a dense GEMM on the dequantized weight wins (each 32
+/// rows re-read the weight).
+pub const MAX_KERNEL_ROWS: usize = 64;
+
+/// `x @ W` on the kernels when `weight` is a [`PackedWeight`], `x` is bf16 `[.., k]` with at
+/// most [`MAX_KERNEL_ROWS`] rows, and Stoke's runtime runs on the device; `None` otherwise.
+pub(crate) fn try_linear<I: Backend>(
+    x: &StokeTensor<I>,
+    weight: &StokeTensor<I>,
+) -> Option<StokeTensor<I>> {
+    let pw = weight.downcast_ref::<PackedWeight<I>>()?;
+    let device = super::float_device(x);
+    let rt = runtime_for::<I>(&device)?;
+    let shape = x.shape();
+    let dims = shape.as_slice();
+    let (k, n) = (pw.packed.k, pw.packed.n);
+    if x.dtype() != DType::BF16 || dims.last() != Some(&k) {
+        tracing::debug!(
+            "stoke linear: packed weight with {:?} input {dims:?}: dequantized weight",
+            x.dtype()
+        );
+        return None;
+    }
+    let m = shape.num_elements() / k.max(1);
+    if m == 0 || m > MAX_KERNEL_ROWS {
+        return None;
+    }
+    let dw = pw
+        .gpu
+        .get_or_init(|| {
+            let p = &pw.packed;
+            DeviceInt4::upload(
+                &rt,
+                (p.k, p.n, p.group),
+                p.scale_type == ScaleType::F16,
+                &p.words,
+                &p.scales,
+                p.offsets.as_deref(),
+            )
+            .map(Arc::new)
+            .map_err(|e| {
+                tracing::warn!(
+                    "stoke linear: INT4 weight upload failed ({e}); dequantized weight instead"
+                )
+            })
+            .ok()
+        })
+        .clone()?;
+    let x_in = KernelInput::resolve(&rt, x, &device);
+    let mut out_dims = dims.to_vec();
+    *out_dims.last_mut().unwrap() = n;
+    let out = DeviceTensor::<I>::alloc(&rt, Shape::from(out_dims), DType::BF16, device);
+    let call = Int4Gemm {
+        x: x_in.ptr,
+        m: m as u32,
+        out: out.ptr(),
+        epilogue: Epilogue::Plain,
+        residual: 0,
+        row_scale: 0,
+    };
+    // SAFETY: x is pinned (or Stoke-owned) until the kernel is done, out is a Stoke buffer of
+    // m * n bf16, the weight buffers are held by `dw` (freed on Stoke's stream).
+    if let Err(e) = unsafe { int4_gemm(&rt, &dw, &call) } {
+        panic!("stoke linear (INT4): {e}");
+    }
+    drop(x_in);
+    KERNEL_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    Some(StokeTensor::owned(out))
+}

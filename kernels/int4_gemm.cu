@@ -1,0 +1,371 @@
+// W4A16 GEMM for decode-sized batches: y = x W with x bf16 [m, k], W packed INT4 [k, n]
+// (docs/INT4_FORMAT.md), f32 accumulation, bf16 output, and a fused epilogue.
+//
+// The file is compiled at run time by NVRTC for sm_90a (it runs on sm_80 and later). Like every
+// Stoke kernel it includes no header: bf16 and f16 are raw 16-bit patterns converted with PTX.
+//
+// ---------------------------------------------------------------------------------------------
+// Entry points: int4_gemm_EPI_SC_mROWS, one argument `Int4GemmParams` by value.
+//   EPI  plain     out[r, c] = acc[r, c]
+//        residual  out[r, c] = acc[r, c] + residual[r, c]          (sum in f32, rounded once)
+//        swiglu    out[r, j] = silu(acc[r, 2j]) * acc[r, 2j + 1]   (gate/up interleaved; out is
+//                                                                    [m, n / 2])
+//        where acc = (x W)[r, c] * row_scale[r] when row_scale is non-null (the RMSNorm row
+//        factor when the norm's gain is folded into W), else (x W)[r, c].
+//   SC   bf16s / f16s: the type of the group scales and offsets.
+//   mROWS  8, 16 or 32: most rows of x per launch (m <= ROWS; one mma m-tile for 8 and 16,
+//        two for 32; m8 knows fragment rows 8-15 are empty and skips their loads). Rows past
+//        m are treated as zeros and never written. Larger m: one launch per 32 rows.
+//
+// Launch: block = (128, 1, 1) (4 warps); grid = (n / 64, splits, 1). Each CTA owns a 64-column
+// slab; the k range is cut into fold units (fold_kt k-tiles of 16 rows, fold_kt dividing both
+// group / 16 and 8) dealt evenly to the splits * 4 warps of the slab. Warps of a CTA reduce
+// through shared memory; with splits > 1 the CTAs of a slab add into `workspace` (f32 [m, n],
+// all zeros on entry) and the last CTA to finish (counted in counters[slab], zero on entry)
+// applies the epilogue and puts zeros back in both, so the same scratch serves the next launch
+// on the stream. k % 16 == 0, n % 64 == 0, group % 16 == 0 and k % group == 0. All pointers
+// 16-byte aligned except x, residual and row_scale (4-byte).
+//
+// Inner loop, per lane and k-tile: one 16-byte load of weights (4 words = a 16 x 64 strip),
+// A fragments of x straight from global memory (L2-resident, shared by every slab), and per
+// word four LOP3s turning nibble pairs into bf16 pairs 128 + q (exact: the magic-number trick
+// with no subtraction) feeding two mma.m16n8k16. The scales never touch the inner loop: each
+// fold unit's partial sums P' = sum x (128 + q) are folded into the f32 accumulator as
+// d * P' + (m - 128 d) * S, where S = sum of x over the unit (lane-local adds plus two shuffles
+// per unit), which equals sum x (d q + m) exactly in real arithmetic. The symmetric form uses
+// m = -8 d.
+// ---------------------------------------------------------------------------------------------
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+struct Int4GemmParams {
+    const void* x;          // [m, k] bf16, row-major
+    const void* words;      // k * n / 8 words in fragment order
+    const void* scales;     // [k / group, n] 16-bit scales d
+    const void* offsets;    // [k / group, n] 16-bit offsets m, or null: symmetric (m = -8 d)
+    void* out;              // [m, n] bf16 ([m, n / 2] for swiglu)
+    const void* residual;   // [m, n] bf16 (residual entry points)
+    const float* row_scale; // [m] or null
+    float* workspace;       // [m, n] f32 zeros (splits > 1)
+    u32* counters;          // [n / 64] zeros (splits > 1)
+    u32 m, k, n, group;
+    u32 fold_kt;            // k-tiles per fold unit
+    u32 splits;             // CTAs per slab along k (gridDim.y)
+};
+static_assert(sizeof(Int4GemmParams) == 96, "Int4GemmParams layout");
+
+constexpr int WARPS = 4;
+enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
+
+__device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+template <bool F16S>
+__device__ __forceinline__ void scale_pair(u32 v, float& a, float& b) {
+    if (F16S) {
+        a = f16_to_f32(u16(v & 0xffffu));
+        b = f16_to_f32(u16(v >> 16));
+    } else {
+        a = bf16_lo(v);
+        b = bf16_hi(v);
+    }
+}
+
+// Round (lo, hi) to bf16, packed with lo at the lower address.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ u16 to_bf16(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+// Weights are read exactly once: no L1 allocation, evict first from L2.
+__device__ __forceinline__ uint4 load_stream(const uint4* p, u64 policy) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p), "l"(policy));
+    return r;
+}
+
+__device__ __forceinline__ u32 load_u32(const u32* p) {
+    u32 r;
+    asm("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// bf16 pair (128 + q_lo, 128 + q_hi) from the nibbles at bits 4i and 16 + 4i of w.
+template <int I>
+__device__ __forceinline__ u32 nibble_pair(u32 w) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w >> (4 * I)), "r"(0x000f000fu), "r"(0x43004300u));
+    return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float load_cg(const float* p) {
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+
+// Epilogue for columns (c, c + 1) of row r, c even.
+template <int EPI>
+__device__ __forceinline__ void store_pair(const Int4GemmParams& p, u32 r, u32 c, float v0, float v1) {
+    if (p.row_scale != nullptr) {
+        const float s = p.row_scale[r];
+        v0 *= s;
+        v1 *= s;
+    }
+    if (EPI == EPI_SWIGLU) {
+        static_cast<u16*>(p.out)[u64(r) * (p.n / 2) + c / 2] = to_bf16(silu(v0) * v1);
+    } else {
+        if (EPI == EPI_RESIDUAL) {
+            const u32 res = static_cast<const u32*>(p.residual)[(u64(r) * p.n + c) / 2];
+            v0 += bf16_lo(res);
+            v1 += bf16_hi(res);
+        }
+        static_cast<u32*>(p.out)[(u64(r) * p.n + c) / 2] = pack_bf16x2(v0, v1);
+    }
+}
+
+// Up to KB k-tiles are in flight per warp (loads issued before any is used).
+// ROWS = 8: fragment rows g + 8 are known to be zero (half the A loads and sums).
+template <int ROWS, int EPI, bool F16S>
+__device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
+    constexpr int MT = ROWS == 32 ? 2 : 1;
+    constexpr bool LOW8 = ROWS == 8;
+    constexpr int KB = 4;
+    __shared__ float red[WARPS][MT * 16][64 + 4];
+    __shared__ u32 last_cta;
+
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 g = lane >> 2, t = lane & 3;
+    const u32 slab = blockIdx.x;
+    const u32 slabs = p.n / 64;
+    const u32 fkt = p.fold_kt;
+    const u32 units = p.k / 16 / fkt;
+    const u32 workers = p.splits * WARPS;
+    const u32 worker = blockIdx.y * WARPS + warp;
+    const u32 kt_begin = u32(u64(units) * worker / workers) * fkt;
+    const u32 kt_end = u32(u64(units) * (worker + 1) / workers) * fkt;
+    const u32 xrow_words = p.k / 2;
+    const u32* x = static_cast<const u32*>(p.x);
+    const uint4* wp = static_cast<const uint4*>(p.words);
+    const u32* scales = static_cast<const u32*>(p.scales);
+    const u32* offsets = static_cast<const u32*>(p.offsets);
+    // Which fragment rows hold real rows of x: rows g + 8 h + 16 mt.
+    bool row_ok[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        row_ok[mt][0] = 16 * mt + g < p.m;
+        row_ok[mt][1] = !LOW8 && 16 * mt + 8 + g < p.m;
+    }
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+
+    float acc[MT][8][4];   // [m-tile][n8 tile: 2 j + h][fragment]
+    float part[MT][8][4];  // the current fold unit
+    float ssum[MT][2];     // lane-local sums of x over the unit, rows g and g + 8
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[mt][i][c] = 0.0f;
+
+    for (u32 kt0 = kt_begin; kt0 < kt_end; kt0 += KB) {
+        const u32 nb = min(u32(KB), kt_end - kt0);
+        uint4 w[KB];
+        u32 a[KB][MT][4];
+#pragma unroll
+        for (int i = 0; i < KB; ++i) {
+            if (i < nb) {
+                const u32 kt = kt0 + i;
+                w[i] = load_stream(wp + (u64(kt) * slabs + slab) * 32 + lane, policy);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const u32* r0 = x + u64(16 * mt + g) * xrow_words + kt * 8 + t;
+                    const u32* r1 = r0 + 8 * u64(xrow_words);
+                    a[i][mt][0] = row_ok[mt][0] ? load_u32(r0) : 0u;
+                    a[i][mt][1] = row_ok[mt][1] ? load_u32(r1) : 0u;
+                    a[i][mt][2] = row_ok[mt][0] ? load_u32(r0 + 4) : 0u;
+                    a[i][mt][3] = row_ok[mt][1] ? load_u32(r1 + 4) : 0u;
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < KB; ++i) {
+            if (i < nb) {
+                const u32 kt = kt0 + i;
+                if (kt % fkt == 0) {
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        ssum[mt][0] = ssum[mt][1] = 0.0f;
+#pragma unroll
+                        for (int n8 = 0; n8 < 8; ++n8)
+#pragma unroll
+                            for (int c = 0; c < 4; ++c) part[mt][n8][c] = 0.0f;
+                    }
+                }
+                const u32 words[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const u32 b00 = nibble_pair<0>(words[j]);  // n-tile 0, rows 2t, 2t + 1
+                    const u32 b01 = nibble_pair<1>(words[j]);  // n-tile 0, rows 2t + 8, 2t + 9
+                    const u32 b10 = nibble_pair<2>(words[j]);  // n-tile 1
+                    const u32 b11 = nibble_pair<3>(words[j]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_bf16(part[mt][2 * j], a[i][mt], b00, b01);
+                        mma_bf16(part[mt][2 * j + 1], a[i][mt], b10, b11);
+                    }
+                }
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    ssum[mt][0] += (bf16_lo(a[i][mt][0]) + bf16_hi(a[i][mt][0])) +
+                                   (bf16_lo(a[i][mt][2]) + bf16_hi(a[i][mt][2]));
+                    if (!LOW8)
+                        ssum[mt][1] += (bf16_lo(a[i][mt][1]) + bf16_hi(a[i][mt][1])) +
+                                       (bf16_lo(a[i][mt][3]) + bf16_hi(a[i][mt][3]));
+                }
+                if ((kt + 1) % fkt == 0) {
+                    // Fold the unit: acc += d * P' + (m - 128 d) * S, per column.
+                    float s[MT][2];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            float v = ssum[mt][h];
+                            v += __shfl_xor_sync(0xffffffffu, v, 1);
+                            v += __shfl_xor_sync(0xffffffffu, v, 2);
+                            s[mt][h] = v;
+                        }
+                    const u64 grow = u64(kt * 16 / p.group) * p.n;
+#pragma unroll
+                    for (int n8 = 0; n8 < 8; ++n8) {
+                        const u32 col = slab * 64 + (n8 >> 1) * 16 + (n8 & 1) * 8 + 2 * t;
+                        float d0, d1, m0, m1;
+                        scale_pair<F16S>(load_u32(scales + (grow + col) / 2), d0, d1);
+                        if (offsets != nullptr) {
+                            scale_pair<F16S>(load_u32(offsets + (grow + col) / 2), m0, m1);
+                        } else {
+                            m0 = -8.0f * d0;
+                            m1 = -8.0f * d1;
+                        }
+                        m0 = fmaf(-128.0f, d0, m0);
+                        m1 = fmaf(-128.0f, d1, m1);
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            float(&c)[4] = acc[mt][n8];
+                            c[0] = fmaf(d0, part[mt][n8][0], fmaf(m0, s[mt][0], c[0]));
+                            c[1] = fmaf(d1, part[mt][n8][1], fmaf(m1, s[mt][0], c[1]));
+                            c[2] = fmaf(d0, part[mt][n8][2], fmaf(m0, s[mt][1], c[2]));
+                            c[3] = fmaf(d1, part[mt][n8][3], fmaf(m1, s[mt][1], c[3]));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // Reduce the CTA's warps through shared memory.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n8 = 0; n8 < 8; ++n8) {
+            const u32 col = (n8 >> 1) * 16 + (n8 & 1) * 8 + 2 * t;
+            red[warp][16 * mt + g][col] = acc[mt][n8][0];
+            red[warp][16 * mt + g][col + 1] = acc[mt][n8][1];
+            red[warp][16 * mt + 8 + g][col] = acc[mt][n8][2];
+            red[warp][16 * mt + 8 + g][col + 1] = acc[mt][n8][3];
+        }
+    __syncthreads();
+    const u32 rows = min(p.m, u32(MT * 16));
+    const u32 pairs = rows * 32;  // (row, column pair) items of this slab
+    if (p.splits == 1) {
+        for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
+            const u32 r = i / 32, c = 2 * (i % 32);
+            float v0 = 0.0f, v1 = 0.0f;
+#pragma unroll
+            for (int wi = 0; wi < WARPS; ++wi) {
+                v0 += red[wi][r][c];
+                v1 += red[wi][r][c + 1];
+            }
+            store_pair<EPI>(p, r, slab * 64 + c, v0, v1);
+        }
+        return;
+    }
+    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
+        const u32 r = i / 32, c = 2 * (i % 32);
+        float v0 = 0.0f, v1 = 0.0f;
+#pragma unroll
+        for (int wi = 0; wi < WARPS; ++wi) {
+            v0 += red[wi][r][c];
+            v1 += red[wi][r][c + 1];
+        }
+        float* ws = p.workspace + u64(r) * p.n + slab * 64 + c;
+        atomicAdd(ws, v0);
+        atomicAdd(ws + 1, v1);
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last_cta = atomicAdd(p.counters + slab, 1u) == p.splits - 1;
+    __syncthreads();
+    if (!last_cta) return;
+    __threadfence();
+    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
+        const u32 r = i / 32, c = 2 * (i % 32);
+        float* ws = p.workspace + u64(r) * p.n + slab * 64 + c;
+        const float v0 = load_cg(ws), v1 = load_cg(ws + 1);
+        ws[0] = 0.0f;
+        ws[1] = 0.0f;
+        store_pair<EPI>(p, r, slab * 64 + c, v0, v1);
+    }
+    if (threadIdx.x == 0) p.counters[slab] = 0;
+}
+
+#define INT4_GEMM_ENTRY(NAME, ROWS, MIN_CTAS, EPI, F16S)                                              \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) NAME(const Int4GemmParams p) { \
+        int4_gemm<ROWS, EPI, F16S>(p);                                                    \
+    }
+
+INT4_GEMM_ENTRY(int4_gemm_plain_bf16s_m8, 8, 4, EPI_PLAIN, false)
+INT4_GEMM_ENTRY(int4_gemm_plain_bf16s_m16, 16, 3, EPI_PLAIN, false)
+INT4_GEMM_ENTRY(int4_gemm_plain_bf16s_m32, 32, 2, EPI_PLAIN, false)
+INT4_GEMM_ENTRY(int4_gemm_plain_f16s_m8, 8, 4, EPI_PLAIN, true)
+INT4_GEMM_ENTRY(int4_gemm_plain_f16s_m16, 16, 3, EPI_PLAIN, true)
+INT4_GEMM_ENTRY(int4_gemm_plain_f16s_m32, 32, 2, EPI_PLAIN, true)
+INT4_GEMM_ENTRY(int4_gemm_residual_bf16s_m8, 8, 4, EPI_RESIDUAL, false)
+INT4_GEMM_ENTRY(int4_gemm_residual_bf16s_m16, 16, 3, EPI_RESIDUAL, false)
+INT4_GEMM_ENTRY(int4_gemm_residual_bf16s_m32, 32, 2, EPI_RESIDUAL, false)
+INT4_GEMM_ENTRY(int4_gemm_residual_f16s_m8, 8, 4, EPI_RESIDUAL, true)
+INT4_GEMM_ENTRY(int4_gemm_residual_f16s_m16, 16, 3, EPI_RESIDUAL, true)
+INT4_GEMM_ENTRY(int4_gemm_residual_f16s_m32, 32, 2, EPI_RESIDUAL, true)
+INT4_GEMM_ENTRY(int4_gemm_swiglu_bf16s_m8, 8, 4, EPI_SWIGLU, false)
+INT4_GEMM_ENTRY(int4_gemm_swiglu_bf16s_m16, 16, 3, EPI_SWIGLU, false)
+INT4_GEMM_ENTRY(int4_gemm_swiglu_bf16s_m32, 32, 2, EPI_SWIGLU, false)
+INT4_GEMM_ENTRY(int4_gemm_swiglu_f16s_m8, 8, 4, EPI_SWIGLU, true)
+INT4_GEMM_ENTRY(int4_gemm_swiglu_f16s_m16, 16, 3, EPI_SWIGLU, true)
+INT4_GEMM_ENTRY(int4_gemm_swiglu_f16s_m32, 32, 2, EPI_SWIGLU, true)

@@ -1,0 +1,324 @@
+//! The W4A16 GEMM kernels (`kernels/int4_gemm.cu`) on the GPU: correctness against
+//! `x @ dequantize(packed)` in f64, and speed against the same run's copy rate.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
+use stoke_cuda::kernels::int4_gemm::Epilogue;
+use stoke_cuda::{DeviceBuffer, Runtime};
+use stoke_formats::bf16;
+use stoke_formats::int4::{PackedInt4, ScaleType};
+use stoke_formats::reference::relative_error;
+
+/// A random packed weight: nibbles uniform in 0..=15, scales of magnitude ~`1 / sqrt(k)` (so
+/// outputs stay O(1)), offsets (asymmetric) around `-8 d`.
+pub fn random_weight(
+    rng: &mut StdRng,
+    k: usize,
+    n: usize,
+    group: usize,
+    scale_type: ScaleType,
+    asymmetric: bool,
+) -> PackedInt4 {
+    let q: Vec<u8> = (0..k * n).map(|_| rng.random_range(0..16u8)).collect();
+    let groups = k / group * n;
+    let base = 0.25 / (k as f32).sqrt();
+    let ds: Vec<f32> = (0..groups)
+        .map(|_| base * rng.random_range(0.5f32..1.5))
+        .collect();
+    let scales = ds.iter().map(|d| scale_type.from_f32(*d)).collect();
+    let offsets = asymmetric.then(|| {
+        ds.iter()
+            .map(|d| scale_type.from_f32(-8.0 * d * rng.random_range(0.7f32..1.3)))
+            .collect()
+    });
+    PackedInt4::pack(&q, k, n, group, scale_type, scales, offsets).expect("valid random weight")
+}
+
+pub fn upload(rt: &Arc<Runtime>, p: &PackedInt4) -> DeviceInt4 {
+    DeviceInt4::upload(
+        rt,
+        (p.k, p.n, p.group),
+        p.scale_type == ScaleType::F16,
+        &p.words,
+        &p.scales,
+        p.offsets.as_deref(),
+    )
+    .expect("upload")
+}
+
+fn put_u16(rt: &Arc<Runtime>, v: &[u16]) -> DeviceBuffer {
+    let b = rt.alloc(v.len() * 2).unwrap();
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    unsafe { rt.copy_htod(b.ptr(), &bytes) }.unwrap();
+    b
+}
+
+fn put_f32(rt: &Arc<Runtime>, v: &[f32]) -> DeviceBuffer {
+    let b = rt.alloc(v.len() * 4).unwrap();
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    unsafe { rt.copy_htod(b.ptr(), &bytes) }.unwrap();
+    b
+}
+
+fn get_bf16(buf: &DeviceBuffer) -> Vec<f64> {
+    let mut bytes = vec![0u8; buf.bytes()];
+    unsafe { buf.runtime().copy_dtoh(&mut bytes, buf.ptr()) }.unwrap();
+    bytes
+        .chunks_exact(2)
+        .map(|c| bf16::to_f32(u16::from_le_bytes([c[0], c[1]])) as f64)
+        .collect()
+}
+
+/// `epilogue(x @ w)` in f64 from the dequantized weight.
+fn reference(
+    x: &[f32],
+    m: usize,
+    w: &[f32],
+    k: usize,
+    n: usize,
+    epi: Epilogue,
+    residual: &[f32],
+    row_scale: Option<&[f32]>,
+) -> Vec<f64> {
+    let mut acc = vec![0f64; m * n];
+    for r in 0..m {
+        let out = &mut acc[r * n..(r + 1) * n];
+        for kk in 0..k {
+            let xv = x[r * k + kk] as f64;
+            if xv == 0.0 {
+                continue;
+            }
+            let wr = &w[kk * n..(kk + 1) * n];
+            for (o, wv) in out.iter_mut().zip(wr) {
+                *o += xv * *wv as f64;
+            }
+        }
+        if let Some(s) = row_scale {
+            out.iter_mut().for_each(|v| *v *= s[r] as f64);
+        }
+    }
+    match epi {
+        Epilogue::Plain => acc,
+        Epilogue::Residual => acc
+            .iter()
+            .zip(residual)
+            .map(|(a, r)| a + *r as f64)
+            .collect(),
+        Epilogue::SwiGlu => acc
+            .chunks_exact(2)
+            .map(|gu| gu[0] / (1.0 + (-gu[0]).exp()) * gu[1])
+            .collect(),
+    }
+}
+
+/// Shapes of the correctness test: (k, n, group, scale type, asymmetric). K values of the issue,
+/// N not a multiple of 128, per-channel groups, both scale types, both forms.
+const CASES: &[(usize, usize, usize, ScaleType, bool)] = &[
+    (576, 960, 64, ScaleType::F16, true),
+    (576, 576, 576, ScaleType::Bf16, false),
+    (1536, 4160, 32, ScaleType::F16, true),
+    (4096, 1088, 128, ScaleType::Bf16, false),
+    (14336, 320, 128, ScaleType::Bf16, true),
+];
+const ROWS: &[usize] = &[1, 2, 7, 16, 31, 32, 33];
+const TOLERANCE: f64 = 2e-3;
+
+/// Every kernel variant against the f64 reference over the dequantized weight, on fresh random
+/// data with poisoned outputs.
+pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
+    let rt = crate::gpu()?;
+    rt.set_poison_allocations(true);
+    let seed = crate::seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut worst = 0f64;
+    let mut checked = Vec::new();
+    for &(k, n, group, st, asym) in CASES {
+        let p = random_weight(&mut rng, k, n, group, st, asym);
+        let w = p.dequantize();
+        let dw = upload(&rt, &p);
+        for &m in ROWS {
+            // Activations rounded to bf16 first, so the reference sees the kernel's inputs.
+            let x: Vec<f32> = (0..m * k)
+                .map(|_| bf16::round(rng.random_range(-2.0f32..2.0)))
+                .collect();
+            let xb = put_u16(
+                &rt,
+                &x.iter().map(|v| bf16::from_f32(*v)).collect::<Vec<_>>(),
+            );
+            let epilogues: &[Epilogue] = if m == 7 || m == 33 {
+                &[Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu]
+            } else {
+                &[Epilogue::Plain]
+            };
+            for &epi in epilogues {
+                let scaled: &[bool] = if m == 7 || m == 33 {
+                    &[false, true]
+                } else {
+                    &[false]
+                };
+                for &with_scale in scaled {
+                    let residual: Vec<f32> = if epi == Epilogue::Residual {
+                        (0..m * n)
+                            .map(|_| bf16::round(rng.random_range(-3.0f32..3.0)))
+                            .collect()
+                    } else {
+                        Vec::new()
+                    };
+                    let rs: Option<Vec<f32>> =
+                        with_scale.then(|| (0..m).map(|_| rng.random_range(0.2f32..3.0)).collect());
+                    let rb = (!residual.is_empty()).then(|| {
+                        put_u16(
+                            &rt,
+                            &residual
+                                .iter()
+                                .map(|v| bf16::from_f32(*v))
+                                .collect::<Vec<_>>(),
+                        )
+                    });
+                    let sb = rs.as_ref().map(|s| put_f32(&rt, s));
+                    let cols = epi.out_cols(n);
+                    let out = rt.alloc(m * cols * 2).map_err(|e| e.to_string())?;
+                    let call = Int4Gemm {
+                        x: xb.ptr(),
+                        m: m as u32,
+                        out: out.ptr(),
+                        epilogue: epi,
+                        residual: rb.as_ref().map_or(0, |b| b.ptr()),
+                        row_scale: sb.as_ref().map_or(0, |b| b.ptr()),
+                    };
+                    unsafe { int4_gemm(&rt, &dw, &call) }.map_err(|e| e.to_string())?;
+                    let got = get_bf16(&out);
+                    let want = reference(&x, m, &w, k, n, epi, &residual, rs.as_deref());
+                    let what = format!(
+                        "seed {seed}: m {m} k {k} n {n} group {group} {st:?} {} {epi:?}{}",
+                        if asym { "asymmetric" } else { "symmetric" },
+                        if with_scale { " row_scale" } else { "" }
+                    );
+                    if got.iter().any(|v| !v.is_finite()) {
+                        return Err(format!(
+                            "{what}: unwritten (poisoned) or non-finite outputs"
+                        ));
+                    }
+                    let err = relative_error(&got, &want);
+                    worst = worst.max(err);
+                    if !(err < TOLERANCE) {
+                        return Err(format!("{what}: relative error {err:.3e}"));
+                    }
+                    checked.push(json!({"m": m, "k": k, "n": n, "group": group,
+                        "epilogue": format!("{epi:?}"), "row_scale": with_scale, "rel_err": err}));
+                }
+            }
+        }
+    }
+    rt.set_poison_allocations(false);
+    Ok(
+        json!({ "seed": seed, "max_relative_error": worst, "tolerance": TOLERANCE,
+        "cases": checked.len(), "shapes": CASES.iter().map(|c| format!("{}x{} g{} {:?} {}", c.0, c.1, c.2, c.3, if c.4 {"asym"} else {"sym"})).collect::<Vec<_>>(), "rows": ROWS }),
+    )
+}
+
+/// Llama-3.1-8B and 70B projection shapes `(name, k, n)`: qkv, o, gate/up (interleaved, one
+/// GEMM), down.
+pub const BENCH_SHAPES: &[(&str, usize, usize)] = &[
+    ("8b_qkv", 4096, 6144),
+    ("8b_o", 4096, 4096),
+    ("8b_gate_up", 4096, 28672),
+    ("8b_down", 14336, 4096),
+    ("70b_qkv", 8192, 10240),
+    ("70b_o", 8192, 8192),
+    ("70b_gate_up", 8192, 57344),
+    ("70b_down", 28672, 8192),
+];
+pub const BENCH_ROWS: &[usize] = &[1, 2, 4, 8, 16, 32];
+
+/// µs per call of `f` (median of 5 timings of `iters` back-to-back calls, CUDA events).
+fn time_us(rt: &Arc<Runtime>, iters: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    let (a, b) = (rt.timing_event().unwrap(), rt.timing_event().unwrap());
+    let mut v = Vec::new();
+    for _ in 0..5 {
+        rt.record(&a).unwrap();
+        for _ in 0..iters {
+            f();
+        }
+        rt.record(&b).unwrap();
+        b.synchronize().unwrap();
+        v.push(a.elapsed_ms(&b).unwrap() as f64 * 1e3 / iters as f64);
+    }
+    v.sort_by(f64::total_cmp);
+    v[2]
+}
+
+/// The W4A16 GEMM on the 8B/70B projection shapes, group 128 symmetric bf16 scales: µs,
+/// effective GB/s (packed weights + scales + activations + output) and the share of the same
+/// run's device-to-device copy rate.
+pub fn bench(copy_gbps: f64) -> Value {
+    let rt = crate::gpu().expect("GPU");
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut rows = Vec::new();
+    for &(name, k, n) in BENCH_SHAPES {
+        // Random nibbles; the values don't change the speed, so one pattern serves all shapes.
+        let words: Vec<u32> = (0..k * n / 8).map(|_| rng.random()).collect();
+        let scales = vec![bf16::from_f32(0.01); k / 128 * n];
+        // Enough copies (>= 160 MB) that the L2 (60 MB) never serves the weights, as in a model.
+        let one = k * n / 2 + k / 128 * n * 2;
+        let copies = (160_000_000usize.div_ceil(one)).max(1);
+        let dws: Vec<DeviceInt4> = (0..copies)
+            .map(|_| DeviceInt4::upload(&rt, (k, n, 128), false, &words, &scales, None).unwrap())
+            .collect();
+        let dw = &dws[0];
+        for &m in BENCH_ROWS {
+            let x: Vec<u16> = (0..m * k)
+                .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
+                .collect();
+            let xb = put_u16(&rt, &x);
+            let out = rt.alloc(m * n * 2).unwrap();
+            let call = Int4Gemm {
+                x: xb.ptr(),
+                m: m as u32,
+                out: out.ptr(),
+                epilogue: Epilogue::Plain,
+                residual: 0,
+                row_scale: 0,
+            };
+            let iters = (200_000_000 / dw.bytes()).clamp(20, 2000);
+            let mut i = 0;
+            let us = time_us(&rt, iters, || {
+                i = (i + 1) % copies;
+                unsafe { int4_gemm(&rt, &dws[i], &call) }.unwrap()
+            });
+            let bytes = dw.bytes() + m * k * 2 + m * n * 2;
+            let gbps = bytes as f64 / us / 1e3;
+            let launch = stoke_cuda::kernels::int4_gemm::plan(
+                m as u32,
+                k as u32,
+                n as u32,
+                128,
+                false,
+                Epilogue::Plain,
+                rt.sm_count,
+            )
+            .unwrap()[0];
+            println!(
+                "int4 {name:12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {}",
+                100.0 * gbps / copy_gbps,
+                launch.splits
+            );
+            rows.push(json!({"shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
+                "weight_bytes": dw.bytes(), "weight_copies": copies, "gbps": gbps, "of_copy": gbps / copy_gbps,
+                "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1]}));
+        }
+    }
+    let regs: Vec<Value> = rt
+        .loaded_reports()
+        .into_iter()
+        .filter(|(f, _)| f == "int4_gemm.cu")
+        .map(|(_, r)| json!({"entry": r.entry, "registers": r.registers, "shared_bytes": r.shared_bytes, "spills": r.spill_store_bytes}))
+        .collect();
+    json!({ "copy_gbps": copy_gbps, "runs": rows, "kernels": regs })
+}
