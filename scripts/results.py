@@ -81,6 +81,41 @@ def render_llama(w, res, path):
         render_tests(w, res["gpu_tests"], max_details=300)
 
 
+def render_int4(w, res, path):
+    m = res["meta"]
+    b = res["int4"]
+    w(f"## W4A16 GEMM ([`{path}`](../{path}), commit `{m['commit']}`, {m['date_utc']})")
+    w("")
+    if m.get("note"):
+        w(f"Note: {m['note']}")
+        w("")
+    copy = [e for e in res["torch_int4"] if e.get("impl") == "d2d_copy"][0]
+    w(f"`kernels/int4_gemm.cu`, group 128, symmetric, bf16 scales; Llama-3.1 projection shapes (gate/up as one")
+    w(f"interleaved GEMM). µs per call (CUDA events, median of 5 batches), weights rotated through >= 160 MB of")
+    w(f"copies so the L2 never serves them. `% copy`: effective bytes (packed weights + scales + activations +")
+    w(f"output) per second over the same run's device-to-device copy rate ({b['copy_gbps']:.0f} GB/s from Stoke,")
+    w(f"{copy['gbps']:.0f} GB/s from PyTorch {copy['torch']}). Peers from `scripts/peers/int4_torch.py` in the same run:")
+    w("`torch._weight_int4pack_mm` (group 128, bf16) and bf16 `torch.matmul` (cuBLAS).")
+    w("")
+    w("| shape (k x n) | m | Stoke µs | Stoke % copy | torch int4 µs | torch int4 % copy | Stoke speedup vs torch int4 | bf16 matmul µs | splits |")
+    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    peers = {(e["impl"], e["shape"], e["m"]): e for e in res["torch_int4"] if "us" in e}
+    for r in b["runs"]:
+        ti = peers.get(("torch_weight_int4pack_mm", r["shape"], r["m"]))
+        tb = peers.get(("torch_bf16_matmul", r["shape"], r["m"]))
+        ti_us = f"{ti['us']:.1f}" if ti else "-"
+        ti_pc = f"{100 * ti['of_copy']:.1f}%" if ti else "-"
+        sp = f"{ti['us'] / r['us']:.2f}x" if ti else "-"
+        tb_us = f"{tb['us']:.1f}" if tb else "-"
+        w(f"| {r['shape']} ({r['k']} x {r['n']}) | {r['m']} | {r['us']:.1f} | {100 * r['of_copy']:.1f}% | {ti_us} | {ti_pc} | {sp} | {tb_us} | {r['splits']} |")
+    w("")
+    w("Kernel resources (ptxas): " + ", ".join(sorted({f"{k['entry'].rsplit('_', 1)[1]} {k['registers']} regs / {k['shared_bytes']} B smem / {k['spills']} B spills" for k in b["kernels"] if k["entry"].startswith("int4_gemm_plain_bf16s")})))
+    w("")
+    w("GPU tests in that run:")
+    w("")
+    render_tests(w, res["gpu_tests"], max_details=300)
+
+
 def render(res, results_path, extras=()):
     m, b = res["meta"], res["bench"]
     out = []
@@ -171,6 +206,8 @@ def render(res, results_path, extras=()):
         extra = json.loads(Path(path).read_text())
         if "quality" in extra:
             render_quality(w, extra, path)
+        elif "int4" in extra:
+            render_int4(w, extra, path)
         else:
             render_llama(w, extra, path)
     w("## Kernel resources (ptxas, as loaded in this run)")
