@@ -90,18 +90,51 @@ struct Args {
     /// Windows for `--perplexity`.
     #[arg(long, default_value_t = 6)]
     windows: usize,
-    /// Re-quantize every projection to INT4 with round-to-nearest in groups of this many inputs
-    /// (simulated: the dequantized values are used), to measure the quantizer's quality cost.
-    #[arg(long)]
-    rtn_group: Option<usize>,
     /// Keep GGUF Q4_0/Q4_1 projections in Stoke's packed INT4 format (loaded without
     /// re-quantization) instead of dequantizing them at load. On the CPU this runs on
     /// `Stoke<NdArray>`, which dequantizes each packed weight once where it is used.
     #[arg(long)]
     int4: bool,
-    /// Scale type for `--rtn-group`: bf16 (default) or f16.
+    /// Quantize every attention and MLP projection to INT4 after loading: round-to-nearest, or
+    /// GPTQ calibrated on `--calib`. On `--device cuda` with Stoke the weights stay packed and
+    /// decode runs the W4A16 kernels; elsewhere the dequantized values are used (simulated).
+    #[arg(long, value_enum)]
+    quantize: Option<QuantArg>,
+    /// Group size (inputs per scale) for `--quantize`; layers it does not divide use the largest
+    /// power of two below it that does (576 -> 64).
+    #[arg(long, default_value_t = 128)]
+    group: usize,
+    /// Scale type for `--quantize`.
     #[arg(long, value_enum, default_value_t = ScaleArg::Bf16)]
-    rtn_scale: ScaleArg,
+    scale_type: ScaleArg,
+    /// Calibration text for `--quantize gptq`.
+    #[arg(long)]
+    calib: Option<PathBuf>,
+    /// Calibration sequences: consecutive chunks of `--calib-len` tokens from the start of `--calib`.
+    #[arg(long, default_value_t = 32)]
+    calib_sequences: usize,
+    #[arg(long, default_value_t = 512)]
+    calib_len: usize,
+    /// GPTQ damping, as a fraction of the Hessian's mean diagonal.
+    #[arg(long, default_value_t = 0.01)]
+    damp: f64,
+    /// GPTQ: quantize inputs in order of decreasing activation energy.
+    #[arg(long)]
+    act_order: bool,
+    /// Fold each RMSNorm gain into the projections it feeds before quantizing.
+    #[arg(long)]
+    fold_gains: bool,
+    /// Quantize the output head too (RTN; kept in `--dtype` by default).
+    #[arg(long)]
+    quantize_lm_head: bool,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum QuantArg {
+    /// Round to nearest, scale = amax / 7 per group.
+    Rtn,
+    /// GPTQ (Hessian-weighted error feedback) calibrated on `--calib`.
+    Gptq,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
@@ -163,12 +196,77 @@ fn generate_on<B: FusedOps>(
     } else {
         stoke_llama::load::load::<B>(path, &device, dtype, args.context)?
     };
-    if let Some(group) = args.rtn_group {
-        let scale = match args.rtn_scale {
-            ScaleArg::Bf16 => stoke_formats::int4::ScaleType::Bf16,
-            ScaleArg::F16 => stoke_formats::int4::ScaleType::F16,
+    if args.fold_gains {
+        loaded.model = stoke_llama::quant::fold_norm_gains(loaded.model);
+    }
+    if let Some(q) = args.quantize {
+        use stoke_llama::quant::{Method, QuantizeConfig, calibrate, quantize};
+        let method = match q {
+            QuantArg::Rtn => Method::Rtn,
+            QuantArg::Gptq => Method::Gptq {
+                damp: args.damp,
+                act_order: args.act_order,
+            },
         };
-        loaded.model = stoke_llama::quant::simulate_rtn(loaded.model, group, scale)?;
+        let calibration = match q {
+            QuantArg::Rtn => None,
+            QuantArg::Gptq => {
+                let file = args
+                    .calib
+                    .as_ref()
+                    .ok_or("--quantize gptq needs --calib FILE")?;
+                let text = std::fs::read_to_string(file)
+                    .map_err(|e| format!("{}: {e}", file.display()))?;
+                let ids = loaded
+                    .tokenizer
+                    .encode(text.as_str(), false)
+                    .map_err(|e| format!("tokenizing {}: {e}", file.display()))?
+                    .get_ids()
+                    .to_vec();
+                let seqs: Vec<Vec<u32>> = ids
+                    .chunks_exact(args.calib_len)
+                    .take(args.calib_sequences)
+                    .map(|c| c.to_vec())
+                    .collect();
+                if seqs.len() < args.calib_sequences {
+                    eprintln!(
+                        "{}: only {} sequences of {} tokens",
+                        file.display(),
+                        seqs.len(),
+                        args.calib_len
+                    );
+                }
+                let t = Instant::now();
+                let bar = indicatif::ProgressBar::new(seqs.len() as u64);
+                let c = calibrate(&loaded.model, &seqs, 4, dtype, &device, |done, _| {
+                    bar.set_position((done * 4).min(seqs.len()) as u64)
+                })?;
+                bar.finish_and_clear();
+                eprintln!(
+                    "calibrated on {} tokens ({} x {}) in {:.1} s",
+                    c.tokens,
+                    seqs.len(),
+                    args.calib_len,
+                    t.elapsed().as_secs_f64()
+                );
+                Some(c)
+            }
+        };
+        let cfg = QuantizeConfig {
+            method,
+            group: args.group,
+            scale_type: match args.scale_type {
+                ScaleArg::Bf16 => stoke_formats::int4::ScaleType::Bf16,
+                ScaleArg::F16 => stoke_formats::int4::ScaleType::F16,
+            },
+            include_lm_head: args.quantize_lm_head,
+        };
+        let (m, report) = quantize(loaded.model, &cfg, calibration.as_ref())?;
+        loaded.model = m;
+        eprintln!(
+            "quantized {} projections ({:?}, groups (k, group) {:?}) in {:.1} s",
+            report.projections, method, report.groups, report.seconds
+        );
     }
     loaded.model = loaded.model.pinned();
     B::sync(&device)?;

@@ -150,26 +150,191 @@ __device__ __forceinline__ void store_pair(const Int4GemmParams& p, u32 r, u32 c
     }
 }
 
-// Up to KB k-tiles are in flight per warp (loads issued before any is used).
-// ROWS = 8: fragment rows g + 8 are known to be zero (half the A loads and sums).
+// Per-warp accumulators of one 64-column slab: acc (the warp's result), part (the current fold
+// unit's sums of x (128 + q)) and ssum (lane-local sums of x over the unit, rows g and g + 8).
+template <int MT, bool LOW8>
+struct Accum {
+    float acc[MT][8][4];   // [m-tile][n8 tile: 2 j + h][fragment]
+    float part[MT][8][4];
+    float ssum[MT][2];
+
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[mt][i][c] = 0.0f;
+    }
+
+    __device__ __forceinline__ void begin_unit() {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            ssum[mt][0] = ssum[mt][1] = 0.0f;
+#pragma unroll
+            for (int n8 = 0; n8 < 8; ++n8)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) part[mt][n8][c] = 0.0f;
+        }
+    }
+
+    // One k-tile: the lane's four weight words (a 16 x 64 strip) and its A fragments.
+    __device__ __forceinline__ void tile(const uint4& w, const u32 (&a)[MT][4]) {
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 b00 = nibble_pair<0>(words[j]);  // n-tile 0, rows 2t, 2t + 1
+            const u32 b01 = nibble_pair<1>(words[j]);  // n-tile 0, rows 2t + 8, 2t + 9
+            const u32 b10 = nibble_pair<2>(words[j]);  // n-tile 1
+            const u32 b11 = nibble_pair<3>(words[j]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_bf16(part[mt][2 * j], a[mt], b00, b01);
+                mma_bf16(part[mt][2 * j + 1], a[mt], b10, b11);
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            ssum[mt][0] += (bf16_lo(a[mt][0]) + bf16_hi(a[mt][0])) +
+                           (bf16_lo(a[mt][2]) + bf16_hi(a[mt][2]));
+            if (!LOW8)
+                ssum[mt][1] += (bf16_lo(a[mt][1]) + bf16_hi(a[mt][1])) +
+                               (bf16_lo(a[mt][3]) + bf16_hi(a[mt][3]));
+        }
+    }
+
+    // Fold the unit: acc += d * P' + (m - 128 d) * S, per column. d[n8] / m[n8] hold the
+    // scale / offset pair of the lane's columns 2t, 2t + 1 of n8 tile n8; sym: m = -8 d.
+    template <bool F16S>
+    __device__ __forceinline__ void fold(const u32 (&d)[8], const u32 (&m)[8], bool sym) {
+        float s[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float v = ssum[mt][h];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                s[mt][h] = v;
+            }
+#pragma unroll
+        for (int n8 = 0; n8 < 8; ++n8) {
+            float d0, d1, m0, m1;
+            scale_pair<F16S>(d[n8], d0, d1);
+            if (sym) {
+                m0 = -8.0f * d0;
+                m1 = -8.0f * d1;
+            } else {
+                scale_pair<F16S>(m[n8], m0, m1);
+            }
+            m0 = fmaf(-128.0f, d0, m0);
+            m1 = fmaf(-128.0f, d1, m1);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                float(&c)[4] = acc[mt][n8];
+                c[0] = fmaf(d0, part[mt][n8][0], fmaf(m0, s[mt][0], c[0]));
+                c[1] = fmaf(d1, part[mt][n8][1], fmaf(m1, s[mt][0], c[1]));
+                c[2] = fmaf(d0, part[mt][n8][2], fmaf(m0, s[mt][1], c[2]));
+                c[3] = fmaf(d1, part[mt][n8][3], fmaf(m1, s[mt][1], c[3]));
+            }
+        }
+    }
+};
+
+// Column (within the 64-column slab) of fragment value pair (c0, c1) of n8 tile n8 for lane t.
+__device__ __forceinline__ u32 frag_col(int n8, u32 t) { return (n8 >> 1) * 16 + (n8 & 1) * 8 + 2 * t; }
+
+// The fold units of this warp: [kt_begin, kt_end) in k-tiles.
+__device__ __forceinline__ void warp_range(const Int4GemmParams& p, u32 warp, u32& kt_begin, u32& kt_end) {
+    const u32 units = p.k / 16 / p.fold_kt;
+    const u32 workers = p.splits * WARPS;
+    const u32 worker = blockIdx.y * WARPS + warp;
+    kt_begin = u32(u64(units) * worker / workers) * p.fold_kt;
+    kt_end = u32(u64(units) * (worker + 1) / workers) * p.fold_kt;
+}
+
+// Reduces the CTA's warps through shared memory `red` ([WARPS][MT * 16][RED_PITCH] floats), then
+// applies the epilogue: directly with one split, else through the workspace, by the last CTA.
+constexpr int RED_PITCH = 64 + 4;
+template <int MT, int EPI>
+__device__ __forceinline__ void finish(const Int4GemmParams& p, const float (&acc)[MT][8][4], float* red,
+                                       u32 warp, u32 g, u32 t) {
+    __shared__ u32 last_cta;
+    const u32 slab = blockIdx.x;
+    auto at = [&](u32 w, u32 row, u32 col) -> float& {
+        return red[(w * (MT * 16) + row) * RED_PITCH + col];
+    };
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n8 = 0; n8 < 8; ++n8) {
+            const u32 col = frag_col(n8, t);
+            at(warp, 16 * mt + g, col) = acc[mt][n8][0];
+            at(warp, 16 * mt + g, col + 1) = acc[mt][n8][1];
+            at(warp, 16 * mt + 8 + g, col) = acc[mt][n8][2];
+            at(warp, 16 * mt + 8 + g, col + 1) = acc[mt][n8][3];
+        }
+    __syncthreads();
+    const u32 rows = min(p.m, u32(MT * 16));
+    const u32 pairs = rows * 32;  // (row, column pair) items of this slab
+    if (p.splits == 1) {
+        for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
+            const u32 r = i / 32, c = 2 * (i % 32);
+            float v0 = 0.0f, v1 = 0.0f;
+#pragma unroll
+            for (int wi = 0; wi < WARPS; ++wi) {
+                v0 += at(wi, r, c);
+                v1 += at(wi, r, c + 1);
+            }
+            store_pair<EPI>(p, r, slab * 64 + c, v0, v1);
+        }
+        return;
+    }
+    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
+        const u32 r = i / 32, c = 2 * (i % 32);
+        float v0 = 0.0f, v1 = 0.0f;
+#pragma unroll
+        for (int wi = 0; wi < WARPS; ++wi) {
+            v0 += at(wi, r, c);
+            v1 += at(wi, r, c + 1);
+        }
+        float* ws = p.workspace + u64(r) * p.n + slab * 64 + c;
+        atomicAdd(ws, v0);
+        atomicAdd(ws + 1, v1);
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last_cta = atomicAdd(p.counters + slab, 1u) == p.splits - 1;
+    __syncthreads();
+    if (!last_cta) return;
+    __threadfence();
+    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
+        const u32 r = i / 32, c = 2 * (i % 32);
+        float* ws = p.workspace + u64(r) * p.n + slab * 64 + c;
+        const float v0 = load_cg(ws), v1 = load_cg(ws + 1);
+        ws[0] = 0.0f;
+        ws[1] = 0.0f;
+        store_pair<EPI>(p, r, slab * 64 + c, v0, v1);
+    }
+    if (threadIdx.x == 0) p.counters[slab] = 0;
+}
+
+// Register-batched kernel: each warp loads KB k-tiles of weights and activations, then computes
+// them. ROWS = 8: fragment rows g + 8 are known to be zero (half the A loads and sums).
 template <int ROWS, int EPI, bool F16S>
 __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     constexpr int MT = ROWS == 32 ? 2 : 1;
     constexpr bool LOW8 = ROWS == 8;
     constexpr int KB = 4;
-    __shared__ float red[WARPS][MT * 16][64 + 4];
-    __shared__ u32 last_cta;
+    __shared__ float red[WARPS * MT * 16 * RED_PITCH];
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
     const u32 slab = blockIdx.x;
     const u32 slabs = p.n / 64;
     const u32 fkt = p.fold_kt;
-    const u32 units = p.k / 16 / fkt;
-    const u32 workers = p.splits * WARPS;
-    const u32 worker = blockIdx.y * WARPS + warp;
-    const u32 kt_begin = u32(u64(units) * worker / workers) * fkt;
-    const u32 kt_end = u32(u64(units) * (worker + 1) / workers) * fkt;
+    u32 kt_begin, kt_end;
+    warp_range(p, warp, kt_begin, kt_end);
     const u32 xrow_words = p.k / 2;
     const u32* x = static_cast<const u32*>(p.x);
     const uint4* wp = static_cast<const uint4*>(p.words);
@@ -185,16 +350,8 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     u64 policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
 
-    float acc[MT][8][4];   // [m-tile][n8 tile: 2 j + h][fragment]
-    float part[MT][8][4];  // the current fold unit
-    float ssum[MT][2];     // lane-local sums of x over the unit, rows g and g + 8
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[mt][i][c] = 0.0f;
-
+    Accum<MT, LOW8> st;
+    st.zero();
     for (u32 kt0 = kt_begin; kt0 < kt_end; kt0 += KB) {
         const u32 nb = min(u32(KB), kt_end - kt0);
         uint4 w[KB];
@@ -219,132 +376,172 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
         for (int i = 0; i < KB; ++i) {
             if (i < nb) {
                 const u32 kt = kt0 + i;
-                if (kt % fkt == 0) {
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        ssum[mt][0] = ssum[mt][1] = 0.0f;
-#pragma unroll
-                        for (int n8 = 0; n8 < 8; ++n8)
-#pragma unroll
-                            for (int c = 0; c < 4; ++c) part[mt][n8][c] = 0.0f;
-                    }
-                }
-                const u32 words[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const u32 b00 = nibble_pair<0>(words[j]);  // n-tile 0, rows 2t, 2t + 1
-                    const u32 b01 = nibble_pair<1>(words[j]);  // n-tile 0, rows 2t + 8, 2t + 9
-                    const u32 b10 = nibble_pair<2>(words[j]);  // n-tile 1
-                    const u32 b11 = nibble_pair<3>(words[j]);
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma_bf16(part[mt][2 * j], a[i][mt], b00, b01);
-                        mma_bf16(part[mt][2 * j + 1], a[i][mt], b10, b11);
-                    }
-                }
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    ssum[mt][0] += (bf16_lo(a[i][mt][0]) + bf16_hi(a[i][mt][0])) +
-                                   (bf16_lo(a[i][mt][2]) + bf16_hi(a[i][mt][2]));
-                    if (!LOW8)
-                        ssum[mt][1] += (bf16_lo(a[i][mt][1]) + bf16_hi(a[i][mt][1])) +
-                                       (bf16_lo(a[i][mt][3]) + bf16_hi(a[i][mt][3]));
-                }
+                if (kt % fkt == 0) st.begin_unit();
+                st.tile(w[i], a[i]);
                 if ((kt + 1) % fkt == 0) {
-                    // Fold the unit: acc += d * P' + (m - 128 d) * S, per column.
-                    float s[MT][2];
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            float v = ssum[mt][h];
-                            v += __shfl_xor_sync(0xffffffffu, v, 1);
-                            v += __shfl_xor_sync(0xffffffffu, v, 2);
-                            s[mt][h] = v;
-                        }
                     const u64 grow = u64(kt * 16 / p.group) * p.n;
+                    u32 d[8], m[8];
 #pragma unroll
                     for (int n8 = 0; n8 < 8; ++n8) {
-                        const u32 col = slab * 64 + (n8 >> 1) * 16 + (n8 & 1) * 8 + 2 * t;
-                        float d0, d1, m0, m1;
-                        scale_pair<F16S>(load_u32(scales + (grow + col) / 2), d0, d1);
-                        if (offsets != nullptr) {
-                            scale_pair<F16S>(load_u32(offsets + (grow + col) / 2), m0, m1);
-                        } else {
-                            m0 = -8.0f * d0;
-                            m1 = -8.0f * d1;
-                        }
-                        m0 = fmaf(-128.0f, d0, m0);
-                        m1 = fmaf(-128.0f, d1, m1);
-#pragma unroll
-                        for (int mt = 0; mt < MT; ++mt) {
-                            float(&c)[4] = acc[mt][n8];
-                            c[0] = fmaf(d0, part[mt][n8][0], fmaf(m0, s[mt][0], c[0]));
-                            c[1] = fmaf(d1, part[mt][n8][1], fmaf(m1, s[mt][0], c[1]));
-                            c[2] = fmaf(d0, part[mt][n8][2], fmaf(m0, s[mt][1], c[2]));
-                            c[3] = fmaf(d1, part[mt][n8][3], fmaf(m1, s[mt][1], c[3]));
-                        }
+                        const u64 idx = (grow + slab * 64 + frag_col(n8, t)) / 2;
+                        d[n8] = load_u32(scales + idx);
+                        m[n8] = offsets != nullptr ? load_u32(offsets + idx) : 0u;
                     }
+                    st.template fold<F16S>(d, m, offsets == nullptr);
                 }
             }
         }
     }
-
-    // Reduce the CTA's warps through shared memory.
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n8 = 0; n8 < 8; ++n8) {
-            const u32 col = (n8 >> 1) * 16 + (n8 & 1) * 8 + 2 * t;
-            red[warp][16 * mt + g][col] = acc[mt][n8][0];
-            red[warp][16 * mt + g][col + 1] = acc[mt][n8][1];
-            red[warp][16 * mt + 8 + g][col] = acc[mt][n8][2];
-            red[warp][16 * mt + 8 + g][col + 1] = acc[mt][n8][3];
-        }
-    __syncthreads();
-    const u32 rows = min(p.m, u32(MT * 16));
-    const u32 pairs = rows * 32;  // (row, column pair) items of this slab
-    if (p.splits == 1) {
-        for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
-            const u32 r = i / 32, c = 2 * (i % 32);
-            float v0 = 0.0f, v1 = 0.0f;
-#pragma unroll
-            for (int wi = 0; wi < WARPS; ++wi) {
-                v0 += red[wi][r][c];
-                v1 += red[wi][r][c + 1];
-            }
-            store_pair<EPI>(p, r, slab * 64 + c, v0, v1);
-        }
-        return;
-    }
-    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
-        const u32 r = i / 32, c = 2 * (i % 32);
-        float v0 = 0.0f, v1 = 0.0f;
-#pragma unroll
-        for (int wi = 0; wi < WARPS; ++wi) {
-            v0 += red[wi][r][c];
-            v1 += red[wi][r][c + 1];
-        }
-        float* ws = p.workspace + u64(r) * p.n + slab * 64 + c;
-        atomicAdd(ws, v0);
-        atomicAdd(ws + 1, v1);
-    }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last_cta = atomicAdd(p.counters + slab, 1u) == p.splits - 1;
-    __syncthreads();
-    if (!last_cta) return;
-    __threadfence();
-    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
-        const u32 r = i / 32, c = 2 * (i % 32);
-        float* ws = p.workspace + u64(r) * p.n + slab * 64 + c;
-        const float v0 = load_cg(ws), v1 = load_cg(ws + 1);
-        ws[0] = 0.0f;
-        ws[1] = 0.0f;
-        store_pair<EPI>(p, r, slab * 64 + c, v0, v1);
-    }
-    if (threadIdx.x == 0) p.counters[slab] = 0;
+    finish<MT, EPI>(p, st.acc, red, warp, g, t);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Pipelined kernel (entry points int4_gemm_pipe_*): the same work split, fold and epilogue, but
+// each warp streams its k-tiles through a private ring of STAGES shared-memory stages with
+// cp.async, STAGES - 1 k-tiles ahead of the one it computes, so loads stay in flight while it
+// computes. A stage holds one k-tile: the 512 weight bytes of the slab (one 16-byte cp.async per
+// lane), the activations of the tile (16 bf16 per row: two 16-byte chunks per row of x) and, for
+// a tile that ends a fold unit, the unit's 64 scales and offsets. Rows of x past m stay zero
+// (written once at the start). Needs x, scales and offsets 16-byte aligned and k % 8 == 0.
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, u64 policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)),
+                 "l"(src), "l"(policy)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async16_keep(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+template <int ROWS>
+struct PipeStage {
+    static constexpr int XROWS = ROWS == 8 ? 8 : ROWS;   // rows of x kept per stage
+    static constexpr int W_BYTES = 512;
+    static constexpr int X_BYTES = XROWS * 32;           // 16 bf16 per row
+    static constexpr int S_BYTES = 256;                  // 64 scales + 64 offsets, 16-bit
+    static constexpr int BYTES = W_BYTES + X_BYTES + S_BYTES;
+    static constexpr int STAGES = ROWS == 32 ? 6 : 8;
+};
+
+template <int ROWS, int EPI, bool F16S>
+__device__ __forceinline__ void int4_gemm_pipe(const Int4GemmParams& p) {
+    constexpr int MT = ROWS == 32 ? 2 : 1;
+    constexpr bool LOW8 = ROWS == 8;
+    using S = PipeStage<ROWS>;
+    constexpr int STAGES = S::STAGES;
+    constexpr int RING = WARPS * STAGES * S::BYTES;
+    constexpr int RED = WARPS * MT * 16 * RED_PITCH * 4;
+    __shared__ __align__(16) unsigned char smem[RING > RED ? RING : RED];
+
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 g = lane >> 2, t = lane & 3;
+    const u32 slab = blockIdx.x;
+    const u32 slabs = p.n / 64;
+    const u32 fkt = p.fold_kt;
+    u32 kt_begin, kt_end;
+    warp_range(p, warp, kt_begin, kt_end);
+    const bool sym = p.offsets == nullptr;
+    const u32 rows = min(p.m, u32(ROWS));
+    unsigned char* ring = smem + warp * STAGES * S::BYTES;
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+
+    // Rows of x past m read as zeros in every stage.
+    for (u32 i = lane; i < STAGES * S::X_BYTES / 4; i += 32) {
+        const u32 stage = i / (S::X_BYTES / 4), word = i % (S::X_BYTES / 4);
+        if (word / 8 >= rows) reinterpret_cast<u32*>(ring + stage * S::BYTES + S::W_BYTES)[word] = 0u;
+    }
+    __syncwarp();
+
+    const unsigned char* xb = static_cast<const unsigned char*>(p.x);
+    const unsigned char* wb = static_cast<const unsigned char*>(p.words);
+    const unsigned char* sb = static_cast<const unsigned char*>(p.scales);
+    const unsigned char* ob = static_cast<const unsigned char*>(p.offsets);
+    // Queues the loads of k-tile kt into stage `stage`.
+    auto issue = [&](u32 kt, u32 stage) {
+        unsigned char* st = ring + stage * S::BYTES;
+        cp_async16(st + lane * 16, wb + ((u64(kt) * slabs + slab) * 32 + lane) * 16, policy);
+        for (u32 c = lane; c < 2 * rows; c += 32) {
+            const u32 r = c / 2, half = c % 2;
+            cp_async16_keep(st + S::W_BYTES + r * 32 + half * 16, xb + (u64(r) * p.k + kt * 16 + half * 8) * 2);
+        }
+        if ((kt + 1) % fkt == 0) {
+            const u64 grow = u64(kt * 16 / p.group) * p.n + slab * 64;
+            if (lane < 8) {
+                cp_async16_keep(st + S::W_BYTES + S::X_BYTES + lane * 16, sb + (grow + lane * 8) * 2);
+            } else if (lane < 16 && !sym) {
+                cp_async16_keep(st + S::W_BYTES + S::X_BYTES + lane * 16, ob + (grow + (lane - 8) * 8) * 2);
+            }
+        }
+    };
+
+    Accum<MT, LOW8> acc;
+    acc.zero();
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (kt_begin + i < kt_end) issue(kt_begin + i, i);
+        cp_async_commit();
+    }
+    u32 stage = 0;
+    for (u32 kt = kt_begin; kt < kt_end; ++kt) {
+        // Refill the stage computed in the previous iteration (every lane is past it).
+        const u32 ahead = kt + STAGES - 1;
+        if (ahead < kt_end) issue(ahead, (stage + STAGES - 1) % STAGES);
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+        const unsigned char* st = ring + stage * S::BYTES;
+        const uint4 w = *reinterpret_cast<const uint4*>(st + lane * 16);
+        const u32* xs = reinterpret_cast<const u32*>(st + S::W_BYTES);  // [XROWS][8] words
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            a[mt][0] = xs[(16 * mt + g) * 8 + t];
+            a[mt][2] = xs[(16 * mt + g) * 8 + t + 4];
+            if (LOW8) {
+                a[mt][1] = a[mt][3] = 0u;
+            } else {
+                a[mt][1] = xs[(16 * mt + 8 + g) * 8 + t];
+                a[mt][3] = xs[(16 * mt + 8 + g) * 8 + t + 4];
+            }
+        }
+        if (kt % fkt == 0) acc.begin_unit();
+        acc.tile(w, a);
+        if ((kt + 1) % fkt == 0) {
+            const u32* ss = reinterpret_cast<const u32*>(st + S::W_BYTES + S::X_BYTES);
+            u32 d[8], m[8];
+#pragma unroll
+            for (int n8 = 0; n8 < 8; ++n8) {
+                d[n8] = ss[frag_col(n8, t) / 2];
+                m[n8] = ss[32 + frag_col(n8, t) / 2];
+            }
+            acc.template fold<F16S>(d, m, sym);
+        }
+        __syncwarp();
+        stage = (stage + 1) % STAGES;
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with its ring: the reduction may reuse it
+    finish<MT, EPI>(p, acc.acc, reinterpret_cast<float*>(smem), warp, g, t);
+}
+
+#define INT4_GEMM_PIPE_ENTRY(NAME, ROWS, MIN_CTAS, EPI, F16S)                                    \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) NAME(const Int4GemmParams p) { \
+        int4_gemm_pipe<ROWS, EPI, F16S>(p);                                                      \
+    }
 
 #define INT4_GEMM_ENTRY(NAME, ROWS, MIN_CTAS, EPI, F16S)                                              \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) NAME(const Int4GemmParams p) { \
@@ -369,3 +566,21 @@ INT4_GEMM_ENTRY(int4_gemm_swiglu_bf16s_m32, 32, 2, EPI_SWIGLU, false)
 INT4_GEMM_ENTRY(int4_gemm_swiglu_f16s_m8, 8, 4, EPI_SWIGLU, true)
 INT4_GEMM_ENTRY(int4_gemm_swiglu_f16s_m16, 16, 3, EPI_SWIGLU, true)
 INT4_GEMM_ENTRY(int4_gemm_swiglu_f16s_m32, 32, 2, EPI_SWIGLU, true)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_bf16s_m8, 8, 4, EPI_PLAIN, false)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_bf16s_m16, 16, 3, EPI_PLAIN, false)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_bf16s_m32, 32, 2, EPI_PLAIN, false)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_f16s_m8, 8, 4, EPI_PLAIN, true)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_f16s_m16, 16, 3, EPI_PLAIN, true)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_f16s_m32, 32, 2, EPI_PLAIN, true)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_bf16s_m8, 8, 4, EPI_RESIDUAL, false)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_bf16s_m16, 16, 3, EPI_RESIDUAL, false)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_bf16s_m32, 32, 2, EPI_RESIDUAL, false)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_f16s_m8, 8, 4, EPI_RESIDUAL, true)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_f16s_m16, 16, 3, EPI_RESIDUAL, true)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_f16s_m32, 32, 2, EPI_RESIDUAL, true)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_bf16s_m8, 8, 4, EPI_SWIGLU, false)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_bf16s_m16, 16, 3, EPI_SWIGLU, false)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_bf16s_m32, 32, 2, EPI_SWIGLU, false)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_f16s_m8, 8, 4, EPI_SWIGLU, true)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_f16s_m16, 16, 3, EPI_SWIGLU, true)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_f16s_m32, 32, 2, EPI_SWIGLU, true)

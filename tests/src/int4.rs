@@ -6,7 +6,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
-use stoke_cuda::kernels::int4_gemm::Epilogue;
+use stoke_cuda::kernels::int4_gemm::{Epilogue, Variant};
 use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::bf16;
 use stoke_formats::int4::{PackedInt4, ScaleType};
@@ -125,6 +125,8 @@ const CASES: &[(usize, usize, usize, ScaleType, bool)] = &[
 ];
 const ROWS: &[usize] = &[1, 2, 7, 16, 31, 32, 33];
 const TOLERANCE: f64 = 2e-3;
+/// Both weight-streaming kernels are tested and measured.
+const VARIANTS: [Variant; 2] = [Variant::Batched, Variant::Pipelined];
 
 /// Every kernel variant against the f64 reference over the dequantized weight, on fresh random
 /// data with poisoned outputs.
@@ -181,34 +183,40 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
                     let sb = rs.as_ref().map(|s| put_f32(&rt, s));
                     let cols = epi.out_cols(n);
                     let out = rt.alloc(m * cols * 2).map_err(|e| e.to_string())?;
-                    let call = Int4Gemm {
-                        x: xb.ptr(),
-                        m: m as u32,
-                        out: out.ptr(),
-                        epilogue: epi,
-                        residual: rb.as_ref().map_or(0, |b| b.ptr()),
-                        row_scale: sb.as_ref().map_or(0, |b| b.ptr()),
-                    };
-                    unsafe { int4_gemm(&rt, &dw, &call) }.map_err(|e| e.to_string())?;
-                    let got = get_bf16(&out);
                     let want = reference(&x, m, &w, k, n, epi, &residual, rs.as_deref());
-                    let what = format!(
-                        "seed {seed}: m {m} k {k} n {n} group {group} {st:?} {} {epi:?}{}",
-                        if asym { "asymmetric" } else { "symmetric" },
-                        if with_scale { " row_scale" } else { "" }
-                    );
-                    if got.iter().any(|v| !v.is_finite()) {
-                        return Err(format!(
-                            "{what}: unwritten (poisoned) or non-finite outputs"
-                        ));
-                    }
-                    let err = relative_error(&got, &want);
-                    worst = worst.max(err);
-                    if !(err < TOLERANCE) {
-                        return Err(format!("{what}: relative error {err:.3e}"));
-                    }
-                    checked.push(json!({"m": m, "k": k, "n": n, "group": group,
+                    for variant in VARIANTS {
+                        let call = Int4Gemm {
+                            x: xb.ptr(),
+                            m: m as u32,
+                            out: out.ptr(),
+                            epilogue: epi,
+                            residual: rb.as_ref().map_or(0, |b| b.ptr()),
+                            row_scale: sb.as_ref().map_or(0, |b| b.ptr()),
+                            variant,
+                        };
+                        // Poisoned before each variant writes it.
+                        unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }
+                            .map_err(|e| e.to_string())?;
+                        unsafe { int4_gemm(&rt, &dw, &call) }.map_err(|e| e.to_string())?;
+                        let got = get_bf16(&out);
+                        let what = format!(
+                            "seed {seed}: {variant:?} m {m} k {k} n {n} group {group} {st:?} {} {epi:?}{}",
+                            if asym { "asymmetric" } else { "symmetric" },
+                            if with_scale { " row_scale" } else { "" }
+                        );
+                        if got.iter().any(|v| !v.is_finite()) {
+                            return Err(format!(
+                                "{what}: unwritten (poisoned) or non-finite outputs"
+                            ));
+                        }
+                        let err = relative_error(&got, &want);
+                        worst = worst.max(err);
+                        if !(err < TOLERANCE) {
+                            return Err(format!("{what}: relative error {err:.3e}"));
+                        }
+                        checked.push(json!({"variant": format!("{variant:?}"), "m": m, "k": k, "n": n, "group": group,
                         "epilogue": format!("{epi:?}"), "row_scale": with_scale, "rel_err": err}));
+                    }
                 }
             }
         }
@@ -278,40 +286,44 @@ pub fn bench(copy_gbps: f64) -> Value {
                 .collect();
             let xb = put_u16(&rt, &x);
             let out = rt.alloc(m * n * 2).unwrap();
-            let call = Int4Gemm {
-                x: xb.ptr(),
-                m: m as u32,
-                out: out.ptr(),
-                epilogue: Epilogue::Plain,
-                residual: 0,
-                row_scale: 0,
-            };
-            let iters = (200_000_000 / dw.bytes()).clamp(20, 2000);
-            let mut i = 0;
-            let us = time_us(&rt, iters, || {
-                i = (i + 1) % copies;
-                unsafe { int4_gemm(&rt, &dws[i], &call) }.unwrap()
-            });
-            let bytes = dw.bytes() + m * k * 2 + m * n * 2;
-            let gbps = bytes as f64 / us / 1e3;
-            let launch = stoke_cuda::kernels::int4_gemm::plan(
-                m as u32,
-                k as u32,
-                n as u32,
-                128,
-                false,
-                Epilogue::Plain,
-                rt.sm_count,
-            )
-            .unwrap()[0];
-            println!(
-                "int4 {name:12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {}",
-                100.0 * gbps / copy_gbps,
-                launch.splits
-            );
-            rows.push(json!({"shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
-                "weight_bytes": dw.bytes(), "weight_copies": copies, "gbps": gbps, "of_copy": gbps / copy_gbps,
-                "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1]}));
+            for variant in VARIANTS {
+                let call = Int4Gemm {
+                    x: xb.ptr(),
+                    m: m as u32,
+                    out: out.ptr(),
+                    epilogue: Epilogue::Plain,
+                    residual: 0,
+                    row_scale: 0,
+                    variant,
+                };
+                let iters = (200_000_000 / dw.bytes()).clamp(20, 2000);
+                let mut i = 0;
+                let us = time_us(&rt, iters, || {
+                    i = (i + 1) % copies;
+                    unsafe { int4_gemm(&rt, &dws[i], &call) }.unwrap()
+                });
+                let bytes = dw.bytes() + m * k * 2 + m * n * 2;
+                let gbps = bytes as f64 / us / 1e3;
+                let launch = stoke_cuda::kernels::int4_gemm::plan(
+                    m as u32,
+                    k as u32,
+                    n as u32,
+                    128,
+                    false,
+                    Epilogue::Plain,
+                    variant,
+                    rt.sm_count,
+                )
+                .unwrap()[0];
+                println!(
+                    "int4 {variant:?} {name:12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {}",
+                    100.0 * gbps / copy_gbps,
+                    launch.splits
+                );
+                rows.push(json!({"variant": format!("{variant:?}"), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
+                    "weight_bytes": dw.bytes(), "weight_copies": copies, "gbps": gbps, "of_copy": gbps / copy_gbps,
+                    "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1]}));
+            }
         }
     }
     let regs: Vec<Value> = rt

@@ -1,7 +1,7 @@
 //! Packed INT4 weights on the GPU and the W4A16 GEMM call (`kernels/int4_gemm.cu`).
 
 use crate::kernels::INT4_GEMM;
-use crate::kernels::int4_gemm::{Epilogue, Int4GemmParams, plan};
+use crate::kernels::int4_gemm::{Epilogue, Int4GemmParams, Variant, plan};
 use crate::{DeviceBuffer, Error, LaunchShape, Result, Runtime};
 use std::sync::Arc;
 
@@ -46,6 +46,7 @@ impl DeviceInt4 {
             group as u32,
             f16_scales,
             Epilogue::Plain,
+            Variant::Batched,
             rt.sm_count,
         )
         .map_err(|e| Error::Shape(e.0))?;
@@ -94,6 +95,8 @@ pub struct Int4Gemm {
     pub epilogue: Epilogue,
     pub residual: u64,
     pub row_scale: u64,
+    /// Which kernel streams the weights (`Variant::from_env()` for the process default).
+    pub variant: Variant,
 }
 
 /// Queues `out = epilogue(x @ w)` on Stoke's stream (one launch per 32 rows).
@@ -110,6 +113,12 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
             "INT4 GEMM residual epilogue without a residual".into(),
         ));
     }
+    // The pipelined kernel copies x in 16-byte chunks.
+    let variant = if call.variant == Variant::Pipelined && call.x % 16 != 0 {
+        Variant::Batched
+    } else {
+        call.variant
+    };
     let launches = plan(
         call.m,
         w.k,
@@ -117,6 +126,7 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         w.group,
         w.f16_scales,
         call.epilogue,
+        variant,
         rt.sm_count,
     )
     .map_err(|e| Error::Shape(e.0))?;

@@ -95,6 +95,60 @@ fn inverse_from_cholesky(l: &[f64], k: usize) -> Vec<f64> {
     inv
 }
 
+/// A layer's damped Hessian, factored once for every weight that shares its input (q/k/v,
+/// gate/up): the quantization order and the upper Cholesky factor of its inverse.
+#[derive(Clone, Debug)]
+pub struct PreparedHessian {
+    k: usize,
+    order: Vec<usize>,
+    /// `U` with `H⁻¹ = Uᵀ U`, in the permuted order, stored as the lower factor's transpose
+    /// (`upper(i, j) = u[j * k + i]`).
+    u: Vec<f64>,
+    /// Inputs that never fired: their weights are quantized as zeros.
+    dead: Vec<bool>,
+}
+
+/// Damps and factors `h` (`[k, k]`, f64).
+pub fn prepare_hessian(
+    h: &[f64],
+    k: usize,
+    damp: f64,
+    act_order: bool,
+) -> Result<PreparedHessian, GptqError> {
+    if h.len() != k * k {
+        return Err(GptqError::Hessian { k, actual: h.len() });
+    }
+    let mut h = h.to_vec();
+    // Inputs that never fire carry no information: their weights are set to zero.
+    let mut dead = vec![false; k];
+    for i in 0..k {
+        if h[i * k + i] == 0.0 {
+            h[i * k + i] = 1.0;
+            dead[i] = true;
+        }
+    }
+    let mean_diag = (0..k).map(|i| h[i * k + i]).sum::<f64>() / k as f64;
+    for i in 0..k {
+        h[i * k + i] += damp * mean_diag;
+    }
+    let order: Vec<usize> = if act_order {
+        let mut o: Vec<usize> = (0..k).collect();
+        o.sort_by(|&a, &b| h[b * k + b].total_cmp(&h[a * k + a]));
+        o
+    } else {
+        (0..k).collect()
+    };
+    // Work in the permuted order: H_p[i][j] = H[o_i][o_j].
+    let mut l: Vec<f64> = (0..k * k)
+        .map(|idx| h[order[idx / k] * k + order[idx % k]])
+        .collect();
+    cholesky(&mut l, k)?;
+    let mut u = inverse_from_cholesky(&l, k);
+    // Upper Cholesky factor U of H⁻¹ (H⁻¹ = Uᵀ U): transpose of the lower factor.
+    cholesky(&mut u, k)?;
+    Ok(PreparedHessian { k, order, u, dead })
+}
+
 /// GPTQ-quantizes `w` (`[k, n]` row-major, `y = x w`) given the Hessian `h` (`[k, k]`) of the
 /// layer's inputs. Returns the packed weight (symmetric INT4, static groups).
 pub fn quantize_gptq(
@@ -104,72 +158,63 @@ pub fn quantize_gptq(
     h: &[f64],
     cfg: &GptqConfig,
 ) -> Result<PackedInt4, GptqError> {
-    if h.len() != k * k {
-        return Err(GptqError::Hessian { k, actual: h.len() });
+    let p = prepare_hessian(h, k, cfg.damp, cfg.act_order)?;
+    quantize_gptq_prepared(w, k, n, &p, cfg.group, cfg.scale_type)
+}
+
+/// [`quantize_gptq`] with a Hessian already prepared (shared by several weights).
+pub fn quantize_gptq_prepared(
+    w: &[f32],
+    k: usize,
+    n: usize,
+    p: &PreparedHessian,
+    group: usize,
+    scale_type: ScaleType,
+) -> Result<PackedInt4, GptqError> {
+    if p.k != k {
+        return Err(GptqError::Hessian {
+            k,
+            actual: p.k * p.k,
+        });
     }
     // Static group scales from the original weights (the same as RTN's).
-    let rtn = crate::int4::quantize_rtn(w, k, n, cfg.group, cfg.scale_type)?;
-    let scale = |row: usize, col: usize| rtn.group_params(row, col).0 as f64;
-
-    let mut h = h.to_vec();
+    let rtn = crate::int4::quantize_rtn(w, k, n, group, scale_type)?;
     let mut w: Vec<f64> = w.iter().map(|&v| v as f64).collect();
-    // Inputs that never fire carry no information: their weights are set to zero.
-    for i in 0..k {
-        if h[i * k + i] == 0.0 {
-            h[i * k + i] = 1.0;
-            w[i * n..(i + 1) * n].iter_mut().for_each(|v| *v = 0.0);
-        }
+    for (i, _) in p.dead.iter().enumerate().filter(|(_, d)| **d) {
+        w[i * n..(i + 1) * n].iter_mut().for_each(|v| *v = 0.0);
     }
-    let mean_diag = (0..k).map(|i| h[i * k + i]).sum::<f64>() / k as f64;
-    for i in 0..k {
-        h[i * k + i] += cfg.damp * mean_diag;
-    }
-    let order: Vec<usize> = if cfg.act_order {
-        let mut o: Vec<usize> = (0..k).collect();
-        o.sort_by(|&a, &b| h[b * k + b].total_cmp(&h[a * k + a]));
-        o
-    } else {
-        (0..k).collect()
-    };
-    // Work in the permuted order: H_p[i][j] = H[o_i][o_j].
-    let hp: Vec<f64> = (0..k * k)
-        .map(|idx| h[order[idx / k] * k + order[idx % k]])
-        .collect();
-    let mut l = hp;
-    cholesky(&mut l, k)?;
-    let hinv = inverse_from_cholesky(&l, k);
-    // Upper Cholesky factor U of H⁻¹ (H⁻¹ = Uᵀ U): transpose of the lower factor.
-    let mut u = hinv;
-    cholesky(&mut u, k)?;
-    let upper = |i: usize, j: usize| u[j * k + i];
-
+    let upper = |i: usize, j: usize| p.u[j * k + i];
     let mut q = vec![0u8; k * n];
+    let mut err = vec![0f64; n];
     for pi in 0..k {
-        let row = order[pi];
+        let row = p.order[pi];
         let d_ii = upper(pi, pi);
+        let wr = &w[row * n..(row + 1) * n];
         for col in 0..n {
-            let s = scale(row, col);
-            let v = w[row * n + col];
+            let s = rtn.group_params(row, col).0 as f64;
+            let v = wr[col];
             let qi = if s > 0.0 {
                 (v / s).round().clamp(-8.0, 7.0)
             } else {
                 0.0
             };
             q[row * n + col] = (qi as i32 + 8) as u8;
-            let err = (v - qi * s) / d_ii;
-            for pj in pi + 1..k {
-                w[order[pj] * n + col] -= err * upper(pi, pj);
+            err[col] = (v - qi * s) / d_ii;
+        }
+        // Push the row's error onto the rows not yet quantized, one contiguous row at a time.
+        for pj in pi + 1..k {
+            let c = upper(pi, pj);
+            if c == 0.0 {
+                continue;
+            }
+            let r = p.order[pj];
+            for (wv, e) in w[r * n..(r + 1) * n].iter_mut().zip(&err) {
+                *wv -= e * c;
             }
         }
     }
     Ok(PackedInt4::pack(
-        &q,
-        k,
-        n,
-        cfg.group,
-        cfg.scale_type,
-        rtn.scales,
-        None,
+        &q, k, n, group, scale_type, rtn.scales, None,
     )?)
 }
 

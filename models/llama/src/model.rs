@@ -187,8 +187,10 @@ impl<B: Backend> Attention<B> {
         cache: (&mut Tensor<B, 4>, &mut Tensor<B, 4>),
         starts: &[usize],
         mask: Tensor<B, 4, Bool>,
+        observe: &mut dyn FnMut(Site, &Tensor<B, 3>),
     ) -> Tensor<B, 3> {
         let [b, s, _] = x.dims();
+        observe(Site::Qkv, &x);
         let (h, kvh, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let q = self
             .q_proj
@@ -227,8 +229,9 @@ impl<B: Backend> Attention<B> {
         let (k, v) = (expand(kc.clone()), expand(vc.clone()));
         let mask = mask.expand([b, h, s, keys]);
         let out = module::attention(q, k, v, Some(mask), None, Default::default());
-        self.o_proj
-            .forward(out.swap_dims(1, 2).reshape([b, s, h * d]))
+        let out = out.swap_dims(1, 2).reshape([b, s, h * d]);
+        observe(Site::O, &out);
+        self.o_proj.forward(out)
     }
 }
 
@@ -240,9 +243,34 @@ pub struct Mlp<B: Backend> {
 }
 
 impl<B: Backend> Mlp<B> {
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.down_proj
-            .forward(activation::silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        observe: &mut dyn FnMut(Site, &Tensor<B, 3>),
+    ) -> Tensor<B, 3> {
+        observe(Site::GateUp, &x);
+        let h = activation::silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x);
+        observe(Site::Down, &h);
+        self.down_proj.forward(h)
+    }
+}
+
+/// Where a projection's input is observed (see [`Llama::forward_observed`]): the input shared
+/// by q/k/v, the attention output entering o, the input shared by gate/up, and the SwiGLU
+/// product entering down.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Site {
+    Qkv,
+    O,
+    GateUp,
+    Down,
+}
+
+impl Site {
+    pub const ALL: [Site; 4] = [Site::Qkv, Site::O, Site::GateUp, Site::Down];
+
+    pub fn index(self) -> usize {
+        self as usize
     }
 }
 
@@ -291,6 +319,19 @@ impl<B: FusedOps> Llama<B> {
         cache: &mut KvCache<B>,
         last_only: bool,
     ) -> Tensor<B, 3> {
+        self.forward_observed(tokens, new_lens, cache, last_only, &mut |_, _, _| {})
+    }
+
+    /// [`Llama::forward`], calling `observe(layer, site, input)` with the input of every
+    /// projection as it runs (calibration for quantizers: `crate::quant::calibrate`).
+    pub fn forward_observed(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        new_lens: &[usize],
+        cache: &mut KvCache<B>,
+        last_only: bool,
+        observe: &mut dyn FnMut(usize, Site, &Tensor<B, 3>),
+    ) -> Tensor<B, 3> {
         let [b, s] = tokens.dims();
         assert_eq!(new_lens.len(), b, "one length per sequence");
         assert!(
@@ -338,9 +379,10 @@ impl<B: FusedOps> Llama<B> {
                 (&mut cache.keys[l], &mut cache.values[l]),
                 &starts,
                 mask.clone(),
+                &mut |site, x| observe(l, site, x),
             );
             let (h, n) = stoke::residual_rms_norm(attn, x, layer.mlp_norm.val(), self.rms_norm_eps);
-            let mlp = layer.mlp.forward(n);
+            let mlp = layer.mlp.forward(n, &mut |site, x| observe(l, site, x));
             let next_gamma = if l + 1 < n_layers {
                 self.layers[l + 1].attn_norm.val()
             } else {

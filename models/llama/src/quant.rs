@@ -1,54 +1,347 @@
-//! Weight quantization of a loaded model, simulated: every projection (not the output head)
-//! is quantized to group-wise INT4 with the packer of `stoke_formats::int4` and replaced by its
-//! dequantized values. This is the reference the INT4 kernels are compared with, and the way to
-//! measure a quantizer's effect on quality on any backend.
+//! INT4 weight quantization of a loaded model: round-to-nearest or GPTQ, group-wise, into the
+//! packed format of `stoke_formats::int4`.
+//!
+//! [`quantize`] maps every attention and MLP projection (and the output head only when asked)
+//! to packed INT4. On a backend that keeps packed weights (`Stoke<I>`, through
+//! `FusedOps::packed_int4_weight`) the projections stay packed and `linear` runs the W4A16
+//! kernels; anywhere else they are replaced by their dequantized values (simulated
+//! quantization, the reference the kernels are compared with).
+//!
+//! GPTQ needs each projection's input statistics: [`calibrate`] runs the model over calibration
+//! sequences and accumulates `H = Σ xᵀx` at every projection input (one Hessian per input site:
+//! q/k/v share one, gate/up share one) with Burn ops on the model's backend, so on the GPU the
+//! accumulation runs through burn-cuda. The solve is f64 on the host (`stoke_formats::gptq`).
+//! All layers are calibrated in one pass of the full-precision model; memory is `4 k²` bytes
+//! per site and layer (tens of MB for SmolLM2, about 30 GB for an 8B model, which needs a
+//! layer-by-layer pass instead).
+//!
+//! [`fold_norm_gains`] moves each RMSNorm's learned gain into the rows of the projections it
+//! feeds (`(x̂ ⊙ γ) W = x̂ (diag(γ) W)`), leaving gains of ones: done before quantization the
+//! groups then see the weights as the kernels will use them, and a fused kernel can apply the
+//! norm as a per-row scale alone. The final norm before the output head is left as is.
 
-use crate::model::Llama;
+use crate::model::{Llama, Site};
 use burn::module::Param;
 use burn::nn::Linear;
-use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
-use stoke_formats::int4::{Int4Error, ScaleType, quantize_rtn};
+use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
+use std::time::Instant;
+use stoke::FusedOps;
+use stoke_formats::gptq::{GptqError, PreparedHessian, prepare_hessian, quantize_gptq_prepared};
+use stoke_formats::int4::{Int4Error, PackedInt4, ScaleType, quantize_rtn};
 
-/// Quantizes one Linear's weight (`[in, out]`) with round-to-nearest, groups of `group` inputs,
-/// scales stored as `scale_type`.
-pub fn rtn_linear<B: Backend>(
-    lin: Linear<B>,
-    group: usize,
-    scale_type: ScaleType,
-) -> Result<Linear<B>, Int4Error> {
-    let w = lin.weight.val();
-    let [k, n] = w.dims();
-    let (device, dtype) = (w.device(), w.dtype());
-    let values = w
-        .into_data()
-        .convert::<f32>()
-        .to_vec::<f32>()
-        .expect("f32 weights");
-    let packed = quantize_rtn(&values, k, n, group, scale_type)?;
-    let dq = Tensor::<B, 2>::from_data(TensorData::new(packed.dequantize(), [k, n]), &device)
-        .cast(dtype);
-    Ok(Linear {
-        weight: Param::from_tensor(dq),
-        bias: lin.bias,
-    })
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Method {
+    /// Round to nearest, `scale = amax / 7` per group.
+    Rtn,
+    /// GPTQ with the Hessians of a [`Calibration`]; `damp` is added to the diagonal as a
+    /// fraction of its mean; `act_order` quantizes inputs by decreasing Hessian diagonal.
+    Gptq { damp: f64, act_order: bool },
 }
 
-/// Every attention and MLP projection of `model`, RTN-quantized (the output head stays).
-pub fn simulate_rtn<B: Backend>(
-    mut model: Llama<B>,
-    group: usize,
-    scale_type: ScaleType,
-) -> Result<Llama<B>, Int4Error> {
-    for layer in &mut model.layers {
-        let a = &mut layer.attn;
-        for lin in [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj] {
-            *lin = rtn_linear(lin.clone(), group, scale_type)?;
-        }
-        let m = &mut layer.mlp;
-        for lin in [&mut m.gate_proj, &mut m.up_proj, &mut m.down_proj] {
-            *lin = rtn_linear(lin.clone(), group, scale_type)?;
+#[derive(Clone, Copy, Debug)]
+pub struct QuantizeConfig {
+    pub method: Method,
+    /// Group size along the input dimension; layers whose input size it does not divide use
+    /// [`group_for`]'s choice.
+    pub group: usize,
+    pub scale_type: ScaleType,
+    /// Quantize the output head too (kept in the model's dtype by default).
+    pub include_lm_head: bool,
+}
+
+impl Default for QuantizeConfig {
+    fn default() -> Self {
+        Self {
+            method: Method::Rtn,
+            group: 128,
+            scale_type: ScaleType::Bf16,
+            include_lm_head: false,
         }
     }
-    Ok(model)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum QuantError {
+    #[error("layer {layer} {proj}: {source}")]
+    Int4 {
+        layer: usize,
+        proj: &'static str,
+        #[source]
+        source: Int4Error,
+    },
+    #[error("layer {layer} {proj}: {source}")]
+    Gptq {
+        layer: usize,
+        proj: &'static str,
+        #[source]
+        source: GptqError,
+    },
+    #[error("GPTQ needs a calibration (see quant::calibrate)")]
+    NoCalibration,
+    #[error("the calibration is for {got} layers, the model has {want}")]
+    CalibrationLayers { got: usize, want: usize },
+    #[error("calibration sequence {index} is empty")]
+    EmptySequence { index: usize },
+}
+
+/// The group for an input dimension `k`: `group` when it divides `k`, else the largest power
+/// of two from 16 up to `group` that does (576 with 128 -> 64), else `k` (one group per column).
+pub fn group_for(k: usize, group: usize) -> usize {
+    if group > 0 && k % group == 0 {
+        return group;
+    }
+    let mut g = 16;
+    let mut best = None;
+    while g <= group {
+        if k % g == 0 {
+            best = Some(g);
+        }
+        g *= 2;
+    }
+    best.unwrap_or(k)
+}
+
+/// `H = Σ xᵀx` per layer and input [`Site`] (`[k, k]`, f32, on the model's device), and how many
+/// token rows went into each.
+pub struct Calibration<B: FusedOps> {
+    pub hessians: Vec<[Option<Tensor<B, 2>>; 4]>,
+    pub tokens: usize,
+}
+
+/// Runs `model` over `sequences` (token ids, `batch` at a time, each sequence alone in its
+/// row: no padding), accumulating the Hessian of every projection input.
+pub fn calibrate<B: FusedOps>(
+    model: &Llama<B>,
+    sequences: &[Vec<u32>],
+    batch: usize,
+    dtype: DType,
+    device: &B::Device,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Calibration<B>, QuantError> {
+    let layers = model.layers.len();
+    let mut hessians: Vec<[Option<Tensor<B, 2>>; 4]> =
+        (0..layers).map(|_| [None, None, None, None]).collect();
+    let mut tokens = 0;
+    if let Some(index) = sequences.iter().position(|s| s.is_empty()) {
+        return Err(QuantError::EmptySequence { index });
+    }
+    for (ci, chunk) in sequences.chunks(batch.max(1)).enumerate() {
+        // Equal lengths within a batch keep every row free of padding.
+        let len = chunk.iter().map(Vec::len).min().unwrap_or(0);
+        let ids: Vec<i64> = chunk
+            .iter()
+            .flat_map(|s| s[..len].iter().map(|&t| t as i64))
+            .collect();
+        let t = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [chunk.len(), len]), device);
+        let mut cache = crate::model::KvCache::for_model(model, chunk.len(), len, dtype, device);
+        let lens = vec![len; chunk.len()];
+        model.forward_observed(t, &lens, &mut cache, true, &mut |layer, site, x| {
+            let [b, s, k] = x.dims();
+            let x2 = x.clone().reshape([b * s, k]).cast(DType::F32);
+            let h = x2.clone().transpose().matmul(x2);
+            let slot = &mut hessians[layer][site.index()];
+            *slot = Some(match slot.take() {
+                Some(acc) => acc + h,
+                None => h,
+            });
+        });
+        tokens += len * chunk.len();
+        progress(ci + 1, sequences.len().div_ceil(batch.max(1)));
+    }
+    Ok(Calibration { hessians, tokens })
+}
+
+fn host_f32<B: FusedOps>(t: Tensor<B, 2>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .expect("f32 values")
+}
+
+/// A quantized weight as the backend keeps it: packed where it can (`Stoke<I>`), else the
+/// dequantized values in `dtype`.
+fn packed_param<B: FusedOps>(
+    p: PackedInt4,
+    dtype: DType,
+    device: &B::Device,
+) -> Param<Tensor<B, 2>> {
+    let (k, n) = (p.k, p.n);
+    let t = match B::packed_int4_weight(p.clone(), dtype, device) {
+        Some(prim) => Tensor::from_primitive(TensorPrimitive::Float(prim)),
+        None => {
+            Tensor::<B, 2>::from_data(TensorData::new(p.dequantize(), [k, n]), device).cast(dtype)
+        }
+    };
+    Param::from_tensor(t)
+}
+
+/// What [`quantize`] did, per projection.
+#[derive(Clone, Debug)]
+pub struct QuantReport {
+    pub layers: usize,
+    pub projections: usize,
+    /// (input size, group) pairs used.
+    pub groups: Vec<(usize, usize)>,
+    pub seconds: f64,
+}
+
+/// Quantizes every attention and MLP projection of `model` (and the head when
+/// `cfg.include_lm_head`) with `cfg.method`. GPTQ needs `calibration` from [`calibrate`] on the
+/// same model.
+pub fn quantize<B: FusedOps>(
+    mut model: Llama<B>,
+    cfg: &QuantizeConfig,
+    calibration: Option<&Calibration<B>>,
+) -> Result<(Llama<B>, QuantReport), QuantError> {
+    let t0 = Instant::now();
+    if let Method::Gptq { .. } = cfg.method {
+        let c = calibration.ok_or(QuantError::NoCalibration)?;
+        if c.hessians.len() != model.layers.len() {
+            return Err(QuantError::CalibrationLayers {
+                got: c.hessians.len(),
+                want: model.layers.len(),
+            });
+        }
+    }
+    let mut groups = Vec::new();
+    let mut projections = 0;
+    let one = |lin: &mut Linear<B>,
+               layer: usize,
+               proj: &'static str,
+               prepared: Option<&PreparedHessian>,
+               groups: &mut Vec<(usize, usize)>|
+     -> Result<(), QuantError> {
+        let w = lin.weight.val();
+        let [k, n] = w.dims();
+        let (device, dtype) = (w.device(), w.dtype());
+        let values = host_f32(w);
+        let group = group_for(k, cfg.group);
+        if !groups.contains(&(k, group)) {
+            groups.push((k, group));
+        }
+        let packed = match prepared {
+            None => quantize_rtn(&values, k, n, group, cfg.scale_type).map_err(|source| {
+                QuantError::Int4 {
+                    layer,
+                    proj,
+                    source,
+                }
+            })?,
+            Some(p) => quantize_gptq_prepared(&values, k, n, p, group, cfg.scale_type).map_err(
+                |source| QuantError::Gptq {
+                    layer,
+                    proj,
+                    source,
+                },
+            )?,
+        };
+        lin.weight = packed_param::<B>(packed, dtype, &device);
+        Ok(())
+    };
+    let n_layers = model.layers.len();
+    for (l, layer) in model.layers.iter_mut().enumerate() {
+        // One prepared Hessian per input site, shared by the projections reading it.
+        let prepared: [Option<PreparedHessian>; 4] = match cfg.method {
+            Method::Rtn => [None, None, None, None],
+            Method::Gptq { damp, act_order } => {
+                let c = calibration.expect("checked above");
+                let mut out: [Option<PreparedHessian>; 4] = [None, None, None, None];
+                for site in Site::ALL {
+                    let h = c.hessians[l][site.index()]
+                        .clone()
+                        .ok_or(QuantError::NoCalibration)?;
+                    let k = h.dims()[0];
+                    let h64: Vec<f64> = host_f32(h).into_iter().map(f64::from).collect();
+                    let name =
+                        ["qkv input", "o input", "gate/up input", "down input"][site.index()];
+                    out[site.index()] =
+                        Some(prepare_hessian(&h64, k, damp, act_order).map_err(|source| {
+                            QuantError::Gptq {
+                                layer: l,
+                                proj: name,
+                                source,
+                            }
+                        })?);
+                }
+                out
+            }
+        };
+        let p = |s: Site| prepared[s.index()].as_ref();
+        let a = &mut layer.attn;
+        one(&mut a.q_proj, l, "q_proj", p(Site::Qkv), &mut groups)?;
+        one(&mut a.k_proj, l, "k_proj", p(Site::Qkv), &mut groups)?;
+        one(&mut a.v_proj, l, "v_proj", p(Site::Qkv), &mut groups)?;
+        one(&mut a.o_proj, l, "o_proj", p(Site::O), &mut groups)?;
+        let m = &mut layer.mlp;
+        one(
+            &mut m.gate_proj,
+            l,
+            "gate_proj",
+            p(Site::GateUp),
+            &mut groups,
+        )?;
+        one(&mut m.up_proj, l, "up_proj", p(Site::GateUp), &mut groups)?;
+        one(&mut m.down_proj, l, "down_proj", p(Site::Down), &mut groups)?;
+        projections += 7;
+    }
+    if cfg.include_lm_head {
+        // The head's input is the final norm's output; RTN only (no calibration site for it).
+        one(&mut model.lm_head, n_layers, "lm_head", None, &mut groups)?;
+        projections += 1;
+    }
+    Ok((
+        model,
+        QuantReport {
+            layers: n_layers,
+            projections,
+            groups,
+            seconds: t0.elapsed().as_secs_f64(),
+        },
+    ))
+}
+
+/// Folds each block's RMSNorm gains into the projections they feed (attention norm into
+/// q/k/v, MLP norm into gate/up) and sets those gains to ones. Exact in real arithmetic; the
+/// final norm is kept.
+pub fn fold_norm_gains<B: FusedOps>(mut model: Llama<B>) -> Llama<B> {
+    fn scale_rows<B: FusedOps>(lin: &mut Linear<B>, gamma: &Tensor<B, 1>) {
+        let w = lin.weight.val();
+        let [k, _] = w.dims();
+        let dtype = w.dtype();
+        let g = gamma.clone().cast(DType::F32).reshape([k, 1]);
+        lin.weight = Param::from_tensor((w.cast(DType::F32) * g).cast(dtype));
+    }
+    for layer in &mut model.layers {
+        let g = layer.attn_norm.val();
+        for lin in [
+            &mut layer.attn.q_proj,
+            &mut layer.attn.k_proj,
+            &mut layer.attn.v_proj,
+        ] {
+            scale_rows(lin, &g);
+        }
+        layer.attn_norm = Param::from_tensor(g.ones_like());
+        let g = layer.mlp_norm.val();
+        for lin in [&mut layer.mlp.gate_proj, &mut layer.mlp.up_proj] {
+            scale_rows(lin, &g);
+        }
+        layer.mlp_norm = Param::from_tensor(g.ones_like());
+    }
+    model
+}
+
+/// Every projection RTN-quantized and dequantized (simulated), the head kept: the shorthand
+/// the examples and tests use.
+pub fn simulate_rtn<B: FusedOps>(
+    model: Llama<B>,
+    group: usize,
+    scale_type: ScaleType,
+) -> Result<Llama<B>, QuantError> {
+    let cfg = QuantizeConfig {
+        method: Method::Rtn,
+        group,
+        scale_type,
+        include_lm_head: false,
+    };
+    quantize(model, &cfg, None).map(|(m, _)| m)
 }

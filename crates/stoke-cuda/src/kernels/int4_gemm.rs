@@ -61,6 +61,24 @@ pub const ENTRY_POINTS: &[&str] = &[
     "int4_gemm_swiglu_f16s_m8",
     "int4_gemm_swiglu_f16s_m16",
     "int4_gemm_swiglu_f16s_m32",
+    "int4_gemm_pipe_plain_bf16s_m8",
+    "int4_gemm_pipe_plain_bf16s_m16",
+    "int4_gemm_pipe_plain_bf16s_m32",
+    "int4_gemm_pipe_plain_f16s_m8",
+    "int4_gemm_pipe_plain_f16s_m16",
+    "int4_gemm_pipe_plain_f16s_m32",
+    "int4_gemm_pipe_residual_bf16s_m8",
+    "int4_gemm_pipe_residual_bf16s_m16",
+    "int4_gemm_pipe_residual_bf16s_m32",
+    "int4_gemm_pipe_residual_f16s_m8",
+    "int4_gemm_pipe_residual_f16s_m16",
+    "int4_gemm_pipe_residual_f16s_m32",
+    "int4_gemm_pipe_swiglu_bf16s_m8",
+    "int4_gemm_pipe_swiglu_bf16s_m16",
+    "int4_gemm_pipe_swiglu_bf16s_m32",
+    "int4_gemm_pipe_swiglu_f16s_m8",
+    "int4_gemm_pipe_swiglu_f16s_m16",
+    "int4_gemm_pipe_swiglu_f16s_m32",
 ];
 
 /// What the kernel does with each finished value.
@@ -89,6 +107,34 @@ impl Epilogue {
         match self {
             Epilogue::SwiGlu => n / 2,
             _ => n,
+        }
+    }
+}
+
+/// How a warp streams its weights (both kernels share the work split, fold and epilogue).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Variant {
+    /// `int4_gemm_*`: loads of 4 k-tiles into registers, then their math.
+    #[default]
+    Batched,
+    /// `int4_gemm_pipe_*`: a per-warp `cp.async` ring in shared memory, 7 k-tiles (5 for
+    /// 32 rows) ahead of the math. Needs `x`, scales and offsets 16-byte aligned.
+    Pipelined,
+}
+
+impl Variant {
+    /// `STOKE_INT4_KERNEL=pipelined` or `batched` (the default).
+    pub fn from_env() -> Self {
+        match std::env::var("STOKE_INT4_KERNEL").as_deref() {
+            Ok("pipelined") | Ok("pipe") => Variant::Pipelined,
+            _ => Variant::Batched,
+        }
+    }
+
+    fn prefix(self) -> &'static str {
+        match self {
+            Variant::Batched => "int4_gemm",
+            Variant::Pipelined => "int4_gemm_pipe",
         }
     }
 }
@@ -134,6 +180,7 @@ fn gcd(a: u32, b: u32) -> u32 {
 /// the group and the 8 k-tiles a warp keeps in flight); a 64-column slab gets as many CTAs
 /// along k as it takes for the grid to fill every SM with `TARGET_WARPS_PER_SM` warps, but
 /// never more warps than fold units.
+#[allow(clippy::too_many_arguments)]
 pub fn plan(
     m: u32,
     k: u32,
@@ -141,6 +188,7 @@ pub fn plan(
     group: u32,
     f16_scales: bool,
     epilogue: Epilogue,
+    variant: Variant,
     sm_count: u32,
 ) -> Result<Vec<Launch>, ShapeError> {
     if k == 0 || k % 16 != 0 || n == 0 || n % 64 != 0 {
@@ -172,7 +220,7 @@ pub fn plan(
         let entry = ENTRY_POINTS
             .iter()
             .copied()
-            .find(|e| *e == format!("int4_gemm_{}_{scales}_m{mt}", epilogue.name()))
+            .find(|e| *e == format!("{}_{}_{scales}_m{mt}", variant.prefix(), epilogue.name()))
             .expect("every (epilogue, scale type, m-tile) has an entry point");
         out.push(Launch {
             entry,
@@ -204,9 +252,14 @@ mod tests {
     fn source_is_self_contained_and_instantiates_every_entry() {
         assert!(!SOURCE.contains("#include"));
         for e in ENTRY_POINTS {
-            assert!(SOURCE.contains(&format!("INT4_GEMM_ENTRY({e},")), "{e}");
+            let is_defined = SOURCE.contains(&format!("INT4_GEMM_ENTRY({e},"))
+                || SOURCE.contains(&format!("INT4_GEMM_PIPE_ENTRY({e},"));
+            assert!(is_defined, "{e}");
         }
-        let defined = SOURCE.matches("INT4_GEMM_ENTRY(int4_gemm_").count();
+        let defined = SOURCE.matches("INT4_GEMM_ENTRY(int4_gemm_").count()
+            + SOURCE
+                .matches("INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_")
+                .count();
         assert_eq!(defined, ENTRY_POINTS.len());
     }
 
@@ -222,7 +275,17 @@ mod tests {
             (4096, 960, 4096),
         ] {
             for m in [1, 2, 7, 16, 31, 32, 33, 100] {
-                let plan = plan(m, k, n, group, false, Epilogue::Plain, 132).unwrap();
+                let plan = plan(
+                    m,
+                    k,
+                    n,
+                    group,
+                    false,
+                    Epilogue::Plain,
+                    Variant::Batched,
+                    132,
+                )
+                .unwrap();
                 let covered: u32 = plan.iter().map(|l| l.rows).sum();
                 assert_eq!(covered, m);
                 for (i, l) in plan.iter().enumerate() {
@@ -241,12 +304,44 @@ mod tests {
             }
         }
         // A big square matrix is split along k until ~16 warps per SM are busy.
-        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, 132).unwrap()[0];
+        let l = plan(
+            1,
+            4096,
+            4096,
+            128,
+            false,
+            Epilogue::Plain,
+            Variant::Batched,
+            132,
+        )
+        .unwrap()[0];
         assert_eq!((l.fold_kt, l.splits), (8, 8));
-        let l = plan(1, 576, 576, 64, true, Epilogue::SwiGlu, 132).unwrap()[0];
+        let l = plan(
+            1,
+            576,
+            576,
+            64,
+            true,
+            Epilogue::SwiGlu,
+            Variant::Batched,
+            132,
+        )
+        .unwrap()[0];
         assert_eq!(l.entry, "int4_gemm_swiglu_f16s_m8");
-        assert!(plan(1, 100, 64, 16, false, Epilogue::Plain, 132).is_err());
-        assert!(plan(1, 128, 96, 16, false, Epilogue::Plain, 132).is_err());
-        assert!(plan(1, 128, 64, 48, false, Epilogue::Plain, 132).is_err());
+        let l = plan(
+            20,
+            576,
+            576,
+            64,
+            false,
+            Epilogue::Residual,
+            Variant::Pipelined,
+            132,
+        )
+        .unwrap();
+        assert_eq!(l[0].entry, "int4_gemm_pipe_residual_bf16s_m32");
+        let bad =
+            |k, n, g| plan(1, k, n, g, false, Epilogue::Plain, Variant::Batched, 132).is_err();
+        assert!(bad(100, 64, 16) && bad(128, 96, 16) && bad(128, 64, 48));
     }
 }

@@ -1,0 +1,187 @@
+//! Model quantization (`stoke_llama::quant`): RTN and GPTQ into packed INT4, calibration
+//! through the model's projection inputs, and RMSNorm gain folding.
+
+use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
+use stoke_formats::int4::ScaleType;
+use stoke_formats::reference::relative_error;
+use stoke_llama::load::load_gguf;
+use stoke_llama::model::{KvCache, Llama};
+use stoke_llama::quant::{
+    Method, QuantError, QuantizeConfig, calibrate, fold_norm_gains, group_for, quantize,
+};
+use stoke_llama::synthetic::{Tiny, gguf, weights};
+
+type Plain = burn_ndarray::NdArray<f32>;
+type Packed = stoke::Stoke<burn_ndarray::NdArray<f32>>;
+
+/// Shapes the packed layout takes (k % 16, n % 64) with GQA.
+const SHAPES: Tiny = Tiny {
+    vocab: 300,
+    hidden: 128,
+    inter: 192,
+    layers: 2,
+    heads: 4,
+    kv_heads: 2,
+    head_dim: 32,
+    theta: 10000.0,
+    eps: 1e-5,
+};
+
+fn model<B: stoke::FusedOps>(seed: u64) -> Llama<B> {
+    let w = weights(&SHAPES, true, seed);
+    let path = std::env::temp_dir().join(format!(
+        "stoke-quant-{}-{seed}-{}.gguf",
+        std::process::id(),
+        std::any::type_name::<B>().len()
+    ));
+    std::fs::write(&path, gguf(&SHAPES, &w)).unwrap();
+    let m = load_gguf::<B>(&path, &Default::default(), DType::F32, 64)
+        .unwrap()
+        .model;
+    let _ = std::fs::remove_file(&path);
+    m
+}
+
+/// Token sequences that look like text to nobody but exercise every position.
+fn sequences(count: usize, len: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut s = seed;
+    (0..count)
+        .map(|_| {
+            (0..len)
+                .map(|_| {
+                    s = s
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((s >> 33) % SHAPES.vocab as u64) as u32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn logits<B: stoke::FusedOps>(m: &Llama<B>, seqs: &[Vec<u32>]) -> Vec<f64> {
+    let len = seqs[0].len();
+    let ids: Vec<i64> = seqs.iter().flatten().map(|&t| t as i64).collect();
+    let t = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(ids, [seqs.len(), len]),
+        &Default::default(),
+    );
+    let mut cache = KvCache::for_model(m, seqs.len(), len, DType::F32, &Default::default());
+    m.forward(t, &vec![len; seqs.len()], &mut cache, false)
+        .into_data()
+        .convert::<f64>()
+        .to_vec::<f64>()
+        .unwrap()
+}
+
+#[test]
+fn group_sizes_fall_back_to_a_power_of_two_that_divides_k() {
+    assert_eq!(group_for(4096, 128), 128);
+    assert_eq!(group_for(576, 128), 64);
+    assert_eq!(group_for(1536, 128), 128);
+    assert_eq!(group_for(14336, 128), 128);
+    assert_eq!(group_for(48, 128), 16);
+    assert_eq!(group_for(576, 32), 32);
+    assert_eq!(group_for(8, 128), 8); // no multiple of 16 divides it: one group per column
+}
+
+#[test]
+fn folding_norm_gains_keeps_the_logits() {
+    let m = model::<Plain>(11);
+    let g = m.layers[0]
+        .attn_norm
+        .val()
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    assert!(
+        g.iter().any(|v| (v - 1.0).abs() > 1e-3),
+        "the test needs non-trivial gains"
+    );
+    let seqs = sequences(2, 12, 5);
+    let want = logits(&m, &seqs);
+    let folded = fold_norm_gains(m);
+    for l in &folded.layers {
+        for norm in [&l.attn_norm, &l.mlp_norm] {
+            let v = norm.val().into_data().to_vec::<f32>().unwrap();
+            assert!(v.iter().all(|x| *x == 1.0));
+        }
+    }
+    let err = relative_error(&logits(&folded, &seqs), &want);
+    assert!(err < 1e-5, "relative error {err:e}");
+}
+
+#[test]
+fn rtn_on_stoke_keeps_weights_packed_with_the_simulated_values() {
+    let cfg = QuantizeConfig {
+        method: Method::Rtn,
+        group: 32,
+        scale_type: ScaleType::Bf16,
+        include_lm_head: false,
+    };
+    let (packed, report) = quantize(model::<Packed>(3), &cfg, None).unwrap();
+    let (simulated, _) = quantize(model::<Plain>(3), &cfg, None).unwrap();
+    assert_eq!(report.projections, 7 * SHAPES.layers);
+    assert_eq!(report.groups, vec![(128, 32), (192, 32)]);
+    let TensorPrimitive::Float(p) = packed.layers[1].mlp.down_proj.weight.val().into_primitive()
+    else {
+        panic!("float weight")
+    };
+    assert!(
+        p.downcast_ref::<stoke::packed::PackedWeight<Plain>>()
+            .is_some()
+    );
+    let seqs = sequences(2, 10, 9);
+    assert_eq!(logits(&packed, &seqs), logits(&simulated, &seqs));
+}
+
+#[test]
+fn gptq_needs_a_calibration() {
+    let cfg = QuantizeConfig {
+        method: Method::Gptq {
+            damp: 0.01,
+            act_order: false,
+        },
+        ..Default::default()
+    };
+    assert!(matches!(
+        quantize(model::<Plain>(3), &cfg, None),
+        Err(QuantError::NoCalibration)
+    ));
+}
+
+/// Calibrated on the text it is evaluated on, GPTQ's logits are closer to the full-precision
+/// model's than RTN's at the same group size (GPTQ minimizes each layer's output error).
+#[test]
+fn gptq_is_closer_to_the_original_than_rtn() {
+    let m = model::<Plain>(21);
+    let seqs = sequences(8, 24, 77);
+    let want = logits(&m, &seqs);
+    let calib = calibrate(&m, &seqs, 4, DType::F32, &Default::default(), |_, _| {}).unwrap();
+    assert_eq!(calib.tokens, 8 * 24);
+    let cfg = |method| QuantizeConfig {
+        method,
+        group: 32,
+        scale_type: ScaleType::F16,
+        include_lm_head: false,
+    };
+    let (rtn, _) = quantize(m.clone(), &cfg(Method::Rtn), None).unwrap();
+    let mut errs = Vec::new();
+    for act_order in [false, true] {
+        let (gptq, _) = quantize(
+            m.clone(),
+            &cfg(Method::Gptq {
+                damp: 0.01,
+                act_order,
+            }),
+            Some(&calib),
+        )
+        .unwrap();
+        errs.push(relative_error(&logits(&gptq, &seqs), &want));
+    }
+    let rtn_err = relative_error(&logits(&rtn, &seqs), &want);
+    assert!(
+        errs.iter().all(|e| *e < 0.8 * rtn_err),
+        "GPTQ errors {errs:?} vs RTN {rtn_err}"
+    );
+}
