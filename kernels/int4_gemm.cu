@@ -277,31 +277,28 @@ __device__ __forceinline__ void finish(const Int4GemmParams& p, const float (&ac
     __syncthreads();
     const u32 rows = min(p.m, u32(MT * 16));
     const u32 pairs = rows * 32;  // (row, column pair) items of this slab
-    if (p.splits == 1) {
-        for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
-            const u32 r = i / 32, c = 2 * (i % 32);
-            float v0 = 0.0f, v1 = 0.0f;
-#pragma unroll
-            for (int wi = 0; wi < WARPS; ++wi) {
-                v0 += at(wi, r, c);
-                v1 += at(wi, r, c + 1);
-            }
-            store_pair<EPI>(p, r, slab * 64 + c, v0, v1);
-        }
-        return;
-    }
-    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
-        const u32 r = i / 32, c = 2 * (i % 32);
-        float v0 = 0.0f, v1 = 0.0f;
+    // Sum of the warps' values at (r, c) and (r, c + 1).
+    auto warp_sum = [&](u32 r, u32 c, float& v0, float& v1) {
+        v0 = v1 = 0.0f;
 #pragma unroll
         for (int wi = 0; wi < WARPS; ++wi) {
             v0 += at(wi, r, c);
             v1 += at(wi, r, c + 1);
         }
-        float* ws = p.workspace + u64(r) * p.n + slab * 64 + c;
-        atomicAdd(ws, v0);
-        atomicAdd(ws + 1, v1);
+    };
+    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
+        const u32 r = i / 32, c = 2 * (i % 32);
+        float v0, v1;
+        warp_sum(r, c, v0, v1);
+        if (p.splits == 1) {
+            store_pair<EPI>(p, r, slab * 64 + c, v0, v1);
+        } else {
+            float* ws = p.workspace + u64(r) * p.n + slab * 64 + c;
+            atomicAdd(ws, v0);
+            atomicAdd(ws + 1, v1);
+        }
     }
+    if (p.splits == 1) return;
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) last_cta = atomicAdd(p.counters + slab, 1u) == p.splits - 1;

@@ -32,6 +32,19 @@ pub const TINY: Tiny = Tiny {
     eps: 1e-5,
 };
 
+/// The smallest shapes Stoke's packed INT4 layout takes (k % 16, n % 64), with GQA.
+pub const PACKABLE: Tiny = Tiny {
+    vocab: 300,
+    hidden: 128,
+    inter: 192,
+    layers: 2,
+    heads: 4,
+    kv_heads: 2,
+    head_dim: 32,
+    theta: 10000.0,
+    eps: 1e-5,
+};
+
 /// Weights in the Hugging Face layout (`[out, in]` row-major), f64.
 pub struct Weights {
     pub embed: Vec<f64>,

@@ -4,22 +4,11 @@
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use stoke_llama::load::{load_gguf, load_gguf_packed};
 use stoke_llama::model::KvCache;
-use stoke_llama::synthetic::{Tiny, gguf_q4_1, weights};
+use stoke_llama::synthetic::{PACKABLE, Tiny, gguf_q4_1, weights};
 
 type B = stoke::Stoke<burn_ndarray::NdArray<f32>>;
 
-/// Shapes the packed layout takes (k % 16, n % 64) with GQA.
-const SHAPES: Tiny = Tiny {
-    vocab: 300,
-    hidden: 128,
-    inter: 192,
-    layers: 2,
-    heads: 4,
-    kv_heads: 2,
-    head_dim: 32,
-    theta: 10000.0,
-    eps: 1e-5,
-};
+const SHAPES: Tiny = PACKABLE;
 
 fn logits(m: &stoke_llama::model::Llama<B>) -> Vec<f32> {
     let mut cache = KvCache::for_model(m, 1, 32, DType::F32, &Default::default());

@@ -9,23 +9,12 @@ use stoke_llama::model::{KvCache, Llama};
 use stoke_llama::quant::{
     Method, QuantError, QuantizeConfig, calibrate, fold_norm_gains, group_for, quantize,
 };
-use stoke_llama::synthetic::{Tiny, gguf, weights};
+use stoke_llama::synthetic::{PACKABLE, Tiny, gguf, weights};
 
 type Plain = burn_ndarray::NdArray<f32>;
 type Packed = stoke::Stoke<burn_ndarray::NdArray<f32>>;
 
-/// Shapes the packed layout takes (k % 16, n % 64) with GQA.
-const SHAPES: Tiny = Tiny {
-    vocab: 300,
-    hidden: 128,
-    inter: 192,
-    layers: 2,
-    heads: 4,
-    kv_heads: 2,
-    head_dim: 32,
-    theta: 10000.0,
-    eps: 1e-5,
-};
+const SHAPES: Tiny = PACKABLE;
 
 fn model<B: stoke::FusedOps>(seed: u64) -> Llama<B> {
     let w = weights(&SHAPES, true, seed);
