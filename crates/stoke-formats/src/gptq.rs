@@ -71,25 +71,42 @@ fn cholesky(a: &mut [f64], k: usize) -> Result<(), GptqError> {
     Ok(())
 }
 
-/// `A⁻¹` from the lower Cholesky factor `L` of `A`.
+/// `A⁻¹` from the lower Cholesky factor `L` of `A`: `X = L⁻¹` row by row, then
+/// `A⁻¹ = Xᵀ X` as a sum of row outer products (every inner loop runs over a contiguous row).
 fn inverse_from_cholesky(l: &[f64], k: usize) -> Vec<f64> {
-    // L⁻¹ by forward substitution, then A⁻¹ = L⁻ᵀ L⁻¹.
-    let mut li = vec![0.0; k * k];
-    for c in 0..k {
-        for i in c..k {
-            let mut s = if i == c { 1.0 } else { 0.0 };
-            for p in c..i {
-                s -= l[i * k + p] * li[p * k + c];
+    let mut x = vec![0.0; k * k];
+    for i in 0..k {
+        // X[i][..=i] = (e_i - sum_{p < i} L[i][p] X[p][..]) / L[i][i]
+        let (done, rest) = x.split_at_mut(i * k);
+        let row = &mut rest[..k];
+        row[i] = 1.0;
+        for p in 0..i {
+            let c = l[i * k + p];
+            if c != 0.0 {
+                for (v, xp) in row[..=p].iter_mut().zip(&done[p * k..p * k + p + 1]) {
+                    *v -= c * xp;
+                }
             }
-            li[i * k + c] = s / l[i * k + i];
         }
+        let d = l[i * k + i];
+        row[..=i].iter_mut().for_each(|v| *v /= d);
     }
     let mut inv = vec![0.0; k * k];
+    for p in 0..k {
+        let xp = &x[p * k..p * k + p + 1];
+        for i in 0..=p {
+            let c = xp[i];
+            if c != 0.0 {
+                for (v, xj) in inv[i * k..i * k + i + 1].iter_mut().zip(&xp[..=i]) {
+                    *v += c * xj;
+                }
+            }
+        }
+    }
+    // Only j <= i was accumulated; mirror it.
     for i in 0..k {
-        for j in 0..=i {
-            let s: f64 = (i.max(j)..k).map(|p| li[p * k + i] * li[p * k + j]).sum();
-            inv[i * k + j] = s;
-            inv[j * k + i] = s;
+        for j in 0..i {
+            inv[j * k + i] = inv[i * k + j];
         }
     }
     inv
