@@ -5,4 +5,5 @@ pub mod bf16;
 pub mod gguf;
 pub mod gptq;
 pub mod int4;
+pub mod kv;
 pub mod reference;
