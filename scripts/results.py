@@ -116,6 +116,19 @@ def render_int4(w, res, path):
     render_tests(w, res["gpu_tests"], max_details=300)
 
 
+def render_kv(w, res, path):
+    m = res["meta"]
+    w(f"## KV-cache rotation ([`{path}`](../{path}), commit `{m['commit']}`, {m['date_utc']}, {m['machine']})")
+    w("")
+    w(f"`{m['command']}`: {m['what']}. Peer figure: {m['peer']}.")
+    w("")
+    w("| shape | outlier channels x factor | block | INT4 unrotated | INT4 rotated | FP8 unrotated | FP8 rotated |")
+    w("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in res["runs"]:
+        w(f"| {r['shape']} ({r['heads']}/{r['kv_heads']} heads, d {r['head_dim']}) | {r['outlier_channels']} x {r['outlier_factor']:g} | {r['block']} | {100 * r['int4_unrotated']:.1f}% | {100 * r['int4_rotated']:.1f}% | {100 * r['fp8_unrotated']:.2f}% | {100 * r['fp8_rotated']:.2f}% |")
+    w("")
+
+
 def render(res, results_path, extras=()):
     m, b = res["meta"], res["bench"]
     out = []
@@ -208,6 +221,8 @@ def render(res, results_path, extras=()):
             render_quality(w, extra, path)
         elif "int4" in extra:
             render_int4(w, extra, path)
+        elif "int4_unrotated" in json.dumps(extra.get("runs", [])[:1]):
+            render_kv(w, extra, path)
         else:
             render_llama(w, extra, path)
     w("## Kernel resources (ptxas, as loaded in this run)")
