@@ -17,6 +17,9 @@
 //        two for 32; m8 knows fragment rows 8-15 are empty and skips their loads). Rows past
 //        m are treated as zeros and never written. Larger m: one launch per 32 rows.
 //
+// int4_gemm_pipe_EPI_SC_mROWS: the same contract, with the weights streamed through a cp.async
+// ring in shared memory (see the section before its entry points).
+//
 // Launch: block = (128, 1, 1) (4 warps); grid = (n / 64, splits, 1). Each CTA owns a 64-column
 // slab; the k range is cut into fold units (fold_kt k-tiles of 16 rows, fold_kt dividing both
 // group / 16 and 8) dealt evenly to the splits * 4 warps of the slab. Warps of a CTA reduce
