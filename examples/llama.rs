@@ -115,11 +115,13 @@ struct Args {
     calib_sequences: usize,
     #[arg(long, default_value_t = 512)]
     calib_len: usize,
-    /// GPTQ damping, as a fraction of the Hessian's mean diagonal.
-    #[arg(long, default_value_t = 0.01)]
+    /// GPTQ damping, as a fraction of the Hessian's mean diagonal (0.1 measured best on
+    /// SmolLM2 with 16-65k calibration tokens; 0.01 overfits them).
+    #[arg(long, default_value_t = 0.1)]
     damp: f64,
-    /// GPTQ: quantize inputs in order of decreasing activation energy.
-    #[arg(long)]
+    /// GPTQ: quantize inputs in order of decreasing activation energy (`--act-order false` for
+    /// the natural order).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     act_order: bool,
     /// Fold each RMSNorm gain into the projections it feeds before quantizing.
     #[arg(long)]
