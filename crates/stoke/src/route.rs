@@ -5,7 +5,7 @@ use crate::cuda;
 use crate::tensor::{StokeTensor, lift_float, lower_float};
 use burn_backend::ops::AttentionModuleOptions;
 use burn_backend::tensor::BoolTensor;
-use burn_backend::{Backend, ExecutionError, TensorData};
+use burn_backend::{Backend, ExecutionError, TensorData, TensorMetadata};
 
 /// `ModuleOps::linear` (weight `[d_in, d_out]`). A packed INT4 weight with decode-sized bf16
 /// input runs the W4A16 kernel; anything else goes to the inner backend's matmul (a packed
@@ -18,7 +18,14 @@ pub(crate) fn linear<I: Backend>(
     if let Some(y) = cuda::int4_linear::try_linear::<I>(&x, &weight) {
         return match bias {
             None => y,
-            Some(b) => lift_float::<I>(I::float_add(lower_float(y), lower_float(b))),
+            Some(b) => {
+                // bias [n] -> [1, ..., 1, n], as Burn's own linear does.
+                let y = lower_float(y);
+                let mut dims = vec![1; y.shape().num_dims()];
+                let b = lower_float(b);
+                *dims.last_mut().unwrap() = b.shape().num_elements();
+                lift_float::<I>(I::float_add(y, I::float_reshape(b, dims.into())))
+            }
         };
     }
     lift_float::<I>(I::linear(
