@@ -129,6 +129,22 @@ struct Args {
     /// Quantize the output head too (RTN; kept in `--dtype` by default).
     #[arg(long)]
     quantize_lm_head: bool,
+    /// With `--perplexity`: store the KV cache in this format (simulated: each K/V row is
+    /// quantized and dequantized once, when written), to measure the format's quality cost.
+    #[arg(long, value_enum)]
+    kv_cache: Option<KvArg>,
+    /// With `--kv-cache`: rotate K/V rows by normalized Hadamard blocks of this size first
+    /// (32, 64 or 128, dividing head_dim).
+    #[arg(long)]
+    kv_rotate: Option<usize>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum KvArg {
+    /// Signed INT4, one amax/7 scale per token and kv head.
+    Int4,
+    /// FP8 E4M3, one amax/448 scale per token and kv head.
+    Fp8,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
@@ -290,6 +306,13 @@ fn generate_on<B: FusedOps>(
             args.context,
             args.windows,
             dtype,
+            args.kv_cache.map(|f| stoke_llama::model::CacheQuant {
+                format: match f {
+                    KvArg::Int4 => stoke_llama::model::CacheFormat::Int4,
+                    KvArg::Fp8 => stoke_llama::model::CacheFormat::Fp8,
+                },
+                rotate_block: args.kv_rotate,
+            }),
             &device,
         )?;
         println!(

@@ -2,7 +2,7 @@
 //! without BOS, take the first `windows` non-overlapping windows of `window` tokens, run a full
 //! causal forward per window, and report `exp(mean NLL)` over every predicted token.
 
-use crate::model::{KvCache, Llama};
+use crate::model::{CacheQuant, KvCache, Llama};
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use stoke::FusedOps;
 use tokenizers::Tokenizer;
@@ -15,7 +15,8 @@ pub struct Perplexity {
     pub windows: usize,
 }
 
-/// Perplexity of `model` on `text`; `Err` if the text has fewer than `windows * window` tokens.
+/// Perplexity of `model` on `text` (with the KV cache stored in `cache_quant`'s format when
+/// given); `Err` if the text has fewer than `windows * window` tokens.
 pub fn perplexity<B: FusedOps>(
     model: &Llama<B>,
     tokenizer: &Tokenizer,
@@ -23,6 +24,7 @@ pub fn perplexity<B: FusedOps>(
     window: usize,
     windows: usize,
     dtype: DType,
+    cache_quant: Option<CacheQuant>,
     device: &B::Device,
 ) -> Result<Perplexity, String> {
     let ids = tokenizer
@@ -43,6 +45,7 @@ pub fn perplexity<B: FusedOps>(
     for w in 0..windows {
         let chunk = &ids[w * window..(w + 1) * window];
         let mut cache = KvCache::for_model(model, 1, window, dtype, device);
+        cache.quantize = cache_quant;
         let tokens = Tensor::<B, 2, Int>::from_data(
             TensorData::new(
                 chunk.iter().map(|&t| t as i64).collect::<Vec<_>>(),

@@ -105,6 +105,59 @@ pub struct KvCache<B: Backend> {
     /// Tokens already in the cache, per sequence.
     pub lens: Vec<usize>,
     pub capacity: usize,
+    /// Store each new K/V row as its quantized-then-dequantized value (the cache formats of
+    /// `stoke_formats::kv`), to measure a cache format's effect on quality on any backend.
+    pub quantize: Option<CacheQuant>,
+}
+
+/// A simulated KV-cache format: every K and V row (one token, one kv head) is rotated by
+/// `rotate_block`-sized normalized Hadamard blocks when set, quantized with one scale per row,
+/// dequantized and rotated back, once, when written. Rotating back instead of rotating the
+/// query gives the same attention (the rotation is orthonormal).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CacheQuant {
+    pub format: CacheFormat,
+    pub rotate_block: Option<usize>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheFormat {
+    /// Signed INT4, scale = amax / 7 per row.
+    Int4,
+    /// FP8 E4M3, scale = amax / 448 per row.
+    Fp8,
+}
+
+impl CacheQuant {
+    /// `x: [batch, kv_heads, seq, head_dim]`, each row through the format (on the host).
+    fn apply<B: Backend>(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        use stoke_formats::kv;
+        let (dims, device, dtype) = (x.dims(), x.device(), x.dtype());
+        let d = dims[3];
+        let mut v = x
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .expect("f32 values");
+        let rotate = |v: &mut Vec<f32>| {
+            if let Some(b) = self.rotate_block {
+                kv::hadamard(v, d, b).expect("rotation block divides head_dim");
+            }
+        };
+        rotate(&mut v);
+        let mut v = match self.format {
+            CacheFormat::Int4 => {
+                let (q, s) = kv::quantize_int4(&v, d, kv::Int4Order::Natural).expect("head_dim");
+                kv::dequantize_int4(&q, &s, d, kv::Int4Order::Natural)
+            }
+            CacheFormat::Fp8 => {
+                let (q, s) = kv::quantize_fp8(&v, d).expect("head_dim");
+                kv::dequantize_fp8(&q, &s, d)
+            }
+        };
+        rotate(&mut v);
+        Tensor::<B, 4>::from_data(TensorData::new(v, dims), &device).cast(dtype)
+    }
 }
 
 impl<B: Backend> KvCache<B> {
@@ -161,6 +214,7 @@ impl<B: Backend> KvCache<B> {
             values: (0..layers).map(|_| z()).collect(),
             lens: vec![0; batch],
             capacity,
+            quantize: None,
         }
     }
 }
@@ -185,6 +239,7 @@ impl<B: Backend> Attention<B> {
         rope: &Rope<B>,
         positions: Tensor<B, 2, Int>,
         cache: (&mut Tensor<B, 4>, &mut Tensor<B, 4>),
+        quantize: Option<CacheQuant>,
         starts: &[usize],
         mask: Tensor<B, 4, Bool>,
         observe: &mut dyn FnMut(Site, &Tensor<B, 3>),
@@ -209,6 +264,10 @@ impl<B: Backend> Attention<B> {
             .swap_dims(1, 2);
         let q = rope.apply(q, positions.clone());
         let k = rope.apply(k, positions);
+        let (k, v) = match quantize {
+            Some(cq) => (cq.apply(k), cq.apply(v)),
+            None => (k, v),
+        };
 
         let (kc, vc) = cache;
         for (i, &start) in starts.iter().enumerate() {
@@ -377,6 +436,7 @@ impl<B: FusedOps> Llama<B> {
                 &self.rope,
                 positions.clone(),
                 (&mut cache.keys[l], &mut cache.values[l]),
+                cache.quantize,
                 &starts,
                 mask.clone(),
                 &mut |site, x| observe(l, site, x),
