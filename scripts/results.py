@@ -3,6 +3,8 @@
 
 Usage: scripts/results.py RUN_DIR results/NAME.json [results/EXTRA.json ...]
        scripts/results.py --render results/NAME.json [results/EXTRA.json ...]   (no new run)
+       scripts/results.py --int4 RUN_DIR results/NAME.json   (a `gpu-run.sh OUT int4` run; then --render
+                                                              with it among the extras)
 RUN_DIR holds what scripts/gpu-run.sh wrote: gpu-tests.json, bench.json, torch-rms.json, gpu.txt.
 Docs quote only numbers that come from a committed results file, so RESULTS.md is generated.
 """
@@ -26,6 +28,17 @@ def merge(run):
     meta["nvidia_smi"] = gpu_txt.strip().splitlines()[-1] if gpu_txt.strip() else ""
     return {"meta": meta, "gpu_tests": tests["tests"], "bench": bench["bench"], "torch_rms_norm": torch,
             "llama": llama["llama"] if llama else None}
+
+
+def merge_int4(run):
+    """A `gpu-run.sh OUT int4` run: the W4A16 tests, benchmark and PyTorch peers."""
+    tests = load(run, "gpu-tests.json")
+    int4 = load(run, "int4.json")
+    gpu_txt = (Path(run) / "gpu.txt").read_text() if (Path(run) / "gpu.txt").exists() else ""
+    meta = dict(int4["meta"])
+    meta["nvidia_smi"] = gpu_txt.strip().splitlines()[-1] if gpu_txt.strip() else ""
+    return {"meta": meta, "gpu_tests": tests["tests"] if tests else [], "int4": int4["int4"],
+            "torch_int4": load(run, "torch-int4.json") or []}
 
 
 def torch_best(torch, rows, hidden, dtype, impls):
@@ -236,6 +249,11 @@ def render(res, results_path, extras=()):
 
 
 def main():
+    if sys.argv[1] == "--int4":
+        run, dest = sys.argv[2], sys.argv[3]
+        Path(dest).write_text(json.dumps(merge_int4(run), indent=1) + "\n")
+        print(f"wrote {dest}")
+        return
     run, dest, extras = sys.argv[1], sys.argv[2], sys.argv[3:]
     if run == "--render":
         res = json.loads(Path(dest).read_text())
