@@ -72,13 +72,18 @@ def render_quality(w, res, path):
     w("")
 
 
-def render_llama(w, res, path):
+def section(w, title, res, path):
+    """A section heading naming the results file, its commit and date, then the run's note."""
     m = res["meta"]
-    w(f"## SmolLM2-135M-Instruct: the baseline ([`{path}`](../{path}), commit `{m['commit']}`, {m['date_utc']})")
+    w(f"## {title} ([`{path}`](../{path}), commit `{m['commit']}`, {m['date_utc']})")
     w("")
     if m.get("note"):
         w(f"Note: {m['note']}")
         w("")
+
+
+def render_llama(w, res, path):
+    section(w, "SmolLM2-135M-Instruct: the baseline", res, path)
     w("Greedy generation through `stoke_llama::generate`, weights dequantized from the GGUF at load. Stoke<Cuda> routes only")
     w("RMSNorm to its kernel so far; every other op is burn-cuda's, and each RMSNorm crosses between the two streams")
     w("(see the crossing costs). Median of 3 runs after a warm-up.")
@@ -95,13 +100,8 @@ def render_llama(w, res, path):
 
 
 def render_int4(w, res, path):
-    m = res["meta"]
     b = res["int4"]
-    w(f"## W4A16 GEMM ([`{path}`](../{path}), commit `{m['commit']}`, {m['date_utc']})")
-    w("")
-    if m.get("note"):
-        w(f"Note: {m['note']}")
-        w("")
+    section(w, "W4A16 GEMM", res, path)
     copy = [e for e in res["torch_int4"] if e.get("impl") == "d2d_copy"][0]
     w(f"`kernels/int4_gemm.cu`, group 128, symmetric, bf16 scales; Llama-3.1 projection shapes (gate/up as one")
     w(f"interleaved GEMM). µs per call (CUDA events, median of 5 batches), weights rotated through >= 160 MB of")
