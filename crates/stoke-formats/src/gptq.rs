@@ -211,7 +211,7 @@ pub fn quantize_gptq_prepared(
             let s = rtn.group_params(row, col).0 as f64;
             let v = wr[col];
             let qi = if s > 0.0 {
-                (v / s).round().clamp(-8.0, 7.0)
+                (v / s).round_ties_even().clamp(-8.0, 7.0)
             } else {
                 0.0
             };

@@ -235,7 +235,8 @@ impl PackedInt4 {
 }
 
 /// Round-to-nearest symmetric quantization of `w` (`[k, n]` row-major, f32): per group of
-/// `group` rows and per column, `scale = amax / 7`, `q = clamp(round(w / scale), -8, 7) + 8`.
+/// `group` rows and per column, `scale = amax / 7`, `q = clamp(round(w / scale), -8, 7) + 8`
+/// (round half to even, as Burn's `round`).
 /// The scale is rounded to `scale_type` first, and `q` computed with the rounded scale.
 pub fn quantize_rtn(
     w: &[f32],
@@ -267,7 +268,7 @@ pub fn quantize_rtn(
             let d = scale_type.to_f32(bits);
             for r in rows {
                 let v = if d > 0.0 {
-                    (w[r * n + col] / d).round().clamp(-8.0, 7.0)
+                    (w[r * n + col] / d).round_ties_even().clamp(-8.0, 7.0)
                 } else {
                     0.0
                 };

@@ -192,7 +192,7 @@ pub fn quantize_int4(
         let out = &mut bytes[r * head_dim / 2..(r + 1) * head_dim / 2];
         for (i, &v) in row.iter().enumerate() {
             let q = if s > 0.0 {
-                (v / s).round().clamp(-8.0, 7.0) as i8
+                (v / s).round_ties_even().clamp(-8.0, 7.0) as i8
             } else {
                 0
             };

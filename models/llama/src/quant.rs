@@ -27,7 +27,7 @@ use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use std::time::Instant;
 use stoke::FusedOps;
 use stoke_formats::gptq::{GptqError, PreparedHessian, prepare_hessian, quantize_gptq_prepared};
-use stoke_formats::int4::{Int4Error, PackedInt4, ScaleType, quantize_rtn};
+use stoke_formats::int4::{Int4Error, PackedInt4, ScaleType};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Method {
@@ -158,6 +158,41 @@ fn host_f32<B: FusedOps>(t: Tensor<B, 2>) -> Vec<f32> {
         .expect("f32 values")
 }
 
+/// Round-to-nearest INT4 of a weight `[k, n]` in Burn ops on its own backend (on burn-cuda for
+/// a model on the GPU): per group of `group` rows and column, `scale = amax / 7` rounded to
+/// `scale_type`, `q = clamp(round(w / scale), -8, 7) + 8`. Only the group maxima (`k / group x n`)
+/// and the finished nibbles go through the host; equal to `stoke_formats::int4::quantize_rtn`.
+pub fn rtn_burn<B: FusedOps>(
+    w: Tensor<B, 2>,
+    group: usize,
+    scale_type: ScaleType,
+) -> Result<PackedInt4, Int4Error> {
+    let [k, n] = w.dims();
+    if group == 0 || group % 16 != 0 || k % group != 0 {
+        return Err(Int4Error::Group { group, k });
+    }
+    let device = w.device();
+    let g = w.cast(DType::F32).reshape([k / group, group, n]);
+    let amax = host_f32(g.clone().abs().max_dim(1).reshape([k / group, n]));
+    // The scale is rounded to its 16-bit type on the host (not every backend has bf16/f16).
+    let bits: Vec<u16> = amax.iter().map(|a| scale_type.from_f32(a / 7.0)).collect();
+    // Empty groups divide by 1 instead of 0 (their weights are 0: q = 8, as the reference).
+    let d: Vec<f32> = bits
+        .iter()
+        .map(|b| match scale_type.to_f32(*b) {
+            v if v > 0.0 => v,
+            _ => 1.0,
+        })
+        .collect();
+    let d = Tensor::<B, 3>::from_data(TensorData::new(d, [k / group, 1, n]), &device);
+    let q = (g / d).round().clamp(-8.0, 7.0).add_scalar(8.0);
+    let q: Vec<u8> = host_f32(q.reshape([k, n]))
+        .into_iter()
+        .map(|v| v as u8)
+        .collect();
+    PackedInt4::pack(&q, k, n, group, scale_type, bits, None)
+}
+
 /// A quantized weight as the backend keeps it: packed where it can (`Stoke<I>`), else the
 /// dequantized values in `dtype`.
 fn packed_param<B: FusedOps>(
@@ -214,26 +249,22 @@ pub fn quantize<B: FusedOps>(
         let w = lin.weight.val();
         let [k, n] = w.dims();
         let (device, dtype) = (w.device(), w.dtype());
-        let values = host_f32(w);
         let group = group_for(k, cfg.group);
         if !groups.contains(&(k, group)) {
             groups.push((k, group));
         }
         let packed = match prepared {
-            None => quantize_rtn(&values, k, n, group, cfg.scale_type).map_err(|source| {
-                QuantError::Int4 {
-                    layer,
-                    proj,
-                    source,
-                }
+            None => rtn_burn(w, group, cfg.scale_type).map_err(|source| QuantError::Int4 {
+                layer,
+                proj,
+                source,
             })?,
-            Some(p) => quantize_gptq_prepared(&values, k, n, p, group, cfg.scale_type).map_err(
-                |source| QuantError::Gptq {
+            Some(p) => quantize_gptq_prepared(&host_f32(w), k, n, p, group, cfg.scale_type)
+                .map_err(|source| QuantError::Gptq {
                     layer,
                     proj,
                     source,
-                },
-            )?,
+                })?,
         };
         lin.weight = packed_param::<B>(packed, dtype, &device);
         Ok(())

@@ -228,3 +228,37 @@ fn quantized_caches_are_written_once_per_row() {
         "FP8 closer than INT4: {errs:?}"
     );
 }
+
+/// RTN in Burn ops gives exactly the reference packer's weight, including halfway cases (a
+/// weight on a grid of half-steps) and empty groups.
+#[test]
+fn rtn_in_burn_ops_equals_the_reference_packer() {
+    use stoke_formats::int4::quantize_rtn;
+    use stoke_llama::quant::rtn_burn;
+    let (k, n) = (128, 64);
+    let mut s = 99u64;
+    let mut w: Vec<f32> = (0..k * n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+        })
+        .collect();
+    // Column 3: multiples of a quarter, so w / scale hits exact halves; column 5: all zeros.
+    for r in 0..k {
+        w[r * n + 3] = ((r % 29) as f32 - 14.0) * 0.25;
+        w[r * n + 5] = 0.0;
+    }
+    for (group, st) in [
+        (32, ScaleType::Bf16),
+        (64, ScaleType::F16),
+        (128, ScaleType::Bf16),
+    ] {
+        let want = quantize_rtn(&w, k, n, group, st).unwrap();
+        let t =
+            Tensor::<Plain, 2>::from_data(TensorData::new(w.clone(), [k, n]), &Default::default());
+        let got = rtn_burn(t, group, st).unwrap();
+        assert_eq!(got, want, "group {group} {st:?}");
+    }
+}
