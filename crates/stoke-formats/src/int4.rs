@@ -10,9 +10,9 @@
 //!     w = d * (q - 8)        (symmetric: RTN, GPTQ, GGUF Q4_0), i.e. m = -8 d, exact
 //! ```
 //!
-//! so the kernel's inner loop is the same for both: `q` becomes a 16-bit float `q` exactly
-//! (magic-number LOP3 and one subtraction), then one fused multiply-add with the group's `d`
-//! and `m`. Scales and offsets are stored as raw 16-bit patterns of `scale_dtype` (bf16 or f16:
+//! so the kernel's inner loop is the same for both: nibbles become the bf16 values `128 + q`
+//! exactly (one magic-number LOP3 per pair), and the group's `d` and `m` are applied to the
+//! finished sums (`docs/INT4_FORMAT.md`). Scales and offsets are stored as raw 16-bit patterns of `scale_dtype` (bf16 or f16:
 //! GGUF's f16 scales load exactly).
 //!
 //! Nibble order. `mma.sync.m16n8k16` takes B as 16x8 (k x n) tiles; lane `l` of a warp
