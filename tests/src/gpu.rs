@@ -38,6 +38,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::int4::int4_gemm_matches_dequantized_reference,
     ),
     (
+        "int4_linear_epilogues_match_reference",
+        crate::int4::int4_linear_epilogues_match_reference,
+    ),
+    (
         "smollm2_int4_decode_matches_dequantized",
         crate::llama::int4_decode_matches_dequantized,
     ),

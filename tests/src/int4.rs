@@ -334,3 +334,87 @@ pub fn bench(copy_gbps: f64) -> Value {
         .collect();
     json!({ "copy_gbps": copy_gbps, "runs": rows, "kernels": regs })
 }
+
+/// `stoke::linear_residual` and `stoke::linear_swiglu` on packed weights (gate/up interleaved
+/// with `PackedInt4::interleave_columns`) through backend `B`, against f64 over the
+/// dequantized weights: returns the relative errors (residual, swiglu). `x` is `[2, rows, k]`
+/// (a 3-D activation), rounded to bf16 first so every backend sees the same inputs.
+pub fn linear_epilogues<B: stoke::FusedOps>(
+    rows: usize,
+    dtype: burn::tensor::DType,
+    seed: u64,
+) -> (f64, f64) {
+    use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+    let (k, n) = (256, 192);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let device = Default::default();
+    let wo = random_weight(&mut rng, k, n, 64, ScaleType::F16, true);
+    let gate = random_weight(&mut rng, k, n, 64, ScaleType::F16, true);
+    let up = random_weight(&mut rng, k, n, 64, ScaleType::F16, false);
+    let gu = PackedInt4::interleave_columns(&gate, &up).unwrap();
+    let linear = |p: &PackedInt4| -> burn::nn::Linear<B> {
+        let w = match B::packed_int4_weight(p.clone(), dtype, &device) {
+            Some(t) => Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t)),
+            None => Tensor::<B, 2>::from_data(TensorData::new(p.dequantize(), [p.k, p.n]), &device)
+                .cast(dtype),
+        };
+        burn::nn::Linear {
+            weight: burn::module::Param::from_tensor(w),
+            bias: None,
+        }
+    };
+    let m = 2 * rows;
+    let x: Vec<f32> = (0..m * k)
+        .map(|_| bf16::round(rng.random_range(-2.0f32..2.0)))
+        .collect();
+    let r: Vec<f32> = (0..m * n)
+        .map(|_| bf16::round(rng.random_range(-3.0f32..3.0)))
+        .collect();
+    let xt =
+        Tensor::<B, 3>::from_data(TensorData::new(x.clone(), [2, rows, k]), &device).cast(dtype);
+    let rt =
+        Tensor::<B, 3>::from_data(TensorData::new(r.clone(), [2, rows, n]), &device).cast(dtype);
+    let got_res = crate::f64s(stoke::linear_residual(xt.clone(), &linear(&wo), rt).into_data());
+    let got_glu = crate::f64s(stoke::linear_swiglu(xt, &linear(&gu)).into_data());
+    let want_res = reference(&x, m, &wo.dequantize(), k, n, Epilogue::Residual, &r, None);
+    let want_glu = reference(
+        &x,
+        m,
+        &gu.dequantize(),
+        k,
+        2 * n,
+        Epilogue::SwiGlu,
+        &[],
+        None,
+    );
+    (
+        relative_error(&got_res, &want_res),
+        relative_error(&got_glu, &want_glu),
+    )
+}
+
+/// The fused-epilogue linears on `Stoke<Cuda>` with packed weights run the kernels and match
+/// f64 over the dequantized weights (bf16 activations and outputs).
+pub fn int4_linear_epilogues_match_reference() -> Result<Value, String> {
+    crate::gpu()?;
+    let seed = crate::seed();
+    let calls0 = stoke::cuda::int4_linear::kernel_calls();
+    let mut report = json!({ "seed": seed });
+    for rows in [1, 5, 20] {
+        let (res, glu) =
+            linear_epilogues::<crate::StokeCuda>(rows, burn::tensor::DType::BF16, seed);
+        report[format!("rows_{rows}")] = json!({ "residual_rel_err": res, "swiglu_rel_err": glu });
+        if !(res < 5e-3 && glu < 5e-3) {
+            return Err(format!(
+                "rows {rows}: relative errors residual {res:.3e}, swiglu {glu:.3e}; {report}"
+            ));
+        }
+    }
+    let calls = stoke::cuda::int4_linear::kernel_calls() - calls0;
+    if calls != 6 {
+        return Err(format!(
+            "{calls} kernel calls, expected 6 (the fallback ran): {report}"
+        ));
+    }
+    Ok(report)
+}

@@ -166,3 +166,21 @@ fn fused_ops_train_under_autodiff() {
         .collect();
     assert!(reference::relative_error(&got, &want) < 1e-5);
 }
+
+/// The fused-epilogue linears' reference compositions: on the CPU backend with dequantized
+/// weights, and on `Stoke<NdArray>` with packed ones (gate/up interleaved), against f64.
+#[test]
+fn linear_epilogue_compositions_match_the_reference() {
+    let seed = stoke_tests::seed();
+    for rows in [1, 5] {
+        for (res, glu) in [
+            stoke_tests::int4::linear_epilogues::<Cpu>(rows, burn::tensor::DType::F32, seed),
+            stoke_tests::int4::linear_epilogues::<S>(rows, burn::tensor::DType::F32, seed),
+        ] {
+            assert!(
+                res < 1e-5 && glu < 1e-5,
+                "seed {seed} rows {rows}: {res:e} {glu:e}"
+            );
+        }
+    }
+}

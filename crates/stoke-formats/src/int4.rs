@@ -83,6 +83,11 @@ pub enum Int4Error {
         expected: usize,
         actual: usize,
     },
+    #[error("INT4 weights to interleave differ: [k, n, group] {a:?} vs {b:?} (or scale types)")]
+    Mismatch {
+        a: (usize, usize, usize),
+        b: (usize, usize, usize),
+    },
     #[error("INT4 value {value} at ({row}, {col}) is outside 0..=15")]
     Range { row: usize, col: usize, value: u8 },
 }
@@ -226,6 +231,60 @@ impl PackedInt4 {
         )
     }
 
+    /// Two weights of the same shape side by side with their columns interleaved: column `2j` is
+    /// `a`'s column `j`, column `2j + 1` is `b`'s (gate and up for a SwiGLU epilogue). A symmetric
+    /// weight paired with an asymmetric one gets its offsets written out (`m = -8 d`, exact).
+    pub fn interleave_columns(a: &PackedInt4, b: &PackedInt4) -> Result<PackedInt4, Int4Error> {
+        if a.k != b.k || a.n != b.n || a.group != b.group || a.scale_type != b.scale_type {
+            return Err(Int4Error::Mismatch {
+                a: (a.k, a.n, a.group),
+                b: (b.k, b.n, b.group),
+            });
+        }
+        let (k, n, groups) = (a.k, a.n, a.k / a.group);
+        let (qa, qb) = (a.unpack_q(), b.unpack_q());
+        let q: Vec<u8> = (0..k * 2 * n)
+            .map(|i| {
+                let (row, col) = (i / (2 * n), i % (2 * n));
+                let src = if col % 2 == 0 { &qa } else { &qb };
+                src[row * n + col / 2]
+            })
+            .collect();
+        let mix = |x: &[u16], y: &[u16]| -> Vec<u16> {
+            (0..groups * 2 * n)
+                .map(|i| {
+                    let (g, col) = (i / (2 * n), i % (2 * n));
+                    let src = if col % 2 == 0 { x } else { y };
+                    src[g * n + col / 2]
+                })
+                .collect()
+        };
+        let offsets_of = |p: &PackedInt4| -> Vec<u16> {
+            match &p.offsets {
+                Some(o) => o.clone(),
+                None => p
+                    .scales
+                    .iter()
+                    .map(|&d| p.scale_type.from_f32(-8.0 * p.scale_type.to_f32(d)))
+                    .collect(),
+            }
+        };
+        let offsets = if a.offsets.is_none() && b.offsets.is_none() {
+            None
+        } else {
+            Some(mix(&offsets_of(a), &offsets_of(b)))
+        };
+        PackedInt4::pack(
+            &q,
+            k,
+            2 * n,
+            a.group,
+            a.scale_type,
+            mix(&a.scales, &b.scales),
+            offsets,
+        )
+    }
+
     /// Bytes the kernel reads: packed words plus scales (and offsets).
     pub fn bytes(&self) -> usize {
         self.words.len() * 4
@@ -326,6 +385,35 @@ pub fn from_gguf_q4(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn interleaved_columns_dequantize_to_the_two_weights() {
+        use super::*;
+        let (k, n) = (64, 64);
+        let q = |seed: u32| -> Vec<u8> {
+            (0..k * n)
+                .map(|i| ((i as u32 * 7 + seed) % 16) as u8)
+                .collect()
+        };
+        let sc = |seed: u16| -> Vec<u16> {
+            (0..k / 32 * n)
+                .map(|i| ScaleType::F16.from_f32(0.01 * (1 + (i as u16 + seed) % 5) as f32))
+                .collect()
+        };
+        let a = PackedInt4::pack(&q(1), k, n, 32, ScaleType::F16, sc(0), None).unwrap();
+        let b = PackedInt4::pack(&q(5), k, n, 32, ScaleType::F16, sc(2), Some(sc(3))).unwrap();
+        let ab = PackedInt4::interleave_columns(&a, &b).unwrap();
+        assert_eq!((ab.k, ab.n), (k, 2 * n));
+        let (da, db, dab) = (a.dequantize(), b.dequantize(), ab.dequantize());
+        for r in 0..k {
+            for j in 0..n {
+                assert_eq!(dab[r * 2 * n + 2 * j], da[r * n + j]);
+                assert_eq!(dab[r * 2 * n + 2 * j + 1], db[r * n + j]);
+            }
+        }
+        let c = PackedInt4::pack(&q(1), k, n, 64, ScaleType::F16, vec![0; n], None).unwrap();
+        assert!(PackedInt4::interleave_columns(&a, &c).is_err());
+    }
+
     use super::*;
 
     fn lcg(seed: &mut u64) -> u32 {

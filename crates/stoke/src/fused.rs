@@ -7,9 +7,9 @@
 
 use crate::backend::Stoke;
 use burn::tensor::{Tensor, TensorPrimitive};
-use burn_backend::ops::FloatTensorOps;
+use burn_backend::ops::{FloatTensorOps, ModuleOps};
 use burn_backend::tensor::FloatTensor;
-use burn_backend::{Backend, DType, FloatDType, Scalar, TensorMetadata};
+use burn_backend::{Backend, DType, FloatDType, Scalar, Shape, TensorMetadata};
 
 pub trait FusedOps: Backend {
     /// `x * rsqrt(mean(x^2, last dim) + eps) * gamma`, in f32 and rounded to `x`'s dtype.
@@ -30,6 +30,23 @@ pub trait FusedOps: Backend {
         (sum, normed)
     }
 
+    /// `residual + x W` for a linear weight `W [k, n]` (Burn's layout): the residual add of an
+    /// output projection, fused into the GEMM where a kernel applies.
+    fn linear_residual(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        Self::float_add(Self::linear(x, weight, None), residual)
+    }
+
+    /// SwiGLU of a gate/up projection whose columns are interleaved (gate `j` at column `2j`,
+    /// up `j` at `2j + 1`; see `PackedInt4::interleave_columns`): `silu(x W[:, 2j]) * x W[:, 2j + 1]`,
+    /// shape `[.., n / 2]`.
+    fn linear_swiglu(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        swiglu_reference::<Self>(Self::linear(x, weight, None))
+    }
+
     /// A linear weight `[k, n]` kept in Stoke's packed INT4 format, presenting as a float tensor
     /// of `dtype`, on backends that keep such weights (`Stoke<I>`); `None` elsewhere, where
     /// callers use the dequantized values.
@@ -41,6 +58,21 @@ pub trait FusedOps: Backend {
         let _ = (packed, dtype, device);
         None
     }
+}
+
+/// `silu(y[.., 2j]) * y[.., 2j + 1]` over the last dimension of `y`, on any backend.
+pub fn swiglu_reference<B: Backend>(y: FloatTensor<B>) -> FloatTensor<B> {
+    let shape = y.shape();
+    let dims = shape.as_slice().to_vec();
+    let n = *dims.last().expect("rank >= 1");
+    let rows = shape.num_elements() / n.max(1);
+    let pairs = tensor::<B, 3>(B::float_reshape(y, Shape::new([rows, n / 2, 2])));
+    let gate = pairs.clone().narrow(2, 0, 1);
+    let up = pairs.narrow(2, 1, 1);
+    let out = burn::tensor::activation::silu(gate) * up;
+    let mut out_dims = dims;
+    *out_dims.last_mut().unwrap() = n / 2;
+    B::float_reshape(float(out), Shape::from(out_dims))
 }
 
 /// The reference RMSNorm composition on any backend.
@@ -85,6 +117,27 @@ impl<I: Backend> FusedOps for Stoke<I> {
         Some(crate::tensor::StokeTensor::owned(
             crate::packed::PackedWeight::<I>::new(packed, dtype, device.clone()),
         ))
+    }
+
+    fn linear_residual(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        use stoke_cuda::kernels::int4_gemm::Epilogue;
+        crate::cuda::int4_linear::try_linear_with::<I>(
+            &x,
+            &weight,
+            Epilogue::Residual,
+            Some(&residual),
+        )
+        .unwrap_or_else(|| Self::float_add(Self::linear(x, weight, None), residual))
+    }
+
+    fn linear_swiglu(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        use stoke_cuda::kernels::int4_gemm::Epilogue;
+        crate::cuda::int4_linear::try_linear_with::<I>(&x, &weight, Epilogue::SwiGlu, None)
+            .unwrap_or_else(|| swiglu_reference::<Self>(Self::linear(x, weight, None)))
     }
 
     fn rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
@@ -153,6 +206,36 @@ pub fn rms_norm<B: FusedOps, const D: usize>(
     eps: f64,
 ) -> Tensor<B, D> {
     tensor(B::rms_norm(float(x), float(gamma), eps))
+}
+
+/// `residual + linear(x)` (the linear's bias included), the add fused into the GEMM where a
+/// kernel applies (packed INT4 weights on `Stoke<Cuda>`).
+pub fn linear_residual<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    linear: &burn::nn::Linear<B>,
+    residual: Tensor<B, D>,
+) -> Tensor<B, D> {
+    let residual = match &linear.bias {
+        Some(b) => residual + b.val().unsqueeze(),
+        None => residual,
+    };
+    tensor(B::linear_residual(
+        float(x),
+        float(linear.weight.val()),
+        float(residual),
+    ))
+}
+
+/// SwiGLU of a gate/up linear with interleaved columns (see [`FusedOps::linear_swiglu`]),
+/// fused into the GEMM where a kernel applies. Returns `[.., n / 2]`.
+pub fn linear_swiglu<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    linear: &burn::nn::Linear<B>,
+) -> Tensor<B, D> {
+    match &linear.bias {
+        Some(_) => tensor(swiglu_reference::<B>(float(linear.forward(x)))),
+        None => tensor(B::linear_swiglu(float(x), float(linear.weight.val()))),
+    }
 }
 
 /// `s = x + residual` and `rms_norm(s)`, in one pass where a kernel applies. Returns `(s, normed)`.

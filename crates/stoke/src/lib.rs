@@ -26,5 +26,5 @@ mod route;
 pub mod tensor;
 
 pub use backend::Stoke;
-pub use fused::{FusedOps, residual_rms_norm, rms_norm};
+pub use fused::{FusedOps, linear_residual, linear_swiglu, residual_rms_norm, rms_norm};
 pub use tensor::{StokeData, StokeTensor};

@@ -32,6 +32,17 @@ pub(crate) fn try_linear<I: Backend>(
     x: &StokeTensor<I>,
     weight: &StokeTensor<I>,
 ) -> Option<StokeTensor<I>> {
+    try_linear_with(x, weight, Epilogue::Plain, None)
+}
+
+/// [`try_linear`] with a fused epilogue: `Residual` adds `residual` (bf16, shaped like the
+/// output), `SwiGlu` returns `silu(g) * u` of the interleaved gate/up columns (`[.., n / 2]`).
+pub(crate) fn try_linear_with<I: Backend>(
+    x: &StokeTensor<I>,
+    weight: &StokeTensor<I>,
+    epilogue: Epilogue,
+    residual: Option<&StokeTensor<I>>,
+) -> Option<StokeTensor<I>> {
     let pw = weight.downcast_ref::<PackedWeight<I>>()?;
     let device = super::float_device(x);
     let rt = runtime_for::<I>(&device)?;
@@ -48,6 +59,15 @@ pub(crate) fn try_linear<I: Backend>(
     let m = shape.num_elements() / k.max(1);
     if m == 0 || m > MAX_KERNEL_ROWS {
         return None;
+    }
+    let mut out_dims = dims.to_vec();
+    *out_dims.last_mut().unwrap() = n;
+    match (epilogue, residual) {
+        (Epilogue::Residual, Some(r))
+            if r.dtype() == DType::BF16 && r.shape().as_slice() == out_dims.as_slice() => {}
+        (Epilogue::Residual, _) => return None,
+        (Epilogue::SwiGlu, _) if n % 2 != 0 => return None,
+        _ => {}
     }
     let dw = pw
         .gpu
@@ -71,15 +91,17 @@ pub(crate) fn try_linear<I: Backend>(
         })
         .clone()?;
     let x_in = KernelInput::resolve(&rt, x, &device);
-    let mut out_dims = dims.to_vec();
-    *out_dims.last_mut().unwrap() = n;
+    let res_in = residual
+        .filter(|_| epilogue == Epilogue::Residual)
+        .map(|r| KernelInput::resolve(&rt, r, &device));
+    *out_dims.last_mut().unwrap() = epilogue.out_cols(n);
     let out = DeviceTensor::<I>::alloc(&rt, Shape::from(out_dims), DType::BF16, device);
     let call = Int4Gemm {
         x: x_in.ptr,
         m: m as u32,
         out: out.ptr(),
-        epilogue: Epilogue::Plain,
-        residual: 0,
+        epilogue,
+        residual: res_in.as_ref().map_or(0, |r| r.ptr),
         row_scale: 0,
         variant: variant(),
     };
@@ -88,7 +110,7 @@ pub(crate) fn try_linear<I: Backend>(
     if let Err(e) = unsafe { int4_gemm(&rt, &dw, &call) } {
         panic!("stoke linear (INT4): {e}");
     }
-    drop(x_in);
+    drop((x_in, res_in));
     KERNEL_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     Some(StokeTensor::owned(out))
 }
