@@ -61,8 +61,7 @@ def render_tests(w, tests, max_details=None):
 
 def render_quality(w, res, path):
     m = res["meta"]
-    w(f"## Model quality ([`{path}`](../{path}), commit `{m['commit']}`, {m['date_utc']}, {m['machine']})")
-    w("")
+    section(w, "Model quality", res, path)
     w(f"`{m['command']}`")
     w("")
     w("| model | weights | text | windows x tokens | predicted tokens | perplexity | reference | commit |")
@@ -73,9 +72,10 @@ def render_quality(w, res, path):
 
 
 def section(w, title, res, path):
-    """A section heading naming the results file, its commit and date, then the run's note."""
+    """A section heading naming the results file, its commit, date (and machine), then the run's note."""
     m = res["meta"]
-    w(f"## {title} ([`{path}`](../{path}), commit `{m['commit']}`, {m['date_utc']})")
+    machine = f", {m['machine']}" if m.get("machine") else ""
+    w(f"## {title} ([`{path}`](../{path}), commit `{m['commit']}`, {m['date_utc']}{machine})")
     w("")
     if m.get("note"):
         w(f"Note: {m['note']}")
@@ -131,8 +131,7 @@ def render_int4(w, res, path):
 
 def render_kv(w, res, path):
     m = res["meta"]
-    w(f"## KV-cache rotation ([`{path}`](../{path}), commit `{m['commit']}`, {m['date_utc']}, {m['machine']})")
-    w("")
+    section(w, "KV-cache rotation", res, path)
     w(f"`{m['command']}`: {m['what']}. Peer figure: {m['peer']}.")
     w("")
     w("| shape | outlier channels x factor | block | INT4 unrotated | INT4 rotated | FP8 unrotated | FP8 rotated |")

@@ -22,7 +22,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Median over `reps` of the mean µs per iteration of `body`, timed with events on Stoke's stream.
-fn time_events(rt: &Runtime, reps: usize, iters: usize, mut body: impl FnMut(usize)) -> f64 {
+pub(crate) fn time_events(
+    rt: &Runtime,
+    reps: usize,
+    iters: usize,
+    mut body: impl FnMut(usize),
+) -> f64 {
     let (start, stop) = (rt.timing_event().unwrap(), rt.timing_event().unwrap());
     for i in 0..iters.min(8) {
         body(i); // warm-up: module load, allocator pools

@@ -242,26 +242,6 @@ pub const BENCH_SHAPES: &[(&str, usize, usize)] = &[
 ];
 pub const BENCH_ROWS: &[usize] = &[1, 2, 4, 8, 16, 32];
 
-/// µs per call of `f` (median of 5 timings of `iters` back-to-back calls, CUDA events).
-fn time_us(rt: &Arc<Runtime>, iters: usize, mut f: impl FnMut()) -> f64 {
-    for _ in 0..3 {
-        f();
-    }
-    let (a, b) = (rt.timing_event().unwrap(), rt.timing_event().unwrap());
-    let mut v = Vec::new();
-    for _ in 0..5 {
-        rt.record(&a).unwrap();
-        for _ in 0..iters {
-            f();
-        }
-        rt.record(&b).unwrap();
-        b.synchronize().unwrap();
-        v.push(a.elapsed_ms(&b).unwrap() as f64 * 1e3 / iters as f64);
-    }
-    v.sort_by(f64::total_cmp);
-    v[2]
-}
-
 /// The W4A16 GEMM on the 8B/70B projection shapes, group 128 symmetric bf16 scales: µs,
 /// effective GB/s (packed weights + scales + activations + output) and the share of the same
 /// run's device-to-device copy rate.
@@ -297,10 +277,9 @@ pub fn bench(copy_gbps: f64) -> Value {
                     variant,
                 };
                 let iters = (200_000_000 / dw.bytes()).clamp(20, 2000);
-                let mut i = 0;
-                let us = time_us(&rt, iters, || {
-                    i = (i + 1) % copies;
-                    unsafe { int4_gemm(&rt, &dws[i], &call) }.unwrap()
+                // Median of 5 timings of `iters` back-to-back calls (CUDA events).
+                let us = crate::bench::time_events(&rt, 5, iters, |i| {
+                    unsafe { int4_gemm(&rt, &dws[i % copies], &call) }.unwrap()
                 });
                 let bytes = dw.bytes() + m * k * 2 + m * n * 2;
                 let gbps = bytes as f64 / us / 1e3;
