@@ -56,8 +56,10 @@ struct Int4GemmParams {
     u32 m, k, n, group;
     u32 fold_kt;            // k-tiles per fold unit
     u32 splits;             // CTAs per slab along k (gridDim.y)
+    u32 kt_stride;          // 512-byte blocks between k-tiles of one slab (the word order:
+    u32 slab_stride;        //   n / 64 and 1 k-tile major, 1 and k / 16 slab major)
 };
-static_assert(sizeof(Int4GemmParams) == 96, "Int4GemmParams layout");
+static_assert(sizeof(Int4GemmParams) == 104, "Int4GemmParams layout");
 
 constexpr int WARPS = 4;
 enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
@@ -331,7 +333,6 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
     const u32 slab = blockIdx.x;
-    const u32 slabs = p.n / 64;
     const u32 fkt = p.fold_kt;
     u32 kt_begin, kt_end;
     warp_range(p, warp, kt_begin, kt_end);
@@ -360,7 +361,7 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
         for (int i = 0; i < KB; ++i) {
             if (i < nb) {
                 const u32 kt = kt0 + i;
-                w[i] = load_stream(wp + (u64(kt) * slabs + slab) * 32 + lane, policy);
+                w[i] = load_stream(wp + (u64(kt) * p.kt_stride + u64(slab) * p.slab_stride) * 32 + lane, policy);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     const u32* r0 = x + u64(16 * mt + g) * xrow_words + kt * 8 + t;
@@ -449,7 +450,6 @@ __device__ __forceinline__ void int4_gemm_pipe(const Int4GemmParams& p) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
     const u32 slab = blockIdx.x;
-    const u32 slabs = p.n / 64;
     const u32 fkt = p.fold_kt;
     u32 kt_begin, kt_end;
     warp_range(p, warp, kt_begin, kt_end);
@@ -473,7 +473,7 @@ __device__ __forceinline__ void int4_gemm_pipe(const Int4GemmParams& p) {
     // Queues the loads of k-tile kt into stage `stage`.
     auto issue = [&](u32 kt, u32 stage) {
         unsigned char* st = ring + stage * S::BYTES;
-        cp_async16(st + lane * 16, wb + ((u64(kt) * slabs + slab) * 32 + lane) * 16, policy);
+        cp_async16(st + lane * 16, wb + ((u64(kt) * p.kt_stride + u64(slab) * p.slab_stride) * 32 + lane) * 16, policy);
         for (u32 c = lane; c < 2 * rows; c += 32) {
             const u32 r = c / 2, half = c % 2;
             cp_async16_keep(st + S::W_BYTES + r * 32 + half * 16, xb + (u64(r) * p.k + kt * 16 + half * 8) * 2);

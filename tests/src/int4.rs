@@ -6,7 +6,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
-use stoke_cuda::kernels::int4_gemm::{Epilogue, Variant};
+use stoke_cuda::kernels::int4_gemm::{Epilogue, Variant, WordOrder};
 use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::bf16;
 use stoke_formats::int4::{PackedInt4, ScaleType};
@@ -38,13 +38,18 @@ pub fn random_weight(
 }
 
 pub fn upload(rt: &Arc<Runtime>, p: &PackedInt4) -> DeviceInt4 {
-    DeviceInt4::upload(
+    upload_ordered(rt, p, WordOrder::default())
+}
+
+pub fn upload_ordered(rt: &Arc<Runtime>, p: &PackedInt4, order: WordOrder) -> DeviceInt4 {
+    DeviceInt4::upload_ordered(
         rt,
         (p.k, p.n, p.group),
         p.scale_type == ScaleType::F16,
         &p.words,
         &p.scales,
         p.offsets.as_deref(),
+        order,
     )
     .expect("upload")
 }
@@ -127,6 +132,8 @@ const ROWS: &[usize] = &[1, 2, 7, 16, 31, 32, 33];
 const TOLERANCE: f64 = 2e-3;
 /// Both weight-streaming kernels are tested and measured.
 const VARIANTS: [Variant; 2] = [Variant::Batched, Variant::Pipelined];
+/// Both device word orders are tested and measured.
+const ORDERS: [WordOrder; 2] = [WordOrder::KtMajor, WordOrder::SlabMajor];
 
 /// Every kernel variant against the f64 reference over the dequantized weight, on fresh random
 /// data with poisoned outputs.
@@ -140,7 +147,7 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
     for &(k, n, group, st, asym) in CASES {
         let p = random_weight(&mut rng, k, n, group, st, asym);
         let w = p.dequantize();
-        let dw = upload(&rt, &p);
+        let dws = ORDERS.map(|o| upload_ordered(&rt, &p, o));
         for &m in ROWS {
             // Activations rounded to bf16 first, so the reference sees the kernel's inputs.
             let x: Vec<f32> = (0..m * k)
@@ -184,7 +191,7 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
                     let cols = epi.out_cols(n);
                     let out = rt.alloc(m * cols * 2).map_err(|e| e.to_string())?;
                     let want = reference(&x, m, &w, k, n, epi, &residual, rs.as_deref());
-                    for variant in VARIANTS {
+                    for (variant, dw) in VARIANTS.into_iter().flat_map(|v| dws.iter().map(move |d| (v, d))) {
                         let call = Int4Gemm {
                             x: xb.ptr(),
                             m: m as u32,
@@ -193,14 +200,16 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
                             residual: rb.as_ref().map_or(0, |b| b.ptr()),
                             row_scale: sb.as_ref().map_or(0, |b| b.ptr()),
                             variant,
+                            splits: 0,
                         };
                         // Poisoned before each variant writes it.
                         unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }
                             .map_err(|e| e.to_string())?;
-                        unsafe { int4_gemm(&rt, &dw, &call) }.map_err(|e| e.to_string())?;
+                        let order = dw.order;
+                        unsafe { int4_gemm(&rt, dw, &call) }.map_err(|e| e.to_string())?;
                         let got = get_bf16(&out);
                         let what = format!(
-                            "seed {seed}: {variant:?} m {m} k {k} n {n} group {group} {st:?} {} {epi:?}{}",
+                            "seed {seed}: {variant:?} {order:?} m {m} k {k} n {n} group {group} {st:?} {} {epi:?}{}",
                             if asym { "asymmetric" } else { "symmetric" },
                             if with_scale { " row_scale" } else { "" }
                         );
@@ -214,7 +223,7 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
                         if !(err < TOLERANCE) {
                             return Err(format!("{what}: relative error {err:.3e}"));
                         }
-                        checked.push(json!({"variant": format!("{variant:?}"), "m": m, "k": k, "n": n, "group": group,
+                        checked.push(json!({"variant": format!("{variant:?}"), "order": format!("{:?}", dw.order), "m": m, "k": k, "n": n, "group": group,
                         "epilogue": format!("{epi:?}"), "row_scale": with_scale, "rel_err": err}));
                     }
                 }
@@ -242,24 +251,46 @@ pub const BENCH_SHAPES: &[(&str, usize, usize)] = &[
 ];
 pub const BENCH_ROWS: &[usize] = &[1, 2, 4, 8, 16, 32];
 
+/// Random group-128 symmetric weights of one bench shape in `order`, enough copies (>= 160 MB)
+/// that the L2 (60 MB) never serves the weights, as in a model. The values don't change the
+/// speed.
+fn bench_weights(rt: &Arc<Runtime>, rng: &mut StdRng, k: usize, n: usize, order: WordOrder) -> Vec<DeviceInt4> {
+    let words: Vec<u32> = (0..k * n / 8).map(|_| rng.random()).collect();
+    let scales = vec![bf16::from_f32(0.01); k / 128 * n];
+    let one = k * n / 2 + k / 128 * n * 2;
+    let copies = (160_000_000usize.div_ceil(one)).max(1);
+    (0..copies)
+        .map(|_| DeviceInt4::upload_ordered(rt, (k, n, 128), false, &words, &scales, None, order).unwrap())
+        .collect()
+}
+
+/// One timed configuration: median µs per call over back-to-back calls (CUDA events), and the
+/// host's µs per call to queue them (when it is near the kernel time, the GPU waits on the host).
+fn time_gemm(rt: &Arc<Runtime>, dws: &[DeviceInt4], call: &Int4Gemm, reps: usize) -> (f64, f64) {
+    let iters = (200_000_000 / dws[0].bytes()).clamp(20, 2000);
+    let us = crate::bench::time_events(rt, reps, iters, |i| {
+        unsafe { int4_gemm(rt, &dws[i % dws.len()], call) }.unwrap()
+    });
+    let t0 = std::time::Instant::now();
+    for i in 0..iters {
+        unsafe { int4_gemm(rt, &dws[i % dws.len()], call) }.unwrap();
+    }
+    let host_us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
+    rt.synchronize().unwrap();
+    (us, host_us)
+}
+
 /// The W4A16 GEMM on the 8B/70B projection shapes, group 128 symmetric bf16 scales: µs,
 /// effective GB/s (packed weights + scales + activations + output) and the share of the same
-/// run's device-to-device copy rate.
+/// run's device-to-device copy rate, for each kernel variant and device word order; then, at
+/// one row, a sweep of the split count (CTAs per slab along k).
 pub fn bench(copy_gbps: f64) -> Value {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(7);
     let mut rows = Vec::new();
+    let mut sweep = Vec::new();
     for &(name, k, n) in BENCH_SHAPES {
-        // Random nibbles; the values don't change the speed, so one pattern serves all shapes.
-        let words: Vec<u32> = (0..k * n / 8).map(|_| rng.random()).collect();
-        let scales = vec![bf16::from_f32(0.01); k / 128 * n];
-        // Enough copies (>= 160 MB) that the L2 (60 MB) never serves the weights, as in a model.
-        let one = k * n / 2 + k / 128 * n * 2;
-        let copies = (160_000_000usize.div_ceil(one)).max(1);
-        let dws: Vec<DeviceInt4> = (0..copies)
-            .map(|_| DeviceInt4::upload(&rt, (k, n, 128), false, &words, &scales, None).unwrap())
-            .collect();
-        let dw = &dws[0];
+        let weights = ORDERS.map(|o| bench_weights(&rt, &mut rng, k, n, o));
         for &m in BENCH_ROWS {
             let x: Vec<u16> = (0..m * k)
                 .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
@@ -267,41 +298,56 @@ pub fn bench(copy_gbps: f64) -> Value {
             let xb = put_u16(&rt, &x);
             let out = rt.alloc(m * n * 2).unwrap();
             for variant in VARIANTS {
-                let call = Int4Gemm {
-                    x: xb.ptr(),
-                    m: m as u32,
-                    out: out.ptr(),
-                    epilogue: Epilogue::Plain,
-                    residual: 0,
-                    row_scale: 0,
-                    variant,
-                };
-                let iters = (200_000_000 / dw.bytes()).clamp(20, 2000);
-                // Median of 5 timings of `iters` back-to-back calls (CUDA events).
-                let us = crate::bench::time_events(&rt, 5, iters, |i| {
-                    unsafe { int4_gemm(&rt, &dws[i % copies], &call) }.unwrap()
-                });
-                let bytes = dw.bytes() + m * k * 2 + m * n * 2;
-                let gbps = bytes as f64 / us / 1e3;
-                let launch = stoke_cuda::kernels::int4_gemm::plan(
-                    m as u32,
-                    k as u32,
-                    n as u32,
-                    128,
-                    false,
-                    Epilogue::Plain,
-                    variant,
-                    rt.sm_count,
-                )
-                .unwrap()[0];
-                println!(
-                    "int4 {variant:?} {name:12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {}",
-                    100.0 * gbps / copy_gbps,
-                    launch.splits
-                );
-                rows.push(json!({"variant": format!("{variant:?}"), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
-                    "weight_bytes": dw.bytes(), "weight_copies": copies, "gbps": gbps, "of_copy": gbps / copy_gbps,
-                    "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1]}));
+                for dws in &weights {
+                    let dw = &dws[0];
+                    let mut call = Int4Gemm {
+                        x: xb.ptr(),
+                        m: m as u32,
+                        out: out.ptr(),
+                        epilogue: Epilogue::Plain,
+                        residual: 0,
+                        row_scale: 0,
+                        variant,
+                        splits: 0,
+                    };
+                    let bytes = dw.bytes() + m * k * 2 + m * n * 2;
+                    let plan = |splits| {
+                        stoke_cuda::kernels::int4_gemm::plan(
+                            m as u32, k as u32, n as u32, 128, false, Epilogue::Plain, variant, rt.sm_count, splits,
+                        )
+                        .unwrap()[0]
+                    };
+                    let (us, host_us) = time_gemm(&rt, dws, &call, 5);
+                    let gbps = bytes as f64 / us / 1e3;
+                    let launch = plan(0);
+                    println!(
+                        "int4 {variant:?}/{:?} {name:<12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {} host {host_us:.1} us",
+                        dw.order,
+                        100.0 * gbps / copy_gbps,
+                        launch.splits
+                    );
+                    rows.push(json!({"variant": format!("{variant:?}"), "order": format!("{:?}", dw.order), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
+                        "host_us": host_us, "weight_bytes": dw.bytes(), "weight_copies": dws.len(), "gbps": gbps, "of_copy": gbps / copy_gbps,
+                        "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1]}));
+                    if m != 1 {
+                        continue;
+                    }
+                    let mut seen = Vec::new();
+                    for splits in [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32] {
+                        let l = plan(splits);
+                        if seen.contains(&l.splits) {
+                            continue;
+                        }
+                        seen.push(l.splits);
+                        call.splits = l.splits;
+                        let (us, _) = time_gemm(&rt, dws, &call, 3);
+                        let gbps = bytes as f64 / us / 1e3;
+                        sweep.push(json!({"variant": format!("{variant:?}"), "order": format!("{:?}", dw.order), "shape": name, "m": m,
+                            "splits": l.splits, "ctas": l.grid.0 * l.grid.1, "us": us, "of_copy": gbps / copy_gbps}));
+                    }
+                    let best = sweep.iter().rev().take(seen.len()).min_by(|a, b| a["us"].as_f64().partial_cmp(&b["us"].as_f64()).unwrap()).unwrap();
+                    println!("    best splits {} ({} CTAs): {:.2} us ({:.1}% of copy)", best["splits"], best["ctas"], best["us"].as_f64().unwrap(), 100.0 * best["of_copy"].as_f64().unwrap());
+                }
             }
         }
     }
@@ -311,7 +357,32 @@ pub fn bench(copy_gbps: f64) -> Value {
         .filter(|(f, _)| f == "int4_gemm.cu")
         .map(|(_, r)| json!({"entry": r.entry, "registers": r.registers, "shared_bytes": r.shared_bytes, "spills": r.spill_store_bytes}))
         .collect();
-    json!({ "copy_gbps": copy_gbps, "runs": rows, "kernels": regs })
+    json!({ "copy_gbps": copy_gbps, "runs": rows, "split_sweep": sweep, "kernels": regs })
+}
+
+/// A few W4A16 launches to run under a profiler (`ncu`): for each of the named shapes at
+/// `m` rows, each variant and word order, two launches of the default plan.
+pub fn profile_launches(shapes: &[&str], m: usize) {
+    let rt = crate::gpu().expect("GPU");
+    let mut rng = StdRng::seed_from_u64(7);
+    for &(name, k, n) in BENCH_SHAPES.iter().filter(|s| shapes.contains(&s.0)) {
+        let x: Vec<u16> = (0..m * k).map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+        let xb = put_u16(&rt, &x);
+        let out = rt.alloc(m * n * 2).unwrap();
+        for order in ORDERS {
+            let words: Vec<u32> = (0..k * n / 8).map(|_| rng.random()).collect();
+            let scales = vec![bf16::from_f32(0.01); k / 128 * n];
+            let dw = DeviceInt4::upload_ordered(&rt, (k, n, 128), false, &words, &scales, None, order).unwrap();
+            for variant in VARIANTS {
+                let call = Int4Gemm { x: xb.ptr(), m: m as u32, out: out.ptr(), epilogue: Epilogue::Plain, residual: 0, row_scale: 0, variant, splits: 0 };
+                for _ in 0..2 {
+                    unsafe { int4_gemm(&rt, &dw, &call) }.unwrap();
+                }
+                rt.synchronize().unwrap();
+                println!("profiled {name} m {m} {variant:?} {order:?}");
+            }
+        }
+    }
 }
 
 /// `stoke::linear_residual` and `stoke::linear_swiglu` on packed weights (gate/up interleaved

@@ -1,7 +1,7 @@
 //! Packed INT4 weights on the GPU and the W4A16 GEMM call (`kernels/int4_gemm.cu`).
 
 use crate::kernels::INT4_GEMM;
-use crate::kernels::int4_gemm::{Epilogue, Int4GemmParams, Variant, plan};
+use crate::kernels::int4_gemm::{Epilogue, Int4GemmParams, Variant, WordOrder, plan};
 use crate::{DeviceBuffer, Error, LaunchShape, Result, Runtime};
 use std::sync::Arc;
 
@@ -13,6 +13,8 @@ pub struct DeviceInt4 {
     pub group: u32,
     /// Scales and offsets are f16 (else bf16).
     pub f16_scales: bool,
+    /// Order of the 512-byte word blocks in `words`.
+    pub order: WordOrder,
     words: DeviceBuffer,
     scales: DeviceBuffer,
     offsets: Option<DeviceBuffer>,
@@ -25,14 +27,29 @@ fn bytes_of<T: Copy>(v: &[T]) -> &[u8] {
 
 impl DeviceInt4 {
     /// Uploads a packed weight: `words` in fragment order (`k * n / 8`), `scales` and
-    /// `offsets` (`None`: symmetric) as `[k / group, n]` 16-bit patterns.
+    /// `offsets` (`None`: symmetric) as `[k / group, n]` 16-bit patterns, in the default
+    /// device word order.
     pub fn upload(
+        rt: &Arc<Runtime>,
+        shape: (usize, usize, usize),
+        f16_scales: bool,
+        words: &[u32],
+        scales: &[u16],
+        offsets: Option<&[u16]>,
+    ) -> Result<Self> {
+        Self::upload_ordered(rt, shape, f16_scales, words, scales, offsets, WordOrder::default())
+    }
+
+    /// [`DeviceInt4::upload`] with the word blocks rearranged into `order` on the way (the
+    /// packer's `words` are [`WordOrder::KtMajor`]).
+    pub fn upload_ordered(
         rt: &Arc<Runtime>,
         (k, n, group): (usize, usize, usize),
         f16_scales: bool,
         words: &[u32],
         scales: &[u16],
         offsets: Option<&[u16]>,
+        order: WordOrder,
     ) -> Result<Self> {
         let shape_err = |what: &str, want: usize, got: usize| {
             Error::Shape(format!(
@@ -48,11 +65,29 @@ impl DeviceInt4 {
             Epilogue::Plain,
             Variant::Batched,
             rt.sm_count,
+            0,
         )
         .map_err(|e| Error::Shape(e.0))?;
         if words.len() != k * n / 8 {
             return Err(shape_err("words", k * n / 8, words.len()));
         }
+        let reordered;
+        let words = match order {
+            WordOrder::KtMajor => words,
+            WordOrder::SlabMajor => {
+                // 128 words (512 bytes) per block.
+                let mut v = vec![0u32; words.len()];
+                for kt in 0..k / 16 {
+                    for slab in 0..n / 64 {
+                        let from = WordOrder::KtMajor.block(kt, slab, k, n) * 128;
+                        let to = order.block(kt, slab, k, n) * 128;
+                        v[to..to + 128].copy_from_slice(&words[from..from + 128]);
+                    }
+                }
+                reordered = v;
+                &reordered[..]
+            }
+        };
         let groups = k / group * n;
         if scales.len() != groups {
             return Err(shape_err("scales", groups, scales.len()));
@@ -73,6 +108,7 @@ impl DeviceInt4 {
             n: n as u32,
             group: group as u32,
             f16_scales,
+            order,
             words: put(bytes_of(words))?,
             scales: put(bytes_of(scales))?,
             offsets: offsets.map(|o| put(bytes_of(o))).transpose()?,
@@ -97,6 +133,8 @@ pub struct Int4Gemm {
     pub row_scale: u64,
     /// Which kernel streams the weights (`Variant::from_env()` for the process default).
     pub variant: Variant,
+    /// CTAs per 64-column slab along k; 0 lets the plan choose (benchmarks sweep it).
+    pub splits: u32,
 }
 
 /// Queues `out = epilogue(x @ w)` on Stoke's stream (one launch per 32 rows).
@@ -128,8 +166,10 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         call.epilogue,
         variant,
         rt.sm_count,
+        call.splits,
     )
     .map_err(|e| Error::Shape(e.0))?;
+    let (kt_stride, slab_stride) = w.order.strides(w.k, w.n);
     let split = launches.iter().any(|l| l.splits > 1);
     let rows = launches.iter().map(|l| l.rows).max().unwrap_or(0) as usize;
     let ws_bytes = rows * w.n as usize * 4;
@@ -166,6 +206,8 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
             group: w.group,
             fold_kt: l.fold_kt,
             splits: l.splits,
+            kt_stride,
+            slab_stride,
         };
         let kernel = rt.kernel(&INT4_GEMM, l.entry)?;
         let shape = LaunchShape {

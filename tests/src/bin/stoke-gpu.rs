@@ -30,6 +30,14 @@ enum Command {
     Llama,
     /// The W4A16 GEMM: its GPU test, then its benchmark beside the same run's copy rate.
     Int4,
+    /// A few W4A16 launches (every variant and word order) for a profiler such as `ncu`.
+    Int4Profile {
+        /// Rows of x.
+        #[arg(long, default_value_t = 1)]
+        m: usize,
+        /// Benchmark shape names (e.g. 70b_gate_up 8b_down).
+        shapes: Vec<String>,
+    },
     /// Tests, then benchmarks (the exit status fails if either did).
     All,
     /// List the GPU test cases.
@@ -160,6 +168,11 @@ fn main() -> ExitCode {
                     false
                 }
             }
+        }
+        Command::Int4Profile { m, shapes } => {
+            let names: Vec<&str> = shapes.iter().map(String::as_str).collect();
+            stoke_tests::int4::profile_launches(&names, *m);
+            true
         }
         Command::Llama => match stoke_tests::llama::bench() {
             Ok(v) => {

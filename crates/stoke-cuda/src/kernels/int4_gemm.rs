@@ -36,6 +36,42 @@ pub struct Int4GemmParams {
     pub group: u32,
     pub fold_kt: u32,
     pub splits: u32,
+    /// 512-byte word blocks between consecutive k-tiles of one 64-column slab, and between
+    /// consecutive slabs of one k-tile: `(n / 64, 1)` for [`WordOrder::KtMajor`],
+    /// `(k / 16, 1)` swapped for [`WordOrder::SlabMajor`] (see [`WordOrder::strides`]).
+    pub kt_stride: u32,
+    pub slab_stride: u32,
+}
+
+/// The order of the 512-byte blocks (one k-tile of 16 rows x one slab of 64 columns) of a
+/// packed weight in device memory. Within a block the order is the fragment order of
+/// docs/INT4_FORMAT.md either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum WordOrder {
+    /// Block `kt * (n / 64) + slab`: the packer's order (docs/INT4_FORMAT.md).
+    #[default]
+    KtMajor,
+    /// Block `slab * (k / 16) + kt`: one slab's k range is contiguous, so each warp streams
+    /// one contiguous range.
+    SlabMajor,
+}
+
+impl WordOrder {
+    /// `(kt_stride, slab_stride)` in 512-byte blocks for a `[k, n]` weight.
+    pub fn strides(self, k: u32, n: u32) -> (u32, u32) {
+        match self {
+            WordOrder::KtMajor => (n / 64, 1),
+            WordOrder::SlabMajor => (1, k / 16),
+        }
+    }
+
+    /// Block index of (k-tile, slab).
+    pub fn block(self, kt: usize, slab: usize, k: usize, n: usize) -> usize {
+        match self {
+            WordOrder::KtMajor => kt * (n / 64) + slab,
+            WordOrder::SlabMajor => slab * (k / 16) + kt,
+        }
+    }
 }
 
 /// `kernels/int4_gemm.cu`, compiled with NVRTC (no include path needed).
@@ -94,11 +130,20 @@ pub enum Epilogue {
 }
 
 impl Epilogue {
-    fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Epilogue::Plain => "plain",
             Epilogue::Residual => "residual",
             Epilogue::SwiGlu => "swiglu",
+        }
+    }
+
+    /// Position in [`ENTRY_POINTS`]' order (plain, residual, swiglu).
+    fn index(self) -> usize {
+        match self {
+            Epilogue::Plain => 0,
+            Epilogue::Residual => 1,
+            Epilogue::SwiGlu => 2,
         }
     }
 
@@ -131,10 +176,11 @@ impl Variant {
         }
     }
 
-    fn prefix(self) -> &'static str {
+    /// Position in [`ENTRY_POINTS`]' order (batched, pipelined).
+    fn index(self) -> usize {
         match self {
-            Variant::Batched => "int4_gemm",
-            Variant::Pipelined => "int4_gemm_pipe",
+            Variant::Batched => 0,
+            Variant::Pipelined => 1,
         }
     }
 }
@@ -190,6 +236,7 @@ pub fn plan(
     epilogue: Epilogue,
     variant: Variant,
     sm_count: u32,
+    splits: u32,
 ) -> Result<Vec<Launch>, ShapeError> {
     if k == 0 || k % 16 != 0 || n == 0 || n % 64 != 0 {
         return Err(ShapeError(format!(
@@ -204,24 +251,25 @@ pub fn plan(
     let fold_kt = gcd(group / 16, 8);
     let units = k / 16 / fold_kt;
     let slabs = n / 64;
-    let want_warps = sm_count.max(1) * TARGET_WARPS_PER_SM;
-    let warps_per_slab = want_warps.div_ceil(slabs).clamp(1, units);
-    let splits = warps_per_slab.div_ceil(WARPS).clamp(1, 65535);
-    let scales = if f16_scales { "f16s" } else { "bf16s" };
+    let splits = if splits > 0 {
+        splits.min(units.div_ceil(WARPS)).clamp(1, 65535)
+    } else {
+        let want_warps = sm_count.max(1) * TARGET_WARPS_PER_SM;
+        let warps_per_slab = want_warps.div_ceil(slabs).clamp(1, units);
+        warps_per_slab.div_ceil(WARPS).clamp(1, 65535)
+    };
     let mut out = Vec::new();
     let mut row0 = 0;
     while row0 < m {
         let rows = (m - row0).min(MAX_ROWS);
         let mt = match rows {
-            0..=8 => 8,
-            9..=16 => 16,
-            _ => 32,
+            0..=8 => 0,
+            9..=16 => 1,
+            _ => 2,
         };
+        // ENTRY_POINTS runs variant, epilogue, scale type, m-tile (the test below checks).
         let entry = ENTRY_POINTS
-            .iter()
-            .copied()
-            .find(|e| *e == format!("{}_{}_{scales}_m{mt}", variant.prefix(), epilogue.name()))
-            .expect("every (epilogue, scale type, m-tile) has an entry point");
+            [variant.index() * 18 + epilogue.index() * 6 + usize::from(f16_scales) * 3 + mt];
         out.push(Launch {
             entry,
             grid: (slabs, splits, 1),
@@ -242,10 +290,55 @@ mod tests {
 
     #[test]
     fn params_layout_matches_c() {
-        assert_eq!(std::mem::size_of::<Int4GemmParams>(), 96);
-        assert!(SOURCE.contains(r#"static_assert(sizeof(Int4GemmParams) == 96"#));
+        assert_eq!(std::mem::size_of::<Int4GemmParams>(), 104);
+        assert!(SOURCE.contains(r#"static_assert(sizeof(Int4GemmParams) == 104"#));
         assert_eq!(std::mem::offset_of!(Int4GemmParams, m), 72);
         assert_eq!(std::mem::offset_of!(Int4GemmParams, splits), 92);
+        assert_eq!(std::mem::offset_of!(Int4GemmParams, slab_stride), 100);
+    }
+
+    #[test]
+    fn entry_points_are_indexed_by_variant_epilogue_scales_rows() {
+        for (v, variant) in [Variant::Batched, Variant::Pipelined].into_iter().enumerate() {
+            for (e, epi) in [Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu]
+                .into_iter()
+                .enumerate()
+            {
+                for (s, sc) in ["bf16s", "f16s"].into_iter().enumerate() {
+                    for (r, rows) in [8, 16, 32].into_iter().enumerate() {
+                        let prefix = ["int4_gemm", "int4_gemm_pipe"][v];
+                        assert_eq!(
+                            ENTRY_POINTS[v * 18 + e * 6 + s * 3 + r],
+                            format!("{prefix}_{}_{sc}_m{rows}", epi.name())
+                        );
+                        let l = plan(rows, 64, 64, 32, s == 1, epi, variant, 132, 0).unwrap();
+                        assert_eq!(l[0].entry, ENTRY_POINTS[v * 18 + e * 6 + s * 3 + r]);
+                    }
+                }
+            }
+        }
+        // An explicit split count is kept, up to one warp per fold unit.
+        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, Variant::Batched, 132, 3).unwrap();
+        assert_eq!(l[0].splits, 3);
+        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, Variant::Batched, 132, 99).unwrap();
+        assert_eq!(l[0].splits, 8);
+    }
+
+    #[test]
+    fn word_orders_are_permutations_of_the_blocks() {
+        let (k, n) = (64usize, 192usize);
+        for order in [WordOrder::KtMajor, WordOrder::SlabMajor] {
+            let mut seen = vec![false; k / 16 * n / 64];
+            for kt in 0..k / 16 {
+                for slab in 0..n / 64 {
+                    let b = order.block(kt, slab, k, n);
+                    assert!(!seen[b]);
+                    seen[b] = true;
+                    let (ks, ss) = order.strides(k as u32, n as u32);
+                    assert_eq!(b, kt * ks as usize + slab * ss as usize);
+                }
+            }
+        }
     }
 
     #[test]
@@ -284,6 +377,7 @@ mod tests {
                     Epilogue::Plain,
                     Variant::Batched,
                     132,
+                    0,
                 )
                 .unwrap();
                 let covered: u32 = plan.iter().map(|l| l.rows).sum();
@@ -313,6 +407,7 @@ mod tests {
             Epilogue::Plain,
             Variant::Batched,
             132,
+            0,
         )
         .unwrap()[0];
         assert_eq!((l.fold_kt, l.splits), (8, 8));
@@ -325,6 +420,7 @@ mod tests {
             Epilogue::SwiGlu,
             Variant::Batched,
             132,
+            0,
         )
         .unwrap()[0];
         assert_eq!(l.entry, "int4_gemm_swiglu_f16s_m8");
@@ -337,11 +433,12 @@ mod tests {
             Epilogue::Residual,
             Variant::Pipelined,
             132,
+            0,
         )
         .unwrap();
         assert_eq!(l[0].entry, "int4_gemm_pipe_residual_bf16s_m32");
         let bad =
-            |k, n, g| plan(1, k, n, g, false, Epilogue::Plain, Variant::Batched, 132).is_err();
+            |k, n, g| plan(1, k, n, g, false, Epilogue::Plain, Variant::Batched, 132, 0).is_err();
         assert!(bad(100, 64, 16) && bad(128, 96, 16) && bad(128, 64, 48));
     }
 }
