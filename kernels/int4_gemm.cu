@@ -249,13 +249,45 @@ struct Accum {
 // Column (within the 64-column slab) of fragment value pair (c0, c1) of n8 tile n8 for lane t.
 __device__ __forceinline__ u32 frag_col(int n8, u32 t) { return (n8 >> 1) * 16 + (n8 & 1) * 8 + 2 * t; }
 
-// The fold units of this warp: [kt_begin, kt_end) in k-tiles.
-__device__ __forceinline__ void warp_range(const Int4GemmParams& p, u32 warp, u32& kt_begin, u32& kt_end) {
+// The fold units of this warp: [u_begin, u_end) (unit u covers k-tiles u * fold_kt onwards).
+__device__ __forceinline__ void warp_units(const Int4GemmParams& p, u32 warp, u32& u_begin, u32& u_end) {
     const u32 units = p.k / 16 / p.fold_kt;
     const u32 workers = p.splits * WARPS;
     const u32 worker = blockIdx.y * WARPS + warp;
-    kt_begin = u32(u64(units) * worker / workers) * p.fold_kt;
-    kt_end = u32(u64(units) * (worker + 1) / workers) * p.fold_kt;
+    u_begin = u32(u64(units) * worker / workers);
+    u_end = u32(u64(units) * (worker + 1) / workers);
+}
+
+// Walks the scale rows of consecutive fold units without dividing in the loop: `units_per_group`
+// units share a row (a group is a whole number of units).
+struct GroupWalk {
+    u32 row, in_group, units_per_group;
+    __device__ __forceinline__ GroupWalk(const Int4GemmParams& p, u32 unit) {
+        units_per_group = p.group / (16 * p.fold_kt);
+        row = unit / units_per_group;
+        in_group = unit % units_per_group;
+    }
+    __device__ __forceinline__ void next() {
+        if (++in_group == units_per_group) {
+            in_group = 0;
+            ++row;
+        }
+    }
+};
+
+// The lane's scale (and offset) pairs of one unit: columns 2t, 2t + 1 of each n8 tile of the
+// slab, from scale row `row`.
+__device__ __forceinline__ void load_unit_scales(const Int4GemmParams& p, u32 row, u32 t, bool sym,
+                                                 u32 (&d)[8], u32 (&m)[8]) {
+    const u64 base = (u64(row) * p.n + blockIdx.x * 64) / 2;
+    const u32* scales = static_cast<const u32*>(p.scales);
+    const u32* offsets = static_cast<const u32*>(p.offsets);
+#pragma unroll
+    for (int n8 = 0; n8 < 8; ++n8) {
+        const u64 idx = base + frag_col(n8, t) / 2;
+        d[n8] = load_u32(scales + idx);
+        m[n8] = sym ? 0u : load_u32(offsets + idx);
+    }
 }
 
 // Reduces the CTA's warps through shared memory `red` ([WARPS][MT * 16][RED_PITCH] floats), then
@@ -322,7 +354,9 @@ __device__ __forceinline__ void finish(const Int4GemmParams& p, const float (&ac
 }
 
 // Register-batched kernel: each warp loads KB k-tiles of weights and activations, then computes
-// them. ROWS = 8: fragment rows g + 8 are known to be zero (half the A loads and sums).
+// them; the next unit's scales are requested when a unit starts. ROWS = 8: fragment rows g + 8
+// are known to be zero (half the A loads and sums). The loops run over fold units and the
+// k-tiles inside one, with pointers stepped, not recomputed: no division in the loop.
 template <int ROWS, int EPI, bool F16S>
 __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     constexpr int MT = ROWS == 32 ? 2 : 1;
@@ -332,65 +366,71 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
-    const u32 slab = blockIdx.x;
     const u32 fkt = p.fold_kt;
-    u32 kt_begin, kt_end;
-    warp_range(p, warp, kt_begin, kt_end);
+    const bool sym = p.offsets == nullptr;
+    u32 u_begin, u_end;
+    warp_units(p, warp, u_begin, u_end);
     const u32 xrow_words = p.k / 2;
-    const u32* x = static_cast<const u32*>(p.x);
-    const uint4* wp = static_cast<const uint4*>(p.words);
-    const u32* scales = static_cast<const u32*>(p.scales);
-    const u32* offsets = static_cast<const u32*>(p.offsets);
-    // Which fragment rows hold real rows of x: rows g + 8 h + 16 mt.
+    // Rows of x this lane reads (a row past m reads as zeros): rows g + 8 h + 16 mt.
     bool row_ok[MT][2];
+    const u32* xr[MT][2];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        row_ok[mt][0] = 16 * mt + g < p.m;
-        row_ok[mt][1] = !LOW8 && 16 * mt + 8 + g < p.m;
-    }
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32 r = 16 * mt + 8 * h + g;
+            row_ok[mt][h] = (h == 0 || !LOW8) && r < p.m;
+            xr[mt][h] = static_cast<const u32*>(p.x) + u64(row_ok[mt][h] ? r : 0) * xrow_words +
+                        u_begin * fkt * 8 + t;
+        }
+    const uint4* wp = static_cast<const uint4*>(p.words) +
+                      (u64(u_begin) * fkt * p.kt_stride + u64(blockIdx.x) * p.slab_stride) * 32 + lane;
+    const u64 wstep = u64(p.kt_stride) * 32;
     u64 policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
 
     Accum<MT, LOW8> st;
     st.zero();
-    for (u32 kt0 = kt_begin; kt0 < kt_end; kt0 += KB) {
-        const u32 nb = min(u32(KB), kt_end - kt0);
-        uint4 w[KB];
-        u32 a[KB][MT][4];
+    GroupWalk gw(p, u_begin);
+    u32 d[8], m[8];
+    if (u_begin < u_end) load_unit_scales(p, gw.row, t, sym, d, m);
+    for (u32 u = u_begin; u < u_end; ++u) {
+        // The next unit's scales, in flight during this unit.
+        u32 dn[8], mn[8];
+        gw.next();
+        if (u + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
+        st.begin_unit();
+        for (u32 i0 = 0; i0 < fkt; i0 += KB) {
+            const u32 nb = min(u32(KB), fkt - i0);
+            uint4 w[KB];
+            u32 a[KB][MT][4];
 #pragma unroll
-        for (int i = 0; i < KB; ++i) {
-            if (i < nb) {
-                const u32 kt = kt0 + i;
-                w[i] = load_stream(wp + (u64(kt) * p.kt_stride + u64(slab) * p.slab_stride) * 32 + lane, policy);
+            for (int i = 0; i < KB; ++i) {
+                if (i < nb) {
+                    w[i] = load_stream(wp, policy);
+                    wp += wstep;
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    const u32* r0 = x + u64(16 * mt + g) * xrow_words + kt * 8 + t;
-                    const u32* r1 = r0 + 8 * u64(xrow_words);
-                    a[i][mt][0] = row_ok[mt][0] ? load_u32(r0) : 0u;
-                    a[i][mt][1] = row_ok[mt][1] ? load_u32(r1) : 0u;
-                    a[i][mt][2] = row_ok[mt][0] ? load_u32(r0 + 4) : 0u;
-                    a[i][mt][3] = row_ok[mt][1] ? load_u32(r1 + 4) : 0u;
-                }
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < KB; ++i) {
-            if (i < nb) {
-                const u32 kt = kt0 + i;
-                if (kt % fkt == 0) st.begin_unit();
-                st.tile(w[i], a[i]);
-                if ((kt + 1) % fkt == 0) {
-                    const u64 grow = u64(kt * 16 / p.group) * p.n;
-                    u32 d[8], m[8];
-#pragma unroll
-                    for (int n8 = 0; n8 < 8; ++n8) {
-                        const u64 idx = (grow + slab * 64 + frag_col(n8, t)) / 2;
-                        d[n8] = load_u32(scales + idx);
-                        m[n8] = offsets != nullptr ? load_u32(offsets + idx) : 0u;
+                    for (int mt = 0; mt < MT; ++mt) {
+                        a[i][mt][0] = row_ok[mt][0] ? load_u32(xr[mt][0] + 8 * i) : 0u;
+                        a[i][mt][1] = row_ok[mt][1] ? load_u32(xr[mt][1] + 8 * i) : 0u;
+                        a[i][mt][2] = row_ok[mt][0] ? load_u32(xr[mt][0] + 8 * i + 4) : 0u;
+                        a[i][mt][3] = row_ok[mt][1] ? load_u32(xr[mt][1] + 8 * i + 4) : 0u;
                     }
-                    st.template fold<F16S>(d, m, offsets == nullptr);
                 }
             }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) xr[mt][h] += 8 * nb;
+#pragma unroll
+            for (int i = 0; i < KB; ++i)
+                if (i < nb) st.tile(w[i], a[i]);
+        }
+        st.template fold<F16S>(d, m, sym);
+#pragma unroll
+        for (int n8 = 0; n8 < 8; ++n8) {
+            d[n8] = dn[n8];
+            m[n8] = mn[n8];
         }
     }
     finish<MT, EPI>(p, st.acc, red, warp, g, t);
@@ -398,44 +438,77 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
 
 // ---------------------------------------------------------------------------------------------
 // Pipelined kernel (entry points int4_gemm_pipe_*): the same work split, fold and epilogue, but
-// each warp streams its k-tiles through a private ring of STAGES shared-memory stages with
-// cp.async, STAGES - 1 k-tiles ahead of the one it computes, so loads stay in flight while it
-// computes. A stage holds one k-tile: the 512 weight bytes of the slab (one 16-byte cp.async per
-// lane), the activations of the tile (16 bf16 per row: two 16-byte chunks per row of x) and, for
-// a tile that ends a fold unit, the unit's 64 scales and offsets. Rows of x past m stay zero
-// (written once at the start). Needs x, scales and offsets 16-byte aligned and k % 8 == 0.
+// each warp streams its k-tiles through a private ring of STAGES stages in dynamic shared memory,
+// filled by the Hopper bulk-copy engine (cp.async.bulk, completion counted in bytes on one
+// mbarrier per stage), STAGES - 1 stages ahead of the math. A stage holds TPS = 4 k-tiles:
+// their weight blocks (512 bytes each, one bulk copy per tile), the activations (one copy per row
+// of x: 4 x 16 bf16, rows padded to 144 bytes so the A-fragment reads hit distinct banks) and, for
+// each tile that ends a fold unit, the unit's 64 scales and 64 offsets. A handful of lanes issue
+// a stage's copies; nobody computes addresses per element. Rows of x past m stay zero (written
+// once at the start). Needs x, scales and offsets 16-byte aligned and k % 8 == 0.
+// Dynamic shared memory: pipe_smem_bytes(ROWS) (mirrored in the Rust plan).
 // ---------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, u64 policy) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)),
-                 "l"(src), "l"(policy)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async16_keep(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 template <int ROWS>
 struct PipeStage {
-    static constexpr int XROWS = ROWS == 8 ? 8 : ROWS;   // rows of x kept per stage
-    static constexpr int W_BYTES = 512;
-    static constexpr int X_BYTES = XROWS * 32;           // 16 bf16 per row
-    static constexpr int S_BYTES = 256;                  // 64 scales + 64 offsets, 16-bit
-    static constexpr int BYTES = W_BYTES + X_BYTES + S_BYTES;
-    static constexpr int STAGES = ROWS == 32 ? 6 : 8;
+    static constexpr int TPS = 4;                         // k-tiles per stage
+    static constexpr int XROWS = ROWS == 8 ? 8 : ROWS;    // rows of x kept per stage
+    static constexpr int X_PITCH = TPS * 32 + 16;         // bytes per row of x in a stage
+    static constexpr int W_BYTES = TPS * 512;
+    static constexpr int X_BYTES = XROWS * X_PITCH;
+    static constexpr int S_SLOT = 256;                    // 64 scales + 64 offsets, 16-bit
+    static constexpr int BYTES = W_BYTES + X_BYTES + TPS * S_SLOT;
+    static constexpr int STAGES = ROWS == 32 ? 3 : 4;
+    static constexpr int RING = WARPS * STAGES * BYTES;
+    static constexpr int BARRIERS = WARPS * STAGES * 8;
 };
+
+template <int ROWS>
+constexpr int pipe_smem_bytes() {
+    return PipeStage<ROWS>::BARRIERS + PipeStage<ROWS>::RING;
+}
+// The Rust plan (kernels/int4_gemm.rs, pipe_smem_bytes) launches with these sizes.
+static_assert(pipe_smem_bytes<8>() == 67712, "pipe smem m8");
+static_assert(pipe_smem_bytes<16>() == 86144, "pipe smem m16");
+static_assert(pipe_smem_bytes<32>() == 92256, "pipe smem m32");
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// `bytes` (a multiple of 16) from global `src` to shared `dst`, counted on mbarrier `bar`.
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar, u64 policy) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+        : "memory");
+}
+
+__device__ __forceinline__ void bulk_copy_keep(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
 
 template <int ROWS, int EPI, bool F16S>
 __device__ __forceinline__ void int4_gemm_pipe(const Int4GemmParams& p) {
@@ -443,99 +516,130 @@ __device__ __forceinline__ void int4_gemm_pipe(const Int4GemmParams& p) {
     constexpr bool LOW8 = ROWS == 8;
     using S = PipeStage<ROWS>;
     constexpr int STAGES = S::STAGES;
-    constexpr int RING = WARPS * STAGES * S::BYTES;
-    constexpr int RED = WARPS * MT * 16 * RED_PITCH * 4;
-    __shared__ __align__(16) unsigned char smem[RING > RED ? RING : RED];
+    constexpr int TPS = S::TPS;
+    extern __shared__ __align__(128) unsigned char dsmem[];
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
-    const u32 slab = blockIdx.x;
     const u32 fkt = p.fold_kt;
-    u32 kt_begin, kt_end;
-    warp_range(p, warp, kt_begin, kt_end);
+    u32 u_begin, u_end;
+    warp_units(p, warp, u_begin, u_end);
     const bool sym = p.offsets == nullptr;
     const u32 rows = min(p.m, u32(ROWS));
-    unsigned char* ring = smem + warp * STAGES * S::BYTES;
+    unsigned char* ring = dsmem + S::BARRIERS + warp * STAGES * S::BYTES;
+    const u32 ring_s = smem_addr(ring);
+    const u32 bars = smem_addr(dsmem) + warp * STAGES * 8;
     u64 policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
 
-    // Rows of x past m read as zeros in every stage.
+    // Zero x in every stage (rows past m stay zero), then set up the stage barriers.
     for (u32 i = lane; i < STAGES * S::X_BYTES / 4; i += 32) {
         const u32 stage = i / (S::X_BYTES / 4), word = i % (S::X_BYTES / 4);
-        if (word / 8 >= rows) reinterpret_cast<u32*>(ring + stage * S::BYTES + S::W_BYTES)[word] = 0u;
+        reinterpret_cast<u32*>(ring + stage * S::BYTES + S::W_BYTES)[word] = 0u;
     }
+    if (lane < STAGES) mbar_init(bars + lane * 8, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
 
-    const unsigned char* xb = static_cast<const unsigned char*>(p.x);
-    const unsigned char* wb = static_cast<const unsigned char*>(p.words);
-    const unsigned char* sb = static_cast<const unsigned char*>(p.scales);
-    const unsigned char* ob = static_cast<const unsigned char*>(p.offsets);
-    // Queues the loads of k-tile kt into stage `stage`.
-    auto issue = [&](u32 kt, u32 stage) {
-        unsigned char* st = ring + stage * S::BYTES;
-        cp_async16(st + lane * 16, wb + ((u64(kt) * p.kt_stride + u64(slab) * p.slab_stride) * 32 + lane) * 16, policy);
-        for (u32 c = lane; c < 2 * rows; c += 32) {
-            const u32 r = c / 2, half = c % 2;
-            cp_async16_keep(st + S::W_BYTES + r * 32 + half * 16, xb + (u64(r) * p.k + kt * 16 + half * 8) * 2);
+    // Producer state: the next k-tile to queue.
+    const u32 tiles = (u_end - u_begin) * fkt;
+    u32 queued = 0, q_pos = 0;  // tiles queued so far; position of the next one in its unit
+    u32 q_kt = u_begin * fkt;   // its k-tile
+    GroupWalk q_group(p, u_begin);
+    const unsigned char* wbase = static_cast<const unsigned char*>(p.words) + u64(blockIdx.x) * p.slab_stride * 512;
+    const u64 kt_bytes = u64(p.kt_stride) * 512;
+    // Lane r < rows copies row r of x.
+    const unsigned char* xrow = static_cast<const unsigned char*>(p.x) + u64(lane < rows ? lane : 0) * p.k * 2;
+    auto issue = [&](u32 stage) {
+        const u32 nt = min(u32(TPS), tiles - queued);
+        const u32 st = ring_s + stage * S::BYTES;
+        const u32 bar = bars + stage * 8;
+        // Bytes this stage will receive: weights, x, and 128 (256) per unit that ends in it.
+        u32 ends = 0;
+        {
+            u32 pos = q_pos;
+#pragma unroll
+            for (int j = 0; j < TPS; ++j)
+                if (u32(j) < nt && ++pos == fkt) {
+                    ++ends;
+                    pos = 0;
+                }
         }
-        if ((kt + 1) % fkt == 0) {
-            const u64 grow = u64(kt * 16 / p.group) * p.n + slab * 64;
-            if (lane < 8) {
-                cp_async16_keep(st + S::W_BYTES + S::X_BYTES + lane * 16, sb + (grow + lane * 8) * 2);
-            } else if (lane < 16 && !sym) {
-                cp_async16_keep(st + S::W_BYTES + S::X_BYTES + lane * 16, ob + (grow + (lane - 8) * 8) * 2);
+        if (lane == 0) mbar_expect(bar, nt * 512 + rows * nt * 32 + ends * (sym ? 128 : 256));
+        __syncwarp();
+        if (lane < nt) bulk_copy(st + lane * 512, wbase + (q_kt + lane) * kt_bytes, 512, bar, policy);
+        if (lane < rows) bulk_copy_keep(st + S::W_BYTES + lane * S::X_PITCH, xrow + u64(q_kt) * 32, nt * 32, bar);
+#pragma unroll
+        for (int j = 0; j < TPS; ++j) {
+            if (u32(j) < nt && ++q_pos == fkt) {  // tile j ends a unit: its scales (and offsets)
+                q_pos = 0;
+                const u64 idx = u64(q_group.row) * p.n + blockIdx.x * 64;
+                const u32 slot = st + S::W_BYTES + S::X_BYTES + j * S::S_SLOT;
+                if (lane == 16) bulk_copy_keep(slot, static_cast<const unsigned char*>(p.scales) + idx * 2, 128, bar);
+                if (lane == 17 && !sym) bulk_copy_keep(slot + 128, static_cast<const unsigned char*>(p.offsets) + idx * 2, 128, bar);
+                q_group.next();
             }
         }
+        q_kt += nt;
+        queued += nt;
     };
 
     Accum<MT, LOW8> acc;
     acc.zero();
+    acc.begin_unit();
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-        if (kt_begin + i < kt_end) issue(kt_begin + i, i);
-        cp_async_commit();
-    }
-    u32 stage = 0;
-    for (u32 kt = kt_begin; kt < kt_end; ++kt) {
-        // Refill the stage computed in the previous iteration (every lane is past it).
-        const u32 ahead = kt + STAGES - 1;
-        if (ahead < kt_end) issue(ahead, (stage + STAGES - 1) % STAGES);
-        cp_async_commit();
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();
+    for (int i = 0; i < STAGES - 1; ++i)
+        if (queued < tiles) issue(i);
+    u32 stage = 0, fill = STAGES - 1, parity = 0, c_pos = 0;
+    for (u32 done = 0; done < tiles; done += TPS) {
+        // Refill the stage computed last (every lane is past it: the __syncwarp below).
+        if (queued < tiles) issue(fill);
+        fill = fill + 1 == STAGES ? 0 : fill + 1;
+        mbar_wait(bars + stage * 8, parity);
         const unsigned char* st = ring + stage * S::BYTES;
-        const uint4 w = *reinterpret_cast<const uint4*>(st + lane * 16);
-        const u32* xs = reinterpret_cast<const u32*>(st + S::W_BYTES);  // [XROWS][8] words
-        u32 a[MT][4];
+        const u32 nt = min(u32(TPS), tiles - done);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            a[mt][0] = xs[(16 * mt + g) * 8 + t];
-            a[mt][2] = xs[(16 * mt + g) * 8 + t + 4];
-            if (LOW8) {
-                a[mt][1] = a[mt][3] = 0u;
-            } else {
-                a[mt][1] = xs[(16 * mt + 8 + g) * 8 + t];
-                a[mt][3] = xs[(16 * mt + 8 + g) * 8 + t + 4];
-            }
-        }
-        if (kt % fkt == 0) acc.begin_unit();
-        acc.tile(w, a);
-        if ((kt + 1) % fkt == 0) {
-            const u32* ss = reinterpret_cast<const u32*>(st + S::W_BYTES + S::X_BYTES);
-            u32 d[8], m[8];
+        for (int j = 0; j < TPS; ++j) {
+            if (u32(j) < nt) {
+                const uint4 w = *reinterpret_cast<const uint4*>(st + j * 512 + lane * 16);
+                const unsigned char* xs = st + S::W_BYTES + j * 32;
+                u32 a[MT][4];
 #pragma unroll
-            for (int n8 = 0; n8 < 8; ++n8) {
-                d[n8] = ss[frag_col(n8, t) / 2];
-                m[n8] = ss[32 + frag_col(n8, t) / 2];
+                for (int mt = 0; mt < MT; ++mt) {
+                    const u32* r0 = reinterpret_cast<const u32*>(xs + (16 * mt + g) * S::X_PITCH);
+                    a[mt][0] = r0[t];
+                    a[mt][2] = r0[t + 4];
+                    if (LOW8) {
+                        a[mt][1] = a[mt][3] = 0u;
+                    } else {
+                        const u32* r1 = reinterpret_cast<const u32*>(xs + (16 * mt + 8 + g) * S::X_PITCH);
+                        a[mt][1] = r1[t];
+                        a[mt][3] = r1[t + 4];
+                    }
+                }
+                acc.tile(w, a);
+                if (++c_pos == fkt) {
+                    c_pos = 0;
+                    const u32* ss = reinterpret_cast<const u32*>(st + S::W_BYTES + S::X_BYTES + j * S::S_SLOT);
+                    u32 d[8], m[8];
+#pragma unroll
+                    for (int n8 = 0; n8 < 8; ++n8) {
+                        d[n8] = ss[frag_col(n8, t) / 2];
+                        m[n8] = ss[32 + frag_col(n8, t) / 2];
+                    }
+                    acc.template fold<F16S>(d, m, sym);
+                    acc.begin_unit();
+                }
             }
-            acc.template fold<F16S>(d, m, sym);
         }
         __syncwarp();
-        stage = (stage + 1) % STAGES;
+        if (++stage == STAGES) {
+            stage = 0;
+            parity ^= 1;
+        }
     }
-    cp_async_wait<0>();
     __syncthreads();  // every warp is done with its ring: the reduction may reuse it
-    finish<MT, EPI>(p, acc.acc, reinterpret_cast<float*>(smem), warp, g, t);
+    finish<MT, EPI>(p, acc.acc, reinterpret_cast<float*>(dsmem + S::BARRIERS), warp, g, t);
 }
 
 #define INT4_GEMM_PIPE_ENTRY(NAME, ROWS, MIN_CTAS, EPI, F16S)                                    \
@@ -548,39 +652,39 @@ __device__ __forceinline__ void int4_gemm_pipe(const Int4GemmParams& p) {
         int4_gemm<ROWS, EPI, F16S>(p);                                                    \
     }
 
-INT4_GEMM_ENTRY(int4_gemm_plain_bf16s_m8, 8, 4, EPI_PLAIN, false)
+INT4_GEMM_ENTRY(int4_gemm_plain_bf16s_m8, 8, 3, EPI_PLAIN, false)
 INT4_GEMM_ENTRY(int4_gemm_plain_bf16s_m16, 16, 3, EPI_PLAIN, false)
 INT4_GEMM_ENTRY(int4_gemm_plain_bf16s_m32, 32, 2, EPI_PLAIN, false)
-INT4_GEMM_ENTRY(int4_gemm_plain_f16s_m8, 8, 4, EPI_PLAIN, true)
+INT4_GEMM_ENTRY(int4_gemm_plain_f16s_m8, 8, 3, EPI_PLAIN, true)
 INT4_GEMM_ENTRY(int4_gemm_plain_f16s_m16, 16, 3, EPI_PLAIN, true)
 INT4_GEMM_ENTRY(int4_gemm_plain_f16s_m32, 32, 2, EPI_PLAIN, true)
-INT4_GEMM_ENTRY(int4_gemm_residual_bf16s_m8, 8, 4, EPI_RESIDUAL, false)
+INT4_GEMM_ENTRY(int4_gemm_residual_bf16s_m8, 8, 3, EPI_RESIDUAL, false)
 INT4_GEMM_ENTRY(int4_gemm_residual_bf16s_m16, 16, 3, EPI_RESIDUAL, false)
 INT4_GEMM_ENTRY(int4_gemm_residual_bf16s_m32, 32, 2, EPI_RESIDUAL, false)
-INT4_GEMM_ENTRY(int4_gemm_residual_f16s_m8, 8, 4, EPI_RESIDUAL, true)
+INT4_GEMM_ENTRY(int4_gemm_residual_f16s_m8, 8, 3, EPI_RESIDUAL, true)
 INT4_GEMM_ENTRY(int4_gemm_residual_f16s_m16, 16, 3, EPI_RESIDUAL, true)
 INT4_GEMM_ENTRY(int4_gemm_residual_f16s_m32, 32, 2, EPI_RESIDUAL, true)
-INT4_GEMM_ENTRY(int4_gemm_swiglu_bf16s_m8, 8, 4, EPI_SWIGLU, false)
+INT4_GEMM_ENTRY(int4_gemm_swiglu_bf16s_m8, 8, 3, EPI_SWIGLU, false)
 INT4_GEMM_ENTRY(int4_gemm_swiglu_bf16s_m16, 16, 3, EPI_SWIGLU, false)
 INT4_GEMM_ENTRY(int4_gemm_swiglu_bf16s_m32, 32, 2, EPI_SWIGLU, false)
-INT4_GEMM_ENTRY(int4_gemm_swiglu_f16s_m8, 8, 4, EPI_SWIGLU, true)
+INT4_GEMM_ENTRY(int4_gemm_swiglu_f16s_m8, 8, 3, EPI_SWIGLU, true)
 INT4_GEMM_ENTRY(int4_gemm_swiglu_f16s_m16, 16, 3, EPI_SWIGLU, true)
 INT4_GEMM_ENTRY(int4_gemm_swiglu_f16s_m32, 32, 2, EPI_SWIGLU, true)
-INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_bf16s_m8, 8, 4, EPI_PLAIN, false)
-INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_bf16s_m16, 16, 3, EPI_PLAIN, false)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_bf16s_m8, 8, 3, EPI_PLAIN, false)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_bf16s_m16, 16, 2, EPI_PLAIN, false)
 INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_bf16s_m32, 32, 2, EPI_PLAIN, false)
-INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_f16s_m8, 8, 4, EPI_PLAIN, true)
-INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_f16s_m16, 16, 3, EPI_PLAIN, true)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_f16s_m8, 8, 3, EPI_PLAIN, true)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_f16s_m16, 16, 2, EPI_PLAIN, true)
 INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_plain_f16s_m32, 32, 2, EPI_PLAIN, true)
-INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_bf16s_m8, 8, 4, EPI_RESIDUAL, false)
-INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_bf16s_m16, 16, 3, EPI_RESIDUAL, false)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_bf16s_m8, 8, 3, EPI_RESIDUAL, false)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_bf16s_m16, 16, 2, EPI_RESIDUAL, false)
 INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_bf16s_m32, 32, 2, EPI_RESIDUAL, false)
-INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_f16s_m8, 8, 4, EPI_RESIDUAL, true)
-INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_f16s_m16, 16, 3, EPI_RESIDUAL, true)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_f16s_m8, 8, 3, EPI_RESIDUAL, true)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_f16s_m16, 16, 2, EPI_RESIDUAL, true)
 INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_residual_f16s_m32, 32, 2, EPI_RESIDUAL, true)
-INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_bf16s_m8, 8, 4, EPI_SWIGLU, false)
-INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_bf16s_m16, 16, 3, EPI_SWIGLU, false)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_bf16s_m8, 8, 3, EPI_SWIGLU, false)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_bf16s_m16, 16, 2, EPI_SWIGLU, false)
 INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_bf16s_m32, 32, 2, EPI_SWIGLU, false)
-INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_f16s_m8, 8, 4, EPI_SWIGLU, true)
-INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_f16s_m16, 16, 3, EPI_SWIGLU, true)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_f16s_m8, 8, 3, EPI_SWIGLU, true)
+INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_f16s_m16, 16, 2, EPI_SWIGLU, true)
 INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_swiglu_f16s_m32, 32, 2, EPI_SWIGLU, true)

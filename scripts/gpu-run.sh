@@ -37,9 +37,9 @@ commit=$(cat .bundle/COMMIT)
 status=0
 if [ "$what" = int4-profile ]; then
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  "$ncu" --target-processes all -k regex:int4_gemm --launch-count 200 \
+  "$ncu" --target-processes all -k regex:int4_gemm --launch-count "${NCU_LAUNCHES:-200}" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-      --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      --section LaunchStats --section WarpStateStats --section SchedulerStats --section SourceCounters \
       .bundle/stoke-gpu --out "$out" int4-profile "$@" > "$out/ncu-int4.txt" 2>&1 || status=1
   tail -5 "$out/ncu-int4.txt"
   exit $status

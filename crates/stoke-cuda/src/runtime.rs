@@ -54,6 +54,8 @@ pub struct Runtime {
     /// NVRTC architecture, e.g. `sm_90a`.
     pub arch: String,
     pub sm_count: u32,
+    /// Most shared memory one CTA may use (dynamic included), in bytes.
+    pub shared_optin: u32,
     modules: Mutex<HashMap<&'static str, (Arc<CudaModule>, Vec<CompileReport>)>>,
     functions: Mutex<HashMap<(&'static str, &'static str), Kernel>>,
     /// Borrowed allocations kept alive until the event after their last use completes.
@@ -110,6 +112,9 @@ impl Runtime {
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(no_device)? as u32;
+        let shared_optin = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(no_device)? as u32;
         // SAFETY: Stoke synchronizes its own buffers explicitly (one stream, events for
         // borrowed memory); cudarc's per-slice event tracking would only add launches.
         unsafe { ctx.disable_event_tracking() };
@@ -121,6 +126,7 @@ impl Runtime {
             name,
             arch: "sm_90a".to_string(),
             sm_count,
+            shared_optin,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(VecDeque::new()),
@@ -171,6 +177,12 @@ impl Runtime {
                 file: src.file.to_string(),
                 entry: entry.to_string(),
             })?;
+        // Kernels may ask for dynamic shared memory up to the device's opt-in limit.
+        func.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            self.shared_optin as i32,
+        )
+        .call("cuFuncSetAttribute")?;
         let kernel = Kernel { func, entry };
         self.functions
             .lock()

@@ -162,8 +162,9 @@ pub enum Variant {
     /// `int4_gemm_*`: loads of 4 k-tiles into registers, then their math.
     #[default]
     Batched,
-    /// `int4_gemm_pipe_*`: a per-warp `cp.async` ring in shared memory, 7 k-tiles (5 for
-    /// 32 rows) ahead of the math. Needs `x`, scales and offsets 16-byte aligned.
+    /// `int4_gemm_pipe_*`: a per-warp ring of 4-k-tile stages in dynamic shared memory, filled
+    /// by bulk copies (`cp.async.bulk` + mbarriers) 3 stages (2 for 32 rows) ahead of the math.
+    /// Needs `x`, scales and offsets 16-byte aligned.
     Pipelined,
 }
 
@@ -185,6 +186,16 @@ impl Variant {
     }
 }
 
+/// Dynamic shared memory of the pipelined kernel for a row tile of `rows` (8, 16 or 32):
+/// mirrors `pipe_smem_bytes<ROWS>()` in the `.cu` file (one 8-byte barrier and one stage of
+/// `TPS` k-tiles per warp and stage: weights, x rows padded to 144 bytes, scale slots).
+pub fn pipe_smem_bytes(rows: u32) -> u32 {
+    const TPS: u32 = 4;
+    let stages = if rows == 32 { 3 } else { 4 };
+    let stage = TPS * 512 + rows * (TPS * 32 + 16) + TPS * 256;
+    WARPS * stages * (8 + stage)
+}
+
 /// Warps per CTA (`WARPS` in the `.cu` file).
 pub const WARPS: u32 = 4;
 /// Most rows one launch handles.
@@ -198,6 +209,8 @@ pub struct Launch {
     pub entry: &'static str,
     pub grid: (u32, u32, u32),
     pub block: (u32, u32, u32),
+    /// Dynamic shared memory of the launch, bytes.
+    pub shared_bytes: u32,
     /// First row of `x` (and of the output) this launch covers, and how many rows.
     pub row0: u32,
     pub rows: u32,
@@ -274,6 +287,10 @@ pub fn plan(
             entry,
             grid: (slabs, splits, 1),
             block: (WARPS * 32, 1, 1),
+            shared_bytes: match variant {
+                Variant::Batched => 0,
+                Variant::Pipelined => pipe_smem_bytes([8, 16, 32][mt]),
+            },
             row0,
             rows,
             fold_kt,
@@ -338,6 +355,17 @@ mod tests {
                     assert_eq!(b, kt * ks as usize + slab * ss as usize);
                 }
             }
+        }
+    }
+
+    #[test]
+    fn pipe_shared_memory_mirrors_the_kernel() {
+        for rows in [8, 16, 32] {
+            let bytes = pipe_smem_bytes(rows);
+            assert!(SOURCE.contains(&format!(
+                "static_assert(pipe_smem_bytes<{rows}>() == {bytes},"
+            )));
+            assert!(bytes <= 227 * 1024);
         }
     }
 
