@@ -177,10 +177,14 @@ impl Runtime {
                 file: src.file.to_string(),
                 entry: entry.to_string(),
             })?;
-        // Kernels may ask for dynamic shared memory up to the device's opt-in limit.
+        // Kernels may ask for dynamic shared memory up to the device's opt-in limit, less
+        // their static shared memory.
+        let static_bytes = func
+            .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            .call("cuFuncGetAttribute")?;
         func.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            self.shared_optin as i32,
+            (self.shared_optin as i32 - static_bytes).max(0),
         )
         .call("cuFuncSetAttribute")?;
         let kernel = Kernel { func, entry };
