@@ -156,12 +156,13 @@ __device__ __forceinline__ void store_pair(const Int4GemmParams& p, u32 r, u32 c
 }
 
 // Per-warp accumulators of one 64-column slab: acc (the warp's result), part (the current fold
-// unit's sums of x (128 + q)) and ssum (lane-local sums of x over the unit, rows g and g + 8).
+// unit's sums of x (128 + q)) and sx (the unit's sums of x per row, from one more mma against a
+// B of ones: fragment value 0 is row g, value 2 row g + 8, the same in every column).
 template <int MT, bool LOW8>
 struct Accum {
     float acc[MT][8][4];   // [m-tile][n8 tile: 2 j + h][fragment]
     float part[MT][8][4];
-    float ssum[MT][2];
+    float sx[MT][4];
 
     __device__ __forceinline__ void zero() {
 #pragma unroll
@@ -175,7 +176,8 @@ struct Accum {
     __device__ __forceinline__ void begin_unit() {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            ssum[mt][0] = ssum[mt][1] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) sx[mt][c] = 0.0f;
 #pragma unroll
             for (int n8 = 0; n8 < 8; ++n8)
 #pragma unroll
@@ -198,30 +200,16 @@ struct Accum {
                 mma_bf16(part[mt][2 * j + 1], a[mt], b10, b11);
             }
         }
+        constexpr u32 ONES = 0x3f803f80u;  // bf16 pair (1, 1)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            ssum[mt][0] += (bf16_lo(a[mt][0]) + bf16_hi(a[mt][0])) +
-                           (bf16_lo(a[mt][2]) + bf16_hi(a[mt][2]));
-            if (!LOW8)
-                ssum[mt][1] += (bf16_lo(a[mt][1]) + bf16_hi(a[mt][1])) +
-                               (bf16_lo(a[mt][3]) + bf16_hi(a[mt][3]));
-        }
+        for (int mt = 0; mt < MT; ++mt) mma_bf16(sx[mt], a[mt], ONES, ONES);
     }
 
     // Fold the unit: acc += d * P' + (m - 128 d) * S, per column. d[n8] / m[n8] hold the
     // scale / offset pair of the lane's columns 2t, 2t + 1 of n8 tile n8; sym: m = -8 d.
+    // LOW8: fragment rows g + 8 are empty and skipped.
     template <bool F16S>
     __device__ __forceinline__ void fold(const u32 (&d)[8], const u32 (&m)[8], bool sym) {
-        float s[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float v = ssum[mt][h];
-                v += __shfl_xor_sync(0xffffffffu, v, 1);
-                v += __shfl_xor_sync(0xffffffffu, v, 2);
-                s[mt][h] = v;
-            }
 #pragma unroll
         for (int n8 = 0; n8 < 8; ++n8) {
             float d0, d1, m0, m1;
@@ -237,10 +225,12 @@ struct Accum {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 float(&c)[4] = acc[mt][n8];
-                c[0] = fmaf(d0, part[mt][n8][0], fmaf(m0, s[mt][0], c[0]));
-                c[1] = fmaf(d1, part[mt][n8][1], fmaf(m1, s[mt][0], c[1]));
-                c[2] = fmaf(d0, part[mt][n8][2], fmaf(m0, s[mt][1], c[2]));
-                c[3] = fmaf(d1, part[mt][n8][3], fmaf(m1, s[mt][1], c[3]));
+                c[0] = fmaf(d0, part[mt][n8][0], fmaf(m0, sx[mt][0], c[0]));
+                c[1] = fmaf(d1, part[mt][n8][1], fmaf(m1, sx[mt][0], c[1]));
+                if (!LOW8) {
+                    c[2] = fmaf(d0, part[mt][n8][2], fmaf(m0, sx[mt][2], c[2]));
+                    c[3] = fmaf(d1, part[mt][n8][3], fmaf(m1, sx[mt][2], c[3]));
+                }
             }
         }
     }
@@ -354,9 +344,39 @@ __device__ __forceinline__ void finish(const Int4GemmParams& p, const float (&ac
 }
 
 // Register-batched kernel: each warp loads KB k-tiles of weights and activations, then computes
-// them; the next unit's scales are requested when a unit starts. ROWS = 8: fragment rows g + 8
-// are known to be zero (half the A loads and sums). The loops run over fold units and the
-// k-tiles inside one, with pointers stepped, not recomputed: no division in the loop.
+// them; the next unit's scales are requested when a unit starts. The loops run over fold units
+// and the k-tiles inside one, with pointers stepped, not recomputed: no division in the loop.
+// Rows of x past m are read from row m - 1 instead (no predicates in the loop): their results
+// land in rows that are never stored. ROWS = 8: fragment rows g + 8 are known to be empty (half
+// the A loads, and the fold skips them).
+template <int KB, int MT, bool LOW8>
+__device__ __forceinline__ void batch_tiles(Accum<MT, LOW8>& st, const uint4*& wp, u64 wstep,
+                                            const u32* (&xr)[MT][2], u64 policy, u32 nb) {
+    uint4 w[KB];
+    u32 a[KB][MT][4];
+#pragma unroll
+    for (int i = 0; i < KB; ++i) {
+        if (i < nb) {
+            w[i] = load_stream(wp, policy);
+            wp += wstep;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                a[i][mt][0] = load_u32(xr[mt][0] + 8 * i);
+                a[i][mt][2] = load_u32(xr[mt][0] + 8 * i + 4);
+                a[i][mt][1] = LOW8 ? 0u : load_u32(xr[mt][1] + 8 * i);
+                a[i][mt][3] = LOW8 ? 0u : load_u32(xr[mt][1] + 8 * i + 4);
+            }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) xr[mt][h] += 8 * nb;
+#pragma unroll
+    for (int i = 0; i < KB; ++i)
+        if (i < nb) st.tile(w[i], a[i]);
+}
+
 template <int ROWS, int EPI, bool F16S>
 __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     constexpr int MT = ROWS == 32 ? 2 : 1;
@@ -371,17 +391,14 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     u32 u_begin, u_end;
     warp_units(p, warp, u_begin, u_end);
     const u32 xrow_words = p.k / 2;
-    // Rows of x this lane reads (a row past m reads as zeros): rows g + 8 h + 16 mt.
-    bool row_ok[MT][2];
+    // Rows of x this lane reads: g + 8 h + 16 mt, or row m - 1 past the end.
     const u32* xr[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const u32 r = 16 * mt + 8 * h + g;
-            row_ok[mt][h] = (h == 0 || !LOW8) && r < p.m;
-            xr[mt][h] = static_cast<const u32*>(p.x) + u64(row_ok[mt][h] ? r : 0) * xrow_words +
-                        u_begin * fkt * 8 + t;
+            const u32 r = min(16 * mt + 8 * h + g, p.m - 1);
+            xr[mt][h] = static_cast<const u32*>(p.x) + u64(r) * xrow_words + u_begin * fkt * 8 + t;
         }
     const uint4* wp = static_cast<const uint4*>(p.words) +
                       (u64(u_begin) * fkt * p.kt_stride + u64(blockIdx.x) * p.slab_stride) * 32 + lane;
@@ -400,31 +417,10 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
         gw.next();
         if (u + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
         st.begin_unit();
-        for (u32 i0 = 0; i0 < fkt; i0 += KB) {
-            const u32 nb = min(u32(KB), fkt - i0);
-            uint4 w[KB];
-            u32 a[KB][MT][4];
-#pragma unroll
-            for (int i = 0; i < KB; ++i) {
-                if (i < nb) {
-                    w[i] = load_stream(wp, policy);
-                    wp += wstep;
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        a[i][mt][0] = row_ok[mt][0] ? load_u32(xr[mt][0] + 8 * i) : 0u;
-                        a[i][mt][1] = row_ok[mt][1] ? load_u32(xr[mt][1] + 8 * i) : 0u;
-                        a[i][mt][2] = row_ok[mt][0] ? load_u32(xr[mt][0] + 8 * i + 4) : 0u;
-                        a[i][mt][3] = row_ok[mt][1] ? load_u32(xr[mt][1] + 8 * i + 4) : 0u;
-                    }
-                }
-            }
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) xr[mt][h] += 8 * nb;
-#pragma unroll
-            for (int i = 0; i < KB; ++i)
-                if (i < nb) st.tile(w[i], a[i]);
+        if (fkt % KB == 0) {  // whole batches (groups of 64 rows and more)
+            for (u32 i0 = 0; i0 < fkt; i0 += KB) batch_tiles<KB>(st, wp, wstep, xr, policy, KB);
+        } else {
+            for (u32 i0 = 0; i0 < fkt; i0 += KB) batch_tiles<KB>(st, wp, wstep, xr, policy, min(u32(KB), fkt - i0));
         }
         st.template fold<F16S>(d, m, sym);
 #pragma unroll

@@ -200,8 +200,15 @@ pub fn pipe_smem_bytes(rows: u32) -> u32 {
 pub const WARPS: u32 = 4;
 /// Most rows one launch handles.
 pub const MAX_ROWS: u32 = 32;
-/// Resident warps per SM the plan aims to fill (the kernels use at most ~128 registers).
-const TARGET_WARPS_PER_SM: u32 = 16;
+/// Resident CTAs per SM of each kernel and row tile (index 0, 1, 2 for 8, 16, 32 rows): the
+/// launch bounds of the entry points, and for the pipelined kernel its shared memory.
+fn ctas_per_sm(variant: Variant, mt: usize) -> u32 {
+    match (variant, mt) {
+        (_, 0) => 3,
+        (Variant::Batched, 1) => 3,
+        _ => 2,
+    }
+}
 
 /// One launch: entry point, grid, block, and the plan fields of its params.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -236,9 +243,10 @@ fn gcd(a: u32, b: u32) -> u32 {
 /// `sm_count` SMs: one per 32-row chunk of `m`.
 ///
 /// Split-K: the k range is dealt out in fold units (`fold_kt` 16-row k-tiles, dividing both
-/// the group and the 8 k-tiles a warp keeps in flight); a 64-column slab gets as many CTAs
-/// along k as it takes for the grid to fill every SM with `TARGET_WARPS_PER_SM` warps, but
-/// never more warps than fold units.
+/// the group and 8); a 64-column slab gets as many CTAs along k as fit in one wave of resident
+/// CTAs (measured best: a second, partial wave costs more than the split-K reduction saves),
+/// keeping at least two units per warp. `splits > 0` overrides the choice (at most one warp
+/// per unit).
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     m: u32,
@@ -264,13 +272,7 @@ pub fn plan(
     let fold_kt = gcd(group / 16, 8);
     let units = k / 16 / fold_kt;
     let slabs = n / 64;
-    let splits = if splits > 0 {
-        splits.min(units.div_ceil(WARPS)).clamp(1, 65535)
-    } else {
-        let want_warps = sm_count.max(1) * TARGET_WARPS_PER_SM;
-        let warps_per_slab = want_warps.div_ceil(slabs).clamp(1, units);
-        warps_per_slab.div_ceil(WARPS).clamp(1, 65535)
-    };
+    let explicit = splits;
     let mut out = Vec::new();
     let mut row0 = 0;
     while row0 < m {
@@ -279,6 +281,12 @@ pub fn plan(
             0..=8 => 0,
             9..=16 => 1,
             _ => 2,
+        };
+        let splits = if explicit > 0 {
+            explicit.min(units.div_ceil(WARPS)).clamp(1, 65535)
+        } else {
+            let one_wave = ctas_per_sm(variant, mt) * sm_count.max(1) / slabs;
+            one_wave.clamp(1, (units / (2 * WARPS)).max(1))
         };
         // ENTRY_POINTS runs variant, epilogue, scale type, m-tile (the test below checks).
         let entry = ENTRY_POINTS
@@ -425,7 +433,7 @@ mod tests {
                 }
             }
         }
-        // A big square matrix is split along k until ~16 warps per SM are busy.
+        // A big square matrix is split along k up to one wave of CTAs, two units per warp.
         let l = plan(
             1,
             4096,
@@ -438,7 +446,7 @@ mod tests {
             0,
         )
         .unwrap()[0];
-        assert_eq!((l.fold_kt, l.splits), (8, 8));
+        assert_eq!((l.fold_kt, l.splits), (8, 4));
         let l = plan(
             1,
             576,
