@@ -113,7 +113,9 @@ def render_int4(w, res, path):
     w("| shape (k x n) | m | Stoke µs | Stoke % copy | torch int4 µs | torch int4 % copy | Stoke speedup vs torch int4 | bf16 matmul µs | splits |")
     w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     peers = {(e["impl"], e["shape"], e["m"]): e for e in res["torch_int4"] if "us" in e}
-    for r in b["runs"]:
+    # The default kernel and word order in the main table; the others below it.
+    default = [r for r in b["runs"] if r.get("variant", "Batched") == "Batched" and r.get("order", "KtMajor") == "KtMajor"]
+    for r in default:
         ti = peers.get(("torch_weight_int4pack_mm", r["shape"], r["m"]))
         tb = peers.get(("torch_bf16_matmul", r["shape"], r["m"]))
         ti_us = f"{ti['us']:.1f}" if ti else "-"
@@ -122,6 +124,29 @@ def render_int4(w, res, path):
         tb_us = f"{tb['us']:.1f}" if tb else "-"
         w(f"| {r['shape']} ({r['k']} x {r['n']}) | {r['m']} | {r['us']:.1f} | {100 * r['of_copy']:.1f}% | {ti_us} | {ti_pc} | {sp} | {tb_us} | {r['splits']} |")
     w("")
+    others = [r for r in b["runs"] if r not in default]
+    if others:
+        w("The other kernel variant and device word order in the same run (µs; `Batched` is the default above):")
+        w("")
+        keys = sorted({(r["variant"], r["order"]) for r in b["runs"]})
+        w("| shape | m | " + " | ".join(f"{v} / {o}" for v, o in keys) + " |")
+        w("| --- | ---: |" + " ---: |" * len(keys))
+        by = {(r["shape"], r["m"], r["variant"], r["order"]): r for r in b["runs"]}
+        for r in default:
+            if r["m"] not in (1, 16, 32):
+                continue
+            cells = [by.get((r["shape"], r["m"], v, o)) for v, o in keys]
+            w(f"| {r['shape']} | {r['m']} | " + " | ".join(f"{c['us']:.1f}" if c else "-" for c in cells) + " |")
+        w("")
+    if b.get("split_sweep"):
+        w("Split-count sweep at m = 1 (CTAs per 64-column slab along k; µs, best in bold; `splits` in the main table is the plan's choice):")
+        w("")
+        sweep = [e for e in b["split_sweep"] if e["variant"] == "Batched" and e.get("order", "KtMajor") == "KtMajor"]
+        for shape in dict.fromkeys(e["shape"] for e in sweep):
+            pts = [e for e in sweep if e["shape"] == shape]
+            best = min(pts, key=lambda e: e["us"])
+            w(f"- {shape}: " + ", ".join((f"**{e['splits']}: {e['us']:.1f}**" if e is best else f"{e['splits']}: {e['us']:.1f}") for e in pts))
+        w("")
     w("Kernel resources (ptxas): " + ", ".join(sorted({f"{k['entry'].rsplit('_', 1)[1]} {k['registers']} regs / {k['shared_bytes']} B smem / {k['spills']} B spills" for k in b["kernels"] if k["entry"].startswith("int4_gemm_plain_bf16s")})))
     w("")
     w("GPU tests in that run:")

@@ -282,22 +282,26 @@ fn time_gemm(rt: &Arc<Runtime>, dws: &[DeviceInt4], call: &Int4Gemm, reps: usize
 
 /// The W4A16 GEMM on the 8B/70B projection shapes, group 128 symmetric bf16 scales: µs,
 /// effective GB/s (packed weights + scales + activations + output) and the share of the same
-/// run's device-to-device copy rate, for each kernel variant and device word order; then, at
-/// one row, a sweep of the split count (CTAs per slab along k).
+/// run's device-to-device copy rate, for the default kernel and word order, or with
+/// `STOKE_INT4_BENCH=all` for every variant and order plus, at one row, a sweep of the split
+/// count (CTAs per slab along k).
 pub fn bench(copy_gbps: f64) -> Value {
+    let all = std::env::var("STOKE_INT4_BENCH").as_deref() == Ok("all");
+    let variants: &[Variant] = if all { &VARIANTS } else { &[Variant::Batched] };
+    let orders: &[WordOrder] = if all { &ORDERS } else { &[WordOrder::KtMajor] };
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(7);
     let mut rows = Vec::new();
     let mut sweep = Vec::new();
     for &(name, k, n) in BENCH_SHAPES {
-        let weights = ORDERS.map(|o| bench_weights(&rt, &mut rng, k, n, o));
+        let weights: Vec<Vec<DeviceInt4>> = orders.iter().map(|&o| bench_weights(&rt, &mut rng, k, n, o)).collect();
         for &m in BENCH_ROWS {
             let x: Vec<u16> = (0..m * k)
                 .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
                 .collect();
             let xb = put_u16(&rt, &x);
             let out = rt.alloc(m * n * 2).unwrap();
-            for variant in VARIANTS {
+            for &variant in variants {
                 for dws in &weights {
                     let dw = &dws[0];
                     let mut call = Int4Gemm {
@@ -329,7 +333,7 @@ pub fn bench(copy_gbps: f64) -> Value {
                     rows.push(json!({"variant": format!("{variant:?}"), "order": format!("{:?}", dw.order), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
                         "host_us": host_us, "weight_bytes": dw.bytes(), "weight_copies": dws.len(), "gbps": gbps, "of_copy": gbps / copy_gbps,
                         "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1]}));
-                    if m != 1 {
+                    if m != 1 || !all {
                         continue;
                     }
                     let mut seen = Vec::new();
