@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, with .bundle/ from scripts/gpu-bundle.sh:
 # every GPU test, then the benchmarks, then the PyTorch peers, writing JSON into OUTDIR.
-# Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama|int4|int4-profile [SHAPE...]]
+# Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama|int4|attention|int4-profile [SHAPE...]]
 #   int4:  the W4A16 GEMM test and benchmark, then its PyTorch peers
+#   attention: the decode-attention test and benchmark, then the PyTorch SDPA peer
 #   int4-profile: Nsight Compute reports (OUTDIR/ncu-int4.txt) of the W4A16 kernels on the
 #          named benchmark shapes at one row, every variant and word order
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
@@ -51,6 +52,9 @@ fi
 .bundle/stoke-gpu --out "$out" --commit "$commit" "$what" "$@" 2>&1 | tee "$out/stoke-gpu.log" || status=1
 if [ "$what" = int4 ]; then
   python3 scripts/peers/int4_torch.py "$out/torch-int4.json" 2>&1 | tee "$out/torch-int4.log" || status=1
+fi
+if [ "$what" = attention ]; then
+  python3 scripts/peers/attention_torch.py "$out/torch-attention.json" 2>&1 | tee "$out/torch-attention.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   python3 scripts/peers/rms_norm_torch.py "$out/torch-rms.json" 2>&1 | tee "$out/torch.log" || status=1

@@ -45,6 +45,10 @@ pub const CASES: &[(&str, Case)] = &[
         "smollm2_int4_decode_matches_dequantized",
         crate::llama::int4_decode_matches_dequantized,
     ),
+    (
+        "decode_attention_matches_reference",
+        crate::attention::decode_attention_matches_reference,
+    ),
 ];
 
 /// Runs one case, catching panics, or skips it without a usable GPU.

@@ -54,21 +54,21 @@ pub fn upload_ordered(rt: &Arc<Runtime>, p: &PackedInt4, order: WordOrder) -> De
     .expect("upload")
 }
 
-fn put_u16(rt: &Arc<Runtime>, v: &[u16]) -> DeviceBuffer {
+pub(crate) fn put_u16(rt: &Arc<Runtime>, v: &[u16]) -> DeviceBuffer {
     let b = rt.alloc(v.len() * 2).unwrap();
     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
     unsafe { rt.copy_htod(b.ptr(), &bytes) }.unwrap();
     b
 }
 
-fn put_f32(rt: &Arc<Runtime>, v: &[f32]) -> DeviceBuffer {
+pub(crate) fn put_f32(rt: &Arc<Runtime>, v: &[f32]) -> DeviceBuffer {
     let b = rt.alloc(v.len() * 4).unwrap();
     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
     unsafe { rt.copy_htod(b.ptr(), &bytes) }.unwrap();
     b
 }
 
-fn get_bf16(buf: &DeviceBuffer) -> Vec<f64> {
+pub(crate) fn get_bf16(buf: &DeviceBuffer) -> Vec<f64> {
     let mut bytes = vec![0u8; buf.bytes()];
     unsafe { buf.runtime().copy_dtoh(&mut bytes, buf.ptr()) }.unwrap();
     bytes

@@ -5,6 +5,7 @@
 //! and the `stoke-gpu` binary, the self-contained bundle that runs on a GPU machine without a
 //! Rust toolchain and writes JSON results.
 
+pub mod attention;
 pub mod bench;
 pub mod gpu;
 pub mod int4;

@@ -25,4 +25,5 @@ gpu_tests!(
     int4_gemm_matches_dequantized_reference,
     int4_linear_epilogues_match_reference,
     smollm2_int4_decode_matches_dequantized,
+    decode_attention_matches_reference,
 );

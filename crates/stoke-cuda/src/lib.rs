@@ -12,6 +12,7 @@
 
 pub mod compile;
 pub mod int4;
+pub mod kv;
 pub mod kernels;
 mod runtime;
 

@@ -30,6 +30,8 @@ enum Command {
     Llama,
     /// The W4A16 GEMM: its GPU test, then its benchmark beside the same run's copy rate.
     Int4,
+    /// Decode attention: its GPU test, then its benchmark beside the same run's copy rate.
+    Attention,
     /// A few W4A16 launches (every variant and word order) for a profiler such as `ncu`.
     Int4Profile {
         /// Rows of x.
@@ -165,6 +167,22 @@ fn main() -> ExitCode {
                 }
                 Err(e) => {
                     eprintln!("INT4 benchmark not run: {e}");
+                    false
+                }
+            }
+        }
+        Command::Attention => {
+            let ok = run_tests(&cli, &["decode_attention_matches_reference".to_string()]);
+            match stoke_tests::gpu() {
+                Ok(rt) => {
+                    let copy_gbps = stoke_tests::bench::copy_bandwidth(&rt);
+                    println!("device-to-device copy: {copy_gbps:.0} GB/s (read + write)");
+                    let v = stoke_tests::attention::bench(copy_gbps);
+                    write(&cli.out, "attention.json", &json!({ "meta": meta(&cli.commit), "attention": v }));
+                    ok
+                }
+                Err(e) => {
+                    eprintln!("attention benchmark not run: {e}");
                     false
                 }
             }

@@ -1,6 +1,7 @@
 //! Kernel sources (from the top-level `kernels/` directory) and their Rust-side launch rules.
 //! Each module mirrors its kernel's `#[repr(C)]` parameter struct and picks entry points.
 
+pub mod decode_attention;
 pub mod int4_gemm;
 pub mod rms_norm;
 
@@ -26,7 +27,13 @@ pub const ALL: &[KernelSource] = &[
         source: int4_gemm::SOURCE,
         entries: int4_gemm::ENTRY_POINTS,
     },
+    KernelSource {
+        file: "decode_attention.cu",
+        source: decode_attention::SOURCE,
+        entries: decode_attention::ENTRY_POINTS,
+    },
 ];
 
 pub const RMS_NORM: KernelSource = ALL[0];
 pub const INT4_GEMM: KernelSource = ALL[1];
+pub const DECODE_ATTENTION: KernelSource = ALL[2];

@@ -1,0 +1,198 @@
+//! Decode attention and KV-cache append: params mirrors and launch plan for
+//! `kernels/decode_attention.cu` (its header documents the formats and the algorithm).
+//!
+//! This module depends on nothing but `std`.
+
+/// `struct KvCache` in the `.cu` file.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KvCacheParams {
+    pub k: u64,
+    pub v: u64,
+    pub ks: u64,
+    pub vs: u64,
+    pub kv_heads: u32,
+    pub cap: u32,
+    pub d: u32,
+    pub format: u32,
+}
+
+/// `struct AppendParams`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AppendParams {
+    pub k_new: u64,
+    pub v_new: u64,
+    pub slot_of: u64,
+    pub pos: u64,
+    pub main: KvCacheParams,
+    pub mirror: KvCacheParams,
+    pub batch: u32,
+    pub block: u32,
+}
+
+/// `struct AttnParams`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AttnParams {
+    pub q: u64,
+    pub slot_of: u64,
+    pub len: u64,
+    pub cache: KvCacheParams,
+    pub part_o: u64,
+    pub part_ml: u64,
+    pub batch: u32,
+    pub heads: u32,
+    pub splits: u32,
+    pub chunk: u32,
+    pub block: u32,
+    pub scale: f32,
+}
+
+/// `struct CombineParams`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CombineParams {
+    pub part_o: u64,
+    pub part_ml: u64,
+    pub out: u64,
+    pub batch: u32,
+    pub heads: u32,
+    pub splits: u32,
+    pub block: u32,
+}
+
+/// `kernels/decode_attention.cu`, compiled with NVRTC.
+pub const SOURCE: &str = include_str!("../../../../kernels/decode_attention.cu");
+
+/// Every `extern "C"` entry point in [`SOURCE`].
+pub const ENTRY_POINTS: &[&str] = &[
+    "kv_append",
+    "decode_attn_bf16_d64",
+    "decode_attn_bf16_d128",
+    "decode_attn_fp8_d64",
+    "decode_attn_fp8_d128",
+    "decode_attn_int4_d64",
+    "decode_attn_int4_d128",
+    "decode_combine_d64",
+    "decode_combine_d128",
+];
+
+/// A cache format (the `FMT_*` values of the `.cu` file).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvFormat {
+    Bf16 = 0,
+    Fp8 = 1,
+    Int4 = 2,
+}
+
+impl KvFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            KvFormat::Bf16 => "bf16",
+            KvFormat::Fp8 => "fp8",
+            KvFormat::Int4 => "int4",
+        }
+    }
+
+    /// Bytes of one cache row of `d` values (K or V), its scale included.
+    pub fn row_bytes(self, d: usize) -> usize {
+        match self {
+            KvFormat::Bf16 => 2 * d,
+            KvFormat::Fp8 => d + 4,
+            KvFormat::Int4 => d / 2 + 4,
+        }
+    }
+}
+
+/// Most query heads per kv head the kernels take (`MAX_GROUP`).
+pub const MAX_GROUP: u32 = 8;
+/// Threads per attention CTA.
+pub const ATTN_THREADS: u32 = 128;
+
+/// Why a shape can't run on these kernels.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShapeError(pub String);
+
+/// Checks an attention shape: head dim 64 or 128, heads a multiple of kv heads with at most
+/// [`MAX_GROUP`] query heads per kv head, rotation block 0 or a power of two in 2..=d.
+pub fn check_shape(heads: u32, kv_heads: u32, d: u32, block: u32) -> Result<(), ShapeError> {
+    if d != 64 && d != 128 {
+        return Err(ShapeError(format!("decode attention: head_dim {d} (64 or 128 supported)")));
+    }
+    if kv_heads == 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP {
+        return Err(ShapeError(format!(
+            "decode attention: {heads} query heads over {kv_heads} kv heads (a whole group of at most {MAX_GROUP})"
+        )));
+    }
+    if block != 0 && (!block.is_power_of_two() || block < 2 || block > d) {
+        return Err(ShapeError(format!(
+            "decode attention: rotation block {block} (0, or a power of two from 2 to head_dim {d})"
+        )));
+    }
+    Ok(())
+}
+
+/// Keys per split-KV CTA for contexts up to `max_len` so that `batch * kv_heads * splits` CTAs
+/// cover the GPU about twice: returns (chunk, splits). Chunks are multiples of 128 keys (one
+/// 32-key step per warp).
+pub fn split_plan(batch: u32, kv_heads: u32, max_len: u32, sm_count: u32) -> (u32, u32) {
+    let want = (2 * sm_count.max(1)).div_ceil(batch.max(1) * kv_heads.max(1)).max(1);
+    let chunk = max_len.max(1).div_ceil(want).next_multiple_of(128).max(128);
+    (chunk, max_len.max(1).div_ceil(chunk))
+}
+
+pub fn attn_entry(format: KvFormat, d: u32) -> &'static str {
+    let i = 1 + 2 * format as usize + usize::from(d == 128);
+    ENTRY_POINTS[i]
+}
+
+pub fn combine_entry(d: u32) -> &'static str {
+    if d == 128 { ENTRY_POINTS[8] } else { ENTRY_POINTS[7] }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_layout_matches_c() {
+        assert_eq!(std::mem::size_of::<KvCacheParams>(), 48);
+        assert_eq!(std::mem::size_of::<AppendParams>(), 136);
+        assert_eq!(std::mem::size_of::<AttnParams>(), 112);
+        assert_eq!(std::mem::size_of::<CombineParams>(), 40);
+        for (name, size) in [("KvCache", 48), ("AppendParams", 136), ("AttnParams", 112), ("CombineParams", 40)] {
+            assert!(SOURCE.contains(&format!("static_assert(sizeof({name}) == {size}")), "{name}");
+        }
+    }
+
+    #[test]
+    fn entries_are_defined_and_indexed() {
+        assert!(!SOURCE.contains("#include"));
+        for e in ENTRY_POINTS {
+            assert!(SOURCE.contains(&format!("{e}(")) || SOURCE.contains(&format!("ENTRY({e},")), "{e}");
+        }
+        assert_eq!(attn_entry(KvFormat::Fp8, 128), "decode_attn_fp8_d128");
+        assert_eq!(attn_entry(KvFormat::Int4, 64), "decode_attn_int4_d64");
+        assert_eq!(attn_entry(KvFormat::Bf16, 64), "decode_attn_bf16_d64");
+        assert_eq!(combine_entry(128), "decode_combine_d128");
+    }
+
+    #[test]
+    fn splits_cover_the_context_and_fill_the_gpu() {
+        for (b, kvh, len) in [(1, 8, 1024), (8, 8, 1024), (32, 8, 4096), (1, 8, 32768), (1, 3, 1), (3, 1, 4097)] {
+            let (chunk, splits) = split_plan(b, kvh, len, 132);
+            assert!(chunk % 128 == 0 && chunk * splits >= len && chunk * (splits - 1) < len.max(1));
+            assert!(b * kvh * splits >= (264u32).min(b * kvh * len.div_ceil(128)) / 2, "{b} {kvh} {len}");
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_named() {
+        assert!(check_shape(32, 8, 128, 128).is_ok());
+        assert!(check_shape(9, 3, 64, 64).is_ok());
+        assert!(check_shape(32, 8, 96, 0).unwrap_err().0.contains("head_dim 96"));
+        assert!(check_shape(64, 4, 128, 0).unwrap_err().0.contains("64 query heads over 4"));
+        assert!(check_shape(32, 8, 128, 48).unwrap_err().0.contains("block 48"));
+    }
+}

@@ -1,0 +1,236 @@
+//! The KV cache on the GPU (`kernels/decode_attention.cu`): the BF16 main cache, an optional
+//! FP8 or INT4 mirror, the append of each step's K and V rows, and split-KV decode attention.
+//!
+//! Slots are stable batch indices; which slot each row of a step belongs to, where it writes
+//! and how many keys it attends to are device buffers (`slot_of`, `pos`, `len`), so a captured
+//! decode step replays with new positions.
+
+use crate::kernels::DECODE_ATTENTION;
+use crate::kernels::decode_attention::{
+    ATTN_THREADS, AppendParams, AttnParams, CombineParams, KvCacheParams, KvFormat, attn_entry,
+    check_shape, combine_entry, split_plan,
+};
+use crate::{DeviceBuffer, Error, LaunchShape, Result, Runtime};
+use std::sync::Arc;
+
+/// One mirror's buffers: K and V rows, and their per-row f32 scales.
+#[derive(Debug)]
+pub struct Mirror {
+    pub k: DeviceBuffer,
+    pub v: DeviceBuffer,
+    pub ks: DeviceBuffer,
+    pub vs: DeviceBuffer,
+}
+
+/// A KV cache of `slots` sequences x `kv_heads` x `cap` positions x `d` dims.
+#[derive(Debug)]
+pub struct DeviceKvCache {
+    /// The format decode attention reads: the BF16 main cache itself, or a mirror.
+    pub format: KvFormat,
+    pub slots: u32,
+    pub kv_heads: u32,
+    pub cap: u32,
+    pub d: u32,
+    /// Hadamard block of the mirror rows (0: not rotated).
+    pub block: u32,
+    pub k: DeviceBuffer,
+    pub v: DeviceBuffer,
+    pub mirror: Option<Mirror>,
+}
+
+impl DeviceKvCache {
+    /// Allocates a zeroed cache. `block` is the rotation block for the FP8/INT4 mirror (0 for
+    /// none; ignored for BF16).
+    pub fn new(
+        rt: &Arc<Runtime>,
+        format: KvFormat,
+        (slots, kv_heads, cap, d): (u32, u32, u32, u32),
+        block: u32,
+    ) -> Result<Self> {
+        check_shape(kv_heads, kv_heads, d, block).map_err(|e| Error::Shape(e.0))?;
+        let rows = slots as usize * kv_heads as usize * cap as usize;
+        let zeroed = |bytes: usize| -> Result<DeviceBuffer> {
+            let b = rt.alloc(bytes.max(4))?;
+            // SAFETY: the buffer holds at least `bytes` bytes.
+            unsafe { rt.fill_bytes(b.ptr(), 0, bytes.max(4)) }?;
+            Ok(b)
+        };
+        let d_us = d as usize;
+        let mirror = match format {
+            KvFormat::Bf16 => None,
+            KvFormat::Fp8 | KvFormat::Int4 => {
+                let row = if format == KvFormat::Fp8 { d_us } else { d_us / 2 };
+                Some(Mirror {
+                    k: zeroed(rows * row)?,
+                    v: zeroed(rows * row)?,
+                    ks: zeroed(rows * 4)?,
+                    vs: zeroed(rows * 4)?,
+                })
+            }
+        };
+        Ok(Self {
+            format,
+            slots,
+            kv_heads,
+            cap,
+            d,
+            block: if format == KvFormat::Bf16 { 0 } else { block },
+            k: zeroed(rows * d_us * 2)?,
+            v: zeroed(rows * d_us * 2)?,
+            mirror,
+        })
+    }
+
+    fn main_params(&self) -> KvCacheParams {
+        KvCacheParams {
+            k: self.k.ptr(),
+            v: self.v.ptr(),
+            ks: 0,
+            vs: 0,
+            kv_heads: self.kv_heads,
+            cap: self.cap,
+            d: self.d,
+            format: KvFormat::Bf16 as u32,
+        }
+    }
+
+    /// The cache decode attention reads.
+    fn read_params(&self) -> KvCacheParams {
+        match &self.mirror {
+            None => self.main_params(),
+            Some(m) => KvCacheParams {
+                k: m.k.ptr(),
+                v: m.v.ptr(),
+                ks: m.ks.ptr(),
+                vs: m.vs.ptr(),
+                kv_heads: self.kv_heads,
+                cap: self.cap,
+                d: self.d,
+                format: self.format as u32,
+            },
+        }
+    }
+
+    /// Queues the append of one step: row `b` of `k_new`/`v_new` (`[batch, kv_heads, d]` bf16)
+    /// goes to slot `slot_of[b]` at position `pos[b]` (`[batch]` u32 device buffers) of the
+    /// main cache and, rotated and quantized, of the mirror.
+    ///
+    /// # Safety
+    /// The pointers must be valid device memory of those sizes until the kernel finishes, with
+    /// every slot below `slots` and every position below `cap`.
+    pub unsafe fn append(
+        &self,
+        rt: &Arc<Runtime>,
+        k_new: u64,
+        v_new: u64,
+        slot_of: u64,
+        pos: u64,
+        batch: u32,
+    ) -> Result<()> {
+        if batch == 0 {
+            return Ok(());
+        }
+        let params = AppendParams {
+            k_new,
+            v_new,
+            slot_of,
+            pos,
+            main: self.main_params(),
+            mirror: if self.mirror.is_some() {
+                self.read_params()
+            } else {
+                KvCacheParams::default()
+            },
+            batch,
+            block: self.block,
+        };
+        let kernel = rt.kernel(&DECODE_ATTENTION, "kv_append")?;
+        let items = batch * self.kv_heads * 2;
+        let shape = LaunchShape {
+            grid: (items.div_ceil(4), 1, 1),
+            block: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: params mirror the kernel's struct (layout test); the caller guarantees the
+        // pointers; the cache buffers are owned by self.
+        unsafe { rt.launch(&kernel, shape, &params) }
+    }
+
+    /// Queues decode attention for `batch` rows: `q [batch, heads, d]` bf16, row `b` attends
+    /// to positions `0 .. len[b]` of slot `slot_of[b]`; `out [batch, heads, d]` bf16.
+    /// `max_len` bounds every `len[b]` (it sizes the split-KV grid).
+    ///
+    /// # Safety
+    /// As for [`DeviceKvCache::append`]; `len[b] <= max_len <= cap`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn attend(
+        &self,
+        rt: &Arc<Runtime>,
+        q: u64,
+        heads: u32,
+        slot_of: u64,
+        len: u64,
+        batch: u32,
+        max_len: u32,
+        out: u64,
+    ) -> Result<()> {
+        check_shape(heads, self.kv_heads, self.d, self.block).map_err(|e| Error::Shape(e.0))?;
+        if max_len > self.cap {
+            return Err(Error::Shape(format!(
+                "decode attention: max_len {max_len} beyond the cache capacity {}",
+                self.cap
+            )));
+        }
+        if batch == 0 {
+            return Ok(());
+        }
+        let (chunk, splits) = split_plan(batch, self.kv_heads, max_len, rt.sm_count);
+        let items = batch as usize * heads as usize * splits as usize;
+        let part_o = rt.alloc(items * self.d as usize * 4)?;
+        let part_ml = rt.alloc(items * 8)?;
+        let params = AttnParams {
+            q,
+            slot_of,
+            len,
+            cache: self.read_params(),
+            part_o: part_o.ptr(),
+            part_ml: part_ml.ptr(),
+            batch,
+            heads,
+            splits,
+            chunk,
+            block: self.block,
+            scale: 1.0 / (self.d as f32).sqrt(),
+        };
+        let kernel = rt.kernel(&DECODE_ATTENTION, attn_entry(self.format, self.d))?;
+        let shape = LaunchShape {
+            grid: (splits, self.kv_heads, batch),
+            block: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above; the partials are Stoke buffers freed on this stream after use.
+        unsafe { rt.launch(&kernel, shape, &params) }?;
+        let combine = CombineParams {
+            part_o: part_o.ptr(),
+            part_ml: part_ml.ptr(),
+            out,
+            batch,
+            heads,
+            splits,
+            block: self.block,
+        };
+        let kernel = rt.kernel(&DECODE_ATTENTION, combine_entry(self.d))?;
+        let shape = LaunchShape {
+            grid: ((batch * heads).div_ceil(4), 1, 1),
+            block: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above.
+        unsafe { rt.launch(&kernel, shape, &combine) }
+    }
+
+    /// Bytes decode attention reads for `keys` cached tokens (K and V rows, scales included).
+    pub fn bytes_read(&self, keys: usize) -> usize {
+        2 * keys * self.kv_heads as usize * self.format.row_bytes(self.d as usize)
+    }
+}

@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""PyTorch peer for Stoke's decode attention on the same GPU run:
+torch.nn.functional.scaled_dot_product_attention(enable_gqa=True) on a BF16 cache, one query
+token per sequence, for the Llama-3.1-8B and 70B attention shapes at (batch, context) in
+{(1, 1024), (8, 1024), (32, 4096), (1, 32768)}, with the same run's device-to-device copy rate.
+
+usage: attention_torch.py OUT.json
+
+Timing as in int4_torch.py (CUDA events around batches of calls, median of 5). Caches rotate
+through enough copies (>= 160 MB) that the L2 does not serve them. `gbps` counts the K and V
+bytes read.
+"""
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from int4_torch import copy_gbps, timed
+
+SHAPES = [("8b", 32, 8, 128), ("70b", 64, 8, 128)]
+POINTS = [(1, 1024), (8, 1024), (32, 4096), (1, 32768)]
+ROTATE_BYTES = 160e6
+
+
+def main():
+    out_path = sys.argv[1]
+    dev = torch.device("cuda")
+    copy = copy_gbps()
+    print(f"device-to-device copy: {copy:.0f} GB/s")
+    res = [{"impl": "d2d_copy", "gbps": copy, "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__}]
+    for name, heads, kvh, d in SHAPES:
+        for batch, ctx in POINTS:
+            one = 2 * batch * kvh * ctx * d * 2
+            copies = max(1, min(64, int(ROTATE_BYTES / one + 0.999)))
+            kv = [(torch.randn(batch, kvh, ctx, d, dtype=torch.bfloat16, device=dev),
+                   torch.randn(batch, kvh, ctx, d, dtype=torch.bfloat16, device=dev)) for _ in range(copies)]
+            q = torch.randn(batch, heads, 1, d, dtype=torch.bfloat16, device=dev)
+            entry = {"impl": "torch_sdpa_bf16", "shape": name, "heads": heads, "kv_heads": kvh, "d": d,
+                     "batch": batch, "ctx": ctx}
+            try:
+                us = timed(lambda i: F.scaled_dot_product_attention(q, kv[i][0], kv[i][1], enable_gqa=True), copies)
+                g = one / us / 1e3
+                entry.update({"us": us, "gbps": g, "of_copy": g / copy})
+                print(f"torch sdpa {name:4} b {batch:2} ctx {ctx:5}: {us:8.2f} us {g:7.0f} GB/s")
+            except Exception as e:  # noqa: BLE001 - record why the peer did not run
+                entry["error"] = f"{type(e).__name__}: {e}"
+            res.append(entry)
+            del kv
+            torch.cuda.empty_cache()
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

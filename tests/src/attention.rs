@@ -1,0 +1,357 @@
+//! Decode attention and the KV-cache append (`kernels/decode_attention.cu`) on the GPU:
+//! correctness against the f64 reference of `stoke_formats::kv`, and speed against the same
+//! run's copy rate.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use stoke_cuda::kernels::decode_attention::KvFormat;
+use stoke_cuda::kv::DeviceKvCache;
+use stoke_cuda::{DeviceBuffer, Runtime};
+use stoke_formats::bf16;
+use stoke_formats::kv::{self, Int4Order};
+use stoke_formats::reference::relative_error;
+
+use crate::int4::{get_bf16, put_u16};
+
+fn put_u32(rt: &Arc<Runtime>, v: &[u32]) -> DeviceBuffer {
+    let b = rt.alloc(v.len().max(1) * 4).unwrap();
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    unsafe { rt.copy_htod(b.ptr(), &bytes) }.unwrap();
+    b
+}
+
+fn get_bytes(buf: &DeviceBuffer) -> Vec<u8> {
+    let mut bytes = vec![0u8; buf.bytes()];
+    unsafe { buf.runtime().copy_dtoh(&mut bytes, buf.ptr()) }.unwrap();
+    bytes
+}
+
+fn get_f32(buf: &DeviceBuffer) -> Vec<f32> {
+    get_bytes(buf)
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn bf16s(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            // Box-Muller: N(0, 1).
+            let (u1, u2): (f32, f32) = (rng.random_range(f32::EPSILON..1.0), rng.random());
+            let v = (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos();
+            bf16::round(v * scale)
+        })
+        .collect()
+}
+
+fn to_bf16(v: &[f32]) -> Vec<u16> {
+    v.iter().map(|x| bf16::from_f32(*x)).collect()
+}
+
+/// One test cache: `batch` sequences in slots `batch - 1 - b` (slots out of order on purpose),
+/// sequence `b` holding `lens[b]` tokens; K and V `[seq][pos][kv_head][d]` on the host.
+struct Case {
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    lens: Vec<usize>,
+    /// Key channels per kv head scaled by `outlier` (0: none).
+    outliers: usize,
+    outlier: f32,
+}
+
+struct Filled {
+    cache: DeviceKvCache,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    slot_of: Vec<u32>,
+}
+
+/// Builds the cache through the append kernel: every (sequence, position) row in one launch.
+fn fill(rt: &Arc<Runtime>, rng: &mut StdRng, c: &Case, format: KvFormat, block: u32) -> Filled {
+    let batch = c.lens.len();
+    let cap = c.lens.iter().copied().max().unwrap().max(1) as u32;
+    let cache = DeviceKvCache::new(rt, format, (batch as u32, c.kv_heads as u32, cap, c.d as u32), block).unwrap();
+    let slot_of: Vec<u32> = (0..batch).map(|b| (batch - 1 - b) as u32).collect();
+    let (mut k, mut v) = (Vec::new(), Vec::new());
+    let (mut rows_k, mut rows_v, mut slots, mut pos) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (b, &len) in c.lens.iter().enumerate() {
+        let mut kb = bf16s(rng, len * c.kv_heads * c.d, 1.0);
+        if c.outliers > 0 {
+            for (i, x) in kb.iter_mut().enumerate() {
+                if (i % c.d) % (c.d / c.outliers) == 3 {
+                    *x = bf16::round(*x * c.outlier);
+                }
+            }
+        }
+        let vb = bf16s(rng, len * c.kv_heads * c.d, 1.0);
+        for p in 0..len {
+            slots.push(slot_of[b]);
+            pos.push(p as u32);
+        }
+        rows_k.extend_from_slice(&kb);
+        rows_v.extend_from_slice(&vb);
+        k.push(kb);
+        v.push(vb);
+    }
+    let (kb, vb) = (put_u16(rt, &to_bf16(&rows_k)), put_u16(rt, &to_bf16(&rows_v)));
+    let (sb, pb) = (put_u32(rt, &slots), put_u32(rt, &pos));
+    unsafe { cache.append(rt, kb.ptr(), vb.ptr(), sb.ptr(), pb.ptr(), slots.len() as u32) }.unwrap();
+    rt.synchronize().unwrap();
+    Filled { cache, k, v, slot_of }
+}
+
+/// The device cache copied to the host once.
+enum HostCache {
+    Bf16(Vec<f64>, Vec<f64>),
+    Mirror(Vec<u8>, Vec<u8>, Vec<f32>, Vec<f32>),
+}
+
+fn download(c: &DeviceKvCache) -> HostCache {
+    match &c.mirror {
+        None => HostCache::Bf16(get_bf16(&c.k), get_bf16(&c.v)),
+        Some(m) => HostCache::Mirror(get_bytes(&m.k), get_bytes(&m.v), get_f32(&m.ks), get_f32(&m.vs)),
+    }
+}
+
+/// The cache rows of sequence `b` as the kernel sees them, `[pos][kv_head][d]`, dequantized
+/// (still rotated for the mirrors).
+fn read_back(f: &Filled, host: &HostCache, b: usize, len: usize) -> (Vec<f32>, Vec<f32>) {
+    let c = &f.cache;
+    let (kvh, cap, d) = (c.kv_heads as usize, c.cap as usize, c.d as usize);
+    let slot = f.slot_of[b] as usize;
+    let mut k = vec![0f32; len * kvh * d];
+    let mut v = vec![0f32; len * kvh * d];
+    let rows_of = |h: usize| (slot * kvh + h) * cap;
+    match host {
+        HostCache::Bf16(kk, vv) => {
+            for h in 0..kvh {
+                for p in 0..len {
+                    for i in 0..d {
+                        k[(p * kvh + h) * d + i] = kk[(rows_of(h) + p) * d + i] as f32;
+                        v[(p * kvh + h) * d + i] = vv[(rows_of(h) + p) * d + i] as f32;
+                    }
+                }
+            }
+        }
+        HostCache::Mirror(kb, vb, ks, vs) => {
+            for h in 0..kvh {
+                for p in 0..len {
+                    let r = rows_of(h) + p;
+                    let (kr, vr) = match c.format {
+                        KvFormat::Fp8 => (
+                            kv::dequantize_fp8(&kb[r * d..(r + 1) * d], &ks[r..r + 1], d),
+                            kv::dequantize_fp8(&vb[r * d..(r + 1) * d], &vs[r..r + 1], d),
+                        ),
+                        _ => (
+                            kv::dequantize_int4(&kb[r * d / 2..(r + 1) * d / 2], &ks[r..r + 1], d, Int4Order::Mma),
+                            kv::dequantize_int4(&vb[r * d / 2..(r + 1) * d / 2], &vs[r..r + 1], d, Int4Order::Natural),
+                        ),
+                    };
+                    k[(p * kvh + h) * d..(p * kvh + h + 1) * d].copy_from_slice(&kr);
+                    v[(p * kvh + h) * d..(p * kvh + h + 1) * d].copy_from_slice(&vr);
+                }
+            }
+        }
+    }
+    (k, v)
+}
+
+/// The host's version of what the append should have stored for sequence `b` (rotated and
+/// quantized with `stoke_formats::kv`, dequantized again).
+fn host_mirror(f: &Filled, b: usize) -> (Vec<f32>, Vec<f32>) {
+    let c = &f.cache;
+    let d = c.d as usize;
+    let mirror = |x: &[f32], order: Int4Order| -> Vec<f32> {
+        let mut r = x.to_vec();
+        if c.block > 0 {
+            kv::hadamard(&mut r, d, c.block as usize).unwrap();
+        }
+        match c.format {
+            KvFormat::Fp8 => {
+                let (codes, s) = kv::quantize_fp8(&r, d).unwrap();
+                kv::dequantize_fp8(&codes, &s, d)
+            }
+            KvFormat::Int4 => {
+                let (bytes, s) = kv::quantize_int4(&r, d, order).unwrap();
+                kv::dequantize_int4(&bytes, &s, d, order)
+            }
+            KvFormat::Bf16 => r,
+        }
+    };
+    (mirror(&f.k[b], Int4Order::Mma), mirror(&f.v[b], Int4Order::Natural))
+}
+
+/// Reference output of sequence `b` over K/V rows `[pos][kv_head][d]` that are rotated by
+/// `block` (q rotated the same way, the output rotated back).
+fn reference(q: &[f32], k: &[f32], v: &[f32], heads: usize, kv_heads: usize, d: usize, block: u32) -> Vec<f64> {
+    let mut qr = q.to_vec();
+    if block > 0 {
+        kv::hadamard(&mut qr, d, block as usize).unwrap();
+    }
+    let out = kv::decode_attention(&qr, k, v, heads, kv_heads, d);
+    if block == 0 {
+        return out;
+    }
+    let mut o32: Vec<f32> = out.iter().map(|x| *x as f32).collect();
+    kv::hadamard(&mut o32, d, block as usize).unwrap();
+    // The un-rotation in f32 loses nothing the bf16 output keeps.
+    o32.into_iter().map(f64::from).collect()
+}
+
+const KERNEL_TOLERANCE: f64 = 5e-3;
+
+/// Every format and head dim against the f64 reference over the cache the kernel read (kernel
+/// error), and over the exact cache (quantization error, reported); the append against the host
+/// quantizer; and the outlier experiment with and without the rotation.
+pub fn decode_attention_matches_reference() -> Result<Value, String> {
+    let rt = crate::gpu()?;
+    rt.set_poison_allocations(true);
+    let seed = crate::seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let cases = [
+        // (heads, kv heads, d, lens): GQA ratios 4, 3, 1, 8; contexts 1, 17, 1024, 4097.
+        Case { heads: 32, kv_heads: 8, d: 128, lens: vec![1, 17, 1024, 4097, 300, 1, 2000, 33], outliers: 0, outlier: 1.0 },
+        Case { heads: 9, kv_heads: 3, d: 64, lens: (0..32).map(|i| ([1usize, 17, 1024, 4097][i % 4]).saturating_sub((i / 4) % 3).max(1)).collect(), outliers: 0, outlier: 1.0 },
+        Case { heads: 8, kv_heads: 8, d: 128, lens: vec![4097], outliers: 0, outlier: 1.0 },
+        Case { heads: 64, kv_heads: 8, d: 64, lens: vec![17], outliers: 0, outlier: 1.0 },
+    ];
+    let mut report = Vec::new();
+    let mut worst = 0f64;
+    for c in &cases {
+        for (format, block) in [(KvFormat::Bf16, 0), (KvFormat::Fp8, c.d as u32), (KvFormat::Int4, c.d as u32), (KvFormat::Int4, 0)] {
+            let f = fill(&rt, &mut rng, c, format, block);
+            let batch = c.lens.len();
+            let q = bf16s(&mut rng, batch * c.heads * c.d, 1.0);
+            let qb = put_u16(&rt, &to_bf16(&q));
+            let lens: Vec<u32> = c.lens.iter().map(|l| *l as u32).collect();
+            let (sb, lb) = (put_u32(&rt, &f.slot_of), put_u32(&rt, &lens));
+            let out = rt.alloc(batch * c.heads * c.d * 2).unwrap();
+            unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.unwrap();
+            let max_len = *lens.iter().max().unwrap();
+            unsafe { f.cache.attend(&rt, qb.ptr(), c.heads as u32, sb.ptr(), lb.ptr(), batch as u32, max_len, out.ptr()) }
+                .map_err(|e| e.to_string())?;
+            let got = get_bf16(&out);
+            let what = format!("seed {seed}: {} block {block}, {} heads / {} kv heads, d {}, lens {:?}", format.name(), c.heads, c.kv_heads, c.d, &c.lens[..c.lens.len().min(8)]);
+            if got.iter().any(|x| !x.is_finite()) {
+                return Err(format!("{what}: unwritten (poisoned) or non-finite outputs"));
+            }
+            let (mut kern_err, mut quant_err, mut append_mismatch, mut append_rows) = (0f64, 0f64, 0usize, 0usize);
+            let host = download(&f.cache);
+            for b in 0..batch {
+                let len = c.lens[b];
+                let qs = &q[b * c.heads * c.d..(b + 1) * c.heads * c.d];
+                let g = &got[b * c.heads * c.d..(b + 1) * c.heads * c.d];
+                let (k_dev, v_dev) = read_back(&f, &host, b, len);
+                let want = reference(qs, &k_dev, &v_dev, c.heads, c.kv_heads, c.d, block);
+                kern_err = kern_err.max(relative_error(g, &want));
+                let exact = kv::decode_attention(qs, &f.k[b], &f.v[b], c.heads, c.kv_heads, c.d);
+                quant_err = quant_err.max(relative_error(g, &exact));
+                // The append: the stored rows against the host quantizer, value by value.
+                let (k_host, v_host) = host_mirror(&f, b);
+                for (dev, host) in [(&k_dev, &k_host), (&v_dev, &v_host)] {
+                    for (rd, rh) in dev.chunks(c.d).zip(host.chunks(c.d)) {
+                        append_rows += 1;
+                        if rd.iter().zip(rh).any(|(a, b)| (a - b).abs() > 1e-6 * b.abs().max(1e-3)) {
+                            append_mismatch += 1;
+                        }
+                    }
+                }
+            }
+            worst = worst.max(kern_err);
+            if !(kern_err < KERNEL_TOLERANCE) {
+                return Err(format!("{what}: kernel relative error {kern_err:.3e} against the reference over its own cache"));
+            }
+            // Rounding of the rotated row in f32 may move a value across a rounding boundary in
+            // a rare row; a systematic difference shows in many.
+            if append_mismatch * 100 > append_rows {
+                return Err(format!("{what}: {append_mismatch} of {append_rows} appended rows differ from the host quantizer"));
+            }
+            report.push(json!({"format": format.name(), "block": block, "heads": c.heads, "kv_heads": c.kv_heads, "d": c.d,
+                "batch": batch, "max_len": max_len, "kernel_rel_err": kern_err, "quantization_rel_err": quant_err,
+                "append_rows_differing": append_mismatch, "append_rows": append_rows}));
+        }
+    }
+    // The outlier experiment on the kernels: Llama-8B attention shape, 4 key channels per head
+    // scaled 8x, ctx 1024.
+    let mut outlier = Vec::new();
+    for (format, block) in [(KvFormat::Int4, 0), (KvFormat::Int4, 128), (KvFormat::Fp8, 0), (KvFormat::Fp8, 128)] {
+        let c = Case { heads: 32, kv_heads: 8, d: 128, lens: vec![1024], outliers: 4, outlier: 8.0 };
+        let f = fill(&rt, &mut rng, &c, format, block);
+        let q = bf16s(&mut rng, c.heads * c.d, 1.0);
+        let qb = put_u16(&rt, &to_bf16(&q));
+        let (sb, lb) = (put_u32(&rt, &f.slot_of), put_u32(&rt, &[1024]));
+        let out = rt.alloc(c.heads * c.d * 2).unwrap();
+        unsafe { f.cache.attend(&rt, qb.ptr(), 32, sb.ptr(), lb.ptr(), 1, 1024, out.ptr()) }.map_err(|e| e.to_string())?;
+        let got = get_bf16(&out);
+        let exact = kv::decode_attention(&q, &f.k[0], &f.v[0], 32, 8, 128);
+        outlier.push(json!({"format": format.name(), "block": block, "relative_error": relative_error(&got, &exact)}));
+    }
+    rt.set_poison_allocations(false);
+    Ok(json!({"seed": seed, "tolerance": KERNEL_TOLERANCE, "max_kernel_rel_err": worst, "cases": report,
+        "outliers_llama8b_ctx1024_4ch_x8": outlier}))
+}
+
+/// Attention shapes `(name, heads, kv_heads, head_dim)`: Llama-3.1-8B and 70B.
+pub const BENCH_SHAPES: &[(&str, u32, u32, u32)] = &[("8b", 32, 8, 128), ("70b", 64, 8, 128)];
+/// (batch, context) points.
+pub const BENCH_POINTS: &[(u32, u32)] = &[(1, 1024), (8, 1024), (32, 4096), (1, 32768)];
+
+/// Decode attention (the attention kernel and the split combine) for each shape, point and
+/// format: µs, cache bytes read per second, share of the same run's copy rate.
+pub fn bench(copy_gbps: f64) -> Value {
+    let rt = crate::gpu().expect("GPU");
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut rows = Vec::new();
+    for &(name, heads, kvh, d) in BENCH_SHAPES {
+        for &(batch, ctx) in BENCH_POINTS {
+            for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int4] {
+                let block = if format == KvFormat::Bf16 { 0 } else { d };
+                // Enough caches (>= 160 MB) that the L2 never holds the one being read.
+                let one = 2 * batch as usize * ctx as usize * kvh as usize * format.row_bytes(d as usize);
+                let copies = 160_000_000usize.div_ceil(one).clamp(1, 64);
+                let caches: Vec<DeviceKvCache> = (0..copies)
+                    .map(|_| DeviceKvCache::new(&rt, format, (batch, kvh, ctx, d), block).unwrap())
+                    .collect();
+                // Random rows through the append (one launch per cache).
+                let n = (batch * ctx) as usize;
+                let kx = put_u16(&rt, &to_bf16(&bf16s(&mut rng, n * (kvh * d) as usize, 1.0)));
+                let vx = put_u16(&rt, &to_bf16(&bf16s(&mut rng, n * (kvh * d) as usize, 1.0)));
+                let slots: Vec<u32> = (0..n as u32).map(|i| i / ctx).collect();
+                let pos: Vec<u32> = (0..n as u32).map(|i| i % ctx).collect();
+                let (sb, pb) = (put_u32(&rt, &slots), put_u32(&rt, &pos));
+                for c in &caches {
+                    unsafe { c.append(&rt, kx.ptr(), vx.ptr(), sb.ptr(), pb.ptr(), n as u32) }.unwrap();
+                }
+                let q = put_u16(&rt, &to_bf16(&bf16s(&mut rng, (batch * heads * d) as usize, 1.0)));
+                let slot_of = put_u32(&rt, &(0..batch).collect::<Vec<_>>());
+                let lens = put_u32(&rt, &vec![ctx; batch as usize]);
+                let out = rt.alloc((batch * heads * d * 2) as usize).unwrap();
+                rt.synchronize().unwrap();
+                let iters = (400_000_000 / one).clamp(10, 500);
+                let us = crate::bench::time_events(&rt, 5, iters, |i| {
+                    unsafe { caches[i % copies].attend(&rt, q.ptr(), heads, slot_of.ptr(), lens.ptr(), batch, ctx, out.ptr()) }.unwrap()
+                });
+                let bytes = caches[0].bytes_read(n);
+                let gbps = bytes as f64 / us / 1e3;
+                println!(
+                    "attention {name:<4} b {batch:2} ctx {ctx:5} {:<4}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy)",
+                    format.name(),
+                    100.0 * gbps / copy_gbps
+                );
+                rows.push(json!({"shape": name, "heads": heads, "kv_heads": kvh, "d": d, "batch": batch, "ctx": ctx,
+                    "format": format.name(), "block": block, "us": us, "bytes": bytes, "gbps": gbps, "of_copy": gbps / copy_gbps,
+                    "copies": copies}));
+            }
+        }
+    }
+    let regs: Vec<Value> = rt
+        .loaded_reports()
+        .into_iter()
+        .filter(|(f, _)| f == "decode_attention.cu")
+        .map(|(_, r)| json!({"entry": r.entry, "registers": r.registers, "shared_bytes": r.shared_bytes, "spills": r.spill_store_bytes}))
+        .collect();
+    json!({"copy_gbps": copy_gbps, "runs": rows, "kernels": regs})
+}
