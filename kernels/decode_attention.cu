@@ -32,6 +32,7 @@ typedef unsigned char u8;
 typedef unsigned long long u64;
 
 enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
+#define NEG_INF __int_as_float(0xff800000)
 constexpr int WARPS = 4;
 constexpr int MAX_GROUP = 8;
 
@@ -287,7 +288,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     float m[MAX_GROUP], l[MAX_GROUP], o[MAX_GROUP][E];
 #pragma unroll
     for (int h = 0; h < MAX_GROUP; ++h) {
-        m[h] = -INFINITY;
+        m[h] = NEG_INF;
         l[h] = 0.0f;
 #pragma unroll
         for (int e = 0; e < E; ++e) o[h][e] = 0.0f;
@@ -324,7 +325,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #pragma unroll
         for (int h = 0; h < MAX_GROUP; ++h) {
             if (h >= group) break;
-            float sc = valid ? s[h] * kscale : -INFINITY;
+            float sc = valid ? s[h] * kscale : NEG_INF;
             float mx = sc;
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
@@ -368,13 +369,13 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     __syncthreads();
     for (u32 i = threadIdx.x; i < group * D; i += blockDim.x) {
         const u32 h = i / D, dd = i % D;
-        float mx = -INFINITY;
+        float mx = NEG_INF;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, wm[w][h]);
         float lsum = 0.0f, osum = 0.0f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
-            const float f = wm[w][h] == -INFINITY ? 0.0f : __expf(wm[w][h] - mx);
+            const float f = wm[w][h] == NEG_INF ? 0.0f : __expf(wm[w][h] - mx);
             lsum += wl[w][h] * f;
             osum += wo[w][h][dd] * f;
         }
@@ -394,16 +395,16 @@ __device__ __forceinline__ void decode_combine(const CombineParams& p) {
     const u32 item = blockIdx.x * 4 + warp;  // (batch, head)
     if (item >= p.batch * p.heads) return;
     const float* ml = p.part_ml + u64(item) * p.splits * 2;
-    float mx = -INFINITY;
+    float mx = NEG_INF;
     for (u32 s = 0; s < p.splits; ++s) mx = fmaxf(mx, ml[2 * s]);
     float lsum = 0.0f;
     for (u32 s = 0; s < p.splits; ++s)
-        if (ml[2 * s] != -INFINITY) lsum += ml[2 * s + 1] * __expf(ml[2 * s] - mx);
+        if (ml[2 * s] != NEG_INF) lsum += ml[2 * s + 1] * __expf(ml[2 * s] - mx);
     float* row = rowbuf[warp];
     for (u32 dd = lane; dd < D; dd += 32) {
         float acc = 0.0f;
         for (u32 s = 0; s < p.splits; ++s)
-            if (ml[2 * s] != -INFINITY) acc += p.part_o[(u64(item) * p.splits + s) * D + dd] * __expf(ml[2 * s] - mx);
+            if (ml[2 * s] != NEG_INF) acc += p.part_o[(u64(item) * p.splits + s) * D + dd] * __expf(ml[2 * s] - mx);
         row[dd] = lsum > 0.0f ? acc / lsum : 0.0f;
     }
     hadamard_warp(row, D, p.block, lane);  // undoes the rotation of V (no-op for block 0)
