@@ -5,8 +5,8 @@
 //   BF16  the main cache:  k, v  [slots, kv_heads, cap, d] bf16
 //   FP8   E4M3 mirror:     k, v  [slots, kv_heads, cap, d] u8 codes, ks, vs [slots, kv_heads, cap]
 //                          f32 scales (amax / 448), value = e4m3(code) * scale
-//   INT4  mirror:          k [slots, kv_heads, cap, d / 2] bytes in the mma byte order, v the
-//                          same in natural order, ks, vs f32 scales (amax / 7), value = q * scale
+//   INT4  mirror:          k, v [slots, kv_heads, cap, d / 2] bytes, value 2j in the low nibble
+//                          of byte j, ks, vs f32 scales (amax / 7), value = q * scale
 // The mirrors hold rows rotated by the normalized block-diagonal Walsh-Hadamard transform of
 // `block` (0: no rotation); the query is rotated the same way and the output rotated back, so
 // attention over an exact rotated cache equals attention over the unrotated one.
@@ -21,10 +21,20 @@
 //                     (max, sum, unnormalized output) of each (batch, head, split).
 //   decode_combine_dD one warp per (batch, head): merges the splits, rotates back, writes bf16.
 //
-// This first version runs on CUDA cores: within a warp, lane j owns key j of each 32-key step
-// for q.k (q in shared memory, read by broadcast), then the warp owns the value rows one at a
-// time for p.v (lane j holds output dims j * d / 32 onwards). Softmax is online per warp; the
-// CTA's warps merge through shared memory.
+// Tensor cores, per warp and 16-key tile (FlashAttention-2's orientation, one query token):
+//   S = Q K^T   mma.m16n8k16 with A = the group's queries (rows = heads, <= 8 of 16 used) and
+//               B = K^T, two 8-key n-tiles. The reduction over head dims is permuted so that
+//               lane (g, t) reads one contiguous slice of key row g, dims t * d / 4 onwards
+//               (mma k-index 2t, 2t + 1 of chunk j <-> slice dims 4j, 4j + 1; 2t + 8, 2t + 9 <->
+//               4j + 2, 4j + 3), and the queries are laid out the same way: 16-byte loads, no
+//               shuffles, any byte order of the cache row is the natural one.
+//   softmax     online per head in the fragments (row g of S is head g), key scales applied
+//               to S, keys past the length masked.
+//   O += P V    P's accumulator fragments are reused as the A operand (16-bit), and V comes
+//               from a per-warp shared-memory tile of 16 rows (dequantized there for the
+//               mirrors: codes times the row's scale, in f16) read with ldmatrix.trans.
+// BF16 cache: bf16 operands. FP8 / INT4 mirrors: f16 operands (exact for the codes; the query is
+// pre-multiplied by 1 / sqrt(d) before rounding to f16), f32 accumulation throughout.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -121,19 +131,6 @@ __device__ __forceinline__ void hadamard_warp(float* v, u32 d, u32 block, u32 la
     __syncwarp();
 }
 
-// Byte / nibble position of value i of an INT4 row: natural, or the mma key order (within each
-// 16-value chunk, byte 2t holds values 2t, 2t + 1 and byte 2t + 1 values 2t + 8, 2t + 9).
-__device__ __forceinline__ void int4_pos(u32 i, bool mma, u32& byte, bool& hi) {
-    if (!mma) {
-        byte = i / 2;
-        hi = i & 1;
-        return;
-    }
-    const u32 chunk = i / 16, r = i % 16;
-    byte = chunk * 8 + 2 * ((r % 8) / 2) + r / 8;
-    hi = r & 1;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Cache append
 // ---------------------------------------------------------------------------------------------
@@ -171,21 +168,12 @@ extern "C" __global__ void __launch_bounds__(128) kv_append(const AppendParams p
     } else {
         const float s = amax / 7.0f;
         u8* dst = static_cast<u8*>(is_v ? m.v : m.k) + r * (d / 2);
-        // Each lane builds whole bytes: byte j holds the two values whose positions map to it.
-        for (u32 j = lane; j < d / 2; j += 32) {
-            u32 byte_val = 0;
-            for (u32 i = 0; i < d; ++i) {  // d <= 128: small; the append is one row
-                u32 bi;
-                bool hi;
-                int4_pos(i, !is_v, bi, hi);
-                if (bi != j) continue;
-                float qv = s > 0.0f ? rintf(row[i] / s) : 0.0f;
-                qv = fminf(fmaxf(qv, -8.0f), 7.0f);
-                const u32 nib = u32(int(qv)) & 0xfu;
-                byte_val |= hi ? nib << 4 : nib;
-            }
-            dst[j] = u8(byte_val);
-        }
+        // Byte j: value 2j in the low nibble, 2j + 1 in the high one (keys and values alike).
+        auto q4 = [&](float x) -> u32 {
+            const float qv = s > 0.0f ? fminf(fmaxf(rintf(x / s), -8.0f), 7.0f) : 0.0f;
+            return u32(int(qv)) & 0xfu;
+        };
+        for (u32 j = lane; j < d / 2; j += 32) dst[j] = u8(q4(row[2 * j]) | (q4(row[2 * j + 1]) << 4));
         if (lane == 0) (is_v ? m.vs : m.ks)[r] = s;
     }
 }
@@ -194,79 +182,169 @@ extern "C" __global__ void __launch_bounds__(128) kv_append(const AppendParams p
 // Decode attention
 // ---------------------------------------------------------------------------------------------
 
-// 16 consecutive key values (dims c*16 .. c*16+15, natural order) of key row `row` as f32.
+template <bool F16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+    if (F16)
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    else
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+template <bool F16>
+__device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    if (F16)
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    else
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two E4M3 codes (bits 0-7 and 8-15 of v) to an f16 pair (exact).
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v) {
+    u32 r;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(u16(v & 0xffffu)));
+    return r;
+}
+
+// The two signed nibbles of byte k of w (low nibble -> low half) as an f16 pair, exact: the
+// nibble xor 8 lands in the mantissa of 1024 (0x6400), then 1032 is subtracted.
+template <int K>
+__device__ __forceinline__ u32 int4x2_to_f16x2(u32 w, u32 w4) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(w), "r"(w4), "n"(0x4000 | ((4 + K) << 8) | K));
+    asm("lop3.b32 %0, %0, %1, %2, 0x6a;" : "+r"(r) : "r"(0x000f000fu), "r"(0x64086408u));
+    u32 out;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(r), "r"(0x64086408u));
+    return out;
+}
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+// Key slice of lane (g, t): D / 4 dims of row `row` as B-fragment registers, b[2 j] (b0 of
+// chunk j) and b[2 j + 1] (b1).
 template <int FMT, int D>
-__device__ __forceinline__ void load_key16(const KvCache& c, u64 row, u32 chunk, float (&x)[16]) {
+__device__ __forceinline__ void load_k_slice(const KvCache& c, u64 row, u32 t, u32 (&b)[D / 8]) {
     if (FMT == FMT_BF16) {
-        const uint4* p = reinterpret_cast<const uint4*>(static_cast<const u16*>(c.k) + row * D + chunk * 16);
-        const uint4 a = p[0], b = p[1];
-        const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        const uint4* p = reinterpret_cast<const uint4*>(static_cast<const u16*>(c.k) + row * D + t * (D / 4));
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            x[2 * i] = __uint_as_float(w[i] << 16);
-            x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        for (int i = 0; i < D / 32; ++i) {
+            const uint4 v = __ldg(p + i);
+            b[4 * i] = v.x;
+            b[4 * i + 1] = v.y;
+            b[4 * i + 2] = v.z;
+            b[4 * i + 3] = v.w;
         }
     } else if (FMT == FMT_FP8) {
-        const uint4 a = *reinterpret_cast<const uint4*>(static_cast<const u8*>(c.k) + row * D + chunk * 16);
-        const u32 w[4] = {a.x, a.y, a.z, a.w};
+        const uint4* p = reinterpret_cast<const uint4*>(static_cast<const u8*>(c.k) + row * D + t * (D / 4));
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < D / 64; ++i) {
+            const uint4 v = __ldg(p + i);
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-            for (int j = 0; j < 4; ++j) x[4 * i + j] = e4m3_to_f32(w[i] >> (8 * j));
+            for (int k = 0; k < 4; ++k) {
+                b[8 * i + 2 * k] = e4m3x2_to_f16x2(w[k]);
+                b[8 * i + 2 * k + 1] = e4m3x2_to_f16x2(w[k] >> 16);
+            }
+        }
     } else {
-        const uint2 a = *reinterpret_cast<const uint2*>(static_cast<const u8*>(c.k) + row * (D / 2) + chunk * 8);
-        const u32 w[2] = {a.x, a.y};
-        // Byte 2t: dims 2t, 2t + 1; byte 2t + 1: dims 2t + 8, 2t + 9 (t = 0..3).
+        const u8* base = static_cast<const u8*>(c.k) + row * (D / 2) + t * (D / 8);
+        u32 w[D / 32];
+        if (D == 128) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(base));
+            w[0] = v.x;
+            w[1 % (D / 32)] = v.y;
+            w[2 % (D / 32)] = v.z;
+            w[3 % (D / 32)] = v.w;
+        } else {
+            const uint2 v = __ldg(reinterpret_cast<const uint2*>(base));
+            w[0] = v.x;
+            w[1] = v.y;
+        }
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            const u32 lo = (w[t / 2] >> (16 * (t % 2))) & 0xffu, hi = (w[t / 2] >> (16 * (t % 2) + 8)) & 0xffu;
-            x[2 * t] = float(int(lo << 28) >> 28);
-            x[2 * t + 1] = float(int(lo << 24) >> 28);
-            x[2 * t + 8] = float(int(hi << 28) >> 28);
-            x[2 * t + 9] = float(int(hi << 24) >> 28);
+        for (int i = 0; i < D / 32; ++i) {
+            const u32 w4 = w[i] >> 4;
+            b[4 * i] = int4x2_to_f16x2<0>(w[i], w4);
+            b[4 * i + 1] = int4x2_to_f16x2<1>(w[i], w4);
+            b[4 * i + 2] = int4x2_to_f16x2<2>(w[i], w4);
+            b[4 * i + 3] = int4x2_to_f16x2<3>(w[i], w4);
         }
     }
 }
 
-// The lane's E = D / 32 value dims (lane * E onwards) of value row `row` as f32.
-template <int FMT, int D>
-__device__ __forceinline__ void load_value(const KvCache& c, u64 row, u32 lane, float (&x)[D / 32]) {
-    constexpr int E = D / 32;
+// Half a value row (D / 2 dims from dim `half * D / 2`) of row `row` into the warp's V tile
+// (16-bit values, row pitch VP elements), dequantized for the mirrors.
+template <int FMT, int D, int VP>
+__device__ __forceinline__ void stage_v_half(const KvCache& c, u64 row, bool valid, u32 key, u32 half, u16* tile) {
+    uint4* dst = reinterpret_cast<uint4*>(tile + key * VP + half * (D / 2));
+    if (!valid) {
+#pragma unroll
+        for (int i = 0; i < D / 16; ++i) dst[i] = make_uint4(0, 0, 0, 0);
+        return;
+    }
     if (FMT == FMT_BF16) {
-        const u16* p = static_cast<const u16*>(c.v) + row * D + lane * E;
-        if (E == 4) {
-            const uint2 a = *reinterpret_cast<const uint2*>(p);
-            x[0] = __uint_as_float(a.x << 16);
-            x[1] = __uint_as_float(a.x & 0xffff0000u);
-            x[2 % E] = __uint_as_float(a.y << 16);
-            x[3 % E] = __uint_as_float(a.y & 0xffff0000u);
-        } else {
-            const u32 a = *reinterpret_cast<const u32*>(p);
-            x[0] = __uint_as_float(a << 16);
-            x[1] = __uint_as_float(a & 0xffff0000u);
+        const uint4* p = reinterpret_cast<const uint4*>(static_cast<const u16*>(c.v) + row * D + half * (D / 2));
+#pragma unroll
+        for (int i = 0; i < D / 16; ++i) dst[i] = __ldg(p + i);
+        return;
+    }
+    const float s = c.vs[row];
+    u32 h[D / 4];  // D / 2 values as f16 pairs
+    if (FMT == FMT_FP8) {
+        const uint4* p = reinterpret_cast<const uint4*>(static_cast<const u8*>(c.v) + row * D + half * (D / 2));
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i) {
+            const uint4 v = __ldg(p + i);
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                h[8 * i + 2 * k] = e4m3x2_to_f16x2(w[k]);
+                h[8 * i + 2 * k + 1] = e4m3x2_to_f16x2(w[k] >> 16);
+            }
         }
-    } else if (FMT == FMT_FP8) {
-        const u8* p = static_cast<const u8*>(c.v) + row * D + lane * E;
-        const u32 a = E == 4 ? *reinterpret_cast<const u32*>(p) : u32(*reinterpret_cast<const u16*>(p));
-#pragma unroll
-        for (int i = 0; i < E; ++i) x[i] = e4m3_to_f32(a >> (8 * i));
     } else {
-        const u8* p = static_cast<const u8*>(c.v) + row * (D / 2) + lane * (E / 2);
-        const u32 a = E == 4 ? u32(*reinterpret_cast<const u16*>(p)) : u32(*p);
+        const uint4* pv = reinterpret_cast<const uint4*>(static_cast<const u8*>(c.v) + row * (D / 2) + half * (D / 4));
 #pragma unroll
-        for (int i = 0; i < E; ++i) x[i] = float(int(a << (28 - 4 * i)) >> 28);
+        for (int i = 0; i < D / 64; ++i) {
+            const uint4 v = __ldg(pv + i);
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const u32 w4 = w[k] >> 4;
+                h[16 * i + 4 * k] = int4x2_to_f16x2<0>(w[k], w4);
+                h[16 * i + 4 * k + 1] = int4x2_to_f16x2<1>(w[k], w4);
+                h[16 * i + 4 * k + 2] = int4x2_to_f16x2<2>(w[k], w4);
+                h[16 * i + 4 * k + 3] = int4x2_to_f16x2<3>(w[k], w4);
+            }
+        }
+    }
+    // Times the row scale, in f16 (values of the cache's own magnitude).
+    u32 s2;
+    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(s2) : "f"(s));
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+        u32 o[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(o[k]) : "r"(h[4 * i + k]), "r"(s2));
+        dst[i] = make_uint4(o[0], o[1], o[2], o[3]);
     }
 }
 
 template <int FMT, int D>
 __device__ __forceinline__ void decode_attn(const AttnParams& p) {
-    constexpr int E = D / 32;
+    constexpr bool F16 = FMT != FMT_BF16;
+    constexpr int VP = D + 8;  // V tile row pitch (16-bit elements): rows 16 bytes apart in bank
     __shared__ __align__(16) float qs[MAX_GROUP][D];
-    __shared__ float ps[WARPS][MAX_GROUP][32];
+    __shared__ __align__(16) u16 vt[WARPS][16 * VP];
     __shared__ float wm[WARPS][MAX_GROUP], wl[WARPS][MAX_GROUP];
     __shared__ float wo[WARPS][MAX_GROUP][D];
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 g = lane >> 2, t = lane & 3;
     const u32 split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
     const KvCache& c = p.cache;
     const u32 group = p.heads / c.kv_heads;
@@ -274,97 +352,111 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     const u32 k0 = split * p.chunk, k1 = min(len, k0 + p.chunk);
     const u64 row0 = (u64(p.slot_of[b]) * c.kv_heads + kvh) * c.cap;
 
-    // The group's queries, rotated like the cache rows (the BF16 cache is not rotated).
-    for (u32 i = threadIdx.x; i < group * D; i += blockDim.x) {
+    // The group's queries, rotated like the mirror rows (the BF16 cache is not rotated); for the
+    // mirrors pre-scaled by 1 / sqrt(d).
+    for (u32 i = threadIdx.x; i < MAX_GROUP * D; i += blockDim.x) {
         const u32 h = i / D, dd = i % D;
-        qs[h][dd] = bf16_to_f32(p.q[(u64(b) * p.heads + kvh * group + h) * D + dd]);
+        qs[h][dd] = h < group ? bf16_to_f32(p.q[(u64(b) * p.heads + kvh * group + h) * D + dd]) : 0.0f;
     }
     __syncthreads();
-    if (FMT != FMT_BF16 && p.block) {
+    if (F16 && p.block) {
         for (u32 h = warp; h < group; h += WARPS) hadamard_warp(qs[h], D, p.block, lane);
         __syncthreads();
     }
+    const float qscale = F16 ? p.scale : 1.0f;
+    const float sscale = F16 ? 1.0f : p.scale;
+    // A fragments of Q: row g = head g (rows 8-15 empty), chunk j of the permuted dims.
+    u32 qa[D / 16][2];
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) {
+        const float* qr = &qs[g][t * (D / 4) + 4 * j];
+        qa[j][0] = pack2<F16>(qr[0] * qscale, qr[1] * qscale);
+        qa[j][1] = pack2<F16>(qr[2] * qscale, qr[3] * qscale);
+    }
 
-    float m[MAX_GROUP], l[MAX_GROUP], o[MAX_GROUP][E];
+    float m = NEG_INF, l = 0.0f;  // of head g
+    float o[D / 8][4];            // O fragments: n-tile = 8 dims; [0], [1]: head g
 #pragma unroll
-    for (int h = 0; h < MAX_GROUP; ++h) {
-        m[h] = NEG_INF;
-        l[h] = 0.0f;
+    for (int n = 0; n < D / 8; ++n)
 #pragma unroll
-        for (int e = 0; e < E; ++e) o[h][e] = 0.0f;
-    }
-    for (u32 base = k0 + warp * 32; base < k1; base += WARPS * 32) {
-        const u32 key = base + lane;
-        const bool valid = key < k1;
-        const u64 row = row0 + (valid ? key : k0);
-        float s[MAX_GROUP];
-#pragma unroll
-        for (int h = 0; h < MAX_GROUP; ++h) s[h] = 0.0f;
-#pragma unroll 2
-        for (u32 ch = 0; ch < D / 16; ++ch) {
-            float x[16];
-            load_key16<FMT, D>(c, row, ch, x);
-#pragma unroll
-            for (int h = 0; h < MAX_GROUP; ++h) {
-                if (h < group) {
-                    const float4* qv = reinterpret_cast<const float4*>(&qs[h][ch * 16]);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const float4 q4 = qv[i];
-                        s[h] = fmaf(q4.x, x[4 * i], s[h]);
-                        s[h] = fmaf(q4.y, x[4 * i + 1], s[h]);
-                        s[h] = fmaf(q4.z, x[4 * i + 2], s[h]);
-                        s[h] = fmaf(q4.w, x[4 * i + 3], s[h]);
-                    }
-                }
-            }
+        for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
+    u16* tile = vt[warp];
+    for (u32 base = k0 + warp * 16; base < k1; base += WARPS * 16) {
+        // V tile: lane = (key lane / 2, half lane % 2).
+        {
+            const u32 key = lane >> 1;
+            const bool valid = base + key < k1;
+            stage_v_half<FMT, D, VP>(c, row0 + (valid ? base + key : k0), valid, key, lane & 1, tile);
         }
-        const float kscale = (FMT == FMT_BF16 ? 1.0f : c.ks[row]) * p.scale;
-        const float vscale = FMT == FMT_BF16 ? 1.0f : c.vs[row];
-        const u32 nvalid = min(32u, k1 - base);
+        // S = Q K^T for keys base + g (n-tile 0) and base + 8 + g (n-tile 1).
+        float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
-        for (int h = 0; h < MAX_GROUP; ++h) {
-            if (h >= group) break;
-            float sc = valid ? s[h] * kscale : NEG_INF;
-            float mx = sc;
+        for (int nt = 0; nt < 2; ++nt) {
+            const u32 key = base + 8 * nt + g;
+            u32 kb[D / 8];
+            load_k_slice<FMT, D>(c, row0 + (key < k1 ? key : k0), t, kb);
 #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            const float mnew = fmaxf(m[h], mx);
-            const float pr = valid ? __expf(sc - mnew) : 0.0f;
-            float sum = pr;
+            for (int j = 0; j < D / 16; ++j) mma16816<F16>(sc[nt], qa[j][0], 0u, qa[j][1], 0u, kb[2 * j], kb[2 * j + 1]);
+        }
+        // Scores of head g for keys base + 8 nt + 2t + i: scale, mask, online softmax.
+        float s4[4];
 #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-            const float corr = __expf(m[h] - mnew);
-            l[h] = l[h] * corr + sum;
-            m[h] = mnew;
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-            for (int e = 0; e < E; ++e) o[h][e] *= corr;
-            ps[warp][h][lane] = pr * vscale;
+            for (int i = 0; i < 2; ++i) {
+                const u32 key = base + 8 * nt + 2 * t + i;
+                const float ks = F16 ? c.ks[row0 + (key < k1 ? key : k0)] : 1.0f;
+                s4[2 * nt + i] = key < k1 ? sc[nt][i] * ks * sscale : NEG_INF;
+            }
+        float mx = fmaxf(fmaxf(s4[0], s4[1]), fmaxf(s4[2], s4[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mnew = fmaxf(m, mx);
+        float pr[4], sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            pr[i] = s4[i] == NEG_INF ? 0.0f : __expf(s4[i] - mnew);
+            sum += pr[i];
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float corr = m == NEG_INF ? 0.0f : __expf(m - mnew);
+        l = l * corr + sum;
+        m = mnew;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            o[n][0] *= corr;
+            o[n][1] *= corr;
+        }
+        // P as the A operand (k-index = key within the tile), then O += P V.
+        const u32 pa0 = pack2<F16>(pr[0], pr[1]), pa2 = pack2<F16>(pr[2], pr[3]);
+        __syncwarp();
+#pragma unroll
+        for (int n2 = 0; n2 < D / 16; ++n2) {
+            // Matrices: (keys 0-7, dims 16 n2 + 0-7), (keys 8-15, same), (keys 0-7, dims + 8),
+            // (keys 8-15, dims + 8); lane l gives row l % 8 of matrix l / 8.
+            const u32 mi = lane >> 3;
+            const u16* rowp = tile + ((mi & 1) * 8 + (lane & 7)) * VP + n2 * 16 + (mi >> 1) * 8;
+            u32 v0, v1, v2, v3;
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                         : "r"(smem_u32(rowp)));
+            mma16816<F16>(o[2 * n2], pa0, 0u, pa2, 0u, v0, v1);
+            mma16816<F16>(o[2 * n2 + 1], pa0, 0u, pa2, 0u, v2, v3);
         }
         __syncwarp();
-        for (u32 i = 0; i < nvalid; ++i) {
-            float vx[E];
-            load_value<FMT, D>(c, row0 + base + i, lane, vx);
-#pragma unroll
-            for (int h = 0; h < MAX_GROUP; ++h) {
-                if (h >= group) break;
-                const float pw = ps[warp][h][i];
-#pragma unroll
-                for (int e = 0; e < E; ++e) o[h][e] = fmaf(pw, vx[e], o[h][e]);
-            }
-        }
-        __syncwarp();
     }
-    // Merge the warps: each writes its (m, l, o); then all threads combine per (head, dim).
-#pragma unroll
-    for (int h = 0; h < MAX_GROUP; ++h) {
-        if (h >= group) break;
-        if (lane == 0) {
-            wm[warp][h] = m[h];
-            wl[warp][h] = l[h];
+    // Merge the warps: each writes its (m, l, o) of head g; then all threads combine.
+    if (g < group) {
+        if (t == 0) {
+            wm[warp][g] = m;
+            wl[warp][g] = l;
         }
 #pragma unroll
-        for (int e = 0; e < E; ++e) wo[warp][h][lane * E + e] = o[h][e];
+        for (int n = 0; n < D / 8; ++n) {
+            wo[warp][g][8 * n + 2 * t] = o[n][0];
+            wo[warp][g][8 * n + 2 * t + 1] = o[n][1];
+        }
     }
     __syncthreads();
     for (u32 i = threadIdx.x; i < group * D; i += blockDim.x) {
