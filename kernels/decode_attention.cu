@@ -225,48 +225,82 @@ __device__ __forceinline__ u32 int4x2_to_f16x2(u32 w, u32 w4) {
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
-// Key slice of lane (g, t): D / 4 dims of row `row` as B-fragment registers, b[2 j] (b0 of
-// chunk j) and b[2 j + 1] (b1).
+// Raw cache words of one lane per 16-key tile, loaded before any of them is used (so a warp has
+// TILES tiles of loads in flight): the key slice of rows g and g + 8 of the tile (lane (g, t):
+// D / 4 dims from dim t * D / 4), and for the mirrors half a value row (lane = 2 key + half).
+// The BF16 value rows go straight to shared memory with cp.async instead.
 template <int FMT, int D>
-__device__ __forceinline__ void load_k_slice(const KvCache& c, u64 row, u32 t, u32 (&b)[D / 8]) {
-    if (FMT == FMT_BF16) {
-        const uint4* p = reinterpret_cast<const uint4*>(static_cast<const u16*>(c.k) + row * D + t * (D / 4));
+struct Raw {
+    static constexpr int KW = FMT == FMT_BF16 ? D / 8 : FMT == FMT_FP8 ? D / 16 : D / 32;  // words per key slice
+    static constexpr int VW = FMT == FMT_BF16 ? 0 : FMT == FMT_FP8 ? D / 8 : D / 16;       // words per half value row
+    u32 k[2][KW];
+    u32 v[VW > 0 ? VW : 1];
+};
+
+template <int N>
+__device__ __forceinline__ void load_words(const void* p, u32 (&w)[N]) {
+    if (N % 4 == 0) {
 #pragma unroll
-        for (int i = 0; i < D / 32; ++i) {
-            const uint4 v = __ldg(p + i);
-            b[4 * i] = v.x;
-            b[4 * i + 1] = v.y;
-            b[4 * i + 2] = v.z;
-            b[4 * i + 3] = v.w;
-        }
-    } else if (FMT == FMT_FP8) {
-        const uint4* p = reinterpret_cast<const uint4*>(static_cast<const u8*>(c.k) + row * D + t * (D / 4));
-#pragma unroll
-        for (int i = 0; i < D / 64; ++i) {
-            const uint4 v = __ldg(p + i);
-            const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                b[8 * i + 2 * k] = e4m3x2_to_f16x2(w[k]);
-                b[8 * i + 2 * k + 1] = e4m3x2_to_f16x2(w[k] >> 16);
-            }
+        for (int i = 0; i < N / 4; ++i) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+            w[4 * i] = v.x;
+            w[(4 * i + 1) % N] = v.y;
+            w[(4 * i + 2) % N] = v.z;
+            w[(4 * i + 3) % N] = v.w;
         }
     } else {
-        const u8* base = static_cast<const u8*>(c.k) + row * (D / 2) + t * (D / 8);
-        u32 w[D / 32];
-        if (D == 128) {
-            const uint4 v = __ldg(reinterpret_cast<const uint4*>(base));
-            w[0] = v.x;
-            w[1 % (D / 32)] = v.y;
-            w[2 % (D / 32)] = v.z;
-            w[3 % (D / 32)] = v.w;
-        } else {
-            const uint2 v = __ldg(reinterpret_cast<const uint2*>(base));
-            w[0] = v.x;
-            w[1] = v.y;
-        }
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+        w[0] = v.x;
+        w[1 % N] = v.y;
+    }
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+// Queues the loads of the tile at key `base`: K slices into r, V (BF16: cp.async into `tile`;
+// mirrors: into r). Rows past k1 read row k0 (their scores are masked, their values zeroed).
+template <int FMT, int D, int VP>
+__device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, u32 k0, u32 k1, u32 lane,
+                                         Raw<FMT, D>& r, u16* tile) {
+    const u32 g = lane >> 2, t = lane & 3;
+    constexpr int KB = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;  // bytes per row
 #pragma unroll
-        for (int i = 0; i < D / 32; ++i) {
+    for (int nt = 0; nt < 2; ++nt) {
+        const u32 key = base + 8 * nt + g;
+        const u8* rowp = static_cast<const u8*>(c.k) + (row0 + (key < k1 ? key : k0)) * KB;
+        load_words(rowp + t * (KB / 4), r.k[nt]);
+    }
+    const u32 key = lane >> 1, half = lane & 1;
+    const bool valid = base + key < k1;
+    const u64 row = row0 + (valid ? base + key : k0);
+    if (FMT == FMT_BF16) {
+        const u8* src = static_cast<const u8*>(c.v) + row * KB + half * (KB / 2);
+        const u32 dst = static_cast<u32>(__cvta_generic_to_shared(tile + key * VP + half * (D / 2)));
+#pragma unroll
+        for (int i = 0; i < D / 16; ++i) cp_async16(dst + 16 * i, src + 16 * i);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    } else {
+        load_words(static_cast<const u8*>(c.v) + row * KB + half * (KB / 2), r.v);
+    }
+}
+
+// B fragments (b[2 j], b[2 j + 1] of chunk j) of one key slice.
+template <int FMT, int D>
+__device__ __forceinline__ void k_fragments(const u32 (&w)[Raw<FMT, D>::KW], u32 (&b)[D / 8]) {
+    if (FMT == FMT_BF16) {
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) b[i] = w[i % Raw<FMT, D>::KW];
+    } else if (FMT == FMT_FP8) {
+#pragma unroll
+        for (int i = 0; i < Raw<FMT, D>::KW; ++i) {
+            b[2 * i] = e4m3x2_to_f16x2(w[i]);
+            b[2 * i + 1] = e4m3x2_to_f16x2(w[i] >> 16);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < Raw<FMT, D>::KW; ++i) {
             const u32 w4 = w[i] >> 4;
             b[4 * i] = int4x2_to_f16x2<0>(w[i], w4);
             b[4 * i + 1] = int4x2_to_f16x2<1>(w[i], w4);
@@ -276,53 +310,32 @@ __device__ __forceinline__ void load_k_slice(const KvCache& c, u64 row, u32 t, u
     }
 }
 
-// Half a value row (D / 2 dims from dim `half * D / 2`) of row `row` into the warp's V tile
-// (16-bit values, row pitch VP elements), dequantized for the mirrors.
+// Mirrors: the lane's half value row, dequantized (codes times the row scale, f16) into `tile`;
+// zeros for a key past k1.
 template <int FMT, int D, int VP>
-__device__ __forceinline__ void stage_v_half(const KvCache& c, u64 row, bool valid, u32 key, u32 half, u16* tile) {
+__device__ __forceinline__ void v_to_tile(const KvCache& c, const Raw<FMT, D>& r, u64 row0, u32 base, u32 k0, u32 k1,
+                                          u32 lane, u16* tile) {
+    const u32 key = lane >> 1, half = lane & 1;
+    const bool valid = base + key < k1;
     uint4* dst = reinterpret_cast<uint4*>(tile + key * VP + half * (D / 2));
-    if (!valid) {
-#pragma unroll
-        for (int i = 0; i < D / 16; ++i) dst[i] = make_uint4(0, 0, 0, 0);
-        return;
-    }
-    if (FMT == FMT_BF16) {
-        const uint4* p = reinterpret_cast<const uint4*>(static_cast<const u16*>(c.v) + row * D + half * (D / 2));
-#pragma unroll
-        for (int i = 0; i < D / 16; ++i) dst[i] = __ldg(p + i);
-        return;
-    }
-    const float s = c.vs[row];
-    u32 h[D / 4];  // D / 2 values as f16 pairs
+    u32 h[D / 4];
     if (FMT == FMT_FP8) {
-        const uint4* p = reinterpret_cast<const uint4*>(static_cast<const u8*>(c.v) + row * D + half * (D / 2));
 #pragma unroll
-        for (int i = 0; i < D / 32; ++i) {
-            const uint4 v = __ldg(p + i);
-            const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                h[8 * i + 2 * k] = e4m3x2_to_f16x2(w[k]);
-                h[8 * i + 2 * k + 1] = e4m3x2_to_f16x2(w[k] >> 16);
-            }
+        for (int i = 0; i < Raw<FMT, D>::VW; ++i) {
+            h[2 * i] = e4m3x2_to_f16x2(r.v[i]);
+            h[2 * i + 1] = e4m3x2_to_f16x2(r.v[i] >> 16);
         }
     } else {
-        const uint4* pv = reinterpret_cast<const uint4*>(static_cast<const u8*>(c.v) + row * (D / 2) + half * (D / 4));
 #pragma unroll
-        for (int i = 0; i < D / 64; ++i) {
-            const uint4 v = __ldg(pv + i);
-            const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const u32 w4 = w[k] >> 4;
-                h[16 * i + 4 * k] = int4x2_to_f16x2<0>(w[k], w4);
-                h[16 * i + 4 * k + 1] = int4x2_to_f16x2<1>(w[k], w4);
-                h[16 * i + 4 * k + 2] = int4x2_to_f16x2<2>(w[k], w4);
-                h[16 * i + 4 * k + 3] = int4x2_to_f16x2<3>(w[k], w4);
-            }
+        for (int i = 0; i < Raw<FMT, D>::VW; ++i) {
+            const u32 w4 = r.v[i] >> 4;
+            h[4 * i] = int4x2_to_f16x2<0>(r.v[i], w4);
+            h[4 * i + 1] = int4x2_to_f16x2<1>(r.v[i], w4);
+            h[4 * i + 2] = int4x2_to_f16x2<2>(r.v[i], w4);
+            h[4 * i + 3] = int4x2_to_f16x2<3>(r.v[i], w4);
         }
     }
-    // Times the row scale, in f16 (values of the cache's own magnitude).
+    const float s = valid ? c.vs[row0 + base + key] : 0.0f;
     u32 s2;
     asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(s2) : "f"(s));
 #pragma unroll
@@ -338,10 +351,14 @@ template <int FMT, int D>
 __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     constexpr bool F16 = FMT != FMT_BF16;
     constexpr int VP = D + 8;  // V tile row pitch (16-bit elements): rows 16 bytes apart in bank
+    // 16-key tiles a warp loads before computing: about 64 registers of loads in flight.
+    constexpr int TILES = FMT == FMT_INT4 ? 4 : 2;
+    constexpr int VTILES = FMT == FMT_BF16 ? TILES : 1;  // BF16 values land in their own tiles
+    constexpr int VT_BYTES = WARPS * VTILES * 16 * VP * 2;
+    constexpr int WO_BYTES = WARPS * MAX_GROUP * D * 4;
     __shared__ __align__(16) float qs[MAX_GROUP][D];
-    __shared__ __align__(16) u16 vt[WARPS][16 * VP];
+    __shared__ __align__(16) unsigned char vt_raw[VT_BYTES > WO_BYTES ? VT_BYTES : WO_BYTES];
     __shared__ float wm[WARPS][MAX_GROUP], wl[WARPS][MAX_GROUP];
-    __shared__ float wo[WARPS][MAX_GROUP][D];
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
@@ -380,73 +397,89 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     for (int n = 0; n < D / 8; ++n)
 #pragma unroll
         for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
-    u16* tile = vt[warp];
-    for (u32 base = k0 + warp * 16; base < k1; base += WARPS * 16) {
-        // V tile: lane = (key lane / 2, half lane % 2).
-        {
-            const u32 key = lane >> 1;
-            const bool valid = base + key < k1;
-            stage_v_half<FMT, D, VP>(c, row0 + (valid ? base + key : k0), valid, key, lane & 1, tile);
-        }
-        // S = Q K^T for keys base + g (n-tile 0) and base + 8 + g (n-tile 1).
-        float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    u16* vt = reinterpret_cast<u16*>(vt_raw) + warp * VTILES * 16 * VP;
+    for (u32 base0 = k0 + warp * 16 * TILES; base0 < k1; base0 += WARPS * 16 * TILES) {
+        Raw<FMT, D> raw[TILES];
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            const u32 key = base + 8 * nt + g;
-            u32 kb[D / 8];
-            load_k_slice<FMT, D>(c, row0 + (key < k1 ? key : k0), t, kb);
+        for (int ti = 0; ti < TILES; ++ti)
+            if (base0 + 16 * ti < k1) load_tile<FMT, D, VP>(c, row0, base0 + 16 * ti, k0, k1, lane, raw[ti], vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP);
 #pragma unroll
-            for (int j = 0; j < D / 16; ++j) mma16816<F16>(sc[nt], qa[j][0], 0u, qa[j][1], 0u, kb[2 * j], kb[2 * j + 1]);
-        }
-        // Scores of head g for keys base + 8 nt + 2t + i: scale, mask, online softmax.
-        float s4[4];
+        for (int ti = 0; ti < TILES; ++ti) {
+            const u32 base = base0 + 16 * ti;
+            if (base >= k1) break;
+            // S = Q K^T for keys base + g (n-tile 0) and base + 8 + g (n-tile 1).
+            float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+            for (int nt = 0; nt < 2; ++nt) {
+                u32 kb[D / 8];
+                k_fragments<FMT, D>(raw[ti].k[nt], kb);
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const u32 key = base + 8 * nt + 2 * t + i;
-                const float ks = F16 ? c.ks[row0 + (key < k1 ? key : k0)] : 1.0f;
-                s4[2 * nt + i] = key < k1 ? sc[nt][i] * ks * sscale : NEG_INF;
+                for (int j = 0; j < D / 16; ++j) mma16816<F16>(sc[nt], qa[j][0], 0u, qa[j][1], 0u, kb[2 * j], kb[2 * j + 1]);
             }
-        float mx = fmaxf(fmaxf(s4[0], s4[1]), fmaxf(s4[2], s4[3]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mnew = fmaxf(m, mx);
-        float pr[4], sum = 0.0f;
+            // Scores of head g for keys base + 8 nt + 2t + i: scale, mask, online softmax.
+            float s4[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            pr[i] = s4[i] == NEG_INF ? 0.0f : __expf(s4[i] - mnew);
-            sum += pr[i];
-        }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float corr = m == NEG_INF ? 0.0f : __expf(m - mnew);
-        l = l * corr + sum;
-        m = mnew;
+            for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            o[n][0] *= corr;
-            o[n][1] *= corr;
-        }
-        // P as the A operand (k-index = key within the tile), then O += P V.
-        const u32 pa0 = pack2<F16>(pr[0], pr[1]), pa2 = pack2<F16>(pr[2], pr[3]);
-        __syncwarp();
+                for (int i = 0; i < 2; ++i) {
+                    const u32 key = base + 8 * nt + 2 * t + i;
+                    const float ks = F16 ? c.ks[row0 + (key < k1 ? key : k0)] : 1.0f;
+                    s4[2 * nt + i] = key < k1 ? sc[nt][i] * ks * sscale : NEG_INF;
+                }
+            float mx = fmaxf(fmaxf(s4[0], s4[1]), fmaxf(s4[2], s4[3]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mnew = fmaxf(m, mx);
+            float pr[4], sum = 0.0f;
 #pragma unroll
-        for (int n2 = 0; n2 < D / 16; ++n2) {
-            // Matrices: (keys 0-7, dims 16 n2 + 0-7), (keys 8-15, same), (keys 0-7, dims + 8),
-            // (keys 8-15, dims + 8); lane l gives row l % 8 of matrix l / 8.
-            const u32 mi = lane >> 3;
-            const u16* rowp = tile + ((mi & 1) * 8 + (lane & 7)) * VP + n2 * 16 + (mi >> 1) * 8;
-            u32 v0, v1, v2, v3;
-            asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
-                         : "r"(smem_u32(rowp)));
-            mma16816<F16>(o[2 * n2], pa0, 0u, pa2, 0u, v0, v1);
-            mma16816<F16>(o[2 * n2 + 1], pa0, 0u, pa2, 0u, v2, v3);
+            for (int i = 0; i < 4; ++i) {
+                pr[i] = s4[i] == NEG_INF ? 0.0f : __expf(s4[i] - mnew);
+                sum += pr[i];
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float corr = m == NEG_INF ? 0.0f : __expf(m - mnew);
+            l = l * corr + sum;
+            m = mnew;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                o[n][0] *= corr;
+                o[n][1] *= corr;
+            }
+            // The value tile: BF16 arrived by cp.async (wait for this tile's group); mirrors are
+            // dequantized into the warp's one tile.
+            u16* tile = vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP;
+            if (FMT == FMT_BF16) {
+                const u32 issued = min(u32(TILES), (k1 - base0 + 15) / 16);
+                // Groups still allowed in flight: those of the tiles after this one.
+                if (issued - ti - 1 >= 1) asm volatile("cp.async.wait_group 1;" ::: "memory");
+                else asm volatile("cp.async.wait_group 0;" ::: "memory");
+            } else {
+                v_to_tile<FMT, D, VP>(c, raw[ti], row0, base, k0, k1, lane, tile);
+            }
+            __syncwarp();
+            // P as the A operand (k-index = key within the tile), then O += P V.
+            const u32 pa0 = pack2<F16>(pr[0], pr[1]), pa2 = pack2<F16>(pr[2], pr[3]);
+#pragma unroll
+            for (int n2 = 0; n2 < D / 16; ++n2) {
+                // Matrices: (keys 0-7, dims 16 n2 + 0-7), (keys 8-15, same), (keys 0-7, dims + 8),
+                // (keys 8-15, dims + 8); lane l gives row l % 8 of matrix l / 8.
+                const u32 mi = lane >> 3;
+                const u16* rowp = tile + ((mi & 1) * 8 + (lane & 7)) * VP + n2 * 16 + (mi >> 1) * 8;
+                u32 v0, v1, v2, v3;
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                             : "r"(smem_u32(rowp)));
+                mma16816<F16>(o[2 * n2], pa0, 0u, pa2, 0u, v0, v1);
+                mma16816<F16>(o[2 * n2 + 1], pa0, 0u, pa2, 0u, v2, v3);
+            }
+            __syncwarp();
         }
-        __syncwarp();
     }
-    // Merge the warps: each writes its (m, l, o) of head g; then all threads combine.
+    // BF16 rows past k1 in a tile were copied from row k0 (finite): P is 0 there. Merge the
+    // warps: each writes its (m, l, o) of head g; then all threads combine.
+    __syncthreads();  // the V tiles become the merge buffer
+    float (*wo)[MAX_GROUP][D] = reinterpret_cast<float (*)[MAX_GROUP][D]>(vt_raw);
     if (g < group) {
         if (t == 0) {
             wm[warp][g] = m;

@@ -133,13 +133,28 @@ pub fn check_shape(heads: u32, kv_heads: u32, d: u32, block: u32) -> Result<(), 
     Ok(())
 }
 
-/// Keys per split-KV CTA for contexts up to `max_len` so that `batch * kv_heads * splits` CTAs
-/// cover the GPU about twice: returns (chunk, splits). Chunks are multiples of 128 keys (one
-/// 32-key step per warp).
+/// Resident attention CTAs per SM (the register use of the entry points, about 180-250).
+pub const ATTN_CTAS_PER_SM: u32 = 2;
+
+/// Keys per split-KV CTA for contexts up to `max_len`: returns (chunk, splits). The first split
+/// count (chunks a multiple of 64 keys, one 16-key tile per warp) whose `batch * kv_heads *
+/// splits` CTAs make at least two waves of resident CTAs with the last wave at least 85% full;
+/// else the finest split (64-key chunks).
 pub fn split_plan(batch: u32, kv_heads: u32, max_len: u32, sm_count: u32) -> (u32, u32) {
-    let want = (2 * sm_count.max(1)).div_ceil(batch.max(1) * kv_heads.max(1)).max(1);
-    let chunk = max_len.max(1).div_ceil(want).next_multiple_of(128).max(128);
-    (chunk, max_len.max(1).div_ceil(chunk))
+    let len = max_len.max(1);
+    let base = batch.max(1) * kv_heads.max(1);
+    let slots = ATTN_CTAS_PER_SM * sm_count.max(1);
+    let finest = len.div_ceil(64);
+    for want in 1..=finest {
+        let chunk = len.div_ceil(want).next_multiple_of(64);
+        let splits = len.div_ceil(chunk);
+        let ctas = base * splits;
+        let waves = ctas.div_ceil(slots);
+        if waves >= 2 && ctas * 100 >= waves * slots * 85 {
+            return (chunk, splits);
+        }
+    }
+    (64, finest)
 }
 
 pub fn attn_entry(format: KvFormat, d: u32) -> &'static str {
@@ -182,8 +197,9 @@ mod tests {
     fn splits_cover_the_context_and_fill_the_gpu() {
         for (b, kvh, len) in [(1, 8, 1024), (8, 8, 1024), (32, 8, 4096), (1, 8, 32768), (1, 3, 1), (3, 1, 4097)] {
             let (chunk, splits) = split_plan(b, kvh, len, 132);
-            assert!(chunk % 128 == 0 && chunk * splits >= len && chunk * (splits - 1) < len.max(1));
-            assert!(b * kvh * splits >= (264u32).min(b * kvh * len.div_ceil(128)) / 2, "{b} {kvh} {len}");
+            assert!(chunk % 64 == 0 && chunk * splits >= len && chunk * (splits - 1) < len.max(1));
+            // Two waves of resident CTAs, or the finest split there is.
+            assert!((b * kvh * splits).div_ceil(264) >= 2 || chunk == 64, "{b} {kvh} {len}: {chunk} x {splits}");
         }
     }
 
