@@ -3,6 +3,7 @@
 
 Usage: scripts/results.py RUN_DIR results/NAME.json [results/EXTRA.json ...]
        scripts/results.py --render results/NAME.json [results/EXTRA.json ...]   (no new run)
+       scripts/results.py --attention RUN_DIR results/NAME.json   (a `gpu-run.sh OUT attention` run)
        scripts/results.py --int4 RUN_DIR results/NAME.json   (a `gpu-run.sh OUT int4` run; then --render
                                                               with it among the extras)
 RUN_DIR holds what scripts/gpu-run.sh wrote: gpu-tests.json, bench.json, torch-rms.json, gpu.txt.
@@ -39,6 +40,61 @@ def merge_int4(run):
     meta["nvidia_smi"] = gpu_txt.strip().splitlines()[-1] if gpu_txt.strip() else ""
     return {"meta": meta, "gpu_tests": tests["tests"] if tests else [], "int4": int4["int4"],
             "torch_int4": load(run, "torch-int4.json") or []}
+
+
+def merge_attention(run):
+    """A `gpu-run.sh OUT attention` run: the decode-attention test, benchmark and SDPA peer."""
+    tests = load(run, "gpu-tests.json")
+    att = load(run, "attention.json")
+    gpu_txt = (Path(run) / "gpu.txt").read_text() if (Path(run) / "gpu.txt").exists() else ""
+    meta = dict(att["meta"])
+    meta["nvidia_smi"] = gpu_txt.strip().splitlines()[-1] if gpu_txt.strip() else ""
+    return {"meta": meta, "gpu_tests": tests["tests"] if tests else [], "attention": att["attention"],
+            "torch_attention": load(run, "torch-attention.json") or []}
+
+
+def render_attention(w, res, path):
+    a = res["attention"]
+    section(w, "Decode attention", res, path)
+    copy = [e for e in res["torch_attention"] if e.get("impl") == "d2d_copy"]
+    torch_copy = f", {copy[0]['gbps']:.0f} GB/s from PyTorch {copy[0]['torch']}" if copy else ""
+    w("`kernels/decode_attention.cu`: one query token per sequence, all sequences at the same context, µs per call")
+    w("(the attention kernel and the split combine; CUDA events, median of 5 batches, caches rotated through >= 160 MB).")
+    w(f"`% copy`: K and V bytes read (scales included) per second over the same run's copy rate ({a['copy_gbps']:.0f} GB/s")
+    w(f"from Stoke{torch_copy}). FP8 and INT4 rows rotated (Hadamard block = head_dim). Peer:")
+    w("`scaled_dot_product_attention(enable_gqa=True)` on a BF16 cache (`scripts/peers/attention_torch.py`), same run;")
+    w("it is timed from Python, so its small cases include PyTorch's dispatch. `host µs`: Stoke's time to queue one call.")
+    w("")
+    w("| shape | batch | ctx | BF16 µs | BF16 % copy | FP8 µs | FP8 % copy | INT4 µs | INT4 % copy | SDPA µs | SDPA % copy | BF16 vs SDPA | host µs |")
+    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    peers = {(e["shape"], e["batch"], e["ctx"]): e for e in res["torch_attention"] if "us" in e}
+    by = {(r["shape"], r["batch"], r["ctx"], r["format"]): r for r in a["runs"]}
+    for key in dict.fromkeys((r["shape"], r["batch"], r["ctx"]) for r in a["runs"]):
+        f = [by.get(key + (fmt,)) for fmt in ("bf16", "fp8", "int4")]
+        pe = peers.get(key)
+        cells = []
+        for r in f:
+            cells += [f"{r['us']:.1f}", f"{100 * r['of_copy']:.1f}%"] if r else ["-", "-"]
+        ps = [f"{pe['us']:.1f}", f"{100 * pe['of_copy']:.1f}%", f"{pe['us'] / f[0]['us']:.2f}x"] if pe and f[0] else ["-", "-", "-"]
+        host = f"{f[0]['host_us']:.1f}" if f[0] and "host_us" in f[0] else "-"
+        w(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells + ps) + f" | {host} |")
+    w("")
+    t = [x for x in res["gpu_tests"] if x["name"] == "decode_attention_matches_reference"]
+    if t and t[0]["details"]:
+        d = t[0]["details"]
+        w(f"Test `decode_attention_matches_reference` ({t[0]['status']}): worst kernel error {d['max_kernel_rel_err']:.2e} (tolerance {d['tolerance']:g}) against")
+        w("the f64 reference over the cache the kernel read; quantization error against the exact cache:")
+        w("")
+        w("| format | rotation block | heads / kv heads | d | batch | longest ctx | kernel error | quantization error | appended rows differing |")
+        w("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for c in d["cases"]:
+            w(f"| {c['format']} | {c['block']} | {c['heads']} / {c['kv_heads']} | {c['d']} | {c['batch']} | {c['max_len']} | {c['kernel_rel_err']:.2e} | {100 * c['quantization_rel_err']:.2f}% | {c['append_rows_differing']} of {c['append_rows']} |")
+        w("")
+        w("Outliers on the kernels (Llama-3.1-8B attention shape, ctx 1024, 4 key channels per head x8; FuTransformer: INT4 22.2%")
+        w("unrotated, 7.4% rotated): " + ", ".join(f"{o['format']} block {o['block']}: {100 * o['relative_error']:.1f}%" for o in d["outliers_llama8b_ctx1024_4ch_x8"]))
+        w("")
+    w("Kernel resources (ptxas): " + ", ".join(f"{k['entry']} {k['registers']} regs / {k['shared_bytes']} B smem / {k['spills']} B spills" for k in sorted(a["kernels"], key=lambda k: k["entry"])))
+    w("")
 
 
 def torch_best(torch, rows, hidden, dtype, impls):
@@ -258,6 +314,8 @@ def render(res, results_path, extras=()):
             render_quality(w, extra, path)
         elif "int4" in extra:
             render_int4(w, extra, path)
+        elif "attention" in extra:
+            render_attention(w, extra, path)
         elif "int4_unrotated" in json.dumps(extra.get("runs", [])[:1]):
             render_kv(w, extra, path)
         else:
@@ -273,9 +331,10 @@ def render(res, results_path, extras=()):
 
 
 def main():
-    if sys.argv[1] == "--int4":
+    if sys.argv[1] in ("--int4", "--attention"):
         run, dest = sys.argv[2], sys.argv[3]
-        Path(dest).write_text(json.dumps(merge_int4(run), indent=1) + "\n")
+        merged = merge_int4(run) if sys.argv[1] == "--int4" else merge_attention(run)
+        Path(dest).write_text(json.dumps(merged, indent=1) + "\n")
         print(f"wrote {dest}")
         return
     run, dest, extras = sys.argv[1], sys.argv[2], sys.argv[3:]
