@@ -156,13 +156,14 @@ __device__ __forceinline__ void store_pair(const Int4GemmParams& p, u32 r, u32 c
 }
 
 // Per-warp accumulators of one 64-column slab: acc (the warp's result), part (the current fold
-// unit's sums of x (128 + q)) and sx (the unit's sums of x per row, from one more mma against a
-// B of ones: fragment value 0 is row g, value 2 row g + 8, the same in every column).
+// unit's sums of x (128 + q)) and sx (lane-local sums of x over the unit, rows g and g + 8, in
+// f32 on CUDA cores: the fold subtracts 128 d S from d P', so S must be as exact as P'; an mma
+// against a B of ones was measured less accurate, see docs/PERF_NOTES.md).
 template <int MT, bool LOW8>
 struct Accum {
     float acc[MT][8][4];   // [m-tile][n8 tile: 2 j + h][fragment]
     float part[MT][8][4];
-    float sx[MT][4];
+    float sx[MT][2];
 
     __device__ __forceinline__ void zero() {
 #pragma unroll
@@ -176,8 +177,7 @@ struct Accum {
     __device__ __forceinline__ void begin_unit() {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) sx[mt][c] = 0.0f;
+            sx[mt][0] = sx[mt][1] = 0.0f;
 #pragma unroll
             for (int n8 = 0; n8 < 8; ++n8)
 #pragma unroll
@@ -200,9 +200,11 @@ struct Accum {
                 mma_bf16(part[mt][2 * j + 1], a[mt], b10, b11);
             }
         }
-        constexpr u32 ONES = 0x3f803f80u;  // bf16 pair (1, 1)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) mma_bf16(sx[mt], a[mt], ONES, ONES);
+        for (int mt = 0; mt < MT; ++mt) {
+            sx[mt][0] += (bf16_lo(a[mt][0]) + bf16_hi(a[mt][0])) + (bf16_lo(a[mt][2]) + bf16_hi(a[mt][2]));
+            if (!LOW8) sx[mt][1] += (bf16_lo(a[mt][1]) + bf16_hi(a[mt][1])) + (bf16_lo(a[mt][3]) + bf16_hi(a[mt][3]));
+        }
     }
 
     // Fold the unit: acc += d * P' + (m - 128 d) * S, per column. d[n8] / m[n8] hold the
@@ -210,6 +212,16 @@ struct Accum {
     // LOW8: fragment rows g + 8 are empty and skipped.
     template <bool F16S>
     __device__ __forceinline__ void fold(const u32 (&d)[8], const u32 (&m)[8], bool sym) {
+        float s[MT][2];  // the unit's sums of x, rows g and g + 8 (the 4 lanes of a row added)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float v = sx[mt][h];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                s[mt][h] = v;
+            }
 #pragma unroll
         for (int n8 = 0; n8 < 8; ++n8) {
             float d0, d1, m0, m1;
@@ -225,11 +237,11 @@ struct Accum {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 float(&c)[4] = acc[mt][n8];
-                c[0] = fmaf(d0, part[mt][n8][0], fmaf(m0, sx[mt][0], c[0]));
-                c[1] = fmaf(d1, part[mt][n8][1], fmaf(m1, sx[mt][0], c[1]));
+                c[0] = fmaf(d0, part[mt][n8][0], fmaf(m0, s[mt][0], c[0]));
+                c[1] = fmaf(d1, part[mt][n8][1], fmaf(m1, s[mt][0], c[1]));
                 if (!LOW8) {
-                    c[2] = fmaf(d0, part[mt][n8][2], fmaf(m0, sx[mt][2], c[2]));
-                    c[3] = fmaf(d1, part[mt][n8][3], fmaf(m1, sx[mt][2], c[3]));
+                    c[2] = fmaf(d0, part[mt][n8][2], fmaf(m0, s[mt][1], c[2]));
+                    c[3] = fmaf(d1, part[mt][n8][3], fmaf(m1, s[mt][1], c[3]));
                 }
             }
         }

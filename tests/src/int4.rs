@@ -143,6 +143,7 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
     let seed = crate::seed();
     let mut rng = StdRng::seed_from_u64(seed);
     let mut worst = 0f64;
+    let mut worst_case = String::new();
     let mut checked = Vec::new();
     for &(k, n, group, st, asym) in CASES {
         let p = random_weight(&mut rng, k, n, group, st, asym);
@@ -219,7 +220,10 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
                             ));
                         }
                         let err = relative_error(&got, &want);
-                        worst = worst.max(err);
+                        if err > worst {
+                            worst = err;
+                            worst_case = what.clone();
+                        }
                         if !(err < TOLERANCE) {
                             return Err(format!("{what}: relative error {err:.3e}"));
                         }
@@ -232,7 +236,7 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
     }
     rt.set_poison_allocations(false);
     Ok(
-        json!({ "seed": seed, "max_relative_error": worst, "tolerance": TOLERANCE,
+        json!({ "seed": seed, "max_relative_error": worst, "worst_case": worst_case, "tolerance": TOLERANCE,
         "cases": checked.len(), "shapes": CASES.iter().map(|c| format!("{}x{} g{} {:?} {}", c.0, c.1, c.2, c.3, if c.4 {"asym"} else {"sym"})).collect::<Vec<_>>(), "rows": ROWS }),
     )
 }
