@@ -73,10 +73,17 @@ struct Filled {
 fn fill(rt: &Arc<Runtime>, rng: &mut StdRng, c: &Case, format: KvFormat, block: u32) -> Filled {
     let batch = c.lens.len();
     let cap = c.lens.iter().copied().max().unwrap().max(1) as u32;
-    let cache = DeviceKvCache::new(rt, format, (batch as u32, c.kv_heads as u32, cap, c.d as u32), block).unwrap();
+    let cache = DeviceKvCache::new(
+        rt,
+        format,
+        (batch as u32, c.kv_heads as u32, cap, c.d as u32),
+        block,
+    )
+    .unwrap();
     let slot_of: Vec<u32> = (0..batch).map(|b| (batch - 1 - b) as u32).collect();
     let (mut k, mut v) = (Vec::new(), Vec::new());
-    let (mut rows_k, mut rows_v, mut slots, mut pos) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut rows_k, mut rows_v, mut slots, mut pos) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (b, &len) in c.lens.iter().enumerate() {
         let mut kb = bf16s(rng, len * c.kv_heads * c.d, 1.0);
         if c.outliers > 0 {
@@ -96,11 +103,29 @@ fn fill(rt: &Arc<Runtime>, rng: &mut StdRng, c: &Case, format: KvFormat, block: 
         k.push(kb);
         v.push(vb);
     }
-    let (kb, vb) = (put_u16(rt, &to_bf16(&rows_k)), put_u16(rt, &to_bf16(&rows_v)));
+    let (kb, vb) = (
+        put_u16(rt, &to_bf16(&rows_k)),
+        put_u16(rt, &to_bf16(&rows_v)),
+    );
     let (sb, pb) = (put_u32(rt, &slots), put_u32(rt, &pos));
-    unsafe { cache.append(rt, kb.ptr(), vb.ptr(), sb.ptr(), pb.ptr(), slots.len() as u32) }.unwrap();
+    unsafe {
+        cache.append(
+            rt,
+            kb.ptr(),
+            vb.ptr(),
+            sb.ptr(),
+            pb.ptr(),
+            slots.len() as u32,
+        )
+    }
+    .unwrap();
     rt.synchronize().unwrap();
-    Filled { cache, k, v, slot_of }
+    Filled {
+        cache,
+        k,
+        v,
+        slot_of,
+    }
 }
 
 /// The device cache copied to the host once.
@@ -112,7 +137,12 @@ enum HostCache {
 fn download(c: &DeviceKvCache) -> HostCache {
     match &c.mirror {
         None => HostCache::Bf16(get_bf16(&c.k), get_bf16(&c.v)),
-        Some(m) => HostCache::Mirror(get_bytes(&m.k), get_bytes(&m.v), get_f32(&m.ks), get_f32(&m.vs)),
+        Some(m) => HostCache::Mirror(
+            get_bytes(&m.k),
+            get_bytes(&m.v),
+            get_f32(&m.ks),
+            get_f32(&m.vs),
+        ),
     }
 }
 
@@ -146,8 +176,18 @@ fn read_back(f: &Filled, host: &HostCache, b: usize, len: usize) -> (Vec<f32>, V
                             kv::dequantize_fp8(&vb[r * d..(r + 1) * d], &vs[r..r + 1], d),
                         ),
                         _ => (
-                            kv::dequantize_int4(&kb[r * d / 2..(r + 1) * d / 2], &ks[r..r + 1], d, Int4Order::Natural),
-                            kv::dequantize_int4(&vb[r * d / 2..(r + 1) * d / 2], &vs[r..r + 1], d, Int4Order::Natural),
+                            kv::dequantize_int4(
+                                &kb[r * d / 2..(r + 1) * d / 2],
+                                &ks[r..r + 1],
+                                d,
+                                Int4Order::Natural,
+                            ),
+                            kv::dequantize_int4(
+                                &vb[r * d / 2..(r + 1) * d / 2],
+                                &vs[r..r + 1],
+                                d,
+                                Int4Order::Natural,
+                            ),
                         ),
                     };
                     k[(p * kvh + h) * d..(p * kvh + h + 1) * d].copy_from_slice(&kr);
@@ -181,12 +221,23 @@ fn host_mirror(f: &Filled, b: usize) -> (Vec<f32>, Vec<f32>) {
             KvFormat::Bf16 => r,
         }
     };
-    (mirror(&f.k[b], Int4Order::Natural), mirror(&f.v[b], Int4Order::Natural))
+    (
+        mirror(&f.k[b], Int4Order::Natural),
+        mirror(&f.v[b], Int4Order::Natural),
+    )
 }
 
 /// Reference output of sequence `b` over K/V rows `[pos][kv_head][d]` that are rotated by
 /// `block` (q rotated the same way, the output rotated back).
-fn reference(q: &[f32], k: &[f32], v: &[f32], heads: usize, kv_heads: usize, d: usize, block: u32) -> Vec<f64> {
+fn reference(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    block: u32,
+) -> Vec<f64> {
     let mut qr = q.to_vec();
     if block > 0 {
         kv::hadamard(&mut qr, d, block as usize).unwrap();
@@ -213,15 +264,54 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let cases = [
         // (heads, kv heads, d, lens): GQA ratios 4, 3, 1, 8; contexts 1, 17, 1024, 4097.
-        Case { heads: 32, kv_heads: 8, d: 128, lens: vec![1, 17, 1024, 4097, 300, 1, 2000, 33], outliers: 0, outlier: 1.0 },
-        Case { heads: 9, kv_heads: 3, d: 64, lens: (0..32).map(|i| ([1usize, 17, 1024, 4097][i % 4]).saturating_sub((i / 4) % 3).max(1)).collect(), outliers: 0, outlier: 1.0 },
-        Case { heads: 8, kv_heads: 8, d: 128, lens: vec![4097], outliers: 0, outlier: 1.0 },
-        Case { heads: 64, kv_heads: 8, d: 64, lens: vec![17], outliers: 0, outlier: 1.0 },
+        Case {
+            heads: 32,
+            kv_heads: 8,
+            d: 128,
+            lens: vec![1, 17, 1024, 4097, 300, 1, 2000, 33],
+            outliers: 0,
+            outlier: 1.0,
+        },
+        Case {
+            heads: 9,
+            kv_heads: 3,
+            d: 64,
+            lens: (0..32)
+                .map(|i| {
+                    ([1usize, 17, 1024, 4097][i % 4])
+                        .saturating_sub((i / 4) % 3)
+                        .max(1)
+                })
+                .collect(),
+            outliers: 0,
+            outlier: 1.0,
+        },
+        Case {
+            heads: 8,
+            kv_heads: 8,
+            d: 128,
+            lens: vec![4097],
+            outliers: 0,
+            outlier: 1.0,
+        },
+        Case {
+            heads: 64,
+            kv_heads: 8,
+            d: 64,
+            lens: vec![17],
+            outliers: 0,
+            outlier: 1.0,
+        },
     ];
     let mut report = Vec::new();
     let mut worst = 0f64;
     for c in &cases {
-        for (format, block) in [(KvFormat::Bf16, 0), (KvFormat::Fp8, c.d as u32), (KvFormat::Int4, c.d as u32), (KvFormat::Int4, 0)] {
+        for (format, block) in [
+            (KvFormat::Bf16, 0),
+            (KvFormat::Fp8, c.d as u32),
+            (KvFormat::Int4, c.d as u32),
+            (KvFormat::Int4, 0),
+        ] {
             let f = fill(&rt, &mut rng, c, format, block);
             let batch = c.lens.len();
             let q = bf16s(&mut rng, batch * c.heads * c.d, 1.0);
@@ -231,14 +321,35 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
             let out = rt.alloc(batch * c.heads * c.d * 2).unwrap();
             unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.unwrap();
             let max_len = *lens.iter().max().unwrap();
-            unsafe { f.cache.attend(&rt, qb.ptr(), c.heads as u32, sb.ptr(), lb.ptr(), batch as u32, max_len, out.ptr()) }
-                .map_err(|e| e.to_string())?;
-            let got = get_bf16(&out);
-            let what = format!("seed {seed}: {} block {block}, {} heads / {} kv heads, d {}, lens {:?}", format.name(), c.heads, c.kv_heads, c.d, &c.lens[..c.lens.len().min(8)]);
-            if got.iter().any(|x| !x.is_finite()) {
-                return Err(format!("{what}: unwritten (poisoned) or non-finite outputs"));
+            unsafe {
+                f.cache.attend(
+                    &rt,
+                    qb.ptr(),
+                    c.heads as u32,
+                    sb.ptr(),
+                    lb.ptr(),
+                    batch as u32,
+                    max_len,
+                    out.ptr(),
+                )
             }
-            let (mut kern_err, mut quant_err, mut append_mismatch, mut append_rows) = (0f64, 0f64, 0usize, 0usize);
+            .map_err(|e| e.to_string())?;
+            let got = get_bf16(&out);
+            let what = format!(
+                "seed {seed}: {} block {block}, {} heads / {} kv heads, d {}, lens {:?}",
+                format.name(),
+                c.heads,
+                c.kv_heads,
+                c.d,
+                &c.lens[..c.lens.len().min(8)]
+            );
+            if got.iter().any(|x| !x.is_finite()) {
+                return Err(format!(
+                    "{what}: unwritten (poisoned) or non-finite outputs"
+                ));
+            }
+            let (mut kern_err, mut quant_err, mut append_mismatch, mut append_rows) =
+                (0f64, 0f64, 0usize, 0usize);
             let host = download(&f.cache);
             for b in 0..batch {
                 let len = c.lens[b];
@@ -254,7 +365,11 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
                 for (dev, host) in [(&k_dev, &k_host), (&v_dev, &v_host)] {
                     for (rd, rh) in dev.chunks(c.d).zip(host.chunks(c.d)) {
                         append_rows += 1;
-                        if rd.iter().zip(rh).any(|(a, b)| (a - b).abs() > 1e-6 * b.abs().max(1e-3)) {
+                        if rd
+                            .iter()
+                            .zip(rh)
+                            .any(|(a, b)| (a - b).abs() > 1e-6 * b.abs().max(1e-3))
+                        {
                             append_mismatch += 1;
                         }
                     }
@@ -262,12 +377,16 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
             }
             worst = worst.max(kern_err);
             if !(kern_err < KERNEL_TOLERANCE) {
-                return Err(format!("{what}: kernel relative error {kern_err:.3e} against the reference over its own cache"));
+                return Err(format!(
+                    "{what}: kernel relative error {kern_err:.3e} against the reference over its own cache"
+                ));
             }
             // Rounding of the rotated row in f32 may move a value across a rounding boundary in
             // a rare row; a systematic difference shows in many.
             if append_mismatch * 100 > append_rows {
-                return Err(format!("{what}: {append_mismatch} of {append_rows} appended rows differ from the host quantizer"));
+                return Err(format!(
+                    "{what}: {append_mismatch} of {append_rows} appended rows differ from the host quantizer"
+                ));
             }
             report.push(json!({"format": format.name(), "block": block, "heads": c.heads, "kv_heads": c.kv_heads, "d": c.d,
                 "batch": batch, "max_len": max_len, "kernel_rel_err": kern_err, "quantization_rel_err": quant_err,
@@ -277,21 +396,39 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
     // The outlier experiment on the kernels: Llama-8B attention shape, 4 key channels per head
     // scaled 8x, ctx 1024.
     let mut outlier = Vec::new();
-    for (format, block) in [(KvFormat::Int4, 0), (KvFormat::Int4, 128), (KvFormat::Fp8, 0), (KvFormat::Fp8, 128)] {
-        let c = Case { heads: 32, kv_heads: 8, d: 128, lens: vec![1024], outliers: 4, outlier: 8.0 };
+    for (format, block) in [
+        (KvFormat::Int4, 0),
+        (KvFormat::Int4, 128),
+        (KvFormat::Fp8, 0),
+        (KvFormat::Fp8, 128),
+    ] {
+        let c = Case {
+            heads: 32,
+            kv_heads: 8,
+            d: 128,
+            lens: vec![1024],
+            outliers: 4,
+            outlier: 8.0,
+        };
         let f = fill(&rt, &mut rng, &c, format, block);
         let q = bf16s(&mut rng, c.heads * c.d, 1.0);
         let qb = put_u16(&rt, &to_bf16(&q));
         let (sb, lb) = (put_u32(&rt, &f.slot_of), put_u32(&rt, &[1024]));
         let out = rt.alloc(c.heads * c.d * 2).unwrap();
-        unsafe { f.cache.attend(&rt, qb.ptr(), 32, sb.ptr(), lb.ptr(), 1, 1024, out.ptr()) }.map_err(|e| e.to_string())?;
+        unsafe {
+            f.cache
+                .attend(&rt, qb.ptr(), 32, sb.ptr(), lb.ptr(), 1, 1024, out.ptr())
+        }
+        .map_err(|e| e.to_string())?;
         let got = get_bf16(&out);
         let exact = kv::decode_attention(&q, &f.k[0], &f.v[0], 32, 8, 128);
         outlier.push(json!({"format": format.name(), "block": block, "relative_error": relative_error(&got, &exact)}));
     }
     rt.set_poison_allocations(false);
-    Ok(json!({"seed": seed, "tolerance": KERNEL_TOLERANCE, "max_kernel_rel_err": worst, "cases": report,
-        "outliers_llama8b_ctx1024_4ch_x8": outlier}))
+    Ok(
+        json!({"seed": seed, "tolerance": KERNEL_TOLERANCE, "max_kernel_rel_err": worst, "cases": report,
+        "outliers_llama8b_ctx1024_4ch_x8": outlier}),
+    )
 }
 
 /// Attention shapes `(name, heads, kv_heads, head_dim)`: Llama-3.1-8B and 70B.
@@ -310,7 +447,8 @@ pub fn bench(copy_gbps: f64) -> Value {
             for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int4] {
                 let block = if format == KvFormat::Bf16 { 0 } else { d };
                 // Enough caches (>= 160 MB) that the L2 never holds the one being read.
-                let one = 2 * batch as usize * ctx as usize * kvh as usize * format.row_bytes(d as usize);
+                let one =
+                    2 * batch as usize * ctx as usize * kvh as usize * format.row_bytes(d as usize);
                 let copies = 160_000_000usize.div_ceil(one).clamp(1, 64);
                 let caches: Vec<DeviceKvCache> = (0..copies)
                     .map(|_| DeviceKvCache::new(&rt, format, (batch, kvh, ctx, d), block).unwrap())
@@ -323,21 +461,49 @@ pub fn bench(copy_gbps: f64) -> Value {
                 let pos: Vec<u32> = (0..n as u32).map(|i| i % ctx).collect();
                 let (sb, pb) = (put_u32(&rt, &slots), put_u32(&rt, &pos));
                 for c in &caches {
-                    unsafe { c.append(&rt, kx.ptr(), vx.ptr(), sb.ptr(), pb.ptr(), n as u32) }.unwrap();
+                    unsafe { c.append(&rt, kx.ptr(), vx.ptr(), sb.ptr(), pb.ptr(), n as u32) }
+                        .unwrap();
                 }
-                let q = put_u16(&rt, &to_bf16(&bf16s(&mut rng, (batch * heads * d) as usize, 1.0)));
+                let q = put_u16(
+                    &rt,
+                    &to_bf16(&bf16s(&mut rng, (batch * heads * d) as usize, 1.0)),
+                );
                 let slot_of = put_u32(&rt, &(0..batch).collect::<Vec<_>>());
                 let lens = put_u32(&rt, &vec![ctx; batch as usize]);
                 let out = rt.alloc((batch * heads * d * 2) as usize).unwrap();
                 rt.synchronize().unwrap();
                 let iters = (400_000_000 / one).clamp(10, 500);
                 let us = crate::bench::time_events(&rt, 5, iters, |i| {
-                    unsafe { caches[i % copies].attend(&rt, q.ptr(), heads, slot_of.ptr(), lens.ptr(), batch, ctx, out.ptr()) }.unwrap()
+                    unsafe {
+                        caches[i % copies].attend(
+                            &rt,
+                            q.ptr(),
+                            heads,
+                            slot_of.ptr(),
+                            lens.ptr(),
+                            batch,
+                            ctx,
+                            out.ptr(),
+                        )
+                    }
+                    .unwrap()
                 });
                 // The host's time to queue one call (allocation of the split partials, two launches).
                 let t0 = std::time::Instant::now();
                 for i in 0..iters {
-                    unsafe { caches[i % copies].attend(&rt, q.ptr(), heads, slot_of.ptr(), lens.ptr(), batch, ctx, out.ptr()) }.unwrap()
+                    unsafe {
+                        caches[i % copies].attend(
+                            &rt,
+                            q.ptr(),
+                            heads,
+                            slot_of.ptr(),
+                            lens.ptr(),
+                            batch,
+                            ctx,
+                            out.ptr(),
+                        )
+                    }
+                    .unwrap()
                 }
                 let host_us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
                 rt.synchronize().unwrap();

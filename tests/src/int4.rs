@@ -192,7 +192,10 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
                     let cols = epi.out_cols(n);
                     let out = rt.alloc(m * cols * 2).map_err(|e| e.to_string())?;
                     let want = reference(&x, m, &w, k, n, epi, &residual, rs.as_deref());
-                    for (variant, dw) in VARIANTS.into_iter().flat_map(|v| dws.iter().map(move |d| (v, d))) {
+                    for (variant, dw) in VARIANTS
+                        .into_iter()
+                        .flat_map(|v| dws.iter().map(move |d| (v, d)))
+                    {
                         let call = Int4Gemm {
                             x: xb.ptr(),
                             m: m as u32,
@@ -258,13 +261,22 @@ pub const BENCH_ROWS: &[usize] = &[1, 2, 4, 8, 16, 32];
 /// Random group-128 symmetric weights of one bench shape in `order`, enough copies (>= 160 MB)
 /// that the L2 (60 MB) never serves the weights, as in a model. The values don't change the
 /// speed.
-fn bench_weights(rt: &Arc<Runtime>, rng: &mut StdRng, k: usize, n: usize, order: WordOrder) -> Vec<DeviceInt4> {
+fn bench_weights(
+    rt: &Arc<Runtime>,
+    rng: &mut StdRng,
+    k: usize,
+    n: usize,
+    order: WordOrder,
+) -> Vec<DeviceInt4> {
     let words: Vec<u32> = (0..k * n / 8).map(|_| rng.random()).collect();
     let scales = vec![bf16::from_f32(0.01); k / 128 * n];
     let one = k * n / 2 + k / 128 * n * 2;
     let copies = (160_000_000usize.div_ceil(one)).max(1);
     (0..copies)
-        .map(|_| DeviceInt4::upload_ordered(rt, (k, n, 128), false, &words, &scales, None, order).unwrap())
+        .map(|_| {
+            DeviceInt4::upload_ordered(rt, (k, n, 128), false, &words, &scales, None, order)
+                .unwrap()
+        })
         .collect()
 }
 
@@ -298,7 +310,10 @@ pub fn bench(copy_gbps: f64) -> Value {
     let mut rows = Vec::new();
     let mut sweep = Vec::new();
     for &(name, k, n) in BENCH_SHAPES {
-        let weights: Vec<Vec<DeviceInt4>> = orders.iter().map(|&o| bench_weights(&rt, &mut rng, k, n, o)).collect();
+        let weights: Vec<Vec<DeviceInt4>> = orders
+            .iter()
+            .map(|&o| bench_weights(&rt, &mut rng, k, n, o))
+            .collect();
         for &m in BENCH_ROWS {
             let x: Vec<u16> = (0..m * k)
                 .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
@@ -321,7 +336,15 @@ pub fn bench(copy_gbps: f64) -> Value {
                     let bytes = dw.bytes() + m * k * 2 + m * n * 2;
                     let plan = |splits| {
                         stoke_cuda::kernels::int4_gemm::plan(
-                            m as u32, k as u32, n as u32, 128, false, Epilogue::Plain, variant, rt.sm_count, splits,
+                            m as u32,
+                            k as u32,
+                            n as u32,
+                            128,
+                            false,
+                            Epilogue::Plain,
+                            variant,
+                            rt.sm_count,
+                            splits,
                         )
                         .unwrap()[0]
                     };
@@ -353,8 +376,19 @@ pub fn bench(copy_gbps: f64) -> Value {
                         sweep.push(json!({"variant": format!("{variant:?}"), "order": format!("{:?}", dw.order), "shape": name, "m": m,
                             "splits": l.splits, "ctas": l.grid.0 * l.grid.1, "us": us, "of_copy": gbps / copy_gbps}));
                     }
-                    let best = sweep.iter().rev().take(seen.len()).min_by(|a, b| a["us"].as_f64().partial_cmp(&b["us"].as_f64()).unwrap()).unwrap();
-                    println!("    best splits {} ({} CTAs): {:.2} us ({:.1}% of copy)", best["splits"], best["ctas"], best["us"].as_f64().unwrap(), 100.0 * best["of_copy"].as_f64().unwrap());
+                    let best = sweep
+                        .iter()
+                        .rev()
+                        .take(seen.len())
+                        .min_by(|a, b| a["us"].as_f64().partial_cmp(&b["us"].as_f64()).unwrap())
+                        .unwrap();
+                    println!(
+                        "    best splits {} ({} CTAs): {:.2} us ({:.1}% of copy)",
+                        best["splits"],
+                        best["ctas"],
+                        best["us"].as_f64().unwrap(),
+                        100.0 * best["of_copy"].as_f64().unwrap()
+                    );
                 }
             }
         }
@@ -374,15 +408,28 @@ pub fn profile_launches(shapes: &[&str], m: usize) {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(7);
     for &(name, k, n) in BENCH_SHAPES.iter().filter(|s| shapes.contains(&s.0)) {
-        let x: Vec<u16> = (0..m * k).map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+        let x: Vec<u16> = (0..m * k)
+            .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
+            .collect();
         let xb = put_u16(&rt, &x);
         let out = rt.alloc(m * n * 2).unwrap();
         for order in ORDERS {
             let words: Vec<u32> = (0..k * n / 8).map(|_| rng.random()).collect();
             let scales = vec![bf16::from_f32(0.01); k / 128 * n];
-            let dw = DeviceInt4::upload_ordered(&rt, (k, n, 128), false, &words, &scales, None, order).unwrap();
+            let dw =
+                DeviceInt4::upload_ordered(&rt, (k, n, 128), false, &words, &scales, None, order)
+                    .unwrap();
             for variant in VARIANTS {
-                let call = Int4Gemm { x: xb.ptr(), m: m as u32, out: out.ptr(), epilogue: Epilogue::Plain, residual: 0, row_scale: 0, variant, splits: 0 };
+                let call = Int4Gemm {
+                    x: xb.ptr(),
+                    m: m as u32,
+                    out: out.ptr(),
+                    epilogue: Epilogue::Plain,
+                    residual: 0,
+                    row_scale: 0,
+                    variant,
+                    splits: 0,
+                };
                 for _ in 0..2 {
                     unsafe { int4_gemm(&rt, &dw, &call) }.unwrap();
                 }

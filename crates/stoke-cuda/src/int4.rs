@@ -37,7 +37,15 @@ impl DeviceInt4 {
         scales: &[u16],
         offsets: Option<&[u16]>,
     ) -> Result<Self> {
-        Self::upload_ordered(rt, shape, f16_scales, words, scales, offsets, WordOrder::default())
+        Self::upload_ordered(
+            rt,
+            shape,
+            f16_scales,
+            words,
+            scales,
+            offsets,
+            WordOrder::default(),
+        )
     }
 
     /// [`DeviceInt4::upload`] with the word blocks rearranged into `order` on the way (the

@@ -59,7 +59,11 @@ impl DeviceKvCache {
         let mirror = match format {
             KvFormat::Bf16 => None,
             KvFormat::Fp8 | KvFormat::Int4 => {
-                let row = if format == KvFormat::Fp8 { d_us } else { d_us / 2 };
+                let row = if format == KvFormat::Fp8 {
+                    d_us
+                } else {
+                    d_us / 2
+                };
                 Some(Mirror {
                     k: zeroed(rows * row)?,
                     v: zeroed(rows * row)?,

@@ -12,8 +12,8 @@
 
 pub mod compile;
 pub mod int4;
-pub mod kv;
 pub mod kernels;
+pub mod kv;
 mod runtime;
 
 pub use compile::{CompileReport, compile_cubin, nvrtc_version};

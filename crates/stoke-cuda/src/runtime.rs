@@ -113,7 +113,9 @@ impl Runtime {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(no_device)? as u32;
         let shared_optin = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
             .map_err(no_device)? as u32;
         // SAFETY: Stoke synchronizes its own buffers explicitly (one stream, events for
         // borrowed memory); cudarc's per-slice event tracking would only add launches.

@@ -178,7 +178,11 @@ fn main() -> ExitCode {
                     let copy_gbps = stoke_tests::bench::copy_bandwidth(&rt);
                     println!("device-to-device copy: {copy_gbps:.0} GB/s (read + write)");
                     let v = stoke_tests::attention::bench(copy_gbps);
-                    write(&cli.out, "attention.json", &json!({ "meta": meta(&cli.commit), "attention": v }));
+                    write(
+                        &cli.out,
+                        "attention.json",
+                        &json!({ "meta": meta(&cli.commit), "attention": v }),
+                    );
                     ok
                 }
                 Err(e) => {

@@ -118,7 +118,9 @@ pub struct ShapeError(pub String);
 /// [`MAX_GROUP`] query heads per kv head, rotation block 0 or a power of two in 2..=d.
 pub fn check_shape(heads: u32, kv_heads: u32, d: u32, block: u32) -> Result<(), ShapeError> {
     if d != 64 && d != 128 {
-        return Err(ShapeError(format!("decode attention: head_dim {d} (64 or 128 supported)")));
+        return Err(ShapeError(format!(
+            "decode attention: head_dim {d} (64 or 128 supported)"
+        )));
     }
     if kv_heads == 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP {
         return Err(ShapeError(format!(
@@ -163,7 +165,11 @@ pub fn attn_entry(format: KvFormat, d: u32) -> &'static str {
 }
 
 pub fn combine_entry(d: u32) -> &'static str {
-    if d == 128 { ENTRY_POINTS[8] } else { ENTRY_POINTS[7] }
+    if d == 128 {
+        ENTRY_POINTS[8]
+    } else {
+        ENTRY_POINTS[7]
+    }
 }
 
 #[cfg(test)]
@@ -176,8 +182,16 @@ mod tests {
         assert_eq!(std::mem::size_of::<AppendParams>(), 136);
         assert_eq!(std::mem::size_of::<AttnParams>(), 112);
         assert_eq!(std::mem::size_of::<CombineParams>(), 40);
-        for (name, size) in [("KvCache", 48), ("AppendParams", 136), ("AttnParams", 112), ("CombineParams", 40)] {
-            assert!(SOURCE.contains(&format!("static_assert(sizeof({name}) == {size}")), "{name}");
+        for (name, size) in [
+            ("KvCache", 48),
+            ("AppendParams", 136),
+            ("AttnParams", 112),
+            ("CombineParams", 40),
+        ] {
+            assert!(
+                SOURCE.contains(&format!("static_assert(sizeof({name}) == {size}")),
+                "{name}"
+            );
         }
     }
 
@@ -185,7 +199,10 @@ mod tests {
     fn entries_are_defined_and_indexed() {
         assert!(!SOURCE.contains("#include"));
         for e in ENTRY_POINTS {
-            assert!(SOURCE.contains(&format!("{e}(")) || SOURCE.contains(&format!("ENTRY({e},")), "{e}");
+            assert!(
+                SOURCE.contains(&format!("{e}(")) || SOURCE.contains(&format!("ENTRY({e},")),
+                "{e}"
+            );
         }
         assert_eq!(attn_entry(KvFormat::Fp8, 128), "decode_attn_fp8_d128");
         assert_eq!(attn_entry(KvFormat::Int4, 64), "decode_attn_int4_d64");
@@ -195,11 +212,21 @@ mod tests {
 
     #[test]
     fn splits_cover_the_context_and_fill_the_gpu() {
-        for (b, kvh, len) in [(1, 8, 1024), (8, 8, 1024), (32, 8, 4096), (1, 8, 32768), (1, 3, 1), (3, 1, 4097)] {
+        for (b, kvh, len) in [
+            (1, 8, 1024),
+            (8, 8, 1024),
+            (32, 8, 4096),
+            (1, 8, 32768),
+            (1, 3, 1),
+            (3, 1, 4097),
+        ] {
             let (chunk, splits) = split_plan(b, kvh, len, 132);
             assert!(chunk % 64 == 0 && chunk * splits >= len && chunk * (splits - 1) < len.max(1));
             // Two waves of resident CTAs, or the finest split there is.
-            assert!((b * kvh * splits).div_ceil(264) >= 2 || chunk == 64, "{b} {kvh} {len}: {chunk} x {splits}");
+            assert!(
+                (b * kvh * splits).div_ceil(264) >= 2 || chunk == 64,
+                "{b} {kvh} {len}: {chunk} x {splits}"
+            );
         }
     }
 
@@ -207,8 +234,23 @@ mod tests {
     fn bad_shapes_are_named() {
         assert!(check_shape(32, 8, 128, 128).is_ok());
         assert!(check_shape(9, 3, 64, 64).is_ok());
-        assert!(check_shape(32, 8, 96, 0).unwrap_err().0.contains("head_dim 96"));
-        assert!(check_shape(64, 4, 128, 0).unwrap_err().0.contains("64 query heads over 4"));
-        assert!(check_shape(32, 8, 128, 48).unwrap_err().0.contains("block 48"));
+        assert!(
+            check_shape(32, 8, 96, 0)
+                .unwrap_err()
+                .0
+                .contains("head_dim 96")
+        );
+        assert!(
+            check_shape(64, 4, 128, 0)
+                .unwrap_err()
+                .0
+                .contains("64 query heads over 4")
+        );
+        assert!(
+            check_shape(32, 8, 128, 48)
+                .unwrap_err()
+                .0
+                .contains("block 48")
+        );
     }
 }

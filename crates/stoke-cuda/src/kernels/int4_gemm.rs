@@ -324,7 +324,10 @@ mod tests {
 
     #[test]
     fn entry_points_are_indexed_by_variant_epilogue_scales_rows() {
-        for (v, variant) in [Variant::Batched, Variant::Pipelined].into_iter().enumerate() {
+        for (v, variant) in [Variant::Batched, Variant::Pipelined]
+            .into_iter()
+            .enumerate()
+        {
             for (e, epi) in [Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu]
                 .into_iter()
                 .enumerate()
@@ -343,9 +346,31 @@ mod tests {
             }
         }
         // An explicit split count is kept, up to one warp per fold unit.
-        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, Variant::Batched, 132, 3).unwrap();
+        let l = plan(
+            1,
+            4096,
+            4096,
+            128,
+            false,
+            Epilogue::Plain,
+            Variant::Batched,
+            132,
+            3,
+        )
+        .unwrap();
         assert_eq!(l[0].splits, 3);
-        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, Variant::Batched, 132, 99).unwrap();
+        let l = plan(
+            1,
+            4096,
+            4096,
+            128,
+            false,
+            Epilogue::Plain,
+            Variant::Batched,
+            132,
+            99,
+        )
+        .unwrap();
         assert_eq!(l[0].splits, 8);
     }
 
