@@ -140,8 +140,9 @@ pub const ATTN_CTAS_PER_SM: u32 = 2;
 
 /// Keys per split-KV CTA for contexts up to `max_len`: returns (chunk, splits). The first split
 /// count (chunks a multiple of 64 keys, one 16-key tile per warp) whose `batch * kv_heads *
-/// splits` CTAs make at least two waves of resident CTAs with the last wave at least 85% full;
-/// else the finest split (64-key chunks).
+/// splits` CTAs fill their last wave of resident CTAs at least 85%; else the finest split
+/// (64-key chunks). Fewer, longer splits cost less: every CTA loads and rotates its queries and
+/// writes partials that a second kernel merges.
 pub fn split_plan(batch: u32, kv_heads: u32, max_len: u32, sm_count: u32) -> (u32, u32) {
     let len = max_len.max(1);
     let base = batch.max(1) * kv_heads.max(1);
@@ -152,7 +153,7 @@ pub fn split_plan(batch: u32, kv_heads: u32, max_len: u32, sm_count: u32) -> (u3
         let splits = len.div_ceil(chunk);
         let ctas = base * splits;
         let waves = ctas.div_ceil(slots);
-        if waves >= 2 && ctas * 100 >= waves * slots * 85 {
+        if ctas * 100 >= waves * slots * 85 {
             return (chunk, splits);
         }
     }
@@ -222,9 +223,10 @@ mod tests {
         ] {
             let (chunk, splits) = split_plan(b, kvh, len, 132);
             assert!(chunk % 64 == 0 && chunk * splits >= len && chunk * (splits - 1) < len.max(1));
-            // Two waves of resident CTAs, or the finest split there is.
+            // The last wave of resident CTAs mostly full, or the finest split there is.
+            let ctas = b * kvh * splits;
             assert!(
-                (b * kvh * splits).div_ceil(264) >= 2 || chunk == 64,
+                ctas * 100 >= ctas.div_ceil(264) * 264 * 85 || chunk == 64,
                 "{b} {kvh} {len}: {chunk} x {splits}"
             );
         }
