@@ -184,10 +184,10 @@ def render_int4(w, res, path):
     if others:
         w("The other kernel variant and device word order in the same run (µs; `Batched` is the default above):")
         w("")
-        keys = sorted({(r["variant"], r["order"]) for r in b["runs"]})
+        keys = sorted({(r.get("variant", "Batched"), r["order"]) for r in b["runs"]})
         w("| shape | m | " + " | ".join(f"{v} / {o}" for v, o in keys) + " |")
         w("| --- | ---: |" + " ---: |" * len(keys))
-        by = {(r["shape"], r["m"], r["variant"], r["order"]): r for r in b["runs"]}
+        by = {(r["shape"], r["m"], r.get("variant", "Batched"), r["order"]): r for r in b["runs"]}
         for r in default:
             if r["m"] not in (1, 16, 32):
                 continue
@@ -197,7 +197,7 @@ def render_int4(w, res, path):
     if b.get("split_sweep"):
         w("Split-count sweep at m = 1 (CTAs per 64-column slab along k; µs, best in bold; `splits` in the main table is the plan's choice):")
         w("")
-        sweep = [e for e in b["split_sweep"] if e["variant"] == "Batched" and e.get("order", "KtMajor") == "KtMajor"]
+        sweep = [e for e in b["split_sweep"] if e.get("variant", "Batched") == "Batched" and e.get("order", "KtMajor") == "KtMajor"]
         for shape in dict.fromkeys(e["shape"] for e in sweep):
             pts = [e for e in sweep if e["shape"] == shape]
             best = min(pts, key=lambda e: e["us"])

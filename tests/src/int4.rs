@@ -6,7 +6,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
-use stoke_cuda::kernels::int4_gemm::{Epilogue, Variant, WordOrder};
+use stoke_cuda::kernels::int4_gemm::{Epilogue, WordOrder};
 use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::bf16;
 use stoke_formats::int4::{PackedInt4, ScaleType};
@@ -130,12 +130,10 @@ const CASES: &[(usize, usize, usize, ScaleType, bool)] = &[
 ];
 const ROWS: &[usize] = &[1, 2, 7, 16, 31, 32, 33];
 const TOLERANCE: f64 = 2e-3;
-/// Both weight-streaming kernels are tested and measured.
-const VARIANTS: [Variant; 2] = [Variant::Batched, Variant::Pipelined];
 /// Both device word orders are tested and measured.
 const ORDERS: [WordOrder; 2] = [WordOrder::KtMajor, WordOrder::SlabMajor];
 
-/// Every kernel variant against the f64 reference over the dequantized weight, on fresh random
+/// The kernels (both device word orders) against the f64 reference over the dequantized weight, on fresh random
 /// data with poisoned outputs.
 pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
     let rt = crate::gpu()?;
@@ -192,10 +190,7 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
                     let cols = epi.out_cols(n);
                     let out = rt.alloc(m * cols * 2).map_err(|e| e.to_string())?;
                     let want = reference(&x, m, &w, k, n, epi, &residual, rs.as_deref());
-                    for (variant, dw) in VARIANTS
-                        .into_iter()
-                        .flat_map(|v| dws.iter().map(move |d| (v, d)))
-                    {
+                    for dw in &dws {
                         let call = Int4Gemm {
                             x: xb.ptr(),
                             m: m as u32,
@@ -203,17 +198,16 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
                             epilogue: epi,
                             residual: rb.as_ref().map_or(0, |b| b.ptr()),
                             row_scale: sb.as_ref().map_or(0, |b| b.ptr()),
-                            variant,
                             splits: 0,
                         };
-                        // Poisoned before each variant writes it.
+                        // Poisoned before each word order's kernel writes it.
                         unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }
                             .map_err(|e| e.to_string())?;
                         let order = dw.order;
                         unsafe { int4_gemm(&rt, dw, &call) }.map_err(|e| e.to_string())?;
                         let got = get_bf16(&out);
                         let what = format!(
-                            "seed {seed}: {variant:?} {order:?} m {m} k {k} n {n} group {group} {st:?} {} {epi:?}{}",
+                            "seed {seed}: {order:?} m {m} k {k} n {n} group {group} {st:?} {} {epi:?}{}",
                             if asym { "asymmetric" } else { "symmetric" },
                             if with_scale { " row_scale" } else { "" }
                         );
@@ -230,7 +224,7 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
                         if !(err < TOLERANCE) {
                             return Err(format!("{what}: relative error {err:.3e}"));
                         }
-                        checked.push(json!({"variant": format!("{variant:?}"), "order": format!("{:?}", dw.order), "m": m, "k": k, "n": n, "group": group,
+                        checked.push(json!({"order": format!("{:?}", dw.order), "m": m, "k": k, "n": n, "group": group,
                         "epilogue": format!("{epi:?}"), "row_scale": with_scale, "rel_err": err}));
                     }
                 }
@@ -298,12 +292,10 @@ fn time_gemm(rt: &Arc<Runtime>, dws: &[DeviceInt4], call: &Int4Gemm, reps: usize
 
 /// The W4A16 GEMM on the 8B/70B projection shapes, group 128 symmetric bf16 scales: µs,
 /// effective GB/s (packed weights + scales + activations + output) and the share of the same
-/// run's device-to-device copy rate, for the default kernel and word order, or with
-/// `STOKE_INT4_BENCH=all` for every variant and order plus, at one row, a sweep of the split
-/// count (CTAs per slab along k).
+/// run's device-to-device copy rate, for the default word order, or with `STOKE_INT4_BENCH=all`
+/// for both orders plus, at one row, a sweep of the split count (CTAs per slab along k).
 pub fn bench(copy_gbps: f64) -> Value {
     let all = std::env::var("STOKE_INT4_BENCH").as_deref() == Ok("all");
-    let variants: &[Variant] = if all { &VARIANTS } else { &[Variant::Batched] };
     let orders: &[WordOrder] = if all { &ORDERS } else { &[WordOrder::KtMajor] };
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(7);
@@ -320,7 +312,7 @@ pub fn bench(copy_gbps: f64) -> Value {
                 .collect();
             let xb = put_u16(&rt, &x);
             let out = rt.alloc(m * n * 2).unwrap();
-            for &variant in variants {
+            {
                 for dws in &weights {
                     let dw = &dws[0];
                     let mut call = Int4Gemm {
@@ -330,7 +322,6 @@ pub fn bench(copy_gbps: f64) -> Value {
                         epilogue: Epilogue::Plain,
                         residual: 0,
                         row_scale: 0,
-                        variant,
                         splits: 0,
                     };
                     let bytes = dw.bytes() + m * k * 2 + m * n * 2;
@@ -342,7 +333,6 @@ pub fn bench(copy_gbps: f64) -> Value {
                             128,
                             false,
                             Epilogue::Plain,
-                            variant,
                             rt.sm_count,
                             splits,
                         )
@@ -352,12 +342,12 @@ pub fn bench(copy_gbps: f64) -> Value {
                     let gbps = bytes as f64 / us / 1e3;
                     let launch = plan(0);
                     println!(
-                        "int4 {variant:?}/{:?} {name:<12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {} host {host_us:.1} us",
+                        "int4 {:?} {name:<12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {} host {host_us:.1} us",
                         dw.order,
                         100.0 * gbps / copy_gbps,
                         launch.splits
                     );
-                    rows.push(json!({"variant": format!("{variant:?}"), "order": format!("{:?}", dw.order), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
+                    rows.push(json!({"order": format!("{:?}", dw.order), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
                         "host_us": host_us, "weight_bytes": dw.bytes(), "weight_copies": dws.len(), "gbps": gbps, "of_copy": gbps / copy_gbps,
                         "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1]}));
                     if m != 1 || !all {
@@ -373,7 +363,7 @@ pub fn bench(copy_gbps: f64) -> Value {
                         call.splits = l.splits;
                         let (us, _) = time_gemm(&rt, dws, &call, 3);
                         let gbps = bytes as f64 / us / 1e3;
-                        sweep.push(json!({"variant": format!("{variant:?}"), "order": format!("{:?}", dw.order), "shape": name, "m": m,
+                        sweep.push(json!({"order": format!("{:?}", dw.order), "shape": name, "m": m,
                             "splits": l.splits, "ctas": l.grid.0 * l.grid.1, "us": us, "of_copy": gbps / copy_gbps}));
                     }
                     let best = sweep
@@ -403,7 +393,7 @@ pub fn bench(copy_gbps: f64) -> Value {
 }
 
 /// A few W4A16 launches to run under a profiler (`ncu`): for each of the named shapes at
-/// `m` rows, each variant and word order, two launches of the default plan.
+/// `m` rows and each word order, two launches of the default plan.
 pub fn profile_launches(shapes: &[&str], m: usize) {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(7);
@@ -419,23 +409,20 @@ pub fn profile_launches(shapes: &[&str], m: usize) {
             let dw =
                 DeviceInt4::upload_ordered(&rt, (k, n, 128), false, &words, &scales, None, order)
                     .unwrap();
-            for variant in VARIANTS {
-                let call = Int4Gemm {
-                    x: xb.ptr(),
-                    m: m as u32,
-                    out: out.ptr(),
-                    epilogue: Epilogue::Plain,
-                    residual: 0,
-                    row_scale: 0,
-                    variant,
-                    splits: 0,
-                };
-                for _ in 0..2 {
-                    unsafe { int4_gemm(&rt, &dw, &call) }.unwrap();
-                }
-                rt.synchronize().unwrap();
-                println!("profiled {name} m {m} {variant:?} {order:?}");
+            let call = Int4Gemm {
+                x: xb.ptr(),
+                m: m as u32,
+                out: out.ptr(),
+                epilogue: Epilogue::Plain,
+                residual: 0,
+                row_scale: 0,
+                splits: 0,
+            };
+            for _ in 0..2 {
+                unsafe { int4_gemm(&rt, &dw, &call) }.unwrap();
             }
+            rt.synchronize().unwrap();
+            println!("profiled {name} m {m} {order:?}");
         }
     }
 }

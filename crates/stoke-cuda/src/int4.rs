@@ -1,7 +1,7 @@
 //! Packed INT4 weights on the GPU and the W4A16 GEMM call (`kernels/int4_gemm.cu`).
 
 use crate::kernels::INT4_GEMM;
-use crate::kernels::int4_gemm::{Epilogue, Int4GemmParams, Variant, WordOrder, plan};
+use crate::kernels::int4_gemm::{Epilogue, Int4GemmParams, WordOrder, plan};
 use crate::{DeviceBuffer, Error, LaunchShape, Result, Runtime};
 use std::sync::Arc;
 
@@ -71,7 +71,6 @@ impl DeviceInt4 {
             group as u32,
             f16_scales,
             Epilogue::Plain,
-            Variant::Batched,
             rt.sm_count,
             0,
         )
@@ -139,8 +138,6 @@ pub struct Int4Gemm {
     pub epilogue: Epilogue,
     pub residual: u64,
     pub row_scale: u64,
-    /// Which kernel streams the weights (`Variant::from_env()` for the process default).
-    pub variant: Variant,
     /// CTAs per 64-column slab along k; 0 lets the plan choose (benchmarks sweep it).
     pub splits: u32,
 }
@@ -159,12 +156,6 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
             "INT4 GEMM residual epilogue without a residual".into(),
         ));
     }
-    // The pipelined kernel copies x in 16-byte chunks.
-    let variant = if call.variant == Variant::Pipelined && call.x % 16 != 0 {
-        Variant::Batched
-    } else {
-        call.variant
-    };
     let launches = plan(
         call.m,
         w.k,
@@ -172,7 +163,6 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         w.group,
         w.f16_scales,
         call.epilogue,
-        variant,
         rt.sm_count,
         call.splits,
     )
@@ -221,7 +211,7 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         let shape = LaunchShape {
             grid: l.grid,
             block: l.block,
-            shared_mem_bytes: l.shared_bytes,
+            shared_mem_bytes: 0,
         };
         // SAFETY: the params mirror the kernel's struct (layout test); the caller guarantees
         // the pointers; the weight buffers live in `w`, borrowed for the call and freed on this

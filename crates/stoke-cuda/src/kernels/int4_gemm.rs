@@ -97,24 +97,6 @@ pub const ENTRY_POINTS: &[&str] = &[
     "int4_gemm_swiglu_f16s_m8",
     "int4_gemm_swiglu_f16s_m16",
     "int4_gemm_swiglu_f16s_m32",
-    "int4_gemm_pipe_plain_bf16s_m8",
-    "int4_gemm_pipe_plain_bf16s_m16",
-    "int4_gemm_pipe_plain_bf16s_m32",
-    "int4_gemm_pipe_plain_f16s_m8",
-    "int4_gemm_pipe_plain_f16s_m16",
-    "int4_gemm_pipe_plain_f16s_m32",
-    "int4_gemm_pipe_residual_bf16s_m8",
-    "int4_gemm_pipe_residual_bf16s_m16",
-    "int4_gemm_pipe_residual_bf16s_m32",
-    "int4_gemm_pipe_residual_f16s_m8",
-    "int4_gemm_pipe_residual_f16s_m16",
-    "int4_gemm_pipe_residual_f16s_m32",
-    "int4_gemm_pipe_swiglu_bf16s_m8",
-    "int4_gemm_pipe_swiglu_bf16s_m16",
-    "int4_gemm_pipe_swiglu_bf16s_m32",
-    "int4_gemm_pipe_swiglu_f16s_m8",
-    "int4_gemm_pipe_swiglu_f16s_m16",
-    "int4_gemm_pipe_swiglu_f16s_m32",
 ];
 
 /// What the kernel does with each finished value.
@@ -156,58 +138,14 @@ impl Epilogue {
     }
 }
 
-/// How a warp streams its weights (both kernels share the work split, fold and epilogue).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Variant {
-    /// `int4_gemm_*`: loads of 4 k-tiles into registers, then their math.
-    #[default]
-    Batched,
-    /// `int4_gemm_pipe_*`: a per-warp ring of 4-k-tile stages in dynamic shared memory, filled
-    /// by bulk copies (`cp.async.bulk` + mbarriers) 3 stages (2 for 32 rows) ahead of the math.
-    /// Needs `x`, scales and offsets 16-byte aligned.
-    Pipelined,
-}
-
-impl Variant {
-    /// `STOKE_INT4_KERNEL=pipelined` or `batched` (the default).
-    pub fn from_env() -> Self {
-        match std::env::var("STOKE_INT4_KERNEL").as_deref() {
-            Ok("pipelined") | Ok("pipe") => Variant::Pipelined,
-            _ => Variant::Batched,
-        }
-    }
-
-    /// Position in [`ENTRY_POINTS`]' order (batched, pipelined).
-    fn index(self) -> usize {
-        match self {
-            Variant::Batched => 0,
-            Variant::Pipelined => 1,
-        }
-    }
-}
-
-/// Dynamic shared memory of the pipelined kernel for a row tile of `rows` (8, 16 or 32):
-/// mirrors `pipe_smem_bytes<ROWS>()` in the `.cu` file (one 8-byte barrier and one stage of
-/// `TPS` k-tiles per warp and stage: weights, x rows padded to 144 bytes, scale slots).
-pub fn pipe_smem_bytes(rows: u32) -> u32 {
-    const TPS: u32 = 4;
-    let stages = if rows == 32 { 3 } else { 4 };
-    let stage = TPS * 512 + rows * (TPS * 32 + 16) + TPS * 256;
-    WARPS * stages * (8 + stage)
-}
-
 /// Warps per CTA (`WARPS` in the `.cu` file).
 pub const WARPS: u32 = 4;
 /// Most rows one launch handles.
 pub const MAX_ROWS: u32 = 32;
-/// Resident CTAs per SM of each kernel and row tile (index 0, 1, 2 for 8, 16, 32 rows): the
-/// launch bounds of the entry points, and for the pipelined kernel its shared memory.
-fn ctas_per_sm(variant: Variant, mt: usize) -> u32 {
-    match (variant, mt) {
-        (_, 0) => 3,
-        (Variant::Batched, 1) => 3,
-        _ => 2,
-    }
+/// Resident CTAs per SM of each row tile (index 0, 1, 2 for 8, 16, 32 rows): the launch bounds
+/// of the entry points.
+fn ctas_per_sm(mt: usize) -> u32 {
+    if mt == 2 { 2 } else { 3 }
 }
 
 /// One launch: entry point, grid, block, and the plan fields of its params.
@@ -216,8 +154,6 @@ pub struct Launch {
     pub entry: &'static str,
     pub grid: (u32, u32, u32),
     pub block: (u32, u32, u32),
-    /// Dynamic shared memory of the launch, bytes.
-    pub shared_bytes: u32,
     /// First row of `x` (and of the output) this launch covers, and how many rows.
     pub row0: u32,
     pub rows: u32,
@@ -255,7 +191,6 @@ pub fn plan(
     group: u32,
     f16_scales: bool,
     epilogue: Epilogue,
-    variant: Variant,
     sm_count: u32,
     splits: u32,
 ) -> Result<Vec<Launch>, ShapeError> {
@@ -285,20 +220,15 @@ pub fn plan(
         let splits = if explicit > 0 {
             explicit.min(units.div_ceil(WARPS)).clamp(1, 65535)
         } else {
-            let one_wave = ctas_per_sm(variant, mt) * sm_count.max(1) / slabs;
+            let one_wave = ctas_per_sm(mt) * sm_count.max(1) / slabs;
             one_wave.clamp(1, (units / (2 * WARPS)).max(1))
         };
-        // ENTRY_POINTS runs variant, epilogue, scale type, m-tile (the test below checks).
-        let entry = ENTRY_POINTS
-            [variant.index() * 18 + epilogue.index() * 6 + usize::from(f16_scales) * 3 + mt];
+        // ENTRY_POINTS runs epilogue, scale type, m-tile (the test below checks).
+        let entry = ENTRY_POINTS[epilogue.index() * 6 + usize::from(f16_scales) * 3 + mt];
         out.push(Launch {
             entry,
             grid: (slabs, splits, 1),
             block: (WARPS * 32, 1, 1),
-            shared_bytes: match variant {
-                Variant::Batched => 0,
-                Variant::Pipelined => pipe_smem_bytes([8, 16, 32][mt]),
-            },
             row0,
             rows,
             fold_kt,
@@ -323,54 +253,26 @@ mod tests {
     }
 
     #[test]
-    fn entry_points_are_indexed_by_variant_epilogue_scales_rows() {
-        for (v, variant) in [Variant::Batched, Variant::Pipelined]
+    fn entry_points_are_indexed_by_epilogue_scales_rows() {
+        for (e, epi) in [Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu]
             .into_iter()
             .enumerate()
         {
-            for (e, epi) in [Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu]
-                .into_iter()
-                .enumerate()
-            {
-                for (s, sc) in ["bf16s", "f16s"].into_iter().enumerate() {
-                    for (r, rows) in [8, 16, 32].into_iter().enumerate() {
-                        let prefix = ["int4_gemm", "int4_gemm_pipe"][v];
-                        assert_eq!(
-                            ENTRY_POINTS[v * 18 + e * 6 + s * 3 + r],
-                            format!("{prefix}_{}_{sc}_m{rows}", epi.name())
-                        );
-                        let l = plan(rows, 64, 64, 32, s == 1, epi, variant, 132, 0).unwrap();
-                        assert_eq!(l[0].entry, ENTRY_POINTS[v * 18 + e * 6 + s * 3 + r]);
-                    }
+            for (s, sc) in ["bf16s", "f16s"].into_iter().enumerate() {
+                for (r, rows) in [8, 16, 32].into_iter().enumerate() {
+                    assert_eq!(
+                        ENTRY_POINTS[e * 6 + s * 3 + r],
+                        format!("int4_gemm_{}_{sc}_m{rows}", epi.name())
+                    );
+                    let l = plan(rows, 64, 64, 32, s == 1, epi, 132, 0).unwrap();
+                    assert_eq!(l[0].entry, ENTRY_POINTS[e * 6 + s * 3 + r]);
                 }
             }
         }
         // An explicit split count is kept, up to one warp per fold unit.
-        let l = plan(
-            1,
-            4096,
-            4096,
-            128,
-            false,
-            Epilogue::Plain,
-            Variant::Batched,
-            132,
-            3,
-        )
-        .unwrap();
+        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, 132, 3).unwrap();
         assert_eq!(l[0].splits, 3);
-        let l = plan(
-            1,
-            4096,
-            4096,
-            128,
-            false,
-            Epilogue::Plain,
-            Variant::Batched,
-            132,
-            99,
-        )
-        .unwrap();
+        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, 132, 99).unwrap();
         assert_eq!(l[0].splits, 8);
     }
 
@@ -392,28 +294,12 @@ mod tests {
     }
 
     #[test]
-    fn pipe_shared_memory_mirrors_the_kernel() {
-        for rows in [8, 16, 32] {
-            let bytes = pipe_smem_bytes(rows);
-            assert!(SOURCE.contains(&format!(
-                "static_assert(pipe_smem_bytes<{rows}>() == {bytes},"
-            )));
-            assert!(bytes <= 227 * 1024);
-        }
-    }
-
-    #[test]
     fn source_is_self_contained_and_instantiates_every_entry() {
         assert!(!SOURCE.contains("#include"));
         for e in ENTRY_POINTS {
-            let is_defined = SOURCE.contains(&format!("INT4_GEMM_ENTRY({e},"))
-                || SOURCE.contains(&format!("INT4_GEMM_PIPE_ENTRY({e},"));
-            assert!(is_defined, "{e}");
+            assert!(SOURCE.contains(&format!("INT4_GEMM_ENTRY({e},")), "{e}");
         }
-        let defined = SOURCE.matches("INT4_GEMM_ENTRY(int4_gemm_").count()
-            + SOURCE
-                .matches("INT4_GEMM_PIPE_ENTRY(int4_gemm_pipe_")
-                .count();
+        let defined = SOURCE.matches("INT4_GEMM_ENTRY(int4_gemm_").count();
         assert_eq!(defined, ENTRY_POINTS.len());
     }
 
@@ -429,18 +315,7 @@ mod tests {
             (4096, 960, 4096),
         ] {
             for m in [1, 2, 7, 16, 31, 32, 33, 100] {
-                let plan = plan(
-                    m,
-                    k,
-                    n,
-                    group,
-                    false,
-                    Epilogue::Plain,
-                    Variant::Batched,
-                    132,
-                    0,
-                )
-                .unwrap();
+                let plan = plan(m, k, n, group, false, Epilogue::Plain, 132, 0).unwrap();
                 let covered: u32 = plan.iter().map(|l| l.rows).sum();
                 assert_eq!(covered, m);
                 for (i, l) in plan.iter().enumerate() {
@@ -459,47 +334,13 @@ mod tests {
             }
         }
         // A big square matrix is split along k up to one wave of CTAs, two units per warp.
-        let l = plan(
-            1,
-            4096,
-            4096,
-            128,
-            false,
-            Epilogue::Plain,
-            Variant::Batched,
-            132,
-            0,
-        )
-        .unwrap()[0];
+        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, 132, 0).unwrap()[0];
         assert_eq!((l.fold_kt, l.splits), (8, 4));
-        let l = plan(
-            1,
-            576,
-            576,
-            64,
-            true,
-            Epilogue::SwiGlu,
-            Variant::Batched,
-            132,
-            0,
-        )
-        .unwrap()[0];
+        let l = plan(1, 576, 576, 64, true, Epilogue::SwiGlu, 132, 0).unwrap()[0];
         assert_eq!(l.entry, "int4_gemm_swiglu_f16s_m8");
-        let l = plan(
-            20,
-            576,
-            576,
-            64,
-            false,
-            Epilogue::Residual,
-            Variant::Pipelined,
-            132,
-            0,
-        )
-        .unwrap();
-        assert_eq!(l[0].entry, "int4_gemm_pipe_residual_bf16s_m32");
-        let bad =
-            |k, n, g| plan(1, k, n, g, false, Epilogue::Plain, Variant::Batched, 132, 0).is_err();
+        let l = plan(20, 576, 576, 64, false, Epilogue::Residual, 132, 0).unwrap();
+        assert_eq!(l[0].entry, "int4_gemm_residual_bf16s_m32");
+        let bad = |k, n, g| plan(1, k, n, g, false, Epilogue::Plain, 132, 0).is_err();
         assert!(bad(100, 64, 16) && bad(128, 96, 16) && bad(128, 64, 48));
     }
 }

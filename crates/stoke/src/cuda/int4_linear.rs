@@ -6,7 +6,7 @@ use crate::tensor::StokeTensor;
 use burn_backend::{Backend, DType, Shape, TensorMetadata};
 use std::sync::Arc;
 use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
-use stoke_cuda::kernels::int4_gemm::{Epilogue, Variant};
+use stoke_cuda::kernels::int4_gemm::Epilogue;
 use stoke_formats::int4::ScaleType;
 
 static KERNEL_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -14,12 +14,6 @@ static KERNEL_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64
 /// How many `linear` calls have run on the W4A16 kernels in this process.
 pub fn kernel_calls() -> u64 {
     KERNEL_CALLS.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// The W4A16 kernel variant for this process (`STOKE_INT4_KERNEL`), read once.
-fn variant() -> Variant {
-    static V: std::sync::OnceLock<Variant> = std::sync::OnceLock::new();
-    *V.get_or_init(Variant::from_env)
 }
 
 /// Most rows the kernels take before a dense GEMM on the dequantized weight wins (each 32
@@ -103,7 +97,6 @@ pub(crate) fn try_linear_with<I: Backend>(
         epilogue,
         residual: res_in.as_ref().map_or(0, |r| r.ptr),
         row_scale: 0,
-        variant: variant(),
         splits: 0,
     };
     // SAFETY: x is pinned (or Stoke-owned) until the kernel is done, out is a Stoke buffer of
