@@ -292,24 +292,14 @@ __device__ __forceinline__ void load_unit_scales(const Int4GemmParams& p, u32 ro
 // Reduces the CTA's warps through shared memory `red` ([WARPS][MT * 16][RED_PITCH] floats), then
 // applies the epilogue: directly with one split, else through the workspace, by the last CTA.
 constexpr int RED_PITCH = 64 + 4;
+// The second half of finish: every warp has written its [MT * 16][64] values into `red`.
 template <int MT, int EPI>
-__device__ __forceinline__ void finish(const Int4GemmParams& p, const float (&acc)[MT][8][4], float* red,
-                                       u32 warp, u32 g, u32 t) {
+__device__ __forceinline__ void reduce_and_store(const Int4GemmParams& p, float* red) {
     __shared__ u32 last_cta;
     const u32 slab = blockIdx.x;
     auto at = [&](u32 w, u32 row, u32 col) -> float& {
         return red[(w * (MT * 16) + row) * RED_PITCH + col];
     };
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n8 = 0; n8 < 8; ++n8) {
-            const u32 col = frag_col(n8, t);
-            at(warp, 16 * mt + g, col) = acc[mt][n8][0];
-            at(warp, 16 * mt + g, col + 1) = acc[mt][n8][1];
-            at(warp, 16 * mt + 8 + g, col) = acc[mt][n8][2];
-            at(warp, 16 * mt + 8 + g, col + 1) = acc[mt][n8][3];
-        }
     __syncthreads();
     const u32 rows = min(p.m, u32(MT * 16));
     const u32 pairs = rows * 32;  // (row, column pair) items of this slab
@@ -350,6 +340,23 @@ __device__ __forceinline__ void finish(const Int4GemmParams& p, const float (&ac
         store_pair<EPI>(p, r, slab * 64 + c, v0, v1);
     }
     if (threadIdx.x == 0) p.counters[slab] = 0;
+}
+
+template <int MT, int EPI>
+__device__ __forceinline__ void finish(const Int4GemmParams& p, const float (&acc)[MT][8][4], float* red,
+                                       u32 warp, u32 g, u32 t) {
+    auto at = [&](u32 row, u32 col) -> float& { return red[(warp * (MT * 16) + row) * RED_PITCH + col]; };
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n8 = 0; n8 < 8; ++n8) {
+            const u32 col = frag_col(n8, t);
+            at(16 * mt + g, col) = acc[mt][n8][0];
+            at(16 * mt + g, col + 1) = acc[mt][n8][1];
+            at(16 * mt + 8 + g, col) = acc[mt][n8][2];
+            at(16 * mt + 8 + g, col + 1) = acc[mt][n8][3];
+        }
+    reduce_and_store<MT, EPI>(p, red);
 }
 
 // Register-batched kernel: each warp loads KB k-tiles of weights and activations, then computes
@@ -440,6 +447,153 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     }
     finish<MT, EPI>(p, st.acc, red, warp, g, t);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Swapped operands for m <= 8 (entry points int4_gemm_swap_EPI_SC): C^T = W^T x^T, so the
+// weights are the mma A operand and the rows of x its N dimension. Lane (g, t)'s four words hold,
+// per word j, the A quad of the 16-column tile 16 j .. 16 j + 15 as they are: a0 = nibble pair 0
+// (column 16 j + g, k 2t, 2t + 1), a1 = pair 2 (column 16 j + 8 + g), a2 = pair 1 (k 2t + 8, 2t + 9),
+// a3 = pair 3. The B fragment is x row g (words kt * 8 + t and + 4), and C holds columns
+// 16 j + g / 16 j + 8 + g of x rows 2t, 2t + 1. Four mma per k-tile instead of eight, no empty
+// fragment rows, 32 accumulators instead of 64. Same work split, fold and epilogue.
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 load_u16(const u16* p) {
+    u16 r;
+    asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return r;
+}
+
+template <bool F16S>
+__device__ __forceinline__ float scale_value(u32 v) {
+    if (F16S) return f16_to_f32(u16(v));
+    return __uint_as_float(v << 16);
+}
+
+template <int EPI, bool F16S>
+__device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
+    constexpr int KB = 4;
+    __shared__ float red[WARPS * 16 * RED_PITCH];
+
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 g = lane >> 2, t = lane & 3;
+    const u32 fkt = p.fold_kt;
+    const bool sym = p.offsets == nullptr;
+    u32 u_begin, u_end;
+    warp_units(p, warp, u_begin, u_end);
+    // x row g (row m - 1 past the end: its results land in rows never stored).
+    const u32* xr = static_cast<const u32*>(p.x) + u64(min(g, p.m - 1)) * (p.k / 2) + u_begin * fkt * 8 + t;
+    const uint4* wp = static_cast<const uint4*>(p.words) +
+                      (u64(u_begin) * fkt * p.kt_stride + u64(blockIdx.x) * p.slab_stride) * 32 + lane;
+    const u64 wstep = u64(p.kt_stride) * 32;
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+
+    float acc[4][4], part[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[j][c] = 0.0f;
+    // The lane's columns: 16 j + g (h = 0) and 16 j + 8 + g (h = 1).
+    const u16* s16 = static_cast<const u16*>(p.scales) + blockIdx.x * 64 + g;
+    const u16* o16 = static_cast<const u16*>(p.offsets) + blockIdx.x * 64 + g;
+    auto load_scales = [&](u32 row, u32 (&d)[8], u32 (&m)[8]) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const u64 idx = u64(row) * p.n + 16 * (i / 2) + 8 * (i % 2);
+            d[i] = load_u16(s16 + idx);
+            m[i] = sym ? 0u : load_u16(o16 + idx);
+        }
+    };
+    GroupWalk gw(p, u_begin);
+    u32 d[8], m[8];
+    if (u_begin < u_end) load_scales(gw.row, d, m);
+    for (u32 u = u_begin; u < u_end; ++u) {
+        u32 dn[8], mn[8];
+        gw.next();
+        if (u + 1 < u_end) load_scales(gw.row, dn, mn);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) part[j][c] = 0.0f;
+        float sx = 0.0f;  // sum of x row g over the lane's k of this unit
+        for (u32 i0 = 0; i0 < fkt; i0 += KB) {
+            const u32 nb = min(u32(KB), fkt - i0);
+            uint4 w[KB];
+            u32 b0[KB], b1[KB];
+#pragma unroll
+            for (int i = 0; i < KB; ++i) {
+                if (i < nb) {
+                    w[i] = load_stream(wp, policy);
+                    wp += wstep;
+                    b0[i] = load_u32(xr + 8 * i);
+                    b1[i] = load_u32(xr + 8 * i + 4);
+                }
+            }
+            xr += 8 * nb;
+#pragma unroll
+            for (int i = 0; i < KB; ++i) {
+                if (i < nb) {
+                    const u32 words[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const u32 a0 = nibble_pair<0>(words[j]), a2 = nibble_pair<1>(words[j]);
+                        const u32 a1 = nibble_pair<2>(words[j]), a3 = nibble_pair<3>(words[j]);
+                        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                            : "+f"(part[j][0]), "+f"(part[j][1]), "+f"(part[j][2]), "+f"(part[j][3])
+                            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0[i]), "r"(b1[i]));
+                    }
+                    sx += (bf16_lo(b0[i]) + bf16_hi(b0[i])) + (bf16_lo(b1[i]) + bf16_hi(b1[i]));
+                }
+            }
+        }
+        // Fold: S of x rows 2t and 2t + 1 (row g's sum is complete after adding the 4 lanes of
+        // group g; lane 4 r holds row r's).
+        sx += __shfl_xor_sync(0xffffffffu, sx, 1);
+        sx += __shfl_xor_sync(0xffffffffu, sx, 2);
+        const float s0 = __shfl_sync(0xffffffffu, sx, 8 * t), s1 = __shfl_sync(0xffffffffu, sx, 8 * t + 4);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float dv = scale_value<F16S>(d[2 * j + h]);
+                float mv = sym ? -8.0f * dv : scale_value<F16S>(m[2 * j + h]);
+                mv = fmaf(-128.0f, dv, mv);
+                // c[2h] (x row 2t) and c[2h + 1] (x row 2t + 1) of column 16 j + 8 h + g.
+                acc[j][2 * h] = fmaf(dv, part[j][2 * h], fmaf(mv, s0, acc[j][2 * h]));
+                acc[j][2 * h + 1] = fmaf(dv, part[j][2 * h + 1], fmaf(mv, s1, acc[j][2 * h + 1]));
+            }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            d[i] = dn[i];
+            m[i] = mn[i];
+        }
+    }
+    // Rows 2t, 2t + 1 of columns 16 j + g, 16 j + 8 + g into the reduction buffer (rows 8-15
+    // unused).
+    auto at = [&](u32 row, u32 col) -> float& { return red[(warp * 16 + row) * RED_PITCH + col]; };
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            at(2 * t, 16 * j + 8 * h + g) = acc[j][2 * h];
+            at(2 * t + 1, 16 * j + 8 * h + g) = acc[j][2 * h + 1];
+        }
+    reduce_and_store<1, EPI>(p, red);
+}
+
+#define INT4_GEMM_SWAP_ENTRY(NAME, EPI, F16S)                                                 \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) NAME(const Int4GemmParams p) { \
+        int4_gemm_swap<EPI, F16S>(p);                                                         \
+    }
+
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_plain_bf16s, EPI_PLAIN, false)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_plain_f16s, EPI_PLAIN, true)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_residual_bf16s, EPI_RESIDUAL, false)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_residual_f16s, EPI_RESIDUAL, true)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_swiglu_bf16s, EPI_SWIGLU, false)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_swiglu_f16s, EPI_SWIGLU, true)
 
 #define INT4_GEMM_ENTRY(NAME, ROWS, MIN_CTAS, EPI, F16S)                                              \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) NAME(const Int4GemmParams p) { \

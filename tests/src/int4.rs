@@ -133,7 +133,7 @@ const TOLERANCE: f64 = 2e-3;
 /// Both device word orders are tested and measured.
 const ORDERS: [WordOrder; 2] = [WordOrder::KtMajor, WordOrder::SlabMajor];
 
-/// The kernels (both device word orders) against the f64 reference over the dequantized weight, on fresh random
+/// The kernels (both device word orders, and the swapped-operand kernel for m <= 8) against the f64 reference over the dequantized weight, on fresh random
 /// data with poisoned outputs.
 pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
     let rt = crate::gpu()?;
@@ -190,7 +190,7 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
                     let cols = epi.out_cols(n);
                     let out = rt.alloc(m * cols * 2).map_err(|e| e.to_string())?;
                     let want = reference(&x, m, &w, k, n, epi, &residual, rs.as_deref());
-                    for dw in &dws {
+                    for (dw, swap_ab) in dws.iter().flat_map(|d| [(d, false), (d, true)]) {
                         let call = Int4Gemm {
                             x: xb.ptr(),
                             m: m as u32,
@@ -199,6 +199,7 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
                             residual: rb.as_ref().map_or(0, |b| b.ptr()),
                             row_scale: sb.as_ref().map_or(0, |b| b.ptr()),
                             splits: 0,
+                            swap_ab,
                         };
                         // Poisoned before each word order's kernel writes it.
                         unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }
@@ -207,7 +208,8 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
                         unsafe { int4_gemm(&rt, dw, &call) }.map_err(|e| e.to_string())?;
                         let got = get_bf16(&out);
                         let what = format!(
-                            "seed {seed}: {order:?} m {m} k {k} n {n} group {group} {st:?} {} {epi:?}{}",
+                            "seed {seed}: {order:?}{} m {m} k {k} n {n} group {group} {st:?} {} {epi:?}{}",
+                            if swap_ab { " swapped" } else { "" },
                             if asym { "asymmetric" } else { "symmetric" },
                             if with_scale { " row_scale" } else { "" }
                         );
@@ -224,7 +226,7 @@ pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
                         if !(err < TOLERANCE) {
                             return Err(format!("{what}: relative error {err:.3e}"));
                         }
-                        checked.push(json!({"order": format!("{:?}", dw.order), "m": m, "k": k, "n": n, "group": group,
+                        checked.push(json!({"swap_ab": swap_ab, "order": format!("{:?}", dw.order), "m": m, "k": k, "n": n, "group": group,
                         "epilogue": format!("{epi:?}"), "row_scale": with_scale, "rel_err": err}));
                     }
                 }
@@ -312,7 +314,11 @@ pub fn bench(copy_gbps: f64) -> Value {
                 .collect();
             let xb = put_u16(&rt, &x);
             let out = rt.alloc(m * n * 2).unwrap();
-            {
+            // The swapped-operand kernel is timed beside the default one at m <= 8.
+            for swap_ab in [false, true] {
+                if swap_ab && m > 8 {
+                    continue;
+                }
                 for dws in &weights {
                     let dw = &dws[0];
                     let mut call = Int4Gemm {
@@ -323,6 +329,7 @@ pub fn bench(copy_gbps: f64) -> Value {
                         residual: 0,
                         row_scale: 0,
                         splits: 0,
+                        swap_ab,
                     };
                     let bytes = dw.bytes() + m * k * 2 + m * n * 2;
                     let plan = |splits| {
@@ -335,6 +342,7 @@ pub fn bench(copy_gbps: f64) -> Value {
                             Epilogue::Plain,
                             rt.sm_count,
                             splits,
+                            swap_ab,
                         )
                         .unwrap()[0]
                     };
@@ -342,12 +350,13 @@ pub fn bench(copy_gbps: f64) -> Value {
                     let gbps = bytes as f64 / us / 1e3;
                     let launch = plan(0);
                     println!(
-                        "int4 {:?} {name:<12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {} host {host_us:.1} us",
+                        "int4 {}{:?} {name:<12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {} host {host_us:.1} us",
+                        if swap_ab { "swapped " } else { "" },
                         dw.order,
                         100.0 * gbps / copy_gbps,
                         launch.splits
                     );
-                    rows.push(json!({"order": format!("{:?}", dw.order), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
+                    rows.push(json!({"variant": if swap_ab { "SwapAB" } else { "Batched" }, "order": format!("{:?}", dw.order), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
                         "host_us": host_us, "weight_bytes": dw.bytes(), "weight_copies": dws.len(), "gbps": gbps, "of_copy": gbps / copy_gbps,
                         "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1]}));
                     if m != 1 || !all {
@@ -363,7 +372,7 @@ pub fn bench(copy_gbps: f64) -> Value {
                         call.splits = l.splits;
                         let (us, _) = time_gemm(&rt, dws, &call, 3);
                         let gbps = bytes as f64 / us / 1e3;
-                        sweep.push(json!({"order": format!("{:?}", dw.order), "shape": name, "m": m,
+                        sweep.push(json!({"variant": if swap_ab { "SwapAB" } else { "Batched" }, "order": format!("{:?}", dw.order), "shape": name, "m": m,
                             "splits": l.splits, "ctas": l.grid.0 * l.grid.1, "us": us, "of_copy": gbps / copy_gbps}));
                     }
                     let best = sweep
@@ -393,7 +402,7 @@ pub fn bench(copy_gbps: f64) -> Value {
 }
 
 /// A few W4A16 launches to run under a profiler (`ncu`): for each of the named shapes at
-/// `m` rows and each word order, two launches of the default plan.
+/// `m` rows, each word order, default and swapped-operand kernel: two launches each.
 pub fn profile_launches(shapes: &[&str], m: usize) {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(7);
@@ -409,20 +418,23 @@ pub fn profile_launches(shapes: &[&str], m: usize) {
             let dw =
                 DeviceInt4::upload_ordered(&rt, (k, n, 128), false, &words, &scales, None, order)
                     .unwrap();
-            let call = Int4Gemm {
-                x: xb.ptr(),
-                m: m as u32,
-                out: out.ptr(),
-                epilogue: Epilogue::Plain,
-                residual: 0,
-                row_scale: 0,
-                splits: 0,
-            };
-            for _ in 0..2 {
-                unsafe { int4_gemm(&rt, &dw, &call) }.unwrap();
+            for swap_ab in [false, true] {
+                let call = Int4Gemm {
+                    x: xb.ptr(),
+                    m: m as u32,
+                    out: out.ptr(),
+                    epilogue: Epilogue::Plain,
+                    residual: 0,
+                    row_scale: 0,
+                    splits: 0,
+                    swap_ab,
+                };
+                for _ in 0..2 {
+                    unsafe { int4_gemm(&rt, &dw, &call) }.unwrap();
+                }
+                rt.synchronize().unwrap();
+                println!("profiled {name} m {m} {order:?} swapped {swap_ab}");
             }
-            rt.synchronize().unwrap();
-            println!("profiled {name} m {m} {order:?}");
         }
     }
 }

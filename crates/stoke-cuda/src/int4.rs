@@ -73,6 +73,7 @@ impl DeviceInt4 {
             Epilogue::Plain,
             rt.sm_count,
             0,
+            false,
         )
         .map_err(|e| Error::Shape(e.0))?;
         if words.len() != k * n / 8 {
@@ -140,6 +141,16 @@ pub struct Int4Gemm {
     pub row_scale: u64,
     /// CTAs per 64-column slab along k; 0 lets the plan choose (benchmarks sweep it).
     pub splits: u32,
+    /// Launches of at most 8 rows use the swapped-operand kernel (`int4_gemm_swap_*`; see
+    /// `kernels::int4_gemm::plan`). `swap_ab_default()` for the process default.
+    pub swap_ab: bool,
+}
+
+/// Whether the swapped-operand m <= 8 kernel is used by default: `STOKE_INT4_SWAP_AB=1` (off
+/// until its GPU measurements land).
+pub fn swap_ab_default() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("STOKE_INT4_SWAP_AB").as_deref() == Ok("1"))
 }
 
 /// Queues `out = epilogue(x @ w)` on Stoke's stream (one launch per 32 rows).
@@ -165,6 +176,7 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         call.epilogue,
         rt.sm_count,
         call.splits,
+        call.swap_ab,
     )
     .map_err(|e| Error::Shape(e.0))?;
     let (kt_stride, slab_stride) = w.order.strides(w.k, w.n);

@@ -97,6 +97,12 @@ pub const ENTRY_POINTS: &[&str] = &[
     "int4_gemm_swiglu_f16s_m8",
     "int4_gemm_swiglu_f16s_m16",
     "int4_gemm_swiglu_f16s_m32",
+    "int4_gemm_swap_plain_bf16s",
+    "int4_gemm_swap_plain_f16s",
+    "int4_gemm_swap_residual_bf16s",
+    "int4_gemm_swap_residual_f16s",
+    "int4_gemm_swap_swiglu_bf16s",
+    "int4_gemm_swap_swiglu_f16s",
 ];
 
 /// What the kernel does with each finished value.
@@ -142,10 +148,14 @@ impl Epilogue {
 pub const WARPS: u32 = 4;
 /// Most rows one launch handles.
 pub const MAX_ROWS: u32 = 32;
-/// Resident CTAs per SM of each row tile (index 0, 1, 2 for 8, 16, 32 rows): the launch bounds
-/// of the entry points.
+/// Resident CTAs per SM of each row tile (index 0, 1, 2 for 8, 16, 32 rows; 3 for the swapped
+/// m <= 8 kernel): the launch bounds of the entry points.
 fn ctas_per_sm(mt: usize) -> u32 {
-    if mt == 2 { 2 } else { 3 }
+    match mt {
+        2 => 2,
+        3 => 4,
+        _ => 3,
+    }
 }
 
 /// One launch: entry point, grid, block, and the plan fields of its params.
@@ -182,7 +192,8 @@ fn gcd(a: u32, b: u32) -> u32 {
 /// the group and 8); a 64-column slab gets as many CTAs along k as fit in one wave of resident
 /// CTAs (measured best: a second, partial wave costs more than the split-K reduction saves),
 /// keeping at least two units per warp. `splits > 0` overrides the choice (at most one warp
-/// per unit).
+/// per unit). `swap_ab`: launches of at most 8 rows use the swapped-operand kernel
+/// (`int4_gemm_swap_*`: weights as the mma A operand, x as B).
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     m: u32,
@@ -193,6 +204,7 @@ pub fn plan(
     epilogue: Epilogue,
     sm_count: u32,
     splits: u32,
+    swap_ab: bool,
 ) -> Result<Vec<Launch>, ShapeError> {
     if k == 0 || k % 16 != 0 || n == 0 || n % 64 != 0 {
         return Err(ShapeError(format!(
@@ -213,6 +225,7 @@ pub fn plan(
     while row0 < m {
         let rows = (m - row0).min(MAX_ROWS);
         let mt = match rows {
+            0..=8 if swap_ab => 3,
             0..=8 => 0,
             9..=16 => 1,
             _ => 2,
@@ -223,8 +236,13 @@ pub fn plan(
             let one_wave = ctas_per_sm(mt) * sm_count.max(1) / slabs;
             one_wave.clamp(1, (units / (2 * WARPS)).max(1))
         };
-        // ENTRY_POINTS runs epilogue, scale type, m-tile (the test below checks).
-        let entry = ENTRY_POINTS[epilogue.index() * 6 + usize::from(f16_scales) * 3 + mt];
+        // ENTRY_POINTS runs epilogue, scale type, m-tile, then the swapped kernels by epilogue
+        // and scale type (the test below checks).
+        let entry = if mt == 3 {
+            ENTRY_POINTS[18 + epilogue.index() * 2 + usize::from(f16_scales)]
+        } else {
+            ENTRY_POINTS[epilogue.index() * 6 + usize::from(f16_scales) * 3 + mt]
+        };
         out.push(Launch {
             entry,
             grid: (slabs, splits, 1),
@@ -264,15 +282,21 @@ mod tests {
                         ENTRY_POINTS[e * 6 + s * 3 + r],
                         format!("int4_gemm_{}_{sc}_m{rows}", epi.name())
                     );
-                    let l = plan(rows, 64, 64, 32, s == 1, epi, 132, 0).unwrap();
+                    let l = plan(rows, 64, 64, 32, s == 1, epi, 132, 0, false).unwrap();
                     assert_eq!(l[0].entry, ENTRY_POINTS[e * 6 + s * 3 + r]);
+                    let l = plan(rows, 64, 64, 32, s == 1, epi, 132, 0, true).unwrap();
+                    if rows <= 8 {
+                        assert_eq!(l[0].entry, format!("int4_gemm_swap_{}_{sc}", epi.name()));
+                    } else {
+                        assert_eq!(l[0].entry, ENTRY_POINTS[e * 6 + s * 3 + r]);
+                    }
                 }
             }
         }
         // An explicit split count is kept, up to one warp per fold unit.
-        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, 132, 3).unwrap();
+        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, 132, 3, false).unwrap();
         assert_eq!(l[0].splits, 3);
-        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, 132, 99).unwrap();
+        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, 132, 99, false).unwrap();
         assert_eq!(l[0].splits, 8);
     }
 
@@ -297,9 +321,14 @@ mod tests {
     fn source_is_self_contained_and_instantiates_every_entry() {
         assert!(!SOURCE.contains("#include"));
         for e in ENTRY_POINTS {
-            assert!(SOURCE.contains(&format!("INT4_GEMM_ENTRY({e},")), "{e}");
+            let defined = SOURCE.contains(&format!("INT4_GEMM_ENTRY({e},"))
+                || SOURCE.contains(&format!("INT4_GEMM_SWAP_ENTRY({e},"));
+            assert!(defined, "{e}");
         }
-        let defined = SOURCE.matches("INT4_GEMM_ENTRY(int4_gemm_").count();
+        let defined = SOURCE.matches("INT4_GEMM_ENTRY(int4_gemm_").count()
+            + SOURCE
+                .matches("INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_")
+                .count();
         assert_eq!(defined, ENTRY_POINTS.len());
     }
 
@@ -314,8 +343,11 @@ mod tests {
             (1536, 4160, 32),
             (4096, 960, 4096),
         ] {
-            for m in [1, 2, 7, 16, 31, 32, 33, 100] {
-                let plan = plan(m, k, n, group, false, Epilogue::Plain, 132, 0).unwrap();
+            for (m, swap) in [1, 2, 7, 16, 31, 32, 33, 100]
+                .into_iter()
+                .flat_map(|m| [(m, false), (m, true)])
+            {
+                let plan = plan(m, k, n, group, false, Epilogue::Plain, 132, 0, swap).unwrap();
                 let covered: u32 = plan.iter().map(|l| l.rows).sum();
                 assert_eq!(covered, m);
                 for (i, l) in plan.iter().enumerate() {
@@ -329,18 +361,22 @@ mod tests {
                     );
                     assert_eq!(l.grid, (n / 64, l.splits, 1));
                     let tile = [8, 16, 32].into_iter().find(|t| l.rows <= *t).unwrap();
-                    assert!(l.entry.ends_with(&format!("_m{tile}")));
+                    if swap && tile == 8 {
+                        assert!(l.entry.starts_with("int4_gemm_swap_"), "{l:?}");
+                    } else {
+                        assert!(l.entry.ends_with(&format!("_m{tile}")));
+                    }
                 }
             }
         }
         // A big square matrix is split along k up to one wave of CTAs, two units per warp.
-        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, 132, 0).unwrap()[0];
+        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, 132, 0, false).unwrap()[0];
         assert_eq!((l.fold_kt, l.splits), (8, 4));
-        let l = plan(1, 576, 576, 64, true, Epilogue::SwiGlu, 132, 0).unwrap()[0];
+        let l = plan(1, 576, 576, 64, true, Epilogue::SwiGlu, 132, 0, false).unwrap()[0];
         assert_eq!(l.entry, "int4_gemm_swiglu_f16s_m8");
-        let l = plan(20, 576, 576, 64, false, Epilogue::Residual, 132, 0).unwrap();
+        let l = plan(20, 576, 576, 64, false, Epilogue::Residual, 132, 0, true).unwrap();
         assert_eq!(l[0].entry, "int4_gemm_residual_bf16s_m32");
-        let bad = |k, n, g| plan(1, k, n, g, false, Epilogue::Plain, 132, 0).is_err();
+        let bad = |k, n, g| plan(1, k, n, g, false, Epilogue::Plain, 132, 0, false).is_err();
         assert!(bad(100, 64, 16) && bad(128, 96, 16) && bad(128, 64, 48));
     }
 }
