@@ -347,7 +347,12 @@ __device__ __forceinline__ void v_to_tile(const KvCache& c, const Raw<FMT, D>& r
     }
 }
 
-template <int FMT, int D>
+// PVT: O^T = V^T P^T instead of O = P V (entry points *_pvt): V is the A operand (dims as rows,
+// from the tile by ldmatrix.trans) and P the B operand, straight from the S fragments (head g's
+// probabilities of keys 2t, 2t + 1 and 8 + 2t, 9 + 2t). Half the mma and half the output
+// registers of the P V orientation, whose fragment rows 8-15 (heads 8-15) are always empty; each
+// lane then holds heads 2t, 2t + 1, whose softmax corrections come by two shuffles per tile.
+template <int FMT, int D, bool PVT>
 __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     constexpr bool F16 = FMT != FMT_BF16;
     constexpr int VP = D + 8;  // V tile row pitch (16-bit elements): rows 16 bytes apart in bank
@@ -392,9 +397,13 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     }
 
     float m = NEG_INF, l = 0.0f;  // of head g
-    float o[D / 8][4];            // O fragments: n-tile = 8 dims; [0], [1]: head g
+    // O fragments. P V: n-tile n = dims 8n .. 8n + 7, [0], [1] = head g, dims 8n + 2t, + 1.
+    // PVT: m-tile n = dims 16n .. 16n + 15; [0], [1] = heads 2t, 2t + 1 at dim 16n + g, [2], [3]
+    // the same at dim 16n + 8 + g.
+    constexpr int ON = PVT ? D / 16 : D / 8;
+    float o[ON][4];
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
+    for (int n = 0; n < ON; ++n)
 #pragma unroll
         for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
     u16* vt = reinterpret_cast<u16*>(vt_raw) + warp * VTILES * 16 * VP;
@@ -441,10 +450,22 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             const float corr = m == NEG_INF ? 0.0f : __expf(m - mnew);
             l = l * corr + sum;
             m = mnew;
+            if constexpr (PVT) {
+                const float c0 = __shfl_sync(0xffffffffu, corr, 8 * t);      // head 2t
+                const float c1 = __shfl_sync(0xffffffffu, corr, 8 * t + 4);  // head 2t + 1
 #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                o[n][0] *= corr;
-                o[n][1] *= corr;
+                for (int n = 0; n < ON; ++n) {
+                    o[n][0] *= c0;
+                    o[n][1] *= c1;
+                    o[n][2] *= c0;
+                    o[n][3] *= c1;
+                }
+            } else {
+#pragma unroll
+                for (int n = 0; n < ON; ++n) {
+                    o[n][0] *= corr;
+                    o[n][1] *= corr;
+                }
             }
             // The value tile: BF16 arrived by cp.async (wait for this tile's group); mirrors are
             // dequantized into the warp's one tile.
@@ -458,8 +479,23 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                 v_to_tile<FMT, D, VP>(c, raw[ti], row0, base, k0, k1, lane, tile);
             }
             __syncwarp();
-            // P as the A operand (k-index = key within the tile), then O += P V.
+            // P as the A operand (k-index = key within the tile), then O += P V; or, PVT, as the
+            // B operand (the same registers: keys 2t, 2t + 1 and 2t + 8, 2t + 9 of head g).
             const u32 pa0 = pack2<F16>(pr[0], pr[1]), pa2 = pack2<F16>(pr[2], pr[3]);
+            if constexpr (PVT) {
+#pragma unroll
+                for (int n = 0; n < D / 16; ++n) {
+                    // A = V^T: matrices (dims 16n + 0-7, keys 0-7), (dims + 8, keys 0-7),
+                    // (dims + 0-7, keys 8-15), (dims + 8, keys 8-15) = a0, a1, a2, a3.
+                    const u32 mi = lane >> 3;
+                    const u16* rowp = tile + ((mi >> 1) * 8 + (lane & 7)) * VP + n * 16 + (mi & 1) * 8;
+                    u32 v0, v1, v2, v3;
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                                 : "r"(smem_u32(rowp)));
+                    mma16816<F16>(o[n], v0, v1, v2, v3, pa0, pa2);
+                }
+            } else
 #pragma unroll
             for (int n2 = 0; n2 < D / 16; ++n2) {
                 // Matrices: (keys 0-7, dims 16 n2 + 0-7), (keys 8-15, same), (keys 0-7, dims + 8),
@@ -485,11 +521,22 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             wm[warp][g] = m;
             wl[warp][g] = l;
         }
+        if constexpr (!PVT) {
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            wo[warp][g][8 * n + 2 * t] = o[n][0];
-            wo[warp][g][8 * n + 2 * t + 1] = o[n][1];
+            for (int n = 0; n < ON; ++n) {
+                wo[warp][g][8 * n + 2 * t] = o[n][0];
+                wo[warp][g][8 * n + 2 * t + 1] = o[n][1];
+            }
         }
+    }
+    if constexpr (PVT) {
+#pragma unroll
+        for (int n = 0; n < ON; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 h = 2 * t + (i & 1), dd = 16 * n + 8 * (i >> 1) + g;
+                if (h < group) wo[warp][h][dd] = o[n][i];
+            }
     }
     __syncthreads();
     for (u32 i = threadIdx.x; i < group * D; i += blockDim.x) {
@@ -536,15 +583,23 @@ __device__ __forceinline__ void decode_combine(const CombineParams& p) {
     for (u32 dd = lane; dd < D; dd += 32) p.out[u64(item) * D + dd] = f32_to_bf16(row[dd]);
 }
 
-#define DECODE_ATTN_ENTRY(NAME, FMT, D) \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(const AttnParams p) { decode_attn<FMT, D>(p); }
+// The P V kernels need up to 251 registers (2 CTAs per SM); the transposed FP8 / INT4 ones are
+// held to 3 CTAs per SM (the Rust split plan assumes the same: attn_ctas_per_sm).
+#define DECODE_ATTN_ENTRY(NAME, FMT, D, PVT) \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, PVT && FMT != FMT_BF16 ? 3 : 1) NAME(const AttnParams p) { decode_attn<FMT, D, PVT>(p); }
 
-DECODE_ATTN_ENTRY(decode_attn_bf16_d64, FMT_BF16, 64)
-DECODE_ATTN_ENTRY(decode_attn_bf16_d128, FMT_BF16, 128)
-DECODE_ATTN_ENTRY(decode_attn_fp8_d64, FMT_FP8, 64)
-DECODE_ATTN_ENTRY(decode_attn_fp8_d128, FMT_FP8, 128)
-DECODE_ATTN_ENTRY(decode_attn_int4_d64, FMT_INT4, 64)
-DECODE_ATTN_ENTRY(decode_attn_int4_d128, FMT_INT4, 128)
+DECODE_ATTN_ENTRY(decode_attn_bf16_d64, FMT_BF16, 64, false)
+DECODE_ATTN_ENTRY(decode_attn_bf16_d128, FMT_BF16, 128, false)
+DECODE_ATTN_ENTRY(decode_attn_fp8_d64, FMT_FP8, 64, false)
+DECODE_ATTN_ENTRY(decode_attn_fp8_d128, FMT_FP8, 128, false)
+DECODE_ATTN_ENTRY(decode_attn_int4_d64, FMT_INT4, 64, false)
+DECODE_ATTN_ENTRY(decode_attn_int4_d128, FMT_INT4, 128, false)
+DECODE_ATTN_ENTRY(decode_attn_bf16_d64_pvt, FMT_BF16, 64, true)
+DECODE_ATTN_ENTRY(decode_attn_bf16_d128_pvt, FMT_BF16, 128, true)
+DECODE_ATTN_ENTRY(decode_attn_fp8_d64_pvt, FMT_FP8, 64, true)
+DECODE_ATTN_ENTRY(decode_attn_fp8_d128_pvt, FMT_FP8, 128, true)
+DECODE_ATTN_ENTRY(decode_attn_int4_d64_pvt, FMT_INT4, 64, true)
+DECODE_ATTN_ENTRY(decode_attn_int4_d128_pvt, FMT_INT4, 128, true)
 
 extern "C" __global__ void __launch_bounds__(128) decode_combine_d64(const CombineParams p) { decode_combine<64>(p); }
 extern "C" __global__ void __launch_bounds__(128) decode_combine_d128(const CombineParams p) { decode_combine<128>(p); }

@@ -68,7 +68,8 @@ def render_attention(w, res, path):
     w("| shape | batch | ctx | BF16 µs | BF16 % copy | FP8 µs | FP8 % copy | INT4 µs | INT4 % copy | SDPA µs | SDPA % copy | BF16 vs SDPA | host µs |")
     w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     peers = {(e["shape"], e["batch"], e["ctx"]): e for e in res["torch_attention"] if "us" in e}
-    by = {(r["shape"], r["batch"], r["ctx"], r["format"]): r for r in a["runs"]}
+    by = {(r["shape"], r["batch"], r["ctx"], r["format"]): r for r in a["runs"] if not r.get("pv_transposed")}
+    pvt = {(r["shape"], r["batch"], r["ctx"], r["format"]): r for r in a["runs"] if r.get("pv_transposed")}
     for key in dict.fromkeys((r["shape"], r["batch"], r["ctx"]) for r in a["runs"]):
         f = [by.get(key + (fmt,)) for fmt in ("bf16", "fp8", "int4")]
         pe = peers.get(key)
@@ -79,6 +80,15 @@ def render_attention(w, res, path):
         host = f"{f[0]['host_us']:.1f}" if f[0] and "host_us" in f[0] else "-"
         w(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells + ps) + f" | {host} |")
     w("")
+    if pvt:
+        w("The transposed P V kernels (`*_pvt`) in the same run, µs (% copy):")
+        w("")
+        w("| shape | batch | ctx | BF16 | FP8 | INT4 |")
+        w("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for key in dict.fromkeys((r["shape"], r["batch"], r["ctx"]) for r in a["runs"]):
+            cells = [pvt.get(key + (fmt,)) for fmt in ("bf16", "fp8", "int4")]
+            w(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(f"{r['us']:.1f} ({100 * r['of_copy']:.1f}%)" if r else "-" for r in cells) + " |")
+        w("")
     t = [x for x in res["gpu_tests"] if x["name"] == "decode_attention_matches_reference"]
     if t and t[0]["details"]:
         d = t[0]["details"]
@@ -88,7 +98,7 @@ def render_attention(w, res, path):
         w("| format | rotation block | heads / kv heads | d | batch | longest ctx | kernel error | quantization error | appended rows differing |")
         w("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for c in d["cases"]:
-            w(f"| {c['format']} | {c['block']} | {c['heads']} / {c['kv_heads']} | {c['d']} | {c['batch']} | {c['max_len']} | {c['kernel_rel_err']:.2e} | {100 * c['quantization_rel_err']:.2f}% | {c['append_rows_differing']} of {c['append_rows']} |")
+            w(f"| {c['format']}{' (P V transposed)' if c.get('pv_transposed') else ''} | {c['block']} | {c['heads']} / {c['kv_heads']} | {c['d']} | {c['batch']} | {c['max_len']} | {c['kernel_rel_err']:.2e} | {100 * c['quantization_rel_err']:.2f}% | {c['append_rows_differing']} of {c['append_rows']} |")
         w("")
         w("Outliers on the kernels (Llama-3.1-8B attention shape, ctx 1024, 4 key channels per head x8; FuTransformer: INT4 22.2%")
         w("unrotated, 7.4% rotated): " + ", ".join(f"{o['format']} block {o['block']}: {100 * o['relative_error']:.1f}%" for o in d["outliers_llama8b_ctx1024_4ch_x8"]))

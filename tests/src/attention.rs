@@ -312,85 +312,91 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
             (KvFormat::Int4, c.d as u32),
             (KvFormat::Int4, 0),
         ] {
-            let f = fill(&rt, &mut rng, c, format, block);
+            let mut f = fill(&rt, &mut rng, c, format, block);
             let batch = c.lens.len();
-            let q = bf16s(&mut rng, batch * c.heads * c.d, 1.0);
-            let qb = put_u16(&rt, &to_bf16(&q));
-            let lens: Vec<u32> = c.lens.iter().map(|l| *l as u32).collect();
-            let (sb, lb) = (put_u32(&rt, &f.slot_of), put_u32(&rt, &lens));
-            let out = rt.alloc(batch * c.heads * c.d * 2).unwrap();
-            unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.unwrap();
-            let max_len = *lens.iter().max().unwrap();
-            unsafe {
-                f.cache.attend(
-                    &rt,
-                    qb.ptr(),
-                    c.heads as u32,
-                    sb.ptr(),
-                    lb.ptr(),
-                    batch as u32,
-                    max_len,
-                    out.ptr(),
-                )
-            }
-            .map_err(|e| e.to_string())?;
-            let got = get_bf16(&out);
-            let what = format!(
-                "seed {seed}: {} block {block}, {} heads / {} kv heads, d {}, lens {:?}",
-                format.name(),
-                c.heads,
-                c.kv_heads,
-                c.d,
-                &c.lens[..c.lens.len().min(8)]
-            );
-            if got.iter().any(|x| !x.is_finite()) {
-                return Err(format!(
-                    "{what}: unwritten (poisoned) or non-finite outputs"
-                ));
-            }
-            let (mut kern_err, mut quant_err, mut append_mismatch, mut append_rows) =
-                (0f64, 0f64, 0usize, 0usize);
-            let host = download(&f.cache);
-            for b in 0..batch {
-                let len = c.lens[b];
-                let qs = &q[b * c.heads * c.d..(b + 1) * c.heads * c.d];
-                let g = &got[b * c.heads * c.d..(b + 1) * c.heads * c.d];
-                let (k_dev, v_dev) = read_back(&f, &host, b, len);
-                let want = reference(qs, &k_dev, &v_dev, c.heads, c.kv_heads, c.d, block);
-                kern_err = kern_err.max(relative_error(g, &want));
-                let exact = kv::decode_attention(qs, &f.k[b], &f.v[b], c.heads, c.kv_heads, c.d);
-                quant_err = quant_err.max(relative_error(g, &exact));
-                // The append: the stored rows against the host quantizer, value by value.
-                let (k_host, v_host) = host_mirror(&f, b);
-                for (dev, host) in [(&k_dev, &k_host), (&v_dev, &v_host)] {
-                    for (rd, rh) in dev.chunks(c.d).zip(host.chunks(c.d)) {
-                        append_rows += 1;
-                        if rd
-                            .iter()
-                            .zip(rh)
-                            .any(|(a, b)| (a - b).abs() > 1e-6 * b.abs().max(1e-3))
-                        {
-                            append_mismatch += 1;
+            // Both orientations of P V over the same cache.
+            for pvt in [false, true] {
+                f.cache.pv_transposed = pvt;
+                let q = bf16s(&mut rng, batch * c.heads * c.d, 1.0);
+                let qb = put_u16(&rt, &to_bf16(&q));
+                let lens: Vec<u32> = c.lens.iter().map(|l| *l as u32).collect();
+                let (sb, lb) = (put_u32(&rt, &f.slot_of), put_u32(&rt, &lens));
+                let out = rt.alloc(batch * c.heads * c.d * 2).unwrap();
+                unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.unwrap();
+                let max_len = *lens.iter().max().unwrap();
+                unsafe {
+                    f.cache.attend(
+                        &rt,
+                        qb.ptr(),
+                        c.heads as u32,
+                        sb.ptr(),
+                        lb.ptr(),
+                        batch as u32,
+                        max_len,
+                        out.ptr(),
+                    )
+                }
+                .map_err(|e| e.to_string())?;
+                let got = get_bf16(&out);
+                let what = format!(
+                    "seed {seed}: {}{} block {block}, {} heads / {} kv heads, d {}, lens {:?}",
+                    format.name(),
+                    if pvt { " (P V transposed)" } else { "" },
+                    c.heads,
+                    c.kv_heads,
+                    c.d,
+                    &c.lens[..c.lens.len().min(8)]
+                );
+                if got.iter().any(|x| !x.is_finite()) {
+                    return Err(format!(
+                        "{what}: unwritten (poisoned) or non-finite outputs"
+                    ));
+                }
+                let (mut kern_err, mut quant_err, mut append_mismatch, mut append_rows) =
+                    (0f64, 0f64, 0usize, 0usize);
+                let host = download(&f.cache);
+                for b in 0..batch {
+                    let len = c.lens[b];
+                    let qs = &q[b * c.heads * c.d..(b + 1) * c.heads * c.d];
+                    let g = &got[b * c.heads * c.d..(b + 1) * c.heads * c.d];
+                    let (k_dev, v_dev) = read_back(&f, &host, b, len);
+                    let want = reference(qs, &k_dev, &v_dev, c.heads, c.kv_heads, c.d, block);
+                    kern_err = kern_err.max(relative_error(g, &want));
+                    let exact =
+                        kv::decode_attention(qs, &f.k[b], &f.v[b], c.heads, c.kv_heads, c.d);
+                    quant_err = quant_err.max(relative_error(g, &exact));
+                    // The append: the stored rows against the host quantizer, value by value.
+                    let (k_host, v_host) = host_mirror(&f, b);
+                    for (dev, host) in [(&k_dev, &k_host), (&v_dev, &v_host)] {
+                        for (rd, rh) in dev.chunks(c.d).zip(host.chunks(c.d)) {
+                            append_rows += 1;
+                            if rd
+                                .iter()
+                                .zip(rh)
+                                .any(|(a, b)| (a - b).abs() > 1e-6 * b.abs().max(1e-3))
+                            {
+                                append_mismatch += 1;
+                            }
                         }
                     }
                 }
-            }
-            worst = worst.max(kern_err);
-            if !(kern_err < KERNEL_TOLERANCE) {
-                return Err(format!(
-                    "{what}: kernel relative error {kern_err:.3e} against the reference over its own cache"
-                ));
-            }
-            // Rounding of the rotated row in f32 may move a value across a rounding boundary in
-            // a rare row; a systematic difference shows in many.
-            if append_mismatch * 100 > append_rows {
-                return Err(format!(
-                    "{what}: {append_mismatch} of {append_rows} appended rows differ from the host quantizer"
-                ));
-            }
-            report.push(json!({"format": format.name(), "block": block, "heads": c.heads, "kv_heads": c.kv_heads, "d": c.d,
+                worst = worst.max(kern_err);
+                if !(kern_err < KERNEL_TOLERANCE) {
+                    return Err(format!(
+                        "{what}: kernel relative error {kern_err:.3e} against the reference over its own cache"
+                    ));
+                }
+                // Rounding of the rotated row in f32 may move a value across a rounding boundary in
+                // a rare row; a systematic difference shows in many.
+                if append_mismatch * 100 > append_rows {
+                    return Err(format!(
+                        "{what}: {append_mismatch} of {append_rows} appended rows differ from the host quantizer"
+                    ));
+                }
+                report.push(json!({"format": format.name(), "pv_transposed": pvt, "block": block, "heads": c.heads, "kv_heads": c.kv_heads, "d": c.d,
                 "batch": batch, "max_len": max_len, "kernel_rel_err": kern_err, "quantization_rel_err": quant_err,
                 "append_rows_differing": append_mismatch, "append_rows": append_rows}));
+            }
         }
     }
     // The outlier experiment on the kernels: Llama-8B attention shape, 4 key channels per head
@@ -436,8 +442,8 @@ pub const BENCH_SHAPES: &[(&str, u32, u32, u32)] = &[("8b", 32, 8, 128), ("70b",
 /// (batch, context) points.
 pub const BENCH_POINTS: &[(u32, u32)] = &[(1, 1024), (8, 1024), (32, 4096), (1, 32768)];
 
-/// Decode attention (the attention kernel and the split combine) for each shape, point and
-/// format: µs, cache bytes read per second, share of the same run's copy rate.
+/// Decode attention (the attention kernel and the split combine) for each shape, point, format
+/// and orientation of P V: µs, cache bytes read per second, share of the same run's copy rate.
 pub fn bench(copy_gbps: f64) -> Value {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(11);
@@ -450,7 +456,7 @@ pub fn bench(copy_gbps: f64) -> Value {
                 let one =
                     2 * batch as usize * ctx as usize * kvh as usize * format.row_bytes(d as usize);
                 let copies = 160_000_000usize.div_ceil(one).clamp(1, 64);
-                let caches: Vec<DeviceKvCache> = (0..copies)
+                let mut caches: Vec<DeviceKvCache> = (0..copies)
                     .map(|_| DeviceKvCache::new(&rt, format, (batch, kvh, ctx, d), block).unwrap())
                     .collect();
                 // Random rows through the append (one launch per cache).
@@ -473,50 +479,57 @@ pub fn bench(copy_gbps: f64) -> Value {
                 let out = rt.alloc((batch * heads * d * 2) as usize).unwrap();
                 rt.synchronize().unwrap();
                 let iters = (400_000_000 / one).clamp(10, 500);
-                let us = crate::bench::time_events(&rt, 5, iters, |i| {
-                    unsafe {
-                        caches[i % copies].attend(
-                            &rt,
-                            q.ptr(),
-                            heads,
-                            slot_of.ptr(),
-                            lens.ptr(),
-                            batch,
-                            ctx,
-                            out.ptr(),
-                        )
+                // Both orientations of P V over the same caches.
+                for pvt in [false, true] {
+                    for c in caches.iter_mut() {
+                        c.pv_transposed = pvt;
                     }
-                    .unwrap()
-                });
-                // The host's time to queue one call (allocation of the split partials, two launches).
-                let t0 = std::time::Instant::now();
-                for i in 0..iters {
-                    unsafe {
-                        caches[i % copies].attend(
-                            &rt,
-                            q.ptr(),
-                            heads,
-                            slot_of.ptr(),
-                            lens.ptr(),
-                            batch,
-                            ctx,
-                            out.ptr(),
-                        )
+                    let us = crate::bench::time_events(&rt, 5, iters, |i| {
+                        unsafe {
+                            caches[i % copies].attend(
+                                &rt,
+                                q.ptr(),
+                                heads,
+                                slot_of.ptr(),
+                                lens.ptr(),
+                                batch,
+                                ctx,
+                                out.ptr(),
+                            )
+                        }
+                        .unwrap()
+                    });
+                    // The host's time to queue one call (allocation of the split partials, two launches).
+                    let t0 = std::time::Instant::now();
+                    for i in 0..iters {
+                        unsafe {
+                            caches[i % copies].attend(
+                                &rt,
+                                q.ptr(),
+                                heads,
+                                slot_of.ptr(),
+                                lens.ptr(),
+                                batch,
+                                ctx,
+                                out.ptr(),
+                            )
+                        }
+                        .unwrap()
                     }
-                    .unwrap()
-                }
-                let host_us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
-                rt.synchronize().unwrap();
-                let bytes = caches[0].bytes_read(n);
-                let gbps = bytes as f64 / us / 1e3;
-                println!(
-                    "attention {name:<4} b {batch:2} ctx {ctx:5} {:<4}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) host {host_us:.1} us",
-                    format.name(),
-                    100.0 * gbps / copy_gbps
-                );
-                rows.push(json!({"shape": name, "heads": heads, "kv_heads": kvh, "d": d, "batch": batch, "ctx": ctx,
-                    "format": format.name(), "block": block, "us": us, "host_us": host_us, "bytes": bytes, "gbps": gbps,
+                    let host_us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
+                    rt.synchronize().unwrap();
+                    let bytes = caches[0].bytes_read(n);
+                    let gbps = bytes as f64 / us / 1e3;
+                    println!(
+                        "attention {name:<4} b {batch:2} ctx {ctx:5} {:<4}{}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) host {host_us:.1} us",
+                        format.name(),
+                        if pvt { " pvt" } else { "" },
+                        100.0 * gbps / copy_gbps
+                    );
+                    rows.push(json!({"shape": name, "heads": heads, "kv_heads": kvh, "d": d, "batch": batch, "ctx": ctx,
+                    "format": format.name(), "pv_transposed": pvt, "block": block, "us": us, "host_us": host_us, "bytes": bytes, "gbps": gbps,
                     "of_copy": gbps / copy_gbps, "copies": copies}));
+                }
             }
         }
     }

@@ -76,6 +76,12 @@ pub const ENTRY_POINTS: &[&str] = &[
     "decode_attn_int4_d128",
     "decode_combine_d64",
     "decode_combine_d128",
+    "decode_attn_bf16_d64_pvt",
+    "decode_attn_bf16_d128_pvt",
+    "decode_attn_fp8_d64_pvt",
+    "decode_attn_fp8_d128_pvt",
+    "decode_attn_int4_d64_pvt",
+    "decode_attn_int4_d128_pvt",
 ];
 
 /// A cache format (the `FMT_*` values of the `.cu` file).
@@ -135,18 +141,31 @@ pub fn check_shape(heads: u32, kv_heads: u32, d: u32, block: u32) -> Result<(), 
     Ok(())
 }
 
-/// Resident attention CTAs per SM (the register use of the entry points, about 180-250).
-pub const ATTN_CTAS_PER_SM: u32 = 2;
+/// Resident attention CTAs per SM: 2 (the P V kernels use 180-250 registers), 3 for the
+/// transposed FP8/INT4 kernels (launch bounds).
+pub fn attn_ctas_per_sm(format: KvFormat, pv_transposed: bool) -> u32 {
+    if pv_transposed && format != KvFormat::Bf16 {
+        3
+    } else {
+        2
+    }
+}
 
 /// Keys per split-KV CTA for contexts up to `max_len`: returns (chunk, splits). The first split
 /// count (chunks a multiple of 64 keys, one 16-key tile per warp) whose `batch * kv_heads *
 /// splits` CTAs fill their last wave of resident CTAs at least 85%; else the finest split
 /// (64-key chunks). Fewer, longer splits cost less: every CTA loads and rotates its queries and
 /// writes partials that a second kernel merges.
-pub fn split_plan(batch: u32, kv_heads: u32, max_len: u32, sm_count: u32) -> (u32, u32) {
+pub fn split_plan(
+    batch: u32,
+    kv_heads: u32,
+    max_len: u32,
+    sm_count: u32,
+    ctas_per_sm: u32,
+) -> (u32, u32) {
     let len = max_len.max(1);
     let base = batch.max(1) * kv_heads.max(1);
-    let slots = ATTN_CTAS_PER_SM * sm_count.max(1);
+    let slots = ctas_per_sm.max(1) * sm_count.max(1);
     let finest = len.div_ceil(64);
     for want in 1..=finest {
         let chunk = len.div_ceil(want).next_multiple_of(64);
@@ -160,9 +179,10 @@ pub fn split_plan(batch: u32, kv_heads: u32, max_len: u32, sm_count: u32) -> (u3
     (64, finest)
 }
 
-pub fn attn_entry(format: KvFormat, d: u32) -> &'static str {
-    let i = 1 + 2 * format as usize + usize::from(d == 128);
-    ENTRY_POINTS[i]
+/// The attention entry point: `pv_transposed` selects the `_pvt` kernels (O^T = V^T P^T).
+pub fn attn_entry(format: KvFormat, d: u32, pv_transposed: bool) -> &'static str {
+    let i = 2 * format as usize + usize::from(d == 128);
+    ENTRY_POINTS[if pv_transposed { 9 + i } else { 1 + i }]
 }
 
 pub fn combine_entry(d: u32) -> &'static str {
@@ -205,9 +225,19 @@ mod tests {
                 "{e}"
             );
         }
-        assert_eq!(attn_entry(KvFormat::Fp8, 128), "decode_attn_fp8_d128");
-        assert_eq!(attn_entry(KvFormat::Int4, 64), "decode_attn_int4_d64");
-        assert_eq!(attn_entry(KvFormat::Bf16, 64), "decode_attn_bf16_d64");
+        for (f, name) in [
+            (KvFormat::Bf16, "bf16"),
+            (KvFormat::Fp8, "fp8"),
+            (KvFormat::Int4, "int4"),
+        ] {
+            for d in [64, 128] {
+                assert_eq!(attn_entry(f, d, false), format!("decode_attn_{name}_d{d}"));
+                assert_eq!(
+                    attn_entry(f, d, true),
+                    format!("decode_attn_{name}_d{d}_pvt")
+                );
+            }
+        }
         assert_eq!(combine_entry(128), "decode_combine_d128");
     }
 
@@ -221,7 +251,7 @@ mod tests {
             (1, 3, 1),
             (3, 1, 4097),
         ] {
-            let (chunk, splits) = split_plan(b, kvh, len, 132);
+            let (chunk, splits) = split_plan(b, kvh, len, 132, 2);
             assert!(chunk % 64 == 0 && chunk * splits >= len && chunk * (splits - 1) < len.max(1));
             // The last wave of resident CTAs mostly full, or the finest split there is.
             let ctas = b * kvh * splits;
