@@ -155,12 +155,14 @@ pub fn dequantize_fp8(codes: &[u8], scales: &[f32], head_dim: usize) -> Vec<f32>
 /// Byte order of INT4 rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Int4Order {
-    /// Values: byte `j` holds values `2j` (low nibble) and `2j + 1` (high nibble).
+    /// Byte `j` holds values `2j` (low nibble) and `2j + 1` (high nibble): the device cache's
+    /// order for keys and values.
     Natural,
-    /// Keys: within each 16-value chunk, byte `2t` holds values `2t, 2t + 1` and byte `2t + 1`
-    /// holds `2t + 8, 2t + 9` (t = 0..3), so lane `4g + t` of a warp finds its
-    /// `mma.m16n8k16` B fragment of key `g` (registers b0 and b1, one byte each before the
-    /// byte-to-pair lookup) in one 16-bit load.
+    /// Within each 16-value chunk, byte `2t` holds values `2t, 2t + 1` and byte `2t + 1` holds
+    /// `2t + 8, 2t + 9` (t = 0..3): lane `4g + t`'s `mma.m16n8k16` B fragment of key `g` in one
+    /// 16-bit load. The decode kernels store keys in [`Int4Order::Natural`] instead and permute
+    /// the head dimensions of the reduction (docs/KV_CACHE_FORMAT.md), which gives each lane one
+    /// contiguous 16-byte slice.
     Mma,
 }
 
