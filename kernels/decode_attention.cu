@@ -356,8 +356,9 @@ template <int FMT, int D, bool PVT>
 __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     constexpr bool F16 = FMT != FMT_BF16;
     constexpr int VP = D + 8;  // V tile row pitch (16-bit elements): rows 16 bytes apart in bank
-    // 16-key tiles a warp loads before computing: about 64 registers of loads in flight.
-    constexpr int TILES = FMT == FMT_INT4 ? 4 : 2;
+    // 16-key tiles a warp loads before computing: about 64 registers of loads in flight (48 for
+    // the transposed INT4 kernel, held to 168 registers without spills).
+    constexpr int TILES = FMT == FMT_INT4 ? (PVT ? 3 : 4) : 2;
     constexpr int VTILES = FMT == FMT_BF16 ? TILES : 1;  // BF16 values land in their own tiles
     constexpr int VT_BYTES = WARPS * VTILES * 16 * VP * 2;
     constexpr int WO_BYTES = WARPS * MAX_GROUP * D * 4;
