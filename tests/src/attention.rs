@@ -227,31 +227,6 @@ fn host_mirror(f: &Filled, b: usize) -> (Vec<f32>, Vec<f32>) {
     )
 }
 
-/// Reference output of sequence `b` over K/V rows `[pos][kv_head][d]` that are rotated by
-/// `block` (q rotated the same way, the output rotated back).
-fn reference(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    heads: usize,
-    kv_heads: usize,
-    d: usize,
-    block: u32,
-) -> Vec<f64> {
-    let mut qr = q.to_vec();
-    if block > 0 {
-        kv::hadamard(&mut qr, d, block as usize).unwrap();
-    }
-    let out = kv::decode_attention(&qr, k, v, heads, kv_heads, d);
-    if block == 0 {
-        return out;
-    }
-    let mut o32: Vec<f32> = out.iter().map(|x| *x as f32).collect();
-    kv::hadamard(&mut o32, d, block as usize).unwrap();
-    // The un-rotation in f32 loses nothing the bf16 output keeps.
-    o32.into_iter().map(f64::from).collect()
-}
-
 const KERNEL_TOLERANCE: f64 = 5e-3;
 
 /// Every format and head dim against the f64 reference over the cache the kernel read (kernel
@@ -360,7 +335,16 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
                     let qs = &q[b * c.heads * c.d..(b + 1) * c.heads * c.d];
                     let g = &got[b * c.heads * c.d..(b + 1) * c.heads * c.d];
                     let (k_dev, v_dev) = read_back(&f, &host, b, len);
-                    let want = reference(qs, &k_dev, &v_dev, c.heads, c.kv_heads, c.d, block);
+                    let want = kv::decode_attention_rotated(
+                        qs,
+                        &k_dev,
+                        &v_dev,
+                        c.heads,
+                        c.kv_heads,
+                        c.d,
+                        block as usize,
+                    )
+                    .unwrap();
                     kern_err = kern_err.max(relative_error(g, &want));
                     let exact =
                         kv::decode_attention(qs, &f.k[b], &f.v[b], c.heads, c.kv_heads, c.d);

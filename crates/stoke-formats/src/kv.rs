@@ -266,6 +266,31 @@ pub fn decode_attention(
     out
 }
 
+/// [`decode_attention`] over K and V rows that were rotated by `block`-sized Hadamard blocks
+/// (0: not rotated): q is rotated the same way and the output rotated back (in f32, which keeps
+/// more than any kernel output does), so over an exact rotated cache the result equals
+/// attention over the unrotated one.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_rotated(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    block: usize,
+) -> Result<Vec<f64>, KvError> {
+    if block == 0 {
+        return Ok(decode_attention(q, k, v, heads, kv_heads, d));
+    }
+    let mut qr = q.to_vec();
+    hadamard(&mut qr, d, block)?;
+    let o = decode_attention(&qr, k, v, heads, kv_heads, d);
+    let mut o32: Vec<f32> = o.iter().map(|&a| a as f32).collect();
+    hadamard(&mut o32, d, block)?;
+    Ok(o32.into_iter().map(f64::from).collect())
+}
+
 /// Relative attention-output errors (`‖o - o_ref‖ / ‖o_ref‖`, f64) of one cache format, with
 /// and without the rotation.
 #[derive(Clone, Copy, Debug)]
@@ -327,14 +352,10 @@ pub fn rotation_experiment(
     };
     let run = |quant: &dyn Fn(&[f32], bool) -> Result<Vec<f32>, KvError>| -> Result<RotationErrors, KvError> {
         let unrotated = rel(&decode_attention(&q, &quant(&k, true)?, &quant(&v, false)?, heads, kv_heads, d));
-        let (mut qr, mut kr, mut vr) = (q.clone(), k.clone(), v.clone());
-        hadamard(&mut qr, d, block)?;
+        let (mut kr, mut vr) = (k.clone(), v.clone());
         hadamard(&mut kr, d, block)?;
         hadamard(&mut vr, d, block)?;
-        let o = decode_attention(&qr, &quant(&kr, true)?, &quant(&vr, false)?, heads, kv_heads, d);
-        let mut o32: Vec<f32> = o.iter().map(|&a| a as f32).collect();
-        hadamard(&mut o32, d, block)?;
-        let o: Vec<f64> = o32.iter().map(|&a| a as f64).collect();
+        let o = decode_attention_rotated(&q, &quant(&kr, true)?, &quant(&vr, false)?, heads, kv_heads, d, block)?;
         Ok(RotationErrors {
             unrotated,
             rotated: rel(&o),
