@@ -289,16 +289,69 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
         ] {
             let mut f = fill(&rt, &mut rng, c, format, block);
             let batch = c.lens.len();
-            // Both orientations of P V over the same cache.
+            let what = format!(
+                "seed {seed}: {} block {block}, {} heads / {} kv heads, d {}, lens {:?}",
+                format.name(),
+                c.heads,
+                c.kv_heads,
+                c.d,
+                &c.lens[..c.lens.len().min(8)]
+            );
+            // Once per cache: the references over the cache the kernel reads (kernel error) and
+            // over the exact rows (quantization error), and the append against the host
+            // quantizer, value by value.
+            let q = bf16s(&mut rng, batch * c.heads * c.d, 1.0);
+            let host = download(&f.cache);
+            let (mut want, mut exact) = (Vec::new(), Vec::new());
+            let (mut append_mismatch, mut append_rows) = (0usize, 0usize);
+            for b in 0..batch {
+                let qs = &q[b * c.heads * c.d..(b + 1) * c.heads * c.d];
+                let (k_dev, v_dev) = read_back(&f, &host, b, c.lens[b]);
+                want.push(
+                    kv::decode_attention_rotated(
+                        qs,
+                        &k_dev,
+                        &v_dev,
+                        c.heads,
+                        c.kv_heads,
+                        c.d,
+                        block as usize,
+                    )
+                    .unwrap(),
+                );
+                exact.push(kv::decode_attention(
+                    qs, &f.k[b], &f.v[b], c.heads, c.kv_heads, c.d,
+                ));
+                let (k_host, v_host) = host_mirror(&f, b);
+                for (dev, host) in [(&k_dev, &k_host), (&v_dev, &v_host)] {
+                    for (rd, rh) in dev.chunks(c.d).zip(host.chunks(c.d)) {
+                        append_rows += 1;
+                        if rd
+                            .iter()
+                            .zip(rh)
+                            .any(|(a, b)| (a - b).abs() > 1e-6 * b.abs().max(1e-3))
+                        {
+                            append_mismatch += 1;
+                        }
+                    }
+                }
+            }
+            // Rounding of the rotated row in f32 may move a value across a rounding boundary in
+            // a rare row; a systematic difference shows in many.
+            if append_mismatch * 100 > append_rows {
+                return Err(format!(
+                    "{what}: {append_mismatch} of {append_rows} appended rows differ from the host quantizer"
+                ));
+            }
+            let qb = put_u16(&rt, &to_bf16(&q));
+            let lens: Vec<u32> = c.lens.iter().map(|l| *l as u32).collect();
+            let (sb, lb) = (put_u32(&rt, &f.slot_of), put_u32(&rt, &lens));
+            let max_len = *lens.iter().max().unwrap();
+            // Both orientations of P V over the same cache and queries.
             for pvt in [false, true] {
                 f.cache.pv_transposed = pvt;
-                let q = bf16s(&mut rng, batch * c.heads * c.d, 1.0);
-                let qb = put_u16(&rt, &to_bf16(&q));
-                let lens: Vec<u32> = c.lens.iter().map(|l| *l as u32).collect();
-                let (sb, lb) = (put_u32(&rt, &f.slot_of), put_u32(&rt, &lens));
                 let out = rt.alloc(batch * c.heads * c.d * 2).unwrap();
                 unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.unwrap();
-                let max_len = *lens.iter().max().unwrap();
                 unsafe {
                     f.cache.attend(
                         &rt,
@@ -313,68 +366,22 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
                 }
                 .map_err(|e| e.to_string())?;
                 let got = get_bf16(&out);
-                let what = format!(
-                    "seed {seed}: {}{} block {block}, {} heads / {} kv heads, d {}, lens {:?}",
-                    format.name(),
-                    if pvt { " (P V transposed)" } else { "" },
-                    c.heads,
-                    c.kv_heads,
-                    c.d,
-                    &c.lens[..c.lens.len().min(8)]
-                );
+                let what = format!("{what}{}", if pvt { " (P V transposed)" } else { "" });
                 if got.iter().any(|x| !x.is_finite()) {
                     return Err(format!(
                         "{what}: unwritten (poisoned) or non-finite outputs"
                     ));
                 }
-                let (mut kern_err, mut quant_err, mut append_mismatch, mut append_rows) =
-                    (0f64, 0f64, 0usize, 0usize);
-                let host = download(&f.cache);
+                let (mut kern_err, mut quant_err) = (0f64, 0f64);
                 for b in 0..batch {
-                    let len = c.lens[b];
-                    let qs = &q[b * c.heads * c.d..(b + 1) * c.heads * c.d];
                     let g = &got[b * c.heads * c.d..(b + 1) * c.heads * c.d];
-                    let (k_dev, v_dev) = read_back(&f, &host, b, len);
-                    let want = kv::decode_attention_rotated(
-                        qs,
-                        &k_dev,
-                        &v_dev,
-                        c.heads,
-                        c.kv_heads,
-                        c.d,
-                        block as usize,
-                    )
-                    .unwrap();
-                    kern_err = kern_err.max(relative_error(g, &want));
-                    let exact =
-                        kv::decode_attention(qs, &f.k[b], &f.v[b], c.heads, c.kv_heads, c.d);
-                    quant_err = quant_err.max(relative_error(g, &exact));
-                    // The append: the stored rows against the host quantizer, value by value.
-                    let (k_host, v_host) = host_mirror(&f, b);
-                    for (dev, host) in [(&k_dev, &k_host), (&v_dev, &v_host)] {
-                        for (rd, rh) in dev.chunks(c.d).zip(host.chunks(c.d)) {
-                            append_rows += 1;
-                            if rd
-                                .iter()
-                                .zip(rh)
-                                .any(|(a, b)| (a - b).abs() > 1e-6 * b.abs().max(1e-3))
-                            {
-                                append_mismatch += 1;
-                            }
-                        }
-                    }
+                    kern_err = kern_err.max(relative_error(g, &want[b]));
+                    quant_err = quant_err.max(relative_error(g, &exact[b]));
                 }
                 worst = worst.max(kern_err);
                 if !(kern_err < KERNEL_TOLERANCE) {
                     return Err(format!(
                         "{what}: kernel relative error {kern_err:.3e} against the reference over its own cache"
-                    ));
-                }
-                // Rounding of the rotated row in f32 may move a value across a rounding boundary in
-                // a rare row; a systematic difference shows in many.
-                if append_mismatch * 100 > append_rows {
-                    return Err(format!(
-                        "{what}: {append_mismatch} of {append_rows} appended rows differ from the host quantizer"
                     ));
                 }
                 report.push(json!({"format": format.name(), "pv_transposed": pvt, "block": block, "heads": c.heads, "kv_heads": c.kv_heads, "d": c.d,
