@@ -475,7 +475,9 @@ pub fn bench(copy_gbps: f64) -> Value {
                     for c in caches.iter_mut() {
                         c.pv_transposed = pvt;
                     }
-                    let us = crate::bench::time_events(&rt, 5, iters, |i| {
+                    // Also the host's time to queue one call (the split partials' allocation,
+                    // two launches).
+                    let (us, host_us) = crate::bench::time_events_and_host(&rt, 5, iters, |i| {
                         unsafe {
                             caches[i % copies].attend(
                                 &rt,
@@ -490,25 +492,6 @@ pub fn bench(copy_gbps: f64) -> Value {
                         }
                         .unwrap()
                     });
-                    // The host's time to queue one call (allocation of the split partials, two launches).
-                    let t0 = std::time::Instant::now();
-                    for i in 0..iters {
-                        unsafe {
-                            caches[i % copies].attend(
-                                &rt,
-                                q.ptr(),
-                                heads,
-                                slot_of.ptr(),
-                                lens.ptr(),
-                                batch,
-                                ctx,
-                                out.ptr(),
-                            )
-                        }
-                        .unwrap()
-                    }
-                    let host_us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
-                    rt.synchronize().unwrap();
                     let bytes = caches[0].bytes_read(n);
                     let gbps = bytes as f64 / us / 1e3;
                     println!(

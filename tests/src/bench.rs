@@ -45,6 +45,24 @@ pub(crate) fn time_events(
     median(samples)
 }
 
+/// [`time_events`], and the host's mean µs to queue one `body` call (when that is near the
+/// kernel time, the GPU waits on the host).
+pub(crate) fn time_events_and_host(
+    rt: &Runtime,
+    reps: usize,
+    iters: usize,
+    mut body: impl FnMut(usize),
+) -> (f64, f64) {
+    let us = time_events(rt, reps, iters, &mut body);
+    let t0 = Instant::now();
+    for i in 0..iters {
+        body(i);
+    }
+    let host_us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
+    rt.synchronize().unwrap();
+    (us, host_us)
+}
+
 /// Median over `reps` of wall-clock µs per iteration, `sync` called before and after.
 fn time_wall(
     reps: usize,

@@ -280,16 +280,9 @@ fn bench_weights(
 /// host's µs per call to queue them (when it is near the kernel time, the GPU waits on the host).
 fn time_gemm(rt: &Arc<Runtime>, dws: &[DeviceInt4], call: &Int4Gemm, reps: usize) -> (f64, f64) {
     let iters = (200_000_000 / dws[0].bytes()).clamp(20, 2000);
-    let us = crate::bench::time_events(rt, reps, iters, |i| {
+    crate::bench::time_events_and_host(rt, reps, iters, |i| {
         unsafe { int4_gemm(rt, &dws[i % dws.len()], call) }.unwrap()
-    });
-    let t0 = std::time::Instant::now();
-    for i in 0..iters {
-        unsafe { int4_gemm(rt, &dws[i % dws.len()], call) }.unwrap();
-    }
-    let host_us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
-    rt.synchronize().unwrap();
-    (us, host_us)
+    })
 }
 
 /// The W4A16 GEMM on the 8B/70B projection shapes, group 128 symmetric bf16 scales: µs,
