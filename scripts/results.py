@@ -19,38 +19,30 @@ def load(run, name):
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def run_meta(run, meta):
+    """A run's meta block with the last line of its nvidia-smi query (gpu.txt) added."""
+    gpu_txt = (Path(run) / "gpu.txt").read_text() if (Path(run) / "gpu.txt").exists() else ""
+    meta = dict(meta)
+    meta["nvidia_smi"] = gpu_txt.strip().splitlines()[-1] if gpu_txt.strip() else ""
+    return meta
+
+
 def merge(run):
     tests = load(run, "gpu-tests.json")
     bench = load(run, "bench.json")
     torch = load(run, "torch-rms.json")
     llama = load(run, "llama.json")
-    gpu_txt = (Path(run) / "gpu.txt").read_text() if (Path(run) / "gpu.txt").exists() else ""
-    meta = dict(bench["meta"])
-    meta["nvidia_smi"] = gpu_txt.strip().splitlines()[-1] if gpu_txt.strip() else ""
-    return {"meta": meta, "gpu_tests": tests["tests"], "bench": bench["bench"], "torch_rms_norm": torch,
+    return {"meta": run_meta(run, bench["meta"]), "gpu_tests": tests["tests"], "bench": bench["bench"], "torch_rms_norm": torch,
             "llama": llama["llama"] if llama else None}
 
 
-def merge_int4(run):
-    """A `gpu-run.sh OUT int4` run: the W4A16 tests, benchmark and PyTorch peers."""
+def merge_kernel_run(run, key, peer_file, peer_key):
+    """A `gpu-run.sh OUT int4|attention` run: the kernel's GPU test, its benchmark (`key`.json)
+    and its PyTorch peers (`peer_file`)."""
     tests = load(run, "gpu-tests.json")
-    int4 = load(run, "int4.json")
-    gpu_txt = (Path(run) / "gpu.txt").read_text() if (Path(run) / "gpu.txt").exists() else ""
-    meta = dict(int4["meta"])
-    meta["nvidia_smi"] = gpu_txt.strip().splitlines()[-1] if gpu_txt.strip() else ""
-    return {"meta": meta, "gpu_tests": tests["tests"] if tests else [], "int4": int4["int4"],
-            "torch_int4": load(run, "torch-int4.json") or []}
-
-
-def merge_attention(run):
-    """A `gpu-run.sh OUT attention` run: the decode-attention test, benchmark and SDPA peer."""
-    tests = load(run, "gpu-tests.json")
-    att = load(run, "attention.json")
-    gpu_txt = (Path(run) / "gpu.txt").read_text() if (Path(run) / "gpu.txt").exists() else ""
-    meta = dict(att["meta"])
-    meta["nvidia_smi"] = gpu_txt.strip().splitlines()[-1] if gpu_txt.strip() else ""
-    return {"meta": meta, "gpu_tests": tests["tests"] if tests else [], "attention": att["attention"],
-            "torch_attention": load(run, "torch-attention.json") or []}
+    result = load(run, f"{key}.json")
+    return {"meta": run_meta(run, result["meta"]), "gpu_tests": tests["tests"] if tests else [],
+            key: result[key], peer_key: load(run, peer_file) or []}
 
 
 def render_attention(w, res, path):
@@ -343,7 +335,8 @@ def render(res, results_path, extras=()):
 def main():
     if sys.argv[1] in ("--int4", "--attention"):
         run, dest = sys.argv[2], sys.argv[3]
-        merged = merge_int4(run) if sys.argv[1] == "--int4" else merge_attention(run)
+        merged = (merge_kernel_run(run, "int4", "torch-int4.json", "torch_int4") if sys.argv[1] == "--int4"
+                  else merge_kernel_run(run, "attention", "torch-attention.json", "torch_attention"))
         Path(dest).write_text(json.dumps(merged, indent=1) + "\n")
         print(f"wrote {dest}")
         return
