@@ -70,15 +70,20 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
     return f;
 }
 
+// A 16-bit scale or offset (the low half of v) as f32.
 template <bool F16S>
-__device__ __forceinline__ void scale_pair(u32 v, float& a, float& b) {
-    if (F16S) {
-        a = f16_to_f32(u16(v & 0xffffu));
-        b = f16_to_f32(u16(v >> 16));
-    } else {
-        a = bf16_lo(v);
-        b = bf16_hi(v);
-    }
+__device__ __forceinline__ float scale_value(u32 v) {
+    if (F16S) return f16_to_f32(u16(v & 0xffffu));
+    return __uint_as_float(v << 16);
+}
+
+// One column's fold coefficients from its 16-bit scale d and offset m (low halves of the
+// arguments): d, and m - 128 d (sym: m = -8 d).
+template <bool F16S>
+__device__ __forceinline__ void fold_coeffs(u32 d16, u32 m16, bool sym, float& d, float& m128) {
+    d = scale_value<F16S>(d16);
+    const float m = sym ? -8.0f * d : scale_value<F16S>(m16);
+    m128 = fmaf(-128.0f, d, m);
 }
 
 // Round (lo, hi) to bf16, packed with lo at the lower address.
@@ -222,15 +227,8 @@ struct Accum {
 #pragma unroll
         for (int n8 = 0; n8 < 8; ++n8) {
             float d0, d1, m0, m1;
-            scale_pair<F16S>(d[n8], d0, d1);
-            if (sym) {
-                m0 = -8.0f * d0;
-                m1 = -8.0f * d1;
-            } else {
-                scale_pair<F16S>(m[n8], m0, m1);
-            }
-            m0 = fmaf(-128.0f, d0, m0);
-            m1 = fmaf(-128.0f, d1, m1);
+            fold_coeffs<F16S>(d[n8], m[n8], sym, d0, m0);
+            fold_coeffs<F16S>(d[n8] >> 16, m[n8] >> 16, sym, d1, m1);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 float(&c)[4] = acc[mt][n8];
@@ -464,12 +462,6 @@ __device__ __forceinline__ u32 load_u16(const u16* p) {
     return r;
 }
 
-template <bool F16S>
-__device__ __forceinline__ float scale_value(u32 v) {
-    if (F16S) return f16_to_f32(u16(v));
-    return __uint_as_float(v << 16);
-}
-
 template <int EPI, bool F16S>
 __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     constexpr int KB = 4;
@@ -557,9 +549,8 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
         for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float dv = scale_value<F16S>(d[2 * j + h]);
-                float mv = sym ? -8.0f * dv : scale_value<F16S>(m[2 * j + h]);
-                mv = fmaf(-128.0f, dv, mv);
+                float dv, mv;
+                fold_coeffs<F16S>(d[2 * j + h], m[2 * j + h], sym, dv, mv);
                 // c[2h] (x row 2t) and c[2h + 1] (x row 2t + 1) of column 16 j + 8 h + g.
                 acc[j][2 * h] = fmaf(dv, part[j][2 * h], fmaf(mv, s0, acc[j][2 * h]));
                 acc[j][2 * h + 1] = fmaf(dv, part[j][2 * h + 1], fmaf(mv, s1, acc[j][2 * h + 1]));
