@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from int4_torch import copy_gbps, timed
+from int4_torch import copy_record, timed
 
 SHAPES = [("8b", 32, 8, 128), ("70b", 64, 8, 128)]
 POINTS = [(1, 1024), (8, 1024), (32, 4096), (1, 32768)]
@@ -26,10 +26,7 @@ ROTATE_BYTES = 160e6
 def main():
     out_path = sys.argv[1]
     dev = torch.device("cuda")
-    copy = copy_gbps()
-    print(f"device-to-device copy: {copy:.0f} GB/s")
-    res = [{"impl": "d2d_copy", "gbps": copy, "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__}]
+    copy, res = copy_record()
     for name, heads, kvh, d in SHAPES:
         for batch, ctx in POINTS:
             one = 2 * batch * kvh * ctx * d * 2

@@ -53,13 +53,18 @@ def copy_gbps():
     return 2 * a.numel() / us / 1e3
 
 
+def copy_record():
+    """The same run's copy rate, printed, and the results list that starts with it."""
+    copy = copy_gbps()
+    print(f"device-to-device copy: {copy:.0f} GB/s")
+    return copy, [{"impl": "d2d_copy", "gbps": copy, "device": torch.cuda.get_device_name(),
+                   "torch": torch.__version__}]
+
+
 def main():
     out_path = sys.argv[1]
     dev = torch.device("cuda")
-    copy = copy_gbps()
-    print(f"device-to-device copy: {copy:.0f} GB/s")
-    res = [{"impl": "d2d_copy", "gbps": copy, "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__}]
+    copy, res = copy_record()
     for name, k, n in SHAPES:
         int4_bytes = k * n // 2 + (k // GROUP) * n * 2 * 2
         bf16_bytes = k * n * 2
