@@ -235,6 +235,8 @@ struct Raw {
     static constexpr int VW = FMT == FMT_BF16 ? 0 : FMT == FMT_FP8 ? D / 8 : D / 16;       // words per half value row
     u32 k[2][KW];
     u32 v[VW > 0 ? VW : 1];
+    float ks[2][2];  // mirrors: scales of keys 8 nt + 2t + i (the lane's scores)
+    float vs;        //          scale of the lane's value row
 };
 
 template <int N>
@@ -283,6 +285,16 @@ __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, 
         asm volatile("cp.async.commit_group;" ::: "memory");
     } else {
         load_words(static_cast<const u8*>(c.v) + row * KB + half * (KB / 2), r.v);
+        // The scales travel with their tile: loaded here, they are in flight with the codes
+        // instead of costing a dependent round trip when the tile is used.
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const u32 kk = base + 8 * nt + 2 * t + i;
+                r.ks[nt][i] = __ldg(c.ks + row0 + (kk < k1 ? kk : k0));
+            }
+        r.vs = valid ? __ldg(c.vs + row) : 0.0f;
     }
 }
 
@@ -316,7 +328,6 @@ template <int FMT, int D, int VP>
 __device__ __forceinline__ void v_to_tile(const KvCache& c, const Raw<FMT, D>& r, u64 row0, u32 base, u32 k0, u32 k1,
                                           u32 lane, u16* tile) {
     const u32 key = lane >> 1, half = lane & 1;
-    const bool valid = base + key < k1;
     uint4* dst = reinterpret_cast<uint4*>(tile + key * VP + half * (D / 2));
     u32 h[D / 4];
     if (FMT == FMT_FP8) {
@@ -335,7 +346,7 @@ __device__ __forceinline__ void v_to_tile(const KvCache& c, const Raw<FMT, D>& r
             h[4 * i + 3] = int4x2_to_f16x2<3>(r.v[i], w4);
         }
     }
-    const float s = valid ? c.vs[row0 + base + key] : 0.0f;
+    const float s = r.vs;  // 0 past k1
     u32 s2;
     asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(s2) : "f"(s));
 #pragma unroll
@@ -356,9 +367,9 @@ template <int FMT, int D, bool PVT>
 __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     constexpr bool F16 = FMT != FMT_BF16;
     constexpr int VP = D + 8;  // V tile row pitch (16-bit elements): rows 16 bytes apart in bank
-    // 16-key tiles a warp loads before computing: about 64 registers of loads in flight (48 for
-    // the transposed INT4 kernel, held to 168 registers without spills).
-    constexpr int TILES = FMT == FMT_INT4 ? (PVT ? 3 : 4) : 2;
+    // 16-key tiles a warp loads before computing: about 64 registers of loads and scales in
+    // flight (32 for the transposed INT4 kernel, held to 168 registers without spills).
+    constexpr int TILES = FMT == FMT_INT4 ? (PVT ? 2 : 4) : 2;
     constexpr int VTILES = FMT == FMT_BF16 ? TILES : 1;  // BF16 values land in their own tiles
     constexpr int VT_BYTES = WARPS * VTILES * 16 * VP * 2;
     constexpr int WO_BYTES = WARPS * MAX_GROUP * D * 4;
@@ -433,7 +444,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
                     const u32 key = base + 8 * nt + 2 * t + i;
-                    const float ks = F16 ? c.ks[row0 + (key < k1 ? key : k0)] : 1.0f;
+                    const float ks = F16 ? raw[ti].ks[nt][i] : 1.0f;
                     s4[2 * nt + i] = key < k1 ? sc[nt][i] * ks * sscale : NEG_INF;
                 }
             float mx = fmaxf(fmaxf(s4[0], s4[1]), fmaxf(s4[2], s4[3]));
