@@ -146,11 +146,11 @@ pub struct Int4Gemm {
     pub swap_ab: bool,
 }
 
-/// Whether the swapped-operand m <= 8 kernel is used by default: `STOKE_INT4_SWAP_AB=1` (off
-/// until its GPU measurements land).
+/// Whether the swapped-operand m <= 8 kernel is used by default: yes (it is faster on every
+/// benchmark shape, results/h200-int4.json); `STOKE_INT4_SWAP_AB=0` selects the batched kernel.
 pub fn swap_ab_default() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("STOKE_INT4_SWAP_AB").as_deref() == Ok("1"))
+    *V.get_or_init(|| std::env::var("STOKE_INT4_SWAP_AB").as_deref() != Ok("0"))
 }
 
 /// Queues `out = epilogue(x @ w)` on Stoke's stream (one launch per 32 rows).
