@@ -464,7 +464,7 @@ __device__ __forceinline__ u32 load_u16(const u16* p) {
 
 template <int EPI, bool F16S>
 __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
-    constexpr int KB = 8;
+    constexpr int KB = 4;
     __shared__ float red[WARPS * 16 * RED_PITCH];
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -575,7 +575,7 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 }
 
 #define INT4_GEMM_SWAP_ENTRY(NAME, EPI, F16S)                                                 \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, 3) NAME(const Int4GemmParams p) { \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) NAME(const Int4GemmParams p) { \
         int4_gemm_swap<EPI, F16S>(p);                                                         \
     }
 
