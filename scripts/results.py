@@ -171,8 +171,14 @@ def render_int4(w, res, path):
     w("| shape (k x n) | m | Stoke µs | Stoke % copy | torch int4 µs | torch int4 % copy | Stoke speedup vs torch int4 | bf16 matmul µs | splits |")
     w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     peers = {(e["impl"], e["shape"], e["m"]): e for e in res["torch_int4"] if "us" in e}
-    # The default kernel and word order in the main table; the others below it.
-    default = [r for r in b["runs"] if r.get("variant", "Batched") == "Batched" and r.get("order", "KtMajor") == "KtMajor"]
+    # The default kernel and word order in the main table (the swapped-operand kernel at m <= 8
+    # where the run has it, else the batched one); the others below it.
+    def is_default(r):
+        if r.get("order", "KtMajor") != "KtMajor":
+            return False
+        swapped = any(o.get("variant") == "SwapAB" and o["shape"] == r["shape"] and o["m"] == r["m"] for o in b["runs"])
+        return r.get("variant", "Batched") == ("SwapAB" if swapped else "Batched")
+    default = [r for r in b["runs"] if is_default(r)]
     for r in default:
         ti = peers.get(("torch_weight_int4pack_mm", r["shape"], r["m"]))
         tb = peers.get(("torch_bf16_matmul", r["shape"], r["m"]))
@@ -184,14 +190,14 @@ def render_int4(w, res, path):
     w("")
     others = [r for r in b["runs"] if r not in default]
     if others:
-        w("The other kernel variant and device word order in the same run (µs; `Batched` is the default above):")
+        w("Each kernel variant and device word order in the same run (µs; the default above is `SwapAB` at m <= 8, `Batched` beyond):")
         w("")
         keys = sorted({(r.get("variant", "Batched"), r["order"]) for r in b["runs"]})
         w("| shape | m | " + " | ".join(f"{v} / {o}" for v, o in keys) + " |")
         w("| --- | ---: |" + " ---: |" * len(keys))
         by = {(r["shape"], r["m"], r.get("variant", "Batched"), r["order"]): r for r in b["runs"]}
         for r in default:
-            if r["m"] not in (1, 16, 32):
+            if r["m"] not in (1, 8, 16, 32):
                 continue
             cells = [by.get((r["shape"], r["m"], v, o)) for v, o in keys]
             w(f"| {r['shape']} | {r['m']} | " + " | ".join(f"{c['us']:.1f}" if c else "-" for c in cells) + " |")
@@ -205,7 +211,7 @@ def render_int4(w, res, path):
             best = min(pts, key=lambda e: e["us"])
             w(f"- {shape}: " + ", ".join((f"**{e['splits']}: {e['us']:.1f}**" if e is best else f"{e['splits']}: {e['us']:.1f}") for e in pts))
         w("")
-    w("Kernel resources (ptxas): " + ", ".join(sorted({f"{k['entry'].rsplit('_', 1)[1]} {k['registers']} regs / {k['shared_bytes']} B smem / {k['spills']} B spills" for k in b["kernels"] if k["entry"].startswith("int4_gemm_plain_bf16s")})))
+    w("Kernel resources (ptxas): " + ", ".join(sorted({f"{k['entry']} {k['registers']} regs / {k['shared_bytes']} B smem / {k['spills']} B spills" for k in b["kernels"] if k["entry"].startswith(("int4_gemm_plain_bf16s", "int4_gemm_swap_plain_bf16s"))})))
     w("")
     w("GPU tests in that run:")
     w("")
