@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, with .bundle/ from scripts/gpu-bundle.sh:
 # every GPU test, then the benchmarks, then the PyTorch peers, writing JSON into OUTDIR.
-# Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama|int4|attention|int4-profile [SHAPE...]]
+# Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama|int4|attention|int4-profile [SHAPE...]|attention-profile [SHAPE...]]
 #   int4:  the W4A16 GEMM test and benchmark, then its PyTorch peers
 #   attention: the decode-attention test and benchmark, then the PyTorch SDPA peer
-#   int4-profile: Nsight Compute reports (OUTDIR/ncu-int4.txt) of the W4A16 kernels on the
-#          named benchmark shapes at one row, every variant and word order
+#   int4-profile: Nsight Compute reports (OUTDIR/ncu-int4-profile.txt) of the W4A16 kernels on
+#          the named benchmark shapes at one row, every variant and word order
+#   attention-profile [SHAPE --batch B --ctx C]: the same for decode attention
+#          (OUTDIR/ncu-attention-profile.txt), every format, both P V orientations
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
 #   llama: the SmolLM2 prefill/decode baseline alone (needs the model in STOKE_MODEL_CACHE)
 set -uo pipefail
@@ -36,13 +38,15 @@ trap pack_cache EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$out/gpu.txt"
 commit=$(cat .bundle/COMMIT)
 status=0
-if [ "$what" = int4-profile ]; then
+if [ "$what" = int4-profile ] || [ "$what" = attention-profile ]; then
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  "$ncu" --target-processes all -k regex:int4_gemm --launch-count "${NCU_LAUNCHES:-200}" \
-      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-      --section LaunchStats --section WarpStateStats --section SchedulerStats --section SourceCounters \
-      .bundle/stoke-gpu --out "$out" int4-profile "$@" > "$out/ncu-int4.txt" 2>&1 || status=1
-  tail -5 "$out/ncu-int4.txt"
+  kernels=$([ "$what" = int4-profile ] && echo int4_gemm || echo decode_attn)
+  "$ncu" --target-processes all -k regex:$kernels --launch-count "${NCU_LAUNCHES:-200}" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      --section SourceCounters \
+      .bundle/stoke-gpu --out "$out" "$what" "$@" > "$out/ncu-$what.txt" 2>&1 || status=1
+  tail -5 "$out/ncu-$what.txt"
   exit $status
 fi
 if [ "$what" = llama ]; then

@@ -515,3 +515,55 @@ pub fn bench(copy_gbps: f64) -> Value {
         .collect();
     json!({"copy_gbps": copy_gbps, "runs": rows, "kernels": regs})
 }
+
+/// A few decode-attention launches to run under a profiler (`ncu`): the named benchmark shape
+/// at one (batch, context), every cache format and both P V orientations, two calls each.
+pub fn profile_launches(shape: &str, batch: u32, ctx: u32) {
+    let rt = crate::gpu().expect("GPU");
+    let mut rng = StdRng::seed_from_u64(11);
+    let Some(&(_, heads, kvh, d)) = BENCH_SHAPES.iter().find(|s| s.0 == shape) else {
+        eprintln!("unknown attention shape {shape}");
+        return;
+    };
+    let n = (batch * ctx) as usize;
+    let kx = put_u16(&rt, &to_bf16(&bf16s(&mut rng, n * (kvh * d) as usize, 1.0)));
+    let vx = put_u16(&rt, &to_bf16(&bf16s(&mut rng, n * (kvh * d) as usize, 1.0)));
+    let slots: Vec<u32> = (0..n as u32).map(|i| i / ctx).collect();
+    let pos: Vec<u32> = (0..n as u32).map(|i| i % ctx).collect();
+    let (sb, pb) = (put_u32(&rt, &slots), put_u32(&rt, &pos));
+    let q = put_u16(
+        &rt,
+        &to_bf16(&bf16s(&mut rng, (batch * heads * d) as usize, 1.0)),
+    );
+    let slot_of = put_u32(&rt, &(0..batch).collect::<Vec<_>>());
+    let lens = put_u32(&rt, &vec![ctx; batch as usize]);
+    let out = rt.alloc((batch * heads * d * 2) as usize).unwrap();
+    for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int4] {
+        let block = if format == KvFormat::Bf16 { 0 } else { d };
+        let mut cache = DeviceKvCache::new(&rt, format, (batch, kvh, ctx, d), block).unwrap();
+        unsafe { cache.append(&rt, kx.ptr(), vx.ptr(), sb.ptr(), pb.ptr(), n as u32) }.unwrap();
+        for pvt in [false, true] {
+            cache.pv_transposed = pvt;
+            for _ in 0..2 {
+                unsafe {
+                    cache.attend(
+                        &rt,
+                        q.ptr(),
+                        heads,
+                        slot_of.ptr(),
+                        lens.ptr(),
+                        batch,
+                        ctx,
+                        out.ptr(),
+                    )
+                }
+                .unwrap();
+            }
+            rt.synchronize().unwrap();
+            println!(
+                "profiled {shape} b {batch} ctx {ctx} {} pvt {pvt}",
+                format.name()
+            );
+        }
+    }
+}

@@ -40,6 +40,16 @@ enum Command {
         /// Benchmark shape names (e.g. 70b_gate_up 8b_down).
         shapes: Vec<String>,
     },
+    /// A few decode-attention launches (every format, both P V orientations) for a profiler.
+    AttentionProfile {
+        /// Benchmark shape name (8b or 70b).
+        #[arg(default_value = "8b")]
+        shape: String,
+        #[arg(long, default_value_t = 32)]
+        batch: u32,
+        #[arg(long, default_value_t = 4096)]
+        ctx: u32,
+    },
     /// Tests, then benchmarks (the exit status fails if either did).
     All,
     /// List the GPU test cases.
@@ -194,6 +204,10 @@ fn main() -> ExitCode {
         Command::Int4Profile { m, shapes } => {
             let names: Vec<&str> = shapes.iter().map(String::as_str).collect();
             stoke_tests::int4::profile_launches(&names, *m);
+            true
+        }
+        Command::AttentionProfile { shape, batch, ctx } => {
+            stoke_tests::attention::profile_launches(shape, *batch, *ctx);
             true
         }
         Command::Llama => match stoke_tests::llama::bench() {
