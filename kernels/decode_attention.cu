@@ -24,10 +24,12 @@
 // Tensor cores, per warp and 16-key tile (FlashAttention-2's orientation, one query token):
 //   S = Q K^T   mma.m16n8k16 with A = the group's queries (rows = heads, <= 8 of 16 used) and
 //               B = K^T, two 8-key n-tiles. The reduction over head dims is permuted so that
-//               lane (g, t) reads one contiguous slice of key row g, dims t * d / 4 onwards
-//               (mma k-index 2t, 2t + 1 of chunk j <-> slice dims 4j, 4j + 1; 2t + 8, 2t + 9 <->
-//               4j + 2, 4j + 3), and the queries are laid out the same way: 16-byte loads, no
-//               shuffles, any byte order of the cache row is the natural one.
+//               lane (g, t) fills its registers straight from 16-byte loads of key row g: its
+//               slice is the row's 16-byte pieces t, t + 4, t + 8, ... (the four lanes of a row
+//               read 64 contiguous bytes per load instruction, whole sectors), and mma k-index
+//               2t, 2t + 1 of chunk j <-> slice values 4j, 4j + 1; 2t + 8, 2t + 9 <-> 4j + 2,
+//               4j + 3. The queries are laid out the same way: no shuffles, and any byte order of
+//               the cache row is the natural one.
 //   softmax     online per head in the fragments (row g of S is head g), key scales applied
 //               to S, keys past the length masked.
 //   O += P V    P's accumulator fragments are reused as the A operand (16-bit), and V comes
@@ -239,12 +241,21 @@ struct Raw {
     float vs;        //          scale of the lane's value row
 };
 
+// Bytes per load piece of a lane: 16, or the lane's whole share when it is smaller.
+template <int SHARE>
+struct Piece {
+    static constexpr int BYTES = SHARE < 16 ? SHARE : 16;
+};
+
+// The N words of a lane's pieces: piece i (16 bytes, or 8 when N == 2) at p + i * stride. The
+// lanes that share a row take interleaved pieces (stride = lanes per row x piece), so one load
+// instruction covers whole 32-byte sectors of each row instead of half of each.
 template <int N>
-__device__ __forceinline__ void load_words(const void* p, u32 (&w)[N]) {
+__device__ __forceinline__ void load_pieces(const u8* p, u32 stride, u32 (&w)[N]) {
     if (N % 4 == 0) {
 #pragma unroll
         for (int i = 0; i < N / 4; ++i) {
-            const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(p + i * stride));
             w[4 * i] = v.x;
             w[(4 * i + 1) % N] = v.y;
             w[(4 * i + 2) % N] = v.z;
@@ -268,23 +279,25 @@ __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, 
                                          Raw<FMT, D>& r, u16* tile) {
     const u32 g = lane >> 2, t = lane & 3;
     constexpr int KB = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;  // bytes per row
+    constexpr int KP = Piece<KB / 4>::BYTES, VP2 = Piece<KB / 2>::BYTES;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
         const u32 key = base + 8 * nt + g;
         const u8* rowp = static_cast<const u8*>(c.k) + (row0 + (key < k1 ? key : k0)) * KB;
-        load_words(rowp + t * (KB / 4), r.k[nt]);
+        load_pieces(rowp + t * KP, 4 * KP, r.k[nt]);
     }
     const u32 key = lane >> 1, half = lane & 1;
     const bool valid = base + key < k1;
     const u64 row = row0 + (valid ? base + key : k0);
     if (FMT == FMT_BF16) {
-        const u8* src = static_cast<const u8*>(c.v) + row * KB + half * (KB / 2);
-        const u32 dst = static_cast<u32>(__cvta_generic_to_shared(tile + key * VP + half * (D / 2)));
+        // Pieces 2i + half of the row (16 bytes = 8 values each).
+        const u8* src = static_cast<const u8*>(c.v) + row * KB + half * 16;
+        const u32 dst = static_cast<u32>(__cvta_generic_to_shared(tile + key * VP + half * 8));
 #pragma unroll
-        for (int i = 0; i < D / 16; ++i) cp_async16(dst + 16 * i, src + 16 * i);
+        for (int i = 0; i < D / 16; ++i) cp_async16(dst + 32 * i, src + 32 * i);
         asm volatile("cp.async.commit_group;" ::: "memory");
     } else {
-        load_words(static_cast<const u8*>(c.v) + row * KB + half * (KB / 2), r.v);
+        load_pieces(static_cast<const u8*>(c.v) + row * KB + half * VP2, 2 * VP2, r.v);
         // The scales travel with their tile: loaded here, they are in flight with the codes
         // instead of costing a dependent round trip when the tile is used.
 #pragma unroll
@@ -328,7 +341,10 @@ template <int FMT, int D, int VP>
 __device__ __forceinline__ void v_to_tile(const KvCache& c, const Raw<FMT, D>& r, u64 row0, u32 base, u32 k0, u32 k1,
                                           u32 lane, u16* tile) {
     const u32 key = lane >> 1, half = lane & 1;
-    uint4* dst = reinterpret_cast<uint4*>(tile + key * VP + half * (D / 2));
+    // The lane holds pieces 2i + half of the row (load_tile), PE values each.
+    constexpr int KB = FMT == FMT_FP8 ? D : D / 2;
+    constexpr int PE = FMT == FMT_FP8 ? Piece<KB / 2>::BYTES : 2 * Piece<KB / 2>::BYTES;
+    u16* dst = tile + key * VP;
     u32 h[D / 4];
     if (FMT == FMT_FP8) {
 #pragma unroll
@@ -354,7 +370,9 @@ __device__ __forceinline__ void v_to_tile(const KvCache& c, const Raw<FMT, D>& r
         u32 o[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(o[k]) : "r"(h[4 * i + k]), "r"(s2));
-        dst[i] = make_uint4(o[0], o[1], o[2], o[3]);
+        // Values 8i .. 8i + 7 of the lane's pieces.
+        const int at = (2 * (8 * i / PE) + int(half)) * PE + 8 * i % PE;
+        *reinterpret_cast<uint4*>(dst + at) = make_uint4(o[0], o[1], o[2], o[3]);
     }
 }
 
@@ -399,11 +417,14 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     }
     const float qscale = F16 ? p.scale : 1.0f;
     const float sscale = F16 ? 1.0f : p.scale;
-    // A fragments of Q: row g = head g (rows 8-15 empty), chunk j of the permuted dims.
+    // A fragments of Q: row g = head g (rows 8-15 empty), chunk j of the permuted dims: the
+    // lane's key slice is its pieces t, t + 4, ... of the row, KE dims each.
+    constexpr int KROW = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
+    constexpr int KE = FMT == FMT_BF16 ? Piece<KROW / 4>::BYTES / 2 : FMT == FMT_FP8 ? Piece<KROW / 4>::BYTES : 2 * Piece<KROW / 4>::BYTES;
     u32 qa[D / 16][2];
 #pragma unroll
     for (int j = 0; j < D / 16; ++j) {
-        const float* qr = &qs[g][t * (D / 4) + 4 * j];
+        const float* qr = &qs[g][(4 * j / KE) * 4 * KE + t * KE + 4 * j % KE];
         qa[j][0] = pack2<F16>(qr[0] * qscale, qr[1] * qscale);
         qa[j][1] = pack2<F16>(qr[2] * qscale, qr[3] * qscale);
     }
