@@ -454,131 +454,79 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
 // a3 = pair 3. The B fragment is x row g (words kt * 8 + t and + 4), and C holds columns
 // 16 j + g / 16 j + 8 + g of x rows 2t, 2t + 1. Four mma per k-tile instead of eight, no empty
 // fragment rows, 32 accumulators instead of 64. Same work split, fold and epilogue.
-// Each warp streams through its own cp.async ring in shared memory (SWAP_STAGES batches of
-// SWAP_KB k-tiles of weights and x, plus each unit's scales), so its loads stay in flight while
-// it computes, without holding registers: 93 registers, 5 CTAs per SM.
 // ---------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, u64 policy) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(
-                     static_cast<u32>(__cvta_generic_to_shared(dst))),
-                 "l"(src), "l"(policy)
-                 : "memory");
+__device__ __forceinline__ u32 load_u16(const u16* p) {
+    u16 r;
+    asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return r;
 }
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<u32>(__cvta_generic_to_shared(dst))),
-                 "l"(src)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(static_cast<u32>(__cvta_generic_to_shared(dst))),
-                 "l"(src)
-                 : "memory");
-}
-
-// One batch of a warp's copy ring: up to SWAP_KB k-tiles of weights (512 bytes each) and of x
-// (8 rows x 16 values), and, for a batch that starts a fold unit, the unit's 64 scales and
-// offsets.
-constexpr int SWAP_KB = 4;      // k-tiles per batch
-constexpr int SWAP_STAGES = 3;  // batches in flight per warp
-struct SwapStage {
-    uint4 w[SWAP_KB][32];
-    u32 x[SWAP_KB][64];  // [k-tile][row * 8 + word]
-    u16 d[64], m[64];
-};
-constexpr int SWAP_RING_BYTES = WARPS * SWAP_STAGES * int(sizeof(SwapStage));
-constexpr int SWAP_RED_BYTES = WARPS * 16 * RED_PITCH * 4;
 
 template <int EPI, bool F16S>
 __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
-    constexpr int KB = SWAP_KB, STAGES = SWAP_STAGES;
-    // The ring while streaming; the warps' partial sums (the reduction buffer) after it.
-    __shared__ __align__(16) unsigned char smem[SWAP_RING_BYTES > SWAP_RED_BYTES ? SWAP_RING_BYTES : SWAP_RED_BYTES];
+    constexpr int KB = 4;
+    __shared__ float red[WARPS * 16 * RED_PITCH];
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
     const u32 fkt = p.fold_kt;
     const bool sym = p.offsets == nullptr;
-    SwapStage* ring = reinterpret_cast<SwapStage*>(smem) + warp * STAGES;
     u32 u_begin, u_end;
     warp_units(p, warp, u_begin, u_end);
-    u64 policy;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-
-    // The copy side runs STAGES - 1 batches ahead of the math: its position (unit, k-tile in
-    // the unit, scale row) and pointers. Lane l copies x row min(l / 4, m - 1), words 2 (l % 4)
-    // and + 1 of each k-tile (rows past m repeat row m - 1; their results are never stored).
-    u32 cu = u_begin, ci = 0;
-    GroupWalk cgw(p, u_begin);
-    const uint4* cw = static_cast<const uint4*>(p.words) +
+    // x row g (row m - 1 past the end: its results land in rows never stored).
+    const u32* xr = static_cast<const u32*>(p.x) + u64(min(g, p.m - 1)) * (p.k / 2) + u_begin * fkt * 8 + t;
+    const uint4* wp = static_cast<const uint4*>(p.words) +
                       (u64(u_begin) * fkt * p.kt_stride + u64(blockIdx.x) * p.slab_stride) * 32 + lane;
     const u64 wstep = u64(p.kt_stride) * 32;
-    const u32* cx = static_cast<const u32*>(p.x) + u64(min(lane >> 2, p.m - 1)) * (p.k / 2) +
-                    u_begin * fkt * 8 + 2 * (lane & 3);
-    const u16* scales = static_cast<const u16*>(p.scales) + blockIdx.x * 64;
-    const u16* offsets = static_cast<const u16*>(p.offsets) + blockIdx.x * 64;
-    auto issue = [&](int slot) {
-        if (cu < u_end) {
-            SwapStage& s = ring[slot];
-            const u32 nb = min(u32(KB), fkt - ci);
-#pragma unroll
-            for (int i = 0; i < KB; ++i) {
-                if (i < nb) {
-                    cp_async16(&s.w[i][lane], cw, policy);
-                    cp_async4(&s.x[i][2 * lane], cx);
-                    cp_async4(&s.x[i][2 * lane + 1], cx + 1);
-                    cw += wstep;
-                    cx += 8;
-                }
-            }
-            if (ci == 0) {  // the unit's scales (lanes 0-7) and offsets (lanes 8-15)
-                const u64 row = u64(cgw.row) * p.n;
-                if (lane < 8) cp_async16(&s.d[8 * lane], scales + row + 8 * lane);
-                else if (lane < 16 && !sym) cp_async16(&s.m[8 * (lane - 8)], offsets + row + 8 * (lane - 8));
-            }
-            ci += nb;
-            if (ci == fkt) {
-                ci = 0;
-                ++cu;
-                cgw.next();
-            }
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");  // empty groups keep the count
-    };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) issue(s);
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
 
     float acc[4][4], part[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[j][c] = part[j][c] = 0.0f;
-    u32 d[8], m[8];
-    float sx = 0.0f;  // sum of x row g over the lane's k of this unit
-    int slot = 0;
-    for (u32 u = u_begin; u < u_end; ++u) {
-        for (u32 i0 = 0; i0 < fkt; i0 += KB) {
-            issue(slot == 0 ? STAGES - 1 : slot - 1);  // the slot computed last iteration
-            asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");
-            __syncwarp();
-            const SwapStage& s = ring[slot];
-            if (i0 == 0) {
-                // The lane's columns: 16 j + g (h = 0) and 16 j + 8 + g (h = 1).
+        for (int c = 0; c < 4; ++c) acc[j][c] = 0.0f;
+    // The lane's columns: 16 j + g (h = 0) and 16 j + 8 + g (h = 1).
+    const u16* s16 = static_cast<const u16*>(p.scales) + blockIdx.x * 64 + g;
+    const u16* o16 = static_cast<const u16*>(p.offsets) + blockIdx.x * 64 + g;
+    auto load_scales = [&](u32 row, u32 (&d)[8], u32 (&m)[8]) {
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    d[i] = s.d[16 * (i / 2) + 8 * (i % 2) + g];
-                    m[i] = sym ? 0u : s.m[16 * (i / 2) + 8 * (i % 2) + g];
-                }
-            }
+        for (int i = 0; i < 8; ++i) {
+            const u64 idx = u64(row) * p.n + 16 * (i / 2) + 8 * (i % 2);
+            d[i] = load_u16(s16 + idx);
+            m[i] = sym ? 0u : load_u16(o16 + idx);
+        }
+    };
+    GroupWalk gw(p, u_begin);
+    u32 d[8], m[8];
+    if (u_begin < u_end) load_scales(gw.row, d, m);
+    for (u32 u = u_begin; u < u_end; ++u) {
+        u32 dn[8], mn[8];
+        gw.next();
+        if (u + 1 < u_end) load_scales(gw.row, dn, mn);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) part[j][c] = 0.0f;
+        float sx = 0.0f;  // sum of x row g over the lane's k of this unit
+        for (u32 i0 = 0; i0 < fkt; i0 += KB) {
             const u32 nb = min(u32(KB), fkt - i0);
+            uint4 w[KB];
+            u32 b0[KB], b1[KB];
 #pragma unroll
             for (int i = 0; i < KB; ++i) {
                 if (i < nb) {
-                    const uint4 w = s.w[i][lane];
-                    const u32 b0 = s.x[i][8 * g + t], b1 = s.x[i][8 * g + t + 4];
-                    const u32 words[4] = {w.x, w.y, w.z, w.w};
+                    w[i] = load_stream(wp, policy);
+                    wp += wstep;
+                    b0[i] = load_u32(xr + 8 * i);
+                    b1[i] = load_u32(xr + 8 * i + 4);
+                }
+            }
+            xr += 8 * nb;
+#pragma unroll
+            for (int i = 0; i < KB; ++i) {
+                if (i < nb) {
+                    const u32 words[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
                         const u32 a0 = nibble_pair<0>(words[j]), a2 = nibble_pair<1>(words[j]);
@@ -586,13 +534,11 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
                         asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
                             "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                             : "+f"(part[j][0]), "+f"(part[j][1]), "+f"(part[j][2]), "+f"(part[j][3])
-                            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0[i]), "r"(b1[i]));
                     }
-                    sx += (bf16_lo(b0) + bf16_hi(b0)) + (bf16_lo(b1) + bf16_hi(b1));
+                    sx += (bf16_lo(b0[i]) + bf16_hi(b0[i])) + (bf16_lo(b1[i]) + bf16_hi(b1[i]));
                 }
             }
-            __syncwarp();  // every lane has read the slot before it is refilled
-            slot = slot == STAGES - 1 ? 0 : slot + 1;
         }
         // Fold: S of x rows 2t and 2t + 1 (row g's sum is complete after adding the 4 lanes of
         // group g; lane 4 r holds row r's).
@@ -608,13 +554,13 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
                 // c[2h] (x row 2t) and c[2h + 1] (x row 2t + 1) of column 16 j + 8 h + g.
                 acc[j][2 * h] = fmaf(dv, part[j][2 * h], fmaf(mv, s0, acc[j][2 * h]));
                 acc[j][2 * h + 1] = fmaf(dv, part[j][2 * h + 1], fmaf(mv, s1, acc[j][2 * h + 1]));
-                part[j][2 * h] = part[j][2 * h + 1] = 0.0f;
             }
-        sx = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            d[i] = dn[i];
+            m[i] = mn[i];
+        }
     }
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    __syncthreads();  // the ring becomes the reduction buffer
-    float* red = reinterpret_cast<float*>(smem);
     // Rows 2t, 2t + 1 of columns 16 j + g, 16 j + 8 + g into the reduction buffer (rows 8-15
     // unused).
     auto at = [&](u32 row, u32 col) -> float& { return red[(warp * 16 + row) * RED_PITCH + col]; };
@@ -629,7 +575,7 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 }
 
 #define INT4_GEMM_SWAP_ENTRY(NAME, EPI, F16S)                                                 \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, 5) NAME(const Int4GemmParams p) { \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) NAME(const Int4GemmParams p) { \
         int4_gemm_swap<EPI, F16S>(p);                                                         \
     }
 

@@ -153,7 +153,7 @@ pub const MAX_ROWS: u32 = 32;
 fn ctas_per_sm(mt: usize) -> u32 {
     match mt {
         2 => 2,
-        3 => 5,
+        3 => 4,
         _ => 3,
     }
 }
