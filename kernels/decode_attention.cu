@@ -274,7 +274,7 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
 
 // Queues the loads of the tile at key `base`: K slices into r, V (BF16: cp.async into `tile`;
 // mirrors: into r). Rows past k1 read row k0 (their scores are masked, their values zeroed).
-template <int FMT, int D, int VP>
+template <int FMT, int D, int VP, bool ST = false>
 __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, u32 k0, u32 k1, u32 lane,
                                          Raw<FMT, D>& r, u16* tile) {
     const u32 g = lane >> 2, t = lane & 3;
@@ -304,10 +304,11 @@ __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, 
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                const u32 kk = base + 8 * nt + 2 * t + i;
-                r.ks[nt][i] = __ldg(c.ks + row0 + (kk < k1 ? kk : k0));
+                // S^T kernels: the K and V scales of key 8 nt + g (the lane's score rows).
+                const u32 kk = ST ? base + 8 * nt + g : base + 8 * nt + 2 * t + i;
+                r.ks[nt][i] = __ldg((ST && i ? c.vs : c.ks) + row0 + (kk < k1 ? kk : k0));
             }
-        r.vs = valid ? __ldg(c.vs + row) : 0.0f;
+        if (!ST) r.vs = valid ? __ldg(c.vs + row) : 0.0f;
     }
 }
 
@@ -333,6 +334,113 @@ __device__ __forceinline__ void k_fragments(const u32 (&w)[Raw<FMT, D>::KW], u32
             b[4 * i + 3] = int4x2_to_f16x2<3>(w[i], w4);
         }
     }
+}
+
+// A operands of one key row's slice for S^T = K Q^T (register R feeds chunk R / 2 as a0/a2 for
+// row g, a1/a3 for row g + 8). BF16 / FP8: slice values 2R, 2R + 1, as k_fragments. INT4: register
+// 4i + r of word i holds slice values (8i + r, 8i + r + 4) offset, with one LOP3 each and no
+// subtraction: even r 1032 + q (the nibble xor 8 under the exponent of 1024), odd r 1152 + 16 q
+// (the high nibble in place). The query carries 1 / 16 on the odd registers, and the score
+// accumulator starts at minus the offsets' dot product with the query (kernel prologue).
+template <int FMT, int D>
+__device__ __forceinline__ void k_operand(const u32 (&w)[Raw<FMT, D>::KW], u32 (&b)[D / 8]) {
+    if (FMT != FMT_INT4) {
+        k_fragments<FMT, D>(w, b);
+    } else {
+#pragma unroll
+        for (int i = 0; i < Raw<FMT, D>::KW; ++i) {
+            const u32 w8 = w[i] >> 8;
+            asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(b[4 * i]) : "r"(w[i]), "r"(0x000f000fu), "r"(0x64086408u));
+            asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(b[4 * i + 1]) : "r"(w[i]), "r"(0x00f000f0u), "r"(0x64806480u));
+            asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(b[4 * i + 2]) : "r"(w8), "r"(0x000f000fu), "r"(0x64086408u));
+            asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(b[4 * i + 3]) : "r"(w8), "r"(0x00f000f0u), "r"(0x64806480u));
+        }
+    }
+}
+
+// The slice values (e0, e1) held by A-operand register R of k_operand, and the factor the
+// query carries for them.
+template <int FMT>
+__device__ __forceinline__ void operand_values(int R, int& e0, int& e1, float& qf) {
+    if (FMT == FMT_INT4) {
+        e0 = 8 * (R / 4) + R % 4;
+        e1 = e0 + 4;
+        qf = R % 2 ? 1.0f / 16.0f : 1.0f;
+    } else {
+        e0 = 2 * R;
+        e1 = 2 * R + 1;
+        qf = 1.0f;
+    }
+}
+
+// S^T kernels: the loads of tile ti of a batch that lies wholly below the end of the range,
+// from the lane's running pointers (its key row g, value row and scales at the batch's first
+// tile): constant offsets, no clamping.
+template <int FMT, int D, int VP>
+__device__ __forceinline__ void load_tile_fast(const u8* kp, const u8* vp, const float* ksp, const float* vsp,
+                                              int ti, Raw<FMT, D>& r, u32 vdst) {
+    constexpr int KB = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
+    constexpr int KP = Piece<KB / 4>::BYTES, VP2 = Piece<KB / 2>::BYTES;
+    load_pieces(kp + ti * 16 * KB, 4 * KP, r.k[0]);
+    load_pieces(kp + (ti * 16 + 8) * KB, 4 * KP, r.k[1]);
+    if (FMT == FMT_BF16) {
+#pragma unroll
+        for (int i = 0; i < D / 16; ++i) cp_async16(vdst + 32 * i, vp + ti * 16 * KB + 32 * i);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    } else {
+        load_pieces(vp + ti * 16 * KB, 2 * VP2, r.v);
+        r.ks[0][0] = __ldg(ksp + 16 * ti);
+        r.ks[1][0] = __ldg(ksp + 16 * ti + 8);
+        r.ks[0][1] = __ldg(vsp + 16 * ti);
+        r.ks[1][1] = __ldg(vsp + 16 * ti + 8);
+    }
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// S^T kernels, mirrors: the lane's half value row as exact f16 codes in `tile` (FP8: the E4M3
+// value; INT4: 1032 + q, the nibble xor 8 under the exponent of 1024, with no subtraction). The
+// row scales go to the probabilities instead, and the INT4 offset is taken off the output once.
+template <int FMT, int D, int VP>
+__device__ __forceinline__ void codes_to_tile(const Raw<FMT, D>& r, u32 lane, u16* tile) {
+    const u32 key = lane >> 1, half = lane & 1;
+    constexpr int KB = FMT == FMT_FP8 ? D : D / 2;
+    constexpr int PE = FMT == FMT_FP8 ? Piece<KB / 2>::BYTES : 2 * Piece<KB / 2>::BYTES;
+    u16* dst = tile + key * VP;
+    u32 h[D / 4];
+    if (FMT == FMT_FP8) {
+#pragma unroll
+        for (int i = 0; i < Raw<FMT, D>::VW; ++i) {
+            h[2 * i] = e4m3x2_to_f16x2(r.v[i]);
+            h[2 * i + 1] = e4m3x2_to_f16x2(r.v[i] >> 16);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < Raw<FMT, D>::VW; ++i) {
+            const u32 w4 = r.v[i] >> 4;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                u32 x;
+                asm("prmt.b32 %0, %1, %2, %3;" : "=r"(x) : "r"(r.v[i]), "r"(w4), "r"(0x4000u | ((4u + k) << 8) | u32(k)));
+                asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(h[4 * i + k]) : "r"(x), "r"(0x000f000fu), "r"(0x64086408u));
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+        const int at = (2 * (8 * i / PE) + int(half)) * PE + 8 * i % PE;
+        *reinterpret_cast<uint4*>(dst + at) = make_uint4(h[4 * i], h[4 * i + 1], h[4 * i + 2], h[4 * i + 3]);
+    }
+}
+
+__device__ __forceinline__ u32 movmatrix_trans(u32 x) {
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
 }
 
 // Mirrors: the lane's half value row, dequantized (codes times the row scale, f16) into `tile`;
@@ -593,6 +701,242 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     }
 }
 
+// S^T orientation (the default entry points decode_attn_FMT_dD): S^T = K Q^T with the 16 keys
+// of a tile as the mma rows (A = the lane's key slices of rows g and g + 8, straight from its
+// loads) and the group's heads as the 8 columns (B = the query): 8 mma per tile at d = 128
+// instead of 16, no empty rows (a group of 8 heads fills the tile). Lane (g, t) holds the scores
+// of keys g, g + 8 for heads 2t, 2t + 1; the max is reduced over the 8 lanes of each head, the
+// row sum stays lane-partial until the end, and the output rescale is skipped when no head's max
+// moved. P^T goes to the B operand of O^T = V^T P^T by two movmatrix transposes; V^T comes from
+// the warp's value tile by ldmatrix.trans, as in the PVT kernels.
+template <int FMT, int D>
+__device__ __forceinline__ void decode_attn_st(const AttnParams& p) {
+    constexpr bool F16 = FMT != FMT_BF16;
+    constexpr int VP = D + 8;
+    constexpr int TILES = FMT == FMT_INT4 ? 4 : 2;
+    constexpr int VTILES = FMT == FMT_BF16 ? TILES : 1;
+    constexpr int VT_BYTES = WARPS * VTILES * 16 * VP * 2;
+    constexpr int WO_BYTES = WARPS * MAX_GROUP * D * 4;
+    __shared__ __align__(16) float qs[MAX_GROUP][D];
+    __shared__ __align__(16) unsigned char vt_raw[VT_BYTES > WO_BYTES ? VT_BYTES : WO_BYTES];
+    __shared__ float wm[WARPS][MAX_GROUP], wl[WARPS][MAX_GROUP];
+
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 g = lane >> 2, t = lane & 3;
+    const u32 split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+    const KvCache& c = p.cache;
+    const u32 group = p.heads / c.kv_heads;
+    const u32 len = p.len[b];
+    const u32 k0 = split * p.chunk, k1 = min(len, k0 + p.chunk);
+    const u64 row0 = (u64(p.slot_of[b]) * c.kv_heads + kvh) * c.cap;
+
+    for (u32 i = threadIdx.x; i < MAX_GROUP * D; i += blockDim.x) {
+        const u32 h = i / D, dd = i % D;
+        qs[h][dd] = h < group ? bf16_to_f32(p.q[(u64(b) * p.heads + kvh * group + h) * D + dd]) : 0.0f;
+    }
+    __syncthreads();
+    if (F16 && p.block) {
+        for (u32 h = warp; h < group; h += WARPS) hadamard_warp(qs[h], D, p.block, lane);
+        __syncthreads();
+    }
+    const float qscale = F16 ? p.scale : 1.0f;
+    const float sscale = F16 ? 1.0f : p.scale;
+    // B fragments of Q^T: column g = head g, register R of the key operand <-> qa[R / 2][R % 2].
+    constexpr int KROW = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
+    constexpr int KE = FMT == FMT_BF16 ? Piece<KROW / 4>::BYTES / 2 : FMT == FMT_FP8 ? Piece<KROW / 4>::BYTES : 2 * Piece<KROW / 4>::BYTES;
+    u32 qa[D / 16][2];
+    float off = 0.0f;  // INT4: this lane's part of head g's offset dot product
+#pragma unroll
+    for (int R = 0; R < D / 8; ++R) {
+        int e0, e1;
+        float qf;
+        operand_values<FMT>(R, e0, e1, qf);
+        auto dim = [&](int e) { return (e / KE) * 4 * KE + int(t) * KE + e % KE; };
+        const u32 h2 = pack2<F16>(qs[g][dim(e0)] * qscale * qf, qs[g][dim(e1)] * qscale * qf);
+        qa[R / 2][R % 2] = h2;
+        if (FMT == FMT_INT4) {
+            float lo, hi;
+            asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }" : "=f"(lo), "=f"(hi) : "r"(h2));
+            off += (R % 2 ? 1152.0f : 1032.0f) * (lo + hi);
+        }
+    }
+    float init0 = 0.0f, init1 = 0.0f;  // score accumulators' start for heads 2t, 2t + 1
+    if (FMT == FMT_INT4) {
+        off += __shfl_xor_sync(0xffffffffu, off, 1);
+        off += __shfl_xor_sync(0xffffffffu, off, 2);
+        init0 = -__shfl_sync(0xffffffffu, off, 8 * t);
+        init1 = -__shfl_sync(0xffffffffu, off, 8 * t + 4);
+    }
+
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};  // heads 2t, 2t + 1 (l: this lane's keys)
+    // O^T fragments: m-tile n = dims 16n .. 16n + 15; [0], [1] = heads 2t, 2t + 1 at dim 16n + g,
+    // [2], [3] the same at dim 16n + 8 + g.
+    // Mirrors: the probabilities carry the value scale times VSF (kept well inside the f16
+    // range), undone at the end.
+    constexpr float VSF = 16.0f;
+    float o[D / 16][4], ps[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < D / 16; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
+    u16* vt = reinterpret_cast<u16*>(vt_raw) + warp * VTILES * 16 * VP;
+    // The lane's pointers at its warp's first tile: key row g, value row lane / 2 (its pieces),
+    // the scales of key g; and where its value pieces land in the warp's BF16 tiles.
+    constexpr int KB = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
+    constexpr int KP = Piece<KB / 4>::BYTES, VP2 = FMT == FMT_BF16 ? 16 : Piece<KB / 2>::BYTES;
+    constexpr u32 STEP = WARPS * 16 * TILES;  // keys between a warp's batches
+    const u64 first = row0 + k0 + warp * 16 * TILES;
+    const u8* kp = static_cast<const u8*>(c.k) + (first + g) * KB + t * KP;
+    const u8* vp = static_cast<const u8*>(c.v) + (first + (lane >> 1)) * KB + (lane & 1) * VP2;
+    const float* ksp = F16 ? c.ks + first + g : nullptr;
+    const float* vsp = F16 ? c.vs + first + g : nullptr;
+    const u32 vdst = smem_u32(vt + (lane >> 1) * VP + (lane & 1) * 8);
+    for (u32 base0 = k0 + warp * 16 * TILES; base0 < k1; base0 += STEP) {
+        Raw<FMT, D> raw[TILES];
+        if (base0 + 16 * TILES <= k1) {
+#pragma unroll
+            for (int ti = 0; ti < TILES; ++ti)
+                load_tile_fast<FMT, D, VP>(kp, vp, ksp, vsp, ti, raw[ti], vdst + (FMT == FMT_BF16 ? ti : 0) * 16 * VP * 2);
+        } else {
+#pragma unroll
+            for (int ti = 0; ti < TILES; ++ti)
+                if (base0 + 16 * ti < k1) load_tile<FMT, D, VP, true>(c, row0, base0 + 16 * ti, k0, k1, lane, raw[ti], vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP);
+        }
+        kp += u64(STEP) * KB;
+        vp += u64(STEP) * KB;
+        if (F16) {
+            ksp += STEP;
+            vsp += STEP;
+        }
+#pragma unroll
+        for (int ti = 0; ti < TILES; ++ti) {
+            const u32 base = base0 + 16 * ti;
+            if (base >= k1) break;
+            // S^T: c0, c1 = key base + g, heads 2t, 2t + 1; c2, c3 = key base + 8 + g.
+            float sc[4] = {init0, init1, init0, init1};
+            {
+                u32 ka[D / 8], kb[D / 8];
+                k_operand<FMT, D>(raw[ti].k[0], ka);
+                k_operand<FMT, D>(raw[ti].k[1], kb);
+#pragma unroll
+                for (int j = 0; j < D / 16; ++j) mma16816<F16>(sc, ka[2 * j], kb[2 * j], ka[2 * j + 1], kb[2 * j + 1], qa[j][0], qa[j][1]);
+            }
+            // Scores in log2 units (exp2 below); m and l are kept in them until the end.
+            constexpr float LOG2E = 1.4426950408889634f;
+            const float ks0 = F16 ? raw[ti].ks[0][0] * (sscale * LOG2E) : sscale * LOG2E;
+            const float ks1 = F16 ? raw[ti].ks[1][0] * (sscale * LOG2E) : sscale * LOG2E;
+            float s4[4] = {sc[0] * ks0, sc[1] * ks0, sc[2] * ks1, sc[3] * ks1};
+            if (base + 16 > k1) {
+                if (base + g >= k1) s4[0] = s4[1] = NEG_INF;
+                if (base + 8 + g >= k1) s4[2] = s4[3] = NEG_INF;
+            }
+            float mx0 = fmaxf(s4[0], s4[2]), mx1 = fmaxf(s4[1], s4[3]);
+#pragma unroll
+            for (int o2 = 4; o2 < 32; o2 <<= 1) {
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
+            }
+            const float mn0 = fmaxf(m[0], mx0), mn1 = fmaxf(m[1], mx1);
+            // mn is finite (key `base` is in range); a masked score gives exp2(-inf) = 0.
+            const float pr[4] = {exp2_approx(s4[0] - mn0), exp2_approx(s4[1] - mn1), exp2_approx(s4[2] - mn0),
+                                 exp2_approx(s4[3] - mn1)};
+            if (__any_sync(0xffffffffu, mn0 > m[0] || mn1 > m[1])) {
+                const float c0 = exp2_approx(m[0] - mn0), c1 = exp2_approx(m[1] - mn1);  // 0 from -inf
+                l[0] *= c0;
+                l[1] *= c1;
+                ps[0] *= c0;
+                ps[1] *= c1;
+                ps[2] *= c0;
+                ps[3] *= c1;
+#pragma unroll
+                for (int n = 0; n < D / 16; ++n) {
+                    o[n][0] *= c0;
+                    o[n][1] *= c1;
+                    o[n][2] *= c0;
+                    o[n][3] *= c1;
+                }
+                m[0] = mn0;
+                m[1] = mn1;
+            }
+            l[0] += pr[0] + pr[2];
+            l[1] += pr[1] + pr[3];
+            // P^T (keys x heads) to P (B operand: keys 2t, 2t + 1 and 2t + 8, 2t + 9 of head g);
+            // mirrors: times the value rows' scales (and VSF).
+            const float vs0 = F16 ? raw[ti].ks[0][1] * VSF : 1.0f, vs1 = F16 ? raw[ti].ks[1][1] * VSF : 1.0f;
+            const u32 pb0 = movmatrix_trans(pack2<F16>(pr[0] * vs0, pr[1] * vs0));
+            const u32 pb1 = movmatrix_trans(pack2<F16>(pr[2] * vs1, pr[3] * vs1));
+            // INT4: the sums of the P' fed to the mma (every row of the ones tile alike), for the
+            // 1032 offset of the value codes.
+            if (FMT == FMT_INT4) mma16816<F16>(ps, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u, pb0, pb1);
+            u16* tile = vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP;
+            if (FMT == FMT_BF16) {
+                const u32 issued = min(u32(TILES), (k1 - base0 + 15) / 16);
+                if (issued - ti - 1 >= 1) asm volatile("cp.async.wait_group 1;" ::: "memory");
+                else asm volatile("cp.async.wait_group 0;" ::: "memory");
+            } else {
+                codes_to_tile<FMT, D, VP>(raw[ti], lane, tile);
+            }
+            __syncwarp();
+#pragma unroll
+            for (int n = 0; n < D / 16; ++n) {
+                const u32 mi = lane >> 3;
+                const u16* rowp = tile + ((mi >> 1) * 8 + (lane & 7)) * VP + n * 16 + (mi & 1) * 8;
+                u32 v0, v1, v2, v3;
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                             : "r"(smem_u32(rowp)));
+                mma16816<F16>(o[n], v0, v1, v2, v3, pb0, pb1);
+            }
+            __syncwarp();
+        }
+    }
+    // The row sums over the 8 lanes of each head.
+#pragma unroll
+    for (int o2 = 4; o2 < 32; o2 <<= 1) {
+        l[0] += __shfl_xor_sync(0xffffffffu, l[0], o2);
+        l[1] += __shfl_xor_sync(0xffffffffu, l[1], o2);
+    }
+    __syncthreads();  // the V tiles become the merge buffer
+    float (*wo)[MAX_GROUP][D] = reinterpret_cast<float (*)[MAX_GROUP][D]>(vt_raw);
+    if (g == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            if (2 * t + h < group) {
+                wm[warp][2 * t + h] = m[h] * 0.6931471805599453f;  // natural units from here on
+                wl[warp][2 * t + h] = l[h];
+            }
+    }
+#pragma unroll
+    for (int n = 0; n < D / 16; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 h = 2 * t + (i & 1), dd = 16 * n + 8 * (i >> 1) + g;
+            // Mirrors: O = (O' - 1032 sum P') / VSF (INT4 codes are 1032 + q).
+            const float v = F16 ? (FMT == FMT_INT4 ? o[n][i] - 1032.0f * ps[i & 1] : o[n][i]) * (1.0f / VSF) : o[n][i];
+            if (h < group) wo[warp][h][dd] = v;
+        }
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < group * D; i += blockDim.x) {
+        const u32 h = i / D, dd = i % D;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, wm[w][h]);
+        float lsum = 0.0f, osum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float f = wm[w][h] == NEG_INF ? 0.0f : __expf(wm[w][h] - mx);
+            lsum += wl[w][h] * f;
+            osum += wo[w][h][dd] * f;
+        }
+        const u64 ph = (u64(b) * p.heads + kvh * group + h) * p.splits + split;
+        p.part_o[ph * D + dd] = osum;
+        if (dd == 0) {
+            p.part_ml[ph * 2] = mx;
+            p.part_ml[ph * 2 + 1] = lsum;
+        }
+    }
+}
+
 template <int D>
 __device__ __forceinline__ void decode_combine(const CombineParams& p) {
     __shared__ float rowbuf[4][D];
@@ -620,13 +964,15 @@ __device__ __forceinline__ void decode_combine(const CombineParams& p) {
 // held to 3 CTAs per SM (the Rust split plan assumes the same: attn_ctas_per_sm).
 #define DECODE_ATTN_ENTRY(NAME, FMT, D, PVT) \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, PVT && FMT != FMT_BF16 ? 3 : 1) NAME(const AttnParams p) { decode_attn<FMT, D, PVT>(p); }
+#define DECODE_ATTN_ST_ENTRY(NAME, FMT, D) \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) NAME(const AttnParams p) { decode_attn_st<FMT, D>(p); }
 
-DECODE_ATTN_ENTRY(decode_attn_bf16_d64, FMT_BF16, 64, false)
-DECODE_ATTN_ENTRY(decode_attn_bf16_d128, FMT_BF16, 128, false)
-DECODE_ATTN_ENTRY(decode_attn_fp8_d64, FMT_FP8, 64, false)
-DECODE_ATTN_ENTRY(decode_attn_fp8_d128, FMT_FP8, 128, false)
-DECODE_ATTN_ENTRY(decode_attn_int4_d64, FMT_INT4, 64, false)
-DECODE_ATTN_ENTRY(decode_attn_int4_d128, FMT_INT4, 128, false)
+DECODE_ATTN_ST_ENTRY(decode_attn_bf16_d64, FMT_BF16, 64)
+DECODE_ATTN_ST_ENTRY(decode_attn_bf16_d128, FMT_BF16, 128)
+DECODE_ATTN_ST_ENTRY(decode_attn_fp8_d64, FMT_FP8, 64)
+DECODE_ATTN_ST_ENTRY(decode_attn_fp8_d128, FMT_FP8, 128)
+DECODE_ATTN_ST_ENTRY(decode_attn_int4_d64, FMT_INT4, 64)
+DECODE_ATTN_ST_ENTRY(decode_attn_int4_d128, FMT_INT4, 128)
 DECODE_ATTN_ENTRY(decode_attn_bf16_d64_pvt, FMT_BF16, 64, true)
 DECODE_ATTN_ENTRY(decode_attn_bf16_d128_pvt, FMT_BF16, 128, true)
 DECODE_ATTN_ENTRY(decode_attn_fp8_d64_pvt, FMT_FP8, 64, true)
