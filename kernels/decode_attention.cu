@@ -403,8 +403,9 @@ __device__ __forceinline__ float exp2_approx(float x) {
 }
 
 // S^T kernels, mirrors: the lane's half value row as exact f16 codes in `tile` (FP8: the E4M3
-// value; INT4: 1032 + q, the nibble xor 8 under the exponent of 1024, with no subtraction). The
-// row scales go to the probabilities instead, and the INT4 offset is taken off the output once.
+// value; INT4: q, as in int4x2_to_f16x2). The row scales go to the probabilities instead. (An
+// offset left in the INT4 codes and taken off the output once, 1032 times the sum of P, cancels
+// too much over long contexts: 1.7e-2 relative error at 4k keys.)
 template <int FMT, int D, int VP>
 __device__ __forceinline__ void codes_to_tile(const Raw<FMT, D>& r, u32 lane, u16* tile) {
     const u32 key = lane >> 1, half = lane & 1;
@@ -422,12 +423,10 @@ __device__ __forceinline__ void codes_to_tile(const Raw<FMT, D>& r, u32 lane, u1
 #pragma unroll
         for (int i = 0; i < Raw<FMT, D>::VW; ++i) {
             const u32 w4 = r.v[i] >> 4;
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                u32 x;
-                asm("prmt.b32 %0, %1, %2, %3;" : "=r"(x) : "r"(r.v[i]), "r"(w4), "r"(0x4000u | ((4u + k) << 8) | u32(k)));
-                asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(h[4 * i + k]) : "r"(x), "r"(0x000f000fu), "r"(0x64086408u));
-            }
+            h[4 * i] = int4x2_to_f16x2<0>(r.v[i], w4);
+            h[4 * i + 1] = int4x2_to_f16x2<1>(r.v[i], w4);
+            h[4 * i + 2] = int4x2_to_f16x2<2>(r.v[i], w4);
+            h[4 * i + 3] = int4x2_to_f16x2<3>(r.v[i], w4);
         }
     }
 #pragma unroll
@@ -774,7 +773,7 @@ __device__ __forceinline__ void decode_attn_st(const AttnParams& p) {
     // Mirrors: the probabilities carry the value scale times VSF (kept well inside the f16
     // range), undone at the end.
     constexpr float VSF = 16.0f;
-    float o[D / 16][4], ps[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float o[D / 16][4];
 #pragma unroll
     for (int n = 0; n < D / 16; ++n)
 #pragma unroll
@@ -844,10 +843,6 @@ __device__ __forceinline__ void decode_attn_st(const AttnParams& p) {
                 const float c0 = exp2_approx(m[0] - mn0), c1 = exp2_approx(m[1] - mn1);  // 0 from -inf
                 l[0] *= c0;
                 l[1] *= c1;
-                ps[0] *= c0;
-                ps[1] *= c1;
-                ps[2] *= c0;
-                ps[3] *= c1;
 #pragma unroll
                 for (int n = 0; n < D / 16; ++n) {
                     o[n][0] *= c0;
@@ -865,9 +860,6 @@ __device__ __forceinline__ void decode_attn_st(const AttnParams& p) {
             const float vs0 = F16 ? raw[ti].ks[0][1] * VSF : 1.0f, vs1 = F16 ? raw[ti].ks[1][1] * VSF : 1.0f;
             const u32 pb0 = movmatrix_trans(pack2<F16>(pr[0] * vs0, pr[1] * vs0));
             const u32 pb1 = movmatrix_trans(pack2<F16>(pr[2] * vs1, pr[3] * vs1));
-            // INT4: the sums of the P' fed to the mma (every row of the ones tile alike), for the
-            // 1032 offset of the value codes.
-            if (FMT == FMT_INT4) mma16816<F16>(ps, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u, pb0, pb1);
             u16* tile = vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP;
             if (FMT == FMT_BF16) {
                 const u32 issued = min(u32(TILES), (k1 - base0 + 15) / 16);
@@ -911,8 +903,7 @@ __device__ __forceinline__ void decode_attn_st(const AttnParams& p) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const u32 h = 2 * t + (i & 1), dd = 16 * n + 8 * (i >> 1) + g;
-            // Mirrors: O = (O' - 1032 sum P') / VSF (INT4 codes are 1032 + q).
-            const float v = F16 ? (FMT == FMT_INT4 ? o[n][i] - 1032.0f * ps[i & 1] : o[n][i]) * (1.0f / VSF) : o[n][i];
+            const float v = F16 ? o[n][i] * (1.0f / VSF) : o[n][i];  // mirrors: P carried VSF
             if (h < group) wo[warp][h][dd] = v;
         }
     __syncthreads();
