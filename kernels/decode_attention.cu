@@ -21,20 +21,29 @@
 //                     (max, sum, unnormalized output) of each (batch, head, split).
 //   decode_combine_dD one warp per (batch, head): merges the splits, rotates back, writes bf16.
 //
-// Tensor cores, per warp and 16-key tile (FlashAttention-2's orientation, one query token):
-//   S = Q K^T   mma.m16n8k16 with A = the group's queries (rows = heads, <= 8 of 16 used) and
-//               B = K^T, two 8-key n-tiles. The reduction over head dims is permuted so that
-//               lane (g, t) fills its registers straight from 16-byte loads of key row g: its
-//               slice is the row's 16-byte pieces t, t + 4, t + 8, ... (the four lanes of a row
-//               read 64 contiguous bytes per load instruction, whole sectors), and mma k-index
-//               2t, 2t + 1 of chunk j <-> slice values 4j, 4j + 1; 2t + 8, 2t + 9 <-> 4j + 2,
-//               4j + 3. The queries are laid out the same way: no shuffles, and any byte order of
-//               the cache row is the natural one.
-//   softmax     online per head in the fragments (row g of S is head g), key scales applied
-//               to S, keys past the length masked.
-//   O += P V    P's accumulator fragments are reused as the A operand (16-bit), and V comes
-//               from a per-warp shared-memory tile of 16 rows (dequantized there for the
-//               mirrors: codes times the row's scale, in f16) read with ldmatrix.trans.
+// Tensor cores, per warp and 16-key tile (one query token per sequence):
+//   S^T = K Q^T  mma.m16n8k16 with the tile's 16 keys as rows (A = key rows g and g + 8 of lane
+//               (g, t), straight from its loads) and the group's heads as the 8 columns (B = the
+//               queries): d / 16 mma per tile, and a group of 8 heads fills every column. The
+//               reduction over head dims is permuted so that a lane's registers come straight
+//               from 16-byte loads: its slice of a key row is the row's 16-byte pieces t, t + 4,
+//               t + 8, ... (the four lanes of a row read 64 contiguous bytes per load
+//               instruction), and the query is laid out the same way, so no byte order of the
+//               cache row is special. BF16 / FP8: register R holds slice values 2R, 2R + 1.
+//               INT4: one LOP3 per register, no subtraction: register 4i + r of word i holds
+//               values (8i + r, 8i + r + 4) as 1032 + q (even r: the nibble xor 8 under the
+//               exponent of 1024) or 1152 + 16 q (odd r: the high nibble in place); the query
+//               carries 1 / 16 on odd registers, and the score accumulator starts at minus the
+//               offsets' dot product with the query, so the scores come out exact.
+//   softmax     lane (g, t) holds keys g, g + 8 of heads 2t, 2t + 1. Scores in log2 units
+//               (key scale x 1 / sqrt(d) x log2 e), the max reduced over the 8 lanes of a
+//               head, the row sums lane-partial until the end, the output rescale skipped when
+//               no head's max moved, keys past the length masked.
+//   O^T += V^T P^T  P^T is packed to 16 bits and turned into the B operand (keys 2t, 2t + 1 /
+//               2t + 8, 2t + 9 of head g) by two movmatrix transposes; V^T is the A operand,
+//               read with ldmatrix.trans from a per-warp shared-memory tile of 16 value rows
+//               (BF16: cp.async; mirrors: the exact codes as f16, their row scales (x 16) folded
+//               into the probabilities and taken off the output at the end).
 // BF16 cache: bf16 operands. FP8 / INT4 mirrors: f16 operands (exact for the codes; the query is
 // pre-multiplied by 1 / sqrt(d) before rounding to f16), f32 accumulation throughout.
 
@@ -237,8 +246,7 @@ struct Raw {
     static constexpr int VW = FMT == FMT_BF16 ? 0 : FMT == FMT_FP8 ? D / 8 : D / 16;       // words per half value row
     u32 k[2][KW];
     u32 v[VW > 0 ? VW : 1];
-    float ks[2][2];  // mirrors: scales of keys 8 nt + 2t + i (the lane's scores)
-    float vs;        //          scale of the lane's value row
+    float ks[2][2];  // mirrors: [nt][0] K and [nt][1] V scale of key 8 nt + g (the lane's scores)
 };
 
 // Bytes per load piece of a lane: 16, or the lane's whole share when it is smaller.
@@ -273,8 +281,8 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
 }
 
 // Queues the loads of the tile at key `base`: K slices into r, V (BF16: cp.async into `tile`;
-// mirrors: into r). Rows past k1 read row k0 (their scores are masked, their values zeroed).
-template <int FMT, int D, int VP, bool ST = false>
+// mirrors: into r). Rows past k1 read row k0: finite values under masked (zero) probabilities.
+template <int FMT, int D, int VP>
 __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, u32 k0, u32 k1, u32 lane,
                                          Raw<FMT, D>& r, u16* tile) {
     const u32 g = lane >> 2, t = lane & 3;
@@ -304,11 +312,10 @@ __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, 
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                // S^T kernels: the K and V scales of key 8 nt + g (the lane's score rows).
-                const u32 kk = ST ? base + 8 * nt + g : base + 8 * nt + 2 * t + i;
-                r.ks[nt][i] = __ldg((ST && i ? c.vs : c.ks) + row0 + (kk < k1 ? kk : k0));
+                // The K (i = 0) and V (i = 1) scales of key 8 nt + g, the lane's score rows.
+                const u32 kk = base + 8 * nt + g;
+                r.ks[nt][i] = __ldg((i ? c.vs : c.ks) + row0 + (kk < k1 ? kk : k0));
             }
-        if (!ST) r.vs = valid ? __ldg(c.vs + row) : 0.0f;
     }
 }
 
@@ -373,7 +380,7 @@ __device__ __forceinline__ void operand_values(int R, int& e0, int& e1, float& q
     }
 }
 
-// S^T kernels: the loads of tile ti of a batch that lies wholly below the end of the range,
+// The loads of tile ti of a batch that lies wholly below the end of the range,
 // from the lane's running pointers (its key row g, value row and scales at the batch's first
 // tile): constant offsets, no clamping.
 template <int FMT, int D, int VP>
@@ -402,7 +409,7 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return r;
 }
 
-// S^T kernels, mirrors: the lane's half value row as exact f16 codes in `tile` (FP8: the E4M3
+// Mirrors: the lane's half value row as exact f16 codes in `tile` (FP8: the E4M3
 // value; INT4: q, as in int4x2_to_f16x2). The row scales go to the probabilities instead. (An
 // offset left in the INT4 codes and taken off the output once, 1032 times the sum of P, cancels
 // too much over long contexts: 1.7e-2 relative error at 4k keys.)
@@ -442,274 +449,10 @@ __device__ __forceinline__ u32 movmatrix_trans(u32 x) {
     return r;
 }
 
-// Mirrors: the lane's half value row, dequantized (codes times the row scale, f16) into `tile`;
-// zeros for a key past k1.
-template <int FMT, int D, int VP>
-__device__ __forceinline__ void v_to_tile(const KvCache& c, const Raw<FMT, D>& r, u64 row0, u32 base, u32 k0, u32 k1,
-                                          u32 lane, u16* tile) {
-    const u32 key = lane >> 1, half = lane & 1;
-    // The lane holds pieces 2i + half of the row (load_tile), PE values each.
-    constexpr int KB = FMT == FMT_FP8 ? D : D / 2;
-    constexpr int PE = FMT == FMT_FP8 ? Piece<KB / 2>::BYTES : 2 * Piece<KB / 2>::BYTES;
-    u16* dst = tile + key * VP;
-    u32 h[D / 4];
-    if (FMT == FMT_FP8) {
-#pragma unroll
-        for (int i = 0; i < Raw<FMT, D>::VW; ++i) {
-            h[2 * i] = e4m3x2_to_f16x2(r.v[i]);
-            h[2 * i + 1] = e4m3x2_to_f16x2(r.v[i] >> 16);
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < Raw<FMT, D>::VW; ++i) {
-            const u32 w4 = r.v[i] >> 4;
-            h[4 * i] = int4x2_to_f16x2<0>(r.v[i], w4);
-            h[4 * i + 1] = int4x2_to_f16x2<1>(r.v[i], w4);
-            h[4 * i + 2] = int4x2_to_f16x2<2>(r.v[i], w4);
-            h[4 * i + 3] = int4x2_to_f16x2<3>(r.v[i], w4);
-        }
-    }
-    const float s = r.vs;  // 0 past k1
-    u32 s2;
-    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(s2) : "f"(s));
-#pragma unroll
-    for (int i = 0; i < D / 16; ++i) {
-        u32 o[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(o[k]) : "r"(h[4 * i + k]), "r"(s2));
-        // Values 8i .. 8i + 7 of the lane's pieces.
-        const int at = (2 * (8 * i / PE) + int(half)) * PE + 8 * i % PE;
-        *reinterpret_cast<uint4*>(dst + at) = make_uint4(o[0], o[1], o[2], o[3]);
-    }
-}
-
-// PVT: O^T = V^T P^T instead of O = P V (entry points *_pvt): V is the A operand (dims as rows,
-// from the tile by ldmatrix.trans) and P the B operand, straight from the S fragments (head g's
-// probabilities of keys 2t, 2t + 1 and 8 + 2t, 9 + 2t). Half the mma and half the output
-// registers of the P V orientation, whose fragment rows 8-15 (heads 8-15) are always empty; each
-// lane then holds heads 2t, 2t + 1, whose softmax corrections come by two shuffles per tile.
-template <int FMT, int D, bool PVT>
-__device__ __forceinline__ void decode_attn(const AttnParams& p) {
-    constexpr bool F16 = FMT != FMT_BF16;
-    constexpr int VP = D + 8;  // V tile row pitch (16-bit elements): rows 16 bytes apart in bank
-    // 16-key tiles a warp loads before computing: about 64 registers of loads and scales in
-    // flight (32 for the transposed INT4 kernel, held to 168 registers without spills).
-    constexpr int TILES = FMT == FMT_INT4 ? (PVT ? 2 : 4) : 2;
-    constexpr int VTILES = FMT == FMT_BF16 ? TILES : 1;  // BF16 values land in their own tiles
-    constexpr int VT_BYTES = WARPS * VTILES * 16 * VP * 2;
-    constexpr int WO_BYTES = WARPS * MAX_GROUP * D * 4;
-    __shared__ __align__(16) float qs[MAX_GROUP][D];
-    __shared__ __align__(16) unsigned char vt_raw[VT_BYTES > WO_BYTES ? VT_BYTES : WO_BYTES];
-    __shared__ float wm[WARPS][MAX_GROUP], wl[WARPS][MAX_GROUP];
-
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 g = lane >> 2, t = lane & 3;
-    const u32 split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-    const KvCache& c = p.cache;
-    const u32 group = p.heads / c.kv_heads;
-    const u32 len = p.len[b];
-    const u32 k0 = split * p.chunk, k1 = min(len, k0 + p.chunk);
-    const u64 row0 = (u64(p.slot_of[b]) * c.kv_heads + kvh) * c.cap;
-
-    // The group's queries, rotated like the mirror rows (the BF16 cache is not rotated); for the
-    // mirrors pre-scaled by 1 / sqrt(d).
-    for (u32 i = threadIdx.x; i < MAX_GROUP * D; i += blockDim.x) {
-        const u32 h = i / D, dd = i % D;
-        qs[h][dd] = h < group ? bf16_to_f32(p.q[(u64(b) * p.heads + kvh * group + h) * D + dd]) : 0.0f;
-    }
-    __syncthreads();
-    if (F16 && p.block) {
-        for (u32 h = warp; h < group; h += WARPS) hadamard_warp(qs[h], D, p.block, lane);
-        __syncthreads();
-    }
-    const float qscale = F16 ? p.scale : 1.0f;
-    const float sscale = F16 ? 1.0f : p.scale;
-    // A fragments of Q: row g = head g (rows 8-15 empty), chunk j of the permuted dims: the
-    // lane's key slice is its pieces t, t + 4, ... of the row, KE dims each.
-    constexpr int KROW = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
-    constexpr int KE = FMT == FMT_BF16 ? Piece<KROW / 4>::BYTES / 2 : FMT == FMT_FP8 ? Piece<KROW / 4>::BYTES : 2 * Piece<KROW / 4>::BYTES;
-    u32 qa[D / 16][2];
-#pragma unroll
-    for (int j = 0; j < D / 16; ++j) {
-        const float* qr = &qs[g][(4 * j / KE) * 4 * KE + t * KE + 4 * j % KE];
-        qa[j][0] = pack2<F16>(qr[0] * qscale, qr[1] * qscale);
-        qa[j][1] = pack2<F16>(qr[2] * qscale, qr[3] * qscale);
-    }
-
-    float m = NEG_INF, l = 0.0f;  // of head g
-    // O fragments. P V: n-tile n = dims 8n .. 8n + 7, [0], [1] = head g, dims 8n + 2t, + 1.
-    // PVT: m-tile n = dims 16n .. 16n + 15; [0], [1] = heads 2t, 2t + 1 at dim 16n + g, [2], [3]
-    // the same at dim 16n + 8 + g.
-    constexpr int ON = PVT ? D / 16 : D / 8;
-    float o[ON][4];
-#pragma unroll
-    for (int n = 0; n < ON; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
-    u16* vt = reinterpret_cast<u16*>(vt_raw) + warp * VTILES * 16 * VP;
-    for (u32 base0 = k0 + warp * 16 * TILES; base0 < k1; base0 += WARPS * 16 * TILES) {
-        Raw<FMT, D> raw[TILES];
-#pragma unroll
-        for (int ti = 0; ti < TILES; ++ti)
-            if (base0 + 16 * ti < k1) load_tile<FMT, D, VP>(c, row0, base0 + 16 * ti, k0, k1, lane, raw[ti], vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP);
-#pragma unroll
-        for (int ti = 0; ti < TILES; ++ti) {
-            const u32 base = base0 + 16 * ti;
-            if (base >= k1) break;
-            // S = Q K^T for keys base + g (n-tile 0) and base + 8 + g (n-tile 1).
-            float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-                u32 kb[D / 8];
-                k_fragments<FMT, D>(raw[ti].k[nt], kb);
-#pragma unroll
-                for (int j = 0; j < D / 16; ++j) mma16816<F16>(sc[nt], qa[j][0], 0u, qa[j][1], 0u, kb[2 * j], kb[2 * j + 1]);
-            }
-            // Scores of head g for keys base + 8 nt + 2t + i: scale, mask, online softmax.
-            float s4[4];
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const u32 key = base + 8 * nt + 2 * t + i;
-                    const float ks = F16 ? raw[ti].ks[nt][i] : 1.0f;
-                    s4[2 * nt + i] = key < k1 ? sc[nt][i] * ks * sscale : NEG_INF;
-                }
-            float mx = fmaxf(fmaxf(s4[0], s4[1]), fmaxf(s4[2], s4[3]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float mnew = fmaxf(m, mx);
-            float pr[4], sum = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                pr[i] = s4[i] == NEG_INF ? 0.0f : __expf(s4[i] - mnew);
-                sum += pr[i];
-            }
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const float corr = m == NEG_INF ? 0.0f : __expf(m - mnew);
-            l = l * corr + sum;
-            m = mnew;
-            if constexpr (PVT) {
-                const float c0 = __shfl_sync(0xffffffffu, corr, 8 * t);      // head 2t
-                const float c1 = __shfl_sync(0xffffffffu, corr, 8 * t + 4);  // head 2t + 1
-#pragma unroll
-                for (int n = 0; n < ON; ++n) {
-                    o[n][0] *= c0;
-                    o[n][1] *= c1;
-                    o[n][2] *= c0;
-                    o[n][3] *= c1;
-                }
-            } else {
-#pragma unroll
-                for (int n = 0; n < ON; ++n) {
-                    o[n][0] *= corr;
-                    o[n][1] *= corr;
-                }
-            }
-            // The value tile: BF16 arrived by cp.async (wait for this tile's group); mirrors are
-            // dequantized into the warp's one tile.
-            u16* tile = vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP;
-            if (FMT == FMT_BF16) {
-                const u32 issued = min(u32(TILES), (k1 - base0 + 15) / 16);
-                // Groups still allowed in flight: those of the tiles after this one.
-                if (issued - ti - 1 >= 1) asm volatile("cp.async.wait_group 1;" ::: "memory");
-                else asm volatile("cp.async.wait_group 0;" ::: "memory");
-            } else {
-                v_to_tile<FMT, D, VP>(c, raw[ti], row0, base, k0, k1, lane, tile);
-            }
-            __syncwarp();
-            // P as the A operand (k-index = key within the tile), then O += P V; or, PVT, as the
-            // B operand (the same registers: keys 2t, 2t + 1 and 2t + 8, 2t + 9 of head g).
-            const u32 pa0 = pack2<F16>(pr[0], pr[1]), pa2 = pack2<F16>(pr[2], pr[3]);
-            if constexpr (PVT) {
-#pragma unroll
-                for (int n = 0; n < D / 16; ++n) {
-                    // A = V^T: matrices (dims 16n + 0-7, keys 0-7), (dims + 8, keys 0-7),
-                    // (dims + 0-7, keys 8-15), (dims + 8, keys 8-15) = a0, a1, a2, a3.
-                    const u32 mi = lane >> 3;
-                    const u16* rowp = tile + ((mi >> 1) * 8 + (lane & 7)) * VP + n * 16 + (mi & 1) * 8;
-                    u32 v0, v1, v2, v3;
-                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                                 : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
-                                 : "r"(smem_u32(rowp)));
-                    mma16816<F16>(o[n], v0, v1, v2, v3, pa0, pa2);
-                }
-            } else
-#pragma unroll
-            for (int n2 = 0; n2 < D / 16; ++n2) {
-                // Matrices: (keys 0-7, dims 16 n2 + 0-7), (keys 8-15, same), (keys 0-7, dims + 8),
-                // (keys 8-15, dims + 8); lane l gives row l % 8 of matrix l / 8.
-                const u32 mi = lane >> 3;
-                const u16* rowp = tile + ((mi & 1) * 8 + (lane & 7)) * VP + n2 * 16 + (mi >> 1) * 8;
-                u32 v0, v1, v2, v3;
-                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
-                             : "r"(smem_u32(rowp)));
-                mma16816<F16>(o[2 * n2], pa0, 0u, pa2, 0u, v0, v1);
-                mma16816<F16>(o[2 * n2 + 1], pa0, 0u, pa2, 0u, v2, v3);
-            }
-            __syncwarp();
-        }
-    }
-    // BF16 rows past k1 in a tile were copied from row k0 (finite): P is 0 there. Merge the
-    // warps: each writes its (m, l, o) of head g; then all threads combine.
-    __syncthreads();  // the V tiles become the merge buffer
-    float (*wo)[MAX_GROUP][D] = reinterpret_cast<float (*)[MAX_GROUP][D]>(vt_raw);
-    if (g < group) {
-        if (t == 0) {
-            wm[warp][g] = m;
-            wl[warp][g] = l;
-        }
-        if constexpr (!PVT) {
-#pragma unroll
-            for (int n = 0; n < ON; ++n) {
-                wo[warp][g][8 * n + 2 * t] = o[n][0];
-                wo[warp][g][8 * n + 2 * t + 1] = o[n][1];
-            }
-        }
-    }
-    if constexpr (PVT) {
-#pragma unroll
-        for (int n = 0; n < ON; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const u32 h = 2 * t + (i & 1), dd = 16 * n + 8 * (i >> 1) + g;
-                if (h < group) wo[warp][h][dd] = o[n][i];
-            }
-    }
-    __syncthreads();
-    for (u32 i = threadIdx.x; i < group * D; i += blockDim.x) {
-        const u32 h = i / D, dd = i % D;
-        float mx = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, wm[w][h]);
-        float lsum = 0.0f, osum = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const float f = wm[w][h] == NEG_INF ? 0.0f : __expf(wm[w][h] - mx);
-            lsum += wl[w][h] * f;
-            osum += wo[w][h][dd] * f;
-        }
-        const u64 ph = (u64(b) * p.heads + kvh * group + h) * p.splits + split;
-        p.part_o[ph * D + dd] = osum;
-        if (dd == 0) {
-            p.part_ml[ph * 2] = mx;
-            p.part_ml[ph * 2 + 1] = lsum;
-        }
-    }
-}
-
-// S^T orientation (the default entry points decode_attn_FMT_dD): S^T = K Q^T with the 16 keys
-// of a tile as the mma rows (A = the lane's key slices of rows g and g + 8, straight from its
-// loads) and the group's heads as the 8 columns (B = the query): 8 mma per tile at d = 128
-// instead of 16, no empty rows (a group of 8 heads fills the tile). Lane (g, t) holds the scores
-// of keys g, g + 8 for heads 2t, 2t + 1; the max is reduced over the 8 lanes of each head, the
-// row sum stays lane-partial until the end, and the output rescale is skipped when no head's max
-// moved. P^T goes to the B operand of O^T = V^T P^T by two movmatrix transposes; V^T comes from
-// the warp's value tile by ldmatrix.trans, as in the PVT kernels.
+// The attention kernel (entry points decode_attn_FMT_dD), one warp per 16-key tile at a time;
+// the tensor-core layout is in the header.
 template <int FMT, int D>
-__device__ __forceinline__ void decode_attn_st(const AttnParams& p) {
+__device__ __forceinline__ void decode_attn(const AttnParams& p) {
     constexpr bool F16 = FMT != FMT_BF16;
     constexpr int VP = D + 8;
     constexpr int TILES = FMT == FMT_INT4 ? 4 : 2;
@@ -799,7 +542,7 @@ __device__ __forceinline__ void decode_attn_st(const AttnParams& p) {
         } else {
 #pragma unroll
             for (int ti = 0; ti < TILES; ++ti)
-                if (base0 + 16 * ti < k1) load_tile<FMT, D, VP, true>(c, row0, base0 + 16 * ti, k0, k1, lane, raw[ti], vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP);
+                if (base0 + 16 * ti < k1) load_tile<FMT, D, VP>(c, row0, base0 + 16 * ti, k0, k1, lane, raw[ti], vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP);
         }
         kp += u64(STEP) * KB;
         vp += u64(STEP) * KB;
@@ -953,23 +696,18 @@ __device__ __forceinline__ void decode_combine(const CombineParams& p) {
 
 // The P V kernels need up to 251 registers (2 CTAs per SM); the transposed FP8 / INT4 ones are
 // held to 3 CTAs per SM (the Rust split plan assumes the same: attn_ctas_per_sm).
-#define DECODE_ATTN_ENTRY(NAME, FMT, D, PVT) \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, PVT && FMT != FMT_BF16 ? 3 : 1) NAME(const AttnParams p) { decode_attn<FMT, D, PVT>(p); }
-#define DECODE_ATTN_ST_ENTRY(NAME, FMT, D) \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) NAME(const AttnParams p) { decode_attn_st<FMT, D>(p); }
+// Launch bounds: 3 CTAs per SM for BF16 and FP8 (at most 168 registers), 2 for INT4 (its four
+// tiles of loads in flight take up to 255); the Rust split plan assumes the same
+// (attn_ctas_per_sm).
+#define DECODE_ATTN_ENTRY(NAME, FMT, D) \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, FMT == FMT_INT4 ? 2 : 3) NAME(const AttnParams p) { decode_attn<FMT, D>(p); }
 
-DECODE_ATTN_ST_ENTRY(decode_attn_bf16_d64, FMT_BF16, 64)
-DECODE_ATTN_ST_ENTRY(decode_attn_bf16_d128, FMT_BF16, 128)
-DECODE_ATTN_ST_ENTRY(decode_attn_fp8_d64, FMT_FP8, 64)
-DECODE_ATTN_ST_ENTRY(decode_attn_fp8_d128, FMT_FP8, 128)
-DECODE_ATTN_ST_ENTRY(decode_attn_int4_d64, FMT_INT4, 64)
-DECODE_ATTN_ST_ENTRY(decode_attn_int4_d128, FMT_INT4, 128)
-DECODE_ATTN_ENTRY(decode_attn_bf16_d64_pvt, FMT_BF16, 64, true)
-DECODE_ATTN_ENTRY(decode_attn_bf16_d128_pvt, FMT_BF16, 128, true)
-DECODE_ATTN_ENTRY(decode_attn_fp8_d64_pvt, FMT_FP8, 64, true)
-DECODE_ATTN_ENTRY(decode_attn_fp8_d128_pvt, FMT_FP8, 128, true)
-DECODE_ATTN_ENTRY(decode_attn_int4_d64_pvt, FMT_INT4, 64, true)
-DECODE_ATTN_ENTRY(decode_attn_int4_d128_pvt, FMT_INT4, 128, true)
+DECODE_ATTN_ENTRY(decode_attn_bf16_d64, FMT_BF16, 64)
+DECODE_ATTN_ENTRY(decode_attn_bf16_d128, FMT_BF16, 128)
+DECODE_ATTN_ENTRY(decode_attn_fp8_d64, FMT_FP8, 64)
+DECODE_ATTN_ENTRY(decode_attn_fp8_d128, FMT_FP8, 128)
+DECODE_ATTN_ENTRY(decode_attn_int4_d64, FMT_INT4, 64)
+DECODE_ATTN_ENTRY(decode_attn_int4_d128, FMT_INT4, 128)
 
 extern "C" __global__ void __launch_bounds__(128) decode_combine_d64(const CombineParams p) { decode_combine<64>(p); }
 extern "C" __global__ void __launch_bounds__(128) decode_combine_d128(const CombineParams p) { decode_combine<128>(p); }

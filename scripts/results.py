@@ -73,7 +73,7 @@ def render_attention(w, res, path):
         w(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells + ps) + f" | {host} |")
     w("")
     if pvt:
-        w("The transposed P V kernels (`*_pvt`) in the same run, µs (% copy):")
+        w("The previous kernels (S = Q K^T, then O^T = V^T P^T: the `*_pvt` entry points, removed after this run) in the same run, µs (% copy):")
         w("")
         w("| shape | batch | ctx | BF16 | FP8 | INT4 |")
         w("| --- | ---: | ---: | ---: | ---: | ---: |")

@@ -287,7 +287,7 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
             (KvFormat::Int4, c.d as u32),
             (KvFormat::Int4, 0),
         ] {
-            let mut f = fill(&rt, &mut rng, c, format, block);
+            let f = fill(&rt, &mut rng, c, format, block);
             let batch = c.lens.len();
             let what = format!(
                 "seed {seed}: {} block {block}, {} heads / {} kv heads, d {}, lens {:?}",
@@ -347,47 +347,42 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
             let lens: Vec<u32> = c.lens.iter().map(|l| *l as u32).collect();
             let (sb, lb) = (put_u32(&rt, &f.slot_of), put_u32(&rt, &lens));
             let max_len = *lens.iter().max().unwrap();
-            // Both orientations of P V over the same cache and queries.
-            for pvt in [false, true] {
-                f.cache.pv_transposed = pvt;
-                let out = rt.alloc(batch * c.heads * c.d * 2).unwrap();
-                unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.unwrap();
-                unsafe {
-                    f.cache.attend(
-                        &rt,
-                        qb.ptr(),
-                        c.heads as u32,
-                        sb.ptr(),
-                        lb.ptr(),
-                        batch as u32,
-                        max_len,
-                        out.ptr(),
-                    )
-                }
-                .map_err(|e| e.to_string())?;
-                let got = get_bf16(&out);
-                let what = format!("{what}{}", if pvt { " (P V transposed)" } else { "" });
-                if got.iter().any(|x| !x.is_finite()) {
-                    return Err(format!(
-                        "{what}: unwritten (poisoned) or non-finite outputs"
-                    ));
-                }
-                let (mut kern_err, mut quant_err) = (0f64, 0f64);
-                for b in 0..batch {
-                    let g = &got[b * c.heads * c.d..(b + 1) * c.heads * c.d];
-                    kern_err = kern_err.max(relative_error(g, &want[b]));
-                    quant_err = quant_err.max(relative_error(g, &exact[b]));
-                }
-                worst = worst.max(kern_err);
-                if !(kern_err < KERNEL_TOLERANCE) {
-                    return Err(format!(
-                        "{what}: kernel relative error {kern_err:.3e} against the reference over its own cache"
-                    ));
-                }
-                report.push(json!({"format": format.name(), "pv_transposed": pvt, "block": block, "heads": c.heads, "kv_heads": c.kv_heads, "d": c.d,
-                "batch": batch, "max_len": max_len, "kernel_rel_err": kern_err, "quantization_rel_err": quant_err,
-                "append_rows_differing": append_mismatch, "append_rows": append_rows}));
+            let out = rt.alloc(batch * c.heads * c.d * 2).unwrap();
+            unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.unwrap();
+            unsafe {
+                f.cache.attend(
+                    &rt,
+                    qb.ptr(),
+                    c.heads as u32,
+                    sb.ptr(),
+                    lb.ptr(),
+                    batch as u32,
+                    max_len,
+                    out.ptr(),
+                )
             }
+            .map_err(|e| e.to_string())?;
+            let got = get_bf16(&out);
+            if got.iter().any(|x| !x.is_finite()) {
+                return Err(format!(
+                    "{what}: unwritten (poisoned) or non-finite outputs"
+                ));
+            }
+            let (mut kern_err, mut quant_err) = (0f64, 0f64);
+            for b in 0..batch {
+                let g = &got[b * c.heads * c.d..(b + 1) * c.heads * c.d];
+                kern_err = kern_err.max(relative_error(g, &want[b]));
+                quant_err = quant_err.max(relative_error(g, &exact[b]));
+            }
+            worst = worst.max(kern_err);
+            if !(kern_err < KERNEL_TOLERANCE) {
+                return Err(format!(
+                    "{what}: kernel relative error {kern_err:.3e} against the reference over its own cache"
+                ));
+            }
+            report.push(json!({"format": format.name(), "block": block, "heads": c.heads, "kv_heads": c.kv_heads, "d": c.d,
+            "batch": batch, "max_len": max_len, "kernel_rel_err": kern_err, "quantization_rel_err": quant_err,
+            "append_rows_differing": append_mismatch, "append_rows": append_rows}));
         }
     }
     // The outlier experiment on the kernels: Llama-8B attention shape, 4 key channels per head
@@ -447,7 +442,7 @@ pub fn bench(copy_gbps: f64) -> Value {
                 let one =
                     2 * batch as usize * ctx as usize * kvh as usize * format.row_bytes(d as usize);
                 let copies = 160_000_000usize.div_ceil(one).clamp(1, 64);
-                let mut caches: Vec<DeviceKvCache> = (0..copies)
+                let caches: Vec<DeviceKvCache> = (0..copies)
                     .map(|_| DeviceKvCache::new(&rt, format, (batch, kvh, ctx, d), block).unwrap())
                     .collect();
                 // Random rows through the append (one launch per cache).
@@ -470,40 +465,33 @@ pub fn bench(copy_gbps: f64) -> Value {
                 let out = rt.alloc((batch * heads * d * 2) as usize).unwrap();
                 rt.synchronize().unwrap();
                 let iters = (400_000_000 / one).clamp(10, 500);
-                // Both orientations of P V over the same caches.
-                for pvt in [false, true] {
-                    for c in caches.iter_mut() {
-                        c.pv_transposed = pvt;
+                // Also the host's time to queue one call (the split partials' allocation,
+                // two launches).
+                let (us, host_us) = crate::bench::time_events_and_host(&rt, 5, iters, |i| {
+                    unsafe {
+                        caches[i % copies].attend(
+                            &rt,
+                            q.ptr(),
+                            heads,
+                            slot_of.ptr(),
+                            lens.ptr(),
+                            batch,
+                            ctx,
+                            out.ptr(),
+                        )
                     }
-                    // Also the host's time to queue one call (the split partials' allocation,
-                    // two launches).
-                    let (us, host_us) = crate::bench::time_events_and_host(&rt, 5, iters, |i| {
-                        unsafe {
-                            caches[i % copies].attend(
-                                &rt,
-                                q.ptr(),
-                                heads,
-                                slot_of.ptr(),
-                                lens.ptr(),
-                                batch,
-                                ctx,
-                                out.ptr(),
-                            )
-                        }
-                        .unwrap()
-                    });
-                    let bytes = caches[0].bytes_read(n);
-                    let gbps = bytes as f64 / us / 1e3;
-                    println!(
-                        "attention {name:<4} b {batch:2} ctx {ctx:5} {:<4}{}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) host {host_us:.1} us",
-                        format.name(),
-                        if pvt { " pvt" } else { "" },
-                        100.0 * gbps / copy_gbps
-                    );
-                    rows.push(json!({"shape": name, "heads": heads, "kv_heads": kvh, "d": d, "batch": batch, "ctx": ctx,
-                    "format": format.name(), "pv_transposed": pvt, "block": block, "us": us, "host_us": host_us, "bytes": bytes, "gbps": gbps,
-                    "of_copy": gbps / copy_gbps, "copies": copies}));
-                }
+                    .unwrap()
+                });
+                let bytes = caches[0].bytes_read(n);
+                let gbps = bytes as f64 / us / 1e3;
+                println!(
+                    "attention {name:<4} b {batch:2} ctx {ctx:5} {:<4}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) host {host_us:.1} us",
+                    format.name(),
+                    100.0 * gbps / copy_gbps
+                );
+                rows.push(json!({"shape": name, "heads": heads, "kv_heads": kvh, "d": d, "batch": batch, "ctx": ctx,
+                "format": format.name(), "block": block, "us": us, "host_us": host_us, "bytes": bytes, "gbps": gbps,
+                "of_copy": gbps / copy_gbps, "copies": copies}));
             }
         }
     }
@@ -517,7 +505,7 @@ pub fn bench(copy_gbps: f64) -> Value {
 }
 
 /// A few decode-attention launches to run under a profiler (`ncu`): the named benchmark shape
-/// at one (batch, context), every cache format and both P V orientations, two calls each.
+/// at one (batch, context), every cache format, two calls each.
 pub fn profile_launches(shape: &str, batch: u32, ctx: u32) {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(11);
@@ -540,30 +528,24 @@ pub fn profile_launches(shape: &str, batch: u32, ctx: u32) {
     let out = rt.alloc((batch * heads * d * 2) as usize).unwrap();
     for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int4] {
         let block = if format == KvFormat::Bf16 { 0 } else { d };
-        let mut cache = DeviceKvCache::new(&rt, format, (batch, kvh, ctx, d), block).unwrap();
+        let cache = DeviceKvCache::new(&rt, format, (batch, kvh, ctx, d), block).unwrap();
         unsafe { cache.append(&rt, kx.ptr(), vx.ptr(), sb.ptr(), pb.ptr(), n as u32) }.unwrap();
-        for pvt in [false, true] {
-            cache.pv_transposed = pvt;
-            for _ in 0..2 {
-                unsafe {
-                    cache.attend(
-                        &rt,
-                        q.ptr(),
-                        heads,
-                        slot_of.ptr(),
-                        lens.ptr(),
-                        batch,
-                        ctx,
-                        out.ptr(),
-                    )
-                }
-                .unwrap();
+        for _ in 0..2 {
+            unsafe {
+                cache.attend(
+                    &rt,
+                    q.ptr(),
+                    heads,
+                    slot_of.ptr(),
+                    lens.ptr(),
+                    batch,
+                    ctx,
+                    out.ptr(),
+                )
             }
-            rt.synchronize().unwrap();
-            println!(
-                "profiled {shape} b {batch} ctx {ctx} {} pvt {pvt}",
-                format.name()
-            );
+            .unwrap();
         }
+        rt.synchronize().unwrap();
+        println!("profiled {shape} b {batch} ctx {ctx} {}", format.name());
     }
 }

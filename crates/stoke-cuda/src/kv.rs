@@ -36,14 +36,6 @@ pub struct DeviceKvCache {
     pub k: DeviceBuffer,
     pub v: DeviceBuffer,
     pub mirror: Option<Mirror>,
-    /// Run P V transposed (`*_pvt` kernels: half the mma and output registers); default from
-    /// `STOKE_ATTN_PV_T=1`, off until its GPU measurements land.
-    pub pv_transposed: bool,
-}
-
-fn pv_transposed_default() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("STOKE_ATTN_PV_T").as_deref() == Ok("1"))
 }
 
 impl DeviceKvCache {
@@ -90,7 +82,6 @@ impl DeviceKvCache {
             k: zeroed(rows * d_us * 2)?,
             v: zeroed(rows * d_us * 2)?,
             mirror,
-            pv_transposed: pv_transposed_default(),
         })
     }
 
@@ -197,7 +188,7 @@ impl DeviceKvCache {
         if batch == 0 {
             return Ok(());
         }
-        let ctas = attn_ctas_per_sm(self.format, self.pv_transposed);
+        let ctas = attn_ctas_per_sm(self.format);
         let (chunk, splits) = split_plan(batch, self.kv_heads, max_len, rt.sm_count, ctas);
         let items = batch as usize * heads as usize * splits as usize;
         let part_o = rt.alloc(items * self.d as usize * 4)?;
@@ -216,10 +207,7 @@ impl DeviceKvCache {
             block: self.block,
             scale: 1.0 / (self.d as f32).sqrt(),
         };
-        let kernel = rt.kernel(
-            &DECODE_ATTENTION,
-            attn_entry(self.format, self.d, self.pv_transposed),
-        )?;
+        let kernel = rt.kernel(&DECODE_ATTENTION, attn_entry(self.format, self.d))?;
         let shape = LaunchShape {
             grid: (splits, self.kv_heads, batch),
             block: (ATTN_THREADS, 1, 1),

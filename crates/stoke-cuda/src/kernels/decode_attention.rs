@@ -76,12 +76,6 @@ pub const ENTRY_POINTS: &[&str] = &[
     "decode_attn_int4_d128",
     "decode_combine_d64",
     "decode_combine_d128",
-    "decode_attn_bf16_d64_pvt",
-    "decode_attn_bf16_d128_pvt",
-    "decode_attn_fp8_d64_pvt",
-    "decode_attn_fp8_d128_pvt",
-    "decode_attn_int4_d64_pvt",
-    "decode_attn_int4_d128_pvt",
 ];
 
 /// A cache format (the `FMT_*` values of the `.cu` file).
@@ -141,14 +135,10 @@ pub fn check_shape(heads: u32, kv_heads: u32, d: u32, block: u32) -> Result<(), 
     Ok(())
 }
 
-/// Resident attention CTAs per SM: 2 (the P V kernels use 180-250 registers), 3 for the
-/// transposed FP8/INT4 kernels (launch bounds).
-pub fn attn_ctas_per_sm(format: KvFormat, pv_transposed: bool) -> u32 {
-    if pv_transposed && format != KvFormat::Bf16 {
-        3
-    } else {
-        2
-    }
+/// Resident attention CTAs per SM: the launch bounds of the kernels (BF16 and FP8 at most 168
+/// registers, INT4 up to 255).
+pub fn attn_ctas_per_sm(format: KvFormat) -> u32 {
+    if format == KvFormat::Int4 { 2 } else { 3 }
 }
 
 /// Keys per split-KV CTA for contexts up to `max_len`: returns (chunk, splits). The first split
@@ -179,10 +169,9 @@ pub fn split_plan(
     (64, finest)
 }
 
-/// The attention entry point: `pv_transposed` selects the `_pvt` kernels (O^T = V^T P^T).
-pub fn attn_entry(format: KvFormat, d: u32, pv_transposed: bool) -> &'static str {
-    let i = 2 * format as usize + usize::from(d == 128);
-    ENTRY_POINTS[if pv_transposed { 9 + i } else { 1 + i }]
+/// The attention entry point of a cache format and head dim.
+pub fn attn_entry(format: KvFormat, d: u32) -> &'static str {
+    ENTRY_POINTS[1 + 2 * format as usize + usize::from(d == 128)]
 }
 
 pub fn combine_entry(d: u32) -> &'static str {
@@ -231,11 +220,7 @@ mod tests {
             (KvFormat::Int4, "int4"),
         ] {
             for d in [64, 128] {
-                assert_eq!(attn_entry(f, d, false), format!("decode_attn_{name}_d{d}"));
-                assert_eq!(
-                    attn_entry(f, d, true),
-                    format!("decode_attn_{name}_d{d}_pvt")
-                );
+                assert_eq!(attn_entry(f, d), format!("decode_attn_{name}_d{d}"));
             }
         }
         assert_eq!(combine_entry(128), "decode_combine_d128");

@@ -233,8 +233,19 @@ pub fn plan(
         let splits = if explicit > 0 {
             explicit.min(units.div_ceil(WARPS)).clamp(1, 65535)
         } else {
+            // One wave of resident CTAs, each warp at least two fold units; the swapped kernel
+            // may go to one unit per warp when that deals the units out exactly (8B o-proj:
+            // 7.97 us at 8 splits against 9.25 us at 4, results/experiments/h200-int4-orders-splits-9413a06.json).
             let one_wave = ctas_per_sm(mt) * sm_count.max(1) / slabs;
-            one_wave.clamp(1, (units / (2 * WARPS)).max(1))
+            let exact_single = mt == 3
+                && one_wave > 1
+                && one_wave * WARPS <= units
+                && units % (one_wave * WARPS) == 0;
+            if exact_single {
+                one_wave
+            } else {
+                one_wave.clamp(1, (units / (2 * WARPS)).max(1))
+            }
         };
         // ENTRY_POINTS runs epilogue, scale type, m-tile, then the swapped kernels by epilogue
         // and scale type (the test below checks).
