@@ -696,11 +696,11 @@ __device__ __forceinline__ void decode_combine(const CombineParams& p) {
 
 // The P V kernels need up to 251 registers (2 CTAs per SM); the transposed FP8 / INT4 ones are
 // held to 3 CTAs per SM (the Rust split plan assumes the same: attn_ctas_per_sm).
-// Launch bounds: 3 CTAs per SM for BF16 and FP8 (at most 168 registers), 2 for INT4 (its four
-// tiles of loads in flight take up to 255); the Rust split plan assumes the same
-// (attn_ctas_per_sm).
+// 165-230 registers at d = 128: 2 CTAs per SM, which the Rust split plan assumes
+// (attn_ctas_per_sm). Holding BF16 and FP8 to 168 registers for 3 CTAs per SM was measured
+// slower (results/experiments/h200-attention-3ctas-f301e7a.json).
 #define DECODE_ATTN_ENTRY(NAME, FMT, D) \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, FMT == FMT_INT4 ? 2 : 3) NAME(const AttnParams p) { decode_attn<FMT, D>(p); }
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) NAME(const AttnParams p) { decode_attn<FMT, D>(p); }
 
 DECODE_ATTN_ENTRY(decode_attn_bf16_d64, FMT_BF16, 64)
 DECODE_ATTN_ENTRY(decode_attn_bf16_d128, FMT_BF16, 128)

@@ -135,10 +135,9 @@ pub fn check_shape(heads: u32, kv_heads: u32, d: u32, block: u32) -> Result<(), 
     Ok(())
 }
 
-/// Resident attention CTAs per SM: the launch bounds of the kernels (BF16 and FP8 at most 168
-/// registers, INT4 up to 255).
-pub fn attn_ctas_per_sm(format: KvFormat) -> u32 {
-    if format == KvFormat::Int4 { 2 } else { 3 }
+/// Resident attention CTAs per SM: 2 (the kernels use 165-230 registers at d = 128).
+pub fn attn_ctas_per_sm(_format: KvFormat) -> u32 {
+    2
 }
 
 /// Keys per split-KV CTA for contexts up to `max_len`: returns (chunk, splits). The first split
