@@ -19,7 +19,8 @@
 //                     so each cache byte is read once; the CTA takes keys
 //                     [split * chunk, min(len, (split + 1) * chunk)). Writes the partial
 //                     (max, sum, unnormalized output) of each (batch, head, split).
-//   decode_combine_dD one warp per (batch, head): merges the splits, rotates back, writes bf16.
+//   decode_combine_dD one CTA of D threads per (batch, head): merges the splits, rotates back,
+//                     writes bf16.
 //
 // Tensor cores, per warp and 16-key tile (one query token per sequence):
 //   S^T = K Q^T  mma.m16n8k16 with the tile's 16 keys as rows (A = key rows g and g + 8 of lane
@@ -671,31 +672,76 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     }
 }
 
+// In-place normalized Walsh-Hadamard transform of each `block` consecutive values of v[0..D),
+// by the D threads of a CTA in shared memory.
 template <int D>
-__device__ __forceinline__ void decode_combine(const CombineParams& p) {
-    __shared__ float rowbuf[4][D];
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 item = blockIdx.x * 4 + warp;  // (batch, head)
-    if (item >= p.batch * p.heads) return;
-    const float* ml = p.part_ml + u64(item) * p.splits * 2;
-    float mx = NEG_INF;
-    for (u32 s = 0; s < p.splits; ++s) mx = fmaxf(mx, ml[2 * s]);
-    float lsum = 0.0f;
-    for (u32 s = 0; s < p.splits; ++s)
-        if (ml[2 * s] != NEG_INF) lsum += ml[2 * s + 1] * __expf(ml[2 * s] - mx);
-    float* row = rowbuf[warp];
-    for (u32 dd = lane; dd < D; dd += 32) {
-        float acc = 0.0f;
-        for (u32 s = 0; s < p.splits; ++s)
-            if (ml[2 * s] != NEG_INF) acc += p.part_o[(u64(item) * p.splits + s) * D + dd] * __expf(ml[2 * s] - mx);
-        row[dd] = lsum > 0.0f ? acc / lsum : 0.0f;
+__device__ __forceinline__ void hadamard_cta(float* v, u32 block, u32 tid) {
+    if (block == 0) return;
+    for (u32 h = 1; h < block; h <<= 1) {
+        if (tid < D / 2) {
+            const u32 a = (tid / h) * 2 * h + (tid % h);
+            const float x = v[a], y = v[a + h];
+            v[a] = x + y;
+            v[a + h] = x - y;
+        }
+        __syncthreads();
     }
-    hadamard_warp(row, D, p.block, lane);  // undoes the rotation of V (no-op for block 0)
-    for (u32 dd = lane; dd < D; dd += 32) p.out[u64(item) * D + dd] = f32_to_bf16(row[dd]);
+    v[tid] *= 1.0f / sqrtf(float(block));
+    __syncthreads();
 }
 
-// The P V kernels need up to 251 registers (2 CTAs per SM); the transposed FP8 / INT4 ones are
-// held to 3 CTAs per SM (the Rust split plan assumes the same: attn_ctas_per_sm).
+// Sum (max) over the D threads of a CTA; every thread gets the result.
+template <int D, bool MAX>
+__device__ __forceinline__ float cta_reduce(float v, float* scratch, u32 tid) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float u = __shfl_xor_sync(0xffffffffu, v, o);
+        v = MAX ? fmaxf(v, u) : v + u;
+    }
+    __syncthreads();  // scratch free
+    if ((tid & 31) == 0) scratch[tid >> 5] = v;
+    __syncthreads();
+    v = scratch[0];
+#pragma unroll
+    for (int w = 1; w < D / 32; ++w) v = MAX ? fmaxf(v, scratch[w]) : v + scratch[w];
+    return v;
+}
+
+// One CTA of D threads per (batch, head), a thread per output dim: the splits' weights
+// exp(m_s - max) go through shared memory in chunks, and each thread sums its dim over the
+// splits with independent loads; then the rotation of V is undone and bf16 written.
+template <int D>
+__device__ __forceinline__ void decode_combine(const CombineParams& p) {
+    constexpr u32 CHUNK = 256;
+    __shared__ float row[D], wsm[CHUNK], scratch[D / 32];
+    const u32 item = blockIdx.x, tid = threadIdx.x;  // item = (batch, head)
+    const float* ml = p.part_ml + u64(item) * p.splits * 2;
+    const float* po = p.part_o + u64(item) * p.splits * D + tid;
+    float mx = NEG_INF;
+    for (u32 s = tid; s < p.splits; s += D) mx = fmaxf(mx, ml[2 * s]);
+    mx = cta_reduce<D, true>(mx, scratch, tid);
+    float lpart = 0.0f;
+    for (u32 s = tid; s < p.splits; s += D)
+        if (ml[2 * s] != NEG_INF) lpart += ml[2 * s + 1] * __expf(ml[2 * s] - mx);
+    const float lsum = cta_reduce<D, false>(lpart, scratch, tid);
+    float acc = 0.0f;
+    for (u32 s0 = 0; s0 < p.splits; s0 += CHUNK) {
+        const u32 n = min(CHUNK, p.splits - s0);
+        __syncthreads();  // the previous chunk's weights are used
+        for (u32 i = tid; i < n; i += D) {
+            const float m = ml[2 * (s0 + i)];
+            wsm[i] = m == NEG_INF ? 0.0f : __expf(m - mx);  // an empty split's partial is 0
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (u32 i = 0; i < n; ++i) acc += po[u64(s0 + i) * D] * wsm[i];
+    }
+    row[tid] = lsum > 0.0f ? acc / lsum : 0.0f;
+    __syncthreads();
+    hadamard_cta<D>(row, p.block, tid);  // undoes the rotation of V (no-op for block 0)
+    p.out[u64(item) * D + tid] = f32_to_bf16(row[tid]);
+}
+
 // 165-230 registers at d = 128: 2 CTAs per SM, which the Rust split plan assumes
 // (attn_ctas_per_sm). Holding BF16 and FP8 to 168 registers for 3 CTAs per SM was measured
 // slower (results/experiments/h200-attention-3ctas-f301e7a.json).
@@ -709,5 +755,5 @@ DECODE_ATTN_ENTRY(decode_attn_fp8_d128, FMT_FP8, 128)
 DECODE_ATTN_ENTRY(decode_attn_int4_d64, FMT_INT4, 64)
 DECODE_ATTN_ENTRY(decode_attn_int4_d128, FMT_INT4, 128)
 
-extern "C" __global__ void __launch_bounds__(128) decode_combine_d64(const CombineParams p) { decode_combine<64>(p); }
+extern "C" __global__ void __launch_bounds__(64) decode_combine_d64(const CombineParams p) { decode_combine<64>(p); }
 extern "C" __global__ void __launch_bounds__(128) decode_combine_d128(const CombineParams p) { decode_combine<128>(p); }

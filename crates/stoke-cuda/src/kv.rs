@@ -226,8 +226,8 @@ impl DeviceKvCache {
         };
         let kernel = rt.kernel(&DECODE_ATTENTION, combine_entry(self.d))?;
         let shape = LaunchShape {
-            grid: ((batch * heads).div_ceil(4), 1, 1),
-            block: (128, 1, 1),
+            grid: (batch * heads, 1, 1),
+            block: (self.d, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: as above.
