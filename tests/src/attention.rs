@@ -428,8 +428,86 @@ pub const BENCH_SHAPES: &[(&str, u32, u32, u32)] = &[("8b", 32, 8, 128), ("70b",
 /// (batch, context) points.
 pub const BENCH_POINTS: &[(u32, u32)] = &[(1, 1024), (8, 1024), (32, 4096), (1, 32768)];
 
-/// Decode attention (the attention kernel and the split combine) for each shape, point, format
-/// and orientation of P V: µs, cache bytes read per second, share of the same run's copy rate.
+/// One benchmark decode step: every sequence at the same context `ctx`, random K/V rows for all
+/// of its positions (appended by `fill`) and random queries.
+struct BenchStep {
+    heads: u32,
+    batch: u32,
+    ctx: u32,
+    rows: u32,
+    kx: DeviceBuffer,
+    vx: DeviceBuffer,
+    slots: DeviceBuffer,
+    pos: DeviceBuffer,
+    q: DeviceBuffer,
+    slot_of: DeviceBuffer,
+    lens: DeviceBuffer,
+    out: DeviceBuffer,
+}
+
+impl BenchStep {
+    fn new(
+        rt: &Arc<Runtime>,
+        rng: &mut StdRng,
+        (heads, kvh, d): (u32, u32, u32),
+        batch: u32,
+        ctx: u32,
+    ) -> Self {
+        let rows = batch * ctx;
+        let n = rows as usize;
+        let slots: Vec<u32> = (0..rows).map(|i| i / ctx).collect();
+        let pos: Vec<u32> = (0..rows).map(|i| i % ctx).collect();
+        Self {
+            heads,
+            batch,
+            ctx,
+            rows,
+            kx: put_u16(rt, &to_bf16(&bf16s(rng, n * (kvh * d) as usize, 1.0))),
+            vx: put_u16(rt, &to_bf16(&bf16s(rng, n * (kvh * d) as usize, 1.0))),
+            slots: put_u32(rt, &slots),
+            pos: put_u32(rt, &pos),
+            q: put_u16(rt, &to_bf16(&bf16s(rng, (batch * heads * d) as usize, 1.0))),
+            slot_of: put_u32(rt, &(0..batch).collect::<Vec<_>>()),
+            lens: put_u32(rt, &vec![ctx; batch as usize]),
+            out: rt.alloc((batch * heads * d * 2) as usize).unwrap(),
+        }
+    }
+
+    /// Appends every position's K and V rows to `cache` (one launch).
+    fn fill(&self, rt: &Arc<Runtime>, cache: &DeviceKvCache) {
+        unsafe {
+            cache.append(
+                rt,
+                self.kx.ptr(),
+                self.vx.ptr(),
+                self.slots.ptr(),
+                self.pos.ptr(),
+                self.rows,
+            )
+        }
+        .unwrap();
+    }
+
+    /// Queues one decode attention over `cache`.
+    fn attend(&self, rt: &Arc<Runtime>, cache: &DeviceKvCache) {
+        unsafe {
+            cache.attend(
+                rt,
+                self.q.ptr(),
+                self.heads,
+                self.slot_of.ptr(),
+                self.lens.ptr(),
+                self.batch,
+                self.ctx,
+                self.out.ptr(),
+            )
+        }
+        .unwrap();
+    }
+}
+
+/// Decode attention (the attention kernel and the split combine) for each shape, point and
+/// format: µs, cache bytes read per second, share of the same run's copy rate.
 pub fn bench(copy_gbps: f64) -> Value {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(11);
@@ -446,43 +524,18 @@ pub fn bench(copy_gbps: f64) -> Value {
                     .map(|_| DeviceKvCache::new(&rt, format, (batch, kvh, ctx, d), block).unwrap())
                     .collect();
                 // Random rows through the append (one launch per cache).
-                let n = (batch * ctx) as usize;
-                let kx = put_u16(&rt, &to_bf16(&bf16s(&mut rng, n * (kvh * d) as usize, 1.0)));
-                let vx = put_u16(&rt, &to_bf16(&bf16s(&mut rng, n * (kvh * d) as usize, 1.0)));
-                let slots: Vec<u32> = (0..n as u32).map(|i| i / ctx).collect();
-                let pos: Vec<u32> = (0..n as u32).map(|i| i % ctx).collect();
-                let (sb, pb) = (put_u32(&rt, &slots), put_u32(&rt, &pos));
+                let step = BenchStep::new(&rt, &mut rng, (heads, kvh, d), batch, ctx);
                 for c in &caches {
-                    unsafe { c.append(&rt, kx.ptr(), vx.ptr(), sb.ptr(), pb.ptr(), n as u32) }
-                        .unwrap();
+                    step.fill(&rt, c);
                 }
-                let q = put_u16(
-                    &rt,
-                    &to_bf16(&bf16s(&mut rng, (batch * heads * d) as usize, 1.0)),
-                );
-                let slot_of = put_u32(&rt, &(0..batch).collect::<Vec<_>>());
-                let lens = put_u32(&rt, &vec![ctx; batch as usize]);
-                let out = rt.alloc((batch * heads * d * 2) as usize).unwrap();
                 rt.synchronize().unwrap();
                 let iters = (400_000_000 / one).clamp(10, 500);
                 // Also the host's time to queue one call (the split partials' allocation,
                 // two launches).
                 let (us, host_us) = crate::bench::time_events_and_host(&rt, 5, iters, |i| {
-                    unsafe {
-                        caches[i % copies].attend(
-                            &rt,
-                            q.ptr(),
-                            heads,
-                            slot_of.ptr(),
-                            lens.ptr(),
-                            batch,
-                            ctx,
-                            out.ptr(),
-                        )
-                    }
-                    .unwrap()
+                    step.attend(&rt, &caches[i % copies])
                 });
-                let bytes = caches[0].bytes_read(n);
+                let bytes = caches[0].bytes_read(step.rows as usize);
                 let gbps = bytes as f64 / us / 1e3;
                 println!(
                     "attention {name:<4} b {batch:2} ctx {ctx:5} {:<4}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) host {host_us:.1} us",
@@ -513,37 +566,13 @@ pub fn profile_launches(shape: &str, batch: u32, ctx: u32) {
         eprintln!("unknown attention shape {shape}");
         return;
     };
-    let n = (batch * ctx) as usize;
-    let kx = put_u16(&rt, &to_bf16(&bf16s(&mut rng, n * (kvh * d) as usize, 1.0)));
-    let vx = put_u16(&rt, &to_bf16(&bf16s(&mut rng, n * (kvh * d) as usize, 1.0)));
-    let slots: Vec<u32> = (0..n as u32).map(|i| i / ctx).collect();
-    let pos: Vec<u32> = (0..n as u32).map(|i| i % ctx).collect();
-    let (sb, pb) = (put_u32(&rt, &slots), put_u32(&rt, &pos));
-    let q = put_u16(
-        &rt,
-        &to_bf16(&bf16s(&mut rng, (batch * heads * d) as usize, 1.0)),
-    );
-    let slot_of = put_u32(&rt, &(0..batch).collect::<Vec<_>>());
-    let lens = put_u32(&rt, &vec![ctx; batch as usize]);
-    let out = rt.alloc((batch * heads * d * 2) as usize).unwrap();
+    let step = BenchStep::new(&rt, &mut rng, (heads, kvh, d), batch, ctx);
     for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int4] {
         let block = if format == KvFormat::Bf16 { 0 } else { d };
         let cache = DeviceKvCache::new(&rt, format, (batch, kvh, ctx, d), block).unwrap();
-        unsafe { cache.append(&rt, kx.ptr(), vx.ptr(), sb.ptr(), pb.ptr(), n as u32) }.unwrap();
+        step.fill(&rt, &cache);
         for _ in 0..2 {
-            unsafe {
-                cache.attend(
-                    &rt,
-                    q.ptr(),
-                    heads,
-                    slot_of.ptr(),
-                    lens.ptr(),
-                    batch,
-                    ctx,
-                    out.ptr(),
-                )
-            }
-            .unwrap();
+            step.attend(&rt, &cache);
         }
         rt.synchronize().unwrap();
         println!("profiled {shape} b {batch} ctx {ctx} {}", format.name());
