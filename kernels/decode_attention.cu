@@ -54,6 +54,19 @@ typedef unsigned char u8;
 typedef unsigned long long u64;
 
 enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
+
+// Tuning knobs, overridable by NVRTC defines (benchmarks time variants through
+// Runtime::set_defines; the defaults are the shipped kernels): 16-key tiles of loads a warp
+// queues before computing (INT4, and BF16 / FP8), and the launch bounds' CTAs per SM.
+#ifndef STOKE_ATTN_TILES_INT4
+#define STOKE_ATTN_TILES_INT4 4
+#endif
+#ifndef STOKE_ATTN_TILES
+#define STOKE_ATTN_TILES 2
+#endif
+#ifndef STOKE_ATTN_MIN_CTAS
+#define STOKE_ATTN_MIN_CTAS 1
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int WARPS = 4;
 constexpr int MAX_GROUP = 8;
@@ -456,7 +469,7 @@ template <int FMT, int D>
 __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     constexpr bool F16 = FMT != FMT_BF16;
     constexpr int VP = D + 8;
-    constexpr int TILES = FMT == FMT_INT4 ? 4 : 2;
+    constexpr int TILES = FMT == FMT_INT4 ? STOKE_ATTN_TILES_INT4 : STOKE_ATTN_TILES;
     constexpr int VTILES = FMT == FMT_BF16 ? TILES : 1;
     constexpr int VT_BYTES = WARPS * VTILES * 16 * VP * 2;
     constexpr int WO_BYTES = WARPS * MAX_GROUP * D * 4;
@@ -742,11 +755,11 @@ __device__ __forceinline__ void decode_combine(const CombineParams& p) {
     p.out[u64(item) * D + tid] = f32_to_bf16(row[tid]);
 }
 
-// 165-230 registers at d = 128: 2 CTAs per SM, which the Rust split plan assumes
-// (attn_ctas_per_sm). Holding BF16 and FP8 to 168 registers for 3 CTAs per SM was measured
-// slower (results/experiments/h200-attention-3ctas-f301e7a.json).
+// 165-230 registers at d = 128: 2 CTAs per SM (the split plan asks the occupancy calculator).
+// Holding BF16 and FP8 to 168 registers for 3 CTAs per SM was measured slower
+// (results/experiments/h200-attention-3ctas-f301e7a.json).
 #define DECODE_ATTN_ENTRY(NAME, FMT, D) \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) NAME(const AttnParams p) { decode_attn<FMT, D>(p); }
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, STOKE_ATTN_MIN_CTAS) NAME(const AttnParams p) { decode_attn<FMT, D>(p); }
 
 DECODE_ATTN_ENTRY(decode_attn_bf16_d64, FMT_BF16, 64)
 DECODE_ATTN_ENTRY(decode_attn_bf16_d128, FMT_BF16, 128)

@@ -61,6 +61,15 @@ static_assert(sizeof(Int4GemmParams) == 104, "Int4GemmParams layout");
 constexpr int WARPS = 4;
 enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 
+// Tuning knobs of the swapped kernel, overridable by NVRTC defines (benchmarks time variants
+// through Runtime::set_defines): k-tiles per batch of loads, and the launch bounds' CTAs per SM.
+#ifndef STOKE_INT4_SWAP_KB
+#define STOKE_INT4_SWAP_KB 4
+#endif
+#ifndef STOKE_INT4_SWAP_MIN_CTAS
+#define STOKE_INT4_SWAP_MIN_CTAS 4
+#endif
+
 __device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
 
@@ -464,7 +473,7 @@ __device__ __forceinline__ u32 load_u16(const u16* p) {
 
 template <int EPI, bool F16S>
 __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
-    constexpr int KB = 4;
+    constexpr int KB = STOKE_INT4_SWAP_KB;
     __shared__ float red[WARPS * 16 * RED_PITCH];
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -575,7 +584,7 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 }
 
 #define INT4_GEMM_SWAP_ENTRY(NAME, EPI, F16S)                                                 \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) NAME(const Int4GemmParams p) { \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, STOKE_INT4_SWAP_MIN_CTAS) NAME(const Int4GemmParams p) { \
         int4_gemm_swap<EPI, F16S>(p);                                                         \
     }
 

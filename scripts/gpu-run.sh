@@ -9,6 +9,9 @@
 #   attention-profile [SHAPE --batch B --ctx C]: the same for decode attention
 #          (OUTDIR/ncu-attention-profile.txt), every format, both P V orientations
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
+#   Kernel variants: with STOKE_KERNEL_VARIANTS='NAME=V,NAME2=V2;NAME=V3' the int4 and
+#          attention benchmarks also time each variant (NVRTC defines; the knobs are at the
+#          top of each kernel file) beside the shipped kernels, rows tagged "defines".
 #   llama: the SmolLM2 prefill/decode baseline alone (needs the model in STOKE_MODEL_CACHE)
 set -uo pipefail
 out=${1:?usage: gpu-run.sh OUTDIR [test|bench|all|llama]}

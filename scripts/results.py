@@ -45,6 +45,23 @@ def merge_kernel_run(run, key, peer_file, peer_key):
             key: result[key], peer_key: load(run, peer_file) or []}
 
 
+def render_variants(w, runs, key, label):
+    """Rows timed with a kernel variant (NVRTC defines, `STOKE_KERNEL_VARIANTS`) beside the
+    shipped kernel's row of the same point."""
+    variants = [r for r in runs if r.get("defines")]
+    if not variants:
+        return
+    base = {key(r): r for r in runs if not r.get("defines")}
+    w(f"Kernel variants in the same run ({label}; NVRTC defines, µs against the shipped kernel):")
+    w("")
+    w("| point | defines | µs | shipped µs | ratio |")
+    w("| --- | --- | ---: | ---: | ---: |")
+    for r in variants:
+        b = base.get(key(r))
+        w(f"| {' '.join(str(x) for x in key(r))} | `{r['defines']}` | {r['us']:.1f} | " + (f"{b['us']:.1f} | {b['us'] / r['us']:.2f}x |" if b else "- | - |"))
+    w("")
+
+
 def render_attention(w, res, path):
     a = res["attention"]
     section(w, "Decode attention", res, path)
@@ -60,8 +77,8 @@ def render_attention(w, res, path):
     w("| shape | batch | ctx | BF16 µs | BF16 % copy | FP8 µs | FP8 % copy | INT4 µs | INT4 % copy | SDPA µs | SDPA % copy | BF16 vs SDPA | host µs |")
     w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     peers = {(e["shape"], e["batch"], e["ctx"]): e for e in res["torch_attention"] if "us" in e}
-    by = {(r["shape"], r["batch"], r["ctx"], r["format"]): r for r in a["runs"] if not r.get("pv_transposed")}
-    pvt = {(r["shape"], r["batch"], r["ctx"], r["format"]): r for r in a["runs"] if r.get("pv_transposed")}
+    by = {(r["shape"], r["batch"], r["ctx"], r["format"]): r for r in a["runs"] if not r.get("pv_transposed") and not r.get("defines")}
+    pvt = {(r["shape"], r["batch"], r["ctx"], r["format"]): r for r in a["runs"] if r.get("pv_transposed") and not r.get("defines")}
     for key in dict.fromkeys((r["shape"], r["batch"], r["ctx"]) for r in a["runs"]):
         f = [by.get(key + (fmt,)) for fmt in ("bf16", "fp8", "int4")]
         pe = peers.get(key)
@@ -72,6 +89,7 @@ def render_attention(w, res, path):
         host = f"{f[0]['host_us']:.1f}" if f[0] and "host_us" in f[0] else "-"
         w(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells + ps) + f" | {host} |")
     w("")
+    render_variants(w, a["runs"], lambda r: (r["shape"], r["batch"], r["ctx"], r["format"]), "decode attention")
     if pvt:
         w("The previous kernels (S = Q K^T, then O^T = V^T P^T: the `*_pvt` entry points, removed after this run) in the same run, µs (% copy):")
         w("")
@@ -174,7 +192,7 @@ def render_int4(w, res, path):
     # The default kernel and word order in the main table (the swapped-operand kernel at m <= 8
     # where the run has it, else the batched one); the others below it.
     def is_default(r):
-        if r.get("order", "KtMajor") != "KtMajor":
+        if r.get("order", "KtMajor") != "KtMajor" or r.get("defines"):
             return False
         swapped = any(o.get("variant") == "SwapAB" and o["shape"] == r["shape"] and o["m"] == r["m"] for o in b["runs"])
         return r.get("variant", "Batched") == ("SwapAB" if swapped else "Batched")
@@ -188,7 +206,7 @@ def render_int4(w, res, path):
         tb_us = f"{tb['us']:.1f}" if tb else "-"
         w(f"| {r['shape']} ({r['k']} x {r['n']}) | {r['m']} | {r['us']:.1f} | {100 * r['of_copy']:.1f}% | {ti_us} | {ti_pc} | {sp} | {tb_us} | {r['splits']} |")
     w("")
-    others = [r for r in b["runs"] if r not in default]
+    others = [r for r in b["runs"] if r not in default and not r.get("defines")]
     if others:
         w("Each kernel variant and device word order in the same run (µs; the default above is `SwapAB` at m <= 8, `Batched` beyond):")
         w("")
@@ -202,6 +220,7 @@ def render_int4(w, res, path):
             cells = [by.get((r["shape"], r["m"], v, o)) for v, o in keys]
             w(f"| {r['shape']} | {r['m']} | " + " | ".join(f"{c['us']:.1f}" if c else "-" for c in cells) + " |")
         w("")
+    render_variants(w, b["runs"], lambda r: (r["shape"], r["m"], r.get("variant", "Batched"), r.get("order", "KtMajor")), "W4A16")
     if b.get("split_sweep"):
         w("Split-count sweep at m = 1 (CTAs per 64-column slab along k; µs, best in bold; `splits` in the main table is the plan's choice):")
         w("")

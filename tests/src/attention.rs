@@ -6,6 +6,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::Arc;
+use stoke_cuda::kernels::DECODE_ATTENTION;
 use stoke_cuda::kernels::decode_attention::KvFormat;
 use stoke_cuda::kv::DeviceKvCache;
 use stoke_cuda::{DeviceBuffer, Runtime};
@@ -510,8 +511,26 @@ impl BenchStep {
 /// format: µs, cache bytes read per second, share of the same run's copy rate.
 pub fn bench(copy_gbps: f64) -> Value {
     let rt = crate::gpu().expect("GPU");
+    let (mut rows, mut regs) = (Vec::new(), Vec::new());
+    crate::bench::for_each_variant(&rt, DECODE_ATTENTION.file, |variant| {
+        bench_variant(&rt, copy_gbps, variant, &mut rows);
+        if variant.is_empty() {
+            // The shipped kernels' resources (a variant's module replaces them).
+            regs = rt
+                .loaded_reports()
+                .into_iter()
+                .filter(|(f, _)| f == DECODE_ATTENTION.file)
+                .map(|(_, r)| json!({"entry": r.entry, "registers": r.registers, "shared_bytes": r.shared_bytes, "spills": r.spill_store_bytes}))
+                .collect();
+        }
+    });
+    json!({"copy_gbps": copy_gbps, "runs": rows, "kernels": regs})
+}
+
+/// The benchmark points with the kernels as compiled now; rows of a variant carry its defines.
+fn bench_variant(rt: &Arc<Runtime>, copy_gbps: f64, variant: &str, rows: &mut Vec<Value>) {
+    let rt = rt.clone();
     let mut rng = StdRng::seed_from_u64(11);
-    let mut rows = Vec::new();
     for &(name, heads, kvh, d) in BENCH_SHAPES {
         for &(batch, ctx) in BENCH_POINTS {
             for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int4] {
@@ -542,19 +561,16 @@ pub fn bench(copy_gbps: f64) -> Value {
                     format.name(),
                     100.0 * gbps / copy_gbps
                 );
-                rows.push(json!({"shape": name, "heads": heads, "kv_heads": kvh, "d": d, "batch": batch, "ctx": ctx,
+                let mut row = json!({"shape": name, "heads": heads, "kv_heads": kvh, "d": d, "batch": batch, "ctx": ctx,
                 "format": format.name(), "block": block, "us": us, "host_us": host_us, "bytes": bytes, "gbps": gbps,
-                "of_copy": gbps / copy_gbps, "copies": copies}));
+                "of_copy": gbps / copy_gbps, "copies": copies});
+                if !variant.is_empty() {
+                    row["defines"] = json!(variant);
+                }
+                rows.push(row);
             }
         }
     }
-    let regs: Vec<Value> = rt
-        .loaded_reports()
-        .into_iter()
-        .filter(|(f, _)| f == "decode_attention.cu")
-        .map(|(_, r)| json!({"entry": r.entry, "registers": r.registers, "shared_bytes": r.shared_bytes, "spills": r.spill_store_bytes}))
-        .collect();
-    json!({"copy_gbps": copy_gbps, "runs": rows, "kernels": regs})
 }
 
 /// A few decode-attention launches to run under a profiler (`ncu`): the named benchmark shape

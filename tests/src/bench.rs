@@ -21,6 +21,39 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Kernel variants a benchmark times: first the shipped kernels (no defines), then each entry
+/// of `STOKE_KERNEL_VARIANTS`, `;`-separated lists of `,`-separated NVRTC defines (for
+/// example `STOKE_ATTN_TILES_INT4=2,STOKE_ATTN_MIN_CTAS=3;STOKE_ATTN_TILES_INT4=3`; the knobs
+/// are at the top of each kernel file). Returns (label, defines); the label of the shipped
+/// kernels is empty.
+pub(crate) fn kernel_variants() -> Vec<(String, Vec<String>)> {
+    parse_variants(std::env::var("STOKE_KERNEL_VARIANTS").ok().as_deref())
+}
+
+fn parse_variants(list: Option<&str>) -> Vec<(String, Vec<String>)> {
+    let mut v = vec![(String::new(), Vec::new())];
+    for item in list.unwrap_or("").split(';').map(str::trim) {
+        if !item.is_empty() {
+            let defines = item.split(',').map(|d| d.trim().to_string()).collect();
+            v.push((item.to_string(), defines));
+        }
+    }
+    v
+}
+
+/// Times `body` for each of [`kernel_variants`] with `file` compiled accordingly (restoring the
+/// shipped kernels afterwards); `body` gets the variant's label.
+pub(crate) fn for_each_variant(rt: &Runtime, file: &'static str, mut body: impl FnMut(&str)) {
+    for (label, defines) in kernel_variants() {
+        rt.set_defines(file, &defines);
+        if !label.is_empty() {
+            println!("kernel variant {file}: {label}");
+        }
+        body(&label);
+    }
+    rt.set_defines(file, &[]);
+}
+
 /// Median over `reps` of the mean µs per iteration of `body`, timed with events on Stoke's stream.
 pub(crate) fn time_events(
     rt: &Runtime,
@@ -413,4 +446,21 @@ pub fn all() -> Result<Value, String> {
             "stack_bytes": r.stack_bytes, "spill_store_bytes": r.spill_store_bytes, "spill_load_bytes": r.spill_load_bytes,
         })).collect::<Vec<_>>(),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_variants;
+
+    #[test]
+    fn kernel_variants_parse() {
+        assert_eq!(parse_variants(None), vec![(String::new(), vec![])]);
+        let v = parse_variants(Some("A=1, B=2; ;C=3"));
+        assert_eq!(v.len(), 3);
+        assert_eq!(
+            v[1],
+            ("A=1, B=2".to_string(), vec!["A=1".into(), "B=2".into()])
+        );
+        assert_eq!(v[2], ("C=3".to_string(), vec!["C=3".into()]));
+    }
 }

@@ -6,6 +6,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
+use stoke_cuda::kernels::INT4_GEMM;
 use stoke_cuda::kernels::int4_gemm::{Epilogue, WordOrder};
 use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::bf16;
@@ -293,9 +294,34 @@ pub fn bench(copy_gbps: f64) -> Value {
     let all = std::env::var("STOKE_INT4_BENCH").as_deref() == Ok("all");
     let orders: &[WordOrder] = if all { &ORDERS } else { &[WordOrder::KtMajor] };
     let rt = crate::gpu().expect("GPU");
+    let (mut rows, mut sweep, mut regs) = (Vec::new(), Vec::new(), Vec::new());
+    crate::bench::for_each_variant(&rt, INT4_GEMM.file, |variant| {
+        bench_variant(&rt, copy_gbps, orders, all, variant, &mut rows, &mut sweep);
+        if variant.is_empty() {
+            // The shipped kernels' resources (a variant's module replaces them).
+            regs = rt
+                .loaded_reports()
+                .into_iter()
+                .filter(|(f, _)| f == INT4_GEMM.file)
+                .map(|(_, r)| json!({"entry": r.entry, "registers": r.registers, "shared_bytes": r.shared_bytes, "spills": r.spill_store_bytes}))
+                .collect();
+        }
+    });
+    json!({ "copy_gbps": copy_gbps, "runs": rows, "split_sweep": sweep, "kernels": regs })
+}
+
+/// The benchmark with the kernels as compiled now; rows of a variant carry its defines.
+fn bench_variant(
+    rt: &Arc<Runtime>,
+    copy_gbps: f64,
+    orders: &[WordOrder],
+    all: bool,
+    variant: &str,
+    rows: &mut Vec<Value>,
+    sweep: &mut Vec<Value>,
+) {
+    let rt = rt.clone();
     let mut rng = StdRng::seed_from_u64(7);
-    let mut rows = Vec::new();
-    let mut sweep = Vec::new();
     for &(name, k, n) in BENCH_SHAPES {
         let weights: Vec<Vec<DeviceInt4>> = orders
             .iter()
@@ -333,7 +359,7 @@ pub fn bench(copy_gbps: f64) -> Value {
                             128,
                             false,
                             Epilogue::Plain,
-                            rt.sm_count,
+                            &stoke_cuda::int4::resident_slots(&rt),
                             splits,
                             swap_ab,
                         )
@@ -349,9 +375,13 @@ pub fn bench(copy_gbps: f64) -> Value {
                         100.0 * gbps / copy_gbps,
                         launch.splits
                     );
-                    rows.push(json!({"variant": if swap_ab { "SwapAB" } else { "Batched" }, "order": format!("{:?}", dw.order), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
+                    let mut row = json!({"variant": if swap_ab { "SwapAB" } else { "Batched" }, "order": format!("{:?}", dw.order), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
                         "host_us": host_us, "weight_bytes": dw.bytes(), "weight_copies": dws.len(), "gbps": gbps, "of_copy": gbps / copy_gbps,
-                        "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1]}));
+                        "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1]});
+                    if !variant.is_empty() {
+                        row["defines"] = json!(variant);
+                    }
+                    rows.push(row);
                     if m != 1 || !all {
                         continue;
                     }
@@ -385,13 +415,6 @@ pub fn bench(copy_gbps: f64) -> Value {
             }
         }
     }
-    let regs: Vec<Value> = rt
-        .loaded_reports()
-        .into_iter()
-        .filter(|(f, _)| f == "int4_gemm.cu")
-        .map(|(_, r)| json!({"entry": r.entry, "registers": r.registers, "shared_bytes": r.shared_bytes, "spills": r.spill_store_bytes}))
-        .collect();
-    json!({ "copy_gbps": copy_gbps, "runs": rows, "split_sweep": sweep, "kernels": regs })
 }
 
 /// A few W4A16 launches to run under a profiler (`ncu`): for each of the named shapes at

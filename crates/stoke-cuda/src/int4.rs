@@ -1,7 +1,9 @@
 //! Packed INT4 weights on the GPU and the W4A16 GEMM call (`kernels/int4_gemm.cu`).
 
 use crate::kernels::INT4_GEMM;
-use crate::kernels::int4_gemm::{Epilogue, Int4GemmParams, WordOrder, plan};
+use crate::kernels::int4_gemm::{
+    Epilogue, Int4GemmParams, WARPS, WordOrder, launch_bound_ctas, launch_bound_slots, plan,
+};
 use crate::{DeviceBuffer, Error, LaunchShape, Result, Runtime};
 use std::sync::Arc;
 
@@ -71,7 +73,7 @@ impl DeviceInt4 {
             group as u32,
             f16_scales,
             Epilogue::Plain,
-            rt.sm_count,
+            &launch_bound_slots(rt.sm_count),
             0,
             false,
         )
@@ -153,6 +155,17 @@ pub fn swap_ab_default() -> bool {
     *V.get_or_init(|| std::env::var("STOKE_INT4_SWAP_AB").as_deref() != Ok("0"))
 }
 
+/// Resident CTAs of a W4A16 entry point on the whole GPU, from the occupancy calculator (the
+/// launch bounds' expectation if the kernel can't be loaded; the launch reports that error).
+pub fn resident_slots(rt: &Arc<Runtime>) -> impl Fn(&'static str) -> u32 + '_ {
+    move |entry| {
+        rt.kernel(&INT4_GEMM, entry)
+            .and_then(|k| rt.resident_ctas(&k, WARPS * 32))
+            .unwrap_or_else(|_| launch_bound_ctas(entry))
+            * rt.sm_count
+    }
+}
+
 /// Queues `out = epilogue(x @ w)` on Stoke's stream (one launch per 32 rows).
 ///
 /// # Safety
@@ -174,7 +187,7 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         w.group,
         w.f16_scales,
         call.epilogue,
-        rt.sm_count,
+        &resident_slots(rt),
         call.splits,
         call.swap_ab,
     )

@@ -7,8 +7,8 @@
 
 use crate::kernels::DECODE_ATTENTION;
 use crate::kernels::decode_attention::{
-    ATTN_THREADS, AppendParams, AttnParams, CombineParams, KvCacheParams, KvFormat,
-    attn_ctas_per_sm, attn_entry, check_shape, combine_entry, split_plan,
+    ATTN_THREADS, AppendParams, AttnParams, CombineParams, KvCacheParams, KvFormat, attn_entry,
+    check_shape, combine_entry, split_plan,
 };
 use crate::{DeviceBuffer, Error, LaunchShape, Result, Runtime};
 use std::sync::Arc;
@@ -188,7 +188,8 @@ impl DeviceKvCache {
         if batch == 0 {
             return Ok(());
         }
-        let ctas = attn_ctas_per_sm(self.format);
+        let kernel = rt.kernel(&DECODE_ATTENTION, attn_entry(self.format, self.d))?;
+        let ctas = rt.resident_ctas(&kernel, ATTN_THREADS)?;
         let (chunk, splits) = split_plan(batch, self.kv_heads, max_len, rt.sm_count, ctas);
         let items = batch as usize * heads as usize * splits as usize;
         let part_o = rt.alloc(items * self.d as usize * 4)?;
@@ -207,7 +208,6 @@ impl DeviceKvCache {
             block: self.block,
             scale: 1.0 / (self.d as f32).sqrt(),
         };
-        let kernel = rt.kernel(&DECODE_ATTENTION, attn_entry(self.format, self.d))?;
         let shape = LaunchShape {
             grid: (splits, self.kv_heads, batch),
             block: (ATTN_THREADS, 1, 1),

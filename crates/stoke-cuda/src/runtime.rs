@@ -58,6 +58,11 @@ pub struct Runtime {
     pub shared_optin: u32,
     modules: Mutex<HashMap<&'static str, (Arc<CudaModule>, Vec<CompileReport>)>>,
     functions: Mutex<HashMap<(&'static str, &'static str), Kernel>>,
+    /// Preprocessor defines (`NAME=VALUE`) a kernel file is compiled with: none by default;
+    /// benchmarks set them to time kernel variants (`set_defines`).
+    defines: Mutex<HashMap<&'static str, Vec<String>>>,
+    /// Resident CTAs per SM by (entry point, threads per CTA), from the occupancy calculator.
+    occupancy: Mutex<HashMap<(&'static str, u32), u32>>,
     /// Borrowed allocations kept alive until the event after their last use completes.
     in_flight: Mutex<VecDeque<(CudaEvent, Box<dyn Any + Send>)>>,
     /// Buffers returned by dropped `DeviceBuffer`s, by size, for reuse without a driver call.
@@ -131,6 +136,8 @@ impl Runtime {
             shared_optin,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            defines: Mutex::new(HashMap::new()),
+            occupancy: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(VecDeque::new()),
             poison: Default::default(),
             pool: Mutex::new(HashMap::new()),
@@ -156,8 +163,12 @@ impl Runtime {
         let mut modules = self.modules.lock().unwrap();
         if !modules.contains_key(src.file) {
             let t0 = std::time::Instant::now();
+            let defines: Vec<String> = (self.defines.lock().unwrap().get(src.file))
+                .map(|d| d.iter().map(|d| format!("-D{d}")).collect())
+                .unwrap_or_default();
+            let options: Vec<&str> = defines.iter().map(String::as_str).collect();
             let (cubin, report, cached) =
-                crate::compile_cubin(src.file, src.source, &self.arch, &[])?;
+                crate::compile_cubin(src.file, src.source, &self.arch, &options)?;
             self.bind()?;
             let module = self
                 .ctx
@@ -407,6 +418,39 @@ impl Runtime {
             *z = (ptr, size);
         }
         Ok(z.0)
+    }
+
+    /// Compiles kernel file `file` with these preprocessor defines (`NAME=VALUE`) from now on:
+    /// its loaded module and functions are dropped, so the next [`Runtime::kernel`] call builds
+    /// the variant (cached on disk under its options). For benchmarks that time kernel variants
+    /// in one process; an empty list restores the shipped kernels.
+    pub fn set_defines(&self, file: &'static str, defines: &[String]) {
+        self.defines.lock().unwrap().insert(file, defines.to_vec());
+        let mut modules = self.modules.lock().unwrap();
+        modules.remove(file);
+        self.functions
+            .lock()
+            .unwrap()
+            .retain(|(f, _), _| *f != file);
+        self.occupancy.lock().unwrap().clear();
+    }
+
+    /// Resident CTAs per SM of `kernel` launched with `block_threads` threads and no dynamic
+    /// shared memory: the occupancy calculator over its registers, shared memory and launch
+    /// bounds (cached). Launch plans size their grids by it.
+    pub fn resident_ctas(&self, kernel: &Kernel, block_threads: u32) -> Result<u32> {
+        let key = (kernel.entry, block_threads);
+        if let Some(n) = self.occupancy.lock().unwrap().get(&key) {
+            return Ok(*n);
+        }
+        self.bind()?;
+        let n = kernel
+            .func
+            .occupancy_max_active_blocks_per_multiprocessor(block_threads, 0, None)
+            .call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?
+            .max(1);
+        self.occupancy.lock().unwrap().insert(key, n);
+        Ok(n)
     }
 
     /// Poisons every buffer allocated from now on (see the field's docs).

@@ -135,11 +135,6 @@ pub fn check_shape(heads: u32, kv_heads: u32, d: u32, block: u32) -> Result<(), 
     Ok(())
 }
 
-/// Resident attention CTAs per SM: 2 (the kernels use 165-230 registers at d = 128).
-pub fn attn_ctas_per_sm(_format: KvFormat) -> u32 {
-    2
-}
-
 /// Keys per split-KV CTA for contexts up to `max_len`: returns (chunk, splits). The first split
 /// count (chunks a multiple of 64 keys, one 16-key tile per warp) whose `batch * kv_heads *
 /// splits` CTAs fill their last wave of resident CTAs at least 85%; else the finest split

@@ -148,14 +148,23 @@ impl Epilogue {
 pub const WARPS: u32 = 4;
 /// Most rows one launch handles.
 pub const MAX_ROWS: u32 = 32;
-/// Resident CTAs per SM of each row tile (index 0, 1, 2 for 8, 16, 32 rows; 3 for the swapped
-/// m <= 8 kernel): the launch bounds of the entry points.
-fn ctas_per_sm(mt: usize) -> u32 {
-    match mt {
-        2 => 2,
-        3 => 4,
-        _ => 3,
+/// Resident CTAs per SM an entry point's launch bounds ask for (m32: 2, swapped: 4, else 3).
+/// The runtime plans with the occupancy calculator instead ([`crate::Runtime::resident_ctas`]);
+/// this is the expectation for code without a GPU (shape checks, tests).
+pub fn launch_bound_ctas(entry: &str) -> u32 {
+    if entry.starts_with("int4_gemm_swap_") {
+        4
+    } else if entry.ends_with("_m32") {
+        2
+    } else {
+        3
     }
+}
+
+/// Resident CTAs on a whole GPU of `sm_count` SMs by the launch bounds (see
+/// [`launch_bound_ctas`]).
+pub fn launch_bound_slots(sm_count: u32) -> impl Fn(&'static str) -> u32 {
+    move |entry| launch_bound_ctas(entry) * sm_count
 }
 
 /// One launch: entry point, grid, block, and the plan fields of its params.
@@ -185,8 +194,8 @@ fn gcd(a: u32, b: u32) -> u32 {
     if b == 0 { a } else { gcd(b, a % b) }
 }
 
-/// The launches for `x [m, k] @ W [k, n]` with `group`-row scale groups on a GPU of
-/// `sm_count` SMs: one per 32-row chunk of `m`.
+/// The launches for `x [m, k] @ W [k, n]` with `group`-row scale groups on a GPU that holds
+/// `slots(entry)` resident CTAs of an entry point at once: one launch per 32-row chunk of `m`.
 ///
 /// Split-K: the k range is dealt out in fold units (`fold_kt` 16-row k-tiles, dividing both
 /// the group and 8); a 64-column slab gets as many CTAs along k as fit in one wave of resident
@@ -202,7 +211,7 @@ pub fn plan(
     group: u32,
     f16_scales: bool,
     epilogue: Epilogue,
-    sm_count: u32,
+    slots: &dyn Fn(&'static str) -> u32,
     splits: u32,
     swap_ab: bool,
 ) -> Result<Vec<Launch>, ShapeError> {
@@ -230,13 +239,20 @@ pub fn plan(
             9..=16 => 1,
             _ => 2,
         };
+        // ENTRY_POINTS runs epilogue, scale type, m-tile, then the swapped kernels by epilogue
+        // and scale type (the test below checks).
+        let entry = if mt == 3 {
+            ENTRY_POINTS[18 + epilogue.index() * 2 + usize::from(f16_scales)]
+        } else {
+            ENTRY_POINTS[epilogue.index() * 6 + usize::from(f16_scales) * 3 + mt]
+        };
         let splits = if explicit > 0 {
             explicit.min(units.div_ceil(WARPS)).clamp(1, 65535)
         } else {
             // One wave of resident CTAs, each warp at least two fold units; the swapped kernel
             // may go to one unit per warp when that deals the units out exactly (8B o-proj:
             // 7.97 us at 8 splits against 9.25 us at 4, results/experiments/h200-int4-orders-splits-9413a06.json).
-            let one_wave = ctas_per_sm(mt) * sm_count.max(1) / slabs;
+            let one_wave = slots(entry) / slabs;
             let exact_single = mt == 3
                 && one_wave > 1
                 && one_wave * WARPS <= units
@@ -246,13 +262,6 @@ pub fn plan(
             } else {
                 one_wave.clamp(1, (units / (2 * WARPS)).max(1))
             }
-        };
-        // ENTRY_POINTS runs epilogue, scale type, m-tile, then the swapped kernels by epilogue
-        // and scale type (the test below checks).
-        let entry = if mt == 3 {
-            ENTRY_POINTS[18 + epilogue.index() * 2 + usize::from(f16_scales)]
-        } else {
-            ENTRY_POINTS[epilogue.index() * 6 + usize::from(f16_scales) * 3 + mt]
         };
         out.push(Launch {
             entry,
@@ -293,9 +302,31 @@ mod tests {
                         ENTRY_POINTS[e * 6 + s * 3 + r],
                         format!("int4_gemm_{}_{sc}_m{rows}", epi.name())
                     );
-                    let l = plan(rows, 64, 64, 32, s == 1, epi, 132, 0, false).unwrap();
+                    let l = plan(
+                        rows,
+                        64,
+                        64,
+                        32,
+                        s == 1,
+                        epi,
+                        &launch_bound_slots(132),
+                        0,
+                        false,
+                    )
+                    .unwrap();
                     assert_eq!(l[0].entry, ENTRY_POINTS[e * 6 + s * 3 + r]);
-                    let l = plan(rows, 64, 64, 32, s == 1, epi, 132, 0, true).unwrap();
+                    let l = plan(
+                        rows,
+                        64,
+                        64,
+                        32,
+                        s == 1,
+                        epi,
+                        &launch_bound_slots(132),
+                        0,
+                        true,
+                    )
+                    .unwrap();
                     if rows <= 8 {
                         assert_eq!(l[0].entry, format!("int4_gemm_swap_{}_{sc}", epi.name()));
                     } else {
@@ -305,9 +336,31 @@ mod tests {
             }
         }
         // An explicit split count is kept, up to one warp per fold unit.
-        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, 132, 3, false).unwrap();
+        let l = plan(
+            1,
+            4096,
+            4096,
+            128,
+            false,
+            Epilogue::Plain,
+            &launch_bound_slots(132),
+            3,
+            false,
+        )
+        .unwrap();
         assert_eq!(l[0].splits, 3);
-        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, 132, 99, false).unwrap();
+        let l = plan(
+            1,
+            4096,
+            4096,
+            128,
+            false,
+            Epilogue::Plain,
+            &launch_bound_slots(132),
+            99,
+            false,
+        )
+        .unwrap();
         assert_eq!(l[0].splits, 8);
     }
 
@@ -358,7 +411,18 @@ mod tests {
                 .into_iter()
                 .flat_map(|m| [(m, false), (m, true)])
             {
-                let plan = plan(m, k, n, group, false, Epilogue::Plain, 132, 0, swap).unwrap();
+                let plan = plan(
+                    m,
+                    k,
+                    n,
+                    group,
+                    false,
+                    Epilogue::Plain,
+                    &launch_bound_slots(132),
+                    0,
+                    swap,
+                )
+                .unwrap();
                 let covered: u32 = plan.iter().map(|l| l.rows).sum();
                 assert_eq!(covered, m);
                 for (i, l) in plan.iter().enumerate() {
@@ -381,13 +445,59 @@ mod tests {
             }
         }
         // A big square matrix is split along k up to one wave of CTAs, two units per warp.
-        let l = plan(1, 4096, 4096, 128, false, Epilogue::Plain, 132, 0, false).unwrap()[0];
+        let l = plan(
+            1,
+            4096,
+            4096,
+            128,
+            false,
+            Epilogue::Plain,
+            &launch_bound_slots(132),
+            0,
+            false,
+        )
+        .unwrap()[0];
         assert_eq!((l.fold_kt, l.splits), (8, 4));
-        let l = plan(1, 576, 576, 64, true, Epilogue::SwiGlu, 132, 0, false).unwrap()[0];
+        let l = plan(
+            1,
+            576,
+            576,
+            64,
+            true,
+            Epilogue::SwiGlu,
+            &launch_bound_slots(132),
+            0,
+            false,
+        )
+        .unwrap()[0];
         assert_eq!(l.entry, "int4_gemm_swiglu_f16s_m8");
-        let l = plan(20, 576, 576, 64, false, Epilogue::Residual, 132, 0, true).unwrap();
+        let l = plan(
+            20,
+            576,
+            576,
+            64,
+            false,
+            Epilogue::Residual,
+            &launch_bound_slots(132),
+            0,
+            true,
+        )
+        .unwrap();
         assert_eq!(l[0].entry, "int4_gemm_residual_bf16s_m32");
-        let bad = |k, n, g| plan(1, k, n, g, false, Epilogue::Plain, 132, 0, false).is_err();
+        let bad = |k, n, g| {
+            plan(
+                1,
+                k,
+                n,
+                g,
+                false,
+                Epilogue::Plain,
+                &launch_bound_slots(132),
+                0,
+                false,
+            )
+            .is_err()
+        };
         assert!(bad(100, 64, 16) && bad(128, 96, 16) && bad(128, 64, 48));
     }
 }
