@@ -69,6 +69,11 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_SWAP_MIN_CTAS
 #define STOKE_INT4_SWAP_MIN_CTAS 4
 #endif
+// 1: the warps of a CTA take its fold units in turn (unit u to warp u % 4), so they stream
+// neighbouring units at the same time, instead of one contiguous quarter each.
+#ifndef STOKE_INT4_SWAP_INTERLEAVE
+#define STOKE_INT4_SWAP_INTERLEAVE 0
+#endif
 
 __device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
@@ -480,8 +485,16 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     const u32 g = lane >> 2, t = lane & 3;
     const u32 fkt = p.fold_kt;
     const bool sym = p.offsets == nullptr;
+    // The warp's units: u_begin, u_begin + USTEP, ... below u_end.
+    constexpr u32 USTEP = STOKE_INT4_SWAP_INTERLEAVE ? WARPS : 1;
     u32 u_begin, u_end;
-    warp_units(p, warp, u_begin, u_end);
+    if (USTEP == 1) {
+        warp_units(p, warp, u_begin, u_end);
+    } else {
+        const u32 units = p.k / 16 / fkt;
+        u_begin = u32(u64(units) * blockIdx.y / p.splits) + warp;
+        u_end = u32(u64(units) * (blockIdx.y + 1) / p.splits);
+    }
     // x row g (row m - 1 past the end: its results land in rows never stored).
     const u32* xr = static_cast<const u32*>(p.x) + u64(min(g, p.m - 1)) * (p.k / 2) + u_begin * fkt * 8 + t;
     const uint4* wp = static_cast<const uint4*>(p.words) +
@@ -509,10 +522,11 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     GroupWalk gw(p, u_begin);
     u32 d[8], m[8];
     if (u_begin < u_end) load_scales(gw.row, d, m);
-    for (u32 u = u_begin; u < u_end; ++u) {
+    for (u32 u = u_begin; u < u_end; u += USTEP) {
         u32 dn[8], mn[8];
-        gw.next();
-        if (u + 1 < u_end) load_scales(gw.row, dn, mn);
+#pragma unroll
+        for (u32 i = 0; i < USTEP; ++i) gw.next();
+        if (u + USTEP < u_end) load_scales(gw.row, dn, mn);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -568,6 +582,10 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
         for (int i = 0; i < 8; ++i) {
             d[i] = dn[i];
             m[i] = mn[i];
+        }
+        if (USTEP > 1) {  // skip the other warps' units
+            wp += u64(USTEP - 1) * fkt * wstep;
+            xr += (USTEP - 1) * fkt * 8;
         }
     }
     // Rows 2t, 2t + 1 of columns 16 j + g, 16 j + 8 + g into the reduction buffer (rows 8-15

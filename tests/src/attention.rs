@@ -235,6 +235,11 @@ const KERNEL_TOLERANCE: f64 = 5e-3;
 /// quantizer; and the outlier experiment with and without the rotation.
 pub fn decode_attention_matches_reference() -> Result<Value, String> {
     let rt = crate::gpu()?;
+    crate::bench::test_each_variant(&rt, DECODE_ATTENTION.file, attention_matches_reference)
+}
+
+fn attention_matches_reference() -> Result<Value, String> {
+    let rt = crate::gpu()?;
     rt.set_poison_allocations(true);
     let seed = crate::seed();
     let mut rng = StdRng::seed_from_u64(seed);

@@ -54,6 +54,36 @@ pub(crate) fn for_each_variant(rt: &Runtime, file: &'static str, mut body: impl 
     rt.set_defines(file, &[]);
 }
 
+/// A GPU test over the shipped kernels and each of [`kernel_variants`] (so a variant the
+/// benchmark times has passed the same test): the shipped kernels' report, with the variants'
+/// reports under "variants". The first failure ends it, naming the variant.
+pub(crate) fn test_each_variant(
+    rt: &Runtime,
+    file: &'static str,
+    mut test: impl FnMut() -> Result<Value, String>,
+) -> Result<Value, String> {
+    let mut report = Value::Null;
+    let mut variants = Vec::new();
+    for (label, defines) in kernel_variants() {
+        rt.set_defines(file, &defines);
+        let r = test();
+        if label.is_empty() {
+            report = r.inspect_err(|_| rt.set_defines(file, &[]))?;
+        } else {
+            let r = r.map_err(|e| {
+                rt.set_defines(file, &[]);
+                format!("kernel variant `{label}`: {e}")
+            })?;
+            variants.push(json!({"defines": label, "report": r}));
+        }
+    }
+    rt.set_defines(file, &[]);
+    if !variants.is_empty() {
+        report["variants"] = json!(variants);
+    }
+    Ok(report)
+}
+
 /// Median over `reps` of the mean µs per iteration of `body`, timed with events on Stoke's stream.
 pub(crate) fn time_events(
     rt: &Runtime,

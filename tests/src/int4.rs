@@ -138,6 +138,11 @@ const ORDERS: [WordOrder; 2] = [WordOrder::KtMajor, WordOrder::SlabMajor];
 /// data with poisoned outputs.
 pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
     let rt = crate::gpu()?;
+    crate::bench::test_each_variant(&rt, INT4_GEMM.file, gemm_matches_reference)
+}
+
+fn gemm_matches_reference() -> Result<Value, String> {
+    let rt = crate::gpu()?;
     rt.set_poison_allocations(true);
     let seed = crate::seed();
     let mut rng = StdRng::seed_from_u64(seed);
