@@ -497,9 +497,11 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     }
     const float qscale = F16 ? p.scale : 1.0f;
     const float sscale = F16 ? 1.0f : p.scale;
+    // Bytes per cache row; a lane's key pieces (KP bytes, KE values) and value pieces (VP2 bytes).
+    constexpr int KB = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
+    constexpr int KP = Piece<KB / 4>::BYTES, VP2 = FMT == FMT_BF16 ? 16 : Piece<KB / 2>::BYTES;
+    constexpr int KE = FMT == FMT_BF16 ? KP / 2 : FMT == FMT_FP8 ? KP : 2 * KP;
     // B fragments of Q^T: column g = head g, register R of the key operand <-> qa[R / 2][R % 2].
-    constexpr int KROW = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
-    constexpr int KE = FMT == FMT_BF16 ? Piece<KROW / 4>::BYTES / 2 : FMT == FMT_FP8 ? Piece<KROW / 4>::BYTES : 2 * Piece<KROW / 4>::BYTES;
     u32 qa[D / 16][2];
     float off = 0.0f;  // INT4: this lane's part of head g's offset dot product
 #pragma unroll
@@ -538,8 +540,6 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     u16* vt = reinterpret_cast<u16*>(vt_raw) + warp * VTILES * 16 * VP;
     // The lane's pointers at its warp's first tile: key row g, value row lane / 2 (its pieces),
     // the scales of key g; and where its value pieces land in the warp's BF16 tiles.
-    constexpr int KB = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
-    constexpr int KP = Piece<KB / 4>::BYTES, VP2 = FMT == FMT_BF16 ? 16 : Piece<KB / 2>::BYTES;
     constexpr u32 STEP = WARPS * 16 * TILES;  // keys between a warp's batches
     const u64 first = row0 + k0 + warp * 16 * TILES;
     const u8* kp = static_cast<const u8*>(c.k) + (first + g) * KB + t * KP;
