@@ -521,12 +521,7 @@ pub fn bench(copy_gbps: f64) -> Value {
         bench_variant(&rt, copy_gbps, variant, &mut rows);
         if variant.is_empty() {
             // The shipped kernels' resources (a variant's module replaces them).
-            regs = rt
-                .loaded_reports()
-                .into_iter()
-                .filter(|(f, _)| f == DECODE_ATTENTION.file)
-                .map(|(_, r)| json!({"entry": r.entry, "registers": r.registers, "shared_bytes": r.shared_bytes, "spills": r.spill_store_bytes}))
-                .collect();
+            regs = crate::bench::kernel_reports(&rt, DECODE_ATTENTION.file);
         }
     });
     json!({"copy_gbps": copy_gbps, "runs": rows, "kernels": regs})

@@ -54,6 +54,15 @@ pub(crate) fn for_each_variant(rt: &Runtime, file: &'static str, mut body: impl 
     rt.set_defines(file, &[]);
 }
 
+/// ptxas resources of the loaded entry points of kernel file `file` (as compiled now).
+pub(crate) fn kernel_reports(rt: &Runtime, file: &str) -> Vec<Value> {
+    rt.loaded_reports()
+        .into_iter()
+        .filter(|(f, _)| f == file)
+        .map(|(_, r)| json!({"entry": r.entry, "registers": r.registers, "shared_bytes": r.shared_bytes, "spills": r.spill_store_bytes}))
+        .collect()
+}
+
 /// A GPU test over the shipped kernels and each of [`kernel_variants`] (so a variant the
 /// benchmark times has passed the same test): the shipped kernels' report, with the variants'
 /// reports under "variants". The first failure ends it, naming the variant.

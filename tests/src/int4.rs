@@ -304,12 +304,7 @@ pub fn bench(copy_gbps: f64) -> Value {
         bench_variant(&rt, copy_gbps, orders, all, variant, &mut rows, &mut sweep);
         if variant.is_empty() {
             // The shipped kernels' resources (a variant's module replaces them).
-            regs = rt
-                .loaded_reports()
-                .into_iter()
-                .filter(|(f, _)| f == INT4_GEMM.file)
-                .map(|(_, r)| json!({"entry": r.entry, "registers": r.registers, "shared_bytes": r.shared_bytes, "spills": r.spill_store_bytes}))
-                .collect();
+            regs = crate::bench::kernel_reports(&rt, INT4_GEMM.file);
         }
     });
     json!({ "copy_gbps": copy_gbps, "runs": rows, "split_sweep": sweep, "kernels": regs })

@@ -281,6 +281,31 @@ pub fn plan(
 mod tests {
     use super::*;
 
+    /// The plan on a 132-SM H200 with the launch bounds' resident CTAs.
+    #[allow(clippy::too_many_arguments)]
+    fn plan_h200(
+        m: u32,
+        k: u32,
+        n: u32,
+        group: u32,
+        f16_scales: bool,
+        epilogue: Epilogue,
+        splits: u32,
+        swap_ab: bool,
+    ) -> Result<Vec<Launch>, ShapeError> {
+        plan(
+            m,
+            k,
+            n,
+            group,
+            f16_scales,
+            epilogue,
+            &launch_bound_slots(132),
+            splits,
+            swap_ab,
+        )
+    }
+
     #[test]
     fn params_layout_matches_c() {
         assert_eq!(std::mem::size_of::<Int4GemmParams>(), 104);
@@ -302,31 +327,9 @@ mod tests {
                         ENTRY_POINTS[e * 6 + s * 3 + r],
                         format!("int4_gemm_{}_{sc}_m{rows}", epi.name())
                     );
-                    let l = plan(
-                        rows,
-                        64,
-                        64,
-                        32,
-                        s == 1,
-                        epi,
-                        &launch_bound_slots(132),
-                        0,
-                        false,
-                    )
-                    .unwrap();
+                    let l = plan_h200(rows, 64, 64, 32, s == 1, epi, 0, false).unwrap();
                     assert_eq!(l[0].entry, ENTRY_POINTS[e * 6 + s * 3 + r]);
-                    let l = plan(
-                        rows,
-                        64,
-                        64,
-                        32,
-                        s == 1,
-                        epi,
-                        &launch_bound_slots(132),
-                        0,
-                        true,
-                    )
-                    .unwrap();
+                    let l = plan_h200(rows, 64, 64, 32, s == 1, epi, 0, true).unwrap();
                     if rows <= 8 {
                         assert_eq!(l[0].entry, format!("int4_gemm_swap_{}_{sc}", epi.name()));
                     } else {
@@ -336,31 +339,9 @@ mod tests {
             }
         }
         // An explicit split count is kept, up to one warp per fold unit.
-        let l = plan(
-            1,
-            4096,
-            4096,
-            128,
-            false,
-            Epilogue::Plain,
-            &launch_bound_slots(132),
-            3,
-            false,
-        )
-        .unwrap();
+        let l = plan_h200(1, 4096, 4096, 128, false, Epilogue::Plain, 3, false).unwrap();
         assert_eq!(l[0].splits, 3);
-        let l = plan(
-            1,
-            4096,
-            4096,
-            128,
-            false,
-            Epilogue::Plain,
-            &launch_bound_slots(132),
-            99,
-            false,
-        )
-        .unwrap();
+        let l = plan_h200(1, 4096, 4096, 128, false, Epilogue::Plain, 99, false).unwrap();
         assert_eq!(l[0].splits, 8);
     }
 
@@ -411,18 +392,7 @@ mod tests {
                 .into_iter()
                 .flat_map(|m| [(m, false), (m, true)])
             {
-                let plan = plan(
-                    m,
-                    k,
-                    n,
-                    group,
-                    false,
-                    Epilogue::Plain,
-                    &launch_bound_slots(132),
-                    0,
-                    swap,
-                )
-                .unwrap();
+                let plan = plan_h200(m, k, n, group, false, Epilogue::Plain, 0, swap).unwrap();
                 let covered: u32 = plan.iter().map(|l| l.rows).sum();
                 assert_eq!(covered, m);
                 for (i, l) in plan.iter().enumerate() {
@@ -445,59 +415,13 @@ mod tests {
             }
         }
         // A big square matrix is split along k up to one wave of CTAs, two units per warp.
-        let l = plan(
-            1,
-            4096,
-            4096,
-            128,
-            false,
-            Epilogue::Plain,
-            &launch_bound_slots(132),
-            0,
-            false,
-        )
-        .unwrap()[0];
+        let l = plan_h200(1, 4096, 4096, 128, false, Epilogue::Plain, 0, false).unwrap()[0];
         assert_eq!((l.fold_kt, l.splits), (8, 4));
-        let l = plan(
-            1,
-            576,
-            576,
-            64,
-            true,
-            Epilogue::SwiGlu,
-            &launch_bound_slots(132),
-            0,
-            false,
-        )
-        .unwrap()[0];
+        let l = plan_h200(1, 576, 576, 64, true, Epilogue::SwiGlu, 0, false).unwrap()[0];
         assert_eq!(l.entry, "int4_gemm_swiglu_f16s_m8");
-        let l = plan(
-            20,
-            576,
-            576,
-            64,
-            false,
-            Epilogue::Residual,
-            &launch_bound_slots(132),
-            0,
-            true,
-        )
-        .unwrap();
+        let l = plan_h200(20, 576, 576, 64, false, Epilogue::Residual, 0, true).unwrap();
         assert_eq!(l[0].entry, "int4_gemm_residual_bf16s_m32");
-        let bad = |k, n, g| {
-            plan(
-                1,
-                k,
-                n,
-                g,
-                false,
-                Epilogue::Plain,
-                &launch_bound_slots(132),
-                0,
-                false,
-            )
-            .is_err()
-        };
+        let bad = |k, n, g| plan_h200(1, k, n, g, false, Epilogue::Plain, 0, false).is_err();
         assert!(bad(100, 64, 16) && bad(128, 96, 16) && bad(128, 64, 48));
     }
 }
