@@ -40,7 +40,7 @@ enum Command {
         /// Benchmark shape names (e.g. 70b_gate_up 8b_down).
         shapes: Vec<String>,
     },
-    /// A few decode-attention launches (every format, both P V orientations) for a profiler.
+    /// A few decode-attention launches (every format) for a profiler.
     AttentionProfile {
         /// Benchmark shape name (8b or 70b).
         #[arg(default_value = "8b")]
