@@ -340,16 +340,7 @@ fn bench_variant(
                 }
                 for dws in &weights {
                     let dw = &dws[0];
-                    let mut call = Int4Gemm {
-                        x: xb.ptr(),
-                        m: m as u32,
-                        out: out.ptr(),
-                        epilogue: Epilogue::Plain,
-                        residual: 0,
-                        row_scale: 0,
-                        splits: 0,
-                        swap_ab,
-                    };
+                    let mut call = Int4Gemm::plain(xb.ptr(), m as u32, out.ptr(), swap_ab);
                     let bytes = dw.bytes() + m * k * 2 + m * n * 2;
                     let plan = |splits| {
                         stoke_cuda::kernels::int4_gemm::plan(
@@ -435,16 +426,7 @@ pub fn profile_launches(shapes: &[&str], m: usize) {
                 DeviceInt4::upload_ordered(&rt, (k, n, 128), false, &words, &scales, None, order)
                     .unwrap();
             for swap_ab in [false, true] {
-                let call = Int4Gemm {
-                    x: xb.ptr(),
-                    m: m as u32,
-                    out: out.ptr(),
-                    epilogue: Epilogue::Plain,
-                    residual: 0,
-                    row_scale: 0,
-                    splits: 0,
-                    swap_ab,
-                };
+                let call = Int4Gemm::plain(xb.ptr(), m as u32, out.ptr(), swap_ab);
                 for _ in 0..2 {
                     unsafe { int4_gemm(&rt, &dw, &call) }.unwrap();
                 }

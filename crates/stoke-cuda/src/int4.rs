@@ -148,6 +148,22 @@ pub struct Int4Gemm {
     pub swap_ab: bool,
 }
 
+impl Int4Gemm {
+    /// A plain-epilogue call (no residual, no row scale) with the plan's split count.
+    pub fn plain(x: u64, m: u32, out: u64, swap_ab: bool) -> Self {
+        Self {
+            x,
+            m,
+            out,
+            epilogue: Epilogue::Plain,
+            residual: 0,
+            row_scale: 0,
+            splits: 0,
+            swap_ab,
+        }
+    }
+}
+
 /// Whether the swapped-operand m <= 8 kernel is used by default: yes (it is faster on every
 /// benchmark shape, results/h200-int4.json); `STOKE_INT4_SWAP_AB=0` selects the batched kernel.
 pub fn swap_ab_default() -> bool {

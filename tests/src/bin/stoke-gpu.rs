@@ -56,6 +56,29 @@ enum Command {
     List,
 }
 
+/// One kernel's GPU test, then its benchmark beside the same run's copy rate, written to
+/// `OUT/{key}.json` under `key` (the exit status fails if either did).
+fn run_kernel(cli: &Cli, test: &str, key: &str, bench: fn(f64) -> Value) -> bool {
+    let ok = run_tests(cli, &[test.to_string()]);
+    match stoke_tests::gpu() {
+        Ok(rt) => {
+            let copy_gbps = stoke_tests::bench::copy_bandwidth(&rt);
+            println!("device-to-device copy: {copy_gbps:.0} GB/s (read + write)");
+            let v = bench(copy_gbps);
+            write(
+                &cli.out,
+                &format!("{key}.json"),
+                &json!({ "meta": meta(&cli.commit), key: v }),
+            );
+            ok
+        }
+        Err(e) => {
+            eprintln!("{key} benchmark not run: {e}");
+            false
+        }
+    }
+}
+
 fn meta(commit: &str) -> Value {
     let gpu = stoke_tests::gpu()
         .map(|rt| rt.name.clone())
@@ -158,49 +181,18 @@ fn main() -> ExitCode {
         }
         Command::Test { names } => run_tests(&cli, names),
         Command::Bench => run_bench(&cli),
-        Command::Int4 => {
-            let ok = run_tests(
-                &cli,
-                &["int4_gemm_matches_dequantized_reference".to_string()],
-            );
-            match stoke_tests::gpu() {
-                Ok(rt) => {
-                    let copy_gbps = stoke_tests::bench::copy_bandwidth(&rt);
-                    println!("device-to-device copy: {copy_gbps:.0} GB/s (read + write)");
-                    let v = stoke_tests::int4::bench(copy_gbps);
-                    write(
-                        &cli.out,
-                        "int4.json",
-                        &json!({ "meta": meta(&cli.commit), "int4": v }),
-                    );
-                    ok
-                }
-                Err(e) => {
-                    eprintln!("INT4 benchmark not run: {e}");
-                    false
-                }
-            }
-        }
-        Command::Attention => {
-            let ok = run_tests(&cli, &["decode_attention_matches_reference".to_string()]);
-            match stoke_tests::gpu() {
-                Ok(rt) => {
-                    let copy_gbps = stoke_tests::bench::copy_bandwidth(&rt);
-                    println!("device-to-device copy: {copy_gbps:.0} GB/s (read + write)");
-                    let v = stoke_tests::attention::bench(copy_gbps);
-                    write(
-                        &cli.out,
-                        "attention.json",
-                        &json!({ "meta": meta(&cli.commit), "attention": v }),
-                    );
-                    ok
-                }
-                Err(e) => {
-                    eprintln!("attention benchmark not run: {e}");
-                    false
-                }
-            }
-        }
+        Command::Int4 => run_kernel(
+            &cli,
+            "int4_gemm_matches_dequantized_reference",
+            "int4",
+            stoke_tests::int4::bench,
+        ),
+        Command::Attention => run_kernel(
+            &cli,
+            "decode_attention_matches_reference",
+            "attention",
+            stoke_tests::attention::bench,
+        ),
         Command::Int4Profile { m, shapes } => {
             let names: Vec<&str> = shapes.iter().map(String::as_str).collect();
             stoke_tests::int4::profile_launches(&names, *m);
