@@ -67,6 +67,11 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_MIN_CTAS
 #define STOKE_ATTN_MIN_CTAS 1
 #endif
+// 1: a warp's TILES load slots form a ring, each refilled with the next batch's tile as soon as
+// it has been used; 0: a batch's tiles are queued together and used before the next batch.
+#ifndef STOKE_ATTN_PIPELINE
+#define STOKE_ATTN_PIPELINE 1
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int WARPS = 4;
 constexpr int MAX_GROUP = 8;
@@ -294,6 +299,17 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 
+// Waits until at most n of the calling thread's cp.async groups are pending (n is a constant
+// after unrolling; above 3 it waits for 3, which is stricter).
+__device__ __forceinline__ void cp_async_wait(int n) {
+    switch (n) {
+        case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+        case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+        case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+        default: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    }
+}
+
 // Queues the loads of the tile at key `base`: K slices into r, V (BF16: cp.async into `tile`;
 // mirrors: into r). Rows past k1 read row k0: finite values under masked (zero) probabilities.
 template <int FMT, int D, int VP>
@@ -317,7 +333,6 @@ __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, 
         const u32 dst = static_cast<u32>(__cvta_generic_to_shared(tile + key * VP + half * 8));
 #pragma unroll
         for (int i = 0; i < D / 16; ++i) cp_async16(dst + 32 * i, src + 32 * i);
-        asm volatile("cp.async.commit_group;" ::: "memory");
     } else {
         load_pieces(static_cast<const u8*>(c.v) + row * KB + half * VP2, 2 * VP2, r.v);
         // The scales travel with their tile: loaded here, they are in flight with the codes
@@ -407,7 +422,6 @@ __device__ __forceinline__ void load_tile_fast(const u8* kp, const u8* vp, const
     if (FMT == FMT_BF16) {
 #pragma unroll
         for (int i = 0; i < D / 16; ++i) cp_async16(vdst + 32 * i, vp + ti * 16 * KB + 32 * i);
-        asm volatile("cp.async.commit_group;" ::: "memory");
     } else {
         load_pieces(vp + ti * 16 * KB, 2 * VP2, r.v);
         r.ks[0][0] = __ldg(ksp + 16 * ti);
@@ -547,22 +561,39 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     const float* ksp = F16 ? c.ks + first + g : nullptr;
     const float* vsp = F16 ? c.vs + first + g : nullptr;
     const u32 vdst = smem_u32(vt + (lane >> 1) * VP + (lane & 1) * 8);
-    for (u32 base0 = k0 + warp * 16 * TILES; base0 < k1; base0 += STEP) {
-        Raw<FMT, D> raw[TILES];
-        if (base0 + 16 * TILES <= k1) {
-#pragma unroll
-            for (int ti = 0; ti < TILES; ++ti)
-                load_tile_fast<FMT, D, VP>(kp, vp, ksp, vsp, ti, raw[ti], vdst + (FMT == FMT_BF16 ? ti : 0) * 16 * VP * 2);
-        } else {
-#pragma unroll
-            for (int ti = 0; ti < TILES; ++ti)
-                if (base0 + 16 * ti < k1) load_tile<FMT, D, VP>(c, row0, base0 + 16 * ti, k0, k1, lane, raw[ti], vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP);
-        }
+    constexpr bool RING = STOKE_ATTN_PIPELINE != 0;
+    Raw<FMT, D> raw[TILES];
+    // Queues the loads of tile ti of the batch at key bb0 into raw[ti], from the lane's pointers
+    // (at that batch). BF16 commits one cp.async group per call, empty past the end, so that a
+    // slot's group is always followed by the same number of groups.
+    auto issue = [&](int ti, u32 bb0) {
+        if (bb0 + 16 * TILES <= k1)
+            load_tile_fast<FMT, D, VP>(kp, vp, ksp, vsp, ti, raw[ti], vdst + (FMT == FMT_BF16 ? ti : 0) * 16 * VP * 2);
+        else if (bb0 + 16 * ti < k1)
+            load_tile<FMT, D, VP>(c, row0, bb0 + 16 * ti, k0, k1, lane, raw[ti], vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP);
+        if (FMT == FMT_BF16) asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    auto advance = [&]() {  // the pointers to the warp's next batch
         kp += u64(STEP) * KB;
         vp += u64(STEP) * KB;
         if (F16) {
             ksp += STEP;
             vsp += STEP;
+        }
+    };
+    // RING: a slot is refilled with the same tile of the next batch as soon as it has been used,
+    // so TILES - 1 tiles are always in flight; else a batch's TILES tiles are queued together.
+    u32 base0 = k0 + warp * 16 * TILES;
+    if (RING && base0 < k1) {
+#pragma unroll
+        for (int ti = 0; ti < TILES; ++ti) issue(ti, base0);
+        advance();
+    }
+    for (; base0 < k1; base0 += STEP) {
+        if (!RING) {
+#pragma unroll
+            for (int ti = 0; ti < TILES; ++ti) issue(ti, base0);
+            advance();
         }
 #pragma unroll
         for (int ti = 0; ti < TILES; ++ti) {
@@ -619,9 +650,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             const u32 pb1 = movmatrix_trans(pack2<F16>(pr[2] * vs1, pr[3] * vs1));
             u16* tile = vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP;
             if (FMT == FMT_BF16) {
-                const u32 issued = min(u32(TILES), (k1 - base0 + 15) / 16);
-                if (issued - ti - 1 >= 1) asm volatile("cp.async.wait_group 1;" ::: "memory");
-                else asm volatile("cp.async.wait_group 0;" ::: "memory");
+                cp_async_wait(RING ? TILES - 1 : TILES - 1 - ti);  // groups queued after this slot's
             } else {
                 codes_to_tile<FMT, D, VP>(raw[ti], lane, tile);
             }
@@ -637,7 +666,9 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                 mma16816<F16>(o[n], v0, v1, v2, v3, pb0, pb1);
             }
             __syncwarp();
+            if (RING) issue(ti, base0 + STEP);
         }
+        if (RING) advance();
     }
     // The row sums over the 8 lanes of each head.
 #pragma unroll

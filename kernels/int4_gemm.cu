@@ -69,10 +69,10 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_SWAP_MIN_CTAS
 #define STOKE_INT4_SWAP_MIN_CTAS 4
 #endif
-// 1: the warps of a CTA take its fold units in turn (unit u to warp u % 4), so they stream
-// neighbouring units at the same time, instead of one contiguous quarter each.
-#ifndef STOKE_INT4_SWAP_INTERLEAVE
-#define STOKE_INT4_SWAP_INTERLEAVE 0
+// 1: each warp's KB load slots form a ring, a slot refilled with the k-tile KB ahead as soon
+// as it has been used (KB - 1 k-tiles always in flight); 0: filled KB at a time.
+#ifndef STOKE_INT4_SWAP_PIPELINE
+#define STOKE_INT4_SWAP_PIPELINE 1
 #endif
 
 __device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
@@ -479,22 +479,16 @@ __device__ __forceinline__ u32 load_u16(const u16* p) {
 template <int EPI, bool F16S>
 __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     constexpr int KB = STOKE_INT4_SWAP_KB;
+    constexpr bool RING = STOKE_INT4_SWAP_PIPELINE != 0;
     __shared__ float red[WARPS * 16 * RED_PITCH];
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
     const u32 fkt = p.fold_kt;
     const bool sym = p.offsets == nullptr;
-    // The warp's units: u_begin, u_begin + USTEP, ... below u_end.
-    constexpr u32 USTEP = STOKE_INT4_SWAP_INTERLEAVE ? WARPS : 1;
     u32 u_begin, u_end;
-    if (USTEP == 1) {
-        warp_units(p, warp, u_begin, u_end);
-    } else {
-        const u32 units = p.k / 16 / fkt;
-        u_begin = u32(u64(units) * blockIdx.y / p.splits) + warp;
-        u_end = u32(u64(units) * (blockIdx.y + 1) / p.splits);
-    }
+    warp_units(p, warp, u_begin, u_end);
+    const u32 tiles = (u_end - u_begin) * fkt;  // the warp's k-tiles, contiguous in k
     // x row g (row m - 1 past the end: its results land in rows never stored).
     const u32* xr = static_cast<const u32*>(p.x) + u64(min(g, p.m - 1)) * (p.k / 2) + u_begin * fkt * 8 + t;
     const uint4* wp = static_cast<const uint4*>(p.words) +
@@ -507,7 +501,8 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[j][c] = 0.0f;
+        for (int c = 0; c < 4; ++c) acc[j][c] = part[j][c] = 0.0f;
+    float sx = 0.0f;  // sum of x row g over the lane's k of the current unit
     // The lane's columns: 16 j + g (h = 0) and 16 j + 8 + g (h = 1).
     const u16* s16 = static_cast<const u16*>(p.scales) + blockIdx.x * 64 + g;
     const u16* o16 = static_cast<const u16*>(p.offsets) + blockIdx.x * 64 + g;
@@ -519,73 +514,79 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
             m[i] = sym ? 0u : load_u16(o16 + idx);
         }
     };
+    // Scales of the current unit (d, m) and of the next one (dn, mn), in flight a unit ahead.
     GroupWalk gw(p, u_begin);
-    u32 d[8], m[8];
+    u32 d[8], m[8], dn[8], mn[8];
     if (u_begin < u_end) load_scales(gw.row, d, m);
-    for (u32 u = u_begin; u < u_end; u += USTEP) {
-        u32 dn[8], mn[8];
+    gw.next();
+    if (u_begin + 1 < u_end) load_scales(gw.row, dn, mn);
+    u32 unit = u_begin, in_unit = 0;
+
+    // KB slots of loads (a 16 x 64 weight strip and the x fragment per k-tile). RING: a slot is
+    // refilled with the k-tile KB ahead as soon as it has been used, so KB - 1 k-tiles are always
+    // in flight; else the slots are filled KB at a time and used before the next batch is asked.
+    uint4 w[KB];
+    u32 b0[KB], b1[KB];
+    auto fill = [&](int s) {
+        w[s] = load_stream(wp, policy);
+        wp += wstep;
+        b0[s] = load_u32(xr);
+        b1[s] = load_u32(xr + 4);
+        xr += 8;
+    };
+    if (RING) {
 #pragma unroll
-        for (u32 i = 0; i < USTEP; ++i) gw.next();
-        if (u + USTEP < u_end) load_scales(gw.row, dn, mn);
+        for (int s = 0; s < KB; ++s)
+            if (u32(s) < tiles) fill(s);
+    }
+    for (u32 i0 = 0; i0 < tiles; i0 += KB) {
+        if (!RING) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) part[j][c] = 0.0f;
-        float sx = 0.0f;  // sum of x row g over the lane's k of this unit
-        for (u32 i0 = 0; i0 < fkt; i0 += KB) {
-            const u32 nb = min(u32(KB), fkt - i0);
-            uint4 w[KB];
-            u32 b0[KB], b1[KB];
-#pragma unroll
-            for (int i = 0; i < KB; ++i) {
-                if (i < nb) {
-                    w[i] = load_stream(wp, policy);
-                    wp += wstep;
-                    b0[i] = load_u32(xr + 8 * i);
-                    b1[i] = load_u32(xr + 8 * i + 4);
-                }
-            }
-            xr += 8 * nb;
-#pragma unroll
-            for (int i = 0; i < KB; ++i) {
-                if (i < nb) {
-                    const u32 words[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const u32 a0 = nibble_pair<0>(words[j]), a2 = nibble_pair<1>(words[j]);
-                        const u32 a1 = nibble_pair<2>(words[j]), a3 = nibble_pair<3>(words[j]);
-                        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-                            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                            : "+f"(part[j][0]), "+f"(part[j][1]), "+f"(part[j][2]), "+f"(part[j][3])
-                            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0[i]), "r"(b1[i]));
-                    }
-                    sx += (bf16_lo(b0[i]) + bf16_hi(b0[i])) + (bf16_lo(b1[i]) + bf16_hi(b1[i]));
-                }
-            }
+            for (int s = 0; s < KB; ++s)
+                if (i0 + s < tiles) fill(s);
         }
-        // Fold: S of x rows 2t and 2t + 1 (row g's sum is complete after adding the 4 lanes of
-        // group g; lane 4 r holds row r's).
-        sx += __shfl_xor_sync(0xffffffffu, sx, 1);
-        sx += __shfl_xor_sync(0xffffffffu, sx, 2);
-        const float s0 = __shfl_sync(0xffffffffu, sx, 8 * t), s1 = __shfl_sync(0xffffffffu, sx, 8 * t + 4);
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int s = 0; s < KB; ++s) {
+            if (i0 + s >= tiles) break;
+            const u32 words[4] = {w[s].x, w[s].y, w[s].z, w[s].w};
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float dv, mv;
-                fold_coeffs<F16S>(d[2 * j + h], m[2 * j + h], sym, dv, mv);
-                // c[2h] (x row 2t) and c[2h + 1] (x row 2t + 1) of column 16 j + 8 h + g.
-                acc[j][2 * h] = fmaf(dv, part[j][2 * h], fmaf(mv, s0, acc[j][2 * h]));
-                acc[j][2 * h + 1] = fmaf(dv, part[j][2 * h + 1], fmaf(mv, s1, acc[j][2 * h + 1]));
+            for (int j = 0; j < 4; ++j) {
+                const u32 a0 = nibble_pair<0>(words[j]), a2 = nibble_pair<1>(words[j]);
+                const u32 a1 = nibble_pair<2>(words[j]), a3 = nibble_pair<3>(words[j]);
+                asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                    "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                    : "+f"(part[j][0]), "+f"(part[j][1]), "+f"(part[j][2]), "+f"(part[j][3])
+                    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0[s]), "r"(b1[s]));
             }
+            sx += (bf16_lo(b0[s]) + bf16_hi(b0[s])) + (bf16_lo(b1[s]) + bf16_hi(b1[s]));
+            if (RING && i0 + s + KB < tiles) fill(s);
+            if (++in_unit < fkt) continue;
+            // The unit is complete. Fold: S of x rows 2t and 2t + 1 (row g's sum is complete
+            // after adding the 4 lanes of group g; lane 4 r holds row r's).
+            in_unit = 0;
+            sx += __shfl_xor_sync(0xffffffffu, sx, 1);
+            sx += __shfl_xor_sync(0xffffffffu, sx, 2);
+            const float s0 = __shfl_sync(0xffffffffu, sx, 8 * t), s1 = __shfl_sync(0xffffffffu, sx, 8 * t + 4);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            d[i] = dn[i];
-            m[i] = mn[i];
-        }
-        if (USTEP > 1) {  // skip the other warps' units
-            wp += u64(USTEP - 1) * fkt * wstep;
-            xr += (USTEP - 1) * fkt * 8;
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float dv, mv;
+                    fold_coeffs<F16S>(d[2 * j + h], m[2 * j + h], sym, dv, mv);
+                    // c[2h] (x row 2t) and c[2h + 1] (x row 2t + 1) of column 16 j + 8 h + g.
+                    acc[j][2 * h] = fmaf(dv, part[j][2 * h], fmaf(mv, s0, acc[j][2 * h]));
+                    acc[j][2 * h + 1] = fmaf(dv, part[j][2 * h + 1], fmaf(mv, s1, acc[j][2 * h + 1]));
+                    part[j][2 * h] = part[j][2 * h + 1] = 0.0f;
+                }
+            sx = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                d[i] = dn[i];
+                m[i] = mn[i];
+            }
+            ++unit;
+            gw.next();
+            if (unit + 1 < u_end) load_scales(gw.row, dn, mn);
         }
     }
     // Rows 2t, 2t + 1 of columns 16 j + g, 16 j + 8 + g into the reduction buffer (rows 8-15

@@ -26,8 +26,22 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// example `STOKE_ATTN_TILES_INT4=2,STOKE_ATTN_MIN_CTAS=3;STOKE_ATTN_TILES_INT4=3`; the knobs
 /// are at the top of each kernel file). Returns (label, defines); the label of the shipped
 /// kernels is empty.
-pub(crate) fn kernel_variants() -> Vec<(String, Vec<String>)> {
-    parse_variants(std::env::var("STOKE_KERNEL_VARIANTS").ok().as_deref())
+/// Only the variants whose every define names a macro of `file` are kept, so one list can
+/// serve several kernel files.
+pub(crate) fn kernel_variants(file: &str) -> Vec<(String, Vec<String>)> {
+    let source = stoke_cuda::kernels::ALL
+        .iter()
+        .find(|k| k.file == file)
+        .map_or("", |k| k.source);
+    let mut v = parse_variants(std::env::var("STOKE_KERNEL_VARIANTS").ok().as_deref());
+    v.retain(|(label, defines)| label.is_empty() || defines.iter().all(|d| names_macro(source, d)));
+    v
+}
+
+/// Whether `source` mentions the macro that define `NAME=VALUE` sets.
+fn names_macro(source: &str, define: &str) -> bool {
+    let name = define.split('=').next().unwrap_or("").trim();
+    !name.is_empty() && source.contains(&format!("#ifndef {name}\n"))
 }
 
 fn parse_variants(list: Option<&str>) -> Vec<(String, Vec<String>)> {
@@ -44,7 +58,7 @@ fn parse_variants(list: Option<&str>) -> Vec<(String, Vec<String>)> {
 /// Times `body` for each of [`kernel_variants`] with `file` compiled accordingly (restoring the
 /// shipped kernels afterwards); `body` gets the variant's label.
 pub(crate) fn for_each_variant(rt: &Runtime, file: &'static str, mut body: impl FnMut(&str)) {
-    for (label, defines) in kernel_variants() {
+    for (label, defines) in kernel_variants(file) {
         rt.set_defines(file, &defines);
         if !label.is_empty() {
             println!("kernel variant {file}: {label}");
@@ -73,7 +87,7 @@ pub(crate) fn test_each_variant(
 ) -> Result<Value, String> {
     let mut report = Value::Null;
     let mut variants = Vec::new();
-    for (label, defines) in kernel_variants() {
+    for (label, defines) in kernel_variants(file) {
         rt.set_defines(file, &defines);
         let r = test();
         if label.is_empty() {
@@ -489,7 +503,8 @@ pub fn all() -> Result<Value, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_variants;
+    use super::{names_macro, parse_variants};
+    use stoke_cuda::kernels::{DECODE_ATTENTION, INT4_GEMM};
 
     #[test]
     fn kernel_variants_parse() {
@@ -501,5 +516,20 @@ mod tests {
             ("A=1, B=2".to_string(), vec!["A=1".into(), "B=2".into()])
         );
         assert_eq!(v[2], ("C=3".to_string(), vec!["C=3".into()]));
+    }
+
+    #[test]
+    fn variants_keep_to_their_file() {
+        assert!(names_macro(INT4_GEMM.source, "STOKE_INT4_SWAP_KB=8"));
+        assert!(!names_macro(INT4_GEMM.source, "STOKE_ATTN_TILES_INT4=3"));
+        assert!(names_macro(
+            DECODE_ATTENTION.source,
+            "STOKE_ATTN_PIPELINE=0"
+        ));
+        assert!(!names_macro(
+            DECODE_ATTENTION.source,
+            "STOKE_INT4_SWAP_PIPELINE=0"
+        ));
+        assert!(!names_macro(DECODE_ATTENTION.source, "=1"));
     }
 }
