@@ -68,9 +68,14 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #define STOKE_ATTN_MIN_CTAS 1
 #endif
 // 1: a warp's TILES load slots form a ring, each refilled with the next batch's tile as soon as
-// it has been used; 0: a batch's tiles are queued together and used before the next batch.
+// it has been used; 0: a batch's tiles are queued together and used before the next batch. For
+// the mirrors (FP8 / INT4) and for BF16 (whose values go through cp.async; the ring measured
+// 1-2% slower there, results/experiments/h200-attention-ring-c566446.json).
 #ifndef STOKE_ATTN_PIPELINE
 #define STOKE_ATTN_PIPELINE 1
+#endif
+#ifndef STOKE_ATTN_PIPELINE_BF16
+#define STOKE_ATTN_PIPELINE_BF16 0
 #endif
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int WARPS = 4;
@@ -241,17 +246,26 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v) {
     return r;
 }
 
-// The two signed nibbles of byte k of w (low nibble -> low half) as an f16 pair, exact: the
-// nibble xor 8 lands in the mantissa of 1024 (0x6400), then 1032 is subtracted.
-template <int K>
-__device__ __forceinline__ u32 int4x2_to_f16x2(u32 w, u32 w4) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(w), "r"(w4), "n"(0x4000 | ((4 + K) << 8) | K));
-    asm("lop3.b32 %0, %0, %1, %2, 0x6a;" : "+r"(r) : "r"(0x000f000fu), "r"(0x64086408u));
-    u32 out;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(r), "r"(0x64086408u));
-    return out;
+// Value codes of an INT4 word w as four exact f16 pairs q, two instructions each (no byte
+// permute): register r holds dims (r, r + 4) of the word's 8. Even r: the nibble xor 8 under
+// the exponent of 1024 is 1032 + q, minus 1032; odd r: the high nibble in place is 1152 + 16 q,
+// times 1 / 16 minus 72 (one fma, exact).
+__device__ __forceinline__ void int4_values(u32 w, u32 (&h)[4]) {
+    const u32 w8 = w >> 8;
+    u32 e0, o0, e1, o1;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(e0) : "r"(w), "r"(0x000f000fu), "r"(0x64086408u));
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(o0) : "r"(w), "r"(0x00f000f0u), "r"(0x64806480u));
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(e1) : "r"(w8), "r"(0x000f000fu), "r"(0x64086408u));
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(o1) : "r"(w8), "r"(0x00f000f0u), "r"(0x64806480u));
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(h[0]) : "r"(e0), "r"(0x64086408u));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(h[1]) : "r"(o0), "r"(0x2c002c00u), "r"(0xd480d480u));
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(h[2]) : "r"(e1), "r"(0x64086408u));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(h[3]) : "r"(o1), "r"(0x2c002c00u), "r"(0xd480d480u));
 }
+
+// Tile column of dim dd under the INT4 value permutation (int4_values): within each aligned
+// group of 8, column c holds dim c / 2 + 4 (c % 2).
+__device__ __forceinline__ u32 int4_value_dim(u32 c) { return (c & ~7u) | ((c & 7u) >> 1) | ((c & 1u) << 2); }
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
@@ -354,20 +368,11 @@ __device__ __forceinline__ void k_fragments(const u32 (&w)[Raw<FMT, D>::KW], u32
     if (FMT == FMT_BF16) {
 #pragma unroll
         for (int i = 0; i < D / 8; ++i) b[i] = w[i % Raw<FMT, D>::KW];
-    } else if (FMT == FMT_FP8) {
+    } else {  // FP8 (INT4 keys go through k_operand's LOP3 form)
 #pragma unroll
         for (int i = 0; i < Raw<FMT, D>::KW; ++i) {
             b[2 * i] = e4m3x2_to_f16x2(w[i]);
             b[2 * i + 1] = e4m3x2_to_f16x2(w[i] >> 16);
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < Raw<FMT, D>::KW; ++i) {
-            const u32 w4 = w[i] >> 4;
-            b[4 * i] = int4x2_to_f16x2<0>(w[i], w4);
-            b[4 * i + 1] = int4x2_to_f16x2<1>(w[i], w4);
-            b[4 * i + 2] = int4x2_to_f16x2<2>(w[i], w4);
-            b[4 * i + 3] = int4x2_to_f16x2<3>(w[i], w4);
         }
     }
 }
@@ -437,8 +442,8 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return r;
 }
 
-// Mirrors: the lane's half value row as exact f16 codes in `tile` (FP8: the E4M3
-// value; INT4: q, as in int4x2_to_f16x2). The row scales go to the probabilities instead. (An
+// Mirrors: the lane's half value row as exact f16 codes in `tile` (FP8: the E4M3 value, in dim
+// order; INT4: q, in the permuted order of int4_values). The row scales go to the probabilities instead. (An
 // offset left in the INT4 codes and taken off the output once, 1032 times the sum of P, cancels
 // too much over long contexts: 1.7e-2 relative error at 4k keys.)
 template <int FMT, int D, int VP>
@@ -457,11 +462,10 @@ __device__ __forceinline__ void codes_to_tile(const Raw<FMT, D>& r, u32 lane, u1
     } else {
 #pragma unroll
         for (int i = 0; i < Raw<FMT, D>::VW; ++i) {
-            const u32 w4 = r.v[i] >> 4;
-            h[4 * i] = int4x2_to_f16x2<0>(r.v[i], w4);
-            h[4 * i + 1] = int4x2_to_f16x2<1>(r.v[i], w4);
-            h[4 * i + 2] = int4x2_to_f16x2<2>(r.v[i], w4);
-            h[4 * i + 3] = int4x2_to_f16x2<3>(r.v[i], w4);
+            u32 q[4];
+            int4_values(r.v[i], q);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) h[4 * i + j] = q[j];
         }
     }
 #pragma unroll
@@ -561,7 +565,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     const float* ksp = F16 ? c.ks + first + g : nullptr;
     const float* vsp = F16 ? c.vs + first + g : nullptr;
     const u32 vdst = smem_u32(vt + (lane >> 1) * VP + (lane & 1) * 8);
-    constexpr bool RING = STOKE_ATTN_PIPELINE != 0;
+    constexpr bool RING = (FMT == FMT_BF16 ? STOKE_ATTN_PIPELINE_BF16 : STOKE_ATTN_PIPELINE) != 0;
     Raw<FMT, D> raw[TILES];
     // Queues the loads of tile ti of the batch at key bb0 into raw[ti], from the lane's pointers
     // (at that batch). BF16 commits one cp.async group per call, empty past the end, so that a
@@ -690,7 +694,8 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     for (int n = 0; n < D / 16; ++n)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const u32 h = 2 * t + (i & 1), dd = 16 * n + 8 * (i >> 1) + g;
+            const u32 col = 16 * n + 8 * (i >> 1) + g;  // the value tile's column
+            const u32 h = 2 * t + (i & 1), dd = FMT == FMT_INT4 ? int4_value_dim(col) : col;
             const float v = F16 ? o[n][i] * (1.0f / VSF) : o[n][i];  // mirrors: P carried VSF
             if (h < group) wo[warp][h][dd] = v;
         }

@@ -506,20 +506,21 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     // The lane's columns: 16 j + g (h = 0) and 16 j + 8 + g (h = 1).
     const u16* s16 = static_cast<const u16*>(p.scales) + blockIdx.x * 64 + g;
     const u16* o16 = static_cast<const u16*>(p.offsets) + blockIdx.x * 64 + g;
-    auto load_scales = [&](u32 row, u32 (&d)[8], u32 (&m)[8]) {
+    // Column i's scale in the low half of dm[i], its offset in the high half (registers are
+    // what bounds the loads in flight at 4 CTAs per SM).
+    auto load_scales = [&](u32 row, u32 (&dm)[8]) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const u64 idx = u64(row) * p.n + 16 * (i / 2) + 8 * (i % 2);
-            d[i] = load_u16(s16 + idx);
-            m[i] = sym ? 0u : load_u16(o16 + idx);
+            dm[i] = load_u16(s16 + idx) | (sym ? 0u : load_u16(o16 + idx) << 16);
         }
     };
-    // Scales of the current unit (d, m) and of the next one (dn, mn), in flight a unit ahead.
+    // Scales of the current unit (dm) and of the next one (dmn), in flight a unit ahead.
     GroupWalk gw(p, u_begin);
-    u32 d[8], m[8], dn[8], mn[8];
-    if (u_begin < u_end) load_scales(gw.row, d, m);
+    u32 dm[8], dmn[8];
+    if (u_begin < u_end) load_scales(gw.row, dm);
     gw.next();
-    if (u_begin + 1 < u_end) load_scales(gw.row, dn, mn);
+    if (u_begin + 1 < u_end) load_scales(gw.row, dmn);
     u32 unit = u_begin, in_unit = 0;
 
     // KB slots of loads (a 16 x 64 weight strip and the x fragment per k-tile). RING: a slot is
@@ -572,7 +573,7 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     float dv, mv;
-                    fold_coeffs<F16S>(d[2 * j + h], m[2 * j + h], sym, dv, mv);
+                    fold_coeffs<F16S>(dm[2 * j + h], dm[2 * j + h] >> 16, sym, dv, mv);
                     // c[2h] (x row 2t) and c[2h + 1] (x row 2t + 1) of column 16 j + 8 h + g.
                     acc[j][2 * h] = fmaf(dv, part[j][2 * h], fmaf(mv, s0, acc[j][2 * h]));
                     acc[j][2 * h + 1] = fmaf(dv, part[j][2 * h + 1], fmaf(mv, s1, acc[j][2 * h + 1]));
@@ -580,13 +581,10 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
                 }
             sx = 0.0f;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                d[i] = dn[i];
-                m[i] = mn[i];
-            }
+            for (int i = 0; i < 8; ++i) dm[i] = dmn[i];
             ++unit;
             gw.next();
-            if (unit + 1 < u_end) load_scales(gw.row, dn, mn);
+            if (unit + 1 < u_end) load_scales(gw.row, dmn);
         }
     }
     // Rows 2t, 2t + 1 of columns 16 j + g, 16 j + 8 + g into the reduction buffer (rows 8-15
