@@ -66,6 +66,11 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_SWAP_KB
 #define STOKE_INT4_SWAP_KB 4
 #endif
+// The same for the `_long` entry points, which the plan picks when every warp streams many
+// k-tiles (8: 70B gate/up 79.5 -> 75.4 us, but 8B o-proj 8.2 -> 9.3 us at KB = 8 everywhere).
+#ifndef STOKE_INT4_SWAP_KB_LONG
+#define STOKE_INT4_SWAP_KB_LONG 8
+#endif
 #ifndef STOKE_INT4_SWAP_MIN_CTAS
 #define STOKE_INT4_SWAP_MIN_CTAS 4
 #endif
@@ -476,9 +481,8 @@ __device__ __forceinline__ u32 load_u16(const u16* p) {
     return r;
 }
 
-template <int EPI, bool F16S>
+template <int EPI, bool F16S, int KB>
 __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
-    constexpr int KB = STOKE_INT4_SWAP_KB;
     constexpr bool RING = STOKE_INT4_SWAP_PIPELINE != 0;
     __shared__ float red[WARPS * 16 * RED_PITCH];
 
@@ -600,17 +604,24 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     reduce_and_store<1, EPI>(p, red);
 }
 
-#define INT4_GEMM_SWAP_ENTRY(NAME, EPI, F16S)                                                 \
+#define INT4_GEMM_SWAP_ENTRY(NAME, EPI, F16S, KB)                                             \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, STOKE_INT4_SWAP_MIN_CTAS) NAME(const Int4GemmParams p) { \
-        int4_gemm_swap<EPI, F16S>(p);                                                         \
+        int4_gemm_swap<EPI, F16S, KB>(p);                                                     \
     }
 
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_plain_bf16s, EPI_PLAIN, false)
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_plain_f16s, EPI_PLAIN, true)
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_residual_bf16s, EPI_RESIDUAL, false)
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_residual_f16s, EPI_RESIDUAL, true)
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_swiglu_bf16s, EPI_SWIGLU, false)
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_swiglu_f16s, EPI_SWIGLU, true)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_plain_bf16s, EPI_PLAIN, false, STOKE_INT4_SWAP_KB)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_plain_f16s, EPI_PLAIN, true, STOKE_INT4_SWAP_KB)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_residual_bf16s, EPI_RESIDUAL, false, STOKE_INT4_SWAP_KB)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_residual_f16s, EPI_RESIDUAL, true, STOKE_INT4_SWAP_KB)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_swiglu_bf16s, EPI_SWIGLU, false, STOKE_INT4_SWAP_KB)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_swiglu_f16s, EPI_SWIGLU, true, STOKE_INT4_SWAP_KB)
+// Long streams (the plan's LONG_STREAM_TILES k-tiles per warp and more): a deeper ring.
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_plain_bf16s_long, EPI_PLAIN, false, STOKE_INT4_SWAP_KB_LONG)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_plain_f16s_long, EPI_PLAIN, true, STOKE_INT4_SWAP_KB_LONG)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_residual_bf16s_long, EPI_RESIDUAL, false, STOKE_INT4_SWAP_KB_LONG)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_residual_f16s_long, EPI_RESIDUAL, true, STOKE_INT4_SWAP_KB_LONG)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_swiglu_bf16s_long, EPI_SWIGLU, false, STOKE_INT4_SWAP_KB_LONG)
+INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_swiglu_f16s_long, EPI_SWIGLU, true, STOKE_INT4_SWAP_KB_LONG)
 
 #define INT4_GEMM_ENTRY(NAME, ROWS, MIN_CTAS, EPI, F16S)                                              \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) NAME(const Int4GemmParams p) { \

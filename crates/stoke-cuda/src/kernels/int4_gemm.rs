@@ -103,7 +103,18 @@ pub const ENTRY_POINTS: &[&str] = &[
     "int4_gemm_swap_residual_f16s",
     "int4_gemm_swap_swiglu_bf16s",
     "int4_gemm_swap_swiglu_f16s",
+    "int4_gemm_swap_plain_bf16s_long",
+    "int4_gemm_swap_plain_f16s_long",
+    "int4_gemm_swap_residual_bf16s_long",
+    "int4_gemm_swap_residual_f16s_long",
+    "int4_gemm_swap_swiglu_bf16s_long",
+    "int4_gemm_swap_swiglu_f16s_long",
 ];
+
+/// K-tiles per warp from which the swapped kernel's `_long` entry points (a deeper load ring)
+/// are used: at 64 and more they were faster on every benchmark shape, below it slower
+/// (results/experiments/h200-int4-ring-depth-3ab5433.json).
+pub const LONG_STREAM_TILES: u32 = 64;
 
 /// What the kernel does with each finished value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -240,7 +251,8 @@ pub fn plan(
             _ => 2,
         };
         // ENTRY_POINTS runs epilogue, scale type, m-tile, then the swapped kernels by epilogue
-        // and scale type (the test below checks).
+        // and scale type, then their `_long` forms (the test below checks). Both swapped forms
+        // have the same launch bounds, so the split count is planned on the first.
         let entry = if mt == 3 {
             ENTRY_POINTS[18 + epilogue.index() * 2 + usize::from(f16_scales)]
         } else {
@@ -262,6 +274,11 @@ pub fn plan(
             } else {
                 one_wave.clamp(1, (units / (2 * WARPS)).max(1))
             }
+        };
+        let entry = if mt == 3 && units * fold_kt >= LONG_STREAM_TILES * splits * WARPS {
+            ENTRY_POINTS[24 + epilogue.index() * 2 + usize::from(f16_scales)]
+        } else {
+            entry
         };
         out.push(Launch {
             entry,
@@ -336,6 +353,26 @@ mod tests {
                         assert_eq!(l[0].entry, ENTRY_POINTS[e * 6 + s * 3 + r]);
                     }
                 }
+            }
+        }
+        // The swapped kernel's deeper ring when every warp streams LONG_STREAM_TILES k-tiles:
+        // 70B gate/up (one split, 128 per warp) yes, 8B o-proj (8 splits, 8 per warp) no.
+        for (e, epi) in [Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu]
+            .into_iter()
+            .enumerate()
+        {
+            for (s, sc) in ["bf16s", "f16s"].into_iter().enumerate() {
+                let long = plan_h200(1, 8192, 57344, 128, s == 1, epi, 0, true).unwrap();
+                assert_eq!(long[0].entry, ENTRY_POINTS[24 + e * 2 + s]);
+                assert_eq!(
+                    long[0].entry,
+                    format!("int4_gemm_swap_{}_{sc}_long", epi.name())
+                );
+                let short = plan_h200(1, 4096, 4096, 128, s == 1, epi, 0, true).unwrap();
+                assert_eq!(
+                    short[0].entry,
+                    format!("int4_gemm_swap_{}_{sc}", epi.name())
+                );
             }
         }
         // An explicit split count is kept, up to one warp per fold unit.
