@@ -77,6 +77,13 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_PIPELINE_BF16
 #define STOKE_ATTN_PIPELINE_BF16 0
 #endif
+// 1: two 16-key tiles per softmax step (mirrors; _BF16 for the BF16 cache), 0: one.
+#ifndef STOKE_ATTN_PAIR
+#define STOKE_ATTN_PAIR 0
+#endif
+#ifndef STOKE_ATTN_PAIR_BF16
+#define STOKE_ATTN_PAIR_BF16 0
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int WARPS = 4;
 constexpr int MAX_GROUP = 8;
@@ -488,7 +495,10 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     constexpr bool F16 = FMT != FMT_BF16;
     constexpr int VP = D + 8;
     constexpr int TILES = FMT == FMT_INT4 ? STOKE_ATTN_TILES_INT4 : STOKE_ATTN_TILES;
-    constexpr int VTILES = FMT == FMT_BF16 ? TILES : 1;
+    // Tiles per softmax step: their scores, max and rescale together (PAIR: two independent
+    // chains of score mma per step, half the serial softmax steps).
+    constexpr int NT = (FMT == FMT_BF16 ? STOKE_ATTN_PAIR_BF16 : STOKE_ATTN_PAIR) ? 2 : 1;
+    constexpr int VTILES = FMT == FMT_BF16 ? TILES : NT;
     constexpr int VT_BYTES = WARPS * VTILES * 16 * VP * 2;
     constexpr int WO_BYTES = WARPS * MAX_GROUP * D * 4;
     __shared__ __align__(16) float qs[MAX_GROUP][D];
@@ -566,6 +576,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     const float* vsp = F16 ? c.vs + first + g : nullptr;
     const u32 vdst = smem_u32(vt + (lane >> 1) * VP + (lane & 1) * 8);
     constexpr bool RING = (FMT == FMT_BF16 ? STOKE_ATTN_PIPELINE_BF16 : STOKE_ATTN_PIPELINE) != 0;
+    static_assert(TILES % NT == 0, "tiles per step must divide the tiles in flight");
     Raw<FMT, D> raw[TILES];
     // Queues the loads of tile ti of the batch at key bb0 into raw[ti], from the lane's pointers
     // (at that batch). BF16 commits one cp.async group per call, empty past the end, so that a
@@ -573,7 +584,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     auto issue = [&](int ti, u32 bb0) {
         if (bb0 + 16 * TILES <= k1)
             load_tile_fast<FMT, D, VP>(kp, vp, ksp, vsp, ti, raw[ti], vdst + (FMT == FMT_BF16 ? ti : 0) * 16 * VP * 2);
-        else if (bb0 + 16 * ti < k1)
+        else if (bb0 + 16 * (ti - ti % NT) < k1)  // a step's tiles past the end read row k0
             load_tile<FMT, D, VP>(c, row0, bb0 + 16 * ti, k0, k1, lane, raw[ti], vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP);
         if (FMT == FMT_BF16) asm volatile("cp.async.commit_group;" ::: "memory");
     };
@@ -600,28 +611,41 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             advance();
         }
 #pragma unroll
-        for (int ti = 0; ti < TILES; ++ti) {
-            const u32 base = base0 + 16 * ti;
+        for (int t0 = 0; t0 < TILES; t0 += NT) {
+            const u32 base = base0 + 16 * t0;
             if (base >= k1) break;
-            // S^T: c0, c1 = key base + g, heads 2t, 2t + 1; c2, c3 = key base + 8 + g.
-            float sc[4] = {init0, init1, init0, init1};
-            {
+            // S^T per tile u of the step: c0, c1 = key base + 16 u + g, heads 2t, 2t + 1; c2, c3 =
+            // key base + 16 u + 8 + g. Scores in log2 units (exp2 below); m and l are kept in
+            // them until the end.
+            constexpr float LOG2E = 1.4426950408889634f;
+            float s4[NT][4];
+#pragma unroll
+            for (int u = 0; u < NT; ++u) {
+                const Raw<FMT, D>& r = raw[t0 + u];
+                float sc[4] = {init0, init1, init0, init1};
                 u32 ka[D / 8], kb[D / 8];
-                k_operand<FMT, D>(raw[ti].k[0], ka);
-                k_operand<FMT, D>(raw[ti].k[1], kb);
+                k_operand<FMT, D>(r.k[0], ka);
+                k_operand<FMT, D>(r.k[1], kb);
 #pragma unroll
                 for (int j = 0; j < D / 16; ++j) mma16816<F16>(sc, ka[2 * j], kb[2 * j], ka[2 * j + 1], kb[2 * j + 1], qa[j][0], qa[j][1]);
+                const float ks0 = F16 ? r.ks[0][0] * (sscale * LOG2E) : sscale * LOG2E;
+                const float ks1 = F16 ? r.ks[1][0] * (sscale * LOG2E) : sscale * LOG2E;
+                s4[u][0] = sc[0] * ks0;
+                s4[u][1] = sc[1] * ks0;
+                s4[u][2] = sc[2] * ks1;
+                s4[u][3] = sc[3] * ks1;
+                const u32 bu = base + 16 * u;
+                if (bu + 16 > k1) {  // a tile wholly past the end holds row k0's finite values
+                    if (bu + g >= k1) s4[u][0] = s4[u][1] = NEG_INF;
+                    if (bu + 8 + g >= k1) s4[u][2] = s4[u][3] = NEG_INF;
+                }
             }
-            // Scores in log2 units (exp2 below); m and l are kept in them until the end.
-            constexpr float LOG2E = 1.4426950408889634f;
-            const float ks0 = F16 ? raw[ti].ks[0][0] * (sscale * LOG2E) : sscale * LOG2E;
-            const float ks1 = F16 ? raw[ti].ks[1][0] * (sscale * LOG2E) : sscale * LOG2E;
-            float s4[4] = {sc[0] * ks0, sc[1] * ks0, sc[2] * ks1, sc[3] * ks1};
-            if (base + 16 > k1) {
-                if (base + g >= k1) s4[0] = s4[1] = NEG_INF;
-                if (base + 8 + g >= k1) s4[2] = s4[3] = NEG_INF;
+            float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+            for (int u = 0; u < NT; ++u) {
+                mx0 = fmaxf(mx0, fmaxf(s4[u][0], s4[u][2]));
+                mx1 = fmaxf(mx1, fmaxf(s4[u][1], s4[u][3]));
             }
-            float mx0 = fmaxf(s4[0], s4[2]), mx1 = fmaxf(s4[1], s4[3]);
 #pragma unroll
             for (int o2 = 4; o2 < 32; o2 <<= 1) {
                 mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
@@ -629,8 +653,14 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             }
             const float mn0 = fmaxf(m[0], mx0), mn1 = fmaxf(m[1], mx1);
             // mn is finite (key `base` is in range); a masked score gives exp2(-inf) = 0.
-            const float pr[4] = {exp2_approx(s4[0] - mn0), exp2_approx(s4[1] - mn1), exp2_approx(s4[2] - mn0),
-                                 exp2_approx(s4[3] - mn1)};
+            float pr[NT][4];
+#pragma unroll
+            for (int u = 0; u < NT; ++u) {
+                pr[u][0] = exp2_approx(s4[u][0] - mn0);
+                pr[u][1] = exp2_approx(s4[u][1] - mn1);
+                pr[u][2] = exp2_approx(s4[u][2] - mn0);
+                pr[u][3] = exp2_approx(s4[u][3] - mn1);
+            }
             if (__any_sync(0xffffffffu, mn0 > m[0] || mn1 > m[1])) {
                 const float c0 = exp2_approx(m[0] - mn0), c1 = exp2_approx(m[1] - mn1);  // 0 from -inf
                 l[0] *= c0;
@@ -645,32 +675,40 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                 m[0] = mn0;
                 m[1] = mn1;
             }
-            l[0] += pr[0] + pr[2];
-            l[1] += pr[1] + pr[3];
             // P^T (keys x heads) to P (B operand: keys 2t, 2t + 1 and 2t + 8, 2t + 9 of head g);
-            // mirrors: times the value rows' scales (and VSF).
-            const float vs0 = F16 ? raw[ti].ks[0][1] * VSF : 1.0f, vs1 = F16 ? raw[ti].ks[1][1] * VSF : 1.0f;
-            const u32 pb0 = movmatrix_trans(pack2<F16>(pr[0] * vs0, pr[1] * vs0));
-            const u32 pb1 = movmatrix_trans(pack2<F16>(pr[2] * vs1, pr[3] * vs1));
-            u16* tile = vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP;
-            if (FMT == FMT_BF16) {
-                cp_async_wait(RING ? TILES - 1 : TILES - 1 - ti);  // groups queued after this slot's
-            } else {
-                codes_to_tile<FMT, D, VP>(raw[ti], lane, tile);
+            // mirrors: times the value rows' scales (and VSF). Mirrors' value codes to their tiles.
+            u32 pb[NT][2];
+#pragma unroll
+            for (int u = 0; u < NT; ++u) {
+                const Raw<FMT, D>& r = raw[t0 + u];
+                l[0] += pr[u][0] + pr[u][2];
+                l[1] += pr[u][1] + pr[u][3];
+                const float vs0 = F16 ? r.ks[0][1] * VSF : 1.0f, vs1 = F16 ? r.ks[1][1] * VSF : 1.0f;
+                pb[u][0] = movmatrix_trans(pack2<F16>(pr[u][0] * vs0, pr[u][1] * vs0));
+                pb[u][1] = movmatrix_trans(pack2<F16>(pr[u][2] * vs1, pr[u][3] * vs1));
+                if (FMT != FMT_BF16) codes_to_tile<FMT, D, VP>(r, lane, vt + u * 16 * VP);
             }
+            // BF16: the groups queued after this step's last slot may still be in flight.
+            if (FMT == FMT_BF16) cp_async_wait(RING ? TILES - NT : TILES - NT - t0);
             __syncwarp();
 #pragma unroll
-            for (int n = 0; n < D / 16; ++n) {
-                const u32 mi = lane >> 3;
-                const u16* rowp = tile + ((mi >> 1) * 8 + (lane & 7)) * VP + n * 16 + (mi & 1) * 8;
-                u32 v0, v1, v2, v3;
-                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
-                             : "r"(smem_u32(rowp)));
-                mma16816<F16>(o[n], v0, v1, v2, v3, pb0, pb1);
-            }
+            for (int n = 0; n < D / 16; ++n)
+#pragma unroll
+                for (int u = 0; u < NT; ++u) {
+                    const u16* tile = vt + (FMT == FMT_BF16 ? t0 + u : u) * 16 * VP;
+                    const u32 mi = lane >> 3;
+                    const u16* rowp = tile + ((mi >> 1) * 8 + (lane & 7)) * VP + n * 16 + (mi & 1) * 8;
+                    u32 v0, v1, v2, v3;
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                                 : "r"(smem_u32(rowp)));
+                    mma16816<F16>(o[n], v0, v1, v2, v3, pb[u][0], pb[u][1]);
+                }
             __syncwarp();
-            if (RING) issue(ti, base0 + STEP);
+            if (RING) {
+#pragma unroll
+                for (int u = 0; u < NT; ++u) issue(t0 + u, base0 + STEP);
+            }
         }
         if (RING) advance();
     }
