@@ -44,7 +44,10 @@
 //               2t + 8, 2t + 9 of head g) by two movmatrix transposes; V^T is the A operand,
 //               read with ldmatrix.trans from a per-warp shared-memory tile of 16 value rows
 //               (BF16: cp.async; mirrors: the exact codes as f16, their row scales (x 16) folded
-//               into the probabilities and taken off the output at the end).
+//               into the probabilities and taken off the output at the end; INT4 codes with
+//               their dims permuted within groups of 8, put back when the output is merged).
+//   loads       each warp keeps TILES tiles of loads in flight; the mirrors refill a slot as
+//               soon as its tile has been used (a ring), BF16 refills a whole batch.
 // BF16 cache: bf16 operands. FP8 / INT4 mirrors: f16 operands (exact for the codes; the query is
 // pre-multiplied by 1 / sqrt(d) before rounding to f16), f32 accumulation throughout.
 
