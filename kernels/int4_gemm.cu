@@ -71,6 +71,11 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_SWAP_KB_LONG
 #define STOKE_INT4_SWAP_KB_LONG 8
 #endif
+// 1: the batched kernels (m8 / m16 / m32) keep their 4 load slots as a ring like the swapped
+// kernel; 0: they fill and use them 4 at a time. Not yet timed.
+#ifndef STOKE_INT4_RING
+#define STOKE_INT4_RING 0
+#endif
 #ifndef STOKE_INT4_SWAP_MIN_CTAS
 #define STOKE_INT4_SWAP_MIN_CTAS 4
 #endif
@@ -444,6 +449,54 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     GroupWalk gw(p, u_begin);
     u32 d[8], m[8];
     if (u_begin < u_end) load_unit_scales(p, gw.row, t, sym, d, m);
+#if STOKE_INT4_RING
+    // The load slots as a ring, as in the swapped kernel: a slot is refilled with the k-tile KB
+    // ahead as soon as its mma have read it; the fold runs when a unit's last k-tile is done.
+    const u32 tiles = (u_end - u_begin) * fkt;
+    u32 dn[8], mn[8];
+    gw.next();
+    if (u_begin + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
+    u32 unit = u_begin, in_unit = 0;
+    uint4 w[KB];
+    u32 a[KB][MT][4];
+    auto fill = [&](int s) {
+        w[s] = load_stream(wp, policy);
+        wp += wstep;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            a[s][mt][0] = load_u32(xr[mt][0]);
+            a[s][mt][2] = load_u32(xr[mt][0] + 4);
+            a[s][mt][1] = LOW8 ? 0u : load_u32(xr[mt][1]);
+            a[s][mt][3] = LOW8 ? 0u : load_u32(xr[mt][1] + 4);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) xr[mt][h] += 8;
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < KB; ++s)
+        if (u32(s) < tiles) fill(s);
+    st.begin_unit();
+    for (u32 i0 = 0; i0 < tiles; i0 += KB) {
+#pragma unroll
+        for (int s = 0; s < KB; ++s) {
+            if (i0 + s >= tiles) break;
+            st.tile(w[s], a[s]);
+            if (i0 + s + KB < tiles) fill(s);
+            if (++in_unit < fkt) continue;
+            in_unit = 0;
+            st.template fold<F16S>(d, m, sym);
+            st.begin_unit();
+#pragma unroll
+            for (int n8 = 0; n8 < 8; ++n8) {
+                d[n8] = dn[n8];
+                m[n8] = mn[n8];
+            }
+            ++unit;
+            gw.next();
+            if (unit + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
+        }
+    }
+#else
     for (u32 u = u_begin; u < u_end; ++u) {
         // The next unit's scales, in flight during this unit.
         u32 dn[8], mn[8];
@@ -462,6 +515,7 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
             m[n8] = mn[n8];
         }
     }
+#endif
     finish<MT, EPI>(p, st.acc, red, warp, g, t);
 }
 
