@@ -79,6 +79,11 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_SWAP_MIN_CTAS
 #define STOKE_INT4_SWAP_MIN_CTAS 4
 #endif
+// 1: the swapped kernel's weight strips arrive by TMA bulk copies into a per-warp shared-memory
+// ring (one 512-byte copy per k-tile) instead of per-lane loads. Not yet timed.
+#ifndef STOKE_INT4_SWAP_TMA
+#define STOKE_INT4_SWAP_TMA 0
+#endif
 // 1: each warp's KB load slots form a ring, a slot refilled with the k-tile KB ahead as soon
 // as it has been used (KB - 1 k-tiles always in flight); 0: filled KB at a time.
 #ifndef STOKE_INT4_SWAP_PIPELINE
@@ -529,6 +534,8 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
 // fragment rows, 32 accumulators instead of 64. Same work split, fold and epilogue.
 // ---------------------------------------------------------------------------------------------
 
+__device__ __forceinline__ u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
 __device__ __forceinline__ u32 load_u16(const u16* p) {
     u16 r;
     asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
@@ -586,6 +593,54 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     // in flight; else the slots are filled KB at a time and used before the next batch is asked.
     uint4 w[KB];
     u32 b0[KB], b1[KB];
+#if STOKE_INT4_SWAP_TMA
+    // TMA: the weight strips come by bulk copy (lane 0 copies each k-tile's 512 bytes into the
+    // warp's slot, completion counted on the slot's mbarrier) instead of one load per lane.
+    static_assert(STOKE_INT4_SWAP_PIPELINE, "the TMA form is a ring");
+    __shared__ __align__(128) uint4 tma_ring[WARPS * KB * 32];
+    __shared__ __align__(8) u64 tma_bar[WARPS * KB];
+    const u32 ring0 = smem_addr(&tma_ring[warp * KB * 32]);
+    const u32 bar0 = smem_addr(&tma_bar[warp * KB]);
+    u32 phase = 0;  // bit s: parity of slot s's next completion
+    if (lane == 0) {
+#pragma unroll
+        for (int s = 0; s < KB; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * s) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncwarp();
+    auto fill = [&](int s) {
+        if (lane == 0) {
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], 512;" ::"r"(bar0 + 8 * s) : "memory");
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], 512, [%2], %3;" ::"r"(
+                    ring0 + 512 * s),
+                "l"(wp - lane), "r"(bar0 + 8 * s), "l"(policy)
+                : "memory");
+        }
+        wp += wstep;
+        b0[s] = load_u32(xr);
+        b1[s] = load_u32(xr + 4);
+        xr += 8;
+    };
+    // This lane's weight strip of slot s, once the slot's copy has landed.
+    auto take = [&](int s) -> uint4 {
+        const u32 bar = bar0 + 8 * s, parity = (phase >> s) & 1u;
+        for (;;) {
+            u32 done;
+            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                         : "=r"(done)
+                         : "r"(bar), "r"(parity)
+                         : "memory");
+            if (done) break;
+        }
+        phase ^= 1u << s;
+        uint4 v;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(ring0 + 512 * s + 16 * lane));
+        return v;
+    };
+#else
     auto fill = [&](int s) {
         w[s] = load_stream(wp, policy);
         wp += wstep;
@@ -593,6 +648,8 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
         b1[s] = load_u32(xr + 4);
         xr += 8;
     };
+    auto take = [&](int s) -> const uint4& { return w[s]; };
+#endif
     if (RING) {
 #pragma unroll
         for (int s = 0; s < KB; ++s)
@@ -607,7 +664,8 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 #pragma unroll
         for (int s = 0; s < KB; ++s) {
             if (i0 + s >= tiles) break;
-            const u32 words[4] = {w[s].x, w[s].y, w[s].z, w[s].w};
+            const uint4& ws = take(s);
+            const u32 words[4] = {ws.x, ws.y, ws.z, ws.w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const u32 a0 = nibble_pair<0>(words[j]), a2 = nibble_pair<1>(words[j]);
@@ -618,6 +676,7 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0[s]), "r"(b1[s]));
             }
             sx += (bf16_lo(b0[s]) + bf16_hi(b0[s])) + (bf16_lo(b1[s]) + bf16_hi(b1[s]));
+            if (STOKE_INT4_SWAP_TMA) __syncwarp();  // every lane has read slot s before it is refilled
             if (RING && i0 + s + KB < tiles) fill(s);
             if (++in_unit < fkt) continue;
             // The unit is complete. Fold: S of x rows 2t and 2t + 1 (row g's sum is complete
