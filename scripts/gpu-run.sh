@@ -6,8 +6,9 @@
 #   attention: the decode-attention test and benchmark, then the PyTorch SDPA peer
 #   int4-profile: Nsight Compute reports (OUTDIR/ncu-int4-profile.txt) of the W4A16 kernels on
 #          the named benchmark shapes at one row, every variant and word order
-#   attention-profile [SHAPE --batch B --ctx C]: the same for decode attention
-#          (OUTDIR/ncu-attention-profile.txt), every format
+#   attention-profile [SHAPE --batch B --ctx C --formats int4]: the same for decode attention
+#          (OUTDIR/ncu-attention-profile.txt), the named formats (default all; two launches
+#          each, so NCU_LAUNCHES=6 covers three)
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
 #   Kernel variants: with STOKE_KERNEL_VARIANTS='NAME=V,NAME2=V2;NAME=V3' the int4 and
 #          attention benchmarks also time each variant (NVRTC defines; the knobs are at the

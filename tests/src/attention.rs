@@ -574,8 +574,8 @@ fn bench_variant(rt: &Arc<Runtime>, copy_gbps: f64, variant: &str, rows: &mut Ve
 }
 
 /// A few decode-attention launches to run under a profiler (`ncu`): the named benchmark shape
-/// at one (batch, context), every cache format, two calls each.
-pub fn profile_launches(shape: &str, batch: u32, ctx: u32) {
+/// at one (batch, context), each of `formats` (by name), two calls each.
+pub fn profile_launches(shape: &str, batch: u32, ctx: u32, formats: &[String]) {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(11);
     let Some(&(_, heads, kvh, d)) = BENCH_SHAPES.iter().find(|s| s.0 == shape) else {
@@ -584,6 +584,9 @@ pub fn profile_launches(shape: &str, batch: u32, ctx: u32) {
     };
     let step = BenchStep::new(&rt, &mut rng, (heads, kvh, d), batch, ctx);
     for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int4] {
+        if !formats.iter().any(|f| f == format.name()) {
+            continue;
+        }
         let block = if format == KvFormat::Bf16 { 0 } else { d };
         let cache = DeviceKvCache::new(&rt, format, (batch, kvh, ctx, d), block).unwrap();
         step.fill(&rt, &cache);

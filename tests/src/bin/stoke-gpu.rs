@@ -49,6 +49,9 @@ enum Command {
         batch: u32,
         #[arg(long, default_value_t = 4096)]
         ctx: u32,
+        /// Cache formats to launch (bf16, fp8, int4), comma-separated.
+        #[arg(long, default_value = "bf16,fp8,int4", value_delimiter = ',')]
+        formats: Vec<String>,
     },
     /// Tests, then benchmarks (the exit status fails if either did).
     All,
@@ -198,8 +201,13 @@ fn main() -> ExitCode {
             stoke_tests::int4::profile_launches(&names, *m);
             true
         }
-        Command::AttentionProfile { shape, batch, ctx } => {
-            stoke_tests::attention::profile_launches(shape, *batch, *ctx);
+        Command::AttentionProfile {
+            shape,
+            batch,
+            ctx,
+            formats,
+        } => {
+            stoke_tests::attention::profile_launches(shape, *batch, *ctx, formats);
             true
         }
         Command::Llama => match stoke_tests::llama::bench() {
