@@ -87,6 +87,11 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_PAIR_BF16
 #define STOKE_ATTN_PAIR_BF16 0
 #endif
+// 1: the BF16 value tiles are copied whole rows per cp.async instruction (every 128-byte line
+// in one request) instead of one 32-byte sector of each of 16 rows. Not yet timed.
+#ifndef STOKE_ATTN_V_ROWS
+#define STOKE_ATTN_V_ROWS 0
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int WARPS = 4;
 constexpr int MAX_GROUP = 8;
@@ -351,7 +356,18 @@ __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, 
     const u32 key = lane >> 1, half = lane & 1;
     const bool valid = base + key < k1;
     const u64 row = row0 + (valid ? base + key : k0);
-    if (FMT == FMT_BF16) {
+    if (FMT == FMT_BF16 && STOKE_ATTN_V_ROWS) {
+        // Whole rows per instruction: chunk (lane % CPR) of rows RPI i + lane / CPR.
+        constexpr int CPR = KB / 16, RPI = 32 / CPR;
+        const u32 vr = lane / CPR, col = lane % CPR;
+#pragma unroll
+        for (int i = 0; i < 16 / RPI; ++i) {
+            const u32 kr = RPI * i + vr;
+            const u64 vrow = row0 + (base + kr < k1 ? base + kr : k0);
+            cp_async16(static_cast<u32>(__cvta_generic_to_shared(tile + kr * VP + col * 8)),
+                       static_cast<const u8*>(c.v) + vrow * KB + col * 16);
+        }
+    } else if (FMT == FMT_BF16) {
         // Pieces 2i + half of the row (16 bytes = 8 values each).
         const u8* src = static_cast<const u8*>(c.v) + row * KB + half * 16;
         const u32 dst = static_cast<u32>(__cvta_generic_to_shared(tile + key * VP + half * 8));
@@ -434,7 +450,11 @@ __device__ __forceinline__ void load_tile_fast(const u8* kp, const u8* vp, const
     constexpr int KP = Piece<KB / 4>::BYTES, VP2 = Piece<KB / 2>::BYTES;
     load_pieces(kp + ti * 16 * KB, 4 * KP, r.k[0]);
     load_pieces(kp + (ti * 16 + 8) * KB, 4 * KP, r.k[1]);
-    if (FMT == FMT_BF16) {
+    if (FMT == FMT_BF16 && STOKE_ATTN_V_ROWS) {
+        constexpr int RPI = 32 / (KB / 16);  // whole rows per instruction (see load_tile)
+#pragma unroll
+        for (int i = 0; i < 16 / RPI; ++i) cp_async16(vdst + RPI * i * VP * 2, vp + (ti * 16 + RPI * i) * KB);
+    } else if (FMT == FMT_BF16) {
 #pragma unroll
         for (int i = 0; i < D / 16; ++i) cp_async16(vdst + 32 * i, vp + ti * 16 * KB + 32 * i);
     } else {
@@ -574,10 +594,14 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     constexpr u32 STEP = WARPS * 16 * TILES;  // keys between a warp's batches
     const u64 first = row0 + k0 + warp * 16 * TILES;
     const u8* kp = static_cast<const u8*>(c.k) + (first + g) * KB + t * KP;
-    const u8* vp = static_cast<const u8*>(c.v) + (first + (lane >> 1)) * KB + (lane & 1) * VP2;
+    // Value rows: lane / 2, piece lane % 2 (V_ROWS, BF16: row lane / CPR, 16-byte chunk lane % CPR).
+    constexpr bool VROWS = FMT == FMT_BF16 && STOKE_ATTN_V_ROWS;
+    const u32 vrow = VROWS ? lane / (KB / 16) : lane >> 1;
+    const u32 vcol = VROWS ? (lane % (KB / 16)) * 16 : (lane & 1) * VP2;  // bytes
+    const u8* vp = static_cast<const u8*>(c.v) + (first + vrow) * KB + vcol;
     const float* ksp = F16 ? c.ks + first + g : nullptr;
     const float* vsp = F16 ? c.vs + first + g : nullptr;
-    const u32 vdst = smem_u32(vt + (lane >> 1) * VP + (lane & 1) * 8);
+    const u32 vdst = smem_u32(vt + vrow * VP + vcol / 2);
     constexpr bool RING = (FMT == FMT_BF16 ? STOKE_ATTN_PIPELINE_BF16 : STOKE_ATTN_PIPELINE) != 0;
     static_assert(TILES % NT == 0, "tiles per step must divide the tiles in flight");
     Raw<FMT, D> raw[TILES];
