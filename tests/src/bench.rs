@@ -29,19 +29,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Only the variants whose every define names a macro of `file` are kept, so one list can
 /// serve several kernel files.
 pub(crate) fn kernel_variants(file: &str) -> Vec<(String, Vec<String>)> {
-    let source = stoke_cuda::kernels::ALL
-        .iter()
-        .find(|k| k.file == file)
-        .map_or("", |k| k.source);
+    let src = stoke_cuda::kernels::ALL.iter().find(|k| k.file == file);
     let mut v = parse_variants(std::env::var("STOKE_KERNEL_VARIANTS").ok().as_deref());
-    v.retain(|(label, defines)| label.is_empty() || defines.iter().all(|d| names_macro(source, d)));
+    v.retain(|(label, defines)| {
+        label.is_empty() || src.is_some_and(|s| defines.iter().all(|d| s.has_knob(d)))
+    });
     v
-}
-
-/// Whether `source` mentions the macro that define `NAME=VALUE` sets.
-fn names_macro(source: &str, define: &str) -> bool {
-    let name = define.split('=').next().unwrap_or("").trim();
-    !name.is_empty() && source.contains(&format!("#ifndef {name}\n"))
 }
 
 fn parse_variants(list: Option<&str>) -> Vec<(String, Vec<String>)> {
@@ -503,7 +496,7 @@ pub fn all() -> Result<Value, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{names_macro, parse_variants};
+    use super::parse_variants;
     use stoke_cuda::kernels::{DECODE_ATTENTION, INT4_GEMM};
 
     #[test]
@@ -520,16 +513,10 @@ mod tests {
 
     #[test]
     fn variants_keep_to_their_file() {
-        assert!(names_macro(INT4_GEMM.source, "STOKE_INT4_SWAP_KB=8"));
-        assert!(!names_macro(INT4_GEMM.source, "STOKE_ATTN_TILES_INT4=3"));
-        assert!(names_macro(
-            DECODE_ATTENTION.source,
-            "STOKE_ATTN_PIPELINE=0"
-        ));
-        assert!(!names_macro(
-            DECODE_ATTENTION.source,
-            "STOKE_INT4_SWAP_PIPELINE=0"
-        ));
-        assert!(!names_macro(DECODE_ATTENTION.source, "=1"));
+        assert!(INT4_GEMM.has_knob("STOKE_INT4_SWAP_KB=8"));
+        assert!(!INT4_GEMM.has_knob("STOKE_ATTN_TILES_INT4=3"));
+        assert!(DECODE_ATTENTION.has_knob("STOKE_ATTN_PIPELINE=0"));
+        assert!(!DECODE_ATTENTION.has_knob("STOKE_INT4_SWAP_PIPELINE=0"));
+        assert!(!DECODE_ATTENTION.has_knob("=1"));
     }
 }

@@ -53,12 +53,8 @@ fn main() -> ExitCode {
         .iter()
         .flat_map(|s| variants.iter().map(move |v| (s, v)))
     {
-        // A variant only for the files that name every one of its macros.
-        let names = |d: &String| {
-            let name = d.split('=').next().unwrap_or("").trim();
-            !name.is_empty() && src.source.contains(&format!("#ifndef {name}\n"))
-        };
-        if !defines.iter().all(names) {
+        // A variant only for the files that have every one of its knobs.
+        if !defines.iter().all(|d| src.has_knob(d)) {
             continue;
         }
         let options: Vec<String> = defines.iter().map(|d| format!("-D{d}")).collect();

@@ -15,6 +15,15 @@ pub struct KernelSource {
     pub entries: &'static [&'static str],
 }
 
+impl KernelSource {
+    /// Whether this file has the tuning knob that define `NAME=VALUE` sets (an `#ifndef NAME`
+    /// default at its top), so the define applies to it.
+    pub fn has_knob(&self, define: &str) -> bool {
+        let name = define.split('=').next().unwrap_or("").trim();
+        !name.is_empty() && self.source.contains(&format!("#ifndef {name}\n"))
+    }
+}
+
 /// Every kernel source Stoke ships; the precompile check builds each of them.
 pub const ALL: &[KernelSource] = &[
     KernelSource {
