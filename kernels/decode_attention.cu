@@ -144,16 +144,6 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
     return r;
 }
 
-// E4M3 code to f32 (exact): through the hardware pair conversion to f16.
-__device__ __forceinline__ float e4m3_to_f32(u32 code) {
-    u32 h2;
-    const u16 pair = u16(code & 0xffu);
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(u16(h2 & 0xffffu)));
-    return f;
-}
-
 // Nearest E4M3 code of x (saturating, ties to even), as the hardware does it.
 __device__ __forceinline__ u32 f32_to_e4m3(float x) {
     u16 r;
@@ -364,13 +354,12 @@ __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, 
         for (int i = 0; i < 16 / RPI; ++i) {
             const u32 kr = RPI * i + vr;
             const u64 vrow = row0 + (base + kr < k1 ? base + kr : k0);
-            cp_async16(static_cast<u32>(__cvta_generic_to_shared(tile + kr * VP + col * 8)),
-                       static_cast<const u8*>(c.v) + vrow * KB + col * 16);
+            cp_async16(smem_u32(tile + kr * VP + col * 8), static_cast<const u8*>(c.v) + vrow * KB + col * 16);
         }
     } else if (FMT == FMT_BF16) {
         // Pieces 2i + half of the row (16 bytes = 8 values each).
         const u8* src = static_cast<const u8*>(c.v) + row * KB + half * 16;
-        const u32 dst = static_cast<u32>(__cvta_generic_to_shared(tile + key * VP + half * 8));
+        const u32 dst = smem_u32(tile + key * VP + half * 8);
 #pragma unroll
         for (int i = 0; i < D / 16; ++i) cp_async16(dst + 32 * i, src + 32 * i);
     } else {

@@ -534,7 +534,7 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
 // fragment rows, 32 accumulators instead of 64. Same work split, fold and epilogue.
 // ---------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
 __device__ __forceinline__ u32 load_u16(const u16* p) {
     u16 r;
@@ -591,7 +591,6 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     // KB slots of loads (a 16 x 64 weight strip and the x fragment per k-tile). RING: a slot is
     // refilled with the k-tile KB ahead as soon as it has been used, so KB - 1 k-tiles are always
     // in flight; else the slots are filled KB at a time and used before the next batch is asked.
-    uint4 w[KB];
     u32 b0[KB], b1[KB];
 #if STOKE_INT4_SWAP_TMA
     // TMA: the weight strips come by bulk copy (lane 0 copies each k-tile's 512 bytes into the
@@ -599,8 +598,8 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     static_assert(STOKE_INT4_SWAP_PIPELINE, "the TMA form is a ring");
     __shared__ __align__(128) uint4 tma_ring[WARPS * KB * 32];
     __shared__ __align__(8) u64 tma_bar[WARPS * KB];
-    const u32 ring0 = smem_addr(&tma_ring[warp * KB * 32]);
-    const u32 bar0 = smem_addr(&tma_bar[warp * KB]);
+    const u32 ring0 = smem_u32(&tma_ring[warp * KB * 32]);
+    const u32 bar0 = smem_u32(&tma_bar[warp * KB]);
     u32 phase = 0;  // bit s: parity of slot s's next completion
     if (lane == 0) {
 #pragma unroll
@@ -641,6 +640,7 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
         return v;
     };
 #else
+    uint4 w[KB];
     auto fill = [&](int s) {
         w[s] = load_stream(wp, policy);
         wp += wstep;

@@ -25,9 +25,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// of `STOKE_KERNEL_VARIANTS`, `;`-separated lists of `,`-separated NVRTC defines (for
 /// example `STOKE_ATTN_TILES_INT4=2,STOKE_ATTN_MIN_CTAS=3;STOKE_ATTN_TILES_INT4=3`; the knobs
 /// are at the top of each kernel file). Returns (label, defines); the label of the shipped
-/// kernels is empty.
-/// Only the variants whose every define names a macro of `file` are kept, so one list can
-/// serve several kernel files.
+/// kernels is empty. Only the variants whose every define is a knob of `file` are kept, so one
+/// list can serve several kernel files.
 pub(crate) fn kernel_variants(file: &str) -> Vec<(String, Vec<String>)> {
     let src = stoke_cuda::kernels::ALL.iter().find(|k| k.file == file);
     let mut v = parse_variants(std::env::var("STOKE_KERNEL_VARIANTS").ok().as_deref());
@@ -39,12 +38,7 @@ pub(crate) fn kernel_variants(file: &str) -> Vec<(String, Vec<String>)> {
 
 fn parse_variants(list: Option<&str>) -> Vec<(String, Vec<String>)> {
     let mut v = vec![(String::new(), Vec::new())];
-    for item in list.unwrap_or("").split(';').map(str::trim) {
-        if !item.is_empty() {
-            let defines = item.split(',').map(|d| d.trim().to_string()).collect();
-            v.push((item.to_string(), defines));
-        }
-    }
+    v.extend(stoke_cuda::kernels::parse_define_sets(list.unwrap_or("")));
     v
 }
 

@@ -163,8 +163,8 @@ impl Runtime {
         let mut modules = self.modules.lock().unwrap();
         if !modules.contains_key(src.file) {
             let t0 = std::time::Instant::now();
-            let defines: Vec<String> = (self.defines.lock().unwrap().get(src.file))
-                .map(|d| d.iter().map(|d| format!("-D{d}")).collect())
+            let defines = (self.defines.lock().unwrap().get(src.file))
+                .map(|d| crate::compile::define_options(d))
                 .unwrap_or_default();
             let options: Vec<&str> = defines.iter().map(String::as_str).collect();
             let (cubin, report, cached) =

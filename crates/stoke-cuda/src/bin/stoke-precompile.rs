@@ -9,7 +9,8 @@
 //! PyPI wheels installed by `scripts/cuda-venv.sh` provide one).
 
 use std::process::ExitCode;
-use stoke_cuda::kernels::ALL;
+use stoke_cuda::compile::define_options;
+use stoke_cuda::kernels::{ALL, parse_define_sets};
 
 fn main() -> ExitCode {
     const USAGE: &str = "usage: stoke-precompile [--arch sm_90a] [--variants 'A=1,B=2;C=3']";
@@ -23,9 +24,7 @@ fn main() -> ExitCode {
                 let list = args
                     .next()
                     .expect("--variants needs a list, e.g. 'A=1,B=2;C=3'");
-                for item in list.split(';').map(str::trim).filter(|i| !i.is_empty()) {
-                    variants.push(item.split(',').map(|d| d.trim().to_string()).collect());
-                }
+                variants.extend(parse_define_sets(&list).into_iter().map(|(_, d)| d));
             }
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -57,7 +56,7 @@ fn main() -> ExitCode {
         if !defines.iter().all(|d| src.has_knob(d)) {
             continue;
         }
-        let options: Vec<String> = defines.iter().map(|d| format!("-D{d}")).collect();
+        let options = define_options(defines);
         let options: Vec<&str> = options.iter().map(String::as_str).collect();
         let label = if defines.is_empty() {
             src.file.to_string()

@@ -15,6 +15,20 @@ pub struct KernelSource {
     pub entries: &'static [&'static str],
 }
 
+/// Sets of NVRTC defines written `A=1,B=2;C=3` (`;` between sets, `,` within one; blanks
+/// ignored): each set as written (trimmed) with its defines. Benchmarks take them from
+/// `STOKE_KERNEL_VARIANTS`, the precompile check from `--variants`.
+pub fn parse_define_sets(list: &str) -> Vec<(String, Vec<String>)> {
+    list.split(';')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(|item| {
+            let defines = item.split(',').map(|d| d.trim().to_string()).collect();
+            (item.to_string(), defines)
+        })
+        .collect()
+}
+
 impl KernelSource {
     /// Whether this file has the tuning knob that define `NAME=VALUE` sets (an `#ifndef NAME`
     /// default at its top), so the define applies to it.
