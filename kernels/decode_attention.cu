@@ -88,9 +88,10 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #define STOKE_ATTN_PAIR_BF16 0
 #endif
 // 1: the BF16 value tiles are copied whole rows per cp.async instruction (every 128-byte line
-// in one request) instead of one 32-byte sector of each of 16 rows. Not yet timed.
+// in one request) instead of one 32-byte sector of each of 16 rows (0). B = 32, ctx 4096:
+// 151.9 -> 132.1 us; B = 1, ctx 32k: 50.1 -> 45.3 us.
 #ifndef STOKE_ATTN_V_ROWS
-#define STOKE_ATTN_V_ROWS 0
+#define STOKE_ATTN_V_ROWS 1
 #endif
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int WARPS = 4;

@@ -5,7 +5,9 @@
 // Stoke kernel it includes no header: bf16 and f16 are raw 16-bit patterns converted with PTX.
 //
 // ---------------------------------------------------------------------------------------------
-// Entry points: int4_gemm_EPI_SC_mROWS, one argument `Int4GemmParams` by value.
+// Entry points: int4_gemm_EPI_SC_mROWS (batched), int4_gemm_swap_EPI_SC[_long] (m <= 8) and
+// int4_gemm_swap16_EPI_SC[_long] (m <= 32; see "Swapped operands" below), one argument
+// `Int4GemmParams` by value.
 //   EPI  plain     out[r, c] = acc[r, c]
 //        residual  out[r, c] = acc[r, c] + residual[r, c]          (sum in f32, rounded once)
 //        swiglu    out[r, j] = silu(acc[r, 2j]) * acc[r, 2j + 1]   (gate/up interleaved; out is
@@ -71,18 +73,26 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_SWAP_KB_LONG
 #define STOKE_INT4_SWAP_KB_LONG 8
 #endif
-// 1: the batched kernels (m8 / m16 / m32) keep their 4 load slots as a ring like the swapped
-// kernel; 0: they fill and use them 4 at a time. Not yet timed.
+// 1: the batched kernels m16 / m32 keep their 4 load slots as a ring like the swapped kernel
+// (70B gate/up m = 16: 137.7 -> 121.1 us); 0: they fill and use them 4 at a time. m8 keeps the
+// batches (the ring was slower there, 56.5 -> 61.2 us on 70B down).
 #ifndef STOKE_INT4_RING
-#define STOKE_INT4_RING 0
+#define STOKE_INT4_RING 1
 #endif
 #ifndef STOKE_INT4_SWAP_MIN_CTAS
 #define STOKE_INT4_SWAP_MIN_CTAS 4
 #endif
-// 1: the swapped kernel's weight strips arrive by TMA bulk copies into a per-warp shared-memory
-// ring (one 512-byte copy per k-tile) instead of per-lane loads. Not yet timed.
-#ifndef STOKE_INT4_SWAP_TMA
-#define STOKE_INT4_SWAP_TMA 0
+// The swapped kernel for up to 16 rows per CTA (swap16: two n-tiles of x, twice the
+// accumulators): k-tiles per load slot ring, its long form (6: at 8 ptxas spills at 168
+// registers), and CTAs per SM (151 registers at 3; 4 spills).
+#ifndef STOKE_INT4_SWAP16_KB
+#define STOKE_INT4_SWAP16_KB 4
+#endif
+#ifndef STOKE_INT4_SWAP16_KB_LONG
+#define STOKE_INT4_SWAP16_KB_LONG 6
+#endif
+#ifndef STOKE_INT4_SWAP16_MIN_CTAS
+#define STOKE_INT4_SWAP16_MIN_CTAS 3
 #endif
 // 1: each warp's KB load slots form a ring, a slot refilled with the k-tile KB ahead as soon
 // as it has been used (KB - 1 k-tiles always in flight); 0: filled KB at a time.
@@ -320,15 +330,16 @@ __device__ __forceinline__ void load_unit_scales(const Int4GemmParams& p, u32 ro
 // applies the epilogue: directly with one split, else through the workspace, by the last CTA.
 constexpr int RED_PITCH = 64 + 4;
 // The second half of finish: every warp has written its [MT * 16][64] values into `red`.
+// `slab`: the CTA's 64-column slab; `row0`: its first row (swapped row groups, else 0). The
+// split-K counter is the CTA column's, counters[blockIdx.x].
 template <int MT, int EPI>
-__device__ __forceinline__ void reduce_and_store(const Int4GemmParams& p, float* red) {
+__device__ __forceinline__ void reduce_and_store(const Int4GemmParams& p, float* red, u32 slab, u32 row0) {
     __shared__ u32 last_cta;
-    const u32 slab = blockIdx.x;
     auto at = [&](u32 w, u32 row, u32 col) -> float& {
         return red[(w * (MT * 16) + row) * RED_PITCH + col];
     };
     __syncthreads();
-    const u32 rows = min(p.m, u32(MT * 16));
+    const u32 rows = min(p.m - row0, u32(MT * 16));
     const u32 pairs = rows * 32;  // (row, column pair) items of this slab
     // Sum of the warps' values at (r, c) and (r, c + 1).
     auto warp_sum = [&](u32 r, u32 c, float& v0, float& v1) {
@@ -344,9 +355,9 @@ __device__ __forceinline__ void reduce_and_store(const Int4GemmParams& p, float*
         float v0, v1;
         warp_sum(r, c, v0, v1);
         if (p.splits == 1) {
-            store_pair<EPI>(p, r, slab * 64 + c, v0, v1);
+            store_pair<EPI>(p, row0 + r, slab * 64 + c, v0, v1);
         } else {
-            float* ws = p.workspace + u64(r) * p.n + slab * 64 + c;
+            float* ws = p.workspace + u64(row0 + r) * p.n + slab * 64 + c;
             atomicAdd(ws, v0);
             atomicAdd(ws + 1, v1);
         }
@@ -354,19 +365,19 @@ __device__ __forceinline__ void reduce_and_store(const Int4GemmParams& p, float*
     if (p.splits == 1) return;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last_cta = atomicAdd(p.counters + slab, 1u) == p.splits - 1;
+    if (threadIdx.x == 0) last_cta = atomicAdd(p.counters + blockIdx.x, 1u) == p.splits - 1;
     __syncthreads();
     if (!last_cta) return;
     __threadfence();
     for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
         const u32 r = i / 32, c = 2 * (i % 32);
-        float* ws = p.workspace + u64(r) * p.n + slab * 64 + c;
+        float* ws = p.workspace + u64(row0 + r) * p.n + slab * 64 + c;
         const float v0 = load_cg(ws), v1 = load_cg(ws + 1);
         ws[0] = 0.0f;
         ws[1] = 0.0f;
-        store_pair<EPI>(p, r, slab * 64 + c, v0, v1);
+        store_pair<EPI>(p, row0 + r, slab * 64 + c, v0, v1);
     }
-    if (threadIdx.x == 0) p.counters[slab] = 0;
+    if (threadIdx.x == 0) p.counters[blockIdx.x] = 0;
 }
 
 template <int MT, int EPI>
@@ -383,7 +394,7 @@ __device__ __forceinline__ void finish(const Int4GemmParams& p, const float (&ac
             at(16 * mt + 8 + g, col) = acc[mt][n8][2];
             at(16 * mt + 8 + g, col + 1) = acc[mt][n8][3];
         }
-    reduce_and_store<MT, EPI>(p, red);
+    reduce_and_store<MT, EPI>(p, red, blockIdx.x, 0);
 }
 
 // Register-batched kernel: each warp loads KB k-tiles of weights and activations, then computes
@@ -454,87 +465,91 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     GroupWalk gw(p, u_begin);
     u32 d[8], m[8];
     if (u_begin < u_end) load_unit_scales(p, gw.row, t, sym, d, m);
-#if STOKE_INT4_RING
-    // The load slots as a ring, as in the swapped kernel: a slot is refilled with the k-tile KB
-    // ahead as soon as its mma have read it; the fold runs when a unit's last k-tile is done.
-    const u32 tiles = (u_end - u_begin) * fkt;
-    u32 dn[8], mn[8];
-    gw.next();
-    if (u_begin + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
-    u32 unit = u_begin, in_unit = 0;
-    uint4 w[KB];
-    u32 a[KB][MT][4];
-    auto fill = [&](int s) {
-        w[s] = load_stream(wp, policy);
-        wp += wstep;
+    if (STOKE_INT4_RING && ROWS > 8) {
+        // The load slots as a ring, as in the swapped kernel: a slot is refilled with the k-tile KB
+        // ahead as soon as its mma have read it; the fold runs when a unit's last k-tile is done.
+        const u32 tiles = (u_end - u_begin) * fkt;
+        u32 dn[8], mn[8];
+        gw.next();
+        if (u_begin + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
+        u32 unit = u_begin, in_unit = 0;
+        uint4 w[KB];
+        u32 a[KB][MT][4];
+        auto fill = [&](int s) {
+            w[s] = load_stream(wp, policy);
+            wp += wstep;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            a[s][mt][0] = load_u32(xr[mt][0]);
-            a[s][mt][2] = load_u32(xr[mt][0] + 4);
-            a[s][mt][1] = LOW8 ? 0u : load_u32(xr[mt][1]);
-            a[s][mt][3] = LOW8 ? 0u : load_u32(xr[mt][1] + 4);
+            for (int mt = 0; mt < MT; ++mt) {
+                a[s][mt][0] = load_u32(xr[mt][0]);
+                a[s][mt][2] = load_u32(xr[mt][0] + 4);
+                a[s][mt][1] = LOW8 ? 0u : load_u32(xr[mt][1]);
+                a[s][mt][3] = LOW8 ? 0u : load_u32(xr[mt][1] + 4);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) xr[mt][h] += 8;
+                for (int h = 0; h < 2; ++h) xr[mt][h] += 8;
+            }
+        };
+#pragma unroll
+        for (int s = 0; s < KB; ++s)
+            if (u32(s) < tiles) fill(s);
+        st.begin_unit();
+        for (u32 i0 = 0; i0 < tiles; i0 += KB) {
+#pragma unroll
+            for (int s = 0; s < KB; ++s) {
+                if (i0 + s >= tiles) break;
+                st.tile(w[s], a[s]);
+                if (i0 + s + KB < tiles) fill(s);
+                if (++in_unit < fkt) continue;
+                in_unit = 0;
+                st.template fold<F16S>(d, m, sym);
+                st.begin_unit();
+#pragma unroll
+                for (int n8 = 0; n8 < 8; ++n8) {
+                    d[n8] = dn[n8];
+                    m[n8] = mn[n8];
+                }
+                ++unit;
+                gw.next();
+                if (unit + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
+            }
         }
-    };
-#pragma unroll
-    for (int s = 0; s < KB; ++s)
-        if (u32(s) < tiles) fill(s);
-    st.begin_unit();
-    for (u32 i0 = 0; i0 < tiles; i0 += KB) {
-#pragma unroll
-        for (int s = 0; s < KB; ++s) {
-            if (i0 + s >= tiles) break;
-            st.tile(w[s], a[s]);
-            if (i0 + s + KB < tiles) fill(s);
-            if (++in_unit < fkt) continue;
-            in_unit = 0;
-            st.template fold<F16S>(d, m, sym);
+    } else {
+        for (u32 u = u_begin; u < u_end; ++u) {
+            // The next unit's scales, in flight during this unit.
+            u32 dn[8], mn[8];
+            gw.next();
+            if (u + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
             st.begin_unit();
+            if (fkt % KB == 0) {  // whole batches (groups of 64 rows and more)
+                for (u32 i0 = 0; i0 < fkt; i0 += KB) batch_tiles<KB>(st, wp, wstep, xr, policy, KB);
+            } else {
+                for (u32 i0 = 0; i0 < fkt; i0 += KB) batch_tiles<KB>(st, wp, wstep, xr, policy, min(u32(KB), fkt - i0));
+            }
+            st.template fold<F16S>(d, m, sym);
 #pragma unroll
             for (int n8 = 0; n8 < 8; ++n8) {
                 d[n8] = dn[n8];
                 m[n8] = mn[n8];
             }
-            ++unit;
-            gw.next();
-            if (unit + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
         }
     }
-#else
-    for (u32 u = u_begin; u < u_end; ++u) {
-        // The next unit's scales, in flight during this unit.
-        u32 dn[8], mn[8];
-        gw.next();
-        if (u + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
-        st.begin_unit();
-        if (fkt % KB == 0) {  // whole batches (groups of 64 rows and more)
-            for (u32 i0 = 0; i0 < fkt; i0 += KB) batch_tiles<KB>(st, wp, wstep, xr, policy, KB);
-        } else {
-            for (u32 i0 = 0; i0 < fkt; i0 += KB) batch_tiles<KB>(st, wp, wstep, xr, policy, min(u32(KB), fkt - i0));
-        }
-        st.template fold<F16S>(d, m, sym);
-#pragma unroll
-        for (int n8 = 0; n8 < 8; ++n8) {
-            d[n8] = dn[n8];
-            m[n8] = mn[n8];
-        }
-    }
-#endif
     finish<MT, EPI>(p, st.acc, red, warp, g, t);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Swapped operands for m <= 8 (entry points int4_gemm_swap_EPI_SC): C^T = W^T x^T, so the
-// weights are the mma A operand and the rows of x its N dimension. Lane (g, t)'s four words hold,
-// per word j, the A quad of the 16-column tile 16 j .. 16 j + 15 as they are: a0 = nibble pair 0
-// (column 16 j + g, k 2t, 2t + 1), a1 = pair 2 (column 16 j + 8 + g), a2 = pair 1 (k 2t + 8, 2t + 9),
-// a3 = pair 3. The B fragment is x row g (words kt * 8 + t and + 4), and C holds columns
-// 16 j + g / 16 j + 8 + g of x rows 2t, 2t + 1. Four mma per k-tile instead of eight, no empty
-// fragment rows, 32 accumulators instead of 64. Same work split, fold and epilogue.
+// Swapped operands (entry points int4_gemm_swap_EPI_SC for m <= 8, int4_gemm_swap16_EPI_SC for
+// m <= 32): C^T = W^T x^T, so the weights are the mma A operand and the rows of x its N
+// dimension. Lane (g, t)'s four words hold, per word j, the A quad of the 16-column tile
+// 16 j .. 16 j + 15 as they are: a0 = nibble pair 0 (column 16 j + g, k 2t, 2t + 1), a1 = pair 2
+// (column 16 j + 8 + g), a2 = pair 1 (k 2t + 8, 2t + 9), a3 = pair 3. The B fragment of n-tile nt
+// is x row 8 nt + g (words kt * 8 + t and + 4), and C holds columns 16 j + g / 16 j + 8 + g of
+// x rows 8 nt + 2t, 8 nt + 2t + 1. Per k-tile: the 4 words expanded once, 4 NT mma; no empty
+// fragment rows. Same work split, fold and epilogue.
+//
+// Row groups (swap16): grid.x = n / 64 * G with G = ceil(m / 16); CTA x handles slab x / G and
+// rows 16 (x % G) onwards. The G CTAs of a slab are adjacent in launch order, so they run
+// together and the second one's weight reads hit L2: DRAM reads the weights once for 32 rows.
+// Split-K counters are per CTA column (counters[x], n / 64 * G of them).
 // ---------------------------------------------------------------------------------------------
-
-__device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
 __device__ __forceinline__ u32 load_u16(const u16* p) {
     u16 r;
@@ -542,35 +557,47 @@ __device__ __forceinline__ u32 load_u16(const u16* p) {
     return r;
 }
 
-template <int EPI, bool F16S, int KB>
+template <int EPI, bool F16S, int KB, int NT>
 __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     constexpr bool RING = STOKE_INT4_SWAP_PIPELINE != 0;
     __shared__ float red[WARPS * 16 * RED_PITCH];
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
+    const u32 groups = gridDim.x / (p.n / 64);  // row groups (1 unless swap16 with m > 16)
+    const u32 slab = blockIdx.x / groups, row0 = (blockIdx.x % groups) * 8 * NT;
     const u32 fkt = p.fold_kt;
     const bool sym = p.offsets == nullptr;
     u32 u_begin, u_end;
     warp_units(p, warp, u_begin, u_end);
     const u32 tiles = (u_end - u_begin) * fkt;  // the warp's k-tiles, contiguous in k
-    // x row g (row m - 1 past the end: its results land in rows never stored).
-    const u32* xr = static_cast<const u32*>(p.x) + u64(min(g, p.m - 1)) * (p.k / 2) + u_begin * fkt * 8 + t;
+    // x rows row0 + 8 nt + g (row m - 1 past the end: its results land in rows never stored).
+    const u32* xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+        xr[nt] = static_cast<const u32*>(p.x) + u64(min(row0 + 8 * nt + g, p.m - 1)) * (p.k / 2) + u_begin * fkt * 8 + t;
     const uint4* wp = static_cast<const uint4*>(p.words) +
-                      (u64(u_begin) * fkt * p.kt_stride + u64(blockIdx.x) * p.slab_stride) * 32 + lane;
+                      (u64(u_begin) * fkt * p.kt_stride + u64(slab) * p.slab_stride) * 32 + lane;
     const u64 wstep = u64(p.kt_stride) * 32;
     u64 policy;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    // One row group: the weights are read once, evict them first; several: the next group's
+    // CTA reads them again from L2.
+    if (groups == 1) asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    else asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
 
-    float acc[4][4], part[4][4];
+    float acc[NT][4][4], part[NT][4][4];
+    float sx[NT];  // sum of x row 8 nt + g over the lane's k of the current unit
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int nt = 0; nt < NT; ++nt) {
+        sx[nt] = 0.0f;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[j][c] = part[j][c] = 0.0f;
-    float sx = 0.0f;  // sum of x row g over the lane's k of the current unit
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[nt][j][c] = part[nt][j][c] = 0.0f;
+    }
     // The lane's columns: 16 j + g (h = 0) and 16 j + 8 + g (h = 1).
-    const u16* s16 = static_cast<const u16*>(p.scales) + blockIdx.x * 64 + g;
-    const u16* o16 = static_cast<const u16*>(p.offsets) + blockIdx.x * 64 + g;
+    const u16* s16 = static_cast<const u16*>(p.scales) + slab * 64 + g;
+    const u16* o16 = static_cast<const u16*>(p.offsets) + slab * 64 + g;
     // Column i's scale in the low half of dm[i], its offset in the high half (registers are
     // what bounds the loads in flight at 4 CTAs per SM).
     auto load_scales = [&](u32 row, u32 (&dm)[8]) {
@@ -588,68 +615,21 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     if (u_begin + 1 < u_end) load_scales(gw.row, dmn);
     u32 unit = u_begin, in_unit = 0;
 
-    // KB slots of loads (a 16 x 64 weight strip and the x fragment per k-tile). RING: a slot is
+    // KB slots of loads (a 16 x 64 weight strip and the x fragments per k-tile). RING: a slot is
     // refilled with the k-tile KB ahead as soon as it has been used, so KB - 1 k-tiles are always
     // in flight; else the slots are filled KB at a time and used before the next batch is asked.
-    u32 b0[KB], b1[KB];
-#if STOKE_INT4_SWAP_TMA
-    // TMA: the weight strips come by bulk copy (lane 0 copies each k-tile's 512 bytes into the
-    // warp's slot, completion counted on the slot's mbarrier) instead of one load per lane.
-    static_assert(STOKE_INT4_SWAP_PIPELINE, "the TMA form is a ring");
-    __shared__ __align__(128) uint4 tma_ring[WARPS * KB * 32];
-    __shared__ __align__(8) u64 tma_bar[WARPS * KB];
-    const u32 ring0 = smem_u32(&tma_ring[warp * KB * 32]);
-    const u32 bar0 = smem_u32(&tma_bar[warp * KB]);
-    u32 phase = 0;  // bit s: parity of slot s's next completion
-    if (lane == 0) {
-#pragma unroll
-        for (int s = 0; s < KB; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * s) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncwarp();
-    auto fill = [&](int s) {
-        if (lane == 0) {
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], 512;" ::"r"(bar0 + 8 * s) : "memory");
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], 512, [%2], %3;" ::"r"(
-                    ring0 + 512 * s),
-                "l"(wp - lane), "r"(bar0 + 8 * s), "l"(policy)
-                : "memory");
-        }
-        wp += wstep;
-        b0[s] = load_u32(xr);
-        b1[s] = load_u32(xr + 4);
-        xr += 8;
-    };
-    // This lane's weight strip of slot s, once the slot's copy has landed.
-    auto take = [&](int s) -> uint4 {
-        const u32 bar = bar0 + 8 * s, parity = (phase >> s) & 1u;
-        for (;;) {
-            u32 done;
-            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                         : "=r"(done)
-                         : "r"(bar), "r"(parity)
-                         : "memory");
-            if (done) break;
-        }
-        phase ^= 1u << s;
-        uint4 v;
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(ring0 + 512 * s + 16 * lane));
-        return v;
-    };
-#else
     uint4 w[KB];
+    u32 b0[KB][NT], b1[KB][NT];
     auto fill = [&](int s) {
         w[s] = load_stream(wp, policy);
         wp += wstep;
-        b0[s] = load_u32(xr);
-        b1[s] = load_u32(xr + 4);
-        xr += 8;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            b0[s][nt] = load_u32(xr[nt]);
+            b1[s][nt] = load_u32(xr[nt] + 4);
+            xr[nt] += 8;
+        }
     };
-    auto take = [&](int s) -> const uint4& { return w[s]; };
-#endif
     if (RING) {
 #pragma unroll
         for (int s = 0; s < KB; ++s)
@@ -664,39 +644,47 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 #pragma unroll
         for (int s = 0; s < KB; ++s) {
             if (i0 + s >= tiles) break;
-            const uint4& ws = take(s);
-            const u32 words[4] = {ws.x, ws.y, ws.z, ws.w};
+            const u32 words[4] = {w[s].x, w[s].y, w[s].z, w[s].w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const u32 a0 = nibble_pair<0>(words[j]), a2 = nibble_pair<1>(words[j]);
-                const u32 a1 = nibble_pair<2>(words[j]), a3 = nibble_pair<3>(words[j]);
-                asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-                    "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                    : "+f"(part[j][0]), "+f"(part[j][1]), "+f"(part[j][2]), "+f"(part[j][3])
-                    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0[s]), "r"(b1[s]));
+                const u32 a[4] = {nibble_pair<0>(words[j]), nibble_pair<2>(words[j]), nibble_pair<1>(words[j]),
+                                  nibble_pair<3>(words[j])};
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) mma_bf16(part[nt][j], a, b0[s][nt], b1[s][nt]);
             }
-            sx += (bf16_lo(b0[s]) + bf16_hi(b0[s])) + (bf16_lo(b1[s]) + bf16_hi(b1[s]));
-            if (STOKE_INT4_SWAP_TMA) __syncwarp();  // every lane has read slot s before it is refilled
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                sx[nt] += (bf16_lo(b0[s][nt]) + bf16_hi(b0[s][nt])) + (bf16_lo(b1[s][nt]) + bf16_hi(b1[s][nt]));
             if (RING && i0 + s + KB < tiles) fill(s);
             if (++in_unit < fkt) continue;
-            // The unit is complete. Fold: S of x rows 2t and 2t + 1 (row g's sum is complete
-            // after adding the 4 lanes of group g; lane 4 r holds row r's).
+            // The unit is complete. Fold: S of x rows 8 nt + 2t and 8 nt + 2t + 1 (row g's sum is
+            // complete after adding the 4 lanes of group g; lane 4 r holds row r's).
             in_unit = 0;
-            sx += __shfl_xor_sync(0xffffffffu, sx, 1);
-            sx += __shfl_xor_sync(0xffffffffu, sx, 2);
-            const float s0 = __shfl_sync(0xffffffffu, sx, 8 * t), s1 = __shfl_sync(0xffffffffu, sx, 8 * t + 4);
+            float s0[NT], s1[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                float v = sx[nt];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                s0[nt] = __shfl_sync(0xffffffffu, v, 8 * t);
+                s1[nt] = __shfl_sync(0xffffffffu, v, 8 * t + 4);
+                sx[nt] = 0.0f;
+            }
 #pragma unroll
             for (int j = 0; j < 4; ++j)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     float dv, mv;
                     fold_coeffs<F16S>(dm[2 * j + h], dm[2 * j + h] >> 16, sym, dv, mv);
-                    // c[2h] (x row 2t) and c[2h + 1] (x row 2t + 1) of column 16 j + 8 h + g.
-                    acc[j][2 * h] = fmaf(dv, part[j][2 * h], fmaf(mv, s0, acc[j][2 * h]));
-                    acc[j][2 * h + 1] = fmaf(dv, part[j][2 * h + 1], fmaf(mv, s1, acc[j][2 * h + 1]));
-                    part[j][2 * h] = part[j][2 * h + 1] = 0.0f;
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        // c[2h] (x row 8 nt + 2t) and c[2h + 1] (row 8 nt + 2t + 1) of column 16 j + 8 h + g.
+                        float(&c)[4] = acc[nt][j];
+                        c[2 * h] = fmaf(dv, part[nt][j][2 * h], fmaf(mv, s0[nt], c[2 * h]));
+                        c[2 * h + 1] = fmaf(dv, part[nt][j][2 * h + 1], fmaf(mv, s1[nt], c[2 * h + 1]));
+                        part[nt][j][2 * h] = part[nt][j][2 * h + 1] = 0.0f;
+                    }
                 }
-            sx = 0.0f;
 #pragma unroll
             for (int i = 0; i < 8; ++i) dm[i] = dmn[i];
             ++unit;
@@ -704,37 +692,43 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
             if (unit + 1 < u_end) load_scales(gw.row, dmn);
         }
     }
-    // Rows 2t, 2t + 1 of columns 16 j + g, 16 j + 8 + g into the reduction buffer (rows 8-15
-    // unused).
+    // Rows 8 nt + 2t, 8 nt + 2t + 1 of columns 16 j + g, 16 j + 8 + g into the reduction buffer
+    // (NT = 1: rows 8-15 unused).
     auto at = [&](u32 row, u32 col) -> float& { return red[(warp * 16 + row) * RED_PITCH + col]; };
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            at(2 * t, 16 * j + 8 * h + g) = acc[j][2 * h];
-            at(2 * t + 1, 16 * j + 8 * h + g) = acc[j][2 * h + 1];
-        }
-    reduce_and_store<1, EPI>(p, red);
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                at(8 * nt + 2 * t, 16 * j + 8 * h + g) = acc[nt][j][2 * h];
+                at(8 * nt + 2 * t + 1, 16 * j + 8 * h + g) = acc[nt][j][2 * h + 1];
+            }
+    reduce_and_store<1, EPI>(p, red, slab, row0);
 }
 
-#define INT4_GEMM_SWAP_ENTRY(NAME, EPI, F16S, KB)                                             \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, STOKE_INT4_SWAP_MIN_CTAS) NAME(const Int4GemmParams p) { \
-        int4_gemm_swap<EPI, F16S, KB>(p);                                                     \
+#define INT4_GEMM_SWAP_ENTRY(NAME, EPI, F16S, KB, NT, MIN_CTAS)                                             \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) NAME(const Int4GemmParams p) { \
+        int4_gemm_swap<EPI, F16S, KB, NT>(p);                                                     \
     }
 
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_plain_bf16s, EPI_PLAIN, false, STOKE_INT4_SWAP_KB)
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_plain_f16s, EPI_PLAIN, true, STOKE_INT4_SWAP_KB)
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_residual_bf16s, EPI_RESIDUAL, false, STOKE_INT4_SWAP_KB)
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_residual_f16s, EPI_RESIDUAL, true, STOKE_INT4_SWAP_KB)
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_swiglu_bf16s, EPI_SWIGLU, false, STOKE_INT4_SWAP_KB)
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_swiglu_f16s, EPI_SWIGLU, true, STOKE_INT4_SWAP_KB)
-// Long streams (the plan's LONG_STREAM_TILES k-tiles per warp and more): a deeper ring.
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_plain_bf16s_long, EPI_PLAIN, false, STOKE_INT4_SWAP_KB_LONG)
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_plain_f16s_long, EPI_PLAIN, true, STOKE_INT4_SWAP_KB_LONG)
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_residual_bf16s_long, EPI_RESIDUAL, false, STOKE_INT4_SWAP_KB_LONG)
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_residual_f16s_long, EPI_RESIDUAL, true, STOKE_INT4_SWAP_KB_LONG)
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_swiglu_bf16s_long, EPI_SWIGLU, false, STOKE_INT4_SWAP_KB_LONG)
-INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_swiglu_f16s_long, EPI_SWIGLU, true, STOKE_INT4_SWAP_KB_LONG)
+#define INT4_GEMM_SWAP_ENTRIES(PREFIX, NT, KB, KB_LONG, MIN_CTAS)                                                \
+    INT4_GEMM_SWAP_ENTRY(PREFIX##_plain_bf16s, EPI_PLAIN, false, KB, NT, MIN_CTAS)                            \
+    INT4_GEMM_SWAP_ENTRY(PREFIX##_plain_f16s, EPI_PLAIN, true, KB, NT, MIN_CTAS)                              \
+    INT4_GEMM_SWAP_ENTRY(PREFIX##_residual_bf16s, EPI_RESIDUAL, false, KB, NT, MIN_CTAS)                      \
+    INT4_GEMM_SWAP_ENTRY(PREFIX##_residual_f16s, EPI_RESIDUAL, true, KB, NT, MIN_CTAS)                        \
+    INT4_GEMM_SWAP_ENTRY(PREFIX##_swiglu_bf16s, EPI_SWIGLU, false, KB, NT, MIN_CTAS)                          \
+    INT4_GEMM_SWAP_ENTRY(PREFIX##_swiglu_f16s, EPI_SWIGLU, true, KB, NT, MIN_CTAS)                            \
+    /* Long streams (the plan's LONG_STREAM_TILES k-tiles per warp and more): a deeper ring. */              \
+    INT4_GEMM_SWAP_ENTRY(PREFIX##_plain_bf16s_long, EPI_PLAIN, false, KB_LONG, NT, MIN_CTAS)                  \
+    INT4_GEMM_SWAP_ENTRY(PREFIX##_plain_f16s_long, EPI_PLAIN, true, KB_LONG, NT, MIN_CTAS)                    \
+    INT4_GEMM_SWAP_ENTRY(PREFIX##_residual_bf16s_long, EPI_RESIDUAL, false, KB_LONG, NT, MIN_CTAS)            \
+    INT4_GEMM_SWAP_ENTRY(PREFIX##_residual_f16s_long, EPI_RESIDUAL, true, KB_LONG, NT, MIN_CTAS)              \
+    INT4_GEMM_SWAP_ENTRY(PREFIX##_swiglu_bf16s_long, EPI_SWIGLU, false, KB_LONG, NT, MIN_CTAS)                \
+    INT4_GEMM_SWAP_ENTRY(PREFIX##_swiglu_f16s_long, EPI_SWIGLU, true, KB_LONG, NT, MIN_CTAS)
+
+INT4_GEMM_SWAP_ENTRIES(int4_gemm_swap, 1, STOKE_INT4_SWAP_KB, STOKE_INT4_SWAP_KB_LONG, STOKE_INT4_SWAP_MIN_CTAS)
+INT4_GEMM_SWAP_ENTRIES(int4_gemm_swap16, 2, STOKE_INT4_SWAP16_KB, STOKE_INT4_SWAP16_KB_LONG, STOKE_INT4_SWAP16_MIN_CTAS)
 
 #define INT4_GEMM_ENTRY(NAME, ROWS, MIN_CTAS, EPI, F16S)                                              \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) NAME(const Int4GemmParams p) { \

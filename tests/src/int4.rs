@@ -138,7 +138,7 @@ const TOLERANCE: f64 = 2e-3;
 /// Both device word orders are tested and measured.
 const ORDERS: [WordOrder; 2] = [WordOrder::KtMajor, WordOrder::SlabMajor];
 
-/// The kernels (both device word orders, and the swapped-operand kernel for m <= 8) against the f64 reference over the dequantized weight, on fresh random
+/// The kernels (both device word orders, batched and swapped-operand kernels) against the f64 reference over the dequantized weight, on fresh random
 /// data with poisoned outputs.
 pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
     let rt = crate::gpu()?;
@@ -205,13 +205,13 @@ fn gemm_matches_reference() -> Result<Value, String> {
                         .iter()
                         .map(|v| bf16::round(*v as f32) as f64)
                         .collect();
-                    // The swapped kernel also at one split, where k >= 4096 gives every warp
+                    // The swapped kernels also at one split, where k >= 4096 gives every warp
                     // the long-stream entry points' LONG_STREAM_TILES k-tiles.
                     let runs = dws
                         .iter()
                         .flat_map(|d| [(d, false, 0), (d, true, 0), (d, true, 1)]);
                     for (dw, swap_ab, splits) in runs {
-                        if splits == 1 && (k < 4096 || m > 8) {
+                        if splits == 1 && k < 4096 {
                             continue;
                         }
                         let call = Int4Gemm {
@@ -355,11 +355,8 @@ fn bench_variant(
                 .collect();
             let xb = put_u16(&rt, &x);
             let out = rt.alloc(m * n * 2).unwrap();
-            // The swapped-operand kernel is timed beside the default one at m <= 8.
+            // The swapped-operand kernels beside the batched ones at every m.
             for swap_ab in [false, true] {
-                if swap_ab && m > 8 {
-                    continue;
-                }
                 for dws in &weights {
                     let dw = &dws[0];
                     let mut call = Int4Gemm::plain(xb.ptr(), m as u32, out.ptr(), swap_ab);

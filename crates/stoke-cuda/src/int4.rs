@@ -2,7 +2,8 @@
 
 use crate::kernels::INT4_GEMM;
 use crate::kernels::int4_gemm::{
-    Epilogue, Int4GemmParams, WARPS, WordOrder, launch_bound_ctas, launch_bound_slots, plan,
+    Epilogue, Int4GemmParams, WARPS, WordOrder, counters_len, launch_bound_ctas,
+    launch_bound_slots, plan,
 };
 use crate::{DeviceBuffer, Error, LaunchShape, Result, Runtime};
 use std::sync::Arc;
@@ -143,8 +144,8 @@ pub struct Int4Gemm {
     pub row_scale: u64,
     /// CTAs per 64-column slab along k; 0 lets the plan choose (benchmarks sweep it).
     pub splits: u32,
-    /// Launches of at most 8 rows use the swapped-operand kernel (`int4_gemm_swap_*`; see
-    /// `kernels::int4_gemm::plan`). `swap_ab_default()` for the process default.
+    /// Use the swapped-operand kernels (`int4_gemm_swap_*` up to 8 rows, `int4_gemm_swap16_*`
+    /// up to 32; see `kernels::int4_gemm::plan`). `swap_ab_default()` for the process default.
     pub swap_ab: bool,
 }
 
@@ -213,7 +214,7 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
     let rows = launches.iter().map(|l| l.rows).max().unwrap_or(0) as usize;
     let ws_bytes = rows * w.n as usize * 4;
     let (workspace, counters) = if split {
-        let base = rt.zeroed_scratch(ws_bytes.next_multiple_of(256) + w.n as usize / 64 * 4)?;
+        let base = rt.zeroed_scratch(ws_bytes.next_multiple_of(256) + counters_len(w.n) * 4)?;
         (base, base + ws_bytes.next_multiple_of(256) as u64)
     } else {
         (0, 0)

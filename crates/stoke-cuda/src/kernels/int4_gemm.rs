@@ -28,7 +28,7 @@ pub struct Int4GemmParams {
     pub row_scale: u64,
     /// `[m, n]` f32, all zeros on entry (left zeroed); needed when `splits > 1`.
     pub workspace: u64,
-    /// `[n / 64]` u32, all zeros on entry (left zeroed); needed when `splits > 1`.
+    /// [`counters_len`] u32, all zeros on entry (left zeroed); needed when `splits > 1`.
     pub counters: u64,
     pub m: u32,
     pub k: u32,
@@ -109,6 +109,18 @@ pub const ENTRY_POINTS: &[&str] = &[
     "int4_gemm_swap_residual_f16s_long",
     "int4_gemm_swap_swiglu_bf16s_long",
     "int4_gemm_swap_swiglu_f16s_long",
+    "int4_gemm_swap16_plain_bf16s",
+    "int4_gemm_swap16_plain_f16s",
+    "int4_gemm_swap16_residual_bf16s",
+    "int4_gemm_swap16_residual_f16s",
+    "int4_gemm_swap16_swiglu_bf16s",
+    "int4_gemm_swap16_swiglu_f16s",
+    "int4_gemm_swap16_plain_bf16s_long",
+    "int4_gemm_swap16_plain_f16s_long",
+    "int4_gemm_swap16_residual_bf16s_long",
+    "int4_gemm_swap16_residual_f16s_long",
+    "int4_gemm_swap16_swiglu_bf16s_long",
+    "int4_gemm_swap16_swiglu_f16s_long",
 ];
 
 /// K-tiles per warp from which the swapped kernel's `_long` entry points (a deeper load ring)
@@ -159,12 +171,15 @@ impl Epilogue {
 pub const WARPS: u32 = 4;
 /// Most rows one launch handles.
 pub const MAX_ROWS: u32 = 32;
-/// Resident CTAs per SM an entry point's launch bounds ask for (m32: 2, swapped: 4, else 3).
+/// Resident CTAs per SM an entry point's launch bounds ask for (m32: 2, swapped m <= 8: 4,
+/// else 3).
 /// The runtime plans with the occupancy calculator instead ([`crate::Runtime::resident_ctas`]);
 /// this is the expectation for code without a GPU (shape checks, tests).
 pub fn launch_bound_ctas(entry: &str) -> u32 {
     if entry.starts_with("int4_gemm_swap_") {
         4
+    } else if entry.starts_with("int4_gemm_swap16_") {
+        3
     } else if entry.ends_with("_m32") {
         2
     } else {
@@ -176,6 +191,17 @@ pub fn launch_bound_ctas(entry: &str) -> u32 {
 /// [`launch_bound_ctas`]).
 pub fn launch_bound_slots(sm_count: u32) -> impl Fn(&'static str) -> u32 {
     move |entry| launch_bound_ctas(entry) * sm_count
+}
+
+/// CTAs per slab of a swap16 launch of `rows` rows: one per 16 rows. They are adjacent in the
+/// grid (x = slab * groups + group), so the second reads the slab's weights from L2.
+pub fn row_groups(rows: u32) -> u32 {
+    rows.div_ceil(16)
+}
+
+/// Split-K counters (u32) a launch of `n` columns needs: one per CTA column of the grid.
+pub fn counters_len(n: u32) -> usize {
+    (n / 64 * row_groups(MAX_ROWS)) as usize
 }
 
 /// One launch: entry point, grid, block, and the plan fields of its params.
@@ -212,8 +238,9 @@ fn gcd(a: u32, b: u32) -> u32 {
 /// the group and 8); a 64-column slab gets as many CTAs along k as fit in one wave of resident
 /// CTAs (measured best: a second, partial wave costs more than the split-K reduction saves),
 /// keeping at least two units per warp. `splits > 0` overrides the choice (at most one warp
-/// per unit). `swap_ab`: launches of at most 8 rows use the swapped-operand kernel
-/// (`int4_gemm_swap_*`: weights as the mma A operand, x as B).
+/// per unit). `swap_ab`: the swapped-operand kernels (weights as the mma A operand, x as B):
+/// `int4_gemm_swap_*` for launches of at most 8 rows, `int4_gemm_swap16_*` (two 8-row n-tiles
+/// per CTA, one CTA per 16 rows of a slab, [`row_groups`]) up to 32.
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     m: u32,
@@ -246,17 +273,23 @@ pub fn plan(
         let rows = (m - row0).min(MAX_ROWS);
         let mt = match rows {
             0..=8 if swap_ab => 3,
+            _ if swap_ab => 4,
             0..=8 => 0,
             9..=16 => 1,
             _ => 2,
         };
+        let swapped = mt >= 3;
+        let groups = if mt == 4 { row_groups(rows) } else { 1 };
         // ENTRY_POINTS runs epilogue, scale type, m-tile, then the swapped kernels by epilogue
-        // and scale type, then their `_long` forms (the test below checks). Both swapped forms
-        // have the same launch bounds, so the split count is planned on the first.
-        let entry = if mt == 3 {
-            ENTRY_POINTS[18 + epilogue.index() * 2 + usize::from(f16_scales)]
+        // and scale type, then their `_long` forms, then the same two for swap16 (the test
+        // below checks). A kernel's two forms have the same launch bounds, so the split count
+        // is planned on the first.
+        let scale = usize::from(f16_scales);
+        let swap_base = if mt == 4 { 30 } else { 18 };
+        let entry = if swapped {
+            ENTRY_POINTS[swap_base + epilogue.index() * 2 + scale]
         } else {
-            ENTRY_POINTS[epilogue.index() * 6 + usize::from(f16_scales) * 3 + mt]
+            ENTRY_POINTS[epilogue.index() * 6 + scale * 3 + mt]
         };
         let splits = if explicit > 0 {
             explicit.min(units.div_ceil(WARPS)).clamp(1, 65535)
@@ -264,8 +297,8 @@ pub fn plan(
             // One wave of resident CTAs, each warp at least two fold units; the swapped kernel
             // may go to one unit per warp when that deals the units out exactly (8B o-proj:
             // 7.97 us at 8 splits against 9.25 us at 4, results/experiments/h200-int4-orders-splits-9413a06.json).
-            let one_wave = slots(entry) / slabs;
-            let exact_single = mt == 3
+            let one_wave = slots(entry) / (slabs * groups);
+            let exact_single = swapped
                 && one_wave > 1
                 && one_wave * WARPS <= units
                 && units % (one_wave * WARPS) == 0;
@@ -275,14 +308,14 @@ pub fn plan(
                 one_wave.clamp(1, (units / (2 * WARPS)).max(1))
             }
         };
-        let entry = if mt == 3 && units * fold_kt >= LONG_STREAM_TILES * splits * WARPS {
-            ENTRY_POINTS[24 + epilogue.index() * 2 + usize::from(f16_scales)]
+        let entry = if swapped && units * fold_kt >= LONG_STREAM_TILES * splits * WARPS {
+            ENTRY_POINTS[swap_base + 6 + epilogue.index() * 2 + scale]
         } else {
             entry
         };
         out.push(Launch {
             entry,
-            grid: (slabs, splits, 1),
+            grid: (slabs * groups, splits, 1),
             block: (WARPS * 32, 1, 1),
             row0,
             rows,
@@ -349,8 +382,11 @@ mod tests {
                     let l = plan_h200(rows, 64, 64, 32, s == 1, epi, 0, true).unwrap();
                     if rows <= 8 {
                         assert_eq!(l[0].entry, format!("int4_gemm_swap_{}_{sc}", epi.name()));
+                        assert_eq!(l[0].entry, ENTRY_POINTS[18 + e * 2 + s]);
                     } else {
-                        assert_eq!(l[0].entry, ENTRY_POINTS[e * 6 + s * 3 + r]);
+                        assert_eq!(l[0].entry, format!("int4_gemm_swap16_{}_{sc}", epi.name()));
+                        assert_eq!(l[0].entry, ENTRY_POINTS[30 + e * 2 + s]);
+                        assert_eq!(l[0].grid.0, row_groups(rows));
                     }
                 }
             }
@@ -372,6 +408,12 @@ mod tests {
                 assert_eq!(
                     short[0].entry,
                     format!("int4_gemm_swap_{}_{sc}", epi.name())
+                );
+                let long = plan_h200(32, 8192, 57344, 128, s == 1, epi, 0, true).unwrap();
+                assert_eq!(long[0].entry, ENTRY_POINTS[36 + e * 2 + s]);
+                assert_eq!(
+                    long[0].entry,
+                    format!("int4_gemm_swap16_{}_{sc}_long", epi.name())
                 );
             }
         }
@@ -403,15 +445,27 @@ mod tests {
     fn source_is_self_contained_and_instantiates_every_entry() {
         assert!(!SOURCE.contains("#include"));
         for e in ENTRY_POINTS {
-            let defined = SOURCE.contains(&format!("INT4_GEMM_ENTRY({e},"))
-                || SOURCE.contains(&format!("INT4_GEMM_SWAP_ENTRY({e},"));
+            // The swapped entry points come from INT4_GEMM_SWAP_ENTRIES(prefix, ...): one per
+            // epilogue, scale type and ring form.
+            let swapped = ["int4_gemm_swap16", "int4_gemm_swap"]
+                .into_iter()
+                .find(|p| e.starts_with(&format!("{p}_")));
+            let defined = match swapped {
+                Some(prefix) => {
+                    SOURCE.contains(&format!("INT4_GEMM_SWAP_ENTRIES({prefix},"))
+                        && SOURCE.contains(&format!(
+                            "INT4_GEMM_SWAP_ENTRY(PREFIX##{},",
+                            &e[prefix.len()..]
+                        ))
+                }
+                None => SOURCE.contains(&format!("INT4_GEMM_ENTRY({e},")),
+            };
             assert!(defined, "{e}");
         }
         let defined = SOURCE.matches("INT4_GEMM_ENTRY(int4_gemm_").count()
-            + SOURCE
-                .matches("INT4_GEMM_SWAP_ENTRY(int4_gemm_swap_")
-                .count();
+            + 12 * SOURCE.matches("INT4_GEMM_SWAP_ENTRIES(int4_gemm_").count();
         assert_eq!(defined, ENTRY_POINTS.len());
+        assert_eq!(SOURCE.matches("INT4_GEMM_SWAP_ENTRY(PREFIX##").count(), 12);
     }
 
     #[test]
@@ -441,10 +495,18 @@ mod tests {
                         l.splits * WARPS <= units.max(WARPS) + WARPS,
                         "{k} {n} {l:?}"
                     );
-                    assert_eq!(l.grid, (n / 64, l.splits, 1));
                     let tile = [8, 16, 32].into_iter().find(|t| l.rows <= *t).unwrap();
+                    let groups = if swap && tile > 8 {
+                        row_groups(l.rows)
+                    } else {
+                        1
+                    };
+                    assert_eq!(l.grid, (n / 64 * groups, l.splits, 1));
+                    assert!(l.grid.0 as usize <= counters_len(n));
                     if swap && tile == 8 {
                         assert!(l.entry.starts_with("int4_gemm_swap_"), "{l:?}");
+                    } else if swap {
+                        assert!(l.entry.starts_with("int4_gemm_swap16_"), "{l:?}");
                     } else {
                         assert!(l.entry.ends_with(&format!("_m{tile}")));
                     }
@@ -456,8 +518,11 @@ mod tests {
         assert_eq!((l.fold_kt, l.splits), (8, 4));
         let l = plan_h200(1, 576, 576, 64, true, Epilogue::SwiGlu, 0, false).unwrap()[0];
         assert_eq!(l.entry, "int4_gemm_swiglu_f16s_m8");
-        let l = plan_h200(20, 576, 576, 64, false, Epilogue::Residual, 0, true).unwrap();
+        let l = plan_h200(20, 576, 576, 64, false, Epilogue::Residual, 0, false).unwrap();
         assert_eq!(l[0].entry, "int4_gemm_residual_bf16s_m32");
+        let l = plan_h200(20, 576, 576, 64, false, Epilogue::Residual, 0, true).unwrap();
+        assert_eq!(l[0].entry, "int4_gemm_swap16_residual_bf16s");
+        assert_eq!(l[0].grid.0, 9 * 2);
         let bad = |k, n, g| plan_h200(1, k, n, g, false, Epilogue::Plain, 0, false).is_err();
         assert!(bad(100, 64, 16) && bad(128, 96, 16) && bad(128, 64, 48));
     }
