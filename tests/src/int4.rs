@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
 use stoke_cuda::kernels::INT4_GEMM;
-use stoke_cuda::kernels::int4_gemm::{Epilogue, WordOrder};
+use stoke_cuda::kernels::int4_gemm::{Epilogue, SWAP_ALL, WordOrder};
 use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::bf16;
 use stoke_formats::int4::{PackedInt4, ScaleType};
@@ -222,7 +222,7 @@ fn gemm_matches_reference() -> Result<Value, String> {
                             residual: rb.as_ref().map_or(0, |b| b.ptr()),
                             row_scale: sb.as_ref().map_or(0, |b| b.ptr()),
                             splits,
-                            swap_ab,
+                            swap_rows: if swap_ab { SWAP_ALL } else { 0 },
                         };
                         // Poisoned before each word order's kernel writes it.
                         unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }
@@ -357,9 +357,21 @@ fn bench_variant(
             let out = rt.alloc(m * n * 2).unwrap();
             // The swapped-operand kernels beside the batched ones at every m.
             for swap_ab in [false, true] {
+                // The shipped default is SwapAB up to SWAP_ROWS_DEFAULT rows, Batched above;
+                // Swap16 rows are the opt-in swapped kernel for 9-32 rows.
+                let kind = match (swap_ab, m) {
+                    (false, _) => "Batched",
+                    (true, 0..=8) => "SwapAB",
+                    (true, _) => "Swap16",
+                };
                 for dws in &weights {
                     let dw = &dws[0];
-                    let mut call = Int4Gemm::plain(xb.ptr(), m as u32, out.ptr(), swap_ab);
+                    let mut call = Int4Gemm::plain(
+                        xb.ptr(),
+                        m as u32,
+                        out.ptr(),
+                        if swap_ab { SWAP_ALL } else { 0 },
+                    );
                     let bytes = dw.bytes() + m * k * 2 + m * n * 2;
                     let plan = |splits| {
                         stoke_cuda::kernels::int4_gemm::plan(
@@ -371,7 +383,7 @@ fn bench_variant(
                             Epilogue::Plain,
                             &stoke_cuda::int4::resident_slots(&rt),
                             splits,
-                            swap_ab,
+                            if swap_ab { SWAP_ALL } else { 0 },
                         )
                         .unwrap()[0]
                     };
@@ -385,7 +397,7 @@ fn bench_variant(
                         100.0 * gbps / copy_gbps,
                         launch.splits
                     );
-                    let mut row = json!({"variant": if swap_ab { "SwapAB" } else { "Batched" }, "order": format!("{:?}", dw.order), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
+                    let mut row = json!({"variant": kind, "order": format!("{:?}", dw.order), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
                         "host_us": host_us, "weight_bytes": dw.bytes(), "weight_copies": dws.len(), "gbps": gbps, "of_copy": gbps / copy_gbps,
                         "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1]});
                     if !variant.is_empty() {
@@ -405,7 +417,7 @@ fn bench_variant(
                         call.splits = l.splits;
                         let (us, _) = time_gemm(&rt, dws, &call, 3);
                         let gbps = bytes as f64 / us / 1e3;
-                        sweep.push(json!({"variant": if swap_ab { "SwapAB" } else { "Batched" }, "order": format!("{:?}", dw.order), "shape": name, "m": m,
+                        sweep.push(json!({"variant": kind, "order": format!("{:?}", dw.order), "shape": name, "m": m,
                             "splits": l.splits, "ctas": l.grid.0 * l.grid.1, "us": us, "of_copy": gbps / copy_gbps}));
                     }
                     let best = sweep
@@ -445,7 +457,12 @@ pub fn profile_launches(shapes: &[&str], m: usize) {
                 DeviceInt4::upload_ordered(&rt, (k, n, 128), false, &words, &scales, None, order)
                     .unwrap();
             for swap_ab in [false, true] {
-                let call = Int4Gemm::plain(xb.ptr(), m as u32, out.ptr(), swap_ab);
+                let call = Int4Gemm::plain(
+                    xb.ptr(),
+                    m as u32,
+                    out.ptr(),
+                    if swap_ab { SWAP_ALL } else { 0 },
+                );
                 for _ in 0..2 {
                     unsafe { int4_gemm(&rt, &dw, &call) }.unwrap();
                 }

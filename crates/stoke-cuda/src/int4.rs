@@ -2,8 +2,8 @@
 
 use crate::kernels::INT4_GEMM;
 use crate::kernels::int4_gemm::{
-    Epilogue, Int4GemmParams, WARPS, WordOrder, counters_len, launch_bound_ctas,
-    launch_bound_slots, plan,
+    Epilogue, Int4GemmParams, MAX_ROWS, SWAP_ROWS_DEFAULT, WARPS, WordOrder, counters_len,
+    launch_bound_ctas, launch_bound_slots, plan,
 };
 use crate::{DeviceBuffer, Error, LaunchShape, Result, Runtime};
 use std::sync::Arc;
@@ -76,7 +76,7 @@ impl DeviceInt4 {
             Epilogue::Plain,
             &launch_bound_slots(rt.sm_count),
             0,
-            false,
+            0,
         )
         .map_err(|e| Error::Shape(e.0))?;
         if words.len() != k * n / 8 {
@@ -144,14 +144,15 @@ pub struct Int4Gemm {
     pub row_scale: u64,
     /// CTAs per 64-column slab along k; 0 lets the plan choose (benchmarks sweep it).
     pub splits: u32,
-    /// Use the swapped-operand kernels (`int4_gemm_swap_*` up to 8 rows, `int4_gemm_swap16_*`
-    /// up to 32; see `kernels::int4_gemm::plan`). `swap_ab_default()` for the process default.
-    pub swap_ab: bool,
+    /// Launches of at most this many rows use the swapped-operand kernels (`int4_gemm_swap_*`
+    /// up to 8 rows, `int4_gemm_swap16_*` above; see `kernels::int4_gemm::plan`); 0: none.
+    /// [`swap_rows_default`] for the process default.
+    pub swap_rows: u32,
 }
 
 impl Int4Gemm {
     /// A plain-epilogue call (no residual, no row scale) with the plan's split count.
-    pub fn plain(x: u64, m: u32, out: u64, swap_ab: bool) -> Self {
+    pub fn plain(x: u64, m: u32, out: u64, swap_rows: u32) -> Self {
         Self {
             x,
             m,
@@ -160,16 +161,28 @@ impl Int4Gemm {
             residual: 0,
             row_scale: 0,
             splits: 0,
-            swap_ab,
+            swap_rows,
         }
     }
 }
 
-/// Whether the swapped-operand m <= 8 kernel is used by default: yes (it is faster on every
-/// benchmark shape, results/h200-int4.json); `STOKE_INT4_SWAP_AB=0` selects the batched kernel.
-pub fn swap_ab_default() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("STOKE_INT4_SWAP_AB").as_deref() != Ok("0"))
+/// Rows up to which the swapped-operand kernels are used: `STOKE_INT4_SWAP_ROWS` (0-32), else
+/// [`SWAP_ROWS_DEFAULT`] (8: the swapped m <= 8 kernel is faster on every benchmark shape,
+/// results/h200-int4.json).
+pub fn swap_rows_default() -> u32 {
+    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *V.get_or_init(|| match std::env::var("STOKE_INT4_SWAP_ROWS") {
+        Ok(v) => match v.trim().parse::<u32>() {
+            Ok(r) if r <= MAX_ROWS => r,
+            _ => {
+                tracing::warn!(
+                    "STOKE_INT4_SWAP_ROWS={v:?} is not a row count 0-{MAX_ROWS}; using {SWAP_ROWS_DEFAULT}"
+                );
+                SWAP_ROWS_DEFAULT
+            }
+        },
+        Err(_) => SWAP_ROWS_DEFAULT,
+    })
 }
 
 /// Resident CTAs of a W4A16 entry point on the whole GPU, from the occupancy calculator (the
@@ -206,7 +219,7 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         call.epilogue,
         &resident_slots(rt),
         call.splits,
-        call.swap_ab,
+        call.swap_rows,
     )
     .map_err(|e| Error::Shape(e.0))?;
     let (kt_stride, slab_stride) = w.order.strides(w.k, w.n);

@@ -193,6 +193,15 @@ pub fn launch_bound_slots(sm_count: u32) -> impl Fn(&'static str) -> u32 {
     move |entry| launch_bound_ctas(entry) * sm_count
 }
 
+/// Rows up to which [`plan`] uses the swapped kernels by default: 8. The swap16 kernels
+/// (9-32 rows) were no faster than the batched ones at m = 16 and mixed at m = 32 (faster on
+/// 70B qkv 60.2 -> 50.3 us, slower on 70B down 109.8 -> 132.3 us;
+/// results/experiments/h200-int4-swap16-3d5e22e.json), so they are opt-in
+/// (`STOKE_INT4_SWAP_ROWS=32`).
+pub const SWAP_ROWS_DEFAULT: u32 = 8;
+/// `swap_rows` for the swapped kernels at every row count.
+pub const SWAP_ALL: u32 = MAX_ROWS;
+
 /// CTAs per slab of a swap16 launch of `rows` rows: one per 16 rows. They are adjacent in the
 /// grid (x = slab * groups + group), so the second reads the slab's weights from L2.
 pub fn row_groups(rows: u32) -> u32 {
@@ -238,9 +247,10 @@ fn gcd(a: u32, b: u32) -> u32 {
 /// the group and 8); a 64-column slab gets as many CTAs along k as fit in one wave of resident
 /// CTAs (measured best: a second, partial wave costs more than the split-K reduction saves),
 /// keeping at least two units per warp. `splits > 0` overrides the choice (at most one warp
-/// per unit). `swap_ab`: the swapped-operand kernels (weights as the mma A operand, x as B):
-/// `int4_gemm_swap_*` for launches of at most 8 rows, `int4_gemm_swap16_*` (two 8-row n-tiles
-/// per CTA, one CTA per 16 rows of a slab, [`row_groups`]) up to 32.
+/// per unit). `swap_rows`: launches of at most that many rows use the swapped-operand kernels
+/// (weights as the mma A operand, x as B): `int4_gemm_swap_*` up to 8 rows,
+/// `int4_gemm_swap16_*` (two 8-row n-tiles per CTA, one CTA per 16 rows of a slab,
+/// [`row_groups`]) above; 0: the batched kernels throughout ([`SWAP_ROWS_DEFAULT`]).
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     m: u32,
@@ -251,7 +261,7 @@ pub fn plan(
     epilogue: Epilogue,
     slots: &dyn Fn(&'static str) -> u32,
     splits: u32,
-    swap_ab: bool,
+    swap_rows: u32,
 ) -> Result<Vec<Launch>, ShapeError> {
     if k == 0 || k % 16 != 0 || n == 0 || n % 64 != 0 {
         return Err(ShapeError(format!(
@@ -272,8 +282,8 @@ pub fn plan(
     while row0 < m {
         let rows = (m - row0).min(MAX_ROWS);
         let mt = match rows {
-            0..=8 if swap_ab => 3,
-            _ if swap_ab => 4,
+            0..=8 if rows <= swap_rows => 3,
+            _ if rows <= swap_rows => 4,
             0..=8 => 0,
             9..=16 => 1,
             _ => 2,
@@ -341,7 +351,7 @@ mod tests {
         f16_scales: bool,
         epilogue: Epilogue,
         splits: u32,
-        swap_ab: bool,
+        swap: bool,
     ) -> Result<Vec<Launch>, ShapeError> {
         plan(
             m,
@@ -352,7 +362,7 @@ mod tests {
             epilogue,
             &launch_bound_slots(132),
             splits,
-            swap_ab,
+            if swap { SWAP_ALL } else { 0 },
         )
     }
 

@@ -98,7 +98,7 @@ pub(crate) fn try_linear_with<I: Backend>(
         residual: res_in.as_ref().map_or(0, |r| r.ptr),
         row_scale: 0,
         splits: 0,
-        swap_ab: stoke_cuda::int4::swap_ab_default(),
+        swap_rows: stoke_cuda::int4::swap_rows_default(),
     };
     // SAFETY: x is pinned (or Stoke-owned) until the kernel is done, out is a Stoke buffer of
     // m * n bf16, the weight buffers are held by `dw` (freed on Stoke's stream).
