@@ -94,6 +94,10 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_SWAP16_MIN_CTAS
 #define STOKE_INT4_SWAP16_MIN_CTAS 3
 #endif
+// The stream-K swapped kernel's load ring (k-tiles; 8 fits 128 registers, 4 CTAs per SM).
+#ifndef STOKE_INT4_SWAPK_KB
+#define STOKE_INT4_SWAPK_KB 8
+#endif
 // 1: each warp's KB load slots form a ring, a slot refilled with the k-tile KB ahead as soon
 // as it has been used (KB - 1 k-tiles always in flight); 0: filled KB at a time.
 #ifndef STOKE_INT4_SWAP_PIPELINE
@@ -557,19 +561,16 @@ __device__ __forceinline__ u32 load_u16(const u16* p) {
     return r;
 }
 
-template <int EPI, bool F16S, int KB, int NT>
-__device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
+// The swapped kernel's k loop: acc = this warp's sums over fold units [u_begin, u_end) of slab
+// `slab`, x rows row0 onwards; `groups` row groups share the slab's weights (L2 policy).
+template <bool F16S, int KB, int NT>
+__device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u32 row0, u32 groups, u32 u_begin,
+                                           u32 u_end, float (&acc)[NT][4][4]) {
     constexpr bool RING = STOKE_INT4_SWAP_PIPELINE != 0;
-    __shared__ float red[WARPS * 16 * RED_PITCH];
-
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 lane = threadIdx.x & 31;
     const u32 g = lane >> 2, t = lane & 3;
-    const u32 groups = gridDim.x / (p.n / 64);  // row groups (1 unless swap16 with m > 16)
-    const u32 slab = blockIdx.x / groups, row0 = (blockIdx.x % groups) * 8 * NT;
     const u32 fkt = p.fold_kt;
     const bool sym = p.offsets == nullptr;
-    u32 u_begin, u_end;
-    warp_units(p, warp, u_begin, u_end);
     const u32 tiles = (u_end - u_begin) * fkt;  // the warp's k-tiles, contiguous in k
     // x rows row0 + 8 nt + g (row m - 1 past the end: its results land in rows never stored).
     const u32* xr[NT];
@@ -585,7 +586,7 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     if (groups == 1) asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     else asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
 
-    float acc[NT][4][4], part[NT][4][4];
+    float part[NT][4][4];
     float sx[NT];  // sum of x row 8 nt + g over the lane's k of the current unit
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -692,6 +693,69 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
             if (unit + 1 < u_end) load_scales(gw.row, dmn);
         }
     }
+}
+
+// Stream-K (entry points int4_gemm_swapk_EPI_SC, m <= 8, launched with p.splits == 0 and one
+// CTA per resident slot at most): the slabs' fold units, slab after slab, are
+// dealt evenly to every warp of the grid (one CTA per resident slot), so every SM streams the
+// same bytes whatever the shape (no partial second wave, no SM with a CTA fewer). A warp's range may end inside a slab and go on into the next:
+// each piece's sums are added into the workspace, and the warp whose units complete the slab's
+// count (counters[slab], in fold units) applies the epilogue and puts zeros back.
+template <int EPI, bool F16S, int KB>
+__device__ __forceinline__ void swap_stream_k(const Int4GemmParams& p) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 g = lane >> 2, t = lane & 3;
+    const u32 units = p.k / 16 / p.fold_kt;
+    const u64 total = u64(units) * (p.n / 64);
+    const u64 workers = u64(gridDim.x) * WARPS, worker = u64(blockIdx.x) * WARPS + (threadIdx.x >> 5);
+    u64 b = total * worker / workers;
+    const u64 end = total * (worker + 1) / workers;
+    while (b < end) {
+        const u32 slab = u32(b / units), u0 = u32(b - u64(slab) * units);
+        const u32 u1 = u32(min(end - u64(slab) * units, u64(units)));
+        float acc[1][4][4];
+        swap_units<F16S, KB, 1>(p, slab, 0, 1, u0, u1, acc);
+        // Columns 16 j + 8 h + g of x rows 2t, 2t + 1.
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    if (2 * t + r < p.m)
+                        atomicAdd(p.workspace + u64(2 * t + r) * p.n + slab * 64 + 16 * j + 8 * h + g, acc[0][j][2 * h + r]);
+        __threadfence();
+        __syncwarp();
+        u32 last = 0;
+        if (lane == 0) last = atomicAdd(p.counters + slab, u1 - u0) + (u1 - u0) == units;
+        last = __shfl_sync(0xffffffffu, last, 0);
+        if (last) {
+            __threadfence();
+            for (u32 i = lane; i < p.m * 32; i += 32) {
+                const u32 r = i / 32, c = 2 * (i % 32);
+                float* ws = p.workspace + u64(r) * p.n + slab * 64 + c;
+                const float v0 = load_cg(ws), v1 = load_cg(ws + 1);
+                ws[0] = 0.0f;
+                ws[1] = 0.0f;
+                store_pair<EPI>(p, r, slab * 64 + c, v0, v1);
+            }
+            if (lane == 0) p.counters[slab] = 0;
+        }
+        b = u64(slab) * units + u1;
+    }
+}
+
+template <int EPI, bool F16S, int KB, int NT>
+__device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
+    __shared__ float red[WARPS * 16 * RED_PITCH];
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 g = lane >> 2, t = lane & 3;
+    const u32 groups = gridDim.x / (p.n / 64);  // row groups (1 unless swap16 with m > 16)
+    const u32 slab = blockIdx.x / groups, row0 = (blockIdx.x % groups) * 8 * NT;
+    u32 u_begin, u_end;
+    warp_units(p, warp, u_begin, u_end);
+    float acc[NT][4][4];
+    swap_units<F16S, KB, NT>(p, slab, row0, groups, u_begin, u_end, acc);
     // Rows 8 nt + 2t, 8 nt + 2t + 1 of columns 16 j + g, 16 j + 8 + g into the reduction buffer
     // (NT = 1: rows 8-15 unused).
     auto at = [&](u32 row, u32 col) -> float& { return red[(warp * 16 + row) * RED_PITCH + col]; };
@@ -726,6 +790,17 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     INT4_GEMM_SWAP_ENTRY(PREFIX##_residual_f16s_long, EPI_RESIDUAL, true, KB_LONG, NT, MIN_CTAS)              \
     INT4_GEMM_SWAP_ENTRY(PREFIX##_swiglu_bf16s_long, EPI_SWIGLU, false, KB_LONG, NT, MIN_CTAS)                \
     INT4_GEMM_SWAP_ENTRY(PREFIX##_swiglu_f16s_long, EPI_SWIGLU, true, KB_LONG, NT, MIN_CTAS)
+
+#define INT4_GEMM_SWAPK_ENTRY(NAME, EPI, F16S)                                                             \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, STOKE_INT4_SWAP_MIN_CTAS) NAME(const Int4GemmParams p) { \
+        swap_stream_k<EPI, F16S, STOKE_INT4_SWAPK_KB>(p);                                                    \
+    }
+INT4_GEMM_SWAPK_ENTRY(int4_gemm_swapk_plain_bf16s, EPI_PLAIN, false)
+INT4_GEMM_SWAPK_ENTRY(int4_gemm_swapk_plain_f16s, EPI_PLAIN, true)
+INT4_GEMM_SWAPK_ENTRY(int4_gemm_swapk_residual_bf16s, EPI_RESIDUAL, false)
+INT4_GEMM_SWAPK_ENTRY(int4_gemm_swapk_residual_f16s, EPI_RESIDUAL, true)
+INT4_GEMM_SWAPK_ENTRY(int4_gemm_swapk_swiglu_bf16s, EPI_SWIGLU, false)
+INT4_GEMM_SWAPK_ENTRY(int4_gemm_swapk_swiglu_f16s, EPI_SWIGLU, true)
 
 INT4_GEMM_SWAP_ENTRIES(int4_gemm_swap, 1, STOKE_INT4_SWAP_KB, STOKE_INT4_SWAP_KB_LONG, STOKE_INT4_SWAP_MIN_CTAS)
 INT4_GEMM_SWAP_ENTRIES(int4_gemm_swap16, 2, STOKE_INT4_SWAP16_KB, STOKE_INT4_SWAP16_KB_LONG, STOKE_INT4_SWAP16_MIN_CTAS)

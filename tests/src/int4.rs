@@ -206,11 +206,17 @@ fn gemm_matches_reference() -> Result<Value, String> {
                         .map(|v| bf16::round(*v as f32) as f64)
                         .collect();
                     // The swapped kernels also at one split, where k >= 4096 gives every warp
-                    // the long-stream entry points' LONG_STREAM_TILES k-tiles.
-                    let runs = dws
-                        .iter()
-                        .flat_map(|d| [(d, false, 0), (d, true, 0), (d, true, 1)]);
-                    for (dw, swap_ab, splits) in runs {
+                    // the long-stream entry points' LONG_STREAM_TILES k-tiles, and in their
+                    // stream-K form (the m <= 8 launches: m 33 ends with one).
+                    let runs = dws.iter().flat_map(|d| {
+                        [
+                            (d, false, 0, false),
+                            (d, true, 0, false),
+                            (d, true, 1, false),
+                            (d, true, 0, true),
+                        ]
+                    });
+                    for (dw, swap_ab, splits, stream_k) in runs {
                         if splits == 1 && k < 4096 {
                             continue;
                         }
@@ -223,6 +229,7 @@ fn gemm_matches_reference() -> Result<Value, String> {
                             row_scale: sb.as_ref().map_or(0, |b| b.ptr()),
                             splits,
                             swap_rows: if swap_ab { SWAP_ALL } else { 0 },
+                            stream_k,
                         };
                         // Poisoned before each word order's kernel writes it.
                         unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }
@@ -233,7 +240,13 @@ fn gemm_matches_reference() -> Result<Value, String> {
                         let what = format!(
                             "seed {seed}: {order:?}{}{} m {m} k {k} n {n} group {group} {st:?} {} {epi:?}{}",
                             if swap_ab { " swapped" } else { "" },
-                            if splits == 1 { " one split" } else { "" },
+                            if stream_k {
+                                " stream-K"
+                            } else if splits == 1 {
+                                " one split"
+                            } else {
+                                ""
+                            },
                             if asym { "asymmetric" } else { "symmetric" },
                             if with_scale { " row_scale" } else { "" }
                         );
@@ -252,7 +265,7 @@ fn gemm_matches_reference() -> Result<Value, String> {
                         if !(err < TOLERANCE) {
                             return Err(format!("{what}: relative error {err:.3e}"));
                         }
-                        checked.push(json!({"swap_ab": swap_ab, "splits": splits, "order": format!("{:?}", dw.order), "m": m, "k": k, "n": n, "group": group,
+                        checked.push(json!({"swap_ab": swap_ab, "stream_k": stream_k, "splits": splits, "order": format!("{:?}", dw.order), "m": m, "k": k, "n": n, "group": group,
                         "epilogue": format!("{epi:?}"), "row_scale": with_scale, "rel_err": err,
                         "rel_err_unrounded": err_unrounded}));
                     }
@@ -355,14 +368,20 @@ fn bench_variant(
                 .collect();
             let xb = put_u16(&rt, &x);
             let out = rt.alloc(m * n * 2).unwrap();
-            // The swapped-operand kernels beside the batched ones at every m.
-            for swap_ab in [false, true] {
+            // The swapped-operand kernels beside the batched ones at every m, and the
+            // stream-K form of the swapped kernel at m <= 8.
+            for (swap_ab, stream_k) in [(false, false), (true, false), (true, true)] {
+                if stream_k && m > 8 {
+                    continue;
+                }
                 // The shipped default is SwapAB up to SWAP_ROWS_DEFAULT rows, Batched above;
-                // Swap16 rows are the opt-in swapped kernel for 9-32 rows.
-                let kind = match (swap_ab, m) {
-                    (false, _) => "Batched",
-                    (true, 0..=8) => "SwapAB",
-                    (true, _) => "Swap16",
+                // Swap16 rows are the opt-in swapped kernel for 9-32 rows, StreamK the opt-in
+                // stream-K form at m <= 8.
+                let kind = match (swap_ab, stream_k, m) {
+                    (false, _, _) => "Batched",
+                    (true, true, _) => "StreamK",
+                    (true, false, 0..=8) => "SwapAB",
+                    (true, false, _) => "Swap16",
                 };
                 for dws in &weights {
                     let dw = &dws[0];
@@ -372,6 +391,7 @@ fn bench_variant(
                         out.ptr(),
                         if swap_ab { SWAP_ALL } else { 0 },
                     );
+                    call.stream_k = stream_k;
                     let bytes = dw.bytes() + m * k * 2 + m * n * 2;
                     let plan = |splits| {
                         stoke_cuda::kernels::int4_gemm::plan(
@@ -384,6 +404,7 @@ fn bench_variant(
                             &stoke_cuda::int4::resident_slots(&rt),
                             splits,
                             if swap_ab { SWAP_ALL } else { 0 },
+                            stream_k,
                         )
                         .unwrap()[0]
                     };
@@ -391,8 +412,7 @@ fn bench_variant(
                     let gbps = bytes as f64 / us / 1e3;
                     let launch = plan(0);
                     println!(
-                        "int4 {}{:?} {name:<12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {} host {host_us:.1} us",
-                        if swap_ab { "swapped " } else { "" },
+                        "int4 {kind} {:?} {name:<12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {} host {host_us:.1} us",
                         dw.order,
                         100.0 * gbps / copy_gbps,
                         launch.splits
@@ -404,7 +424,7 @@ fn bench_variant(
                         row["defines"] = json!(variant);
                     }
                     rows.push(row);
-                    if m != 1 || !all {
+                    if m != 1 || !all || stream_k {
                         continue;
                     }
                     let mut seen = Vec::new();

@@ -77,6 +77,7 @@ impl DeviceInt4 {
             &launch_bound_slots(rt.sm_count),
             0,
             0,
+            false,
         )
         .map_err(|e| Error::Shape(e.0))?;
         if words.len() != k * n / 8 {
@@ -148,6 +149,9 @@ pub struct Int4Gemm {
     /// up to 8 rows, `int4_gemm_swap16_*` above; see `kernels::int4_gemm::plan`); 0: none.
     /// [`swap_rows_default`] for the process default.
     pub swap_rows: u32,
+    /// The stream-K form of the swapped m <= 8 kernel (`int4_gemm_swapk_*`); `splits` is then
+    /// ignored. [`stream_k_default`] for the process default.
+    pub stream_k: bool,
 }
 
 impl Int4Gemm {
@@ -162,6 +166,7 @@ impl Int4Gemm {
             row_scale: 0,
             splits: 0,
             swap_rows,
+            stream_k: false,
         }
     }
 }
@@ -183,6 +188,13 @@ pub fn swap_rows_default() -> u32 {
         },
         Err(_) => SWAP_ROWS_DEFAULT,
     })
+}
+
+/// Whether the swapped m <= 8 launches use their stream-K form: `STOKE_INT4_STREAM_K=1`; off
+/// by default until measured against the split-K plan.
+pub fn stream_k_default() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("STOKE_INT4_STREAM_K").as_deref() == Ok("1"))
 }
 
 /// Resident CTAs of a W4A16 entry point on the whole GPU, from the occupancy calculator (the
@@ -220,10 +232,12 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         &resident_slots(rt),
         call.splits,
         call.swap_rows,
+        call.stream_k,
     )
     .map_err(|e| Error::Shape(e.0))?;
     let (kt_stride, slab_stride) = w.order.strides(w.k, w.n);
-    let split = launches.iter().any(|l| l.splits > 1);
+    // Split-K (splits > 1) and stream-K (splits 0) add through the workspace.
+    let split = launches.iter().any(|l| l.splits != 1);
     let rows = launches.iter().map(|l| l.rows).max().unwrap_or(0) as usize;
     let ws_bytes = rows * w.n as usize * 4;
     let (workspace, counters) = if split {

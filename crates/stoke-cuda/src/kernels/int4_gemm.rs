@@ -121,6 +121,12 @@ pub const ENTRY_POINTS: &[&str] = &[
     "int4_gemm_swap16_residual_f16s_long",
     "int4_gemm_swap16_swiglu_bf16s_long",
     "int4_gemm_swap16_swiglu_f16s_long",
+    "int4_gemm_swapk_plain_bf16s",
+    "int4_gemm_swapk_plain_f16s",
+    "int4_gemm_swapk_residual_bf16s",
+    "int4_gemm_swapk_residual_f16s",
+    "int4_gemm_swapk_swiglu_bf16s",
+    "int4_gemm_swapk_swiglu_f16s",
 ];
 
 /// K-tiles per warp from which the swapped kernel's `_long` entry points (a deeper load ring)
@@ -176,7 +182,7 @@ pub const MAX_ROWS: u32 = 32;
 /// The runtime plans with the occupancy calculator instead ([`crate::Runtime::resident_ctas`]);
 /// this is the expectation for code without a GPU (shape checks, tests).
 pub fn launch_bound_ctas(entry: &str) -> u32 {
-    if entry.starts_with("int4_gemm_swap_") {
+    if entry.starts_with("int4_gemm_swap_") || entry.starts_with("int4_gemm_swapk_") {
         4
     } else if entry.starts_with("int4_gemm_swap16_") {
         3
@@ -251,6 +257,9 @@ fn gcd(a: u32, b: u32) -> u32 {
 /// (weights as the mma A operand, x as B): `int4_gemm_swap_*` up to 8 rows,
 /// `int4_gemm_swap16_*` (two 8-row n-tiles per CTA, one CTA per 16 rows of a slab,
 /// [`row_groups`]) above; 0: the batched kernels throughout ([`SWAP_ROWS_DEFAULT`]).
+/// `stream_k`: launches that use `int4_gemm_swap_*` use its stream-K form instead
+/// (`int4_gemm_swapk_*`: one CTA per resident slot at most, each warp an equal share of all
+/// the slabs' fold units, at least one; `splits` 0 in the launch).
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     m: u32,
@@ -262,6 +271,7 @@ pub fn plan(
     slots: &dyn Fn(&'static str) -> u32,
     splits: u32,
     swap_rows: u32,
+    stream_k: bool,
 ) -> Result<Vec<Launch>, ShapeError> {
     if k == 0 || k % 16 != 0 || n == 0 || n % 64 != 0 {
         return Err(ShapeError(format!(
@@ -301,6 +311,22 @@ pub fn plan(
         } else {
             ENTRY_POINTS[epilogue.index() * 6 + scale * 3 + mt]
         };
+        if mt == 3 && stream_k {
+            let entry = ENTRY_POINTS[42 + epilogue.index() * 2 + scale];
+            let total = units * slabs;
+            let ctas = slots(entry).min(total.div_ceil(WARPS)).max(1);
+            out.push(Launch {
+                entry,
+                grid: (ctas, 1, 1),
+                block: (WARPS * 32, 1, 1),
+                row0,
+                rows,
+                fold_kt,
+                splits: 0,
+            });
+            row0 += rows;
+            continue;
+        }
         let splits = if explicit > 0 {
             explicit.min(units.div_ceil(WARPS)).clamp(1, 65535)
         } else {
@@ -363,6 +389,7 @@ mod tests {
             &launch_bound_slots(132),
             splits,
             if swap { SWAP_ALL } else { 0 },
+            false,
         )
     }
 
@@ -468,12 +495,18 @@ mod tests {
                             &e[prefix.len()..]
                         ))
                 }
-                None => SOURCE.contains(&format!("INT4_GEMM_ENTRY({e},")),
+                None => {
+                    SOURCE.contains(&format!("INT4_GEMM_ENTRY({e},"))
+                        || SOURCE.contains(&format!("INT4_GEMM_SWAPK_ENTRY({e},"))
+                }
             };
             assert!(defined, "{e}");
         }
         let defined = SOURCE.matches("INT4_GEMM_ENTRY(int4_gemm_").count()
-            + 12 * SOURCE.matches("INT4_GEMM_SWAP_ENTRIES(int4_gemm_").count();
+            + 12 * SOURCE.matches("INT4_GEMM_SWAP_ENTRIES(int4_gemm_").count()
+            + SOURCE
+                .matches("INT4_GEMM_SWAPK_ENTRY(int4_gemm_swapk_")
+                .count();
         assert_eq!(defined, ENTRY_POINTS.len());
         assert_eq!(SOURCE.matches("INT4_GEMM_SWAP_ENTRY(PREFIX##").count(), 12);
     }
@@ -533,6 +566,40 @@ mod tests {
         let l = plan_h200(20, 576, 576, 64, false, Epilogue::Residual, 0, true).unwrap();
         assert_eq!(l[0].entry, "int4_gemm_swap16_residual_bf16s");
         assert_eq!(l[0].grid.0, 9 * 2);
+        // Stream-K: the swapped m <= 8 launches only, one CTA per resident slot at most and
+        // at least one fold unit per warp.
+        for (e, epi) in [Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu]
+            .into_iter()
+            .enumerate()
+        {
+            for (s, sc) in ["bf16s", "f16s"].into_iter().enumerate() {
+                let sk = |m, k, n| {
+                    plan(
+                        m,
+                        k,
+                        n,
+                        128,
+                        s == 1,
+                        epi,
+                        &launch_bound_slots(132),
+                        0,
+                        8,
+                        true,
+                    )
+                    .unwrap()
+                };
+                let l = sk(8, 8192, 57344);
+                assert_eq!(l[0].entry, ENTRY_POINTS[42 + e * 2 + s]);
+                assert_eq!(l[0].entry, format!("int4_gemm_swapk_{}_{sc}", epi.name()));
+                assert_eq!((l[0].grid, l[0].splits), ((528, 1, 1), 0));
+                // 8B o-proj: 64 slabs x 32 units = 2048 units, one per warp.
+                assert_eq!(sk(1, 4096, 4096)[0].grid, (512, 1, 1));
+                // Rows past 8 keep their kernels.
+                let l = sk(40, 4096, 4096);
+                assert_eq!(l.len(), 2);
+                assert!(l[0].entry.ends_with("_m32") && l[1].entry.starts_with("int4_gemm_swapk_"));
+            }
+        }
         let bad = |k, n, g| plan_h200(1, k, n, g, false, Epilogue::Plain, 0, false).is_err();
         assert!(bad(100, 64, 16) && bad(128, 96, 16) && bad(128, 64, 48));
     }
