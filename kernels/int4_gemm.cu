@@ -5,9 +5,9 @@
 // Stoke kernel it includes no header: bf16 and f16 are raw 16-bit patterns converted with PTX.
 //
 // ---------------------------------------------------------------------------------------------
-// Entry points: int4_gemm_EPI_SC_mROWS (batched), int4_gemm_swap_EPI_SC[_long] (m <= 8) and
-// int4_gemm_swap16_EPI_SC[_long] (m <= 32; see "Swapped operands" below), one argument
-// `Int4GemmParams` by value.
+// Entry points: int4_gemm_EPI_SC_mROWS (batched), int4_gemm_swap_EPI_SC[_long] (m <= 8),
+// int4_gemm_swap16_EPI_SC[_long] (m <= 32; see "Swapped operands" below) and
+// int4_gemm_swapk_EPI_SC (m <= 8, stream-K), one argument `Int4GemmParams` by value.
 //   EPI  plain     out[r, c] = acc[r, c]
 //        residual  out[r, c] = acc[r, c] + residual[r, c]          (sum in f32, rounded once)
 //        swiglu    out[r, j] = silu(acc[r, 2j]) * acc[r, 2j + 1]   (gate/up interleaved; out is
@@ -50,8 +50,8 @@ struct Int4GemmParams {
     void* out;              // [m, n] bf16 ([m, n / 2] for swiglu)
     const void* residual;   // [m, n] bf16 (residual entry points)
     const float* row_scale; // [m] or null
-    float* workspace;       // [m, n] f32 zeros (splits > 1)
-    u32* counters;          // [n / 64] zeros (splits > 1)
+    float* workspace;       // [m, n] f32 zeros (splits != 1: split-K, or 0: stream-K)
+    u32* counters;          // [n / 64 * 2] zeros (splits != 1; one per CTA column)
     u32 m, k, n, group;
     u32 fold_kt;            // k-tiles per fold unit
     u32 splits;             // CTAs per slab along k (gridDim.y)
@@ -330,6 +330,21 @@ __device__ __forceinline__ void load_unit_scales(const Int4GemmParams& p, u32 ro
     }
 }
 
+// The epilogue of a slab's finished sums in the workspace, rows row0 .. row0 + rows - 1, putting
+// zeros back: items i0, i0 + step, ... of its (row, column pair) items.
+template <int EPI>
+__device__ __forceinline__ void store_from_workspace(const Int4GemmParams& p, u32 slab, u32 row0, u32 rows, u32 i0,
+                                                     u32 step) {
+    for (u32 i = i0; i < rows * 32; i += step) {
+        const u32 r = i / 32, c = 2 * (i % 32);
+        float* ws = p.workspace + u64(row0 + r) * p.n + slab * 64 + c;
+        const float v0 = load_cg(ws), v1 = load_cg(ws + 1);
+        ws[0] = 0.0f;
+        ws[1] = 0.0f;
+        store_pair<EPI>(p, row0 + r, slab * 64 + c, v0, v1);
+    }
+}
+
 // Reduces the CTA's warps through shared memory `red` ([WARPS][MT * 16][RED_PITCH] floats), then
 // applies the epilogue: directly with one split, else through the workspace, by the last CTA.
 constexpr int RED_PITCH = 64 + 4;
@@ -373,14 +388,7 @@ __device__ __forceinline__ void reduce_and_store(const Int4GemmParams& p, float*
     __syncthreads();
     if (!last_cta) return;
     __threadfence();
-    for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
-        const u32 r = i / 32, c = 2 * (i % 32);
-        float* ws = p.workspace + u64(row0 + r) * p.n + slab * 64 + c;
-        const float v0 = load_cg(ws), v1 = load_cg(ws + 1);
-        ws[0] = 0.0f;
-        ws[1] = 0.0f;
-        store_pair<EPI>(p, row0 + r, slab * 64 + c, v0, v1);
-    }
+    store_from_workspace<EPI>(p, slab, row0, rows, threadIdx.x, blockDim.x);
     if (threadIdx.x == 0) p.counters[blockIdx.x] = 0;
 }
 
@@ -732,14 +740,7 @@ __device__ __forceinline__ void swap_stream_k(const Int4GemmParams& p) {
         last = __shfl_sync(0xffffffffu, last, 0);
         if (last) {
             __threadfence();
-            for (u32 i = lane; i < p.m * 32; i += 32) {
-                const u32 r = i / 32, c = 2 * (i % 32);
-                float* ws = p.workspace + u64(r) * p.n + slab * 64 + c;
-                const float v0 = load_cg(ws), v1 = load_cg(ws + 1);
-                ws[0] = 0.0f;
-                ws[1] = 0.0f;
-                store_pair<EPI>(p, r, slab * 64 + c, v0, v1);
-            }
+            store_from_workspace<EPI>(p, slab, 0, p.m, lane, 32);
             if (lane == 0) p.counters[slab] = 0;
         }
         b = u64(slab) * units + u1;

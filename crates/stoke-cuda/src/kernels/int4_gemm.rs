@@ -26,9 +26,10 @@ pub struct Int4GemmParams {
     pub residual: u64,
     /// `[m]` f32 row factors, or 0.
     pub row_scale: u64,
-    /// `[m, n]` f32, all zeros on entry (left zeroed); needed when `splits > 1`.
+    /// `[m, n]` f32, all zeros on entry (left zeroed); needed when `splits != 1` (split-K, or
+    /// 0: stream-K).
     pub workspace: u64,
-    /// [`counters_len`] u32, all zeros on entry (left zeroed); needed when `splits > 1`.
+    /// [`counters_len`] u32, all zeros on entry (left zeroed); needed when `splits != 1`.
     pub counters: u64,
     pub m: u32,
     pub k: u32,
@@ -301,8 +302,8 @@ pub fn plan(
         let swapped = mt >= 3;
         let groups = if mt == 4 { row_groups(rows) } else { 1 };
         // ENTRY_POINTS runs epilogue, scale type, m-tile, then the swapped kernels by epilogue
-        // and scale type, then their `_long` forms, then the same two for swap16 (the test
-        // below checks). A kernel's two forms have the same launch bounds, so the split count
+        // and scale type, then their `_long` forms, then the same two for swap16, then the
+        // stream-K kernels (the test below checks). A kernel's two forms have the same launch bounds, so the split count
         // is planned on the first.
         let scale = usize::from(f16_scales);
         let swap_base = if mt == 4 { 30 } else { 18 };
@@ -311,47 +312,39 @@ pub fn plan(
         } else {
             ENTRY_POINTS[epilogue.index() * 6 + scale * 3 + mt]
         };
-        if mt == 3 && stream_k {
+        let (entry, grid, splits) = if mt == 3 && stream_k {
             let entry = ENTRY_POINTS[42 + epilogue.index() * 2 + scale];
-            let total = units * slabs;
-            let ctas = slots(entry).min(total.div_ceil(WARPS)).max(1);
-            out.push(Launch {
-                entry,
-                grid: (ctas, 1, 1),
-                block: (WARPS * 32, 1, 1),
-                row0,
-                rows,
-                fold_kt,
-                splits: 0,
-            });
-            row0 += rows;
-            continue;
-        }
-        let splits = if explicit > 0 {
-            explicit.min(units.div_ceil(WARPS)).clamp(1, 65535)
+            let ctas = slots(entry).min((units * slabs).div_ceil(WARPS)).max(1);
+            (entry, (ctas, 1, 1), 0)
         } else {
-            // One wave of resident CTAs, each warp at least two fold units; the swapped kernel
-            // may go to one unit per warp when that deals the units out exactly (8B o-proj:
-            // 7.97 us at 8 splits against 9.25 us at 4, results/experiments/h200-int4-orders-splits-9413a06.json).
-            let one_wave = slots(entry) / (slabs * groups);
-            let exact_single = swapped
-                && one_wave > 1
-                && one_wave * WARPS <= units
-                && units % (one_wave * WARPS) == 0;
-            if exact_single {
-                one_wave
+            let splits = if explicit > 0 {
+                explicit.min(units.div_ceil(WARPS)).clamp(1, 65535)
             } else {
-                one_wave.clamp(1, (units / (2 * WARPS)).max(1))
-            }
-        };
-        let entry = if swapped && units * fold_kt >= LONG_STREAM_TILES * splits * WARPS {
-            ENTRY_POINTS[swap_base + 6 + epilogue.index() * 2 + scale]
-        } else {
-            entry
+                // One wave of resident CTAs, each warp at least two fold units; the swapped
+                // kernel may go to one unit per warp when that deals the units out exactly (8B
+                // o-proj: 7.97 us at 8 splits against 9.25 us at 4,
+                // results/experiments/h200-int4-orders-splits-9413a06.json).
+                let one_wave = slots(entry) / (slabs * groups);
+                let exact_single = swapped
+                    && one_wave > 1
+                    && one_wave * WARPS <= units
+                    && units % (one_wave * WARPS) == 0;
+                if exact_single {
+                    one_wave
+                } else {
+                    one_wave.clamp(1, (units / (2 * WARPS)).max(1))
+                }
+            };
+            let entry = if swapped && units * fold_kt >= LONG_STREAM_TILES * splits * WARPS {
+                ENTRY_POINTS[swap_base + 6 + epilogue.index() * 2 + scale]
+            } else {
+                entry
+            };
+            (entry, (slabs * groups, splits, 1), splits)
         };
         out.push(Launch {
             entry,
-            grid: (slabs * groups, splits, 1),
+            grid,
             block: (WARPS * 32, 1, 1),
             row0,
             rows,
