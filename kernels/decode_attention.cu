@@ -15,7 +15,7 @@
 //   kv_append         one warp per (slot, kv head, K or V): writes the bf16 row of the main cache
 //                     at position pos[slot], and the rotated, quantized row of the mirror.
 //   decode_attn_FMT_dD  (FMT bf16 / fp8 / int4, D 64 / 128) grid (splits, kv_heads, batch),
-//                     128 threads: the query heads that share a kv head (group <= 8) together,
+//                     WARPS warps (launch bounds) that split the keys: the query heads that share a kv head (group <= 8) together,
 //                     so each cache byte is read once; the CTA takes keys
 //                     [split * chunk, min(len, (split + 1) * chunk)). Writes the partial
 //                     (max, sum, unnormalized output) of each (batch, head, split).
@@ -70,6 +70,18 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_MIN_CTAS
 #define STOKE_ATTN_MIN_CTAS 1
 #endif
+// Warps per CTA (they split the CTA's keys) and the launch bounds' CTAs per SM of the INT4
+// kernels, apart from the BF16 / FP8 ones (STOKE_ATTN_WARPS, STOKE_ATTN_MIN_CTAS). The host
+// reads the block size from the kernel (its launch bounds).
+#ifndef STOKE_ATTN_WARPS
+#define STOKE_ATTN_WARPS 4
+#endif
+#ifndef STOKE_ATTN_WARPS_INT4
+#define STOKE_ATTN_WARPS_INT4 4
+#endif
+#ifndef STOKE_ATTN_MIN_CTAS_INT4
+#define STOKE_ATTN_MIN_CTAS_INT4 STOKE_ATTN_MIN_CTAS
+#endif
 // 1: a warp's TILES load slots form a ring, each refilled with the next batch's tile as soon as
 // it has been used; 0: a batch's tiles are queued together and used before the next batch. For
 // the mirrors (FP8 / INT4) and for BF16 (whose values go through cp.async; the ring measured
@@ -94,7 +106,6 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #define STOKE_ATTN_V_ROWS 1
 #endif
 #define NEG_INF __int_as_float(0xff800000)
-constexpr int WARPS = 4;
 constexpr int MAX_GROUP = 8;
 
 struct KvCache {
@@ -507,6 +518,7 @@ template <int FMT, int D>
 __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     constexpr bool F16 = FMT != FMT_BF16;
     constexpr int VP = D + 8;
+    constexpr int WARPS = FMT == FMT_INT4 ? STOKE_ATTN_WARPS_INT4 : STOKE_ATTN_WARPS;
     constexpr int TILES = FMT == FMT_INT4 ? STOKE_ATTN_TILES_INT4 : STOKE_ATTN_TILES;
     // Tiles per softmax step: their scores, max and rescale together (PAIR: two independent
     // chains of score mma per step, half the serial softmax steps).
@@ -849,15 +861,15 @@ __device__ __forceinline__ void decode_combine(const CombineParams& p) {
 // 165-230 registers at d = 128: 2 CTAs per SM (the split plan asks the occupancy calculator).
 // Holding BF16 and FP8 to 168 registers for 3 CTAs per SM was measured slower
 // (results/experiments/h200-attention-3ctas-f301e7a.json).
-#define DECODE_ATTN_ENTRY(NAME, FMT, D) \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, STOKE_ATTN_MIN_CTAS) NAME(const AttnParams p) { decode_attn<FMT, D>(p); }
+#define DECODE_ATTN_ENTRY(NAME, FMT, D, W, MC) \
+    extern "C" __global__ void __launch_bounds__(W * 32, MC) NAME(const AttnParams p) { decode_attn<FMT, D>(p); }
 
-DECODE_ATTN_ENTRY(decode_attn_bf16_d64, FMT_BF16, 64)
-DECODE_ATTN_ENTRY(decode_attn_bf16_d128, FMT_BF16, 128)
-DECODE_ATTN_ENTRY(decode_attn_fp8_d64, FMT_FP8, 64)
-DECODE_ATTN_ENTRY(decode_attn_fp8_d128, FMT_FP8, 128)
-DECODE_ATTN_ENTRY(decode_attn_int4_d64, FMT_INT4, 64)
-DECODE_ATTN_ENTRY(decode_attn_int4_d128, FMT_INT4, 128)
+DECODE_ATTN_ENTRY(decode_attn_bf16_d64, FMT_BF16, 64, STOKE_ATTN_WARPS, STOKE_ATTN_MIN_CTAS)
+DECODE_ATTN_ENTRY(decode_attn_bf16_d128, FMT_BF16, 128, STOKE_ATTN_WARPS, STOKE_ATTN_MIN_CTAS)
+DECODE_ATTN_ENTRY(decode_attn_fp8_d64, FMT_FP8, 64, STOKE_ATTN_WARPS, STOKE_ATTN_MIN_CTAS)
+DECODE_ATTN_ENTRY(decode_attn_fp8_d128, FMT_FP8, 128, STOKE_ATTN_WARPS, STOKE_ATTN_MIN_CTAS)
+DECODE_ATTN_ENTRY(decode_attn_int4_d64, FMT_INT4, 64, STOKE_ATTN_WARPS_INT4, STOKE_ATTN_MIN_CTAS_INT4)
+DECODE_ATTN_ENTRY(decode_attn_int4_d128, FMT_INT4, 128, STOKE_ATTN_WARPS_INT4, STOKE_ATTN_MIN_CTAS_INT4)
 
 extern "C" __global__ void __launch_bounds__(64) decode_combine_d64(const CombineParams p) { decode_combine<64>(p); }
 extern "C" __global__ void __launch_bounds__(128) decode_combine_d128(const CombineParams p) { decode_combine<128>(p); }

@@ -534,6 +534,9 @@ fn bench_variant(rt: &Arc<Runtime>, copy_gbps: f64, variant: &str, rows: &mut Ve
     for &(name, heads, kvh, d) in BENCH_SHAPES {
         for &(batch, ctx) in BENCH_POINTS {
             for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int4] {
+                if !variant_times(variant, format) {
+                    continue;
+                }
                 let block = if format == KvFormat::Bf16 { 0 } else { d };
                 // Enough caches (>= 160 MB) that the L2 never holds the one being read.
                 let one =
@@ -573,6 +576,16 @@ fn bench_variant(rt: &Arc<Runtime>, copy_gbps: f64, variant: &str, rows: &mut Ve
     }
 }
 
+/// Whether a variant's benchmark times `format`: a variant whose every knob names the INT4
+/// kernels (`..._INT4`) leaves the BF16 and FP8 kernels as shipped, so only INT4 is timed.
+fn variant_times(variant: &str, format: KvFormat) -> bool {
+    let int4_only = !variant.is_empty()
+        && variant
+            .split(',')
+            .all(|d| d.split('=').next().unwrap_or("").trim().ends_with("_INT4"));
+    !int4_only || format == KvFormat::Int4
+}
+
 /// A few decode-attention launches to run under a profiler (`ncu`): the named benchmark shape
 /// at one (batch, context), each of `formats` (by name), two calls each.
 pub fn profile_launches(shape: &str, batch: u32, ctx: u32, formats: &[String]) {
@@ -595,5 +608,27 @@ pub fn profile_launches(shape: &str, batch: u32, ctx: u32, formats: &[String]) {
         }
         rt.synchronize().unwrap();
         println!("profiled {shape} b {batch} ctx {ctx} {}", format.name());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn int4_only_variants_time_only_int4() {
+        let int4 = "STOKE_ATTN_WARPS_INT4=6,STOKE_ATTN_MIN_CTAS_INT4=2";
+        assert!(variant_times(int4, KvFormat::Int4));
+        assert!(!variant_times(int4, KvFormat::Bf16));
+        assert!(!variant_times(int4, KvFormat::Fp8));
+        for v in [
+            "",
+            "STOKE_ATTN_WARPS=6",
+            "STOKE_ATTN_WARPS=6,STOKE_ATTN_TILES_INT4=3",
+        ] {
+            for f in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int4] {
+                assert!(variant_times(v, f), "{v} {f:?}");
+            }
+        }
     }
 }

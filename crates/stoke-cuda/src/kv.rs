@@ -7,8 +7,8 @@
 
 use crate::kernels::DECODE_ATTENTION;
 use crate::kernels::decode_attention::{
-    ATTN_THREADS, AppendParams, AttnParams, CombineParams, KvCacheParams, KvFormat, attn_entry,
-    check_shape, combine_entry, split_plan,
+    AppendParams, AttnParams, CombineParams, KvCacheParams, KvFormat, attn_entry, check_shape,
+    combine_entry, split_plan,
 };
 use crate::{DeviceBuffer, Error, LaunchShape, Result, Runtime};
 use std::sync::Arc;
@@ -189,7 +189,9 @@ impl DeviceKvCache {
             return Ok(());
         }
         let kernel = rt.kernel(&DECODE_ATTENTION, attn_entry(self.format, self.d))?;
-        let ctas = rt.resident_ctas(&kernel, ATTN_THREADS)?;
+        // The block size is the kernel's launch bounds (warps per CTA are a kernel knob).
+        let threads = kernel.max_threads;
+        let ctas = rt.resident_ctas(&kernel, threads)?;
         let (chunk, splits) = split_plan(batch, self.kv_heads, max_len, rt.sm_count, ctas);
         let items = batch as usize * heads as usize * splits as usize;
         let part_o = rt.alloc(items * self.d as usize * 4)?;
@@ -210,7 +212,7 @@ impl DeviceKvCache {
         };
         let shape = LaunchShape {
             grid: (splits, self.kv_heads, batch),
-            block: (ATTN_THREADS, 1, 1),
+            block: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: as above; the partials are Stoke buffers freed on this stream after use.

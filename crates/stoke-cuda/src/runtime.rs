@@ -36,6 +36,8 @@ pub enum Unavailable {
 pub struct Kernel {
     func: CudaFunction,
     pub entry: &'static str,
+    /// The most threads per CTA the kernel launches with: its launch bounds, where it has them.
+    pub max_threads: u32,
 }
 
 /// Grid, block and dynamic shared memory of one launch.
@@ -200,7 +202,14 @@ impl Runtime {
             (self.shared_optin as i32 - static_bytes).max(0),
         )
         .call("cuFuncSetAttribute")?;
-        let kernel = Kernel { func, entry };
+        let max_threads = func
+            .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
+            .call("cuFuncGetAttribute")? as u32;
+        let kernel = Kernel {
+            func,
+            entry,
+            max_threads,
+        };
         self.functions
             .lock()
             .unwrap()

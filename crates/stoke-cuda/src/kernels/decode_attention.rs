@@ -107,8 +107,6 @@ impl KvFormat {
 
 /// Most query heads per kv head the kernels take (`MAX_GROUP`).
 pub const MAX_GROUP: u32 = 8;
-/// Threads per attention CTA.
-pub const ATTN_THREADS: u32 = 128;
 
 /// Why a shape can't run on these kernels.
 #[derive(Clone, Debug, PartialEq, Eq)]
