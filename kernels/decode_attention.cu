@@ -62,7 +62,7 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 // Runtime::set_defines; the defaults are the shipped kernels): 16-key tiles of loads a warp
 // queues before computing (INT4, and BF16 / FP8), and the launch bounds' CTAs per SM.
 #ifndef STOKE_ATTN_TILES_INT4
-#define STOKE_ATTN_TILES_INT4 4
+#define STOKE_ATTN_TILES_INT4 3
 #endif
 #ifndef STOKE_ATTN_TILES
 #define STOKE_ATTN_TILES 2
@@ -72,15 +72,19 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #endif
 // Warps per CTA (they split the CTA's keys) and the launch bounds' CTAs per SM of the INT4
 // kernels, apart from the BF16 / FP8 ones (STOKE_ATTN_WARPS, STOKE_ATTN_MIN_CTAS). The host
-// reads the block size from the kernel (its launch bounds).
+// reads the block size from the kernel (its launch bounds). INT4: 6 warps held to 168
+// registers, 2 CTAs (12 warps) per SM in one wave, 3 tiles per warp; against 4 warps at 212
+// registers and 4 tiles: B = 32, ctx 4096 58.3 -> 53.1 us (8B), 62.4 -> 57.2 us (70B);
+// 8 warps x 2 tiles at 128 registers 54.8 us; BF16 / FP8 with 6 warps no faster
+// (results/experiments/h200-attention-warps-c90e2db.json).
 #ifndef STOKE_ATTN_WARPS
 #define STOKE_ATTN_WARPS 4
 #endif
 #ifndef STOKE_ATTN_WARPS_INT4
-#define STOKE_ATTN_WARPS_INT4 4
+#define STOKE_ATTN_WARPS_INT4 6
 #endif
 #ifndef STOKE_ATTN_MIN_CTAS_INT4
-#define STOKE_ATTN_MIN_CTAS_INT4 STOKE_ATTN_MIN_CTAS
+#define STOKE_ATTN_MIN_CTAS_INT4 2
 #endif
 // 1: a warp's TILES load slots form a ring, each refilled with the next batch's tile as soon as
 // it has been used; 0: a batch's tiles are queued together and used before the next batch. For
@@ -280,9 +284,19 @@ __device__ __forceinline__ void int4_values(u32 w, u32 (&h)[4]) {
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(h[3]) : "r"(o1), "r"(0x2c002c00u), "r"(0xd480d480u));
 }
 
-// Tile column of dim dd under the INT4 value permutation (int4_values): within each aligned
-// group of 8, column c holds dim c / 2 + 4 (c % 2).
-__device__ __forceinline__ u32 int4_value_dim(u32 c) { return (c & ~7u) | ((c & 7u) >> 1) | ((c & 1u) << 2); }
+// INT4 values as the A operand of O^T += V^T P^T straight from registers (no shared tile): lane
+// (g, t) holds dims g D / 8 .. (g + 1) D / 8 of keys 2t, 2t + 1 (k columns 2t, 2t + 1) and 2t + 8,
+// 2t + 9 (columns 2t + 8, 2t + 9), and m-tile n's rows g / g + 8 are its local dims 2n / 2n + 1.
+// A byte permute puts the same 4 dims of two keys side by side (key a in the low half, key b in
+// the high one), and int4_values turns them into 4 f16 pairs: h[0..3] = local dims 8j + 4 hi
+// + 0..3 of word j (hi: 0 for bytes 0-1, 1 for bytes 2-3).
+__device__ __forceinline__ void int4_key_pairs(u32 a, u32 b, int hi, u32 (&h)[4]) {
+    int4_values(__byte_perm(a, b, hi ? 0x7632 : 0x5410), h);
+}
+
+// The output dim of row r (0..15) of value m-tile n for lane group g (int4_key_pairs).
+template <int D>
+__device__ __forceinline__ u32 int4_value_dim(u32 g, u32 n, u32 r) { return g * (D / 8) + 2 * n + (r >> 3); }
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
@@ -293,7 +307,9 @@ __device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>
 template <int FMT, int D>
 struct Raw {
     static constexpr int KW = FMT == FMT_BF16 ? D / 8 : FMT == FMT_FP8 ? D / 16 : D / 32;  // words per key slice
-    static constexpr int VW = FMT == FMT_BF16 ? 0 : FMT == FMT_FP8 ? D / 8 : D / 16;       // words per half value row
+    // Mirrors' value words: FP8 half a value row; INT4 the lane's D / 8 dims (from dim g D / 8)
+    // of its 4 keys 2t, 2t + 1, 2t + 8, 2t + 9 (D / 64 words each, key-major).
+    static constexpr int VW = FMT == FMT_BF16 ? 0 : FMT == FMT_FP8 ? D / 8 : D / 16;
     u32 k[2][KW];
     u32 v[VW > 0 ? VW : 1];
     float ks[2][2];  // mirrors: [nt][0] K and [nt][1] V scale of key 8 nt + g (the lane's scores)
@@ -323,6 +339,18 @@ __device__ __forceinline__ void load_pieces(const u8* p, u32 stride, u32 (&w)[N]
         const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
         w[0] = v.x;
         w[1 % N] = v.y;
+    }
+}
+
+// N (1 or 2) consecutive words at p.
+template <int N>
+__device__ __forceinline__ void load_words(const u8* p, u32* w) {
+    if (N == 2) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+        w[0] = v.x;
+        w[N - 1] = v.y;
+    } else {
+        w[0] = __ldg(reinterpret_cast<const u32*>(p));
     }
 }
 
@@ -375,7 +403,18 @@ __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, 
 #pragma unroll
         for (int i = 0; i < D / 16; ++i) cp_async16(dst + 32 * i, src + 32 * i);
     } else {
-        load_pieces(static_cast<const u8*>(c.v) + row * KB + half * VP2, 2 * VP2, r.v);
+        if (FMT == FMT_INT4) {
+            // Keys 2t, 2t + 1, 2t + 8, 2t + 9, the lane's D / 16 bytes from byte g D / 16.
+            constexpr int VK = D / 64;  // words per key
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                const u32 vk = base + 2 * t + (kk & 1) + 8 * (kk >> 1);
+                const u8* src = static_cast<const u8*>(c.v) + (row0 + (vk < k1 ? vk : k0)) * KB + g * (D / 16);
+                load_words<VK>(src, &r.v[kk * VK]);
+            }
+        } else {
+            load_pieces(static_cast<const u8*>(c.v) + row * KB + half * VP2, 2 * VP2, r.v);
+        }
         // The scales travel with their tile: loaded here, they are in flight with the codes
         // instead of costing a dependent round trip when the tile is used.
 #pragma unroll
@@ -459,7 +498,13 @@ __device__ __forceinline__ void load_tile_fast(const u8* kp, const u8* vp, const
 #pragma unroll
         for (int i = 0; i < D / 16; ++i) cp_async16(vdst + 32 * i, vp + ti * 16 * KB + 32 * i);
     } else {
-        load_pieces(vp + ti * 16 * KB, 2 * VP2, r.v);
+        if (FMT == FMT_INT4) {  // vp: key row 2t of the batch, at the lane's bytes (load_tile)
+            constexpr int VK = D / 64;
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) load_words<VK>(vp + (ti * 16 + (kk & 1) + 8 * (kk >> 1)) * KB, &r.v[kk * VK]);
+        } else {
+            load_pieces(vp + ti * 16 * KB, 2 * VP2, r.v);
+        }
         r.ks[0][0] = __ldg(ksp + 16 * ti);
         r.ks[1][0] = __ldg(ksp + 16 * ti + 8);
         r.ks[0][1] = __ldg(vsp + 16 * ti);
@@ -473,31 +518,20 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return r;
 }
 
-// Mirrors: the lane's half value row as exact f16 codes in `tile` (FP8: the E4M3 value, in dim
-// order; INT4: q, in the permuted order of int4_values). The row scales go to the probabilities instead. (An
-// offset left in the INT4 codes and taken off the output once, 1032 times the sum of P, cancels
-// too much over long contexts: 1.7e-2 relative error at 4k keys.)
+// FP8: the lane's half value row as exact f16 codes (the E4M3 values) in `tile`, in dim order.
+// The row scales go to the probabilities instead. (INT4 values skip the tile: int4_key_pairs.
+// An offset left in the INT4 codes and taken off the output once, 1032 times the sum of P,
+// cancels too much over long contexts: 1.7e-2 relative error at 4k keys.)
 template <int FMT, int D, int VP>
 __device__ __forceinline__ void codes_to_tile(const Raw<FMT, D>& r, u32 lane, u16* tile) {
     const u32 key = lane >> 1, half = lane & 1;
-    constexpr int KB = FMT == FMT_FP8 ? D : D / 2;
-    constexpr int PE = FMT == FMT_FP8 ? Piece<KB / 2>::BYTES : 2 * Piece<KB / 2>::BYTES;
+    constexpr int PE = Piece<D / 2>::BYTES;
     u16* dst = tile + key * VP;
     u32 h[D / 4];
-    if (FMT == FMT_FP8) {
 #pragma unroll
-        for (int i = 0; i < Raw<FMT, D>::VW; ++i) {
-            h[2 * i] = e4m3x2_to_f16x2(r.v[i]);
-            h[2 * i + 1] = e4m3x2_to_f16x2(r.v[i] >> 16);
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < Raw<FMT, D>::VW; ++i) {
-            u32 q[4];
-            int4_values(r.v[i], q);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) h[4 * i + j] = q[j];
-        }
+    for (int i = 0; i < Raw<FMT, D>::VW; ++i) {
+        h[2 * i] = e4m3x2_to_f16x2(r.v[i]);
+        h[2 * i + 1] = e4m3x2_to_f16x2(r.v[i] >> 16);
     }
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
@@ -523,7 +557,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     // Tiles per softmax step: their scores, max and rescale together (PAIR: two independent
     // chains of score mma per step, half the serial softmax steps).
     constexpr int NT = (FMT == FMT_BF16 ? STOKE_ATTN_PAIR_BF16 : STOKE_ATTN_PAIR) ? 2 : 1;
-    constexpr int VTILES = FMT == FMT_BF16 ? TILES : NT;
+    constexpr int VTILES = FMT == FMT_BF16 ? TILES : FMT == FMT_FP8 ? NT : 0;  // INT4: no value tile
     constexpr int VT_BYTES = WARPS * VTILES * 16 * VP * 2;
     constexpr int WO_BYTES = WARPS * MAX_GROUP * D * 4;
     __shared__ __align__(16) float qs[MAX_GROUP][D];
@@ -598,8 +632,9 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     const u8* kp = static_cast<const u8*>(c.k) + (first + g) * KB + t * KP;
     // Value rows: lane / 2, piece lane % 2 (V_ROWS, BF16: row lane / CPR, 16-byte chunk lane % CPR).
     constexpr bool VROWS = FMT == FMT_BF16 && STOKE_ATTN_V_ROWS;
-    const u32 vrow = VROWS ? lane / (KB / 16) : lane >> 1;
-    const u32 vcol = VROWS ? (lane % (KB / 16)) * 16 : (lane & 1) * VP2;  // bytes
+    // INT4: key row 2t, the lane's D / 16 bytes from byte g D / 16 (int4_key_pairs).
+    const u32 vrow = VROWS ? lane / (KB / 16) : FMT == FMT_INT4 ? 2 * t : lane >> 1;
+    const u32 vcol = VROWS ? (lane % (KB / 16)) * 16 : FMT == FMT_INT4 ? g * (D / 16) : (lane & 1) * VP2;  // bytes
     const u8* vp = static_cast<const u8*>(c.v) + (first + vrow) * KB + vcol;
     const float* ksp = F16 ? c.ks + first + g : nullptr;
     const float* vsp = F16 ? c.vs + first + g : nullptr;
@@ -715,15 +750,34 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                 const float vs0 = F16 ? r.ks[0][1] * VSF : 1.0f, vs1 = F16 ? r.ks[1][1] * VSF : 1.0f;
                 pb[u][0] = movmatrix_trans(pack2<F16>(pr[u][0] * vs0, pr[u][1] * vs0));
                 pb[u][1] = movmatrix_trans(pack2<F16>(pr[u][2] * vs1, pr[u][3] * vs1));
-                if (FMT != FMT_BF16) codes_to_tile<FMT, D, VP>(r, lane, vt + u * 16 * VP);
+                if (FMT == FMT_FP8) codes_to_tile<FMT, D, VP>(r, lane, vt + u * 16 * VP);
             }
             // BF16: the groups queued after this step's last slot may still be in flight.
             if (FMT == FMT_BF16) cp_async_wait(RING ? TILES - NT : TILES - NT - t0);
-            __syncwarp();
+            if (FMT == FMT_INT4) {
+                // V^T from registers: word j's bytes 0-1 / 2-3 of the four keys give m-tiles
+                // 4j + 2 hi and 4j + 2 hi + 1 (int4_key_pairs).
+                constexpr int VK = D / 64;
+#pragma unroll
+                for (int u = 0; u < NT; ++u)
+#pragma unroll
+                    for (int j = 0; j < VK; ++j)
+#pragma unroll
+                        for (int hi = 0; hi < 2; ++hi) {
+                            const u32* v = raw[t0 + u].v;
+                            u32 a[4], b[4];
+                            int4_key_pairs(v[j], v[VK + j], hi, a);
+                            int4_key_pairs(v[2 * VK + j], v[3 * VK + j], hi, b);
+                            const int n = 4 * j + 2 * hi;
+                            mma16816<F16>(o[n], a[0], a[1], b[0], b[1], pb[u][0], pb[u][1]);
+                            mma16816<F16>(o[n + 1], a[2], a[3], b[2], b[3], pb[u][0], pb[u][1]);
+                        }
+            }
+            if (FMT != FMT_INT4) __syncwarp();
 #pragma unroll
             for (int n = 0; n < D / 16; ++n)
 #pragma unroll
-                for (int u = 0; u < NT; ++u) {
+                for (int u = 0; u < NT && FMT != FMT_INT4; ++u) {
                     const u16* tile = vt + (FMT == FMT_BF16 ? t0 + u : u) * 16 * VP;
                     const u32 mi = lane >> 3;
                     const u16* rowp = tile + ((mi >> 1) * 8 + (lane & 7)) * VP + n * 16 + (mi & 1) * 8;
@@ -733,7 +787,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                                  : "r"(smem_u32(rowp)));
                     mma16816<F16>(o[n], v0, v1, v2, v3, pb[u][0], pb[u][1]);
                 }
-            __syncwarp();
+            if (FMT != FMT_INT4) __syncwarp();
             if (RING) {
 #pragma unroll
                 for (int u = 0; u < NT; ++u) issue(t0 + u, base0 + STEP);
@@ -762,7 +816,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const u32 col = 16 * n + 8 * (i >> 1) + g;  // the value tile's column
-            const u32 h = 2 * t + (i & 1), dd = FMT == FMT_INT4 ? int4_value_dim(col) : col;
+            const u32 h = 2 * t + (i & 1), dd = FMT == FMT_INT4 ? int4_value_dim<D>(g, n, 8 * (i >> 1)) : col;
             const float v = F16 ? o[n][i] * (1.0f / VSF) : o[n][i];  // mirrors: P carried VSF
             if (h < group) wo[warp][h][dd] = v;
         }
@@ -858,7 +912,8 @@ __device__ __forceinline__ void decode_combine(const CombineParams& p) {
     p.out[u64(item) * D + tid] = f32_to_bf16(row[tid]);
 }
 
-// 165-230 registers at d = 128: 2 CTAs per SM (the split plan asks the occupancy calculator).
+// BF16 / FP8: 166-212 registers at d = 128, 2 CTAs per SM; INT4: 168 (launch bounds); the
+// split plan asks the occupancy calculator.
 // Holding BF16 and FP8 to 168 registers for 3 CTAs per SM was measured slower
 // (results/experiments/h200-attention-3ctas-f301e7a.json).
 #define DECODE_ATTN_ENTRY(NAME, FMT, D, W, MC) \
