@@ -109,12 +109,6 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_V_ROWS
 #define STOKE_ATTN_V_ROWS 1
 #endif
-// Lazy rescale: the running max a warp's probabilities are taken against moves only when a
-// score passes it by more than STOKE_ATTN_LAZY (log2 units; 0: whenever it passes it), so the
-// output's rescale runs on fewer tiles and the probabilities stay below 2^LAZY.
-#ifndef STOKE_ATTN_LAZY
-#define STOKE_ATTN_LAZY 0
-#endif
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int MAX_GROUP = 8;
 
@@ -624,7 +618,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     // [2], [3] the same at dim 16n + 8 + g.
     // Mirrors: the probabilities carry the value scale times VSF (kept well inside the f16
     // range), undone at the end.
-    constexpr float VSF = 16.0f / float(1 << STOKE_ATTN_LAZY);  // P < 2^LAZY
+    constexpr float VSF = 16.0f;
     float o[D / 16][4];
 #pragma unroll
     for (int n = 0; n < D / 16; ++n)
@@ -722,11 +716,16 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                 mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
             }
             const float mn0 = fmaxf(m[0], mx0), mn1 = fmaxf(m[1], mx1);
-            // mn is finite (key `base` is in range). The probabilities are taken against m,
-            // moved to mn (and the output rescaled) when some head's max passed it by more
-            // than LAZY; a masked score gives exp2(-inf) = 0.
-            constexpr float LAZY = float(STOKE_ATTN_LAZY);
-            if (__any_sync(0xffffffffu, mn0 > m[0] + LAZY || mn1 > m[1] + LAZY)) {
+            // mn is finite (key `base` is in range); a masked score gives exp2(-inf) = 0.
+            float pr[NT][4];
+#pragma unroll
+            for (int u = 0; u < NT; ++u) {
+                pr[u][0] = exp2_approx(s4[u][0] - mn0);
+                pr[u][1] = exp2_approx(s4[u][1] - mn1);
+                pr[u][2] = exp2_approx(s4[u][2] - mn0);
+                pr[u][3] = exp2_approx(s4[u][3] - mn1);
+            }
+            if (__any_sync(0xffffffffu, mn0 > m[0] || mn1 > m[1])) {
                 const float c0 = exp2_approx(m[0] - mn0), c1 = exp2_approx(m[1] - mn1);  // 0 from -inf
                 l[0] *= c0;
                 l[1] *= c1;
@@ -739,14 +738,6 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                 }
                 m[0] = mn0;
                 m[1] = mn1;
-            }
-            float pr[NT][4];
-#pragma unroll
-            for (int u = 0; u < NT; ++u) {
-                pr[u][0] = exp2_approx(s4[u][0] - m[0]);
-                pr[u][1] = exp2_approx(s4[u][1] - m[1]);
-                pr[u][2] = exp2_approx(s4[u][2] - m[0]);
-                pr[u][3] = exp2_approx(s4[u][3] - m[1]);
             }
             // P^T (keys x heads) to P (B operand: keys 2t, 2t + 1 and 2t + 8, 2t + 9 of head g);
             // mirrors: times the value rows' scales (and VSF). Mirrors' value codes to their tiles.
