@@ -18,9 +18,10 @@
 //                     WARPS warps (launch bounds) that split the keys: the query heads that share a kv head (group <= 8) together,
 //                     so each cache byte is read once; the CTA takes keys
 //                     [split * chunk, min(len, (split + 1) * chunk)). Writes the partial
-//                     (max, sum, unnormalized output) of each (batch, head, split).
-//   decode_combine_dD one CTA of D threads per (batch, head): merges the splits, rotates back,
-//                     writes bf16.
+//                     (max, sum, unnormalized output) of each (batch, head, split); with one
+//                     split, the output itself (normalized, rotated back, bf16).
+//   decode_combine_dD one CTA of D threads per (batch, head): merges the splits (> 1), rotates
+//                     back, writes bf16.
 //
 // Tensor cores, per warp and 16-key tile (one query token per sequence):
 //   S^T = K Q^T  mma.m16n8k16 with the tile's 16 keys as rows (A = key rows g and g + 8 of lane
@@ -135,8 +136,9 @@ struct AttnParams {
     const u32* slot_of;   // [batch]
     const u32* len;       // [batch] keys to attend to (positions 0 .. len - 1 of the slot)
     KvCache cache;
-    float* part_o;        // [batch, heads, splits, d] unnormalized outputs
+    float* part_o;        // [batch, heads, splits, d] unnormalized outputs (splits > 1)
     float* part_ml;       // [batch, heads, splits, 2] (running max of scaled scores, sum of exp)
+    u16* out;             // [batch, heads, d] bf16, written here when splits == 1 (no combine)
     u32 batch, heads, splits, chunk, block;
     float scale;          // 1 / sqrt(d)
 };
@@ -149,7 +151,7 @@ struct CombineParams {
 };
 static_assert(sizeof(KvCache) == 48, "KvCache layout");
 static_assert(sizeof(AppendParams) == 136, "AppendParams layout");
-static_assert(sizeof(AttnParams) == 112, "AttnParams layout");
+static_assert(sizeof(AttnParams) == 120, "AttnParams layout");
 static_assert(sizeof(CombineParams) == 40, "CombineParams layout");
 
 __device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float(u32(v) << 16); }
@@ -821,6 +823,9 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             if (h < group) wo[warp][h][dd] = v;
         }
     __syncthreads();
+    // One split: the CTA holds the whole output of its heads; normalized into qs (free since
+    // the prologue), rotated back and written as bf16 here, with no partials and no combine.
+    const bool whole = p.splits == 1;
     for (u32 i = threadIdx.x; i < group * D; i += blockDim.x) {
         const u32 h = i / D, dd = i % D;
         float mx = NEG_INF;
@@ -833,12 +838,23 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             lsum += wl[w][h] * f;
             osum += wo[w][h][dd] * f;
         }
+        if (whole) {
+            qs[h][dd] = lsum > 0.0f ? osum / lsum : 0.0f;
+            continue;
+        }
         const u64 ph = (u64(b) * p.heads + kvh * group + h) * p.splits + split;
         p.part_o[ph * D + dd] = osum;
         if (dd == 0) {
             p.part_ml[ph * 2] = mx;
             p.part_ml[ph * 2 + 1] = lsum;
         }
+    }
+    if (whole) {
+        __syncthreads();
+        for (u32 h = warp; h < group; h += WARPS) hadamard_warp(qs[h], D, p.block, lane);  // undoes V's rotation
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < group * D; i += blockDim.x)
+            p.out[(u64(b) * p.heads + kvh * group) * D + i] = f32_to_bf16(qs[i / D][i % D]);
     }
 }
 

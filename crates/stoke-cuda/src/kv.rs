@@ -10,7 +10,7 @@ use crate::kernels::decode_attention::{
     AppendParams, AttnParams, CombineParams, KvCacheParams, KvFormat, attn_entry, check_shape,
     combine_entry, split_plan,
 };
-use crate::{DeviceBuffer, Error, LaunchShape, Result, Runtime};
+use crate::{DeviceBuffer, Error, Kernel, LaunchShape, Result, Runtime};
 use std::sync::Arc;
 
 /// One mirror's buffers: K and V rows, and their per-row f32 scales.
@@ -188,12 +188,14 @@ impl DeviceKvCache {
         if batch == 0 {
             return Ok(());
         }
-        let kernel = rt.kernel(&DECODE_ATTENTION, attn_entry(self.format, self.d))?;
-        // The block size is the kernel's launch bounds (warps per CTA are a kernel knob).
+        let (kernel, chunk, splits) = self.attn_plan(rt, batch, max_len)?;
         let threads = kernel.max_threads;
-        let ctas = rt.resident_ctas(&kernel, threads)?;
-        let (chunk, splits) = split_plan(batch, self.kv_heads, max_len, rt.sm_count, ctas);
-        let items = batch as usize * heads as usize * splits as usize;
+        // One split: the attention kernel writes the output itself (no partials, no combine).
+        let items = if splits > 1 {
+            batch as usize * heads as usize * splits as usize
+        } else {
+            0
+        };
         let part_o = rt.alloc(items * self.d as usize * 4)?;
         let part_ml = rt.alloc(items * 8)?;
         let params = AttnParams {
@@ -203,6 +205,7 @@ impl DeviceKvCache {
             cache: self.read_params(),
             part_o: part_o.ptr(),
             part_ml: part_ml.ptr(),
+            out,
             batch,
             heads,
             splits,
@@ -217,6 +220,9 @@ impl DeviceKvCache {
         };
         // SAFETY: as above; the partials are Stoke buffers freed on this stream after use.
         unsafe { rt.launch(&kernel, shape, &params) }?;
+        if splits == 1 {
+            return Ok(());
+        }
         let combine = CombineParams {
             part_o: part_o.ptr(),
             part_ml: part_ml.ptr(),
@@ -234,6 +240,22 @@ impl DeviceKvCache {
         };
         // SAFETY: as above.
         unsafe { rt.launch(&kernel, shape, &combine) }
+    }
+
+    /// The attention kernel of this cache and its split-KV plan for `batch` sequences of at
+    /// most `max_len` keys: (kernel, keys per split, splits). The block size is the kernel's
+    /// launch bounds (warps per CTA are a kernel knob).
+    fn attn_plan(&self, rt: &Runtime, batch: u32, max_len: u32) -> Result<(Kernel, u32, u32)> {
+        let kernel = rt.kernel(&DECODE_ATTENTION, attn_entry(self.format, self.d))?;
+        let ctas = rt.resident_ctas(&kernel, kernel.max_threads)?;
+        let (chunk, splits) = split_plan(batch, self.kv_heads, max_len, rt.sm_count, ctas);
+        Ok((kernel, chunk, splits))
+    }
+
+    /// Split-KV CTAs per (sequence, kv head) that [`Self::attend`] launches for `batch`
+    /// sequences of at most `max_len` keys (1: no combine pass).
+    pub fn splits(&self, rt: &Runtime, batch: u32, max_len: u32) -> Result<u32> {
+        Ok(self.attn_plan(rt, batch, max_len)?.2)
     }
 
     /// Bytes decode attention reads for `keys` cached tokens (K and V rows, scales included).

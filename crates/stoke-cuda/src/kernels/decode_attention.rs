@@ -41,6 +41,7 @@ pub struct AttnParams {
     pub cache: KvCacheParams,
     pub part_o: u64,
     pub part_ml: u64,
+    pub out: u64,
     pub batch: u32,
     pub heads: u32,
     pub splits: u32,
@@ -182,12 +183,12 @@ mod tests {
     fn params_layout_matches_c() {
         assert_eq!(std::mem::size_of::<KvCacheParams>(), 48);
         assert_eq!(std::mem::size_of::<AppendParams>(), 136);
-        assert_eq!(std::mem::size_of::<AttnParams>(), 112);
+        assert_eq!(std::mem::size_of::<AttnParams>(), 120);
         assert_eq!(std::mem::size_of::<CombineParams>(), 40);
         for (name, size) in [
             ("KvCache", 48),
             ("AppendParams", 136),
-            ("AttnParams", 112),
+            ("AttnParams", 120),
             ("CombineParams", 40),
         ] {
             assert!(
