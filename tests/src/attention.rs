@@ -290,7 +290,7 @@ fn attention_matches_reference() -> Result<Value, String> {
             kv_heads: 8,
             d: 128,
             lens: (0..32)
-                .map(|i| [1usize, 17, 1024, 640][i % 4] - i / 8)
+                .map(|i| [1usize, 17, 1024, 640][i % 4].saturating_sub(i / 8))
                 .map(|l| l.max(1))
                 .collect(),
             outliers: 0,
