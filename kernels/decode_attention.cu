@@ -42,11 +42,12 @@
 //               head, the row sums lane-partial until the end, the output rescale skipped when
 //               no head's max moved, keys past the length masked.
 //   O^T += V^T P^T  P^T is packed to 16 bits and turned into the B operand (keys 2t, 2t + 1 /
-//               2t + 8, 2t + 9 of head g) by two movmatrix transposes; V^T is the A operand,
-//               read with ldmatrix.trans from a per-warp shared-memory tile of 16 value rows
-//               (BF16: cp.async; mirrors: the exact codes as f16, their row scales (x 16) folded
-//               into the probabilities and taken off the output at the end; INT4 codes with
-//               their dims permuted within groups of 8, put back when the output is merged).
+//               2t + 8, 2t + 9 of head g) by two movmatrix transposes; V^T is the A operand.
+//               BF16 / FP8: read with ldmatrix.trans from a per-warp shared-memory tile of 16
+//               value rows (BF16: cp.async; FP8: the exact codes as f16). INT4: straight from
+//               registers (int4_key_pairs), the dims permuted and put back when the output is
+//               merged. Mirrors: the value row scales (x 16) folded into the probabilities and
+//               taken off the output at the end.
 //   loads       each warp keeps TILES tiles of loads in flight; the mirrors refill a slot as
 //               soon as its tile has been used (a ring), BF16 refills a whole batch.
 // BF16 cache: bf16 operands. FP8 / INT4 mirrors: f16 operands (exact for the codes; the query is
