@@ -15,8 +15,9 @@
 //   kv_append         one warp per (slot, kv head, K or V): writes the bf16 row of the main cache
 //                     at position pos[slot], and the rotated, quantized row of the mirror.
 //   decode_attn_FMT_dD  (FMT bf16 / fp8 / int4, D 64 / 128) grid (splits, kv_heads, batch),
-//                     WARPS warps (launch bounds) that split the keys: the query heads that share a kv head (group <= 8) together,
-//                     so each cache byte is read once; the CTA takes keys
+//                     WARPS warps (the launch bounds) that split the keys: the query heads that
+//                     share a kv head (group <= 8) together, so each cache byte is read once; the
+//                     CTA takes keys
 //                     [split * chunk, min(len, (split + 1) * chunk)). Writes the partial
 //                     (max, sum, unnormalized output) of each (batch, head, split); with one
 //                     split, the output itself (normalized, rotated back, bf16).
@@ -297,9 +298,13 @@ __device__ __forceinline__ void int4_key_pairs(u32 a, u32 b, int hi, u32 (&h)[4]
     int4_values(__byte_perm(a, b, hi ? 0x7632 : 0x5410), h);
 }
 
-// The output dim of row r (0..15) of value m-tile n for lane group g (int4_key_pairs).
+// The output dim of row g (half 0) or g + 8 (half 1) of value m-tile n (int4_key_pairs).
 template <int D>
-__device__ __forceinline__ u32 int4_value_dim(u32 g, u32 n, u32 r) { return g * (D / 8) + 2 * n + (r >> 3); }
+__device__ __forceinline__ u32 int4_value_dim(u32 g, u32 n, u32 half) { return g * (D / 8) + 2 * n + half; }
+
+// INT4 value key kk (0..3) of lane (g, t), relative to key 2t of the tile: keys 2t, 2t + 1,
+// 2t + 8, 2t + 9 (int4_key_pairs).
+__device__ __forceinline__ u32 int4_value_key(int kk) { return (kk & 1) + 8 * (kk >> 1); }
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
@@ -313,6 +318,7 @@ struct Raw {
     // Mirrors' value words: FP8 half a value row; INT4 the lane's D / 8 dims (from dim g D / 8)
     // of its 4 keys 2t, 2t + 1, 2t + 8, 2t + 9 (D / 64 words each, key-major).
     static constexpr int VW = FMT == FMT_BF16 ? 0 : FMT == FMT_FP8 ? D / 8 : D / 16;
+    static constexpr int VK = D / 64;  // INT4: value words per key
     u32 k[2][KW];
     u32 v[VW > 0 ? VW : 1];
     float ks[2][2];  // mirrors: [nt][0] K and [nt][1] V scale of key 8 nt + g (the lane's scores)
@@ -408,10 +414,10 @@ __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, 
     } else {
         if (FMT == FMT_INT4) {
             // Keys 2t, 2t + 1, 2t + 8, 2t + 9, the lane's D / 16 bytes from byte g D / 16.
-            constexpr int VK = D / 64;  // words per key
+            constexpr int VK = Raw<FMT, D>::VK;
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
-                const u32 vk = base + 2 * t + (kk & 1) + 8 * (kk >> 1);
+                const u32 vk = base + 2 * t + int4_value_key(kk);
                 const u8* src = static_cast<const u8*>(c.v) + (row0 + (vk < k1 ? vk : k0)) * KB + g * (D / 16);
                 load_words<VK>(src, &r.v[kk * VK]);
             }
@@ -502,9 +508,9 @@ __device__ __forceinline__ void load_tile_fast(const u8* kp, const u8* vp, const
         for (int i = 0; i < D / 16; ++i) cp_async16(vdst + 32 * i, vp + ti * 16 * KB + 32 * i);
     } else {
         if (FMT == FMT_INT4) {  // vp: key row 2t of the batch, at the lane's bytes (load_tile)
-            constexpr int VK = D / 64;
+            constexpr int VK = Raw<FMT, D>::VK;
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) load_words<VK>(vp + (ti * 16 + (kk & 1) + 8 * (kk >> 1)) * KB, &r.v[kk * VK]);
+            for (int kk = 0; kk < 4; ++kk) load_words<VK>(vp + (ti * 16 + int4_value_key(kk)) * KB, &r.v[kk * VK]);
         } else {
             load_pieces(vp + ti * 16 * KB, 2 * VP2, r.v);
         }
@@ -760,7 +766,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             if (FMT == FMT_INT4) {
                 // V^T from registers: word j's bytes 0-1 / 2-3 of the four keys give m-tiles
                 // 4j + 2 hi and 4j + 2 hi + 1 (int4_key_pairs).
-                constexpr int VK = D / 64;
+                constexpr int VK = Raw<FMT, D>::VK;
 #pragma unroll
                 for (int u = 0; u < NT; ++u)
 #pragma unroll
@@ -775,22 +781,23 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                             mma16816<F16>(o[n], a[0], a[1], b[0], b[1], pb[u][0], pb[u][1]);
                             mma16816<F16>(o[n + 1], a[2], a[3], b[2], b[3], pb[u][0], pb[u][1]);
                         }
+            } else {
+                __syncwarp();
+#pragma unroll
+                for (int n = 0; n < D / 16; ++n)
+#pragma unroll
+                    for (int u = 0; u < NT; ++u) {
+                        const u16* tile = vt + (FMT == FMT_BF16 ? t0 + u : u) * 16 * VP;
+                        const u32 mi = lane >> 3;
+                        const u16* rowp = tile + ((mi >> 1) * 8 + (lane & 7)) * VP + n * 16 + (mi & 1) * 8;
+                        u32 v0, v1, v2, v3;
+                        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                                     : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                                     : "r"(smem_u32(rowp)));
+                        mma16816<F16>(o[n], v0, v1, v2, v3, pb[u][0], pb[u][1]);
+                    }
+                __syncwarp();
             }
-            if (FMT != FMT_INT4) __syncwarp();
-#pragma unroll
-            for (int n = 0; n < D / 16; ++n)
-#pragma unroll
-                for (int u = 0; u < NT && FMT != FMT_INT4; ++u) {
-                    const u16* tile = vt + (FMT == FMT_BF16 ? t0 + u : u) * 16 * VP;
-                    const u32 mi = lane >> 3;
-                    const u16* rowp = tile + ((mi >> 1) * 8 + (lane & 7)) * VP + n * 16 + (mi & 1) * 8;
-                    u32 v0, v1, v2, v3;
-                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                                 : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
-                                 : "r"(smem_u32(rowp)));
-                    mma16816<F16>(o[n], v0, v1, v2, v3, pb[u][0], pb[u][1]);
-                }
-            if (FMT != FMT_INT4) __syncwarp();
             if (RING) {
 #pragma unroll
                 for (int u = 0; u < NT; ++u) issue(t0 + u, base0 + STEP);
@@ -819,7 +826,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const u32 col = 16 * n + 8 * (i >> 1) + g;  // the value tile's column
-            const u32 h = 2 * t + (i & 1), dd = FMT == FMT_INT4 ? int4_value_dim<D>(g, n, 8 * (i >> 1)) : col;
+            const u32 h = 2 * t + (i & 1), dd = FMT == FMT_INT4 ? int4_value_dim<D>(g, n, i >> 1) : col;
             const float v = F16 ? o[n][i] * (1.0f / VSF) : o[n][i];  // mirrors: P carried VSF
             if (h < group) wo[warp][h][dd] = v;
         }

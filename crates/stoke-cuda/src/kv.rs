@@ -191,20 +191,20 @@ impl DeviceKvCache {
         let (kernel, chunk, splits) = self.attn_plan(rt, batch, max_len)?;
         let threads = kernel.max_threads;
         // One split: the attention kernel writes the output itself (no partials, no combine).
-        let items = if splits > 1 {
-            batch as usize * heads as usize * splits as usize
+        let parts = if splits > 1 {
+            let items = batch as usize * heads as usize * splits as usize;
+            Some((rt.alloc(items * self.d as usize * 4)?, rt.alloc(items * 8)?))
         } else {
-            0
+            None
         };
-        let part_o = rt.alloc(items * self.d as usize * 4)?;
-        let part_ml = rt.alloc(items * 8)?;
+        let part_ptrs = parts.as_ref().map_or((0, 0), |(o, ml)| (o.ptr(), ml.ptr()));
         let params = AttnParams {
             q,
             slot_of,
             len,
             cache: self.read_params(),
-            part_o: part_o.ptr(),
-            part_ml: part_ml.ptr(),
+            part_o: part_ptrs.0,
+            part_ml: part_ptrs.1,
             out,
             batch,
             heads,
@@ -220,9 +220,9 @@ impl DeviceKvCache {
         };
         // SAFETY: as above; the partials are Stoke buffers freed on this stream after use.
         unsafe { rt.launch(&kernel, shape, &params) }?;
-        if splits == 1 {
+        let Some((part_o, part_ml)) = parts else {
             return Ok(());
-        }
+        };
         let combine = CombineParams {
             part_o: part_o.ptr(),
             part_ml: part_ml.ptr(),
