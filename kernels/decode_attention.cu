@@ -171,71 +171,139 @@ __device__ __forceinline__ u32 f32_to_e4m3(float x) {
     return r & 0xffu;
 }
 
-// In-place normalized Walsh-Hadamard transform of each `block` consecutive values of v[0..d),
-// by one warp in shared memory (log2(block) butterfly passes).
-__device__ __forceinline__ void hadamard_warp(float* v, u32 d, u32 block, u32 lane) {
+// In-place normalized Walsh-Hadamard transform of each `block` (32, 64 or 128; 0: none)
+// consecutive values of a D-vector held by one warp in registers, lane l holding values
+// l E .. l E + E - 1 (E = D / 32): the butterflies of distance below E inside the lane, the
+// rest across lanes by shuffles (one per value and pass).
+template <int D>
+__device__ __forceinline__ void hadamard_regs(float (&x)[D / 32], u32 block, u32 lane) {
+    constexpr int E = D / 32;
     if (block == 0) return;
-    for (u32 h = 1; h < block; h <<= 1) {
-        __syncwarp();
-        for (u32 i = lane; i < d / 2; i += 32) {
-            // The i-th butterfly pair of this pass: (a, a + h) with a's bit h clear.
-            const u32 a = (i / h) * 2 * h + (i % h);
-            const float x = v[a], y = v[a + h];
-            v[a] = x + y;
-            v[a + h] = x - y;
+#pragma unroll
+    for (int h = 1; h < E; h <<= 1)
+#pragma unroll
+        for (int a = 0; a < E; ++a)
+            if (!(a & h)) {
+                const float u = x[a], v = x[a + h];
+                x[a] = u + v;
+                x[a + h] = u - v;
+            }
+#pragma unroll
+    for (u32 hl = 1; hl < 32; hl <<= 1) {  // lane distance hl: value distance hl E
+        if (hl * E >= block) break;
+        const bool upper = lane & hl;
+#pragma unroll
+        for (int a = 0; a < E; ++a) {
+            const float y = __shfl_xor_sync(0xffffffffu, x[a], hl);
+            x[a] = upper ? y - x[a] : x[a] + y;
         }
     }
-    __syncwarp();
-    const float norm = 1.0f / sqrtf(float(block));
-    for (u32 i = lane; i < d; i += 32) v[i] *= norm;
-    __syncwarp();
+    const float norm = rsqrtf(float(block));
+#pragma unroll
+    for (int a = 0; a < E; ++a) x[a] *= norm;
+}
+
+// E consecutive floats at p (shared memory; E = 2 or 4, aligned).
+template <int E>
+__device__ __forceinline__ void load_floats(const float* p, float (&x)[E]) {
+    if (E == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(p);
+        x[0] = v.x;
+        x[1 % E] = v.y;
+        x[2 % E] = v.z;
+        x[3 % E] = v.w;
+    } else {
+        const float2 v = *reinterpret_cast<const float2*>(p);
+        x[0] = v.x;
+        x[E - 1] = v.y;
+    }
+}
+
+template <int E>
+__device__ __forceinline__ void store_floats(float* p, const float (&x)[E]) {
+    if (E == 4)
+        *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1 % E], x[2 % E], x[3 % E]);
+    else
+        *reinterpret_cast<float2*>(p) = make_float2(x[0], x[E - 1]);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Cache append
 // ---------------------------------------------------------------------------------------------
 
+// One warp per (slot, kv head, K or V) item; lane l holds row values l E .. l E + E - 1.
+template <int D>
+__device__ __forceinline__ void append_row(const AppendParams& p, u32 b, u32 h, u32 is_v, u32 kvh, u32 lane) {
+    constexpr int E = D / 32;
+    const u16* src = (is_v ? p.v_new : p.k_new) + (u64(b) * kvh + h) * D + lane * E;
+    const u32 slot = p.slot_of[b], pos = p.pos[b];
+    u32 w[E / 2];
+    if (E == 4) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
+        w[0] = v.x;
+        w[E / 2 - 1] = v.y;
+    } else {
+        w[0] = __ldg(reinterpret_cast<const u32*>(src));
+    }
+    if (p.main.k) {
+        u16* dst = static_cast<u16*>(is_v ? p.main.v : p.main.k) + ((u64(slot) * kvh + h) * p.main.cap + pos) * D + lane * E;
+        if (E == 4)
+            *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[E / 2 - 1]);
+        else
+            *reinterpret_cast<u32*>(dst) = w[0];
+    }
+    if (!p.mirror.k) return;
+    const KvCache& m = p.mirror;
+    float x[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = bf16_to_f32(u16(w[e / 2] >> (16 * (e % 2))));
+    hadamard_regs<D>(x, p.block, lane);
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(x[e]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const u64 r = (u64(slot) * kvh + h) * m.cap + pos;
+    if (m.format == FMT_FP8) {
+        const float s = amax / 448.0f;
+        u32 codes = 0;
+#pragma unroll
+        for (int e = 0; e < E; ++e) codes |= (s > 0.0f ? f32_to_e4m3(x[e] / s) : 0u) << (8 * e);
+        u8* dst = static_cast<u8*>(is_v ? m.v : m.k) + r * D + lane * E;
+        if (E == 4)
+            *reinterpret_cast<u32*>(dst) = codes;
+        else
+            *reinterpret_cast<u16*>(dst) = u16(codes);
+        if (lane == 0) (is_v ? m.vs : m.ks)[r] = s;
+    } else {
+        const float s = amax / 7.0f;
+        // Byte j: value 2j in the low nibble, 2j + 1 in the high one (keys and values alike).
+        u32 nib = 0;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const float qv = s > 0.0f ? fminf(fmaxf(rintf(x[e] / s), -8.0f), 7.0f) : 0.0f;
+            nib |= (u32(int(qv)) & 0xfu) << (4 * e);
+        }
+        u8* dst = static_cast<u8*>(is_v ? m.v : m.k) + r * (D / 2) + lane * (E / 2);
+        if (E == 4)
+            *reinterpret_cast<u16*>(dst) = u16(nib);
+        else
+            *dst = u8(nib);
+        if (lane == 0) (is_v ? m.vs : m.ks)[r] = s;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(128) kv_append(const AppendParams p) {
-    __shared__ float rowbuf[4][256];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 item = blockIdx.x * 4 + warp;  // (b, kv head, K/V)
     const u32 kvh = p.main.kv_heads ? p.main.kv_heads : p.mirror.kv_heads;
     if (item >= p.batch * kvh * 2) return;
     const u32 b = item / (kvh * 2), h = (item / 2) % kvh, is_v = item & 1;
     const u32 d = p.main.k ? p.main.d : p.mirror.d;
-    const u16* src = (is_v ? p.v_new : p.k_new) + (u64(b) * kvh + h) * d;
-    const u32 slot = p.slot_of[b], pos = p.pos[b];
-    float* row = rowbuf[warp];
-    for (u32 i = lane; i < d; i += 32) row[i] = bf16_to_f32(src[i]);
-    __syncwarp();
-    if (p.main.k) {
-        u16* dst = static_cast<u16*>(is_v ? p.main.v : p.main.k) + ((u64(slot) * kvh + h) * p.main.cap + pos) * d;
-        for (u32 i = lane; i < d; i += 32) dst[i] = src[i];
-    }
-    if (!p.mirror.k) return;
-    const KvCache& m = p.mirror;
-    hadamard_warp(row, d, p.block, lane);
-    float amax = 0.0f;
-    for (u32 i = lane; i < d; i += 32) amax = fmaxf(amax, fabsf(row[i]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const u64 r = (u64(slot) * kvh + h) * m.cap + pos;
-    if (m.format == FMT_FP8) {
-        const float s = amax / 448.0f;
-        u8* dst = static_cast<u8*>(is_v ? m.v : m.k) + r * d;
-        for (u32 i = lane; i < d; i += 32) dst[i] = u8(s > 0.0f ? f32_to_e4m3(row[i] / s) : 0u);
-        if (lane == 0) (is_v ? m.vs : m.ks)[r] = s;
-    } else {
-        const float s = amax / 7.0f;
-        u8* dst = static_cast<u8*>(is_v ? m.v : m.k) + r * (d / 2);
-        // Byte j: value 2j in the low nibble, 2j + 1 in the high one (keys and values alike).
-        auto q4 = [&](float x) -> u32 {
-            const float qv = s > 0.0f ? fminf(fmaxf(rintf(x / s), -8.0f), 7.0f) : 0.0f;
-            return u32(int(qv)) & 0xfu;
-        };
-        for (u32 j = lane; j < d / 2; j += 32) dst[j] = u8(q4(row[2 * j]) | (q4(row[2 * j + 1]) << 4));
-        if (lane == 0) (is_v ? m.vs : m.ks)[r] = s;
-    }
+    if (d == 128)
+        append_row<128>(p, b, h, is_v, kvh, lane);
+    else
+        append_row<64>(p, b, h, is_v, kvh, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -582,46 +650,20 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     const u32 k0 = split * p.chunk, k1 = min(len, k0 + p.chunk);
     const u64 row0 = (u64(p.slot_of[b]) * c.kv_heads + kvh) * c.cap;
 
-    for (u32 i = threadIdx.x; i < MAX_GROUP * D; i += blockDim.x) {
-        const u32 h = i / D, dd = i % D;
-        qs[h][dd] = h < group ? bf16_to_f32(p.q[(u64(b) * p.heads + kvh * group + h) * D + dd]) : 0.0f;
+    // The query rows of this warp's heads (h = warp + WARPS r; lane l: dims l E .. l E + E - 1),
+    // requested first; they are used after the first tiles' loads are queued.
+    constexpr int E = D / 32;
+    constexpr int QR = (MAX_GROUP + WARPS - 1) / WARPS;
+    u32 qraw[QR][E / 2];
+#pragma unroll
+    for (int r = 0; r < QR; ++r) {
+        const u32 h = warp + WARPS * r;
+        if (h < group) load_words<E / 2>(reinterpret_cast<const u8*>(p.q + ((u64(b) * p.heads + kvh * group + h) * D + lane * E)), qraw[r]);
     }
-    __syncthreads();
-    if (F16 && p.block) {
-        for (u32 h = warp; h < group; h += WARPS) hadamard_warp(qs[h], D, p.block, lane);
-        __syncthreads();
-    }
-    const float qscale = F16 ? p.scale : 1.0f;
-    const float sscale = F16 ? 1.0f : p.scale;
     // Bytes per cache row; a lane's key pieces (KP bytes, KE values) and value pieces (VP2 bytes).
     constexpr int KB = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
     constexpr int KP = Piece<KB / 4>::BYTES, VP2 = FMT == FMT_BF16 ? 16 : Piece<KB / 2>::BYTES;
     constexpr int KE = FMT == FMT_BF16 ? KP / 2 : FMT == FMT_FP8 ? KP : 2 * KP;
-    // B fragments of Q^T: column g = head g, register R of the key operand <-> qa[R / 2][R % 2].
-    u32 qa[D / 16][2];
-    float off = 0.0f;  // INT4: this lane's part of head g's offset dot product
-#pragma unroll
-    for (int R = 0; R < D / 8; ++R) {
-        int e0, e1;
-        float qf;
-        operand_values<FMT>(R, e0, e1, qf);
-        auto dim = [&](int e) { return (e / KE) * 4 * KE + int(t) * KE + e % KE; };
-        const u32 h2 = pack2<F16>(qs[g][dim(e0)] * qscale * qf, qs[g][dim(e1)] * qscale * qf);
-        qa[R / 2][R % 2] = h2;
-        if (FMT == FMT_INT4) {
-            float lo, hi;
-            asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }" : "=f"(lo), "=f"(hi) : "r"(h2));
-            off += (R % 2 ? 1152.0f : 1032.0f) * (lo + hi);
-        }
-    }
-    float init0 = 0.0f, init1 = 0.0f;  // score accumulators' start for heads 2t, 2t + 1
-    if (FMT == FMT_INT4) {
-        off += __shfl_xor_sync(0xffffffffu, off, 1);
-        off += __shfl_xor_sync(0xffffffffu, off, 2);
-        init0 = -__shfl_sync(0xffffffffu, off, 8 * t);
-        init1 = -__shfl_sync(0xffffffffu, off, 8 * t + 4);
-    }
-
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};  // heads 2t, 2t + 1 (l: this lane's keys)
     // O^T fragments: m-tile n = dims 16n .. 16n + 15; [0], [1] = heads 2t, 2t + 1 at dim 16n + g,
     // [2], [3] the same at dim 16n + 8 + g.
@@ -672,13 +714,53 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     // RING: a slot is refilled with the same tile of the next batch as soon as it has been used,
     // so TILES - 1 tiles are always in flight; else a batch's TILES tiles are queued together.
     u32 base0 = k0 + warp * 16 * TILES;
-    if (RING && base0 < k1) {
+    if (base0 < k1) {  // the first batch, queued before the query is set up
 #pragma unroll
         for (int ti = 0; ti < TILES; ++ti) issue(ti, base0);
         advance();
     }
-    for (; base0 < k1; base0 += STEP) {
-        if (!RING) {
+    // The query heads, rotated like the mirrors' rows (registers and shuffles), into qs; heads
+    // past the group are zero.
+#pragma unroll
+    for (int r = 0; r < QR; ++r) {
+        const u32 h = warp + WARPS * r;
+        if (h >= MAX_GROUP) break;
+        float x[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) x[e] = h < group ? bf16_to_f32(u16(qraw[r][e / 2] >> (16 * (e % 2)))) : 0.0f;
+        if (F16) hadamard_regs<D>(x, p.block, lane);
+        store_floats<E>(&qs[h][lane * E], x);
+    }
+    __syncthreads();
+    const float qscale = F16 ? p.scale : 1.0f;
+    const float sscale = F16 ? 1.0f : p.scale;
+    // B fragments of Q^T: column g = head g, register R of the key operand <-> qa[R / 2][R % 2].
+    u32 qa[D / 16][2];
+    float off = 0.0f;  // INT4: this lane's part of head g's offset dot product
+#pragma unroll
+    for (int R = 0; R < D / 8; ++R) {
+        int e0, e1;
+        float qf;
+        operand_values<FMT>(R, e0, e1, qf);
+        auto dim = [&](int e) { return (e / KE) * 4 * KE + int(t) * KE + e % KE; };
+        const u32 h2 = pack2<F16>(qs[g][dim(e0)] * qscale * qf, qs[g][dim(e1)] * qscale * qf);
+        qa[R / 2][R % 2] = h2;
+        if (FMT == FMT_INT4) {
+            float lo, hi;
+            asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }" : "=f"(lo), "=f"(hi) : "r"(h2));
+            off += (R % 2 ? 1152.0f : 1032.0f) * (lo + hi);
+        }
+    }
+    float init0 = 0.0f, init1 = 0.0f;  // score accumulators' start for heads 2t, 2t + 1
+    if (FMT == FMT_INT4) {
+        off += __shfl_xor_sync(0xffffffffu, off, 1);
+        off += __shfl_xor_sync(0xffffffffu, off, 2);
+        init0 = -__shfl_sync(0xffffffffu, off, 8 * t);
+        init1 = -__shfl_sync(0xffffffffu, off, 8 * t + 4);
+    }
+
+    for (bool first_batch = true; base0 < k1; base0 += STEP, first_batch = false) {
+        if (!RING && !first_batch) {
 #pragma unroll
             for (int ti = 0; ti < TILES; ++ti) issue(ti, base0);
             advance();
@@ -831,38 +913,50 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             if (h < group) wo[warp][h][dd] = v;
         }
     __syncthreads();
-    // One split: the CTA holds the whole output of its heads; normalized into qs (free since
-    // the prologue), rotated back and written as bf16 here, with no partials and no combine.
-    const bool whole = p.splits == 1;
-    for (u32 i = threadIdx.x; i < group * D; i += blockDim.x) {
-        const u32 h = i / D, dd = i % D;
+    // A warp per head merges its warps' outputs (lane l: dims l E ..). One split: the CTA holds
+    // the whole output of its heads; normalized, rotated back and written as bf16 here, with no
+    // partials and no combine. Else the split's partial (max, sum, unnormalized output).
+#pragma unroll
+    for (int r = 0; r < QR; ++r) {
+        const u32 h = warp + WARPS * r;
+        if (h >= group) break;
         float mx = NEG_INF;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, wm[w][h]);
-        float lsum = 0.0f, osum = 0.0f;
+        float lsum = 0.0f, os[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) os[e] = 0.0f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
             const float f = wm[w][h] == NEG_INF ? 0.0f : __expf(wm[w][h] - mx);
+            float x[E];
+            load_floats<E>(&wo[w][h][lane * E], x);
             lsum += wl[w][h] * f;
-            osum += wo[w][h][dd] * f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) os[e] += x[e] * f;
         }
-        if (whole) {
-            qs[h][dd] = lsum > 0.0f ? osum / lsum : 0.0f;
-            continue;
+        const u64 row = u64(b) * p.heads + kvh * group + h;
+        if (p.splits == 1) {
+            const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) os[e] *= inv;
+            hadamard_regs<D>(os, p.block, lane);  // undoes V's rotation
+            u32 w2[E / 2];
+#pragma unroll
+            for (int e = 0; e < E / 2; ++e) w2[e] = u32(f32_to_bf16(os[2 * e])) | (u32(f32_to_bf16(os[2 * e + 1])) << 16);
+            u16* dst = p.out + row * D + lane * E;
+            if (E == 4)
+                *reinterpret_cast<uint2*>(dst) = make_uint2(w2[0], w2[E / 2 - 1]);
+            else
+                *reinterpret_cast<u32*>(dst) = w2[0];
+        } else {
+            const u64 ph = row * p.splits + split;
+            store_floats<E>(p.part_o + ph * D + lane * E, os);
+            if (lane == 0) {
+                p.part_ml[ph * 2] = mx;
+                p.part_ml[ph * 2 + 1] = lsum;
+            }
         }
-        const u64 ph = (u64(b) * p.heads + kvh * group + h) * p.splits + split;
-        p.part_o[ph * D + dd] = osum;
-        if (dd == 0) {
-            p.part_ml[ph * 2] = mx;
-            p.part_ml[ph * 2 + 1] = lsum;
-        }
-    }
-    if (whole) {
-        __syncthreads();
-        for (u32 h = warp; h < group; h += WARPS) hadamard_warp(qs[h], D, p.block, lane);  // undoes V's rotation
-        __syncthreads();
-        for (u32 i = threadIdx.x; i < group * D; i += blockDim.x)
-            p.out[(u64(b) * p.heads + kvh * group) * D + i] = f32_to_bf16(qs[i / D][i % D]);
     }
 }
 
