@@ -1,5 +1,5 @@
 // Decode attention over a KV cache in one of three formats, with split-KV and a log-sum-exp
-// combine, and the cache append that writes each new token's K and V rows.
+// merge, and the cache append that writes each new token's K and V rows.
 //
 // Formats (docs/KV_CACHE_FORMAT.md; crates/stoke-formats/src/kv.rs is the specification):
 //   BF16  the main cache:  k, v  [slots, kv_heads, cap, d] bf16
@@ -17,12 +17,11 @@
 //   decode_attn_FMT_dD  (FMT bf16 / fp8 / int4, D 64 / 128) grid (splits, kv_heads, batch),
 //                     WARPS warps (the launch bounds) that split the keys: the query heads that
 //                     share a kv head (group <= 8) together, so each cache byte is read once; the
-//                     CTA takes keys
-//                     [split * chunk, min(len, (split + 1) * chunk)). Writes the partial
-//                     (max, sum, unnormalized output) of each (batch, head, split); with one
-//                     split, the output itself (normalized, rotated back, bf16).
-//   decode_combine_dD one CTA of D threads per (batch, head): merges the splits (> 1), rotates
-//                     back, writes bf16.
+//                     CTA takes keys [split * chunk, min(len, (split + 1) * chunk)). One split:
+//                     writes the output (normalized, rotated back, bf16). More: writes its
+//                     partial (max, sum, unnormalized output) of each head, and the last split
+//                     of a (batch, kv head) to finish merges them all and writes the output
+//                     (an arrival count per (batch, kv head); no second launch).
 //
 // Tensor cores, per warp and 16-key tile (one query token per sequence):
 //   S^T = K Q^T  mma.m16n8k16 with the tile's 16 keys as rows (A = key rows g and g + 8 of lane
@@ -112,6 +111,11 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_V_ROWS
 #define STOKE_ATTN_V_ROWS 1
 #endif
+// 1: each warp takes a contiguous share of the CTA's tiles (equal to one tile), 0: every
+// WARPS-th batch of TILES tiles (at B = 32, ctx 4096 INT4's 256 tiles give 6 warps 42-45).
+#ifndef STOKE_ATTN_RANGES
+#define STOKE_ATTN_RANGES 0
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int MAX_GROUP = 8;
 
@@ -140,21 +144,14 @@ struct AttnParams {
     KvCache cache;
     float* part_o;        // [batch, heads, splits, d] unnormalized outputs (splits > 1)
     float* part_ml;       // [batch, heads, splits, 2] (running max of scaled scores, sum of exp)
-    u16* out;             // [batch, heads, d] bf16, written here when splits == 1 (no combine)
+    u16* out;             // [batch, heads, d] bf16
+    u32* arrived;         // [batch, kv_heads] splits finished (splits > 1); zero between launches
     u32 batch, heads, splits, chunk, block;
     float scale;          // 1 / sqrt(d)
 };
-
-struct CombineParams {
-    const float* part_o;
-    const float* part_ml;
-    u16* out;             // [batch, heads, d] bf16
-    u32 batch, heads, splits, block;
-};
 static_assert(sizeof(KvCache) == 48, "KvCache layout");
 static_assert(sizeof(AppendParams) == 136, "AppendParams layout");
-static_assert(sizeof(AttnParams) == 120, "AttnParams layout");
-static_assert(sizeof(CombineParams) == 40, "CombineParams layout");
+static_assert(sizeof(AttnParams) == 128, "AttnParams layout");
 
 __device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float(u32(v) << 16); }
 
@@ -171,7 +168,7 @@ __device__ __forceinline__ u32 f32_to_e4m3(float x) {
     return r & 0xffu;
 }
 
-// In-place normalized Walsh-Hadamard transform of each `block` (32, 64 or 128; 0: none)
+// In-place normalized Walsh-Hadamard transform of each `block` (a power of two up to D; 0: none)
 // consecutive values of a D-vector held by one warp in registers, lane l holding values
 // l E .. l E + E - 1 (E = D / 32): the butterflies of distance below E inside the lane, the
 // rest across lanes by shuffles (one per value and pass).
@@ -183,7 +180,7 @@ __device__ __forceinline__ void hadamard_regs(float (&x)[D / 32], u32 block, u32
     for (int h = 1; h < E; h <<= 1)
 #pragma unroll
         for (int a = 0; a < E; ++a)
-            if (!(a & h)) {
+            if (!(a & h) && u32(h) < block) {
                 const float u = x[a], v = x[a + h];
                 x[a] = u + v;
                 x[a + h] = u - v;
@@ -225,6 +222,16 @@ __device__ __forceinline__ void store_floats(float* p, const float (&x)[E]) {
         *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1 % E], x[2 % E], x[3 % E]);
     else
         *reinterpret_cast<float2*>(p) = make_float2(x[0], x[E - 1]);
+}
+
+// E (2 or 4) floats as bf16 at p (aligned).
+template <int E>
+__device__ __forceinline__ void store_bf16(u16* p, const float (&x)[E]) {
+    const u32 w0 = u32(f32_to_bf16(x[0])) | (u32(f32_to_bf16(x[1])) << 16);
+    if (E == 4)
+        *reinterpret_cast<uint2*>(p) = make_uint2(w0, u32(f32_to_bf16(x[2 % E])) | (u32(f32_to_bf16(x[3 % E])) << 16));
+    else
+        *reinterpret_cast<u32*>(p) = w0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -678,8 +685,21 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     u16* vt = reinterpret_cast<u16*>(vt_raw) + warp * VTILES * 16 * VP;
     // The lane's pointers at its warp's first tile: key row g, value row lane / 2 (its pieces),
     // the scales of key g; and where its value pieces land in the warp's BF16 tiles.
-    constexpr u32 STEP = WARPS * 16 * TILES;  // keys between a warp's batches
-    const u64 first = row0 + k0 + warp * 16 * TILES;
+    // The warp's keys [kw0, kend) in batches kstep apart. RANGES: a contiguous share of whole
+    // tiles (the shares differ by at most one tile); else every WARPS-th batch of the CTA's.
+    u32 kw0, kend, kstep;
+    if (STOKE_ATTN_RANGES) {
+        const u32 ntiles = k1 > k0 ? (k1 - k0 + 15) / 16 : 0;
+        const u32 per = ntiles / WARPS, rem = ntiles % WARPS;
+        kw0 = k0 + 16 * (warp * per + min(warp, rem));
+        kend = min(k1, kw0 + 16 * (per + (warp < rem ? 1 : 0)));
+        kstep = 16 * TILES;
+    } else {
+        kw0 = k0 + warp * 16 * TILES;
+        kend = k1;
+        kstep = WARPS * 16 * TILES;
+    }
+    const u64 first = row0 + kw0;
     const u8* kp = static_cast<const u8*>(c.k) + (first + g) * KB + t * KP;
     // Value rows: lane / 2, piece lane % 2 (V_ROWS, BF16: row lane / CPR, 16-byte chunk lane % CPR).
     constexpr bool VROWS = FMT == FMT_BF16 && STOKE_ATTN_V_ROWS;
@@ -697,24 +717,24 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     // (at that batch). BF16 commits one cp.async group per call, empty past the end, so that a
     // slot's group is always followed by the same number of groups.
     auto issue = [&](int ti, u32 bb0) {
-        if (bb0 + 16 * TILES <= k1)
+        if (bb0 + 16 * TILES <= kend)
             load_tile_fast<FMT, D, VP>(kp, vp, ksp, vsp, ti, raw[ti], vdst + (FMT == FMT_BF16 ? ti : 0) * 16 * VP * 2);
-        else if (bb0 + 16 * (ti - ti % NT) < k1)  // a step's tiles past the end read row k0
-            load_tile<FMT, D, VP>(c, row0, bb0 + 16 * ti, k0, k1, lane, raw[ti], vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP);
+        else if (bb0 + 16 * (ti - ti % NT) < kend)  // a step's tiles past the end read row k0
+            load_tile<FMT, D, VP>(c, row0, bb0 + 16 * ti, k0, kend, lane, raw[ti], vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP);
         if (FMT == FMT_BF16) asm volatile("cp.async.commit_group;" ::: "memory");
     };
     auto advance = [&]() {  // the pointers to the warp's next batch
-        kp += u64(STEP) * KB;
-        vp += u64(STEP) * KB;
+        kp += u64(kstep) * KB;
+        vp += u64(kstep) * KB;
         if (F16) {
-            ksp += STEP;
-            vsp += STEP;
+            ksp += kstep;
+            vsp += kstep;
         }
     };
     // RING: a slot is refilled with the same tile of the next batch as soon as it has been used,
     // so TILES - 1 tiles are always in flight; else a batch's TILES tiles are queued together.
-    u32 base0 = k0 + warp * 16 * TILES;
-    if (base0 < k1) {  // the first batch, queued before the query is set up
+    u32 base0 = kw0;
+    if (base0 < kend) {  // the first batch, queued before the query is set up
 #pragma unroll
         for (int ti = 0; ti < TILES; ++ti) issue(ti, base0);
         advance();
@@ -759,7 +779,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         init1 = -__shfl_sync(0xffffffffu, off, 8 * t + 4);
     }
 
-    for (bool first_batch = true; base0 < k1; base0 += STEP, first_batch = false) {
+    for (bool first_batch = true; base0 < kend; base0 += kstep, first_batch = false) {
         if (!RING && !first_batch) {
 #pragma unroll
             for (int ti = 0; ti < TILES; ++ti) issue(ti, base0);
@@ -768,7 +788,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #pragma unroll
         for (int t0 = 0; t0 < TILES; t0 += NT) {
             const u32 base = base0 + 16 * t0;
-            if (base >= k1) break;
+            if (base >= kend) break;
             // S^T per tile u of the step: c0, c1 = key base + 16 u + g, heads 2t, 2t + 1; c2, c3 =
             // key base + 16 u + 8 + g. Scores in log2 units (exp2 below); m and l are kept in
             // them until the end.
@@ -790,9 +810,9 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                 s4[u][2] = sc[2] * ks1;
                 s4[u][3] = sc[3] * ks1;
                 const u32 bu = base + 16 * u;
-                if (bu + 16 > k1) {  // a tile wholly past the end holds row k0's finite values
-                    if (bu + g >= k1) s4[u][0] = s4[u][1] = NEG_INF;
-                    if (bu + 8 + g >= k1) s4[u][2] = s4[u][3] = NEG_INF;
+                if (bu + 16 > kend) {  // a tile wholly past the end holds row k0's finite values
+                    if (bu + g >= kend) s4[u][0] = s4[u][1] = NEG_INF;
+                    if (bu + 8 + g >= kend) s4[u][2] = s4[u][3] = NEG_INF;
                 }
             }
             float mx0 = NEG_INF, mx1 = NEG_INF;
@@ -882,7 +902,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             }
             if (RING) {
 #pragma unroll
-                for (int u = 0; u < NT; ++u) issue(t0 + u, base0 + STEP);
+                for (int u = 0; u < NT; ++u) issue(t0 + u, base0 + kstep);
             }
         }
         if (RING) advance();
@@ -941,14 +961,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #pragma unroll
             for (int e = 0; e < E; ++e) os[e] *= inv;
             hadamard_regs<D>(os, p.block, lane);  // undoes V's rotation
-            u32 w2[E / 2];
-#pragma unroll
-            for (int e = 0; e < E / 2; ++e) w2[e] = u32(f32_to_bf16(os[2 * e])) | (u32(f32_to_bf16(os[2 * e + 1])) << 16);
-            u16* dst = p.out + row * D + lane * E;
-            if (E == 4)
-                *reinterpret_cast<uint2*>(dst) = make_uint2(w2[0], w2[E / 2 - 1]);
-            else
-                *reinterpret_cast<u32*>(dst) = w2[0];
+            store_bf16<E>(p.out + row * D + lane * E, os);
         } else {
             const u64 ph = row * p.splits + split;
             store_floats<E>(p.part_o + ph * D + lane * E, os);
@@ -958,76 +971,60 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             }
         }
     }
-}
-
-// In-place normalized Walsh-Hadamard transform of each `block` consecutive values of v[0..D),
-// by the D threads of a CTA in shared memory.
-template <int D>
-__device__ __forceinline__ void hadamard_cta(float* v, u32 block, u32 tid) {
-    if (block == 0) return;
-    for (u32 h = 1; h < block; h <<= 1) {
-        if (tid < D / 2) {
-            const u32 a = (tid / h) * 2 * h + (tid % h);
-            const float x = v[a], y = v[a + h];
-            v[a] = x + y;
-            v[a + h] = x - y;
-        }
-        __syncthreads();
-    }
-    v[tid] *= 1.0f / sqrtf(float(block));
+    if (p.splits == 1) return;
+    // The last split of (b, kvh) to finish merges every split's partials (no second launch) and
+    // puts the arrival count back to zero for the next launch.
+    __shared__ u32 last;
+    __threadfence();  // this CTA's partials are visible before it counts itself
     __syncthreads();
-}
-
-// Sum (max) over the D threads of a CTA; every thread gets the result.
-template <int D, bool MAX>
-__device__ __forceinline__ float cta_reduce(float v, float* scratch, u32 tid) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float u = __shfl_xor_sync(0xffffffffu, v, o);
-        v = MAX ? fmaxf(v, u) : v + u;
+    if (threadIdx.x == 0) {
+        u32* cnt = p.arrived + u64(b) * c.kv_heads + kvh;
+        last = atomicAdd(cnt, 1u) == p.splits - 1;
+        if (last) *cnt = 0;
     }
-    __syncthreads();  // scratch free
-    if ((tid & 31) == 0) scratch[tid >> 5] = v;
     __syncthreads();
-    v = scratch[0];
+    if (!last) return;
+    __threadfence();
+#pragma unroll 1
+    for (int r = 0; r < QR; ++r) {
+        const u32 h = warp + WARPS * r;
+        if (h >= group) break;
+        const u64 row = u64(b) * p.heads + kvh * group + h;
+        const float2* ml = reinterpret_cast<const float2*>(p.part_ml) + row * p.splits;
+        float mx = NEG_INF;
+        for (u32 s = lane; s < p.splits; s += 32) mx = fmaxf(mx, __ldcg(&ml[s].x));
 #pragma unroll
-    for (int w = 1; w < D / 32; ++w) v = MAX ? fmaxf(v, scratch[w]) : v + scratch[w];
-    return v;
-}
-
-// One CTA of D threads per (batch, head), a thread per output dim: the splits' weights
-// exp(m_s - max) go through shared memory in chunks, and each thread sums its dim over the
-// splits with independent loads; then the rotation of V is undone and bf16 written.
-template <int D>
-__device__ __forceinline__ void decode_combine(const CombineParams& p) {
-    constexpr u32 CHUNK = 256;
-    __shared__ float row[D], wsm[CHUNK], scratch[D / 32];
-    const u32 item = blockIdx.x, tid = threadIdx.x;  // item = (batch, head)
-    const float* ml = p.part_ml + u64(item) * p.splits * 2;
-    const float* po = p.part_o + u64(item) * p.splits * D + tid;
-    float mx = NEG_INF;
-    for (u32 s = tid; s < p.splits; s += D) mx = fmaxf(mx, ml[2 * s]);
-    mx = cta_reduce<D, true>(mx, scratch, tid);
-    float lpart = 0.0f;
-    for (u32 s = tid; s < p.splits; s += D)
-        if (ml[2 * s] != NEG_INF) lpart += ml[2 * s + 1] * __expf(ml[2 * s] - mx);
-    const float lsum = cta_reduce<D, false>(lpart, scratch, tid);
-    float acc = 0.0f;
-    for (u32 s0 = 0; s0 < p.splits; s0 += CHUNK) {
-        const u32 n = min(CHUNK, p.splits - s0);
-        __syncthreads();  // the previous chunk's weights are used
-        for (u32 i = tid; i < n; i += D) {
-            const float m = ml[2 * (s0 + i)];
-            wsm[i] = m == NEG_INF ? 0.0f : __expf(m - mx);  // an empty split's partial is 0
-        }
-        __syncthreads();
+        for (int o2 = 16; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
+        float lsum = 0.0f, os[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) os[e] = 0.0f;
+        const float* po = p.part_o + row * p.splits * D + lane * E;
 #pragma unroll 8
-        for (u32 i = 0; i < n; ++i) acc += po[u64(s0 + i) * D] * wsm[i];
+        for (u32 s = 0; s < p.splits; ++s) {
+            const float2 v = __ldcg(&ml[s]);
+            float x[E];
+            if (E == 4) {
+                const float4 q4 = __ldcg(reinterpret_cast<const float4*>(po + u64(s) * D));
+                x[0] = q4.x;
+                x[1 % E] = q4.y;
+                x[2 % E] = q4.z;
+                x[3 % E] = q4.w;
+            } else {
+                const float2 q2 = __ldcg(reinterpret_cast<const float2*>(po + u64(s) * D));
+                x[0] = q2.x;
+                x[E - 1] = q2.y;
+            }
+            const float f = v.x == NEG_INF ? 0.0f : __expf(v.x - mx);  // an empty split adds 0
+            lsum += v.y * f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) os[e] += x[e] * f;
+        }
+        const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) os[e] *= inv;
+        hadamard_regs<D>(os, p.block, lane);  // undoes V's rotation
+        store_bf16<E>(p.out + row * D + lane * E, os);
     }
-    row[tid] = lsum > 0.0f ? acc / lsum : 0.0f;
-    __syncthreads();
-    hadamard_cta<D>(row, p.block, tid);  // undoes the rotation of V (no-op for block 0)
-    p.out[u64(item) * D + tid] = f32_to_bf16(row[tid]);
 }
 
 // BF16 / FP8: 166-212 registers at d = 128, 2 CTAs per SM; INT4: 168 (launch bounds); the
@@ -1043,6 +1040,3 @@ DECODE_ATTN_ENTRY(decode_attn_fp8_d64, FMT_FP8, 64, STOKE_ATTN_WARPS, STOKE_ATTN
 DECODE_ATTN_ENTRY(decode_attn_fp8_d128, FMT_FP8, 128, STOKE_ATTN_WARPS, STOKE_ATTN_MIN_CTAS)
 DECODE_ATTN_ENTRY(decode_attn_int4_d64, FMT_INT4, 64, STOKE_ATTN_WARPS_INT4, STOKE_ATTN_MIN_CTAS_INT4)
 DECODE_ATTN_ENTRY(decode_attn_int4_d128, FMT_INT4, 128, STOKE_ATTN_WARPS_INT4, STOKE_ATTN_MIN_CTAS_INT4)
-
-extern "C" __global__ void __launch_bounds__(64) decode_combine_d64(const CombineParams p) { decode_combine<64>(p); }
-extern "C" __global__ void __launch_bounds__(128) decode_combine_d128(const CombineParams p) { decode_combine<128>(p); }

@@ -529,7 +529,7 @@ impl BenchStep {
     }
 }
 
-/// Decode attention (the attention kernel and the split combine) for each shape, point and
+/// Decode attention (one launch: the splits and their merge) for each shape, point and
 /// format: µs, cache bytes read per second, share of the same run's copy rate.
 pub fn bench(copy_gbps: f64) -> Value {
     let rt = crate::gpu().expect("GPU");

@@ -7,8 +7,7 @@
 
 use crate::kernels::DECODE_ATTENTION;
 use crate::kernels::decode_attention::{
-    AppendParams, AttnParams, CombineParams, KvCacheParams, KvFormat, attn_entry, check_shape,
-    combine_entry, split_plan,
+    AppendParams, AttnParams, KvCacheParams, KvFormat, attn_entry, check_shape, split_plan,
 };
 use crate::{DeviceBuffer, Error, Kernel, LaunchShape, Result, Runtime};
 use std::sync::Arc;
@@ -190,14 +189,23 @@ impl DeviceKvCache {
         }
         let (kernel, chunk, splits) = self.attn_plan(rt, batch, max_len)?;
         let threads = kernel.max_threads;
-        // One split: the attention kernel writes the output itself (no partials, no combine).
+        // One split: the attention kernel writes the output itself (no partials). More: each
+        // split writes its partials and the last to finish merges them; the arrival counts come
+        // from the runtime's zeroed scratch, which the kernel leaves zeroed.
         let parts = if splits > 1 {
             let items = batch as usize * heads as usize * splits as usize;
-            Some((rt.alloc(items * self.d as usize * 4)?, rt.alloc(items * 8)?))
+            let arrived = rt.zeroed_scratch(batch as usize * self.kv_heads as usize * 4)?;
+            Some((
+                rt.alloc(items * self.d as usize * 4)?,
+                rt.alloc(items * 8)?,
+                arrived,
+            ))
         } else {
             None
         };
-        let part_ptrs = parts.as_ref().map_or((0, 0), |(o, ml)| (o.ptr(), ml.ptr()));
+        let part_ptrs = parts
+            .as_ref()
+            .map_or((0, 0, 0), |(o, ml, a)| (o.ptr(), ml.ptr(), *a));
         let params = AttnParams {
             q,
             slot_of,
@@ -206,6 +214,7 @@ impl DeviceKvCache {
             part_o: part_ptrs.0,
             part_ml: part_ptrs.1,
             out,
+            arrived: part_ptrs.2,
             batch,
             heads,
             splits,
@@ -219,27 +228,7 @@ impl DeviceKvCache {
             shared_mem_bytes: 0,
         };
         // SAFETY: as above; the partials are Stoke buffers freed on this stream after use.
-        unsafe { rt.launch(&kernel, shape, &params) }?;
-        let Some((part_o, part_ml)) = parts else {
-            return Ok(());
-        };
-        let combine = CombineParams {
-            part_o: part_o.ptr(),
-            part_ml: part_ml.ptr(),
-            out,
-            batch,
-            heads,
-            splits,
-            block: self.block,
-        };
-        let kernel = rt.kernel(&DECODE_ATTENTION, combine_entry(self.d))?;
-        let shape = LaunchShape {
-            grid: (batch * heads, 1, 1),
-            block: (self.d, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: as above.
-        unsafe { rt.launch(&kernel, shape, &combine) }
+        unsafe { rt.launch(&kernel, shape, &params) }
     }
 
     /// The attention kernel of this cache and its split-KV plan for `batch` sequences of at
@@ -253,7 +242,7 @@ impl DeviceKvCache {
     }
 
     /// Split-KV CTAs per (sequence, kv head) that [`Self::attend`] launches for `batch`
-    /// sequences of at most `max_len` keys (1: no combine pass).
+    /// sequences of at most `max_len` keys (1: no partials to merge).
     pub fn splits(&self, rt: &Runtime, batch: u32, max_len: u32) -> Result<u32> {
         Ok(self.attn_plan(rt, batch, max_len)?.2)
     }

@@ -42,25 +42,13 @@ pub struct AttnParams {
     pub part_o: u64,
     pub part_ml: u64,
     pub out: u64,
+    pub arrived: u64,
     pub batch: u32,
     pub heads: u32,
     pub splits: u32,
     pub chunk: u32,
     pub block: u32,
     pub scale: f32,
-}
-
-/// `struct CombineParams`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct CombineParams {
-    pub part_o: u64,
-    pub part_ml: u64,
-    pub out: u64,
-    pub batch: u32,
-    pub heads: u32,
-    pub splits: u32,
-    pub block: u32,
 }
 
 /// `kernels/decode_attention.cu`, compiled with NVRTC.
@@ -75,8 +63,6 @@ pub const ENTRY_POINTS: &[&str] = &[
     "decode_attn_fp8_d128",
     "decode_attn_int4_d64",
     "decode_attn_int4_d128",
-    "decode_combine_d64",
-    "decode_combine_d128",
 ];
 
 /// A cache format (the `FMT_*` values of the `.cu` file).
@@ -138,7 +124,7 @@ pub fn check_shape(heads: u32, kv_heads: u32, d: u32, block: u32) -> Result<(), 
 /// count (chunks a multiple of 64 keys, one 16-key tile per warp) whose `batch * kv_heads *
 /// splits` CTAs fill their last wave of resident CTAs at least 85%; else the finest split
 /// (64-key chunks). Fewer, longer splits cost less: every CTA loads and rotates its queries and
-/// writes partials that a second kernel merges.
+/// writes partials that the last one to finish merges.
 pub fn split_plan(
     batch: u32,
     kv_heads: u32,
@@ -167,14 +153,6 @@ pub fn attn_entry(format: KvFormat, d: u32) -> &'static str {
     ENTRY_POINTS[1 + 2 * format as usize + usize::from(d == 128)]
 }
 
-pub fn combine_entry(d: u32) -> &'static str {
-    if d == 128 {
-        ENTRY_POINTS[8]
-    } else {
-        ENTRY_POINTS[7]
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,14 +161,8 @@ mod tests {
     fn params_layout_matches_c() {
         assert_eq!(std::mem::size_of::<KvCacheParams>(), 48);
         assert_eq!(std::mem::size_of::<AppendParams>(), 136);
-        assert_eq!(std::mem::size_of::<AttnParams>(), 120);
-        assert_eq!(std::mem::size_of::<CombineParams>(), 40);
-        for (name, size) in [
-            ("KvCache", 48),
-            ("AppendParams", 136),
-            ("AttnParams", 120),
-            ("CombineParams", 40),
-        ] {
+        assert_eq!(std::mem::size_of::<AttnParams>(), 128);
+        for (name, size) in [("KvCache", 48), ("AppendParams", 136), ("AttnParams", 128)] {
             assert!(
                 SOURCE.contains(&format!("static_assert(sizeof({name}) == {size}")),
                 "{name}"
@@ -216,7 +188,6 @@ mod tests {
                 assert_eq!(attn_entry(f, d), format!("decode_attn_{name}_d{d}"));
             }
         }
-        assert_eq!(combine_entry(128), "decode_combine_d128");
     }
 
     #[test]
