@@ -116,6 +116,11 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_RANGES
 #define STOKE_ATTN_RANGES 0
 #endif
+// Independent accumulator chains of the S^T = K Q^T mma of a tile (1 or 2; 2: half the serial
+// mma latency, one add per score).
+#ifndef STOKE_ATTN_QK_CHAINS
+#define STOKE_ATTN_QK_CHAINS 1
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int MAX_GROUP = 8;
 
@@ -797,12 +802,17 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #pragma unroll
             for (int u = 0; u < NT; ++u) {
                 const Raw<FMT, D>& r = raw[t0 + u];
-                float sc[4] = {init0, init1, init0, init1};
+                // QK_CHAINS independent accumulators (chunk j into chain j % QK_CHAINS), summed.
+                float sc[4] = {init0, init1, init0, init1}, sc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 u32 ka[D / 8], kb[D / 8];
                 k_operand<FMT, D>(r.k[0], ka);
                 k_operand<FMT, D>(r.k[1], kb);
 #pragma unroll
-                for (int j = 0; j < D / 16; ++j) mma16816<F16>(sc, ka[2 * j], kb[2 * j], ka[2 * j + 1], kb[2 * j + 1], qa[j][0], qa[j][1]);
+                for (int j = 0; j < D / 16; ++j)
+                    mma16816<F16>(STOKE_ATTN_QK_CHAINS == 2 && j % 2 ? sc2 : sc, ka[2 * j], kb[2 * j], ka[2 * j + 1], kb[2 * j + 1], qa[j][0], qa[j][1]);
+                if (STOKE_ATTN_QK_CHAINS == 2)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) sc[i] += sc2[i];
                 const float ks0 = F16 ? r.ks[0][0] * (sscale * LOG2E) : sscale * LOG2E;
                 const float ks1 = F16 ? r.ks[1][0] * (sscale * LOG2E) : sscale * LOG2E;
                 s4[u][0] = sc[0] * ks0;
@@ -985,45 +995,86 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     __syncthreads();
     if (!last) return;
     __threadfence();
-#pragma unroll 1
+    // The warp's heads together (their loads interleave). Lane l first holds split l's (max,
+    // sum) of each head, and the splits' weights reach the other lanes by shuffles.
+    float mx[QR], lsum[QR], os[QR][E], ms[QR], ls[QR];
+    const float* po[QR];
+    const float2* ml[QR];
+    bool hv[QR];
+#pragma unroll
     for (int r = 0; r < QR; ++r) {
         const u32 h = warp + WARPS * r;
-        if (h >= group) break;
-        const u64 row = u64(b) * p.heads + kvh * group + h;
-        const float2* ml = reinterpret_cast<const float2*>(p.part_ml) + row * p.splits;
-        float mx = NEG_INF;
-        for (u32 s = lane; s < p.splits; s += 32) mx = fmaxf(mx, __ldcg(&ml[s].x));
-#pragma unroll
-        for (int o2 = 16; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
-        float lsum = 0.0f, os[E];
-#pragma unroll
-        for (int e = 0; e < E; ++e) os[e] = 0.0f;
-        const float* po = p.part_o + row * p.splits * D + lane * E;
-#pragma unroll 8
-        for (u32 s = 0; s < p.splits; ++s) {
-            const float2 v = __ldcg(&ml[s]);
-            float x[E];
-            if (E == 4) {
-                const float4 q4 = __ldcg(reinterpret_cast<const float4*>(po + u64(s) * D));
-                x[0] = q4.x;
-                x[1 % E] = q4.y;
-                x[2 % E] = q4.z;
-                x[3 % E] = q4.w;
-            } else {
-                const float2 q2 = __ldcg(reinterpret_cast<const float2*>(po + u64(s) * D));
-                x[0] = q2.x;
-                x[E - 1] = q2.y;
-            }
-            const float f = v.x == NEG_INF ? 0.0f : __expf(v.x - mx);  // an empty split adds 0
-            lsum += v.y * f;
-#pragma unroll
-            for (int e = 0; e < E; ++e) os[e] += x[e] * f;
+        hv[r] = h < group;
+        const u64 row = u64(b) * p.heads + kvh * group + (hv[r] ? h : 0);
+        ml[r] = reinterpret_cast<const float2*>(p.part_ml) + row * p.splits;
+        po[r] = p.part_o + row * p.splits * D + lane * E;
+        ms[r] = NEG_INF;
+        ls[r] = 0.0f;
+        if (hv[r] && lane < p.splits) {
+            const float2 v = __ldcg(&ml[r][lane]);
+            ms[r] = v.x;
+            ls[r] = v.y;
         }
-        const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+        mx[r] = ms[r];
+        if (hv[r])
+            for (u32 s = lane + 32; s < p.splits; s += 32) mx[r] = fmaxf(mx[r], __ldcg(&ml[r][s].x));
+        lsum[r] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < E; ++e) os[e] *= inv;
-        hadamard_regs<D>(os, p.block, lane);  // undoes V's rotation
-        store_bf16<E>(p.out + row * D + lane * E, os);
+        for (int e = 0; e < E; ++e) os[r][e] = 0.0f;
+    }
+#pragma unroll
+    for (int r = 0; r < QR; ++r)
+#pragma unroll
+        for (int o2 = 16; o2 > 0; o2 >>= 1) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], o2));
+    for (u32 s0 = 0; s0 < p.splits; s0 += 32) {
+        const u32 n = min(32u, p.splits - s0);
+        float f[QR];
+#pragma unroll
+        for (int r = 0; r < QR; ++r) {
+            if (s0 > 0) {
+                ms[r] = NEG_INF;
+                if (hv[r] && lane < n) {
+                    const float2 v = __ldcg(&ml[r][s0 + lane]);
+                    ms[r] = v.x;
+                    ls[r] = v.y;
+                }
+            }
+            f[r] = ms[r] == NEG_INF ? 0.0f : __expf(ms[r] - mx[r]);  // an empty split adds 0
+            lsum[r] += ls[r] * f[r];
+        }
+#pragma unroll 4
+        for (u32 i = 0; i < n; ++i)
+#pragma unroll
+            for (int r = 0; r < QR; ++r) {
+                const float fi = __shfl_sync(0xffffffffu, f[r], i);
+                if (!hv[r]) continue;
+                float x[E];
+                const float* src = po[r] + u64(s0 + i) * D;
+                if (E == 4) {
+                    const float4 q4 = __ldcg(reinterpret_cast<const float4*>(src));
+                    x[0] = q4.x;
+                    x[1 % E] = q4.y;
+                    x[2 % E] = q4.z;
+                    x[3 % E] = q4.w;
+                } else {
+                    const float2 q2 = __ldcg(reinterpret_cast<const float2*>(src));
+                    x[0] = q2.x;
+                    x[E - 1] = q2.y;
+                }
+#pragma unroll
+                for (int e = 0; e < E; ++e) os[r][e] += x[e] * fi;
+            }
+    }
+#pragma unroll
+    for (int r = 0; r < QR; ++r) {
+#pragma unroll
+        for (int o2 = 16; o2 > 0; o2 >>= 1) lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], o2);
+        if (!hv[r]) continue;
+        const float inv = lsum[r] > 0.0f ? 1.0f / lsum[r] : 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) os[r][e] *= inv;
+        hadamard_regs<D>(os[r], p.block, lane);  // undoes V's rotation
+        store_bf16<E>(p.out + (u64(b) * p.heads + kvh * group + warp + WARPS * r) * D + lane * E, os[r]);
     }
 }
 

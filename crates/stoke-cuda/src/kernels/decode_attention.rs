@@ -120,11 +120,12 @@ pub fn check_shape(heads: u32, kv_heads: u32, d: u32, block: u32) -> Result<(), 
     Ok(())
 }
 
-/// Keys per split-KV CTA for contexts up to `max_len`: returns (chunk, splits). The first split
-/// count (chunks a multiple of 64 keys, one 16-key tile per warp) whose `batch * kv_heads *
-/// splits` CTAs fill their last wave of resident CTAs at least 85%; else the finest split
-/// (64-key chunks). Fewer, longer splits cost less: every CTA loads and rotates its queries and
-/// writes partials that the last one to finish merges.
+/// Keys per split-KV CTA for contexts up to `max_len`: returns (chunk, splits), chunks a
+/// multiple of 64 keys (one 16-key tile per warp). The time is modeled as waves of resident CTAs
+/// times the keys of one CTA plus [`SPLIT_OVERHEAD_KEYS`] (its query setup and partials); the
+/// split count with the least time wins, the fewer splits on a tie. At batch 1 and long
+/// contexts this fills the GPU's resident slots as nearly as the chunk rounding allows (8 kv
+/// heads, 32k keys: 32 splits of 1024, 256 of 264 CTAs); at batch 32 and 4k keys, one split.
 pub fn split_plan(
     batch: u32,
     kv_heads: u32,
@@ -133,20 +134,26 @@ pub fn split_plan(
     ctas_per_sm: u32,
 ) -> (u32, u32) {
     let len = max_len.max(1);
-    let base = batch.max(1) * kv_heads.max(1);
-    let slots = ctas_per_sm.max(1) * sm_count.max(1);
-    let finest = len.div_ceil(64);
-    for want in 1..=finest {
+    let base = u64::from(batch.max(1) * kv_heads.max(1));
+    let slots = u64::from(ctas_per_sm.max(1) * sm_count.max(1));
+    let mut best = (u64::MAX, 64, len.div_ceil(64));
+    // Splits past two waves' worth only add overhead.
+    let most = (2 * slots / base + 1).min(u64::from(len.div_ceil(64))) as u32;
+    for want in 1..=most {
         let chunk = len.div_ceil(want).next_multiple_of(64);
         let splits = len.div_ceil(chunk);
-        let ctas = base * splits;
-        let waves = ctas.div_ceil(slots);
-        if ctas * 100 >= waves * slots * 85 {
-            return (chunk, splits);
+        let waves = (base * u64::from(splits)).div_ceil(slots);
+        let cost = waves * u64::from(chunk + SPLIT_OVERHEAD_KEYS);
+        if cost < best.0 {
+            best = (cost, chunk, splits);
         }
     }
-    (64, finest)
+    (best.1, best.2)
 }
+
+/// What one split-KV CTA costs beyond its keys (loading and rotating its queries, writing and
+/// merging partials), in keys' worth of time: a tie-breaker toward fewer splits.
+pub const SPLIT_OVERHEAD_KEYS: u32 = 64;
 
 /// The attention entry point of a cache format and head dim.
 pub fn attn_entry(format: KvFormat, d: u32) -> &'static str {
@@ -202,13 +209,14 @@ mod tests {
         ] {
             let (chunk, splits) = split_plan(b, kvh, len, 132, 2);
             assert!(chunk % 64 == 0 && chunk * splits >= len && chunk * (splits - 1) < len.max(1));
-            // The last wave of resident CTAs mostly full, or the finest split there is.
-            let ctas = b * kvh * splits;
-            assert!(
-                ctas * 100 >= ctas.div_ceil(264) * 264 * 85 || chunk == 64,
-                "{b} {kvh} {len}: {chunk} x {splits}"
-            );
         }
+        // One wave, as full as the chunk rounding allows; one split where batch x kv heads
+        // already fill the GPU; the finest split for short contexts.
+        assert_eq!(split_plan(1, 8, 32768, 132, 2), (1024, 32));
+        assert_eq!(split_plan(32, 8, 4096, 132, 2), (4096, 1));
+        assert_eq!(split_plan(8, 8, 1024, 132, 2), (256, 4));
+        assert_eq!(split_plan(1, 8, 1024, 132, 2), (64, 16));
+        assert_eq!(split_plan(1, 3, 1, 132, 2), (64, 1));
     }
 
     #[test]
