@@ -116,6 +116,13 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_RANGES
 #define STOKE_ATTN_RANGES 0
 #endif
+// Lazy rescale: the running max a warp's probabilities are taken against moves only when a
+// score passes it by more than STOKE_ATTN_LAZY (log2 units; 0: whenever it passes it), so the
+// output's rescale runs on fewer tiles and the probabilities stay below 2^LAZY (the mirrors'
+// f16 probabilities then carry a smaller factor VSF).
+#ifndef STOKE_ATTN_LAZY
+#define STOKE_ATTN_LAZY 0
+#endif
 // Independent accumulator chains of the S^T = K Q^T mma of a tile (1 or 2; 2: half the serial
 // mma latency, one add per score).
 #ifndef STOKE_ATTN_QK_CHAINS
@@ -681,7 +688,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     // [2], [3] the same at dim 16n + 8 + g.
     // Mirrors: the probabilities carry the value scale times VSF (kept well inside the f16
     // range), undone at the end.
-    constexpr float VSF = 16.0f;
+    constexpr float VSF = 16.0f / float(1 << STOKE_ATTN_LAZY);  // P < 2^LAZY
     float o[D / 16][4];
 #pragma unroll
     for (int n = 0; n < D / 16; ++n)
@@ -837,16 +844,21 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                 mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
             }
             const float mn0 = fmaxf(m[0], mx0), mn1 = fmaxf(m[1], mx1);
-            // mn is finite (key `base` is in range); a masked score gives exp2(-inf) = 0.
+            // mn is finite (key `base` is in range); a masked score gives exp2(-inf) = 0. The
+            // warp's reference max moves to mn (and the output is rescaled) when some head's
+            // max passed it by more than LAZY; else the probabilities stay below 2^LAZY.
+            constexpr float LAZY = float(STOKE_ATTN_LAZY);
+            const bool move = __any_sync(0xffffffffu, mn0 > m[0] + LAZY || mn1 > m[1] + LAZY);
+            const float r0 = move ? mn0 : m[0], r1 = move ? mn1 : m[1];
             float pr[NT][4];
 #pragma unroll
             for (int u = 0; u < NT; ++u) {
-                pr[u][0] = exp2_approx(s4[u][0] - mn0);
-                pr[u][1] = exp2_approx(s4[u][1] - mn1);
-                pr[u][2] = exp2_approx(s4[u][2] - mn0);
-                pr[u][3] = exp2_approx(s4[u][3] - mn1);
+                pr[u][0] = exp2_approx(s4[u][0] - r0);
+                pr[u][1] = exp2_approx(s4[u][1] - r1);
+                pr[u][2] = exp2_approx(s4[u][2] - r0);
+                pr[u][3] = exp2_approx(s4[u][3] - r1);
             }
-            if (__any_sync(0xffffffffu, mn0 > m[0] || mn1 > m[1])) {
+            if (move) {
                 const float c0 = exp2_approx(m[0] - mn0), c1 = exp2_approx(m[1] - mn1);  // 0 from -inf
                 l[0] *= c0;
                 l[1] *= c1;
@@ -1042,7 +1054,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             f[r] = ms[r] == NEG_INF ? 0.0f : __expf(ms[r] - mx[r]);  // an empty split adds 0
             lsum[r] += ls[r] * f[r];
         }
-#pragma unroll 4
+#pragma unroll 8
         for (u32 i = 0; i < n; ++i)
 #pragma unroll
             for (int r = 0; r < QR; ++r) {
