@@ -116,6 +116,10 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_RANGES
 #define STOKE_ATTN_RANGES 0
 #endif
+// L2 prefetch size of the cache loads (0: none; 128 or 256 bytes).
+#ifndef STOKE_ATTN_L2_PREFETCH
+#define STOKE_ATTN_L2_PREFETCH 0
+#endif
 // Lazy rescale: the running max a warp's probabilities are taken against moves only when a
 // score passes it by more than STOKE_ATTN_LAZY (log2 units; 0: whenever it passes it), so the
 // output's rescale runs on fewer tiles and the probabilities stay below 2^LAZY (the mirrors'
@@ -411,6 +415,52 @@ struct Raw {
     float ks[2][2];  // mirrors: [nt][0] K and [nt][1] V scale of key 8 nt + g (the lane's scores)
 };
 
+// Cache loads (keys, values, scales), read once: with STOKE_ATTN_L2_PREFETCH (128 or 256) the
+// L2 fetches that many bytes around each miss from DRAM.
+#if STOKE_ATTN_L2_PREFETCH == 256
+#define STOKE_ATTN_PF ".L2::256B"
+#elif STOKE_ATTN_L2_PREFETCH == 128
+#define STOKE_ATTN_PF ".L2::128B"
+#else
+#define STOKE_ATTN_PF ""
+#endif
+__device__ __forceinline__ uint4 ldg_cache(const uint4* p) {
+#if STOKE_ATTN_L2_PREFETCH
+    uint4 v;
+    asm("ld.global.nc" STOKE_ATTN_PF ".v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#else
+    return __ldg(p);
+#endif
+}
+__device__ __forceinline__ uint2 ldg_cache(const uint2* p) {
+#if STOKE_ATTN_L2_PREFETCH
+    uint2 v;
+    asm("ld.global.nc" STOKE_ATTN_PF ".v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+#else
+    return __ldg(p);
+#endif
+}
+__device__ __forceinline__ u32 ldg_cache(const u32* p) {
+#if STOKE_ATTN_L2_PREFETCH
+    u32 v;
+    asm("ld.global.nc" STOKE_ATTN_PF ".u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+#else
+    return __ldg(p);
+#endif
+}
+__device__ __forceinline__ float ldg_cache(const float* p) {
+#if STOKE_ATTN_L2_PREFETCH
+    float v;
+    asm("ld.global.nc" STOKE_ATTN_PF ".f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+#else
+    return __ldg(p);
+#endif
+}
+
 // Bytes per load piece of a lane: 16, or the lane's whole share when it is smaller.
 template <int SHARE>
 struct Piece {
@@ -425,14 +475,14 @@ __device__ __forceinline__ void load_pieces(const u8* p, u32 stride, u32 (&w)[N]
     if (N % 4 == 0) {
 #pragma unroll
         for (int i = 0; i < N / 4; ++i) {
-            const uint4 v = __ldg(reinterpret_cast<const uint4*>(p + i * stride));
+            const uint4 v = ldg_cache(reinterpret_cast<const uint4*>(p + i * stride));
             w[4 * i] = v.x;
             w[(4 * i + 1) % N] = v.y;
             w[(4 * i + 2) % N] = v.z;
             w[(4 * i + 3) % N] = v.w;
         }
     } else {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+        const uint2 v = ldg_cache(reinterpret_cast<const uint2*>(p));
         w[0] = v.x;
         w[1 % N] = v.y;
     }
@@ -442,16 +492,16 @@ __device__ __forceinline__ void load_pieces(const u8* p, u32 stride, u32 (&w)[N]
 template <int N>
 __device__ __forceinline__ void load_words(const u8* p, u32* w) {
     if (N == 2) {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+        const uint2 v = ldg_cache(reinterpret_cast<const uint2*>(p));
         w[0] = v.x;
         w[N - 1] = v.y;
     } else {
-        w[0] = __ldg(reinterpret_cast<const u32*>(p));
+        w[0] = ldg_cache(reinterpret_cast<const u32*>(p));
     }
 }
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+    asm volatile("cp.async.cg.shared.global" STOKE_ATTN_PF " [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 
 // Waits until at most n of the calling thread's cp.async groups are pending (n is a constant
@@ -519,7 +569,7 @@ __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, 
             for (int i = 0; i < 2; ++i) {
                 // The K (i = 0) and V (i = 1) scales of key 8 nt + g, the lane's score rows.
                 const u32 kk = base + 8 * nt + g;
-                r.ks[nt][i] = __ldg((i ? c.vs : c.ks) + row0 + (kk < k1 ? kk : k0));
+                r.ks[nt][i] = ldg_cache((i ? c.vs : c.ks) + row0 + (kk < k1 ? kk : k0));
             }
     }
 }
@@ -601,10 +651,10 @@ __device__ __forceinline__ void load_tile_fast(const u8* kp, const u8* vp, const
         } else {
             load_pieces(vp + ti * 16 * KB, 2 * VP2, r.v);
         }
-        r.ks[0][0] = __ldg(ksp + 16 * ti);
-        r.ks[1][0] = __ldg(ksp + 16 * ti + 8);
-        r.ks[0][1] = __ldg(vsp + 16 * ti);
-        r.ks[1][1] = __ldg(vsp + 16 * ti + 8);
+        r.ks[0][0] = ldg_cache(ksp + 16 * ti);
+        r.ks[1][0] = ldg_cache(ksp + 16 * ti + 8);
+        r.ks[0][1] = ldg_cache(vsp + 16 * ti);
+        r.ks[1][1] = ldg_cache(vsp + 16 * ti + 8);
     }
 }
 
