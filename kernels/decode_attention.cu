@@ -48,8 +48,10 @@
 //               registers (int4_key_pairs), the dims permuted and put back when the output is
 //               merged. Mirrors: the value row scales (x 16) folded into the probabilities and
 //               taken off the output at the end.
-//   loads       each warp keeps TILES tiles of loads in flight; the mirrors refill a slot as
-//               soon as its tile has been used (a ring), BF16 refills a whole batch.
+//   loads       each warp keeps TILES tiles of loads in flight (L2 fetches of 128 bytes); the
+//               mirrors refill a slot as soon as its tile has been used (a ring), BF16 refills
+//               a whole batch. The first batch is queued before the query heads are loaded and
+//               rotated (hadamard_regs), so the query setup runs under its DRAM round trip.
 // BF16 cache: bf16 operands. FP8 / INT4 mirrors: f16 operands (exact for the codes; the query is
 // pre-multiplied by 1 / sqrt(d) before rounding to f16), f32 accumulation throughout.
 
@@ -111,8 +113,10 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_V_ROWS
 #define STOKE_ATTN_V_ROWS 1
 #endif
-// 1: each warp takes a contiguous share of the CTA's tiles (equal to one tile), 0: every
+// 1: each warp takes a contiguous share of the CTA's tiles (equal within one tile), 0: every
 // WARPS-th batch of TILES tiles (at B = 32, ctx 4096 INT4's 256 tiles give 6 warps 42-45).
+// Contiguous shares measured slower at B = 32 (BF16 129.3 -> 132.8 us, FP8 72.4 -> 78.0,
+// results/experiments/h200-attention-fused-ranges-a227ed5.json).
 #ifndef STOKE_ATTN_RANGES
 #define STOKE_ATTN_RANGES 0
 #endif
@@ -1142,7 +1146,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     }
 }
 
-// BF16 / FP8: 166-212 registers at d = 128, 2 CTAs per SM; INT4: 168 (launch bounds); the
+// BF16 / FP8: 187 / 213 registers at d = 128, 2 CTAs per SM; INT4: 168 (launch bounds); the
 // split plan asks the occupancy calculator.
 // Holding BF16 and FP8 to 168 registers for 3 CTAs per SM was measured slower
 // (results/experiments/h200-attention-3ctas-f301e7a.json).

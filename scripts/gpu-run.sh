@@ -8,7 +8,8 @@
 #          the named benchmark shapes at one row, every variant and word order
 #   attention-profile [SHAPE --batch B --ctx C --formats int4]: the same for decode attention
 #          (OUTDIR/ncu-attention-profile.txt), the named formats (default all; two launches
-#          each, so NCU_LAUNCHES=6 covers three)
+#          each, so NCU_LAUNCHES=6 covers three). NCU_KERNELS=REGEX picks the kernels profiled
+#          (e.g. int4_gemm_swap: int4-profile launches the batched kernels first)
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
 #   Kernel variants: with STOKE_KERNEL_VARIANTS='NAME=V,NAME2=V2;NAME=V3' the int4 and
 #          attention benchmarks also time each variant (NVRTC defines; the knobs are at the
@@ -44,7 +45,7 @@ commit=$(cat .bundle/COMMIT)
 status=0
 if [ "$what" = int4-profile ] || [ "$what" = attention-profile ]; then
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  kernels=$([ "$what" = int4-profile ] && echo int4_gemm || echo decode_attn)
+  kernels=${NCU_KERNELS:-$([ "$what" = int4-profile ] && echo int4_gemm || echo decode_attn)}
   "$ncu" --target-processes all -k regex:$kernels --launch-count "${NCU_LAUNCHES:-200}" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
       --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
