@@ -68,7 +68,7 @@ def render_attention(w, res, path):
     copy = [e for e in res["torch_attention"] if e.get("impl") == "d2d_copy"]
     torch_copy = f", {copy[0]['gbps']:.0f} GB/s from PyTorch {copy[0]['torch']}" if copy else ""
     w("`kernels/decode_attention.cu`: one query token per sequence, all sequences at the same context, µs per call")
-    w("(the attention kernel and the split combine; CUDA events, median of 5 batches, caches rotated through >= 160 MB).")
+    w("(one launch: the splits and their merge; CUDA events, median of 5 batches, caches rotated through >= 160 MB).")
     w(f"`% copy`: K and V bytes read (scales included) per second over the same run's copy rate ({a['copy_gbps']:.0f} GB/s")
     w(f"from Stoke{torch_copy}). FP8 and INT4 rows rotated (Hadamard block = head_dim). Peer:")
     w("`scaled_dot_product_attention(enable_gqa=True)` on a BF16 cache (`scripts/peers/attention_torch.py`), same run;")
@@ -90,6 +90,15 @@ def render_attention(w, res, path):
         w(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells + ps) + f" | {host} |")
     w("")
     render_variants(w, a["runs"], lambda r: (r["shape"], r["batch"], r["ctx"], r["format"]), "decode attention")
+    if a.get("split_sweep"):
+        w("Forced split counts in the same run (shipped kernels), against the plan's row above:")
+        w("")
+        w("| shape | batch | ctx | format | splits | keys per split | µs | % copy | plan's µs |")
+        w("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in a["split_sweep"]:
+            b = by.get((r["shape"], r["batch"], r["ctx"], r["format"]))
+            w(f"| {r['shape']} | {r['batch']} | {r['ctx']} | {r['format']} | {r['splits']} | {r['chunk']} | {r['us']:.1f} | {100 * r['of_copy']:.1f}% | " + (f"{b['us']:.1f} |" if b else "- |"))
+        w("")
     if pvt:
         w("The previous kernels (S = Q K^T, then O^T = V^T P^T: the `*_pvt` entry points, removed after this run) in the same run, µs (% copy):")
         w("")

@@ -511,10 +511,10 @@ impl BenchStep {
         .unwrap();
     }
 
-    /// Queues one decode attention over `cache`.
-    fn attend(&self, rt: &Arc<Runtime>, cache: &DeviceKvCache) {
+    /// Queues one decode attention over `cache` (`splits`: forced, else the plan's).
+    fn attend(&self, rt: &Arc<Runtime>, cache: &DeviceKvCache, splits: Option<u32>) {
         unsafe {
-            cache.attend(
+            cache.attend_splits(
                 rt,
                 self.q.ptr(),
                 self.heads,
@@ -523,6 +523,7 @@ impl BenchStep {
                 self.batch,
                 self.ctx,
                 self.out.ptr(),
+                splits,
             )
         }
         .unwrap();
@@ -530,7 +531,8 @@ impl BenchStep {
 }
 
 /// Decode attention (one launch: the splits and their merge) for each shape, point and
-/// format: µs, cache bytes read per second, share of the same run's copy rate.
+/// format: µs, cache bytes read per second, share of the same run's copy rate; then, with the
+/// shipped kernels, a sweep of forced split counts around the plan's at two points.
 pub fn bench(copy_gbps: f64) -> Value {
     let rt = crate::gpu().expect("GPU");
     let (mut rows, mut regs) = (Vec::new(), Vec::new());
@@ -541,12 +543,89 @@ pub fn bench(copy_gbps: f64) -> Value {
             regs = crate::bench::kernel_reports(&rt, DECODE_ATTENTION.file);
         }
     });
-    json!({"copy_gbps": copy_gbps, "runs": rows, "kernels": regs})
+    let mut sweep = Vec::new();
+    let mut rng = StdRng::seed_from_u64(12);
+    let (name, heads, kvh, d) = BENCH_SHAPES[0];
+    for (batch, ctx, counts) in SPLIT_SWEEP {
+        for format in [KvFormat::Bf16, KvFormat::Int4] {
+            for &s in *counts {
+                let t = time_point(
+                    &rt,
+                    &mut rng,
+                    (heads, kvh, d),
+                    *batch,
+                    *ctx,
+                    format,
+                    Some(s),
+                );
+                let gbps = t.bytes as f64 / t.us / 1e3;
+                println!(
+                    "attention {name:<4} b {batch:2} ctx {ctx:5} {:<4} {s:3} splits: {:8.2} us ({:5.1}% of copy)",
+                    format.name(),
+                    t.us,
+                    100.0 * gbps / copy_gbps
+                );
+                sweep.push(json!({"shape": name, "batch": batch, "ctx": ctx, "format": format.name(),
+                    "splits": s, "chunk": t.chunk, "us": t.us, "gbps": gbps, "of_copy": gbps / copy_gbps}));
+            }
+        }
+    }
+    json!({"copy_gbps": copy_gbps, "runs": rows, "kernels": regs, "split_sweep": sweep})
+}
+
+/// Forced split counts timed at (batch, context) points of the 8B shape (the plan picks 1 at
+/// B = 32, ctx 4096 and 32 at B = 1, ctx 32k).
+const SPLIT_SWEEP: &[(u32, u32, &[u32])] = &[(32, 4096, &[2, 4]), (1, 32768, &[16, 24, 48, 64])];
+
+/// One timed benchmark point.
+struct PointTime {
+    us: f64,
+    host_us: f64,
+    bytes: usize,
+    copies: usize,
+    /// Keys per split of a forced split count (0: the plan's).
+    chunk: u32,
+}
+
+/// Times decode attention at one point: enough caches (>= 160 MB) that the L2 never holds the
+/// one being read, filled with random rows through the append.
+fn time_point(
+    rt: &Arc<Runtime>,
+    rng: &mut StdRng,
+    (heads, kvh, d): (u32, u32, u32),
+    batch: u32,
+    ctx: u32,
+    format: KvFormat,
+    splits: Option<u32>,
+) -> PointTime {
+    let block = if format == KvFormat::Bf16 { 0 } else { d };
+    let one = 2 * batch as usize * ctx as usize * kvh as usize * format.row_bytes(d as usize);
+    let copies = 160_000_000usize.div_ceil(one).clamp(1, 64);
+    let caches: Vec<DeviceKvCache> = (0..copies)
+        .map(|_| DeviceKvCache::new(rt, format, (batch, kvh, ctx, d), block).unwrap())
+        .collect();
+    let step = BenchStep::new(rt, rng, (heads, kvh, d), batch, ctx);
+    for c in &caches {
+        step.fill(rt, c);
+    }
+    rt.synchronize().unwrap();
+    let iters = (400_000_000 / one).clamp(10, 500);
+    // Also the host's time to queue one call (the split partials' allocation, one launch).
+    let (us, host_us) = crate::bench::time_events_and_host(rt, 5, iters, |i| {
+        step.attend(rt, &caches[i % copies], splits)
+    });
+    let chunk = splits.map_or(0, |s| ctx.div_ceil(s).next_multiple_of(16));
+    PointTime {
+        us,
+        host_us,
+        bytes: caches[0].bytes_read(step.rows as usize),
+        copies,
+        chunk,
+    }
 }
 
 /// The benchmark points with the kernels as compiled now; rows of a variant carry its defines.
 fn bench_variant(rt: &Arc<Runtime>, copy_gbps: f64, variant: &str, rows: &mut Vec<Value>) {
-    let rt = rt.clone();
     let mut rng = StdRng::seed_from_u64(11);
     for &(name, heads, kvh, d) in BENCH_SHAPES {
         for &(batch, ctx) in BENCH_POINTS {
@@ -555,26 +634,8 @@ fn bench_variant(rt: &Arc<Runtime>, copy_gbps: f64, variant: &str, rows: &mut Ve
                     continue;
                 }
                 let block = if format == KvFormat::Bf16 { 0 } else { d };
-                // Enough caches (>= 160 MB) that the L2 never holds the one being read.
-                let one =
-                    2 * batch as usize * ctx as usize * kvh as usize * format.row_bytes(d as usize);
-                let copies = 160_000_000usize.div_ceil(one).clamp(1, 64);
-                let caches: Vec<DeviceKvCache> = (0..copies)
-                    .map(|_| DeviceKvCache::new(&rt, format, (batch, kvh, ctx, d), block).unwrap())
-                    .collect();
-                // Random rows through the append (one launch per cache).
-                let step = BenchStep::new(&rt, &mut rng, (heads, kvh, d), batch, ctx);
-                for c in &caches {
-                    step.fill(&rt, c);
-                }
-                rt.synchronize().unwrap();
-                let iters = (400_000_000 / one).clamp(10, 500);
-                // Also the host's time to queue one call (the split partials' allocation,
-                // two launches).
-                let (us, host_us) = crate::bench::time_events_and_host(&rt, 5, iters, |i| {
-                    step.attend(&rt, &caches[i % copies])
-                });
-                let bytes = caches[0].bytes_read(step.rows as usize);
+                let t = time_point(rt, &mut rng, (heads, kvh, d), batch, ctx, format, None);
+                let (us, host_us, bytes) = (t.us, t.host_us, t.bytes);
                 let gbps = bytes as f64 / us / 1e3;
                 println!(
                     "attention {name:<4} b {batch:2} ctx {ctx:5} {:<4}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) host {host_us:.1} us",
@@ -583,7 +644,7 @@ fn bench_variant(rt: &Arc<Runtime>, copy_gbps: f64, variant: &str, rows: &mut Ve
                 );
                 let mut row = json!({"shape": name, "heads": heads, "kv_heads": kvh, "d": d, "batch": batch, "ctx": ctx,
                 "format": format.name(), "block": block, "us": us, "host_us": host_us, "bytes": bytes, "gbps": gbps,
-                "of_copy": gbps / copy_gbps, "copies": copies});
+                "of_copy": gbps / copy_gbps, "copies": t.copies});
                 if !variant.is_empty() {
                     row["defines"] = json!(variant);
                 }
@@ -621,7 +682,7 @@ pub fn profile_launches(shape: &str, batch: u32, ctx: u32, formats: &[String]) {
         let cache = DeviceKvCache::new(&rt, format, (batch, kvh, ctx, d), block).unwrap();
         step.fill(&rt, &cache);
         for _ in 0..2 {
-            step.attend(&rt, &cache);
+            step.attend(&rt, &cache, None);
         }
         rt.synchronize().unwrap();
         println!("profiled {shape} b {batch} ctx {ctx} {}", format.name());

@@ -177,6 +177,29 @@ impl DeviceKvCache {
         max_len: u32,
         out: u64,
     ) -> Result<()> {
+        // SAFETY: as documented; the plan's split count.
+        unsafe { self.attend_splits(rt, q, heads, slot_of, len, batch, max_len, out, None) }
+    }
+
+    /// [`Self::attend`] with the split count forced (`Some(s)`: `s` splits of
+    /// `ceil(max_len / s)` keys rounded up to a whole 16-key tile, fewer if that already covers
+    /// `max_len`); for benchmarks that compare split plans. `None`: the plan's.
+    ///
+    /// # Safety
+    /// As for [`Self::attend`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn attend_splits(
+        &self,
+        rt: &Arc<Runtime>,
+        q: u64,
+        heads: u32,
+        slot_of: u64,
+        len: u64,
+        batch: u32,
+        max_len: u32,
+        out: u64,
+        splits: Option<u32>,
+    ) -> Result<()> {
         check_shape(heads, self.kv_heads, self.d, self.block).map_err(|e| Error::Shape(e.0))?;
         if max_len > self.cap {
             return Err(Error::Shape(format!(
@@ -187,7 +210,14 @@ impl DeviceKvCache {
         if batch == 0 {
             return Ok(());
         }
-        let (kernel, chunk, splits) = self.attn_plan(rt, batch, max_len)?;
+        let (kernel, chunk, splits) = match splits {
+            None => self.attn_plan(rt, batch, max_len)?,
+            Some(s) => {
+                let chunk = max_len.max(1).div_ceil(s.max(1)).next_multiple_of(16);
+                let kernel = rt.kernel(&DECODE_ATTENTION, attn_entry(self.format, self.d))?;
+                (kernel, chunk, max_len.max(1).div_ceil(chunk))
+            }
+        };
         let threads = kernel.max_threads;
         // One split: the attention kernel writes the output itself (no partials). More: each
         // split writes its partials and the last to finish merges them; the arrival counts come
