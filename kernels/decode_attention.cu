@@ -430,42 +430,31 @@ struct Raw {
 #else
 #define STOKE_ATTN_PF ""
 #endif
-__device__ __forceinline__ uint4 ldg_cache(const uint4* p) {
 #if STOKE_ATTN_L2_PREFETCH
+__device__ __forceinline__ uint4 ldg_cache(const uint4* p) {
     uint4 v;
     asm("ld.global.nc" STOKE_ATTN_PF ".v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
-#else
-    return __ldg(p);
-#endif
 }
 __device__ __forceinline__ uint2 ldg_cache(const uint2* p) {
-#if STOKE_ATTN_L2_PREFETCH
     uint2 v;
     asm("ld.global.nc" STOKE_ATTN_PF ".v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
-#else
-    return __ldg(p);
-#endif
 }
 __device__ __forceinline__ u32 ldg_cache(const u32* p) {
-#if STOKE_ATTN_L2_PREFETCH
     u32 v;
     asm("ld.global.nc" STOKE_ATTN_PF ".u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
-#else
-    return __ldg(p);
-#endif
 }
 __device__ __forceinline__ float ldg_cache(const float* p) {
-#if STOKE_ATTN_L2_PREFETCH
     float v;
     asm("ld.global.nc" STOKE_ATTN_PF ".f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
-#else
-    return __ldg(p);
-#endif
 }
+#else
+template <typename T>
+__device__ __forceinline__ T ldg_cache(const T* p) { return __ldg(p); }
+#endif
 
 // Bytes per load piece of a lane: 16, or the lane's whole share when it is smaller.
 template <int SHARE>
