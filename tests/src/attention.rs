@@ -61,6 +61,8 @@ struct Case {
     /// Key channels per kv head scaled by `outlier` (0: none).
     outliers: usize,
     outlier: f32,
+    /// Split-KV CTAs forced (`DeviceKvCache::attend_splits`); `None`: the plan's.
+    splits: Option<u32>,
 }
 
 struct Filled {
@@ -252,6 +254,7 @@ fn attention_matches_reference() -> Result<Value, String> {
             lens: vec![1, 17, 1024, 4097, 300, 1, 2000, 33],
             outliers: 0,
             outlier: 1.0,
+            splits: None,
         },
         Case {
             heads: 9,
@@ -266,6 +269,7 @@ fn attention_matches_reference() -> Result<Value, String> {
                 .collect(),
             outliers: 0,
             outlier: 1.0,
+            splits: None,
         },
         Case {
             heads: 8,
@@ -274,6 +278,7 @@ fn attention_matches_reference() -> Result<Value, String> {
             lens: vec![4097],
             outliers: 0,
             outlier: 1.0,
+            splits: None,
         },
         Case {
             heads: 64,
@@ -282,6 +287,7 @@ fn attention_matches_reference() -> Result<Value, String> {
             lens: vec![17],
             outliers: 0,
             outlier: 1.0,
+            splits: None,
         },
         // 32 x 8 kv heads fill the H200 in one split: the attention kernel writes the output
         // itself (d = 128, GQA 8, the rotation undone there).
@@ -295,6 +301,19 @@ fn attention_matches_reference() -> Result<Value, String> {
                 .collect(),
             outliers: 0,
             outlier: 1.0,
+            splits: None,
+        },
+        // 65 forced splits of 64 keys: the last split's merge walks three chunks of 32 splits,
+        // a warp merges two heads (GQA 8 over 4 or 6 warps), and the shorter sequences leave
+        // splits empty.
+        Case {
+            heads: 64,
+            kv_heads: 8,
+            d: 128,
+            lens: vec![4097, 1000, 17],
+            outliers: 0,
+            outlier: 1.0,
+            splits: Some(70),
         },
     ];
     let mut report = Vec::new();
@@ -369,7 +388,7 @@ fn attention_matches_reference() -> Result<Value, String> {
             let out = rt.alloc(batch * c.heads * c.d * 2).unwrap();
             unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.unwrap();
             unsafe {
-                f.cache.attend(
+                f.cache.attend_splits(
                     &rt,
                     qb.ptr(),
                     c.heads as u32,
@@ -378,6 +397,7 @@ fn attention_matches_reference() -> Result<Value, String> {
                     batch as u32,
                     max_len,
                     out.ptr(),
+                    c.splits,
                 )
             }
             .map_err(|e| e.to_string())?;
@@ -399,10 +419,13 @@ fn attention_matches_reference() -> Result<Value, String> {
                     "{what}: kernel relative error {kern_err:.3e} against the reference over its own cache"
                 ));
             }
-            let splits = f
-                .cache
-                .splits(&rt, batch as u32, max_len)
-                .map_err(|e| e.to_string())?;
+            let splits = match c.splits {
+                Some(s) => max_len.div_ceil(max_len.div_ceil(s).next_multiple_of(16)),
+                None => f
+                    .cache
+                    .splits(&rt, batch as u32, max_len)
+                    .map_err(|e| e.to_string())?,
+            };
             report.push(json!({"format": format.name(), "block": block, "heads": c.heads, "kv_heads": c.kv_heads, "d": c.d,
             "batch": batch, "max_len": max_len, "splits": splits, "kernel_rel_err": kern_err, "quantization_rel_err": quant_err,
             "append_rows_differing": append_mismatch, "append_rows": append_rows}));
@@ -424,6 +447,7 @@ fn attention_matches_reference() -> Result<Value, String> {
             lens: vec![1024],
             outliers: 4,
             outlier: 8.0,
+            splits: None,
         };
         let f = fill(&rt, &mut rng, &c, format, block);
         let q = bf16s(&mut rng, c.heads * c.d, 1.0);
