@@ -120,6 +120,13 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_RANGES
 #define STOKE_ATTN_RANGES 0
 #endif
+// 1: the query rows and the merge buffer padded and swizzled against shared-memory bank conflicts
+// (QsRow, WoRow); 0: plain rows. Nsight Compute at 8f23d90 counted 3.3k (8B) / 5.0k (70B) shared
+// wavefronts per INT4 CTA, 85% of them conflicts: the query slices' 16-byte loads (8-way) and
+// the merge's stores (8-way for 4 heads, 16-way for 8), i.e. about the 70B shape's extra time.
+#ifndef STOKE_ATTN_SMEM_LAYOUT
+#define STOKE_ATTN_SMEM_LAYOUT 0
+#endif
 // L2 prefetch size of the cache loads (0: none; 128 or 256 bytes). 128 against none, same run:
 // 10 of the 12 (B, ctx, format) points at B = 32 / ctx 4096 and B = 1 / ctx 32k 0.2-1.4% faster
 // (results/experiments/h200-attention-l2-prefetch-e0c6f52.json); 256 within 1% of none.
@@ -687,6 +694,34 @@ __device__ __forceinline__ u32 movmatrix_trans(u32 x) {
     return r;
 }
 
+// A query row in shared memory (STOKE_ATTN_SMEM_LAYOUT = 1; 0: dim dd at dd, pitch D): dim dd at
+// pos(dd), 8 floats of padding after every 32 dims and a
+// row pitch of 4 (mod 32) floats, so that the lanes reading their slices of the query (lane
+// (g, t): row g, dims from t times the slice piece) for the B fragments fall in distinct banks
+// (BF16, FP8 and INT4 slices alike; unpadded, INT4's were 8-way conflicts per 16-byte load).
+template <int D>
+struct QsRow {
+    static constexpr int P = STOKE_ATTN_SMEM_LAYOUT ? (D + D / 4 + 27) / 32 * 32 + 4 : D;
+    static __device__ __forceinline__ u32 pos(u32 dd) { return STOKE_ATTN_SMEM_LAYOUT ? dd + (dd >> 5) * 8 : dd; }
+};
+
+// A head's row of a warp's output in the merge buffer (STOKE_ATTN_SMEM_LAYOUT = 1; 0: dim dd at
+// dd, pitch D, scalar stores): pitch D + 4 floats (the lanes of a
+// scalar store, t apart by two heads and g by one column, fall in distinct banks); INT4 stores
+// whole float4 groups of a lane's D / 8 dims, placed with the group index xor the head pair t
+// so that the 8 lanes of a store phase hit 8 distinct bank groups (unswizzled, a 16-way
+// conflict per store for 8 heads). The merge reads with the same places.
+template <int D>
+struct WoRow {
+    static constexpr int P = STOKE_ATTN_SMEM_LAYOUT ? D + 4 : D;
+    static __device__ __forceinline__ u32 pos(int fmt, u32 h, u32 dd) {
+        if (fmt != FMT_INT4 || !STOKE_ATTN_SMEM_LAYOUT) return dd;
+        constexpr u32 NJ = D / 32;  // float4 groups per lane and head
+        const u32 q = dd >> 2;
+        return ((q & ~(NJ - 1)) | ((q ^ (h >> 1)) & (NJ - 1))) * 4 + (dd & 3);
+    }
+};
+
 // The attention kernel (entry points decode_attn_FMT_dD), one warp per 16-key tile at a time;
 // the tensor-core layout is in the header.
 template <int FMT, int D>
@@ -700,8 +735,8 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     constexpr int NT = (FMT == FMT_BF16 ? STOKE_ATTN_PAIR_BF16 : STOKE_ATTN_PAIR) ? 2 : 1;
     constexpr int VTILES = FMT == FMT_BF16 ? TILES : FMT == FMT_FP8 ? NT : 0;  // INT4: no value tile
     constexpr int VT_BYTES = WARPS * VTILES * 16 * VP * 2;
-    constexpr int WO_BYTES = WARPS * MAX_GROUP * D * 4;
-    __shared__ __align__(16) float qs[MAX_GROUP][D];
+    constexpr int WO_BYTES = WARPS * MAX_GROUP * WoRow<D>::P * 4;
+    __shared__ __align__(16) float qs[MAX_GROUP][QsRow<D>::P];
     __shared__ __align__(16) unsigned char vt_raw[VT_BYTES > WO_BYTES ? VT_BYTES : WO_BYTES];
     __shared__ float wm[WARPS][MAX_GROUP], wl[WARPS][MAX_GROUP];
 
@@ -806,7 +841,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #pragma unroll
         for (int e = 0; e < E; ++e) x[e] = h < group ? bf16_to_f32(u16(qraw[r][e / 2] >> (16 * (e % 2)))) : 0.0f;
         if (F16) hadamard_regs<D>(x, p.block, lane);
-        store_floats<E>(&qs[h][lane * E], x);
+        store_floats<E>(&qs[h][QsRow<D>::pos(lane * E)], x);
     }
     __syncthreads();
     const float qscale = F16 ? p.scale : 1.0f;
@@ -820,7 +855,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         float qf;
         operand_values<FMT>(R, e0, e1, qf);
         auto dim = [&](int e) { return (e / KE) * 4 * KE + int(t) * KE + e % KE; };
-        const u32 h2 = pack2<F16>(qs[g][dim(e0)] * qscale * qf, qs[g][dim(e1)] * qscale * qf);
+        const u32 h2 = pack2<F16>(qs[g][QsRow<D>::pos(dim(e0))] * qscale * qf, qs[g][QsRow<D>::pos(dim(e1))] * qscale * qf);
         qa[R / 2][R % 2] = h2;
         if (FMT == FMT_INT4) {
             float lo, hi;
@@ -981,7 +1016,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         l[1] += __shfl_xor_sync(0xffffffffu, l[1], o2);
     }
     __syncthreads();  // the V tiles become the merge buffer
-    float (*wo)[MAX_GROUP][D] = reinterpret_cast<float (*)[MAX_GROUP][D]>(vt_raw);
+    float (*wo)[MAX_GROUP][WoRow<D>::P] = reinterpret_cast<float (*)[MAX_GROUP][WoRow<D>::P]>(vt_raw);
     if (g == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
@@ -990,15 +1025,31 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                 wl[warp][2 * t + h] = l[h];
             }
     }
+    if (FMT == FMT_INT4 && STOKE_ATTN_SMEM_LAYOUT) {
+        // Lane (g, t) holds dims g D / 8 .. (g + 1) D / 8 of heads 2t, 2t + 1 (int4_key_pairs):
+        // D / 32 float4 stores per head, at WoRow's swizzled places.
 #pragma unroll
-    for (int n = 0; n < D / 16; ++n)
+        for (int c2 = 0; c2 < 2; ++c2) {
+            const u32 h = 2 * t + c2;
+            if (h >= group) continue;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const u32 col = 16 * n + 8 * (i >> 1) + g;  // the value tile's column
-            const u32 h = 2 * t + (i & 1), dd = FMT == FMT_INT4 ? int4_value_dim<D>(g, n, i >> 1) : col;
-            const float v = F16 ? o[n][i] * (1.0f / VSF) : o[n][i];  // mirrors: P carried VSF
-            if (h < group) wo[warp][h][dd] = v;
+            for (int jj = 0; jj < D / 32; ++jj) {
+                const float x[4] = {o[2 * jj][c2] * (1.0f / VSF), o[2 * jj][c2 + 2] * (1.0f / VSF),
+                                    o[2 * jj + 1][c2] * (1.0f / VSF), o[2 * jj + 1][c2 + 2] * (1.0f / VSF)};
+                store_floats<4>(&wo[warp][h][WoRow<D>::pos(FMT, h, int4_value_dim<D>(g, 2 * jj, 0))], x);
+            }
         }
+    } else {
+#pragma unroll
+        for (int n = 0; n < D / 16; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 col = 16 * n + 8 * (i >> 1) + g;  // the value tile's column
+                const u32 h = 2 * t + (i & 1), dd = FMT == FMT_INT4 ? int4_value_dim<D>(g, n, i >> 1) : col;
+                const float v = F16 ? o[n][i] * (1.0f / VSF) : o[n][i];  // mirrors: P carried VSF
+                if (h < group) wo[warp][h][WoRow<D>::pos(FMT, h, dd)] = v;
+            }
+    }
     __syncthreads();
     // A warp per head merges its warps' outputs (lane l: dims l E ..). One split: the CTA holds
     // the whole output of its heads; normalized, rotated back and written as bf16 here, with no
@@ -1017,7 +1068,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         for (int w = 0; w < WARPS; ++w) {
             const float f = wm[w][h] == NEG_INF ? 0.0f : __expf(wm[w][h] - mx);
             float x[E];
-            load_floats<E>(&wo[w][h][lane * E], x);
+            load_floats<E>(&wo[w][h][WoRow<D>::pos(FMT, h, lane * E)], x);
             lsum += wl[w][h] * f;
 #pragma unroll
             for (int e = 0; e < E; ++e) os[e] += x[e] * f;
