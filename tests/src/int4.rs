@@ -460,7 +460,8 @@ fn bench_variant(
 }
 
 /// A few W4A16 launches to run under a profiler (`ncu`): for each of the named shapes at
-/// `m` rows, each word order, default and swapped-operand kernel: two launches each.
+/// `m` rows, each word order, the swapped-operand kernel (the plan's at m <= 8) first, then the
+/// batched one: two launches each.
 pub fn profile_launches(shapes: &[&str], m: usize) {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(7);
@@ -476,7 +477,7 @@ pub fn profile_launches(shapes: &[&str], m: usize) {
             let dw =
                 DeviceInt4::upload_ordered(&rt, (k, n, 128), false, &words, &scales, None, order)
                     .unwrap();
-            for swap_ab in [false, true] {
+            for swap_ab in [true, false] {
                 let call = Int4Gemm::plain(
                     xb.ptr(),
                     m as u32,
