@@ -7,7 +7,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::kernels::DECODE_ATTENTION;
-use stoke_cuda::kernels::decode_attention::KvFormat;
+use stoke_cuda::kernels::decode_attention::{KvFormat, forced_split};
 use stoke_cuda::kv::DeviceKvCache;
 use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::bf16;
@@ -420,7 +420,7 @@ fn attention_matches_reference() -> Result<Value, String> {
                 ));
             }
             let splits = match c.splits {
-                Some(s) => max_len.div_ceil(max_len.div_ceil(s).next_multiple_of(16)),
+                Some(s) => forced_split(max_len, s).1,
                 None => f
                     .cache
                     .splits(&rt, batch as u32, max_len)
@@ -638,7 +638,7 @@ fn time_point(
     let (us, host_us) = crate::bench::time_events_and_host(rt, 5, iters, |i| {
         step.attend(rt, &caches[i % copies], splits)
     });
-    let chunk = splits.map_or(0, |s| ctx.div_ceil(s).next_multiple_of(16));
+    let chunk = splits.map_or(0, |s| forced_split(ctx, s).0);
     PointTime {
         us,
         host_us,

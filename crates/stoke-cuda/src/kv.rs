@@ -7,7 +7,8 @@
 
 use crate::kernels::DECODE_ATTENTION;
 use crate::kernels::decode_attention::{
-    AppendParams, AttnParams, KvCacheParams, KvFormat, attn_entry, check_shape, split_plan,
+    AppendParams, AttnParams, KvCacheParams, KvFormat, attn_entry, check_shape, forced_split,
+    split_plan,
 };
 use crate::{DeviceBuffer, Error, Kernel, LaunchShape, Result, Runtime};
 use std::sync::Arc;
@@ -181,9 +182,8 @@ impl DeviceKvCache {
         unsafe { self.attend_splits(rt, q, heads, slot_of, len, batch, max_len, out, None) }
     }
 
-    /// [`Self::attend`] with the split count forced (`Some(s)`: `s` splits of
-    /// `ceil(max_len / s)` keys rounded up to a whole 16-key tile, fewer if that already covers
-    /// `max_len`); for benchmarks that compare split plans. `None`: the plan's.
+    /// [`Self::attend`] with the split count forced (`Some(s)`: [`forced_split`]`(max_len, s)`);
+    /// for benchmarks and tests that compare split plans. `None`: the plan's.
     ///
     /// # Safety
     /// As for [`Self::attend`].
@@ -213,9 +213,9 @@ impl DeviceKvCache {
         let (kernel, chunk, splits) = match splits {
             None => self.attn_plan(rt, batch, max_len)?,
             Some(s) => {
-                let chunk = max_len.max(1).div_ceil(s.max(1)).next_multiple_of(16);
+                let (chunk, splits) = forced_split(max_len, s);
                 let kernel = rt.kernel(&DECODE_ATTENTION, attn_entry(self.format, self.d))?;
-                (kernel, chunk, max_len.max(1).div_ceil(chunk))
+                (kernel, chunk, splits)
             }
         };
         let threads = kernel.max_threads;

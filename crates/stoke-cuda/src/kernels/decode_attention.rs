@@ -151,6 +151,15 @@ pub fn split_plan(
     (best.1, best.2)
 }
 
+/// A forced split count (benchmarks and tests): `splits` chunks of `ceil(max_len / splits)` keys
+/// rounded up to a whole 16-key tile, fewer if that already covers `max_len`; returns (chunk,
+/// splits) as [`split_plan`] does.
+pub fn forced_split(max_len: u32, splits: u32) -> (u32, u32) {
+    let len = max_len.max(1);
+    let chunk = len.div_ceil(splits.max(1)).next_multiple_of(16);
+    (chunk, len.div_ceil(chunk))
+}
+
 /// What one split-KV CTA costs beyond its keys (loading and rotating its queries, writing and
 /// merging partials), in keys' worth of time: a tie-breaker toward fewer splits.
 pub const SPLIT_OVERHEAD_KEYS: u32 = 64;
@@ -217,6 +226,9 @@ mod tests {
         assert_eq!(split_plan(8, 8, 1024, 132, 2), (256, 4));
         assert_eq!(split_plan(1, 8, 1024, 132, 2), (64, 16));
         assert_eq!(split_plan(1, 3, 1, 132, 2), (64, 1));
+        assert_eq!(forced_split(4097, 70), (64, 65));
+        assert_eq!(forced_split(32768, 24), (1376, 24));
+        assert_eq!(forced_split(17, 0), (32, 1));
     }
 
     #[test]
