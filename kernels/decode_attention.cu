@@ -229,17 +229,18 @@ __device__ __forceinline__ void hadamard_regs(float (&x)[D / 32], u32 block, u32
     for (int a = 0; a < E; ++a) x[a] *= norm;
 }
 
-// E consecutive floats at p (shared memory; E = 2 or 4, aligned).
-template <int E>
+// E consecutive floats at p (E = 2 or 4, aligned): shared memory, or with CG global memory
+// through the L2 only (data other CTAs wrote during this kernel).
+template <int E, bool CG = false>
 __device__ __forceinline__ void load_floats(const float* p, float (&x)[E]) {
     if (E == 4) {
-        const float4 v = *reinterpret_cast<const float4*>(p);
+        const float4 v = CG ? __ldcg(reinterpret_cast<const float4*>(p)) : *reinterpret_cast<const float4*>(p);
         x[0] = v.x;
         x[1 % E] = v.y;
         x[2 % E] = v.z;
         x[3 % E] = v.w;
     } else {
-        const float2 v = *reinterpret_cast<const float2*>(p);
+        const float2 v = CG ? __ldcg(reinterpret_cast<const float2*>(p)) : *reinterpret_cast<const float2*>(p);
         x[0] = v.x;
         x[E - 1] = v.y;
     }
@@ -263,6 +264,65 @@ __device__ __forceinline__ void store_bf16(u16* p, const float (&x)[E]) {
         *reinterpret_cast<u32*>(p) = w0;
 }
 
+// A head's merged output slice (lane l: dims l E ..): divided by the row sum, rotated back
+// (undoes V's rotation; block 0: none) and written as bf16 at out.
+template <int D>
+__device__ __forceinline__ void write_head(float (&os)[D / 32], float lsum, u32 block, u32 lane, u16* out) {
+    const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) os[e] *= inv;
+    hadamard_regs<D>(os, block, lane);
+    store_bf16<D / 32>(out + lane * (D / 32), os);
+}
+
+// Global loads of data read once (cache rows and scales; also new rows and queries through
+// load_words): with STOKE_ATTN_L2_PREFETCH (128 or 256) the L2 fetches that many bytes around
+// each miss from DRAM.
+#if STOKE_ATTN_L2_PREFETCH == 256
+#define STOKE_ATTN_PF ".L2::256B"
+#elif STOKE_ATTN_L2_PREFETCH == 128
+#define STOKE_ATTN_PF ".L2::128B"
+#else
+#define STOKE_ATTN_PF ""
+#endif
+#if STOKE_ATTN_L2_PREFETCH
+__device__ __forceinline__ uint4 ldg_cache(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc" STOKE_ATTN_PF ".v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint2 ldg_cache(const uint2* p) {
+    uint2 v;
+    asm("ld.global.nc" STOKE_ATTN_PF ".v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 ldg_cache(const u32* p) {
+    u32 v;
+    asm("ld.global.nc" STOKE_ATTN_PF ".u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float ldg_cache(const float* p) {
+    float v;
+    asm("ld.global.nc" STOKE_ATTN_PF ".f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+#else
+template <typename T>
+__device__ __forceinline__ T ldg_cache(const T* p) { return __ldg(p); }
+#endif
+
+// N (1 or 2) consecutive words at p.
+template <int N>
+__device__ __forceinline__ void load_words(const u8* p, u32* w) {
+    if (N == 2) {
+        const uint2 v = ldg_cache(reinterpret_cast<const uint2*>(p));
+        w[0] = v.x;
+        w[N - 1] = v.y;
+    } else {
+        w[0] = ldg_cache(reinterpret_cast<const u32*>(p));
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Cache append
 // ---------------------------------------------------------------------------------------------
@@ -274,13 +334,7 @@ __device__ __forceinline__ void append_row(const AppendParams& p, u32 b, u32 h, 
     const u16* src = (is_v ? p.v_new : p.k_new) + (u64(b) * kvh + h) * D + lane * E;
     const u32 slot = p.slot_of[b], pos = p.pos[b];
     u32 w[E / 2];
-    if (E == 4) {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
-        w[0] = v.x;
-        w[E / 2 - 1] = v.y;
-    } else {
-        w[0] = __ldg(reinterpret_cast<const u32*>(src));
-    }
+    load_words<E / 2>(reinterpret_cast<const u8*>(src), w);
     if (p.main.k) {
         u16* dst = static_cast<u16*>(is_v ? p.main.v : p.main.k) + ((u64(slot) * kvh + h) * p.main.cap + pos) * D + lane * E;
         if (E == 4)
@@ -428,41 +482,6 @@ struct Raw {
     float ks[2][2];  // mirrors: [nt][0] K and [nt][1] V scale of key 8 nt + g (the lane's scores)
 };
 
-// Cache loads (keys, values, scales), read once: with STOKE_ATTN_L2_PREFETCH (128 or 256) the
-// L2 fetches that many bytes around each miss from DRAM.
-#if STOKE_ATTN_L2_PREFETCH == 256
-#define STOKE_ATTN_PF ".L2::256B"
-#elif STOKE_ATTN_L2_PREFETCH == 128
-#define STOKE_ATTN_PF ".L2::128B"
-#else
-#define STOKE_ATTN_PF ""
-#endif
-#if STOKE_ATTN_L2_PREFETCH
-__device__ __forceinline__ uint4 ldg_cache(const uint4* p) {
-    uint4 v;
-    asm("ld.global.nc" STOKE_ATTN_PF ".v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ uint2 ldg_cache(const uint2* p) {
-    uint2 v;
-    asm("ld.global.nc" STOKE_ATTN_PF ".v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ u32 ldg_cache(const u32* p) {
-    u32 v;
-    asm("ld.global.nc" STOKE_ATTN_PF ".u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ float ldg_cache(const float* p) {
-    float v;
-    asm("ld.global.nc" STOKE_ATTN_PF ".f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-#else
-template <typename T>
-__device__ __forceinline__ T ldg_cache(const T* p) { return __ldg(p); }
-#endif
-
 // Bytes per load piece of a lane: 16, or the lane's whole share when it is smaller.
 template <int SHARE>
 struct Piece {
@@ -487,18 +506,6 @@ __device__ __forceinline__ void load_pieces(const u8* p, u32 stride, u32 (&w)[N]
         const uint2 v = ldg_cache(reinterpret_cast<const uint2*>(p));
         w[0] = v.x;
         w[1 % N] = v.y;
-    }
-}
-
-// N (1 or 2) consecutive words at p.
-template <int N>
-__device__ __forceinline__ void load_words(const u8* p, u32* w) {
-    if (N == 2) {
-        const uint2 v = ldg_cache(reinterpret_cast<const uint2*>(p));
-        w[0] = v.x;
-        w[N - 1] = v.y;
-    } else {
-        w[0] = ldg_cache(reinterpret_cast<const u32*>(p));
     }
 }
 
@@ -1075,11 +1082,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         }
         const u64 row = u64(b) * p.heads + kvh * group + h;
         if (p.splits == 1) {
-            const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
-#pragma unroll
-            for (int e = 0; e < E; ++e) os[e] *= inv;
-            hadamard_regs<D>(os, p.block, lane);  // undoes V's rotation
-            store_bf16<E>(p.out + row * D + lane * E, os);
+            write_head<D>(os, lsum, p.block, lane, p.out + row * D);
         } else {
             const u64 ph = row * p.splits + split;
             store_floats<E>(p.part_o + ph * D + lane * E, os);
@@ -1157,18 +1160,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                 const float fi = __shfl_sync(0xffffffffu, f[r], i);
                 if (!hv[r]) continue;
                 float x[E];
-                const float* src = po[r] + u64(s0 + i) * D;
-                if (E == 4) {
-                    const float4 q4 = __ldcg(reinterpret_cast<const float4*>(src));
-                    x[0] = q4.x;
-                    x[1 % E] = q4.y;
-                    x[2 % E] = q4.z;
-                    x[3 % E] = q4.w;
-                } else {
-                    const float2 q2 = __ldcg(reinterpret_cast<const float2*>(src));
-                    x[0] = q2.x;
-                    x[E - 1] = q2.y;
-                }
+                load_floats<E, true>(po[r] + u64(s0 + i) * D, x);
 #pragma unroll
                 for (int e = 0; e < E; ++e) os[r][e] += x[e] * fi;
             }
@@ -1177,12 +1169,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     for (int r = 0; r < QR; ++r) {
 #pragma unroll
         for (int o2 = 16; o2 > 0; o2 >>= 1) lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], o2);
-        if (!hv[r]) continue;
-        const float inv = lsum[r] > 0.0f ? 1.0f / lsum[r] : 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) os[r][e] *= inv;
-        hadamard_regs<D>(os[r], p.block, lane);  // undoes V's rotation
-        store_bf16<E>(p.out + (u64(b) * p.heads + kvh * group + warp + WARPS * r) * D + lane * E, os[r]);
+        if (hv[r]) write_head<D>(os[r], lsum[r], p.block, lane, p.out + (u64(b) * p.heads + kvh * group + warp + WARPS * r) * D);
     }
 }
 
