@@ -124,8 +124,12 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 // (QsRow, WoRow); 0: plain rows. Nsight Compute at 8f23d90 counted 3.3k (8B) / 5.0k (70B) shared
 // wavefronts per INT4 CTA, 85% of them conflicts: the query slices' 16-byte loads (8-way) and
 // the merge's stores (8-way for 4 heads, 16-way for 8), i.e. about the 70B shape's extra time.
+// Same run against 0 (results/experiments/h200-attention-smem-layout-ab2727e.json): INT4 at
+// B = 32, ctx 4096 44.7 -> 42.1 us (8B), 47.0 -> 42.9 us (70B); B = 8, ctx 1024 15.4 -> 12.9 /
+// 18.8 -> 14.6 us; BF16 / FP8 at B = 32 from 0.8% faster to 1.8% slower (BF16 70B, 125.3 ->
+// 127.6 us), at the other points 0.1-5% faster.
 #ifndef STOKE_ATTN_SMEM_LAYOUT
-#define STOKE_ATTN_SMEM_LAYOUT 0
+#define STOKE_ATTN_SMEM_LAYOUT 1
 #endif
 // L2 prefetch size of the cache loads (0: none; 128 or 256 bytes). 128 against none, same run:
 // 10 of the 12 (B, ctx, format) points at B = 32 / ctx 4096 and B = 1 / ctx 32k 0.2-1.4% faster
