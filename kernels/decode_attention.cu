@@ -149,6 +149,15 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_QK_CHAINS
 #define STOKE_ATTN_QK_CHAINS 1
 #endif
+// 1: BF16 keys go through cp.async into shared memory with the values (each warp's TILES tiles of
+// 16 key rows, whole rows per instruction, 16-byte chunk c of row r at c ^ 4 (r & 1) so that the
+// lanes' slice reads are conflict-free) and are read back with ld.shared.v4 just before the
+// score mma; 0: each lane's key slices straight from global loads into registers (64 registers
+// for two tiles). The K and V tiles then live in dynamic shared memory, whose size the host
+// reads from the entry's `<entry>_dyn_smem` global (AttnShape::DYN).
+#ifndef STOKE_ATTN_K_SMEM
+#define STOKE_ATTN_K_SMEM 0
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int MAX_GROUP = 8;
 
@@ -470,6 +479,16 @@ __device__ __forceinline__ u32 int4_value_key(int kk) { return (kk & 1) + 8 * (k
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
+// A BF16 key tile in shared memory (STOKE_ATTN_K_SMEM): 16 rows of 2 D bytes, unpadded, the
+// 16-byte chunk c of row r at chunk c ^ 4 (r & 1). A lane (g, t) reads its slice chunks t + 4 i of
+// rows g and g + 8; in each 8-lane phase of a 16-byte load, rows g = 2 j and 2 j + 1 then fall in
+// the two halves of the 8 bank groups (unswizzled: a 2-way conflict).
+template <int D>
+struct KTile {
+    static constexpr int BYTES = 16 * 2 * D;
+    static __device__ __forceinline__ u32 at(u32 row, u32 chunk) { return row * (2 * D) + ((chunk ^ ((row & 1) << 2)) << 4); }
+};
+
 // Raw cache words of one lane per 16-key tile, loaded before any of them is used (so a warp has
 // TILES tiles of loads in flight): the key slice of rows g and g + 8 of the tile (lane (g, t):
 // D / 4 dims from dim t * D / 4), and for the mirrors half a value row (lane = 2 key + half).
@@ -532,15 +551,27 @@ __device__ __forceinline__ void cp_async_wait(int n) {
 // mirrors: into r). Rows past k1 read row k0: finite values under masked (zero) probabilities.
 template <int FMT, int D, int VP>
 __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, u32 k0, u32 k1, u32 lane,
-                                         Raw<FMT, D>& r, u16* tile) {
+                                         Raw<FMT, D>& r, u16* tile, u8* ktile) {
     const u32 g = lane >> 2, t = lane & 3;
     constexpr int KB = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;  // bytes per row
     constexpr int KP = Piece<KB / 4>::BYTES, VP2 = Piece<KB / 2>::BYTES;
+    if (FMT == FMT_BF16 && STOKE_ATTN_K_SMEM) {
+        // Whole rows per instruction, as the values below; chunks swizzled (KTile).
+        constexpr int CPR = KB / 16, RPI = 32 / CPR;
+        const u32 kr0 = lane / CPR, col = lane % CPR;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-        const u32 key = base + 8 * nt + g;
-        const u8* rowp = static_cast<const u8*>(c.k) + (row0 + (key < k1 ? key : k0)) * KB;
-        load_pieces(rowp + t * KP, 4 * KP, r.k[nt]);
+        for (int i = 0; i < 16 / RPI; ++i) {
+            const u32 kr = RPI * i + kr0;
+            const u64 krow = row0 + (base + kr < k1 ? base + kr : k0);
+            cp_async16(smem_u32(ktile + KTile<D>::at(kr, col)), static_cast<const u8*>(c.k) + krow * KB + col * 16);
+        }
+    } else {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const u32 key = base + 8 * nt + g;
+            const u8* rowp = static_cast<const u8*>(c.k) + (row0 + (key < k1 ? key : k0)) * KB;
+            load_pieces(rowp + t * KP, 4 * KP, r.k[nt]);
+        }
     }
     const u32 key = lane >> 1, half = lane & 1;
     const bool valid = base + key < k1;
@@ -644,11 +675,19 @@ __device__ __forceinline__ void operand_values(int R, int& e0, int& e1, float& q
 // tile): constant offsets, no clamping.
 template <int FMT, int D, int VP>
 __device__ __forceinline__ void load_tile_fast(const u8* kp, const u8* vp, const float* ksp, const float* vsp,
-                                              int ti, Raw<FMT, D>& r, u32 vdst) {
+                                              int ti, Raw<FMT, D>& r, u32 vdst, u32 kdst) {
     constexpr int KB = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
     constexpr int KP = Piece<KB / 4>::BYTES, VP2 = Piece<KB / 2>::BYTES;
-    load_pieces(kp + ti * 16 * KB, 4 * KP, r.k[0]);
-    load_pieces(kp + (ti * 16 + 8) * KB, 4 * KP, r.k[1]);
+    if (FMT == FMT_BF16 && STOKE_ATTN_K_SMEM) {
+        // kp: the lane's chunk of its first row (load_tile); kdst: its swizzled place in slot 0.
+        // Rows RPI apart keep the row's parity, so the swizzle is the lane's own.
+        constexpr int RPI = 32 / (KB / 16);
+#pragma unroll
+        for (int i = 0; i < 16 / RPI; ++i) cp_async16(kdst + ti * KTile<D>::BYTES + RPI * i * KB, kp + (ti * 16 + RPI * i) * KB);
+    } else {
+        load_pieces(kp + ti * 16 * KB, 4 * KP, r.k[0]);
+        load_pieces(kp + (ti * 16 + 8) * KB, 4 * KP, r.k[1]);
+    }
     if (FMT == FMT_BF16 && STOKE_ATTN_V_ROWS) {
         constexpr int RPI = 32 / (KB / 16);  // whole rows per instruction (see load_tile)
 #pragma unroll
@@ -733,23 +772,45 @@ struct WoRow {
     }
 };
 
+// The attention kernel's warps, tiles and shared-memory areas per format and head dim.
+template <int FMT, int D>
+struct AttnShape {
+    static constexpr int VP = D + 8;  // value tile row pitch (elements)
+    static constexpr int WARPS = FMT == FMT_INT4 ? STOKE_ATTN_WARPS_INT4 : STOKE_ATTN_WARPS;
+    static constexpr int TILES = FMT == FMT_INT4 ? STOKE_ATTN_TILES_INT4 : STOKE_ATTN_TILES;
+    // Tiles per softmax step: their scores, max and rescale together (PAIR: two independent
+    // chains of score mma per step, half the serial softmax steps).
+    static constexpr int NT = (FMT == FMT_BF16 ? STOKE_ATTN_PAIR_BF16 : STOKE_ATTN_PAIR) ? 2 : 1;
+    static constexpr int VTILES = FMT == FMT_BF16 ? TILES : FMT == FMT_FP8 ? NT : 0;  // INT4: no value tile
+    static constexpr int VT_BYTES = WARPS * VTILES * 16 * VP * 2;
+    static constexpr int WO_BYTES = WARPS * MAX_GROUP * WoRow<D>::P * 4;
+    // The value tiles, which become the merge buffer after the key loop.
+    static constexpr int VT_AREA = VT_BYTES > WO_BYTES ? VT_BYTES : WO_BYTES;
+    // BF16 keys through shared memory: the value area and the key tiles are dynamic.
+    static constexpr bool KSM = FMT == FMT_BF16 && STOKE_ATTN_K_SMEM;
+    static constexpr int KT_BYTES = KSM ? WARPS * TILES * KTile<D>::BYTES : 0;
+    static constexpr unsigned DYN = KSM ? VT_AREA + KT_BYTES : 0;
+};
+
+extern __shared__ __align__(16) unsigned char attn_dyn_smem[];
+
 // The attention kernel (entry points decode_attn_FMT_dD), one warp per 16-key tile at a time;
 // the tensor-core layout is in the header.
 template <int FMT, int D>
 __device__ __forceinline__ void decode_attn(const AttnParams& p) {
+    using S = AttnShape<FMT, D>;
     constexpr bool F16 = FMT != FMT_BF16;
-    constexpr int VP = D + 8;
-    constexpr int WARPS = FMT == FMT_INT4 ? STOKE_ATTN_WARPS_INT4 : STOKE_ATTN_WARPS;
-    constexpr int TILES = FMT == FMT_INT4 ? STOKE_ATTN_TILES_INT4 : STOKE_ATTN_TILES;
-    // Tiles per softmax step: their scores, max and rescale together (PAIR: two independent
-    // chains of score mma per step, half the serial softmax steps).
-    constexpr int NT = (FMT == FMT_BF16 ? STOKE_ATTN_PAIR_BF16 : STOKE_ATTN_PAIR) ? 2 : 1;
-    constexpr int VTILES = FMT == FMT_BF16 ? TILES : FMT == FMT_FP8 ? NT : 0;  // INT4: no value tile
-    constexpr int VT_BYTES = WARPS * VTILES * 16 * VP * 2;
-    constexpr int WO_BYTES = WARPS * MAX_GROUP * WoRow<D>::P * 4;
+    constexpr int VP = S::VP, WARPS = S::WARPS, TILES = S::TILES, NT = S::NT, VTILES = S::VTILES;
+    constexpr bool KSM = S::KSM;
     __shared__ __align__(16) float qs[MAX_GROUP][QsRow<D>::P];
-    __shared__ __align__(16) unsigned char vt_raw[VT_BYTES > WO_BYTES ? VT_BYTES : WO_BYTES];
+    __shared__ __align__(16) unsigned char vt_static[KSM ? 16 : S::VT_AREA];
     __shared__ float wm[WARPS][MAX_GROUP], wl[WARPS][MAX_GROUP];
+    unsigned char* const vt_raw = KSM ? attn_dyn_smem : vt_static;
+    if (KSM) {  // the launch must bring the dynamic area (the host reads <entry>_dyn_smem)
+        u32 dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (int(dyn) < int(S::DYN)) __trap();
+    }
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
@@ -803,7 +864,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         kstep = WARPS * 16 * TILES;
     }
     const u64 first = row0 + kw0;
-    const u8* kp = static_cast<const u8*>(c.k) + (first + g) * KB + t * KP;
+    const u8* kp = static_cast<const u8*>(c.k) + (first + g) * KB + t * KP;  // KSM: set below
     // Value rows: lane / 2, piece lane % 2 (V_ROWS, BF16: row lane / CPR, 16-byte chunk lane % CPR).
     constexpr bool VROWS = FMT == FMT_BF16 && STOKE_ATTN_V_ROWS;
     // INT4: key row 2t, the lane's D / 16 bytes from byte g D / 16 (int4_key_pairs).
@@ -813,6 +874,11 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     const float* ksp = F16 ? c.ks + first + g : nullptr;
     const float* vsp = F16 ? c.vs + first + g : nullptr;
     const u32 vdst = smem_u32(vt + vrow * VP + vcol / 2);
+    // KSM: the warp's key tiles; the lane copies 16-byte chunk lane % (KB / 16) of rows
+    // lane / (KB / 16) + 32 / (KB / 16) i of each (load_tile).
+    u8* const kt = attn_dyn_smem + S::VT_AREA + warp * TILES * KTile<D>::BYTES;
+    const u32 kdst = smem_u32(kt + KTile<D>::at(lane / (KB / 16), lane % (KB / 16)));
+    if (KSM) kp = static_cast<const u8*>(c.k) + (first + lane / (KB / 16)) * KB + (lane % (KB / 16)) * 16;
     constexpr bool RING = (FMT == FMT_BF16 ? STOKE_ATTN_PIPELINE_BF16 : STOKE_ATTN_PIPELINE) != 0;
     static_assert(TILES % NT == 0, "tiles per step must divide the tiles in flight");
     Raw<FMT, D> raw[TILES];
@@ -821,9 +887,10 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     // slot's group is always followed by the same number of groups.
     auto issue = [&](int ti, u32 bb0) {
         if (bb0 + 16 * TILES <= kend)
-            load_tile_fast<FMT, D, VP>(kp, vp, ksp, vsp, ti, raw[ti], vdst + (FMT == FMT_BF16 ? ti : 0) * 16 * VP * 2);
+            load_tile_fast<FMT, D, VP>(kp, vp, ksp, vsp, ti, raw[ti], vdst + (FMT == FMT_BF16 ? ti : 0) * 16 * VP * 2, kdst);
         else if (bb0 + 16 * (ti - ti % NT) < kend)  // a step's tiles past the end read row k0
-            load_tile<FMT, D, VP>(c, row0, bb0 + 16 * ti, k0, kend, lane, raw[ti], vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP);
+            load_tile<FMT, D, VP>(c, row0, bb0 + 16 * ti, k0, kend, lane, raw[ti], vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP,
+                                  kt + ti * KTile<D>::BYTES);
         if (FMT == FMT_BF16) asm volatile("cp.async.commit_group;" ::: "memory");
     };
     auto advance = [&]() {  // the pointers to the warp's next batch
@@ -896,6 +963,10 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             // key base + 16 u + 8 + g. Scores in log2 units (exp2 below); m and l are kept in
             // them until the end.
             constexpr float LOG2E = 1.4426950408889634f;
+            if (KSM) {  // this step's key (and value) tiles have landed, every lane's copies
+                cp_async_wait(RING ? TILES - NT : TILES - NT - t0);
+                __syncwarp();
+            }
             float s4[NT][4];
 #pragma unroll
             for (int u = 0; u < NT; ++u) {
@@ -903,8 +974,26 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                 // QK_CHAINS independent accumulators (chunk j into chain j % QK_CHAINS), summed.
                 float sc[4] = {init0, init1, init0, init1}, sc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 u32 ka[D / 8], kb[D / 8];
-                k_operand<FMT, D>(r.k[0], ka);
-                k_operand<FMT, D>(r.k[1], kb);
+                if (KSM) {  // the lane's slice chunks t + 4 i of rows g, g + 8 (load_pieces' order)
+                    constexpr int KW = Raw<FMT, D>::KW;
+                    const u8* tile = kt + (t0 + u) * KTile<D>::BYTES;
+                    u32 w[2][KW];
+#pragma unroll
+                    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                        for (int i = 0; i < KW / 4; ++i) {
+                            const uint4 v = *reinterpret_cast<const uint4*>(tile + KTile<D>::at(g + 8 * nt, t + 4 * i));
+                            w[nt][4 * i] = v.x;
+                            w[nt][4 * i + 1] = v.y;
+                            w[nt][4 * i + 2] = v.z;
+                            w[nt][4 * i + 3] = v.w;
+                        }
+                    k_operand<FMT, D>(w[0], ka);
+                    k_operand<FMT, D>(w[1], kb);
+                } else {
+                    k_operand<FMT, D>(r.k[0], ka);
+                    k_operand<FMT, D>(r.k[1], kb);
+                }
 #pragma unroll
                 for (int j = 0; j < D / 16; ++j)
                     mma16816<F16>(STOKE_ATTN_QK_CHAINS == 2 && j % 2 ? sc2 : sc, ka[2 * j], kb[2 * j], ka[2 * j + 1], kb[2 * j + 1], qa[j][0], qa[j][1]);
@@ -977,7 +1066,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                 if (FMT == FMT_FP8) codes_to_tile<FMT, D, VP>(r, lane, vt + u * 16 * VP);
             }
             // BF16: the groups queued after this step's last slot may still be in flight.
-            if (FMT == FMT_BF16) cp_async_wait(RING ? TILES - NT : TILES - NT - t0);
+            if (FMT == FMT_BF16 && !KSM) cp_async_wait(RING ? TILES - NT : TILES - NT - t0);
             if (FMT == FMT_INT4) {
                 // V^T from registers: word j's bytes 0-1 / 2-3 of the four keys give m-tiles
                 // 4j + 2 hi and 4j + 2 hi + 1 (int4_key_pairs).
@@ -1181,7 +1270,9 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 // split plan asks the occupancy calculator.
 // Holding BF16 and FP8 to 168 registers for 3 CTAs per SM was measured slower
 // (results/experiments/h200-attention-3ctas-f301e7a.json).
-#define DECODE_ATTN_ENTRY(NAME, FMT, D, W, MC) \
+// NAME_dyn_smem: the dynamic shared memory each launch must bring (Runtime::kernel reads it).
+#define DECODE_ATTN_ENTRY(NAME, FMT, D, W, MC)                                                       \
+    extern "C" __device__ unsigned NAME##_dyn_smem = AttnShape<FMT, D>::DYN;                        \
     extern "C" __global__ void __launch_bounds__(W * 32, MC) NAME(const AttnParams p) { decode_attn<FMT, D>(p); }
 
 DECODE_ATTN_ENTRY(decode_attn_bf16_d64, FMT_BF16, 64, STOKE_ATTN_WARPS, STOKE_ATTN_MIN_CTAS)

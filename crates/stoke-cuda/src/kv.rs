@@ -255,7 +255,7 @@ impl DeviceKvCache {
         let shape = LaunchShape {
             grid: (splits, self.kv_heads, batch),
             block: (threads, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: kernel.dyn_smem,
         };
         // SAFETY: as above; the partials are Stoke buffers freed on this stream after use.
         unsafe { rt.launch(&kernel, shape, &params) }

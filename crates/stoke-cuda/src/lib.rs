@@ -39,6 +39,12 @@ pub enum Error {
     NvrtcMissing(String),
     #[error("kernel `{entry}` not found in kernels/{file}")]
     MissingEntry { file: String, entry: String },
+    #[error("kernel `{entry}` in kernels/{file} cannot launch: {reason}")]
+    KernelResources {
+        file: String,
+        entry: String,
+        reason: String,
+    },
     #[error("{0}")]
     Shape(String),
     #[error("kernel cache at {path}: {source}")]

@@ -38,6 +38,10 @@ pub struct Kernel {
     pub entry: &'static str,
     /// The most threads per CTA the kernel launches with: its launch bounds, where it has them.
     pub max_threads: u32,
+    /// Dynamic shared memory every launch of this kernel needs, in bytes: the value of the
+    /// module's `u32` global `<entry>_dyn_smem` where the kernel defines one (its size then
+    /// follows the kernel's compile-time knobs, which the host does not see), else 0.
+    pub dyn_smem: u32,
 }
 
 /// Grid, block and dynamic shared memory of one launch.
@@ -205,10 +209,39 @@ impl Runtime {
         let max_threads = func
             .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
             .call("cuFuncGetAttribute")? as u32;
+        let dyn_smem = match module.get_global(&format!("{entry}_dyn_smem"), &self.stream) {
+            Ok(sym) if sym.len() == 4 => {
+                let bytes = self.stream.clone_dtoh(&sym).call("cuMemcpyDtoH")?;
+                u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]])
+            }
+            Ok(sym) => {
+                return Err(Error::KernelResources {
+                    file: src.file.to_string(),
+                    entry: entry.to_string(),
+                    reason: format!(
+                        "its {entry}_dyn_smem global is {} bytes, not a u32",
+                        sym.len()
+                    ),
+                });
+            }
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_FOUND => 0,
+            Err(e) => return Err(e).call("cuModuleGetGlobal"),
+        };
+        if dyn_smem as i32 > self.shared_optin as i32 - static_bytes {
+            return Err(Error::KernelResources {
+                file: src.file.to_string(),
+                entry: entry.to_string(),
+                reason: format!(
+                    "it needs {dyn_smem} bytes of dynamic shared memory beside {static_bytes} static; {} allows {} per CTA in all",
+                    self.name, self.shared_optin
+                ),
+            });
+        }
         let kernel = Kernel {
             func,
             entry,
             max_threads,
+            dyn_smem,
         };
         self.functions
             .lock()
@@ -444,9 +477,9 @@ impl Runtime {
         self.occupancy.lock().unwrap().clear();
     }
 
-    /// Resident CTAs per SM of `kernel` launched with `block_threads` threads and no dynamic
-    /// shared memory: the occupancy calculator over its registers, shared memory and launch
-    /// bounds (cached). Launch plans size their grids by it.
+    /// Resident CTAs per SM of `kernel` launched with `block_threads` threads and its dynamic
+    /// shared memory (`Kernel::dyn_smem`): the occupancy calculator over its registers, shared
+    /// memory and launch bounds (cached). Launch plans size their grids by it.
     pub fn resident_ctas(&self, kernel: &Kernel, block_threads: u32) -> Result<u32> {
         let key = (kernel.entry, block_threads);
         if let Some(n) = self.occupancy.lock().unwrap().get(&key) {
@@ -455,7 +488,11 @@ impl Runtime {
         self.bind()?;
         let n = kernel
             .func
-            .occupancy_max_active_blocks_per_multiprocessor(block_threads, 0, None)
+            .occupancy_max_active_blocks_per_multiprocessor(
+                block_threads,
+                kernel.dyn_smem as usize,
+                None,
+            )
             .call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?
             .max(1);
         self.occupancy.lock().unwrap().insert(key, n);
