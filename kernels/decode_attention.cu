@@ -158,6 +158,11 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_K_SMEM
 #define STOKE_ATTN_K_SMEM 0
 #endif
+// Splits whose partials the last split's merge loads together per head of a warp (8: with 8
+// heads per kv head, a warp's 2 heads keep 16 float4 loads in flight).
+#ifndef STOKE_ATTN_MERGE_UNROLL
+#define STOKE_ATTN_MERGE_UNROLL 8
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int MAX_GROUP = 8;
 
@@ -1246,7 +1251,8 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             f[r] = ms[r] == NEG_INF ? 0.0f : __expf(ms[r] - mx[r]);  // an empty split adds 0
             lsum[r] += ls[r] * f[r];
         }
-#pragma unroll 8
+        constexpr int MU = STOKE_ATTN_MERGE_UNROLL;
+#pragma unroll MU
         for (u32 i = 0; i < n; ++i)
 #pragma unroll
             for (int r = 0; r < QR; ++r) {
