@@ -158,10 +158,13 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_K_SMEM
 #define STOKE_ATTN_K_SMEM 0
 #endif
-// Splits whose partials the last split's merge loads together per head of a warp (8: with 8
-// heads per kv head, a warp's 2 heads keep 16 float4 loads in flight).
+// Splits whose partials the last split's merge loads together per head of a warp (16: with 8
+// heads per kv head, a warp's 2 heads keep 32 float4 loads in flight). Against 8, same run
+// (results/experiments/h200-attention-merge-k-smem-65d0f3d.json): B = 1, ctx 32k BF16 41.4 ->
+// 40.3 us (8B), 42.5 -> 42.1 us (70B); B = 1, ctx 1024 8.4 -> 8.2 / 9.4 -> 8.9 us; one split
+// (B = 32) within 0.8%.
 #ifndef STOKE_ATTN_MERGE_UNROLL
-#define STOKE_ATTN_MERGE_UNROLL 8
+#define STOKE_ATTN_MERGE_UNROLL 16
 #endif
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int MAX_GROUP = 8;
