@@ -22,6 +22,9 @@
 //                     partial (max, sum, unnormalized output) of each head, and the last split
 //                     of a (batch, kv head) to finish merges them all and writes the output
 //                     (an arrival count per (batch, kv head); no second launch).
+//   NAME_dyn_smem     (u32 globals) the dynamic shared memory each attention entry point needs:
+//                     0 as shipped; the K and V tiles with STOKE_ATTN_K_SMEM. The runtime reads
+//                     them when it loads the entry point and launches with that size.
 //
 // Tensor cores, per warp and 16-key tile (one query token per sequence):
 //   S^T = K Q^T  mma.m16n8k16 with the tile's 16 keys as rows (A = key rows g and g + 8 of lane
