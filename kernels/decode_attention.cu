@@ -558,6 +558,21 @@ __device__ __forceinline__ void cp_async_wait(int n) {
     }
 }
 
+// cp.async of a tile's 16 rows of KB bytes, whole rows per instruction (lane: 16-byte chunk
+// lane % CPR of rows RPI i + lane / CPR), rows past k1 read row k0; dst(row, chunk) is the
+// chunk's shared-memory address.
+template <int KB, typename Dst>
+__device__ __forceinline__ void copy_tile_rows(const void* src, u64 row0, u32 base, u32 k0, u32 k1, u32 lane, Dst dst) {
+    constexpr int CPR = KB / 16, RPI = 32 / CPR;
+    const u32 r0 = lane / CPR, col = lane % CPR;
+#pragma unroll
+    for (int i = 0; i < 16 / RPI; ++i) {
+        const u32 kr = RPI * i + r0;
+        const u64 row = row0 + (base + kr < k1 ? base + kr : k0);
+        cp_async16(dst(kr, col), static_cast<const u8*>(src) + row * KB + col * 16);
+    }
+}
+
 // Queues the loads of the tile at key `base`: K slices into r, V (BF16: cp.async into `tile`;
 // mirrors: into r). Rows past k1 read row k0: finite values under masked (zero) probabilities.
 template <int FMT, int D, int VP>
@@ -566,16 +581,8 @@ __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, 
     const u32 g = lane >> 2, t = lane & 3;
     constexpr int KB = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;  // bytes per row
     constexpr int KP = Piece<KB / 4>::BYTES, VP2 = Piece<KB / 2>::BYTES;
-    if (FMT == FMT_BF16 && STOKE_ATTN_K_SMEM) {
-        // Whole rows per instruction, as the values below; chunks swizzled (KTile).
-        constexpr int CPR = KB / 16, RPI = 32 / CPR;
-        const u32 kr0 = lane / CPR, col = lane % CPR;
-#pragma unroll
-        for (int i = 0; i < 16 / RPI; ++i) {
-            const u32 kr = RPI * i + kr0;
-            const u64 krow = row0 + (base + kr < k1 ? base + kr : k0);
-            cp_async16(smem_u32(ktile + KTile<D>::at(kr, col)), static_cast<const u8*>(c.k) + krow * KB + col * 16);
-        }
+    if (FMT == FMT_BF16 && STOKE_ATTN_K_SMEM) {  // chunks swizzled (KTile)
+        copy_tile_rows<KB>(c.k, row0, base, k0, k1, lane, [&](u32 row, u32 chunk) { return smem_u32(ktile + KTile<D>::at(row, chunk)); });
     } else {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
@@ -588,15 +595,7 @@ __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, 
     const bool valid = base + key < k1;
     const u64 row = row0 + (valid ? base + key : k0);
     if (FMT == FMT_BF16 && STOKE_ATTN_V_ROWS) {
-        // Whole rows per instruction: chunk (lane % CPR) of rows RPI i + lane / CPR.
-        constexpr int CPR = KB / 16, RPI = 32 / CPR;
-        const u32 vr = lane / CPR, col = lane % CPR;
-#pragma unroll
-        for (int i = 0; i < 16 / RPI; ++i) {
-            const u32 kr = RPI * i + vr;
-            const u64 vrow = row0 + (base + kr < k1 ? base + kr : k0);
-            cp_async16(smem_u32(tile + kr * VP + col * 8), static_cast<const u8*>(c.v) + vrow * KB + col * 16);
-        }
+        copy_tile_rows<KB>(c.v, row0, base, k0, k1, lane, [&](u32 row, u32 chunk) { return smem_u32(tile + row * VP + chunk * 8); });
     } else if (FMT == FMT_BF16) {
         // Pieces 2i + half of the row (16 bytes = 8 values each).
         const u8* src = static_cast<const u8*>(c.v) + row * KB + half * 16;
