@@ -169,6 +169,14 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_MERGE_UNROLL
 #define STOKE_ATTN_MERGE_UNROLL 16
 #endif
+// 1: each split's partial output is stored as f16 under a power-of-two scale per (split, head)
+// (the row's largest magnitude brought to [2^13, 2^14)), with records (max, sum, scale, -) of 16
+// bytes; 0: f32 outputs and (max, sum) records of 8 bytes. Halves the bytes the last split's
+// merge reads (70B, B = 1, ctx 32k: 128 KB on one SM per kv head) at f16 precision, 2^-11
+// relative per element, before the merge's f32 sums.
+#ifndef STOKE_ATTN_PARTIAL_F16
+#define STOKE_ATTN_PARTIAL_F16 0
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int MAX_GROUP = 8;
 
@@ -196,7 +204,9 @@ struct AttnParams {
     const u32* len;       // [batch] keys to attend to (positions 0 .. len - 1 of the slot)
     KvCache cache;
     float* part_o;        // [batch, heads, splits, d] unnormalized outputs (splits > 1)
-    float* part_ml;       // [batch, heads, splits, 2] (running max of scaled scores, sum of exp)
+    float* part_ml;       // [batch, heads, splits, 2 or 4] (running max of scaled scores, sum of
+                          // exp; PARTIAL_F16: and the output's scale); the host allocates 16 bytes
+                          // per record
     u16* out;             // [batch, heads, d] bf16
     u32* arrived;         // [batch, kv_heads] splits finished (splits > 1); zero between launches
     u32 batch, heads, splits, chunk, block;
@@ -287,6 +297,62 @@ __device__ __forceinline__ void store_bf16(u16* p, const float (&x)[E]) {
     else
         *reinterpret_cast<u32*>(p) = w0;
 }
+
+#if STOKE_ATTN_PARTIAL_F16
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("{ .reg .f16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// A split's partial output slice (lane l: dims l E ..) of one head as f16 times 2^(14 - ex),
+// ex the exponent that bounds the row's largest magnitude (a warp max), and its record (max,
+// sum, scale 2^(ex - 14), -).
+template <int D>
+__device__ __forceinline__ void store_part_f16(float* part_o, float* ml, u64 idx, u32 lane, float m, float l,
+                                               const float (&os)[D / 32]) {
+    constexpr int E = D / 32;
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(os[e]));
+#pragma unroll
+    for (int o2 = 16; o2 > 0; o2 >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o2));
+    int ex;
+    frexpf(amax, &ex);  // amax < 2^ex (ex = 0 for amax == 0)
+    const float inv = ldexpf(1.0f, 14 - ex);
+    u16* dst = reinterpret_cast<u16*>(part_o) + idx * D + lane * E;
+    u32 w[E / 2];
+#pragma unroll
+    for (int e = 0; e < E; e += 2) {
+        u32 h;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(os[e + 1] * inv), "f"(os[e] * inv));
+        w[e / 2] = h;
+    }
+    if (E == 4)
+        *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[(E / 2) - 1]);
+    else
+        *reinterpret_cast<u32*>(dst) = w[0];
+    if (lane == 0) reinterpret_cast<float4*>(ml)[idx] = make_float4(m, l, ldexpf(1.0f, ex - 14), 0.0f);
+}
+
+// The f16 slice at src (store_part_f16) as floats.
+template <int E>
+__device__ __forceinline__ void load_part_f16(const u16* src, float (&x)[E]) {
+    u32 w[E / 2];
+    if (E == 4) {
+        const uint2 v = __ldcg(reinterpret_cast<const uint2*>(src));
+        w[0] = v.x;
+        w[(E / 2) - 1] = v.y;
+    } else {
+        w[0] = __ldcg(reinterpret_cast<const unsigned int*>(src));
+    }
+#pragma unroll
+    for (int e = 0; e < E; e += 2) {
+        x[e] = f16_to_f32(u16(w[e / 2]));
+        x[e + 1] = f16_to_f32(u16(w[e / 2] >> 16));
+    }
+}
+#endif
 
 // A head's merged output slice (lane l: dims l E ..): divided by the row sum, rotated back
 // (undoes V's rotation; block 0: none) and written as bf16 at out.
@@ -1188,11 +1254,15 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             write_head<D>(os, lsum, p.block, lane, p.out + row * D);
         } else {
             const u64 ph = row * p.splits + split;
+#if STOKE_ATTN_PARTIAL_F16
+            store_part_f16<D>(p.part_o, p.part_ml, ph, lane, mx, lsum, os);
+#else
             store_floats<E>(p.part_o + ph * D + lane * E, os);
             if (lane == 0) {
                 p.part_ml[ph * 2] = mx;
                 p.part_ml[ph * 2 + 1] = lsum;
             }
+#endif
         }
     }
     if (p.splits == 1) return;
@@ -1212,22 +1282,37 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     // The warp's heads together (their loads interleave). Lane l first holds split l's (max,
     // sum) of each head, and the splits' weights reach the other lanes by shuffles.
     float mx[QR], lsum[QR], os[QR][E], ms[QR], ls[QR];
-    const float* po[QR];
-    const float2* ml[QR];
+#if STOKE_ATTN_PARTIAL_F16
+    // Records (max, sum, scale, -), f16 outputs; the scale goes into the split's weight.
+    typedef float4 Rec;
+    typedef u16 PartT;
+    float sc[QR];
+#else
+    typedef float2 Rec;
+    typedef float PartT;
+#endif
+    const PartT* po[QR];
+    const Rec* ml[QR];
     bool hv[QR];
 #pragma unroll
     for (int r = 0; r < QR; ++r) {
         const u32 h = warp + WARPS * r;
         hv[r] = h < group;
         const u64 row = u64(b) * p.heads + kvh * group + (hv[r] ? h : 0);
-        ml[r] = reinterpret_cast<const float2*>(p.part_ml) + row * p.splits;
-        po[r] = p.part_o + row * p.splits * D + lane * E;
+        ml[r] = reinterpret_cast<const Rec*>(p.part_ml) + row * p.splits;
+        po[r] = reinterpret_cast<const PartT*>(p.part_o) + row * p.splits * D + lane * E;
         ms[r] = NEG_INF;
         ls[r] = 0.0f;
+#if STOKE_ATTN_PARTIAL_F16
+        sc[r] = 1.0f;  // lanes past the splits: weight 0 times a finite scale
+#endif
         if (hv[r] && lane < p.splits) {
-            const float2 v = __ldcg(&ml[r][lane]);
+            const Rec v = __ldcg(&ml[r][lane]);
             ms[r] = v.x;
             ls[r] = v.y;
+#if STOKE_ATTN_PARTIAL_F16
+            sc[r] = v.z;
+#endif
         }
         mx[r] = ms[r];
         if (hv[r])
@@ -1248,13 +1333,19 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             if (s0 > 0) {
                 ms[r] = NEG_INF;
                 if (hv[r] && lane < n) {
-                    const float2 v = __ldcg(&ml[r][s0 + lane]);
+                    const Rec v = __ldcg(&ml[r][s0 + lane]);
                     ms[r] = v.x;
                     ls[r] = v.y;
+#if STOKE_ATTN_PARTIAL_F16
+                    sc[r] = v.z;
+#endif
                 }
             }
             f[r] = ms[r] == NEG_INF ? 0.0f : __expf(ms[r] - mx[r]);  // an empty split adds 0
             lsum[r] += ls[r] * f[r];
+#if STOKE_ATTN_PARTIAL_F16
+            f[r] *= sc[r];  // the split's output scale
+#endif
         }
         constexpr int MU = STOKE_ATTN_MERGE_UNROLL;
 #pragma unroll MU
@@ -1264,7 +1355,11 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                 const float fi = __shfl_sync(0xffffffffu, f[r], i);
                 if (!hv[r]) continue;
                 float x[E];
+#if STOKE_ATTN_PARTIAL_F16
+                load_part_f16<E>(po[r] + u64(s0 + i) * D, x);
+#else
                 load_floats<E, true>(po[r] + u64(s0 + i) * D, x);
+#endif
 #pragma unroll
                 for (int e = 0; e < E; ++e) os[r][e] += x[e] * fi;
             }

@@ -227,7 +227,9 @@ impl DeviceKvCache {
             let arrived = rt.zeroed_scratch(batch as usize * self.kv_heads as usize * 4)?;
             Some((
                 rt.alloc(items * self.d as usize * 4)?,
-                rt.alloc(items * 8)?,
+                // Records of (max, sum) or, with the kernel's STOKE_ATTN_PARTIAL_F16, (max,
+                // sum, scale, -): room for the larger.
+                rt.alloc(items * 16)?,
                 arrived,
             ))
         } else {
