@@ -288,6 +288,15 @@ __device__ __forceinline__ void store_floats(float* p, const float (&x)[E]) {
         *reinterpret_cast<float2*>(p) = make_float2(x[0], x[E - 1]);
 }
 
+// N (1 or 2) words stored at p (aligned).
+template <int N>
+__device__ __forceinline__ void store_words(u16* p, const u32 (&w)[N]) {
+    if (N == 2)
+        *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[N - 1]);
+    else
+        *reinterpret_cast<u32*>(p) = w[0];
+}
+
 // E (2 or 4) floats as bf16 at p (aligned).
 template <int E>
 __device__ __forceinline__ void store_bf16(u16* p, const float (&x)[E]) {
@@ -297,62 +306,6 @@ __device__ __forceinline__ void store_bf16(u16* p, const float (&x)[E]) {
     else
         *reinterpret_cast<u32*>(p) = w0;
 }
-
-#if STOKE_ATTN_PARTIAL_F16
-__device__ __forceinline__ float f16_to_f32(u16 h) {
-    float f;
-    asm("{ .reg .f16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
-    return f;
-}
-
-// A split's partial output slice (lane l: dims l E ..) of one head as f16 times 2^(14 - ex),
-// ex the exponent that bounds the row's largest magnitude (a warp max), and its record (max,
-// sum, scale 2^(ex - 14), -).
-template <int D>
-__device__ __forceinline__ void store_part_f16(float* part_o, float* ml, u64 idx, u32 lane, float m, float l,
-                                               const float (&os)[D / 32]) {
-    constexpr int E = D / 32;
-    float amax = 0.0f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(os[e]));
-#pragma unroll
-    for (int o2 = 16; o2 > 0; o2 >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o2));
-    int ex;
-    frexpf(amax, &ex);  // amax < 2^ex (ex = 0 for amax == 0)
-    const float inv = ldexpf(1.0f, 14 - ex);
-    u16* dst = reinterpret_cast<u16*>(part_o) + idx * D + lane * E;
-    u32 w[E / 2];
-#pragma unroll
-    for (int e = 0; e < E; e += 2) {
-        u32 h;
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(os[e + 1] * inv), "f"(os[e] * inv));
-        w[e / 2] = h;
-    }
-    if (E == 4)
-        *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[(E / 2) - 1]);
-    else
-        *reinterpret_cast<u32*>(dst) = w[0];
-    if (lane == 0) reinterpret_cast<float4*>(ml)[idx] = make_float4(m, l, ldexpf(1.0f, ex - 14), 0.0f);
-}
-
-// The f16 slice at src (store_part_f16) as floats.
-template <int E>
-__device__ __forceinline__ void load_part_f16(const u16* src, float (&x)[E]) {
-    u32 w[E / 2];
-    if (E == 4) {
-        const uint2 v = __ldcg(reinterpret_cast<const uint2*>(src));
-        w[0] = v.x;
-        w[(E / 2) - 1] = v.y;
-    } else {
-        w[0] = __ldcg(reinterpret_cast<const unsigned int*>(src));
-    }
-#pragma unroll
-    for (int e = 0; e < E; e += 2) {
-        x[e] = f16_to_f32(u16(w[e / 2]));
-        x[e + 1] = f16_to_f32(u16(w[e / 2] >> 16));
-    }
-}
-#endif
 
 // A head's merged output slice (lane l: dims l E ..): divided by the row sum, rotated back
 // (undoes V's rotation; block 0: none) and written as bf16 at out.
@@ -426,11 +379,7 @@ __device__ __forceinline__ void append_row(const AppendParams& p, u32 b, u32 h, 
     u32 w[E / 2];
     load_words<E / 2>(reinterpret_cast<const u8*>(src), w);
     if (p.main.k) {
-        u16* dst = static_cast<u16*>(is_v ? p.main.v : p.main.k) + ((u64(slot) * kvh + h) * p.main.cap + pos) * D + lane * E;
-        if (E == 4)
-            *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[E / 2 - 1]);
-        else
-            *reinterpret_cast<u32*>(dst) = w[0];
+        store_words<E / 2>(static_cast<u16*>(is_v ? p.main.v : p.main.k) + ((u64(slot) * kvh + h) * p.main.cap + pos) * D + lane * E, w);
     }
     if (!p.mirror.k) return;
     const KvCache& m = p.mirror;
@@ -499,6 +448,50 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+
+// The two halves (low, high) of an f16 pair as f32.
+__device__ __forceinline__ void f16x2_to_f32(u32 h2, float& lo, float& hi) {
+    asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }" : "=f"(lo), "=f"(hi) : "r"(h2));
+}
+
+#if STOKE_ATTN_PARTIAL_F16
+// A split's partial output slice (lane l: dims l E ..) of one head as f16 times 2^(14 - ex),
+// ex the exponent that bounds the row's largest magnitude (a warp max), and its record (max,
+// sum, scale 2^(ex - 14), -).
+template <int D>
+__device__ __forceinline__ void store_part_f16(float* part_o, float* ml, u64 idx, u32 lane, float m, float l,
+                                               const float (&os)[D / 32]) {
+    constexpr int E = D / 32;
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(os[e]));
+#pragma unroll
+    for (int o2 = 16; o2 > 0; o2 >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o2));
+    int ex;
+    frexpf(amax, &ex);  // amax < 2^ex (ex = 0 for amax == 0)
+    const float inv = ldexpf(1.0f, 14 - ex);
+    u32 w[E / 2];
+#pragma unroll
+    for (int e = 0; e < E; e += 2) w[e / 2] = pack2<true>(os[e] * inv, os[e + 1] * inv);
+    store_words<E / 2>(reinterpret_cast<u16*>(part_o) + idx * D + lane * E, w);
+    if (lane == 0) reinterpret_cast<float4*>(ml)[idx] = make_float4(m, l, ldexpf(1.0f, ex - 14), 0.0f);
+}
+
+// The f16 slice at src (store_part_f16) as floats, read through the L2 (other CTAs wrote it).
+template <int E>
+__device__ __forceinline__ void load_part_f16(const u16* src, float (&x)[E]) {
+    u32 w[E / 2];
+    if (E == 4) {
+        const uint2 v = __ldcg(reinterpret_cast<const uint2*>(src));
+        w[0] = v.x;
+        w[(E / 2) - 1] = v.y;
+    } else {
+        w[0] = __ldcg(reinterpret_cast<const unsigned int*>(src));
+    }
+#pragma unroll
+    for (int e = 0; e < E; e += 2) f16x2_to_f32(w[e / 2], x[e], x[e + 1]);
+}
+#endif
 
 template <bool F16>
 __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -1013,7 +1006,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         qa[R / 2][R % 2] = h2;
         if (FMT == FMT_INT4) {
             float lo, hi;
-            asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }" : "=f"(lo), "=f"(hi) : "r"(h2));
+            f16x2_to_f32(h2, lo, hi);
             off += (R % 2 ? 1152.0f : 1032.0f) * (lo + hi);
         }
     }

@@ -209,11 +209,13 @@ impl Runtime {
         let max_threads = func
             .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
             .call("cuFuncGetAttribute")? as u32;
-        // Read on a short-lived stream of its own (non-blocking), so that loading an entry
-        // point while Stoke's stream is being captured into a graph adds nothing to the graph.
-        let side = self.ctx.new_stream().call("cuStreamCreate")?;
-        let dyn_smem = match module.get_global(&format!("{entry}_dyn_smem"), &side) {
+        // The lookup queues nothing on the stream it is given; the value is read on a
+        // short-lived stream of its own (non-blocking), made only for kernels that export one,
+        // so that loading an entry point while Stoke's stream is being captured into a graph
+        // adds nothing to the graph.
+        let dyn_smem = match module.get_global(&format!("{entry}_dyn_smem"), &self.stream) {
             Ok(sym) if sym.len() == 4 => {
+                let side = self.ctx.new_stream().call("cuStreamCreate")?;
                 let bytes = side.clone_dtoh(&sym).call("cuMemcpyDtoH")?;
                 u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]])
             }
