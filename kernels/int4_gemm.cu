@@ -98,6 +98,21 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_SWAPK_KB
 #define STOKE_INT4_SWAPK_KB 8
 #endif
+// 1: the swapped kernels sum each fold unit's x with one more mma per k-tile, against an A
+// operand of bf16 ones (C row i = the sums of the x rows, whatever i: exactly the s0 / s1
+// layout the fold needs), instead of 8 unpack-and-add instructions per k-tile and 4 shuffles
+// per unit on the CUDA cores. S then carries the tensor core's f32 accumulation, as P' does.
+#ifndef STOKE_INT4_SX_MMA
+#define STOKE_INT4_SX_MMA 0
+#endif
+// Timing probes of the swapped kernels (wrong results; the GPU test skips them): 1 keeps the
+// loads (weights, x, scales) and the launch shape but drops all arithmetic (the loaded words
+// are XORed into one register); 2 keeps the loads, the nibble expansion and the mma but drops
+// the sums of x and the folds (one fold at the end). Time against the shipped kernel to split
+// its time into memory, expansion + mma, and the fold's share.
+#ifndef STOKE_INT4_PROBE
+#define STOKE_INT4_PROBE 0
+#endif
 // 1: each warp's KB load slots form a ring, a slot refilled with the k-tile KB ahead as soon
 // as it has been used (KB - 1 k-tiles always in flight); 0: filled KB at a time.
 #ifndef STOKE_INT4_SWAP_PIPELINE
@@ -596,6 +611,17 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
 
     float part[NT][4][4];
     float sx[NT];  // sum of x row 8 nt + g over the lane's k of the current unit
+#if STOKE_INT4_SX_MMA
+    float sacc[NT][4];  // the unit's sums of x by mma (see STOKE_INT4_SX_MMA)
+    constexpr u32 ONES[4] = {0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sacc[nt][c] = 0.0f;
+#endif
+#if STOKE_INT4_PROBE != 0
+    u32 probe = 0;
+#endif
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         sx[nt] = 0.0f;
@@ -653,6 +679,11 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
 #pragma unroll
         for (int s = 0; s < KB; ++s) {
             if (i0 + s >= tiles) break;
+#if STOKE_INT4_PROBE == 1
+            probe ^= w[s].x ^ w[s].y ^ w[s].z ^ w[s].w;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) probe ^= b0[s][nt] ^ b1[s][nt];
+#else
             const u32 words[4] = {w[s].x, w[s].y, w[s].z, w[s].w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -661,23 +692,52 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) mma_bf16(part[nt][j], a, b0[s][nt], b1[s][nt]);
             }
+#if STOKE_INT4_PROBE == 0
+#if STOKE_INT4_SX_MMA
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) mma_bf16(sacc[nt], ONES, b0[s][nt], b1[s][nt]);
+#else
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
                 sx[nt] += (bf16_lo(b0[s][nt]) + bf16_hi(b0[s][nt])) + (bf16_lo(b1[s][nt]) + bf16_hi(b1[s][nt]));
+#endif
+#endif
+#endif
             if (RING && i0 + s + KB < tiles) fill(s);
             if (++in_unit < fkt) continue;
-            // The unit is complete. Fold: S of x rows 8 nt + 2t and 8 nt + 2t + 1 (row g's sum is
-            // complete after adding the 4 lanes of group g; lane 4 r holds row r's).
             in_unit = 0;
+#if STOKE_INT4_PROBE != 0
+            if (STOKE_INT4_PROBE != 0) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    probe ^= dm[i];
+                    dm[i] = dmn[i];
+                }
+                ++unit;
+                gw.next();
+                if (unit + 1 < u_end) load_scales(gw.row, dmn);
+                continue;
+            }
+#endif
+            // The unit is complete. Fold: S of x rows 8 nt + 2t and 8 nt + 2t + 1.
             float s0[NT], s1[NT];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
+#if STOKE_INT4_SX_MMA
+                // C rows are all alike: c0 / c1 are x rows 8 nt + 2t / + 1.
+                s0[nt] = sacc[nt][0];
+                s1[nt] = sacc[nt][1];
+#pragma unroll
+                for (int c = 0; c < 4; ++c) sacc[nt][c] = 0.0f;
+#else
+                // Row g's sum is complete after adding the 4 lanes of group g; lane 4 r holds row r's.
                 float v = sx[nt];
                 v += __shfl_xor_sync(0xffffffffu, v, 1);
                 v += __shfl_xor_sync(0xffffffffu, v, 2);
                 s0[nt] = __shfl_sync(0xffffffffu, v, 8 * t);
                 s1[nt] = __shfl_sync(0xffffffffu, v, 8 * t + 4);
                 sx[nt] = 0.0f;
+#endif
             }
 #pragma unroll
             for (int j = 0; j < 4; ++j)
@@ -701,6 +761,17 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
             if (unit + 1 < u_end) load_scales(gw.row, dmn);
         }
     }
+#if STOKE_INT4_PROBE == 2
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[nt][j][c] = part[nt][j][c];
+#endif
+#if STOKE_INT4_PROBE != 0
+    acc[0][0][1] = __uint_as_float(probe);
+#endif
 }
 
 // Stream-K (entry points int4_gemm_swapk_EPI_SC, m <= 8, launched with p.splits == 0 and at

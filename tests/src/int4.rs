@@ -357,6 +357,13 @@ fn bench_variant(
 ) {
     let rt = rt.clone();
     let mut rng = StdRng::seed_from_u64(7);
+    // A variant's rows may be limited to some kinds and rows (comma lists in
+    // STOKE_INT4_VARIANT_KINDS, e.g. `SwapAB`, and STOKE_INT4_VARIANT_ROWS, e.g. `1,8`), to time
+    // a knob of one kernel without the rest of the table.
+    let only = |var: &str, item: &str| {
+        variant.is_empty()
+            || std::env::var(var).map_or(true, |v| v.split(',').any(|s| s.trim() == item))
+    };
     for &(name, k, n) in BENCH_SHAPES {
         let weights: Vec<Vec<DeviceInt4>> = orders
             .iter()
@@ -383,6 +390,11 @@ fn bench_variant(
                     (true, false, 0..=8) => "SwapAB",
                     (true, false, _) => "Swap16",
                 };
+                if !only("STOKE_INT4_VARIANT_KINDS", kind)
+                    || !only("STOKE_INT4_VARIANT_ROWS", &m.to_string())
+                {
+                    continue;
+                }
                 for dws in &weights {
                     let dw = &dws[0];
                     let mut call = Int4Gemm::plain(
