@@ -110,6 +110,13 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 // are XORed into one register); 2 keeps the loads, the nibble expansion and the mma but drops
 // the sums of x and the folds (one fold at the end). Time against the shipped kernel to split
 // its time into memory, expansion + mma, and the fold's share.
+// 1: the swapped kernels' fold in fewer instructions: symmetric scales as d (P' - 136 S) with
+// the row term once per row, the fragment's odd rows skipped when the CTA has one row of x,
+// and each unit's scales loaded into the same registers once the previous fold has used them
+// (no second set, no copies).
+#ifndef STOKE_INT4_FOLD2
+#define STOKE_INT4_FOLD2 0
+#endif
 #ifndef STOKE_INT4_PROBE
 #define STOKE_INT4_PROBE 0
 #endif
@@ -118,6 +125,11 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_SWAP_PIPELINE
 #define STOKE_INT4_SWAP_PIPELINE 1
 #endif
+
+template <bool B>
+struct Bool {
+    static constexpr bool value = B;
+};
 
 __device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
@@ -644,10 +656,15 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
     };
     // Scales of the current unit (dm) and of the next one (dmn), in flight a unit ahead.
     GroupWalk gw(p, u_begin);
-    u32 dm[8], dmn[8];
+    u32 dm[8];
     if (u_begin < u_end) load_scales(gw.row, dm);
+#if STOKE_INT4_FOLD2
+    const bool odd_rows = row0 + 1 < p.m;  // x rows 8 nt + 2t + 1 exist (some t, nt)
+#else
+    u32 dmn[8];
     gw.next();
     if (u_begin + 1 < u_end) load_scales(gw.row, dmn);
+#endif
     u32 unit = u_begin, in_unit = 0;
 
     // KB slots of loads (a 16 x 64 weight strip and the x fragments per k-tile). RING: a slot is
@@ -709,13 +726,10 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
 #if STOKE_INT4_PROBE != 0
             if (STOKE_INT4_PROBE != 0) {
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    probe ^= dm[i];
-                    dm[i] = dmn[i];
-                }
+                for (int i = 0; i < 8; ++i) probe ^= dm[i];
                 ++unit;
                 gw.next();
-                if (unit + 1 < u_end) load_scales(gw.row, dmn);
+                if (unit < u_end) load_scales(gw.row, dm);
                 continue;
             }
 #endif
@@ -739,6 +753,52 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
                 sx[nt] = 0.0f;
 #endif
             }
+#if STOKE_INT4_FOLD2
+            // Symmetric: c += d (P' - 136 S), the row term -136 S once per row; asymmetric as
+            // below. With one row of x in the CTA (odd_rows false) the fragment's odd rows are
+            // skipped (a uniform branch). The next unit's scales go into dm as soon as these are
+            // used: a unit of k-tiles ahead of their fold.
+            auto fold = [&](auto odd) {
+                constexpr bool ODD = decltype(odd)::value;
+                float t0[NT], t1[NT];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    t0[nt] = -136.0f * s0[nt];
+                    t1[nt] = -136.0f * s1[nt];
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float dv, mv;
+                        if (sym) dv = scale_value<F16S>(dm[2 * j + h]);
+                        else fold_coeffs<F16S>(dm[2 * j + h], dm[2 * j + h] >> 16, false, dv, mv);
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt) {
+                            float(&c)[4] = acc[nt][j];
+                            const float* pt = part[nt][j];
+                            if (sym) {
+                                c[2 * h] = fmaf(dv, pt[2 * h] + t0[nt], c[2 * h]);
+                                if (ODD) c[2 * h + 1] = fmaf(dv, pt[2 * h + 1] + t1[nt], c[2 * h + 1]);
+                            } else {
+                                c[2 * h] = fmaf(dv, pt[2 * h], fmaf(mv, s0[nt], c[2 * h]));
+                                if (ODD) c[2 * h + 1] = fmaf(dv, pt[2 * h + 1], fmaf(mv, s1[nt], c[2 * h + 1]));
+                            }
+                        }
+                    }
+            };
+            if (odd_rows) fold(Bool<true>{});
+            else fold(Bool<false>{});
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) part[nt][j][c] = 0.0f;
+            ++unit;
+            gw.next();
+            if (unit < u_end) load_scales(gw.row, dm);
+#else
 #pragma unroll
             for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -759,6 +819,7 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
             ++unit;
             gw.next();
             if (unit + 1 < u_end) load_scales(gw.row, dmn);
+#endif
         }
     }
 #if STOKE_INT4_PROBE == 2
