@@ -110,6 +110,13 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 // are XORed into one register); 2 keeps the loads, the nibble expansion and the mma but drops
 // the sums of x and the folds (one fold at the end). Time against the shipped kernel to split
 // its time into memory, expansion + mma, and the fold's share.
+// 1: with 8 k-tiles per fold unit (groups of 128 and more) and a ring of 4 or 8 slots, the
+// swapped kernels fold each unit one k-tile late, after the next unit's first mma is issued,
+// from a second set of partial sums (16 more registers at m <= 8), so that no warp waits on its
+// own last mma at a unit boundary.
+#ifndef STOKE_INT4_FOLD_LATE
+#define STOKE_INT4_FOLD_LATE 0
+#endif
 // 1: the swapped kernels' fold in fewer instructions: symmetric scales as d (P' - 136 S) with
 // the row term once per row, the fragment's odd rows skipped when the CTA has one row of x,
 // and each unit's scales loaded into the same registers once the previous fold has used them
@@ -687,6 +694,86 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
         for (int s = 0; s < KB; ++s)
             if (u32(s) < tiles) fill(s);
     }
+#if STOKE_INT4_FOLD_LATE
+    // Units of 8 k-tiles with a ring of 4 or 8 slots: the unit's slots are static, so each unit
+    // accumulates into one of two partial sets (pa for the first of a pair of units, pb for the
+    // second) and the other set is folded after the first mma of the next unit is issued.
+    if (RING && fkt == 8 && 8 % KB == 0 && STOKE_INT4_PROBE == 0) {
+        float pb[NT][4][4], ps0[NT], ps1[NT];  // the second set; the pending unit's sums of x
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) pb[nt][j][c] = 0.0f;
+        u32 i = 0;  // k-tiles used
+        auto fold_set = [&](float (&pp)[NT][4][4]) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float dv, mv;
+                    fold_coeffs<F16S>(dm[2 * j + h], dm[2 * j + h] >> 16, sym, dv, mv);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        float(&c)[4] = acc[nt][j];
+                        c[2 * h] = fmaf(dv, pp[nt][j][2 * h], fmaf(mv, ps0[nt], c[2 * h]));
+                        c[2 * h + 1] = fmaf(dv, pp[nt][j][2 * h + 1], fmaf(mv, ps1[nt], c[2 * h + 1]));
+                        pp[nt][j][2 * h] = pp[nt][j][2 * h + 1] = 0.0f;
+                    }
+                }
+        };
+        // One unit into `into`; `other` holds the previous unit (pending) unless it is the first.
+        auto unit_body = [&](float (&into)[NT][4][4], float (&other)[NT][4][4], bool pending) {
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) {
+                const int sl = kk % KB;
+                const u32 words[4] = {w[sl].x, w[sl].y, w[sl].z, w[sl].w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const u32 a[4] = {nibble_pair<0>(words[j]), nibble_pair<2>(words[j]), nibble_pair<1>(words[j]),
+                                      nibble_pair<3>(words[j])};
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) mma_bf16(into[nt][j], a, b0[sl][nt], b1[sl][nt]);
+                }
+                if (kk == 0 && pending) {
+                    // The previous unit's last mma went out a k-tile ago: fold it now, then ask
+                    // for this unit's scales (dm is free again).
+                    fold_set(other);
+                    load_scales(gw.row, dm);  // gw is at this unit (a unit ahead of dm)
+                    gw.next();
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    sx[nt] += (bf16_lo(b0[sl][nt]) + bf16_hi(b0[sl][nt])) + (bf16_lo(b1[sl][nt]) + bf16_hi(b1[sl][nt]));
+                if (i + KB < tiles) fill(sl);
+                ++i;
+            }
+            // This unit's sums of x, for its fold during the next unit (or after the loop).
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                float v = sx[nt];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                ps0[nt] = __shfl_sync(0xffffffffu, v, 8 * t);
+                ps1[nt] = __shfl_sync(0xffffffffu, v, 8 * t + 4);
+                sx[nt] = 0.0f;
+            }
+        };
+        bool pending = false;
+        while (i < tiles) {
+            unit_body(part, pb, pending);
+            pending = true;
+            if (i >= tiles) {
+                fold_set(part);
+                return;
+            }
+            unit_body(pb, part, true);
+        }
+        if (pending) fold_set(pb);
+        return;
+    }
+#endif
     for (u32 i0 = 0; i0 < tiles; i0 += KB) {
         if (!RING) {
 #pragma unroll
