@@ -98,32 +98,19 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_SWAPK_KB
 #define STOKE_INT4_SWAPK_KB 8
 #endif
-// 1: the swapped kernels sum each fold unit's x with one more mma per k-tile, against an A
-// operand of bf16 ones (C row i = the sums of the x rows, whatever i: exactly the s0 / s1
-// layout the fold needs), instead of 8 unpack-and-add instructions per k-tile and 4 shuffles
-// per unit on the CUDA cores. S then carries the tensor core's f32 accumulation, as P' does.
-#ifndef STOKE_INT4_SX_MMA
-#define STOKE_INT4_SX_MMA 0
+// 1: with 8 k-tiles per fold unit (groups of 128 and more) and a ring of 4 or 8 slots, the
+// swapped kernels fold each unit one k-tile late, after the next unit's first mma is issued,
+// from a second set of partial sums (128 registers at m <= 8, still 4 CTAs per SM), so that no
+// warp waits on its own last mma at a unit boundary (70B gate/up at m = 1: 75.3 -> 70.0 us,
+// 1.01-1.08x on every shape; 0: the fold right after the unit's last mma).
+#ifndef STOKE_INT4_FOLD_LATE
+#define STOKE_INT4_FOLD_LATE 1
 #endif
 // Timing probes of the swapped kernels (wrong results; the GPU test skips them): 1 keeps the
 // loads (weights, x, scales) and the launch shape but drops all arithmetic (the loaded words
 // are XORed into one register); 2 keeps the loads, the nibble expansion and the mma but drops
 // the sums of x and the folds (one fold at the end). Time against the shipped kernel to split
 // its time into memory, expansion + mma, and the fold's share.
-// 1: with 8 k-tiles per fold unit (groups of 128 and more) and a ring of 4 or 8 slots, the
-// swapped kernels fold each unit one k-tile late, after the next unit's first mma is issued,
-// from a second set of partial sums (16 more registers at m <= 8), so that no warp waits on its
-// own last mma at a unit boundary.
-#ifndef STOKE_INT4_FOLD_LATE
-#define STOKE_INT4_FOLD_LATE 0
-#endif
-// 1: the swapped kernels' fold in fewer instructions: symmetric scales as d (P' - 136 S) with
-// the row term once per row, the fragment's odd rows skipped when the CTA has one row of x,
-// and each unit's scales loaded into the same registers once the previous fold has used them
-// (no second set, no copies).
-#ifndef STOKE_INT4_FOLD2
-#define STOKE_INT4_FOLD2 0
-#endif
 #ifndef STOKE_INT4_PROBE
 #define STOKE_INT4_PROBE 0
 #endif
@@ -132,11 +119,6 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_SWAP_PIPELINE
 #define STOKE_INT4_SWAP_PIPELINE 1
 #endif
-
-template <bool B>
-struct Bool {
-    static constexpr bool value = B;
-};
 
 __device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
@@ -630,14 +612,6 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
 
     float part[NT][4][4];
     float sx[NT];  // sum of x row 8 nt + g over the lane's k of the current unit
-#if STOKE_INT4_SX_MMA
-    float sacc[NT][4];  // the unit's sums of x by mma (see STOKE_INT4_SX_MMA)
-    constexpr u32 ONES[4] = {0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u};
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) sacc[nt][c] = 0.0f;
-#endif
 #if STOKE_INT4_PROBE != 0
     u32 probe = 0;
 #endif
@@ -665,13 +639,9 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
     GroupWalk gw(p, u_begin);
     u32 dm[8];
     if (u_begin < u_end) load_scales(gw.row, dm);
-#if STOKE_INT4_FOLD2
-    const bool odd_rows = row0 + 1 < p.m;  // x rows 8 nt + 2t + 1 exist (some t, nt)
-#else
     u32 dmn[8];
     gw.next();
     if (u_begin + 1 < u_end) load_scales(gw.row, dmn);
-#endif
     u32 unit = u_begin, in_unit = 0;
 
     // KB slots of loads (a 16 x 64 weight strip and the x fragments per k-tile). RING: a slot is
@@ -797,14 +767,9 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
                 for (int nt = 0; nt < NT; ++nt) mma_bf16(part[nt][j], a, b0[s][nt], b1[s][nt]);
             }
 #if STOKE_INT4_PROBE == 0
-#if STOKE_INT4_SX_MMA
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) mma_bf16(sacc[nt], ONES, b0[s][nt], b1[s][nt]);
-#else
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
                 sx[nt] += (bf16_lo(b0[s][nt]) + bf16_hi(b0[s][nt])) + (bf16_lo(b1[s][nt]) + bf16_hi(b1[s][nt]));
-#endif
 #endif
 #endif
             if (RING && i0 + s + KB < tiles) fill(s);
@@ -824,13 +789,6 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
             float s0[NT], s1[NT];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-#if STOKE_INT4_SX_MMA
-                // C rows are all alike: c0 / c1 are x rows 8 nt + 2t / + 1.
-                s0[nt] = sacc[nt][0];
-                s1[nt] = sacc[nt][1];
-#pragma unroll
-                for (int c = 0; c < 4; ++c) sacc[nt][c] = 0.0f;
-#else
                 // Row g's sum is complete after adding the 4 lanes of group g; lane 4 r holds row r's.
                 float v = sx[nt];
                 v += __shfl_xor_sync(0xffffffffu, v, 1);
@@ -838,54 +796,7 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
                 s0[nt] = __shfl_sync(0xffffffffu, v, 8 * t);
                 s1[nt] = __shfl_sync(0xffffffffu, v, 8 * t + 4);
                 sx[nt] = 0.0f;
-#endif
             }
-#if STOKE_INT4_FOLD2
-            // Symmetric: c += d (P' - 136 S), the row term -136 S once per row; asymmetric as
-            // below. With one row of x in the CTA (odd_rows false) the fragment's odd rows are
-            // skipped (a uniform branch). The next unit's scales go into dm as soon as these are
-            // used: a unit of k-tiles ahead of their fold.
-            auto fold = [&](auto odd) {
-                constexpr bool ODD = decltype(odd)::value;
-                float t0[NT], t1[NT];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    t0[nt] = -136.0f * s0[nt];
-                    t1[nt] = -136.0f * s1[nt];
-                }
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        float dv, mv;
-                        if (sym) dv = scale_value<F16S>(dm[2 * j + h]);
-                        else fold_coeffs<F16S>(dm[2 * j + h], dm[2 * j + h] >> 16, false, dv, mv);
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt) {
-                            float(&c)[4] = acc[nt][j];
-                            const float* pt = part[nt][j];
-                            if (sym) {
-                                c[2 * h] = fmaf(dv, pt[2 * h] + t0[nt], c[2 * h]);
-                                if (ODD) c[2 * h + 1] = fmaf(dv, pt[2 * h + 1] + t1[nt], c[2 * h + 1]);
-                            } else {
-                                c[2 * h] = fmaf(dv, pt[2 * h], fmaf(mv, s0[nt], c[2 * h]));
-                                if (ODD) c[2 * h + 1] = fmaf(dv, pt[2 * h + 1], fmaf(mv, s1[nt], c[2 * h + 1]));
-                            }
-                        }
-                    }
-            };
-            if (odd_rows) fold(Bool<true>{});
-            else fold(Bool<false>{});
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) part[nt][j][c] = 0.0f;
-            ++unit;
-            gw.next();
-            if (unit < u_end) load_scales(gw.row, dm);
-#else
 #pragma unroll
             for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -906,7 +817,6 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
             ++unit;
             gw.next();
             if (unit + 1 < u_end) load_scales(gw.row, dmn);
-#endif
         }
     }
 #if STOKE_INT4_PROBE == 2
