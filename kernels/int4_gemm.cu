@@ -585,9 +585,48 @@ __device__ __forceinline__ u32 load_u16(const u16* p) {
     return r;
 }
 
+// The swapped kernels' fold of one unit: acc += d * P' + (m - 128 d) * S per column, P' from
+// `pp` (zeroed after), S of x rows 8 nt + 2t / + 1 in s0 / s1, d and m from dm (scale in the
+// low half, offset in the high half; sym: m = -8 d).
+template <bool F16S, int NT>
+__device__ __forceinline__ void fold_swapped(float (&acc)[NT][4][4], float (&pp)[NT][4][4], const u32 (&dm)[8],
+                                             bool sym, const float (&s0)[NT], const float (&s1)[NT]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float dv, mv;
+            fold_coeffs<F16S>(dm[2 * j + h], dm[2 * j + h] >> 16, sym, dv, mv);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                // c[2h] (x row 8 nt + 2t) and c[2h + 1] (row 8 nt + 2t + 1) of column 16 j + 8 h + g.
+                float(&c)[4] = acc[nt][j];
+                c[2 * h] = fmaf(dv, pp[nt][j][2 * h], fmaf(mv, s0[nt], c[2 * h]));
+                c[2 * h + 1] = fmaf(dv, pp[nt][j][2 * h + 1], fmaf(mv, s1[nt], c[2 * h + 1]));
+                pp[nt][j][2 * h] = pp[nt][j][2 * h + 1] = 0.0f;
+            }
+        }
+}
+
+// A unit's sums of x rows 8 nt + 2t (s0) and 8 nt + 2t + 1 (s1) from the lanes' partial sums
+// sx (row g's sum is complete after adding the 4 lanes of group g; lane 4 r holds row r's),
+// putting sx back to zero.
+template <int NT>
+__device__ __forceinline__ void unit_sums(float (&sx)[NT], u32 t, float (&s0)[NT], float (&s1)[NT]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        float v = sx[nt];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        s0[nt] = __shfl_sync(0xffffffffu, v, 8 * t);
+        s1[nt] = __shfl_sync(0xffffffffu, v, 8 * t + 4);
+        sx[nt] = 0.0f;
+    }
+}
+
 // The swapped kernel's k loop: acc = this warp's sums over fold units [u_begin, u_end) of slab
 // `slab`, x rows row0 onwards; `groups` row groups share the slab's weights (L2 policy).
-template <bool F16S, int KB, int NT>
+template <bool F16S, int KB, int NT, bool LATE = STOKE_INT4_FOLD_LATE != 0>
 __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u32 row0, u32 groups, u32 u_begin,
                                            u32 u_end, float (&acc)[NT][4][4]) {
     constexpr bool RING = STOKE_INT4_SWAP_PIPELINE != 0;
@@ -664,11 +703,11 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
         for (int s = 0; s < KB; ++s)
             if (u32(s) < tiles) fill(s);
     }
-#if STOKE_INT4_FOLD_LATE
-    // Units of 8 k-tiles with a ring of 4 or 8 slots: the unit's slots are static, so each unit
-    // accumulates into one of two partial sets (pa for the first of a pair of units, pb for the
-    // second) and the other set is folded after the first mma of the next unit is issued.
-    if (RING && fkt == 8 && 8 % KB == 0 && STOKE_INT4_PROBE == 0) {
+    // LATE (STOKE_INT4_FOLD_LATE; not in the stream-K form, where the second set spills): units
+    // of 8 k-tiles with a ring of 4 or 8 slots, so a unit's slots are static; each unit
+    // accumulates into one of two partial sets (part for the first of a pair of units, pb for
+    // the second) and the other set is folded after the first mma of the next unit is issued.
+    if (LATE && RING && fkt == 8 && 8 % KB == 0 && STOKE_INT4_PROBE == 0) {
         float pb[NT][4][4], ps0[NT], ps1[NT];  // the second set; the pending unit's sums of x
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -677,22 +716,7 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
 #pragma unroll
                 for (int c = 0; c < 4; ++c) pb[nt][j][c] = 0.0f;
         u32 i = 0;  // k-tiles used
-        auto fold_set = [&](float (&pp)[NT][4][4]) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    float dv, mv;
-                    fold_coeffs<F16S>(dm[2 * j + h], dm[2 * j + h] >> 16, sym, dv, mv);
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        float(&c)[4] = acc[nt][j];
-                        c[2 * h] = fmaf(dv, pp[nt][j][2 * h], fmaf(mv, ps0[nt], c[2 * h]));
-                        c[2 * h + 1] = fmaf(dv, pp[nt][j][2 * h + 1], fmaf(mv, ps1[nt], c[2 * h + 1]));
-                        pp[nt][j][2 * h] = pp[nt][j][2 * h + 1] = 0.0f;
-                    }
-                }
-        };
+        auto fold_set = [&](float (&pp)[NT][4][4]) { fold_swapped<F16S, NT>(acc, pp, dm, sym, ps0, ps1); };
         // One unit into `into`; `other` holds the previous unit (pending) unless it is the first.
         auto unit_body = [&](float (&into)[NT][4][4], float (&other)[NT][4][4], bool pending) {
 #pragma unroll
@@ -719,16 +743,7 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
                 if (i + KB < tiles) fill(sl);
                 ++i;
             }
-            // This unit's sums of x, for its fold during the next unit (or after the loop).
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                float v = sx[nt];
-                v += __shfl_xor_sync(0xffffffffu, v, 1);
-                v += __shfl_xor_sync(0xffffffffu, v, 2);
-                ps0[nt] = __shfl_sync(0xffffffffu, v, 8 * t);
-                ps1[nt] = __shfl_sync(0xffffffffu, v, 8 * t + 4);
-                sx[nt] = 0.0f;
-            }
+            unit_sums(sx, t, ps0, ps1);  // for this unit's fold during the next (or after the loop)
         };
         bool pending = false;
         while (i < tiles) {
@@ -743,7 +758,6 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
         if (pending) fold_set(pb);
         return;
     }
-#endif
     for (u32 i0 = 0; i0 < tiles; i0 += KB) {
         if (!RING) {
 #pragma unroll
@@ -785,33 +799,10 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
                 continue;
             }
 #endif
-            // The unit is complete. Fold: S of x rows 8 nt + 2t and 8 nt + 2t + 1.
+            // The unit is complete: fold it.
             float s0[NT], s1[NT];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                // Row g's sum is complete after adding the 4 lanes of group g; lane 4 r holds row r's.
-                float v = sx[nt];
-                v += __shfl_xor_sync(0xffffffffu, v, 1);
-                v += __shfl_xor_sync(0xffffffffu, v, 2);
-                s0[nt] = __shfl_sync(0xffffffffu, v, 8 * t);
-                s1[nt] = __shfl_sync(0xffffffffu, v, 8 * t + 4);
-                sx[nt] = 0.0f;
-            }
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    float dv, mv;
-                    fold_coeffs<F16S>(dm[2 * j + h], dm[2 * j + h] >> 16, sym, dv, mv);
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        // c[2h] (x row 8 nt + 2t) and c[2h + 1] (row 8 nt + 2t + 1) of column 16 j + 8 h + g.
-                        float(&c)[4] = acc[nt][j];
-                        c[2 * h] = fmaf(dv, part[nt][j][2 * h], fmaf(mv, s0[nt], c[2 * h]));
-                        c[2 * h + 1] = fmaf(dv, part[nt][j][2 * h + 1], fmaf(mv, s1[nt], c[2 * h + 1]));
-                        part[nt][j][2 * h] = part[nt][j][2 * h + 1] = 0.0f;
-                    }
-                }
+            unit_sums(sx, t, s0, s1);
+            fold_swapped<F16S, NT>(acc, part, dm, sym, s0, s1);
 #pragma unroll
             for (int i = 0; i < 8; ++i) dm[i] = dmn[i];
             ++unit;
@@ -852,7 +843,7 @@ __device__ __forceinline__ void swap_stream_k(const Int4GemmParams& p) {
         const u32 slab = u32(b / units), u0 = u32(b - u64(slab) * units);
         const u32 u1 = u32(min(end - u64(slab) * units, u64(units)));
         float acc[1][4][4];
-        swap_units<F16S, KB, 1>(p, slab, 0, 1, u0, u1, acc);
+        swap_units<F16S, KB, 1, false>(p, slab, 0, 1, u0, u1, acc);
         // Columns 16 j + 8 h + g of x rows 2t, 2t + 1.
 #pragma unroll
         for (int j = 0; j < 4; ++j)
