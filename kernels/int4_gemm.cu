@@ -585,6 +585,28 @@ __device__ __forceinline__ u32 load_u16(const u16* p) {
     return r;
 }
 
+// One k-tile of the swapped kernels: the lane's four weight words expanded into A quads
+// (nibble pairs 0, 2, 1, 3) against the x fragments b0 / b1 of each n-tile, into pp.
+template <int NT>
+__device__ __forceinline__ void mma_tile(float (&pp)[NT][4][4], const uint4& w, const u32 (&b0)[NT],
+                                         const u32 (&b1)[NT]) {
+    const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const u32 a[4] = {nibble_pair<0>(words[j]), nibble_pair<2>(words[j]), nibble_pair<1>(words[j]),
+                          nibble_pair<3>(words[j])};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_bf16(pp[nt][j], a, b0[nt], b1[nt]);
+    }
+}
+
+// The lane's x values of one k-tile (fragments b0 / b1) added into its sums of x.
+template <int NT>
+__device__ __forceinline__ void add_x_sums(float (&sx)[NT], const u32 (&b0)[NT], const u32 (&b1)[NT]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) sx[nt] += (bf16_lo(b0[nt]) + bf16_hi(b0[nt])) + (bf16_lo(b1[nt]) + bf16_hi(b1[nt]));
+}
+
 // The swapped kernels' fold of one unit: acc += d * P' + (m - 128 d) * S per column, P' from
 // `pp` (zeroed after), S of x rows 8 nt + 2t / + 1 in s0 / s1, d and m from dm (scale in the
 // low half, offset in the high half; sym: m = -8 d).
@@ -676,9 +698,8 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
     };
     // Scales of the current unit (dm) and of the next one (dmn), in flight a unit ahead.
     GroupWalk gw(p, u_begin);
-    u32 dm[8];
+    u32 dm[8], dmn[8];
     if (u_begin < u_end) load_scales(gw.row, dm);
-    u32 dmn[8];
     gw.next();
     if (u_begin + 1 < u_end) load_scales(gw.row, dmn);
     u32 unit = u_begin, in_unit = 0;
@@ -722,14 +743,7 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
 #pragma unroll
             for (int kk = 0; kk < 8; ++kk) {
                 const int sl = kk % KB;
-                const u32 words[4] = {w[sl].x, w[sl].y, w[sl].z, w[sl].w};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const u32 a[4] = {nibble_pair<0>(words[j]), nibble_pair<2>(words[j]), nibble_pair<1>(words[j]),
-                                      nibble_pair<3>(words[j])};
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) mma_bf16(into[nt][j], a, b0[sl][nt], b1[sl][nt]);
-                }
+                mma_tile(into, w[sl], b0[sl], b1[sl]);
                 if (kk == 0 && pending) {
                     // The previous unit's last mma went out a k-tile ago: fold it now, then ask
                     // for this unit's scales (dm is free again).
@@ -737,9 +751,7 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
                     load_scales(gw.row, dm);  // gw is at this unit (a unit ahead of dm)
                     gw.next();
                 }
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    sx[nt] += (bf16_lo(b0[sl][nt]) + bf16_hi(b0[sl][nt])) + (bf16_lo(b1[sl][nt]) + bf16_hi(b1[sl][nt]));
+                add_x_sums(sx, b0[sl], b1[sl]);
                 if (i + KB < tiles) fill(sl);
                 ++i;
             }
@@ -772,32 +784,19 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) probe ^= b0[s][nt] ^ b1[s][nt];
 #else
-            const u32 words[4] = {w[s].x, w[s].y, w[s].z, w[s].w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const u32 a[4] = {nibble_pair<0>(words[j]), nibble_pair<2>(words[j]), nibble_pair<1>(words[j]),
-                                  nibble_pair<3>(words[j])};
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) mma_bf16(part[nt][j], a, b0[s][nt], b1[s][nt]);
-            }
-#if STOKE_INT4_PROBE == 0
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-                sx[nt] += (bf16_lo(b0[s][nt]) + bf16_hi(b0[s][nt])) + (bf16_lo(b1[s][nt]) + bf16_hi(b1[s][nt]));
-#endif
+            mma_tile(part, w[s], b0[s], b1[s]);
+            if (STOKE_INT4_PROBE == 0) add_x_sums(sx, b0[s], b1[s]);
 #endif
             if (RING && i0 + s + KB < tiles) fill(s);
             if (++in_unit < fkt) continue;
             in_unit = 0;
 #if STOKE_INT4_PROBE != 0
-            if (STOKE_INT4_PROBE != 0) {
 #pragma unroll
-                for (int i = 0; i < 8; ++i) probe ^= dm[i];
-                ++unit;
-                gw.next();
-                if (unit < u_end) load_scales(gw.row, dm);
-                continue;
-            }
+            for (int i = 0; i < 8; ++i) probe ^= dm[i];
+            ++unit;
+            gw.next();
+            if (unit < u_end) load_scales(gw.row, dm);
+            continue;
 #endif
             // The unit is complete: fold it.
             float s0[NT], s1[NT];
