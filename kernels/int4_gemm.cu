@@ -696,12 +696,20 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
             dm[i] = load_u16(s16 + idx) | (sym ? 0u : load_u16(o16 + idx) << 16);
         }
     };
-    // Scales of the current unit (dm) and of the next one (dmn), in flight a unit ahead.
+    // LATE (STOKE_INT4_FOLD_LATE; not in the stream-K form, where the second set spills): units
+    // of 8 k-tiles with a ring of 4 or 8 slots, so a unit's slots are static; each unit
+    // accumulates into one of two partial sets (part for the first of a pair of units, pb for
+    // the second) and the other set is folded after the first mma of the next unit is issued.
+    const bool late = LATE && RING && fkt == 8 && 8 % KB == 0 && STOKE_INT4_PROBE == 0;
+    // Scales of the current unit (dm) and, except in the late form, which loads each unit's
+    // scales after the previous fold, of the next one (dmn), in flight a unit ahead.
     GroupWalk gw(p, u_begin);
     u32 dm[8], dmn[8];
     if (u_begin < u_end) load_scales(gw.row, dm);
-    gw.next();
-    if (u_begin + 1 < u_end) load_scales(gw.row, dmn);
+    if (!late) {
+        gw.next();
+        if (u_begin + 1 < u_end) load_scales(gw.row, dmn);
+    }
     u32 unit = u_begin, in_unit = 0;
 
     // KB slots of loads (a 16 x 64 weight strip and the x fragments per k-tile). RING: a slot is
@@ -724,11 +732,7 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
         for (int s = 0; s < KB; ++s)
             if (u32(s) < tiles) fill(s);
     }
-    // LATE (STOKE_INT4_FOLD_LATE; not in the stream-K form, where the second set spills): units
-    // of 8 k-tiles with a ring of 4 or 8 slots, so a unit's slots are static; each unit
-    // accumulates into one of two partial sets (part for the first of a pair of units, pb for
-    // the second) and the other set is folded after the first mma of the next unit is issued.
-    if (LATE && RING && fkt == 8 && 8 % KB == 0 && STOKE_INT4_PROBE == 0) {
+    if (late) {
         float pb[NT][4][4], ps0[NT], ps1[NT];  // the second set; the pending unit's sums of x
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -748,8 +752,8 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
                     // The previous unit's last mma went out a k-tile ago: fold it now, then ask
                     // for this unit's scales (dm is free again).
                     fold_set(other);
-                    load_scales(gw.row, dm);  // gw is at this unit (a unit ahead of dm)
                     gw.next();
+                    load_scales(gw.row, dm);
                 }
                 add_x_sums(sx, b0[sl], b1[sl]);
                 if (i + KB < tiles) fill(sl);
