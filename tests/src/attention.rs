@@ -653,6 +653,9 @@ fn bench_variant(rt: &Arc<Runtime>, copy_gbps: f64, variant: &str, rows: &mut Ve
     let mut rng = StdRng::seed_from_u64(11);
     for &(name, heads, kvh, d) in BENCH_SHAPES {
         for &(batch, ctx) in BENCH_POINTS {
+            if !variant.is_empty() && !variant_point(batch, ctx) {
+                continue;
+            }
             for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int4] {
                 if !variant_times(variant, format) {
                     continue;
@@ -676,6 +679,25 @@ fn bench_variant(rt: &Arc<Runtime>, copy_gbps: f64, variant: &str, rows: &mut Ve
             }
         }
     }
+}
+
+/// Whether the variants' benchmark times the point (batch, ctx): all, or those listed in
+/// `STOKE_ATTN_VARIANT_POINTS` as `BxCTX` (e.g. `1x1024,1x32768`), to time variants that only
+/// change split launches at those points alone.
+fn variant_point(batch: u32, ctx: u32) -> bool {
+    point_listed(
+        std::env::var("STOKE_ATTN_VARIANT_POINTS").ok().as_deref(),
+        batch,
+        ctx,
+    )
+}
+
+fn point_listed(list: Option<&str>, batch: u32, ctx: u32) -> bool {
+    let Some(list) = list.filter(|l| !l.trim().is_empty()) else {
+        return true;
+    };
+    let want = format!("{batch}x{ctx}");
+    list.split(',').any(|p| p.trim() == want)
 }
 
 /// Whether a variant's benchmark times `format`: a variant whose every knob names the INT4
@@ -716,6 +738,15 @@ pub fn profile_launches(shape: &str, batch: u32, ctx: u32, formats: &[String]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn variant_points_filter() {
+        assert!(point_listed(None, 32, 4096));
+        assert!(point_listed(Some(""), 32, 4096));
+        assert!(point_listed(Some("1x1024, 1x32768"), 1, 32768));
+        assert!(!point_listed(Some("1x1024,1x32768"), 32, 4096));
+        assert!(!point_listed(Some("1x1024"), 11, 1024));
+    }
 
     #[test]
     fn int4_only_variants_time_only_int4() {
