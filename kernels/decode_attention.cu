@@ -17,8 +17,7 @@
 //   decode_attn_FMT_dD  (FMT bf16 / fp8 / int4, D 64 / 128) grid (splits, kv_heads, batch),
 //                     WARPS warps (the launch bounds) that split the keys: the query heads that
 //                     share a kv head (group <= 8) together, so each cache byte is read once; the
-//                     CTA takes keys [split * chunk, min(len, (split + 1) * chunk)) (with
-//                     STOKE_ATTN_DYN its warps take key chunks from a counter). One split:
+//                     CTA takes keys [split * chunk, min(len, (split + 1) * chunk)). One split:
 //                     writes the output (normalized, rotated back, bf16). More: writes its
 //                     partial (max, sum, unnormalized output) of each head, and the last split
 //                     of a (batch, kv head) to finish merges them all and writes the output
@@ -178,15 +177,6 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_PARTIAL_F16
 #define STOKE_ATTN_PARTIAL_F16 0
 #endif
-// Dynamic key chunks (split-KV launches): 0: split s takes keys [s chunk, (s + 1) chunk), its
-// warps every WARPS-th batch of it. F > 0: each warp takes chunks of CH keys (whole batches,
-// about len / (splits WARPS F)), its first by position (chunk warp splits + s) and each further
-// one from a counter per (sequence, kv head), requested one chunk ahead; so the warps that
-// stream faster take more keys and the splits of a kv head finish together. The last split to
-// finish puts the counter back to zero.
-#ifndef STOKE_ATTN_DYN
-#define STOKE_ATTN_DYN 0
-#endif
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int MAX_GROUP = 8;
 
@@ -218,8 +208,7 @@ struct AttnParams {
                           // exp; PARTIAL_F16: and the output's scale); the host allocates 16 bytes
                           // per record
     u16* out;             // [batch, heads, d] bf16
-    u32* arrived;         // [2, batch, kv_heads] splits finished, then (STOKE_ATTN_DYN) key chunks
-                          // taken (splits > 1); zero between launches
+    u32* arrived;         // [batch, kv_heads] splits finished (splits > 1); zero between launches
     u32 batch, heads, splits, chunk, block;
     float scale;          // 1 / sqrt(d)
 };
@@ -898,12 +887,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     const KvCache& c = p.cache;
     const u32 group = p.heads / c.kv_heads;
     const u32 len = p.len[b];
-    constexpr u32 BATCH = 16 * TILES;  // keys of a warp's batch
-    const bool dyn = STOKE_ATTN_DYN > 0 && p.splits > 1;
-    // dyn: keys per chunk (whole batches), and the chunk counter of (b, kvh); rows past the end
-    // read row 0.
-    const u32 ch = dyn ? max(1u, len / (p.splits * WARPS * u32(STOKE_ATTN_DYN > 0 ? STOKE_ATTN_DYN : 1) * BATCH)) * BATCH : 0;
-    const u32 k0 = dyn ? 0 : split * p.chunk, k1 = dyn ? len : min(len, k0 + p.chunk);
+    const u32 k0 = split * p.chunk, k1 = min(len, k0 + p.chunk);
     const u64 row0 = (u64(p.slot_of[b]) * c.kv_heads + kvh) * c.cap;
 
     // The query rows of this warp's heads (h = warp + WARPS r; lane l: dims l E .. l E + E - 1),
@@ -937,11 +921,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     // The warp's keys [kw0, kend) in batches kstep apart. RANGES: a contiguous share of whole
     // tiles (the shares differ by at most one tile); else every WARPS-th batch of the CTA's.
     u32 kw0, kend, kstep;
-    if (dyn) {  // the warp's first chunk; its batches are contiguous
-        kw0 = (warp * p.splits + split) * ch;  // first chunks spread over the CTAs first
-        kend = len;
-        kstep = BATCH;
-    } else if (STOKE_ATTN_RANGES) {
+    if (STOKE_ATTN_RANGES) {
         const u32 ntiles = k1 > k0 ? (k1 - k0 + 15) / 16 : 0;
         const u32 per = ntiles / WARPS, rem = ntiles % WARPS;
         kw0 = k0 + 16 * (warp * per + min(warp, rem));
@@ -982,38 +962,21 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                                   kt + ti * KTile<D>::BYTES);
         if (FMT == FMT_BF16) asm volatile("cp.async.commit_group;" ::: "memory");
     };
-    // The warp's batches in order: `head` is the last one named (the lane's pointers are at it).
-    // dyn: the end of head's chunk and (lane 0) the next chunk's counter value, requested when
-    // a chunk starts; past the last chunk, head becomes len.
-    u32 cend = kw0 + ch, pend = 0;
-    auto taken = [&]() { return p.arrived + (u64(p.batch) + b) * c.kv_heads + kvh; };
-    auto next_batch = [&](u32 x) -> u32 {
-        if (!dyn) return x + kstep;
-        if (x + BATCH < cend) return x + BATCH;
-        const u32 s = (p.splits * WARPS + __shfl_sync(0xffffffffu, pend, 0)) * ch;
-        if (s >= len) return len;
-        cend = s + ch;
-        if (lane == 0) pend = atomicAdd(taken(), 1u);
-        return s;
-    };
-    auto advance = [&](u32 from, u32 to) {  // the pointers from batch `from` to batch `to`
-        const u32 d = dyn ? to - from : kstep;
-        kp += u64(d) * KB;
-        vp += u64(d) * KB;
+    auto advance = [&]() {  // the pointers to the warp's next batch
+        kp += u64(kstep) * KB;
+        vp += u64(kstep) * KB;
         if (F16) {
-            ksp += d;
-            vsp += d;
+            ksp += kstep;
+            vsp += kstep;
         }
     };
     // RING: a slot is refilled with the same tile of the next batch as soon as it has been used,
     // so TILES - 1 tiles are always in flight; else a batch's TILES tiles are queued together.
-    u32 base0 = kw0, head = kw0;
+    u32 base0 = kw0;
     if (base0 < kend) {  // the first batch, queued before the query is set up
-        if (dyn && lane == 0) pend = atomicAdd(taken(), 1u);
 #pragma unroll
         for (int ti = 0; ti < TILES; ++ti) issue(ti, base0);
-        head = next_batch(base0);
-        advance(base0, head);
+        advance();
     }
     // The query heads, rotated like the mirrors' rows (registers and shuffles), into qs; heads
     // past the group are zero.
@@ -1055,12 +1018,11 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         init1 = -__shfl_sync(0xffffffffu, off, 8 * t + 4);
     }
 
-    for (bool first_batch = true; base0 < kend; first_batch = false) {
-        if (!RING && !first_batch) {  // head == base0
+    for (bool first_batch = true; base0 < kend; base0 += kstep, first_batch = false) {
+        if (!RING && !first_batch) {
 #pragma unroll
             for (int ti = 0; ti < TILES; ++ti) issue(ti, base0);
-            head = next_batch(base0);
-            advance(base0, head);
+            advance();
         }
 #pragma unroll
         for (int t0 = 0; t0 < TILES; t0 += NT) {
@@ -1211,20 +1173,10 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             }
             if (RING) {
 #pragma unroll
-                for (int u = 0; u < NT; ++u) issue(t0 + u, dyn ? head : base0 + kstep);
+                for (int u = 0; u < NT; ++u) issue(t0 + u, base0 + kstep);
             }
         }
-        if (!dyn) {
-            base0 += kstep;
-            if (RING) advance(0, kstep);
-        } else if (RING) {  // head is the next batch, already queued
-            const u32 nb = next_batch(head);
-            advance(head, nb);
-            base0 = head;
-            head = nb;
-        } else {
-            base0 = head;
-        }
+        if (RING) advance();
     }
     // The row sums over the 8 lanes of each head.
 #pragma unroll
@@ -1315,10 +1267,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     if (threadIdx.x == 0) {
         u32* cnt = p.arrived + u64(b) * c.kv_heads + kvh;
         last = atomicAdd(cnt, 1u) == p.splits - 1;
-        if (last) {
-            *cnt = 0;
-            if (dyn) *taken() = 0;
-        }
+        if (last) *cnt = 0;
     }
     __syncthreads();
     if (!last) return;

@@ -194,9 +194,14 @@ def render_int4(w, res, path):
     w(f"output) per second over the same run's device-to-device copy rate ({b['copy_gbps']:.0f} GB/s from Stoke,")
     w(f"{copy['gbps']:.0f} GB/s from PyTorch {copy['torch']}). Peers from `scripts/peers/int4_torch.py` in the same run:")
     w("`torch._weight_int4pack_mm` (group 128, bf16) and bf16 `torch.matmul` (cuBLAS).")
+    same = any("same_size_copy_us" in r for r in b["runs"])
+    if same:
+        w("`same-size copy`: µs of one device-to-device copy moving the weight bytes (half read, half written), timed")
+        w("the same way; `% of it`: that time over Stoke's, the speed of a copy of this size reached.")
     w("")
-    w("| shape (k x n) | m | Stoke µs | Stoke % copy | torch int4 µs | torch int4 % copy | Stoke speedup vs torch int4 | bf16 matmul µs | splits |")
-    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    extra = " same-size copy µs | % of it |" if same else ""
+    w("| shape (k x n) | m | Stoke µs | Stoke % copy | torch int4 µs | torch int4 % copy | Stoke speedup vs torch int4 | bf16 matmul µs | splits |" + extra)
+    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if same else ""))
     peers = {(e["impl"], e["shape"], e["m"]): e for e in res["torch_int4"] if "us" in e}
     # The default kernel and word order in the main table (the swapped-operand kernel at m <= 8
     # where the run has it, else the batched one); the others below it.
@@ -213,7 +218,10 @@ def render_int4(w, res, path):
         ti_pc = f"{100 * ti['of_copy']:.1f}%" if ti else "-"
         sp = f"{ti['us'] / r['us']:.2f}x" if ti else "-"
         tb_us = f"{tb['us']:.1f}" if tb else "-"
-        w(f"| {r['shape']} ({r['k']} x {r['n']}) | {r['m']} | {r['us']:.1f} | {100 * r['of_copy']:.1f}% | {ti_us} | {ti_pc} | {sp} | {tb_us} | {r['splits']} |")
+        sc = ""
+        if same:
+            sc = f" {r['same_size_copy_us']:.1f} | {100 * r['of_same_size_copy']:.0f}% |" if "same_size_copy_us" in r else " - | - |"
+        w(f"| {r['shape']} ({r['k']} x {r['n']}) | {r['m']} | {r['us']:.1f} | {100 * r['of_copy']:.1f}% | {ti_us} | {ti_pc} | {sp} | {tb_us} | {r['splits']} |" + sc)
     w("")
     others = [r for r in b["runs"] if r not in default and not r.get("defines")]
     if others:

@@ -187,6 +187,29 @@ pub fn copy_bandwidth(rt: &Arc<Runtime>) -> f64 {
     2.0 * bytes as f64 / (us * 1e-6) / 1e9
 }
 
+/// µs per device-to-device copy moving `traffic` bytes (half read, half written), back to back
+/// on the stream from buffers rotated through >= 256 MB (no copy starts in L2), timed like the
+/// kernels: what one launch moving that many bytes reaches (transfers of tens of MB stay well
+/// below the 1 GiB copy rate).
+pub(crate) fn same_size_copy_us(rt: &Arc<Runtime>, traffic: usize) -> f64 {
+    let half = (traffic / 2).max(256);
+    let sets = (L2_ESCAPE_BYTES / (2 * half)).clamp(2, 64);
+    let bufs: Vec<_> = (0..sets)
+        .map(|_| {
+            let (a, b) = (rt.alloc(half).unwrap(), rt.alloc(half).unwrap());
+            // SAFETY: `a` holds `half` bytes.
+            unsafe { rt.fill_bytes(a.ptr(), 0x3c, half).unwrap() };
+            (a, b)
+        })
+        .collect();
+    let iters = (200_000_000 / (2 * half)).clamp(20, 2000);
+    time_events(rt, 5, iters, |i| {
+        let (a, b) = &bufs[i % sets];
+        // SAFETY: both buffers hold `half` bytes.
+        unsafe { rt.copy_dtod(b.ptr(), a.ptr(), half).unwrap() }
+    })
+}
+
 struct RmsBuffers {
     x: Vec<DeviceBuffer>,
     out: Vec<DeviceBuffer>,

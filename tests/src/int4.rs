@@ -369,6 +369,16 @@ fn bench_variant(
             .iter()
             .map(|&o| bench_weights(&rt, &mut rng, k, n, o))
             .collect();
+        // The ceiling for one launch streaming this matrix: a copy moving its bytes.
+        let copy_us = variant.is_empty().then(|| {
+            let us = crate::bench::same_size_copy_us(&rt, weights[0][0].bytes());
+            println!(
+                "int4 {name:<12} same-size copy ({} MB moved): {us:8.2} us ({:5.1}% of the copy rate)",
+                weights[0][0].bytes() / 1_000_000,
+                100.0 * weights[0][0].bytes() as f64 / us / 1e3 / copy_gbps
+            );
+            us
+        });
         for &m in BENCH_ROWS {
             let x: Vec<u16> = (0..m * k)
                 .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
@@ -434,6 +444,11 @@ fn bench_variant(
                         "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1]});
                     if !variant.is_empty() {
                         row["defines"] = json!(variant);
+                    }
+                    if let Some(c) = copy_us {
+                        // A copy moving the weight bytes, and the kernel's speed against it.
+                        row["same_size_copy_us"] = json!(c);
+                        row["of_same_size_copy"] = json!(c / us);
                     }
                     rows.push(row);
                     if m != 1 || !all || stream_k {

@@ -220,12 +220,11 @@ impl DeviceKvCache {
         };
         let threads = kernel.max_threads;
         // One split: the attention kernel writes the output itself (no partials). More: each
-        // split writes its partials and the last to finish merges them; the arrival counts (and
-        // the key-chunk counters of the kernel's STOKE_ATTN_DYN) come from the runtime's zeroed
-        // scratch, which the kernel leaves zeroed.
+        // split writes its partials and the last to finish merges them; the arrival counts come
+        // from the runtime's zeroed scratch, which the kernel leaves zeroed.
         let parts = if splits > 1 {
             let items = batch as usize * heads as usize * splits as usize;
-            let arrived = rt.zeroed_scratch(2 * batch as usize * self.kv_heads as usize * 4)?;
+            let arrived = rt.zeroed_scratch(batch as usize * self.kv_heads as usize * 4)?;
             Some((
                 rt.alloc(items * self.d as usize * 4)?,
                 // Records of (max, sum) or, with the kernel's STOKE_ATTN_PARTIAL_F16, (max,
