@@ -72,10 +72,15 @@ def render_attention(w, res, path):
     w(f"`% copy`: K and V bytes read (scales included) per second over the same run's copy rate ({a['copy_gbps']:.0f} GB/s")
     w(f"from Stoke{torch_copy}). FP8 and INT4 rows rotated (Hadamard block = head_dim). Peer:")
     w("`scaled_dot_product_attention(enable_gqa=True)` on a BF16 cache (`scripts/peers/attention_torch.py`), same run;")
-    w("it is timed from Python, so its small cases include PyTorch's dispatch. `host µs`: Stoke's time to queue one call.")
+    graphed = any(e.get("timing") == "graph" for e in res["torch_attention"])
+    if graphed:
+        w("its calls are replayed from a CUDA graph (GPU time, no dispatch on the host; `SDPA eager µs`: issued from Python).")
+        w("Stoke's calls are launched back to back from the host, which queues one in `host µs`, below the kernel time.")
+    else:
+        w("it is timed from Python, so its small cases include PyTorch's dispatch. `host µs`: Stoke's time to queue one call.")
     w("")
-    w("| shape | batch | ctx | BF16 µs | BF16 % copy | FP8 µs | FP8 % copy | INT4 µs | INT4 % copy | SDPA µs | SDPA % copy | BF16 vs SDPA | host µs |")
-    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    w("| shape | batch | ctx | BF16 µs | BF16 % copy | FP8 µs | FP8 % copy | INT4 µs | INT4 % copy | SDPA µs | SDPA % copy | BF16 vs SDPA | host µs |" + (" SDPA eager µs |" if graphed else ""))
+    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if graphed else ""))
     peers = {(e["shape"], e["batch"], e["ctx"]): e for e in res["torch_attention"] if "us" in e}
     by = {(r["shape"], r["batch"], r["ctx"], r["format"]): r for r in a["runs"] if not r.get("pv_transposed") and not r.get("defines")}
     pvt = {(r["shape"], r["batch"], r["ctx"], r["format"]): r for r in a["runs"] if r.get("pv_transposed") and not r.get("defines")}
@@ -87,7 +92,8 @@ def render_attention(w, res, path):
             cells += [f"{r['us']:.1f}", f"{100 * r['of_copy']:.1f}%"] if r else ["-", "-"]
         ps = [f"{pe['us']:.1f}", f"{100 * pe['of_copy']:.1f}%", f"{pe['us'] / f[0]['us']:.2f}x"] if pe and f[0] else ["-", "-", "-"]
         host = f"{f[0]['host_us']:.1f}" if f[0] and "host_us" in f[0] else "-"
-        w(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells + ps) + f" | {host} |")
+        eager = (f" {pe['eager_us']:.1f} |" if pe and "eager_us" in pe else " - |") if graphed else ""
+        w(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells + ps) + f" | {host} |" + eager)
     w("")
     render_variants(w, a["runs"], lambda r: (r["shape"], r["batch"], r["ctx"], r["format"]), "decode attention")
     if a.get("split_sweep"):
@@ -194,6 +200,9 @@ def render_int4(w, res, path):
     w(f"output) per second over the same run's device-to-device copy rate ({b['copy_gbps']:.0f} GB/s from Stoke,")
     w(f"{copy['gbps']:.0f} GB/s from PyTorch {copy['torch']}). Peers from `scripts/peers/int4_torch.py` in the same run:")
     w("`torch._weight_int4pack_mm` (group 128, bf16) and bf16 `torch.matmul` (cuBLAS).")
+    if any(e.get("timing") == "graph" for e in res["torch_int4"]):
+        w("The peers' calls are replayed from a CUDA graph (GPU time, no dispatch on the host); Stoke's are launched back")
+        w("to back from the host (about 4 µs to queue one, below the kernel time).")
     same = any("same_size_copy_us" in r for r in b["runs"])
     if same:
         w("`same-size copy`: µs of one device-to-device copy moving the weight bytes (half read, half written), timed")

@@ -6,7 +6,8 @@ token per sequence, for the Llama-3.1-8B and 70B attention shapes at (batch, con
 
 usage: attention_torch.py OUT.json
 
-Timing as in int4_torch.py (CUDA events around batches of calls, median of 5). Caches rotate
+Timing as in int4_torch.py (CUDA events around batches of calls, median of 5; `us` from a CUDA
+graph of the batch, `eager_us` issued eagerly, which small points spend in dispatch). Caches rotate
 through enough copies (>= 160 MB) that the L2 does not serve them. `gbps` counts the K and V
 bytes read.
 """
@@ -16,7 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from int4_torch import copy_record, timed
+from int4_torch import copy_record, timed_graph
 
 SHAPES = [("8b", 32, 8, 128), ("70b", 64, 8, 128)]
 POINTS = [(1, 1024), (8, 1024), (32, 4096), (1, 32768)]
@@ -37,10 +38,12 @@ def main():
             entry = {"impl": "torch_sdpa_bf16", "shape": name, "heads": heads, "kv_heads": kvh, "d": d,
                      "batch": batch, "ctx": ctx}
             try:
-                us = timed(lambda i: F.scaled_dot_product_attention(q, kv[i][0], kv[i][1], enable_gqa=True), copies)
+                gus, eager = timed_graph(lambda i: F.scaled_dot_product_attention(q, kv[i][0], kv[i][1], enable_gqa=True), copies)
+                us = gus if gus is not None else eager
                 g = one / us / 1e3
-                entry.update({"us": us, "gbps": g, "of_copy": g / copy})
-                print(f"torch sdpa {name:4} b {batch:2} ctx {ctx:5}: {us:8.2f} us {g:7.0f} GB/s")
+                entry.update({"us": us, "eager_us": eager, "timing": "graph" if gus else "eager", "gbps": g,
+                              "of_copy": g / copy})
+                print(f"torch sdpa {name:4} b {batch:2} ctx {ctx:5}: {us:8.2f} us {g:7.0f} GB/s (eager {eager:.2f} us)")
             except Exception as e:  # noqa: BLE001 - record why the peer did not run
                 entry["error"] = f"{type(e).__name__}: {e}"
             res.append(entry)
