@@ -73,7 +73,10 @@ def render_attention(w, res, path):
     w(f"from Stoke{torch_copy}). FP8 and INT4 rows rotated (Hadamard block = head_dim). Peer:")
     w("`scaled_dot_product_attention(enable_gqa=True)` on a BF16 cache (`scripts/peers/attention_torch.py`), same run;")
     graphed = any(e.get("timing") == "graph" for e in res["torch_attention"])
-    if graphed:
+    if graphed and any("stream_us" in r for r in a["runs"]):
+        w("Stoke's calls and SDPA's are both replayed from a CUDA graph of back-to-back calls (GPU time per call; `SDPA")
+        w("eager µs`: SDPA issued from Python, `stream_us` in the file: Stoke's launched from the host).")
+    elif graphed:
         w("its calls are replayed from a CUDA graph (GPU time, no dispatch on the host; `SDPA eager µs`: issued from Python).")
         w("Stoke's calls are launched back to back from the host, which queues one in `host µs`, below the kernel time.")
     else:
@@ -201,8 +204,12 @@ def render_int4(w, res, path):
     w(f"{copy['gbps']:.0f} GB/s from PyTorch {copy['torch']}). Peers from `scripts/peers/int4_torch.py` in the same run:")
     w("`torch._weight_int4pack_mm` (group 128, bf16) and bf16 `torch.matmul` (cuBLAS).")
     if any(e.get("timing") == "graph" for e in res["torch_int4"]):
-        w("The peers' calls are replayed from a CUDA graph (GPU time, no dispatch on the host); Stoke's are launched back")
-        w("to back from the host (about 4 µs to queue one, below the kernel time).")
+        if any("stream_us" in r for r in b["runs"]):
+            w("Stoke's calls and the peers' are both replayed from a CUDA graph of back-to-back calls (GPU time per call, no")
+            w("dispatch on the host; the files also hold each one launched eagerly: `stream_us`, `eager_us`).")
+        else:
+            w("The peers' calls are replayed from a CUDA graph (GPU time, no dispatch on the host); Stoke's are launched back")
+            w("to back from the host (about 4 µs to queue one, below the kernel time).")
     same = any("same_size_copy_us" in r for r in b["runs"])
     if same:
         w("`same-size copy`: µs of one device-to-device copy moving the weight bytes (half read, half written), timed")

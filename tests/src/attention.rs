@@ -603,7 +603,9 @@ const SPLIT_SWEEP: &[(u32, u32, &[u32])] = &[(32, 4096, &[2, 4]), (1, 32768, &[1
 
 /// One timed benchmark point.
 struct PointTime {
+    /// Replayed from a CUDA graph; `stream_us` launched back to back from the host.
     us: f64,
+    stream_us: f64,
     host_us: f64,
     bytes: usize,
     copies: usize,
@@ -635,13 +637,14 @@ fn time_point(
     rt.synchronize().unwrap();
     let iters = (400_000_000 / one).clamp(10, 500);
     // Also the host's time to queue one call (the split partials' allocation, one launch).
-    let (us, host_us) = crate::bench::time_events_and_host(rt, 5, iters, |i| {
+    let t = crate::bench::time_calls(rt, 5, iters, |i| {
         step.attend(rt, &caches[i % copies], splits)
     });
     let chunk = splits.map_or(0, |s| forced_split(ctx, s).0);
     PointTime {
-        us,
-        host_us,
+        us: t.us,
+        stream_us: t.stream_us,
+        host_us: t.host_us,
         bytes: caches[0].bytes_read(step.rows as usize),
         copies,
         chunk,
@@ -671,7 +674,7 @@ fn bench_variant(rt: &Arc<Runtime>, copy_gbps: f64, variant: &str, rows: &mut Ve
                 );
                 let mut row = json!({"shape": name, "heads": heads, "kv_heads": kvh, "d": d, "batch": batch, "ctx": ctx,
                 "format": format.name(), "block": block, "us": us, "host_us": host_us, "bytes": bytes, "gbps": gbps,
-                "of_copy": gbps / copy_gbps, "copies": t.copies});
+                "of_copy": gbps / copy_gbps, "copies": t.copies, "stream_us": t.stream_us});
                 if !variant.is_empty() {
                     row["defines"] = json!(variant);
                 }

@@ -133,22 +133,61 @@ pub(crate) fn time_events(
     median(samples)
 }
 
-/// [`time_events`], and the host's mean µs to queue one `body` call (when that is near the
-/// kernel time, the GPU waits on the host).
-pub(crate) fn time_events_and_host(
+/// A benchmark call's times: `us`, GPU µs per call with the calls replayed from one CUDA graph
+/// (as in a graphed decode step, and as the PyTorch peers are timed); `stream_us`, the same
+/// calls launched back to back from the host; `host_us`, the host's µs to queue one call (when
+/// it is near the kernel time, stream launches wait on the host).
+pub(crate) struct CallTiming {
+    pub us: f64,
+    pub stream_us: f64,
+    pub host_us: f64,
+}
+
+/// Times `iters` calls of `body` (see [`CallTiming`]): back to back on the stream, then captured
+/// once into a CUDA graph and replayed `reps` times (median). Where the capture fails, `us` is
+/// the stream time (and the reason is printed).
+pub(crate) fn time_calls(
     rt: &Runtime,
     reps: usize,
     iters: usize,
     mut body: impl FnMut(usize),
-) -> (f64, f64) {
-    let us = time_events(rt, reps, iters, &mut body);
+) -> CallTiming {
+    let stream_us = time_events(rt, reps, iters, &mut body);
     let t0 = Instant::now();
     for i in 0..iters {
         body(i);
     }
     let host_us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
     rt.synchronize().unwrap();
-    (us, host_us)
+    let mut panicked = None;
+    let graph = rt.capture(|| {
+        let calls = std::panic::AssertUnwindSafe(|| (0..iters).for_each(&mut body));
+        if let Err(p) = std::panic::catch_unwind(calls) {
+            panicked = Some(p);
+        }
+        Ok(())
+    });
+    if let Some(p) = panicked {
+        std::panic::resume_unwind(p);
+    }
+    let us = match graph.and_then(|g| {
+        g.upload().map_err(|e| stoke_cuda::Error::Driver {
+            call: "cuGraphUpload",
+            source: e,
+        })?;
+        Ok(g)
+    }) {
+        Ok(g) => time_events(rt, reps, 1, |_| g.launch().unwrap()) / iters as f64,
+        Err(e) => {
+            println!("graph capture failed ({e}); stream time only");
+            stream_us
+        }
+    };
+    CallTiming {
+        us,
+        stream_us,
+        host_us,
+    }
 }
 
 /// Median over `reps` of wall-clock µs per iteration, `sync` called before and after.
@@ -187,9 +226,8 @@ pub fn copy_bandwidth(rt: &Arc<Runtime>) -> f64 {
     2.0 * bytes as f64 / (us * 1e-6) / 1e9
 }
 
-/// µs per device-to-device copy moving `traffic` bytes (half read, half written), back to back
-/// on the stream from buffers rotated through >= 256 MB (no copy starts in L2), timed like the
-/// kernels: what one launch moving that many bytes reaches (transfers of tens of MB stay well
+/// µs per device-to-device copy moving `traffic` bytes (half read, half written), from buffers
+/// rotated through >= 256 MB (no copy starts in L2), timed like the kernels ([`time_calls`]): what one launch moving that many bytes reaches (transfers of tens of MB stay well
 /// below the 1 GiB copy rate).
 pub(crate) fn same_size_copy_us(rt: &Arc<Runtime>, traffic: usize) -> f64 {
     let half = (traffic / 2).max(256);
@@ -203,11 +241,12 @@ pub(crate) fn same_size_copy_us(rt: &Arc<Runtime>, traffic: usize) -> f64 {
         })
         .collect();
     let iters = (200_000_000 / (2 * half)).clamp(20, 2000);
-    time_events(rt, 5, iters, |i| {
+    time_calls(rt, 5, iters, |i| {
         let (a, b) = &bufs[i % sets];
         // SAFETY: both buffers hold `half` bytes.
         unsafe { rt.copy_dtod(b.ptr(), a.ptr(), half).unwrap() }
     })
+    .us
 }
 
 struct RmsBuffers {

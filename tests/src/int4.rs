@@ -317,11 +317,16 @@ fn bench_weights(
         .collect()
 }
 
-/// One timed configuration: median µs per call over back-to-back calls (CUDA events), and the
-/// host's µs per call to queue them (when it is near the kernel time, the GPU waits on the host).
-fn time_gemm(rt: &Arc<Runtime>, dws: &[DeviceInt4], call: &Int4Gemm, reps: usize) -> (f64, f64) {
+/// One timed configuration ([`crate::bench::time_calls`]): median µs per call replayed from a
+/// CUDA graph, launched back to back from the host, and the host's µs to queue one.
+fn time_gemm(
+    rt: &Arc<Runtime>,
+    dws: &[DeviceInt4],
+    call: &Int4Gemm,
+    reps: usize,
+) -> crate::bench::CallTiming {
     let iters = (200_000_000 / dws[0].bytes()).clamp(20, 2000);
-    crate::bench::time_events_and_host(rt, reps, iters, |i| {
+    crate::bench::time_calls(rt, reps, iters, |i| {
         unsafe { int4_gemm(rt, &dws[i % dws.len()], call) }.unwrap()
     })
 }
@@ -430,7 +435,8 @@ fn bench_variant(
                         )
                         .unwrap()[0]
                     };
-                    let (us, host_us) = time_gemm(&rt, dws, &call, 5);
+                    let timing = time_gemm(&rt, dws, &call, 5);
+                    let (us, host_us) = (timing.us, timing.host_us);
                     let gbps = bytes as f64 / us / 1e3;
                     let launch = plan(0);
                     println!(
@@ -440,7 +446,7 @@ fn bench_variant(
                         launch.splits
                     );
                     let mut row = json!({"variant": kind, "order": format!("{:?}", dw.order), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
-                        "host_us": host_us, "weight_bytes": dw.bytes(), "weight_copies": dws.len(), "gbps": gbps, "of_copy": gbps / copy_gbps,
+                        "host_us": host_us, "stream_us": timing.stream_us, "weight_bytes": dw.bytes(), "weight_copies": dws.len(), "gbps": gbps, "of_copy": gbps / copy_gbps,
                         "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1]});
                     if !variant.is_empty() {
                         row["defines"] = json!(variant);
@@ -462,7 +468,7 @@ fn bench_variant(
                         }
                         seen.push(l.splits);
                         call.splits = l.splits;
-                        let (us, _) = time_gemm(&rt, dws, &call, 3);
+                        let us = time_gemm(&rt, dws, &call, 3).us;
                         let gbps = bytes as f64 / us / 1e3;
                         sweep.push(json!({"variant": kind, "order": format!("{:?}", dw.order), "shape": name, "m": m,
                             "splits": l.splits, "ctas": l.grid.0 * l.grid.1, "us": us, "of_copy": gbps / copy_gbps}));
