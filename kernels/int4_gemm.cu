@@ -114,6 +114,16 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_PROBE
 #define STOKE_INT4_PROBE 0
 #endif
+// 1: the swapped kernels (swap, swap16) take part in programmatic dependent launch: the runtime
+// launches them with programmatic stream serialization (it reads `<entry>_pdl`), each CTA lets
+// the next kernel on the stream start launching at once (griddepcontrol.launch_dependents), and
+// a CTA queues its first ring of weight loads (weights and scales are never written by other
+// kernels) before it waits for the previous kernel to finish (griddepcontrol.wait), after which
+// it reads x and writes anything. So a GEMM's first weight bytes are in flight while the kernel
+// before it drains. 0: ordinary launches.
+#ifndef STOKE_INT4_PDL
+#define STOKE_INT4_PDL 0
+#endif
 // 1: each warp's KB load slots form a ring, a slot refilled with the k-tile KB ahead as soon
 // as it has been used (KB - 1 k-tiles always in flight); 0: filled KB at a time.
 #ifndef STOKE_INT4_SWAP_PIPELINE
@@ -648,7 +658,11 @@ __device__ __forceinline__ void unit_sums(float (&sx)[NT], u32 t, float (&s0)[NT
 
 // The swapped kernel's k loop: acc = this warp's sums over fold units [u_begin, u_end) of slab
 // `slab`, x rows row0 onwards; `groups` row groups share the slab's weights (L2 policy).
-template <bool F16S, int KB, int NT, bool LATE = STOKE_INT4_FOLD_LATE != 0>
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// PDL: the first ring of weight loads goes out before griddepcontrol.wait, everything that
+// reads x or writes after it (STOKE_INT4_PDL).
+template <bool F16S, int KB, int NT, bool LATE = STOKE_INT4_FOLD_LATE != 0, bool PDL = false>
 __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u32 row0, u32 groups, u32 u_begin,
                                            u32 u_end, float (&acc)[NT][4][4]) {
     constexpr bool RING = STOKE_INT4_SWAP_PIPELINE != 0;
@@ -727,10 +741,31 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
             xr[nt] += 8;
         }
     };
-    if (RING) {
+    if (RING && PDL) {  // the weights first, then (after the previous kernel) x
+#pragma unroll
+        for (int s = 0; s < KB; ++s)
+            if (u32(s) < tiles) {
+                w[s] = load_stream(wp, policy);
+                wp += wstep;
+            }
+        griddep_wait();
+#pragma unroll
+        for (int s = 0; s < KB; ++s)
+            if (u32(s) < tiles) {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    b0[s][nt] = load_u32(xr[nt]);
+                    b1[s][nt] = load_u32(xr[nt] + 4);
+                    xr[nt] += 8;
+                }
+            }
+    } else if (RING) {
+        if (PDL) griddep_wait();
 #pragma unroll
         for (int s = 0; s < KB; ++s)
             if (u32(s) < tiles) fill(s);
+    } else if (PDL) {
+        griddep_wait();
     }
     if (late) {
         float pb[NT][4][4], ps0[NT], ps1[NT];  // the second set; the pending unit's sums of x
@@ -879,8 +914,11 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     const u32 slab = blockIdx.x / groups, row0 = (blockIdx.x % groups) * 8 * NT;
     u32 u_begin, u_end;
     warp_units(p, warp, u_begin, u_end);
+    // PDL: the next kernel on the stream may start launching now; its CTAs take SM slots as
+    // this grid's CTAs exit and wait (griddepcontrol.wait) before touching what this one writes.
+    if (STOKE_INT4_PDL) asm volatile("griddepcontrol.launch_dependents;");
     float acc[NT][4][4];
-    swap_units<F16S, KB, NT>(p, slab, row0, groups, u_begin, u_end, acc);
+    swap_units<F16S, KB, NT, STOKE_INT4_FOLD_LATE != 0, STOKE_INT4_PDL != 0>(p, slab, row0, groups, u_begin, u_end, acc);
     // Rows 8 nt + 2t, 8 nt + 2t + 1 of columns 16 j + g, 16 j + 8 + g into the reduction buffer
     // (NT = 1: rows 8-15 unused).
     auto at = [&](u32 row, u32 col) -> float& { return red[(warp * 16 + row) * RED_PITCH + col]; };
@@ -896,7 +934,10 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     reduce_and_store<1, EPI>(p, red, slab, row0);
 }
 
+// NAME_pdl: 1 where the entry takes part in programmatic dependent launch (STOKE_INT4_PDL; the
+// runtime reads it when it loads the entry point and launches accordingly).
 #define INT4_GEMM_SWAP_ENTRY(NAME, EPI, F16S, KB, NT, MIN_CTAS)                                             \
+    extern "C" __device__ unsigned NAME##_pdl = STOKE_INT4_PDL;                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) NAME(const Int4GemmParams p) { \
         int4_gemm_swap<EPI, F16S, KB, NT>(p);                                                     \
     }

@@ -42,6 +42,11 @@ pub struct Kernel {
     /// module's `u32` global `<entry>_dyn_smem` where the kernel defines one (its size then
     /// follows the kernel's compile-time knobs, which the host does not see), else 0.
     pub dyn_smem: u32,
+    /// Launched with programmatic stream serialization (programmatic dependent launch): the
+    /// module's `u32` global `<entry>_pdl` is nonzero. Such a kernel may start before the
+    /// previous kernel on the stream has finished, and waits for it (griddepcontrol.wait)
+    /// before it reads anything another kernel writes or writes anything itself.
+    pub pdl: bool,
 }
 
 /// Grid, block and dynamic shared memory of one launch.
@@ -209,29 +214,30 @@ impl Runtime {
         let max_threads = func
             .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
             .call("cuFuncGetAttribute")? as u32;
-        // The lookup queues nothing on the stream it is given; the value is read on a
+        // The lookups queue nothing on the stream they are given; a value is read on a
         // short-lived stream of its own (non-blocking), made only for kernels that export one,
         // so that loading an entry point while Stoke's stream is being captured into a graph
         // adds nothing to the graph.
-        let dyn_smem = match module.get_global(&format!("{entry}_dyn_smem"), &self.stream) {
-            Ok(sym) if sym.len() == 4 => {
-                let side = self.ctx.new_stream().call("cuStreamCreate")?;
-                let bytes = side.clone_dtoh(&sym).call("cuMemcpyDtoH")?;
-                u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]])
-            }
-            Ok(sym) => {
-                return Err(Error::KernelResources {
+        let global_u32 = |name: String| -> Result<Option<u32>> {
+            match module.get_global(&name, &self.stream) {
+                Ok(sym) if sym.len() == 4 => {
+                    let side = self.ctx.new_stream().call("cuStreamCreate")?;
+                    let bytes = side.clone_dtoh(&sym).call("cuMemcpyDtoH")?;
+                    Ok(Some(u32::from_le_bytes([
+                        bytes[0], bytes[1], bytes[2], bytes[3],
+                    ])))
+                }
+                Ok(sym) => Err(Error::KernelResources {
                     file: src.file.to_string(),
                     entry: entry.to_string(),
-                    reason: format!(
-                        "its {entry}_dyn_smem global is {} bytes, not a u32",
-                        sym.len()
-                    ),
-                });
+                    reason: format!("its {name} global is {} bytes, not a u32", sym.len()),
+                }),
+                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_FOUND => Ok(None),
+                Err(e) => Err(e).call("cuModuleGetGlobal"),
             }
-            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_FOUND => 0,
-            Err(e) => return Err(e).call("cuModuleGetGlobal"),
         };
+        let dyn_smem = global_u32(format!("{entry}_dyn_smem"))?.unwrap_or(0);
+        let pdl = global_u32(format!("{entry}_pdl"))?.unwrap_or(0) != 0;
         if dyn_smem as i32 > self.shared_optin as i32 - static_bytes {
             return Err(Error::KernelResources {
                 file: src.file.to_string(),
@@ -247,6 +253,7 @@ impl Runtime {
             entry,
             max_threads,
             dyn_smem,
+            pdl,
         };
         self.functions
             .lock()
@@ -270,6 +277,37 @@ impl Runtime {
         self.bind()?;
         let mut p = *params;
         let mut args = [&mut p as *mut P as *mut c_void];
+        if kernel.pdl {
+            // SAFETY: zero is a valid bit pattern for the attribute (a plain C union).
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: shape.grid.0,
+                gridDimY: shape.grid.1,
+                gridDimZ: shape.grid.2,
+                blockDimX: shape.block.0,
+                blockDimY: shape.block.1,
+                blockDimZ: shape.block.2,
+                sharedMemBytes: shape.shared_mem_bytes,
+                hStream: self.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as below; the kernel waits for the previous one before it touches what
+            // that one writes (Kernel::pdl), and the config and attribute outlive the call.
+            return unsafe {
+                sys::cuLaunchKernelEx(
+                    &config,
+                    kernel.func.cu_function(),
+                    args.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
+            .call("cuLaunchKernelEx");
+        }
         // SAFETY: the caller guarantees the parameter layout and pointer lifetimes; the driver
         // copies the argument block before returning.
         unsafe {
