@@ -227,8 +227,9 @@ pub fn copy_bandwidth(rt: &Arc<Runtime>) -> f64 {
 }
 
 /// µs per device-to-device copy moving `traffic` bytes (half read, half written), from buffers
-/// rotated through >= 256 MB (no copy starts in L2), timed like the kernels ([`time_calls`]): what one launch moving that many bytes reaches (transfers of tens of MB stay well
-/// below the 1 GiB copy rate).
+/// rotated through >= 256 MB (no copy starts in L2), timed like the kernels ([`time_calls`]):
+/// what one launch moving that many bytes reaches (transfers of tens of MB stay well below the
+/// 1 GiB copy rate).
 pub(crate) fn same_size_copy_us(rt: &Arc<Runtime>, traffic: usize) -> f64 {
     let half = (traffic / 2).max(256);
     let sets = (L2_ESCAPE_BYTES / (2 * half)).clamp(2, 64);
