@@ -660,10 +660,10 @@ __device__ __forceinline__ void unit_sums(float (&sx)[NT], u32 t, float (&s0)[NT
     }
 }
 
-// The swapped kernel's k loop: acc = this warp's sums over fold units [u_begin, u_end) of slab
-// `slab`, x rows row0 onwards; `groups` row groups share the slab's weights (L2 policy).
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
+// The swapped kernel's k loop: acc = this warp's sums over fold units [u_begin, u_end) of slab
+// `slab`, x rows row0 onwards; `groups` row groups share the slab's weights (L2 policy).
 // PDL: the first ring of weight loads goes out before griddepcontrol.wait, everything that
 // reads x or writes after it (STOKE_INT4_PDL).
 template <bool F16S, int KB, int NT, bool LATE = STOKE_INT4_FOLD_LATE != 0, bool PDL = false>
@@ -735,9 +735,11 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
     // in flight; else the slots are filled KB at a time and used before the next batch is asked.
     uint4 w[KB];
     u32 b0[KB][NT], b1[KB][NT];
-    auto fill = [&](int s) {
+    auto fill_w = [&](int s) {
         w[s] = load_stream(wp, policy);
         wp += wstep;
+    };
+    auto fill_x = [&](int s) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             b0[s][nt] = load_u32(xr[nt]);
@@ -745,26 +747,19 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
             xr[nt] += 8;
         }
     };
+    auto fill = [&](int s) {
+        fill_w(s);
+        fill_x(s);
+    };
     if (RING && PDL) {  // the weights first, then (after the previous kernel) x
 #pragma unroll
         for (int s = 0; s < KB; ++s)
-            if (u32(s) < tiles) {
-                w[s] = load_stream(wp, policy);
-                wp += wstep;
-            }
+            if (u32(s) < tiles) fill_w(s);
         griddep_wait();
 #pragma unroll
         for (int s = 0; s < KB; ++s)
-            if (u32(s) < tiles) {
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    b0[s][nt] = load_u32(xr[nt]);
-                    b1[s][nt] = load_u32(xr[nt] + 4);
-                    xr[nt] += 8;
-                }
-            }
+            if (u32(s) < tiles) fill_x(s);
     } else if (RING) {
-        if (PDL) griddep_wait();
 #pragma unroll
         for (int s = 0; s < KB; ++s)
             if (u32(s) < tiles) fill(s);
