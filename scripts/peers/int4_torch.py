@@ -9,8 +9,9 @@ Timing: CUDA events around batches of calls (>= ~20 ms per batch), median of 5 b
 replayed from a CUDA graph (`us`: GPU time per call, as in a graphed or compiled decode step,
 without PyTorch's per-call dispatch on the host) and also issued eagerly (`eager_us`: small calls
 there are bound by the host's dispatch). Weights rotate through enough copies (>= 160 MB in all)
-that the L2 (60 MB) does not serve them, as in a model. `gbps` counts the weight bytes each implementation reads (INT4 packed + bf16 scales and
-zeros; bf16 weights) plus activations and output.
+that the L2 (60 MB) does not serve them, as in a model. `gbps` counts the weight bytes each
+implementation reads (INT4 packed + bf16 scales and zeros; bf16 weights) plus activations and
+output.
 """
 import json
 import statistics
@@ -49,8 +50,9 @@ def timed(fn, n_inputs):
 
 
 def timed_graph(fn, n_inputs):
-    """(graph µs per call, eager µs per call): the batch of `timed` captured once in a CUDA graph
-    and replayed; the graph time is None where capture fails."""
+    """(graph µs per call, eager µs per call): a batch of calls (about 20 ms, at most 2000) captured
+    once in a CUDA graph and replayed 5 times (median), beside `timed`'s eager batches; the graph
+    time is None where capture fails."""
     eager = timed(fn, n_inputs)
     calls = int(min(2000, max(20, 20e3 / max(eager, 1e-3))))
     try:
