@@ -110,10 +110,18 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 // loads (weights, x, scales) and the launch shape but drops all arithmetic (the loaded words
 // are XORed into one register); 2 keeps the loads, the nibble expansion and the mma but drops
 // the sums of x and the folds (one fold at the end). Time against the shipped kernel to split
-// its time into memory, expansion + mma, and the fold's share.
+// its time into memory, expansion + mma, and the fold's share. For every kernel (batched ones
+// included): 3 keeps all the work but reads the same k-tile of x throughout (x from L1, not
+// L2), 4 the same 16 x 64 weight strip throughout (weights from L2, not DRAM), 5 both (what
+// the arithmetic and the issue of the loads alone cost).
 #ifndef STOKE_INT4_PROBE
 #define STOKE_INT4_PROBE 0
 #endif
+// The probes that drop arithmetic (1, 2) as against those that only change addresses (3, 4).
+#define STOKE_INT4_PROBE_ARITH (STOKE_INT4_PROBE == 1 || STOKE_INT4_PROBE == 2)
+// Steps of the x and weight pointers (0 in probes 3 and 4).
+#define STOKE_INT4_X_STEP (STOKE_INT4_PROBE == 3 || STOKE_INT4_PROBE == 5 ? 0 : 8)
+#define STOKE_INT4_W_ADVANCE (STOKE_INT4_PROBE != 4 && STOKE_INT4_PROBE != 5)
 // 1: the swapped kernels (swap, swap16) take part in programmatic dependent launch: the runtime
 // launches them with programmatic stream serialization (it reads `<entry>_pdl`), each CTA lets
 // the next kernel on the stream start launching at once (griddepcontrol.launch_dependents), and
@@ -519,7 +527,7 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
         u32 a[KB][MT][4];
         auto fill = [&](int s) {
             w[s] = load_stream(wp, policy);
-            wp += wstep;
+            if (STOKE_INT4_W_ADVANCE) wp += wstep;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 a[s][mt][0] = load_u32(xr[mt][0]);
@@ -527,7 +535,7 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
                 a[s][mt][1] = LOW8 ? 0u : load_u32(xr[mt][1]);
                 a[s][mt][3] = LOW8 ? 0u : load_u32(xr[mt][1] + 4);
 #pragma unroll
-                for (int h = 0; h < 2; ++h) xr[mt][h] += 8;
+                for (int h = 0; h < 2; ++h) xr[mt][h] += STOKE_INT4_X_STEP;
             }
         };
 #pragma unroll
@@ -691,7 +699,7 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
 
     float part[NT][4][4];
     float sx[NT];  // sum of x row 8 nt + g over the lane's k of the current unit
-#if STOKE_INT4_PROBE != 0
+#if STOKE_INT4_PROBE_ARITH
     u32 probe = 0;
 #endif
 #pragma unroll
@@ -718,7 +726,7 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
     // of 8 k-tiles with a ring of 4 or 8 slots, so a unit's slots are static; each unit
     // accumulates into one of two partial sets (part for the first of a pair of units, pb for
     // the second) and the other set is folded after the first mma of the next unit is issued.
-    const bool late = LATE && RING && fkt == 8 && 8 % KB == 0 && STOKE_INT4_PROBE == 0;
+    const bool late = LATE && RING && fkt == 8 && 8 % KB == 0 && !STOKE_INT4_PROBE_ARITH;
     // Scales of the current unit (dm) and, except in the late form, which loads each unit's
     // scales after the previous fold, of the next one (dmn), in flight a unit ahead.
     GroupWalk gw(p, u_begin);
@@ -737,14 +745,14 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
     u32 b0[KB][NT], b1[KB][NT];
     auto fill_w = [&](int s) {
         w[s] = load_stream(wp, policy);
-        wp += wstep;
+        if (STOKE_INT4_W_ADVANCE) wp += wstep;
     };
     auto fill_x = [&](int s) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             b0[s][nt] = load_u32(xr[nt]);
             b1[s][nt] = load_u32(xr[nt] + 4);
-            xr[nt] += 8;
+            xr[nt] += STOKE_INT4_X_STEP;
         }
     };
     auto fill = [&](int s) {
@@ -823,12 +831,12 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
             for (int nt = 0; nt < NT; ++nt) probe ^= b0[s][nt] ^ b1[s][nt];
 #else
             mma_tile(part, w[s], b0[s], b1[s]);
-            if (STOKE_INT4_PROBE == 0) add_x_sums(sx, b0[s], b1[s]);
+            if (STOKE_INT4_PROBE != 2) add_x_sums(sx, b0[s], b1[s]);
 #endif
             if (RING && i0 + s + KB < tiles) fill(s);
             if (++in_unit < fkt) continue;
             in_unit = 0;
-#if STOKE_INT4_PROBE != 0
+#if STOKE_INT4_PROBE_ARITH
 #pragma unroll
             for (int i = 0; i < 8; ++i) probe ^= dm[i];
             ++unit;
@@ -855,7 +863,7 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[nt][j][c] = part[nt][j][c];
 #endif
-#if STOKE_INT4_PROBE != 0
+#if STOKE_INT4_PROBE_ARITH
     acc[0][0][1] = __uint_as_float(probe);
 #endif
 }
