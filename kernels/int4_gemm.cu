@@ -79,6 +79,23 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_RING
 #define STOKE_INT4_RING 1
 #endif
+// 1: the batched kernels m16 / m32 stage x through shared memory: each warp copies its next
+// k-tiles of x (4 k-tiles, one 128-byte line per row) with cp.async, a stage ahead, and reads
+// the A fragments with one ldmatrix.x4 per 16 rows and k-tile. 0: every lane loads its
+// fragments from global memory (four 4-byte loads per 16 rows and k-tile, each touching 8
+// rows' lines). The timing probes put the m16 / m32 kernels' time inside the SM (x and the
+// weights both from cache: 70B gate/up m = 16 120 -> 99 us, m = 32 228 -> 163 us), where the
+// per-lane x loads cost the load unit 8 wavefronts each.
+#ifndef STOKE_INT4_X_SMEM
+#define STOKE_INT4_X_SMEM 1
+#endif
+// Resident CTAs per SM the batched m16 / m32 kernels' launch bounds ask for.
+#ifndef STOKE_INT4_M16_MIN_CTAS
+#define STOKE_INT4_M16_MIN_CTAS 3
+#endif
+#ifndef STOKE_INT4_M32_MIN_CTAS
+#define STOKE_INT4_M32_MIN_CTAS 2
+#endif
 #ifndef STOKE_INT4_SWAP_MIN_CTAS
 #define STOKE_INT4_SWAP_MIN_CTAS 4
 #endif
@@ -447,6 +464,62 @@ __device__ __forceinline__ void finish(const Int4GemmParams& p, const float (&ac
     reduce_and_store<MT, EPI>(p, red, blockIdx.x, 0);
 }
 
+// x through shared memory (STOKE_INT4_X_SMEM): a warp's stage holds XS_KT k-tiles of its ROWS
+// rows of x, 128 bytes per row; 16-byte chunk c of row r (k-tile c / 2, half c % 2) is stored at
+// chunk c ^ (r & 7), so the 8 rows an ldmatrix matrix reads fall in 8 different bank groups.
+constexpr int XS_KT = 4;
+constexpr int XS_STAGES = 2;
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+// Copies `bytes` (16, or 0: zero fill) from src to shared dst; 16-byte aligned src.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+// The same in four 4-byte copies, for an x that is only 4-byte aligned.
+__device__ __forceinline__ void cp_async16_by4(u32 dst, const void* src, u32 bytes) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst + 4 * i),
+                     "l"(static_cast<const char*>(src) + 4 * i), "r"(bytes / 4) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// Queues the copy of k-tiles kt0 + XS_KT b onwards (those before `tiles`, the rest zero-filled)
+// of x rows 0 .. ROWS - 1 (row m - 1 past m) into the stage at `stage` (shared address).
+template <int ROWS>
+__device__ __forceinline__ void stage_x(const Int4GemmParams& p, u32 stage, u32 kt0, u32 b, u32 tiles, u32 lane,
+                                        bool aligned16) {
+    const char* x = static_cast<const char*>(p.x);
+#pragma unroll
+    for (int i = 0; i < ROWS / 4; ++i) {
+        const u32 q = 32 * i + lane, r = q >> 3, c = q & 7;
+        const u32 kt = XS_KT * b + (c >> 1);
+        const bool valid = kt < tiles;
+        const char* src = x + u64(min(r, p.m - 1)) * p.k * 2 + (valid ? (kt0 + kt) * 32 + (c & 1) * 16 : 0);
+        const u32 dst = stage + r * 128 + ((c ^ (r & 7)) << 4);
+        if (aligned16) cp_async16(dst, src, valid ? 16 : 0);
+        else cp_async16_by4(dst, src, valid ? 16 : 0);
+    }
+}
+
+// The A fragments of k-tile j of a stage, rows 16 mt onwards: matrix l / 8 of lane l is rows
+// 8 (l / 8 % 2) onwards, k half l / 16 (a0 .. a3 of mma.m16n8k16).
+__device__ __forceinline__ void x_fragments(u32 (&a)[4], u32 stage, int mt, int j, u32 lane) {
+    const u32 r = 16 * mt + ((lane >> 3) & 1) * 8 + (lane & 7), c = 2 * j + (lane >> 4);
+    ldmatrix_x4(a, stage + r * 128 + ((c ^ (r & 7)) << 4));
+}
+
 // Register-batched kernel: each warp loads KB k-tiles of weights and activations, then computes
 // them; the next unit's scales are requested when a unit starts. The loops run over fold units
 // and the k-tiles inside one, with pointers stepped, not recomputed: no division in the loop.
@@ -486,7 +559,12 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     constexpr int MT = ROWS == 32 ? 2 : 1;
     constexpr bool LOW8 = ROWS == 8;
     constexpr int KB = 4;
-    __shared__ float red[WARPS * MT * 16 * RED_PITCH];
+    // The reduction buffer; with x staged in shared memory (ROWS > 8), the stages share it (the
+    // k loop is over, every warp past a barrier, before the reduction writes).
+    constexpr int RED_FLOATS = WARPS * MT * 16 * RED_PITCH;
+    constexpr bool XSMEM = STOKE_INT4_X_SMEM != 0 && STOKE_INT4_RING != 0 && ROWS > 8;
+    constexpr int XS_FLOATS = XSMEM ? WARPS * XS_STAGES * ROWS * 128 / 4 : 0;
+    __shared__ __align__(128) float red[RED_FLOATS > XS_FLOATS ? RED_FLOATS : XS_FLOATS];
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
@@ -515,7 +593,68 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     GroupWalk gw(p, u_begin);
     u32 d[8], m[8];
     if (u_begin < u_end) load_unit_scales(p, gw.row, t, sym, d, m);
-    if (STOKE_INT4_RING && ROWS > 8) {
+    if (XSMEM) {
+        // Weights in a register ring of KB slots as below; x one stage (XS_KT = KB k-tiles)
+        // ahead in the warp's shared-memory stages.
+        static_assert(KB == XS_KT, "a stage of x per batch of load slots");
+        const u32 tiles = (u_end - u_begin) * fkt, kt0 = u_begin * fkt;
+        const bool aligned16 = (reinterpret_cast<u64>(p.x) & 15) == 0;
+        const u32 xs0 = smem_u32(red) + warp * (XS_STAGES * ROWS * 128);
+        u32 dn[8], mn[8];
+        gw.next();
+        if (u_begin + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
+        u32 unit = u_begin, in_unit = 0;
+        uint4 w[KB];
+        auto fill_w = [&](int s) {
+            w[s] = load_stream(wp, policy);
+            if (STOKE_INT4_W_ADVANCE) wp += wstep;
+        };
+#pragma unroll
+        for (int s = 0; s < KB; ++s)
+            if (u32(s) < tiles) fill_w(s);
+#pragma unroll
+        for (int b = 0; b < XS_STAGES - 1; ++b) {
+            if (u32(b) * XS_KT < tiles) stage_x<ROWS>(p, xs0 + b * (ROWS * 128), kt0, STOKE_INT4_PROBE == 3 || STOKE_INT4_PROBE == 5 ? 0 : b, tiles, lane, aligned16);
+            cp_async_commit();
+        }
+        st.begin_unit();
+        u32 b = 0;
+        for (u32 i0 = 0; i0 < tiles; i0 += KB, ++b) {
+            // The stage after this one's successors goes out (into the stage the previous batch
+            // used: every lane is past its ldmatrix), then this batch's stage is waited for.
+            __syncwarp();
+            const u32 bn = b + XS_STAGES - 1;
+            if (bn * XS_KT < tiles)
+                stage_x<ROWS>(p, xs0 + (bn % XS_STAGES) * (ROWS * 128), kt0, STOKE_INT4_PROBE == 3 || STOKE_INT4_PROBE == 5 ? 0 : bn, tiles, lane, aligned16);
+            cp_async_commit();
+            cp_async_wait<XS_STAGES - 1>();
+            __syncwarp();
+            const u32 xs = xs0 + (b % XS_STAGES) * (ROWS * 128);
+#pragma unroll
+            for (int s = 0; s < KB; ++s) {
+                if (i0 + s >= tiles) break;
+                u32 a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) x_fragments(a[mt], xs, mt, s, lane);
+                st.tile(w[s], a);
+                if (i0 + s + KB < tiles) fill_w(s);
+                if (++in_unit < fkt) continue;
+                in_unit = 0;
+                st.template fold<F16S>(d, m, sym);
+                st.begin_unit();
+#pragma unroll
+                for (int n8 = 0; n8 < 8; ++n8) {
+                    d[n8] = dn[n8];
+                    m[n8] = mn[n8];
+                }
+                ++unit;
+                gw.next();
+                if (unit + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // every warp is done with its stages: `red` is the reduction's now
+    } else if (STOKE_INT4_RING && ROWS > 8) {
         // The load slots as a ring, as in the swapped kernel: a slot is refilled with the k-tile KB
         // ahead as soon as its mma have read it; the fold runs when a unit's last k-tile is done.
         const u32 tiles = (u_end - u_begin) * fkt;
@@ -984,20 +1123,20 @@ INT4_GEMM_SWAP_ENTRIES(int4_gemm_swap16, 2, STOKE_INT4_SWAP16_KB, STOKE_INT4_SWA
     }
 
 INT4_GEMM_ENTRY(int4_gemm_plain_bf16s_m8, 8, 3, EPI_PLAIN, false)
-INT4_GEMM_ENTRY(int4_gemm_plain_bf16s_m16, 16, 3, EPI_PLAIN, false)
-INT4_GEMM_ENTRY(int4_gemm_plain_bf16s_m32, 32, 2, EPI_PLAIN, false)
+INT4_GEMM_ENTRY(int4_gemm_plain_bf16s_m16, 16, STOKE_INT4_M16_MIN_CTAS, EPI_PLAIN, false)
+INT4_GEMM_ENTRY(int4_gemm_plain_bf16s_m32, 32, STOKE_INT4_M32_MIN_CTAS, EPI_PLAIN, false)
 INT4_GEMM_ENTRY(int4_gemm_plain_f16s_m8, 8, 3, EPI_PLAIN, true)
-INT4_GEMM_ENTRY(int4_gemm_plain_f16s_m16, 16, 3, EPI_PLAIN, true)
-INT4_GEMM_ENTRY(int4_gemm_plain_f16s_m32, 32, 2, EPI_PLAIN, true)
+INT4_GEMM_ENTRY(int4_gemm_plain_f16s_m16, 16, STOKE_INT4_M16_MIN_CTAS, EPI_PLAIN, true)
+INT4_GEMM_ENTRY(int4_gemm_plain_f16s_m32, 32, STOKE_INT4_M32_MIN_CTAS, EPI_PLAIN, true)
 INT4_GEMM_ENTRY(int4_gemm_residual_bf16s_m8, 8, 3, EPI_RESIDUAL, false)
-INT4_GEMM_ENTRY(int4_gemm_residual_bf16s_m16, 16, 3, EPI_RESIDUAL, false)
-INT4_GEMM_ENTRY(int4_gemm_residual_bf16s_m32, 32, 2, EPI_RESIDUAL, false)
+INT4_GEMM_ENTRY(int4_gemm_residual_bf16s_m16, 16, STOKE_INT4_M16_MIN_CTAS, EPI_RESIDUAL, false)
+INT4_GEMM_ENTRY(int4_gemm_residual_bf16s_m32, 32, STOKE_INT4_M32_MIN_CTAS, EPI_RESIDUAL, false)
 INT4_GEMM_ENTRY(int4_gemm_residual_f16s_m8, 8, 3, EPI_RESIDUAL, true)
-INT4_GEMM_ENTRY(int4_gemm_residual_f16s_m16, 16, 3, EPI_RESIDUAL, true)
-INT4_GEMM_ENTRY(int4_gemm_residual_f16s_m32, 32, 2, EPI_RESIDUAL, true)
+INT4_GEMM_ENTRY(int4_gemm_residual_f16s_m16, 16, STOKE_INT4_M16_MIN_CTAS, EPI_RESIDUAL, true)
+INT4_GEMM_ENTRY(int4_gemm_residual_f16s_m32, 32, STOKE_INT4_M32_MIN_CTAS, EPI_RESIDUAL, true)
 INT4_GEMM_ENTRY(int4_gemm_swiglu_bf16s_m8, 8, 3, EPI_SWIGLU, false)
-INT4_GEMM_ENTRY(int4_gemm_swiglu_bf16s_m16, 16, 3, EPI_SWIGLU, false)
-INT4_GEMM_ENTRY(int4_gemm_swiglu_bf16s_m32, 32, 2, EPI_SWIGLU, false)
+INT4_GEMM_ENTRY(int4_gemm_swiglu_bf16s_m16, 16, STOKE_INT4_M16_MIN_CTAS, EPI_SWIGLU, false)
+INT4_GEMM_ENTRY(int4_gemm_swiglu_bf16s_m32, 32, STOKE_INT4_M32_MIN_CTAS, EPI_SWIGLU, false)
 INT4_GEMM_ENTRY(int4_gemm_swiglu_f16s_m8, 8, 3, EPI_SWIGLU, true)
-INT4_GEMM_ENTRY(int4_gemm_swiglu_f16s_m16, 16, 3, EPI_SWIGLU, true)
-INT4_GEMM_ENTRY(int4_gemm_swiglu_f16s_m32, 32, 2, EPI_SWIGLU, true)
+INT4_GEMM_ENTRY(int4_gemm_swiglu_f16s_m16, 16, STOKE_INT4_M16_MIN_CTAS, EPI_SWIGLU, true)
+INT4_GEMM_ENTRY(int4_gemm_swiglu_f16s_m32, 32, STOKE_INT4_M32_MIN_CTAS, EPI_SWIGLU, true)
