@@ -79,15 +79,22 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_RING
 #define STOKE_INT4_RING 1
 #endif
-// 1: the batched kernels m16 / m32 stage x through shared memory: each warp copies its next
-// k-tiles of x (4 k-tiles, one 128-byte line per row) with cp.async, a stage ahead, and reads
-// the A fragments with one ldmatrix.x4 per 16 rows and k-tile. 0: every lane loads its
-// fragments from global memory (four 4-byte loads per 16 rows and k-tile, each touching 8
-// rows' lines). The timing probes put the m16 / m32 kernels' time inside the SM (x and the
-// weights both from cache: 70B gate/up m = 16 120 -> 99 us, m = 32 228 -> 163 us), where the
-// per-lane x loads cost the load unit 8 wavefronts each.
-#ifndef STOKE_INT4_X_SMEM
-#define STOKE_INT4_X_SMEM 1
+// 1: the batched kernels m16 / m32 stream weights and x through a per-warp ring of
+// STOKE_INT4_SMEM_STAGES stages in dynamic shared memory, each 4 k-tiles of the warp's weight
+// strips and of its rows of x, copied with cp.async (STOKE_INT4_SMEM_STAGES - 1 stages, 12 k-tiles
+// at 4, in flight per warp without holding registers); the mma read the weights back with one
+// 16-byte shared load per lane and the x fragments with one ldmatrix.x4 per 16 rows and k-tile.
+// 0: the register ring below (3 k-tiles in flight per warp, x loaded per lane from global memory,
+// four 4-byte loads per 16 rows and k-tile, each touching 8 rows' lines). The timing probes with
+// x and the weights from cache put the register ring's m16 at 99 us on 70B gate/up (120 us
+// shipped), and the same kernel with only x staged was 0.95-1.04x at m = 16 and 1.06-1.20x at
+// m = 32: with 12 warps per SM and 3 k-tiles in flight each, about 18 KB of weights are in
+// flight per SM, half of what the copy rate needs at DRAM's latency.
+#ifndef STOKE_INT4_SMEM_RING
+#define STOKE_INT4_SMEM_RING 1
+#endif
+#ifndef STOKE_INT4_SMEM_STAGES
+#define STOKE_INT4_SMEM_STAGES 4
 #endif
 // Resident CTAs per SM the batched m16 / m32 kernels' launch bounds ask for.
 #ifndef STOKE_INT4_M16_MIN_CTAS
@@ -464,11 +471,27 @@ __device__ __forceinline__ void finish(const Int4GemmParams& p, const float (&ac
     reduce_and_store<MT, EPI>(p, red, blockIdx.x, 0);
 }
 
-// x through shared memory (STOKE_INT4_X_SMEM): a warp's stage holds XS_KT k-tiles of its ROWS
-// rows of x, 128 bytes per row; 16-byte chunk c of row r (k-tile c / 2, half c % 2) is stored at
-// chunk c ^ (r & 7), so the 8 rows an ldmatrix matrix reads fall in 8 different bank groups.
-constexpr int XS_KT = 4;
-constexpr int XS_STAGES = 2;
+// The shared-memory ring of the batched m16 / m32 kernels (STOKE_INT4_SMEM_RING): per warp,
+// SMEM_STAGES stages of SMEM_KT k-tiles, each stage the k-tiles' weight strips (512 bytes each,
+// lane l's 16 bytes at 16 l, as it loads them) then x: ROWS rows of 128 bytes, 16-byte chunk c
+// of row r (k-tile c / 2, half c % 2) stored at chunk c ^ (r & 7), so the 8 rows an ldmatrix
+// matrix reads fall in 8 different bank groups. The reduction at the end reuses the area.
+constexpr int SMEM_KT = 4;
+template <int ROWS>
+struct SmemRing {
+    static constexpr u32 W_BYTES = SMEM_KT * 512;
+    static constexpr u32 STAGE = W_BYTES + ROWS * 128;
+    static constexpr u32 WARP = STOKE_INT4_SMEM_STAGES * STAGE;
+    static constexpr u32 RED = WARPS * (ROWS / 16) * 16 * RED_PITCH * 4;
+    static constexpr u32 BYTES = WARPS * WARP > RED ? WARPS * WARP : RED;
+};
+// Dynamic shared memory of a batched entry point (0 without the ring; m8 never has it).
+__host__ __device__ constexpr unsigned batched_dyn_smem(int rows) {
+    return STOKE_INT4_SMEM_RING != 0 && rows == 16   ? SmemRing<16>::BYTES
+           : STOKE_INT4_SMEM_RING != 0 && rows == 32 ? SmemRing<32>::BYTES
+                                                     : 0;
+}
+extern __shared__ __align__(128) unsigned char int4_dyn_smem[];
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
@@ -483,6 +506,11 @@ __device__ __forceinline__ void cp_async16_by4(u32 dst, const void* src, u32 byt
         asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst + 4 * i),
                      "l"(static_cast<const char*>(src) + 4 * i), "r"(bytes / 4) : "memory");
 }
+// A weight strip's 16 bytes, read once: L2 evict-first.
+__device__ __forceinline__ void cp_async16_stream(u32 dst, const void* src, u64 policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "l"(policy)
+                 : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -494,30 +522,44 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
                  : "r"(addr)
                  : "memory");
 }
+__device__ __forceinline__ uint4 lds128(u32 addr) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr) : "memory");
+    return r;
+}
 
-// Queues the copy of k-tiles kt0 + XS_KT b onwards (those before `tiles`, the rest zero-filled)
-// of x rows 0 .. ROWS - 1 (row m - 1 past m) into the stage at `stage` (shared address).
+// Queues stage `b` of a warp's k-tiles (relative k-tiles SMEM_KT b onwards, those before
+// `tiles`; x's past them zero-filled) into the stage at shared address `stage`: the weight
+// strips from wp (the warp's first k-tile, lane offset included, wstep apart) and x rows
+// 0 .. ROWS - 1 (row m - 1 past m) from k-tile kt0 onwards.
 template <int ROWS>
-__device__ __forceinline__ void stage_x(const Int4GemmParams& p, u32 stage, u32 kt0, u32 b, u32 tiles, u32 lane,
-                                        bool aligned16) {
+__device__ __forceinline__ void stage_copy(const Int4GemmParams& p, u32 stage, const uint4* wp, u64 wstep, u64 policy,
+                                           u32 kt0, u32 b, u32 tiles, u32 lane, bool aligned16) {
+#pragma unroll
+    for (int j = 0; j < SMEM_KT; ++j) {
+        const u32 kt = SMEM_KT * b + j;
+        if (kt < tiles) cp_async16_stream(stage + j * 512 + lane * 16, wp + (STOKE_INT4_W_ADVANCE ? kt : 0) * wstep, policy);
+    }
     const char* x = static_cast<const char*>(p.x);
+    const u32 xs = stage + SmemRing<ROWS>::W_BYTES;
 #pragma unroll
     for (int i = 0; i < ROWS / 4; ++i) {
         const u32 q = 32 * i + lane, r = q >> 3, c = q & 7;
-        const u32 kt = XS_KT * b + (c >> 1);
+        const u32 kt = SMEM_KT * b + (c >> 1);
         const bool valid = kt < tiles;
-        const char* src = x + u64(min(r, p.m - 1)) * p.k * 2 + (valid ? (kt0 + kt) * 32 + (c & 1) * 16 : 0);
-        const u32 dst = stage + r * 128 + ((c ^ (r & 7)) << 4);
+        const u32 xkt = STOKE_INT4_X_STEP == 0 ? (c >> 1) : kt;
+        const char* src = x + u64(min(r, p.m - 1)) * p.k * 2 + (valid ? (kt0 + xkt) * 32 + (c & 1) * 16 : 0);
+        const u32 dst = xs + r * 128 + ((c ^ (r & 7)) << 4);
         if (aligned16) cp_async16(dst, src, valid ? 16 : 0);
         else cp_async16_by4(dst, src, valid ? 16 : 0);
     }
 }
 
-// The A fragments of k-tile j of a stage, rows 16 mt onwards: matrix l / 8 of lane l is rows
-// 8 (l / 8 % 2) onwards, k half l / 16 (a0 .. a3 of mma.m16n8k16).
-__device__ __forceinline__ void x_fragments(u32 (&a)[4], u32 stage, int mt, int j, u32 lane) {
+// The A fragments of k-tile j of a stage's x, rows 16 mt onwards: matrix l / 8 of lane l is
+// rows 8 (l / 8 % 2) onwards, k half l / 16 (a0 .. a3 of mma.m16n8k16).
+__device__ __forceinline__ void x_fragments(u32 (&a)[4], u32 xs, int mt, int j, u32 lane) {
     const u32 r = 16 * mt + ((lane >> 3) & 1) * 8 + (lane & 7), c = 2 * j + (lane >> 4);
-    ldmatrix_x4(a, stage + r * 128 + ((c ^ (r & 7)) << 4));
+    ldmatrix_x4(a, xs + r * 128 + ((c ^ (r & 7)) << 4));
 }
 
 // Register-batched kernel: each warp loads KB k-tiles of weights and activations, then computes
@@ -559,12 +601,11 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     constexpr int MT = ROWS == 32 ? 2 : 1;
     constexpr bool LOW8 = ROWS == 8;
     constexpr int KB = 4;
-    // The reduction buffer; with x staged in shared memory (ROWS > 8), the stages share it (the
-    // k loop is over, every warp past a barrier, before the reduction writes).
-    constexpr int RED_FLOATS = WARPS * MT * 16 * RED_PITCH;
-    constexpr bool XSMEM = STOKE_INT4_X_SMEM != 0 && STOKE_INT4_RING != 0 && ROWS > 8;
-    constexpr int XS_FLOATS = XSMEM ? WARPS * XS_STAGES * ROWS * 128 / 4 : 0;
-    __shared__ __align__(128) float red[RED_FLOATS > XS_FLOATS ? RED_FLOATS : XS_FLOATS];
+    // The reduction buffer: static, or with the shared-memory ring (m16 / m32) the ring's
+    // dynamic area (the k loop is over, every warp past a barrier, before the reduction writes).
+    constexpr bool SRING = batched_dyn_smem(ROWS) != 0;
+    __shared__ __align__(16) float red_static[SRING ? 1 : WARPS * MT * 16 * RED_PITCH];
+    float* const red = SRING ? reinterpret_cast<float*>(int4_dyn_smem) : red_static;
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
@@ -593,51 +634,44 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     GroupWalk gw(p, u_begin);
     u32 d[8], m[8];
     if (u_begin < u_end) load_unit_scales(p, gw.row, t, sym, d, m);
-    if (XSMEM) {
-        // Weights in a register ring of KB slots as below; x one stage (XS_KT = KB k-tiles)
-        // ahead in the warp's shared-memory stages.
-        static_assert(KB == XS_KT, "a stage of x per batch of load slots");
+    if (SRING) {
+        // Weights and x SMEM_STAGES - 1 stages ahead in the warp's ring (STOKE_INT4_SMEM_RING).
+        using R = SmemRing<ROWS>;
+        constexpr int S = STOKE_INT4_SMEM_STAGES;
+        static_assert(S >= 2, "a stage in use and at least one in flight");
         const u32 tiles = (u_end - u_begin) * fkt, kt0 = u_begin * fkt;
         const bool aligned16 = (reinterpret_cast<u64>(p.x) & 15) == 0;
-        const u32 xs0 = smem_u32(red) + warp * (XS_STAGES * ROWS * 128);
+        const u32 ring = smem_u32(int4_dyn_smem) + warp * R::WARP;
         u32 dn[8], mn[8];
         gw.next();
         if (u_begin + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
         u32 unit = u_begin, in_unit = 0;
-        uint4 w[KB];
-        auto fill_w = [&](int s) {
-            w[s] = load_stream(wp, policy);
-            if (STOKE_INT4_W_ADVANCE) wp += wstep;
-        };
 #pragma unroll
-        for (int s = 0; s < KB; ++s)
-            if (u32(s) < tiles) fill_w(s);
-#pragma unroll
-        for (int b = 0; b < XS_STAGES - 1; ++b) {
-            if (u32(b) * XS_KT < tiles) stage_x<ROWS>(p, xs0 + b * (ROWS * 128), kt0, STOKE_INT4_PROBE == 3 || STOKE_INT4_PROBE == 5 ? 0 : b, tiles, lane, aligned16);
+        for (int b = 0; b < S - 1; ++b) {
+            if (u32(b) * SMEM_KT < tiles) stage_copy<ROWS>(p, ring + b * R::STAGE, wp, wstep, policy, kt0, b, tiles, lane, aligned16);
             cp_async_commit();
         }
         st.begin_unit();
-        u32 b = 0;
-        for (u32 i0 = 0; i0 < tiles; i0 += KB, ++b) {
-            // The stage after this one's successors goes out (into the stage the previous batch
-            // used: every lane is past its ldmatrix), then this batch's stage is waited for.
+        u32 b = 0, slot = 0;  // slot = b % S
+        for (u32 i0 = 0; i0 < tiles; i0 += SMEM_KT, ++b) {
+            // Stage b + S - 1 goes out into the slot stage b - 1 used (every lane is past its
+            // reads: the barrier), then stage b is waited for.
             __syncwarp();
-            const u32 bn = b + XS_STAGES - 1;
-            if (bn * XS_KT < tiles)
-                stage_x<ROWS>(p, xs0 + (bn % XS_STAGES) * (ROWS * 128), kt0, STOKE_INT4_PROBE == 3 || STOKE_INT4_PROBE == 5 ? 0 : bn, tiles, lane, aligned16);
+            const u32 bn = b + S - 1, next_slot = slot == 0 ? S - 1 : slot - 1;
+            if (bn * SMEM_KT < tiles) stage_copy<ROWS>(p, ring + next_slot * R::STAGE, wp, wstep, policy, kt0, bn, tiles, lane, aligned16);
             cp_async_commit();
-            cp_async_wait<XS_STAGES - 1>();
+            cp_async_wait<S - 1>();
             __syncwarp();
-            const u32 xs = xs0 + (b % XS_STAGES) * (ROWS * 128);
+            const u32 stage = ring + slot * R::STAGE;
+            slot = slot + 1 == S ? 0 : slot + 1;
 #pragma unroll
-            for (int s = 0; s < KB; ++s) {
+            for (int s = 0; s < SMEM_KT; ++s) {
                 if (i0 + s >= tiles) break;
+                const uint4 w = lds128(stage + s * 512 + lane * 16);
                 u32 a[MT][4];
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) x_fragments(a[mt], xs, mt, s, lane);
-                st.tile(w[s], a);
-                if (i0 + s + KB < tiles) fill_w(s);
+                for (int mt = 0; mt < MT; ++mt) x_fragments(a[mt], stage + R::W_BYTES, mt, s, lane);
+                st.tile(w, a);
                 if (++in_unit < fkt) continue;
                 in_unit = 0;
                 st.template fold<F16S>(d, m, sym);
@@ -653,7 +687,7 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
             }
         }
         cp_async_wait<0>();
-        __syncthreads();  // every warp is done with its stages: `red` is the reduction's now
+        __syncthreads();  // every warp is done with its ring: the area is the reduction's now
     } else if (STOKE_INT4_RING && ROWS > 8) {
         // The load slots as a ring, as in the swapped kernel: a slot is refilled with the k-tile KB
         // ahead as soon as its mma have read it; the fold runs when a unit's last k-tile is done.
@@ -1117,7 +1151,10 @@ INT4_GEMM_SWAPK_ENTRY(int4_gemm_swapk_swiglu_f16s, EPI_SWIGLU, true)
 INT4_GEMM_SWAP_ENTRIES(int4_gemm_swap, 1, STOKE_INT4_SWAP_KB, STOKE_INT4_SWAP_KB_LONG, STOKE_INT4_SWAP_MIN_CTAS)
 INT4_GEMM_SWAP_ENTRIES(int4_gemm_swap16, 2, STOKE_INT4_SWAP16_KB, STOKE_INT4_SWAP16_KB_LONG, STOKE_INT4_SWAP16_MIN_CTAS)
 
+// NAME_dyn_smem: the dynamic shared memory the entry needs (the shared-memory ring's; the runtime
+// reads it when it loads the entry point and launches with it).
 #define INT4_GEMM_ENTRY(NAME, ROWS, MIN_CTAS, EPI, F16S)                                              \
+    extern "C" __device__ unsigned NAME##_dyn_smem = batched_dyn_smem(ROWS);                        \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) NAME(const Int4GemmParams p) { \
         int4_gemm<ROWS, EPI, F16S>(p);                                                    \
     }

@@ -280,7 +280,8 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         let shape = LaunchShape {
             grid: l.grid,
             block: l.block,
-            shared_mem_bytes: 0,
+            // The batched m16 / m32 kernels' shared-memory ring (their `_dyn_smem` global).
+            shared_mem_bytes: kernel.dyn_smem,
         };
         // SAFETY: the params mirror the kernel's struct (layout test); the caller guarantees
         // the pointers; the weight buffers live in `w`, borrowed for the call and freed on this

@@ -248,6 +248,16 @@ impl Runtime {
                 ),
             });
         }
+        if dyn_smem > 0 {
+            // As much of the on-chip memory as shared memory as the driver allows: the kernels
+            // that bring dynamic shared memory size their grids by resident CTAs (a hint, in
+            // percent of the maximum).
+            func.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                100,
+            )
+            .call("cuFuncSetAttribute")?;
+        }
         let kernel = Kernel {
             func,
             entry,
