@@ -79,19 +79,23 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_RING
 #define STOKE_INT4_RING 1
 #endif
-// 1: the batched kernels m16 / m32 stream weights and x through a per-warp ring of
-// STOKE_INT4_SMEM_STAGES stages in dynamic shared memory, each 4 k-tiles of the warp's weight
-// strips and of its rows of x, copied with cp.async (STOKE_INT4_SMEM_STAGES - 1 stages, 12 k-tiles
-// at 4, in flight per warp without holding registers); the mma read the weights back with one
-// 16-byte shared load per lane and the x fragments with one ldmatrix.x4 per 16 rows and k-tile.
-// 0: the register ring below (3 k-tiles in flight per warp, x loaded per lane from global memory,
-// four 4-byte loads per 16 rows and k-tile, each touching 8 rows' lines). The timing probes with
-// x and the weights from cache put the register ring's m16 at 99 us on 70B gate/up (120 us
-// shipped), and the same kernel with only x staged was 0.95-1.04x at m = 16 and 1.06-1.20x at
-// m = 32: with 12 warps per SM and 3 k-tiles in flight each, about 18 KB of weights are in
-// flight per SM, half of what the copy rate needs at DRAM's latency.
-#ifndef STOKE_INT4_SMEM_RING
-#define STOKE_INT4_SMEM_RING 1
+// 1: the batched m32 (STOKE_INT4_SMEM_RING_M32) / m16 (STOKE_INT4_SMEM_RING_M16) kernels
+// stream weights and x through a per-warp ring of STOKE_INT4_SMEM_STAGES stages in dynamic
+// shared memory, each 4 k-tiles of the warp's weight strips and of its rows of x, copied with
+// cp.async (STOKE_INT4_SMEM_STAGES - 1 stages, 12 k-tiles at 4, in flight per warp without
+// holding registers); the mma read the weights back with one 16-byte shared load per lane and
+// the x fragments with one ldmatrix.x4 per 16 rows and k-tile. 0: the register ring below
+// (3 k-tiles in flight per warp, x loaded per lane from global memory, four 4-byte loads per
+// 16 rows and k-tile, each touching 8 rows' lines). Timed at 8802012
+// (results/experiments/h200-int4-smem-ring-8802012.json): m32 1.07-1.17x faster (70B gate/up
+// 228 -> 195 us), m16 0.95-1.07x (70B gate/up 120 -> 126 us), 3 stages as fast as 4, 6 slower
+// (2 CTAs per SM at m16). Four times the weight bytes in flight per warp did not speed up m16:
+// its time is set inside the SM.
+#ifndef STOKE_INT4_SMEM_RING_M32
+#define STOKE_INT4_SMEM_RING_M32 1
+#endif
+#ifndef STOKE_INT4_SMEM_RING_M16
+#define STOKE_INT4_SMEM_RING_M16 0
 #endif
 #ifndef STOKE_INT4_SMEM_STAGES
 #define STOKE_INT4_SMEM_STAGES 4
@@ -471,7 +475,7 @@ __device__ __forceinline__ void finish(const Int4GemmParams& p, const float (&ac
     reduce_and_store<MT, EPI>(p, red, blockIdx.x, 0);
 }
 
-// The shared-memory ring of the batched m16 / m32 kernels (STOKE_INT4_SMEM_RING): per warp,
+// The shared-memory ring of the batched m16 / m32 kernels (STOKE_INT4_SMEM_RING_M16 / _M32): per warp,
 // SMEM_STAGES stages of SMEM_KT k-tiles, each stage the k-tiles' weight strips (512 bytes each,
 // lane l's 16 bytes at 16 l, as it loads them) then x: ROWS rows of 128 bytes, 16-byte chunk c
 // of row r (k-tile c / 2, half c % 2) stored at chunk c ^ (r & 7), so the 8 rows an ldmatrix
@@ -487,9 +491,9 @@ struct SmemRing {
 };
 // Dynamic shared memory of a batched entry point (0 without the ring; m8 never has it).
 __host__ __device__ constexpr unsigned batched_dyn_smem(int rows) {
-    return STOKE_INT4_SMEM_RING != 0 && rows == 16   ? SmemRing<16>::BYTES
-           : STOKE_INT4_SMEM_RING != 0 && rows == 32 ? SmemRing<32>::BYTES
-                                                     : 0;
+    return STOKE_INT4_SMEM_RING_M16 != 0 && rows == 16   ? SmemRing<16>::BYTES
+           : STOKE_INT4_SMEM_RING_M32 != 0 && rows == 32 ? SmemRing<32>::BYTES
+                                                         : 0;
 }
 extern __shared__ __align__(128) unsigned char int4_dyn_smem[];
 
@@ -635,7 +639,7 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     u32 d[8], m[8];
     if (u_begin < u_end) load_unit_scales(p, gw.row, t, sym, d, m);
     if (SRING) {
-        // Weights and x SMEM_STAGES - 1 stages ahead in the warp's ring (STOKE_INT4_SMEM_RING).
+        // Weights and x SMEM_STAGES - 1 stages ahead in the warp's ring (STOKE_INT4_SMEM_RING_M*).
         using R = SmemRing<ROWS>;
         constexpr int S = STOKE_INT4_SMEM_STAGES;
         static_assert(S >= 2, "a stage in use and at least one in flight");

@@ -226,6 +226,48 @@ pub fn copy_bandwidth(rt: &Arc<Runtime>) -> f64 {
     2.0 * bytes as f64 / (us * 1e-6) / 1e9
 }
 
+/// The tensor cores' rate for mma.sync.m16n8k16 (bf16 in, f32 accumulation), the W4A16
+/// kernels' instruction, timed like the kernels ([`time_calls`]): TFLOP/s with 8 independent
+/// accumulators per warp and 4 CTAs of 4 warps per SM (`c8`), and the ns per mma of one
+/// dependent chain with one warp per SM sub-partition (`c1`, the instruction's latency).
+pub fn mma_rate(rt: &Arc<Runtime>) -> Value {
+    use stoke_cuda::kernels::MMA_RATE;
+    use stoke_cuda::kernels::mma_rate::{CHAINS, ENTRY_POINTS, MMA_MACS, MmaRateParams};
+    let iters = 4096u32;
+    let out = rt.alloc(rt.sm_count as usize * 4 * 128 * 4).unwrap();
+    let mut v = json!({ "iters": iters });
+    for (entry, chains) in ENTRY_POINTS.iter().zip(CHAINS) {
+        let kernel = rt.kernel(&MMA_RATE, entry).unwrap();
+        let ctas_per_sm = if chains == 1 { 1 } else { 4 };
+        let shape = LaunchShape {
+            grid: (rt.sm_count * ctas_per_sm, 1, 1),
+            block: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let params = MmaRateParams {
+            out: out.ptr(),
+            iters,
+            never: f32::NAN,
+        };
+        // SAFETY: the params mirror the kernel's struct (layout test); `out` holds one f32 per
+        // launched thread and outlives the synchronizing timer.
+        let t = time_calls(rt, 5, 10, |_| unsafe {
+            rt.launch(&kernel, shape, &params).unwrap()
+        });
+        let warps = u64::from(shape.grid.0) * 4;
+        let macs = warps * u64::from(iters) * u64::from(chains) * MMA_MACS;
+        let tflops = 2.0 * macs as f64 / (t.us * 1e6);
+        println!(
+            "mma.sync m16n8k16 bf16: {entry}: {:.1} us, {tflops:.1} TFLOP/s, {:.2} ns per round per warp",
+            t.us,
+            t.us * 1e3 / f64::from(iters)
+        );
+        v[*entry] = json!({ "us": t.us, "ctas_per_sm": ctas_per_sm, "tflops": tflops,
+            "ns_per_round": t.us * 1e3 / f64::from(iters) });
+    }
+    v
+}
+
 /// µs per device-to-device copy moving `traffic` bytes (half read, half written), from buffers
 /// rotated through >= 256 MB (no copy starts in L2), timed like the kernels ([`time_calls`]):
 /// what one launch moving that many bytes reaches (transfers of tens of MB stay well below the

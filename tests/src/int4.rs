@@ -347,20 +347,27 @@ pub fn bench(copy_gbps: f64) -> Value {
     let orders: &[WordOrder] = if all { &ORDERS } else { &[WordOrder::KtMajor] };
     let rt = crate::gpu().expect("GPU");
     let (mut rows, mut sweep, mut regs) = (Vec::new(), Vec::new(), Vec::new());
+    // The compute side of the roofline: each row's mma count at this rate.
+    let mma = crate::bench::mma_rate(&rt);
+    let mma_tflops = mma["mma_rate_c8"]["tflops"].as_f64().unwrap_or(0.0);
     crate::bench::for_each_variant(&rt, INT4_GEMM.file, |variant| {
-        bench_variant(&rt, copy_gbps, orders, all, variant, &mut rows, &mut sweep);
+        bench_variant(
+            &rt, copy_gbps, mma_tflops, orders, all, variant, &mut rows, &mut sweep,
+        );
         if variant.is_empty() {
             // The shipped kernels' resources (a variant's module replaces them).
             regs = crate::bench::kernel_reports(&rt, INT4_GEMM.file);
         }
     });
-    json!({ "copy_gbps": copy_gbps, "runs": rows, "split_sweep": sweep, "kernels": regs })
+    json!({ "copy_gbps": copy_gbps, "mma_rate": mma, "runs": rows, "split_sweep": sweep, "kernels": regs })
 }
 
 /// The benchmark with the kernels as compiled now; rows of a variant carry its defines.
+#[allow(clippy::too_many_arguments)]
 fn bench_variant(
     rt: &Arc<Runtime>,
     copy_gbps: f64,
+    mma_tflops: f64,
     orders: &[WordOrder],
     all: bool,
     variant: &str,
@@ -457,6 +464,21 @@ fn bench_variant(
                         "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1]});
                     if !variant.is_empty() {
                         row["defines"] = json!(variant);
+                    }
+                    // The kernel's mma.m16n8k16 count and their time at the same run's rate:
+                    // batched, one per 16 rows, 16 k and 8 columns; swapped, one per 8 rows (16 at
+                    // m <= 8), 16 k and 16 columns.
+                    let mmas = (k / 16) as u64
+                        * match kind {
+                            "Batched" => (n / 8 * m.div_ceil(16)) as u64,
+                            "Swap16" => (n / 16 * 2 * m.div_ceil(16)) as u64,
+                            _ => (n / 16) as u64,
+                        };
+                    row["mma_count"] = json!(mmas);
+                    if mma_tflops > 0.0 {
+                        let floor = 2.0 * (mmas * stoke_cuda::kernels::mma_rate::MMA_MACS) as f64
+                            / (mma_tflops * 1e6);
+                        row["mma_floor_us"] = json!(floor);
                     }
                     if let Some(c) = copy_us {
                         // A copy moving the weight bytes, and the kernel's speed against it.

@@ -3,6 +3,7 @@
 
 pub mod decode_attention;
 pub mod int4_gemm;
+pub mod mma_rate;
 pub mod rms_norm;
 
 /// A kernel source file compiled as one module.
@@ -55,8 +56,14 @@ pub const ALL: &[KernelSource] = &[
         source: decode_attention::SOURCE,
         entries: decode_attention::ENTRY_POINTS,
     },
+    KernelSource {
+        file: "mma_rate.cu",
+        source: mma_rate::SOURCE,
+        entries: mma_rate::ENTRY_POINTS,
+    },
 ];
 
 pub const RMS_NORM: KernelSource = ALL[0];
 pub const INT4_GEMM: KernelSource = ALL[1];
 pub const DECODE_ATTENTION: KernelSource = ALL[2];
+pub const MMA_RATE: KernelSource = ALL[3];
