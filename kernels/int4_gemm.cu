@@ -87,8 +87,8 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 // the x fragments with one ldmatrix.x4 per 16 rows and k-tile. 0: the register ring below
 // (3 k-tiles in flight per warp, x loaded per lane from global memory, four 4-byte loads per
 // 16 rows and k-tile, each touching 8 rows' lines). Timed at 8802012
-// (results/experiments/h200-int4-smem-ring-8802012.json): m32 1.07-1.17x faster (70B gate/up
-// 228 -> 195 us), m16 0.95-1.07x (70B gate/up 120 -> 126 us), 3 stages as fast as 4, 6 slower
+// (results/experiments/h200-int4-smem-ring-8802012.json): m32 1.04-1.17x faster (70B gate/up
+// 228 -> 195 us), m16 0.95-1.08x (70B gate/up 120 -> 126 us), 3 stages as fast as 4, 6 slower
 // (2 CTAs per SM at m16). Four times the weight bytes in flight per warp did not speed up m16:
 // its time is set inside the SM.
 #ifndef STOKE_INT4_SMEM_RING_M32

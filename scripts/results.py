@@ -214,10 +214,15 @@ def render_int4(w, res, path):
     if same:
         w("`same-size copy`: µs of one device-to-device copy moving the weight bytes (half read, half written), timed")
         w("the same way; `% of it`: that time over Stoke's, the speed of a copy of this size reached.")
+    mma = b.get("mma_rate")
+    if mma:
+        w(f"`mma floor`: the kernel's mma.m16n8k16 count at the same run's mma.sync rate, the compute side of its")
+        w(f"roofline: {mma['mma_rate_c8']['tflops']:.0f} TFLOP/s (bf16 in, f32 accumulation; `kernels/mma_rate.cu`, 8 independent")
+        w(f"accumulators per warp, 16 warps per SM), {mma['mma_rate_c1']['ns_per_round']:.1f} ns per mma along one dependent chain.")
     w("")
-    extra = " same-size copy µs | % of it |" if same else ""
+    extra = (" same-size copy µs | % of it |" if same else "") + (" mma floor µs |" if mma else "")
     w("| shape (k x n) | m | Stoke µs | Stoke % copy | torch int4 µs | torch int4 % copy | Stoke speedup vs torch int4 | bf16 matmul µs | splits |" + extra)
-    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if same else ""))
+    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if same else "") + (" ---: |" if mma else ""))
     peers = {(e["impl"], e["shape"], e["m"]): e for e in res["torch_int4"] if "us" in e}
     # The default kernel and word order in the main table (the swapped-operand kernel at m <= 8
     # where the run has it, else the batched one); the others below it.
@@ -237,6 +242,8 @@ def render_int4(w, res, path):
         sc = ""
         if same:
             sc = f" {r['same_size_copy_us']:.1f} | {100 * r['of_same_size_copy']:.0f}% |" if "same_size_copy_us" in r else " - | - |"
+        if mma:
+            sc += f" {r['mma_floor_us']:.1f} |" if "mma_floor_us" in r else " - |"
         w(f"| {r['shape']} ({r['k']} x {r['n']}) | {r['m']} | {r['us']:.1f} | {100 * r['of_copy']:.1f}% | {ti_us} | {ti_pc} | {sp} | {tb_us} | {r['splits']} |" + sc)
     w("")
     others = [r for r in b["runs"] if r not in default and not r.get("defines")]
