@@ -638,18 +638,38 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     GroupWalk gw(p, u_begin);
     u32 d[8], m[8];
     if (u_begin < u_end) load_unit_scales(p, gw.row, t, sym, d, m);
+    // The ring forms: the warp's k-tiles; the next unit's scales (dn / mn), in flight a unit
+    // ahead; after each k-tile, at a unit's end, the fold and the move to the next unit.
+    const u32 tiles = (u_end - u_begin) * fkt;
+    u32 dn[8], mn[8];
+    u32 unit = u_begin, in_unit = 0;
+    auto ring_start = [&]() {
+        gw.next();
+        if (u_begin + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
+    };
+    auto tile_done = [&]() {
+        if (++in_unit < fkt) return;
+        in_unit = 0;
+        st.template fold<F16S>(d, m, sym);
+        st.begin_unit();
+#pragma unroll
+        for (int n8 = 0; n8 < 8; ++n8) {
+            d[n8] = dn[n8];
+            m[n8] = mn[n8];
+        }
+        ++unit;
+        gw.next();
+        if (unit + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
+    };
     if (SRING) {
         // Weights and x SMEM_STAGES - 1 stages ahead in the warp's ring (STOKE_INT4_SMEM_RING_M*).
         using R = SmemRing<ROWS>;
         constexpr int S = STOKE_INT4_SMEM_STAGES;
         static_assert(S >= 2, "a stage in use and at least one in flight");
-        const u32 tiles = (u_end - u_begin) * fkt, kt0 = u_begin * fkt;
+        const u32 kt0 = u_begin * fkt;
         const bool aligned16 = (reinterpret_cast<u64>(p.x) & 15) == 0;
         const u32 ring = smem_u32(int4_dyn_smem) + warp * R::WARP;
-        u32 dn[8], mn[8];
-        gw.next();
-        if (u_begin + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
-        u32 unit = u_begin, in_unit = 0;
+        ring_start();
 #pragma unroll
         for (int b = 0; b < S - 1; ++b) {
             if (u32(b) * SMEM_KT < tiles) stage_copy<ROWS>(p, ring + b * R::STAGE, wp, wstep, policy, kt0, b, tiles, lane, aligned16);
@@ -676,18 +696,7 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) x_fragments(a[mt], stage + R::W_BYTES, mt, s, lane);
                 st.tile(w, a);
-                if (++in_unit < fkt) continue;
-                in_unit = 0;
-                st.template fold<F16S>(d, m, sym);
-                st.begin_unit();
-#pragma unroll
-                for (int n8 = 0; n8 < 8; ++n8) {
-                    d[n8] = dn[n8];
-                    m[n8] = mn[n8];
-                }
-                ++unit;
-                gw.next();
-                if (unit + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
+                tile_done();
             }
         }
         cp_async_wait<0>();
@@ -695,11 +704,7 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
     } else if (STOKE_INT4_RING && ROWS > 8) {
         // The load slots as a ring, as in the swapped kernel: a slot is refilled with the k-tile KB
         // ahead as soon as its mma have read it; the fold runs when a unit's last k-tile is done.
-        const u32 tiles = (u_end - u_begin) * fkt;
-        u32 dn[8], mn[8];
-        gw.next();
-        if (u_begin + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
-        u32 unit = u_begin, in_unit = 0;
+        ring_start();
         uint4 w[KB];
         u32 a[KB][MT][4];
         auto fill = [&](int s) {
@@ -725,18 +730,7 @@ __device__ __forceinline__ void int4_gemm(const Int4GemmParams& p) {
                 if (i0 + s >= tiles) break;
                 st.tile(w[s], a[s]);
                 if (i0 + s + KB < tiles) fill(s);
-                if (++in_unit < fkt) continue;
-                in_unit = 0;
-                st.template fold<F16S>(d, m, sym);
-                st.begin_unit();
-#pragma unroll
-                for (int n8 = 0; n8 < 8; ++n8) {
-                    d[n8] = dn[n8];
-                    m[n8] = mn[n8];
-                }
-                ++unit;
-                gw.next();
-                if (unit + 1 < u_end) load_unit_scales(p, gw.row, t, sym, dn, mn);
+                tile_done();
             }
         }
     } else {
