@@ -145,9 +145,9 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_PROBE
 #define STOKE_INT4_PROBE 0
 #endif
-// The probes that drop arithmetic (1, 2) as against those that only change addresses (3, 4).
+// The probes that drop arithmetic (1, 2) as against those that only change addresses (3-5).
 #define STOKE_INT4_PROBE_ARITH (STOKE_INT4_PROBE == 1 || STOKE_INT4_PROBE == 2)
-// Steps of the x and weight pointers (0 in probes 3 and 4).
+// Whether the x and weight pointers move on (x stays in probes 3 and 5, the weights in 4 and 5).
 #define STOKE_INT4_X_STEP (STOKE_INT4_PROBE == 3 || STOKE_INT4_PROBE == 5 ? 0 : 8)
 #define STOKE_INT4_W_ADVANCE (STOKE_INT4_PROBE != 4 && STOKE_INT4_PROBE != 5)
 // 1: the swapped kernels (swap, swap16) take part in programmatic dependent launch: the runtime
