@@ -25,7 +25,9 @@
 // through shared memory; with splits > 1 the CTAs of a slab add into `workspace` (f32 [m, n],
 // all zeros on entry) and the last CTA to finish (counted in counters[slab], zero on entry)
 // applies the epilogue and puts zeros back in both, so the same scratch serves the next launch
-// on the stream. k % 16 == 0, n % 64 == 0, group % 16 == 0 and k % group == 0. All pointers
+// on the stream; launched as clusters of the splits (STOKE_INT4_CLUSTER: cluster dims
+// (1, splits, 1), 2-8 splits) they add through each other's shared memory instead, and the
+// workspace is left alone. k % 16 == 0, n % 64 == 0, group % 16 == 0 and k % group == 0. All pointers
 // 16-byte aligned except x, residual and row_scale (4-byte).
 //
 // Inner loop, per lane and k-tile: one 16-byte load of weights (4 words = a 16 x 64 strip),
@@ -163,6 +165,17 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 // uploads them; nothing on its stream writes them).
 #ifndef STOKE_INT4_PDL
 #define STOKE_INT4_PDL 1
+#endif
+// 1: a split-K launch whose CTAs along k form one thread-block cluster (the runtime launches
+// with cluster dims (1, splits, 1) for 2-8 splits on sm_90 when NAME_cluster is nonzero) adds
+// the splits' sums through distributed shared memory: each CTA leaves its reduced tile in its
+// own shared memory, a cluster barrier, then CTA q of the cluster sums items q, q + splits, ...
+// across the cluster in a fixed order (deterministic) and applies the epilogue, and a second
+// barrier keeps every tile alive until read. No workspace atomics, fence, counter or
+// last-CTA pass. Launched without a cluster (more than 8 splits, older GPUs) the same kernel
+// adds through the workspace as before.
+#ifndef STOKE_INT4_CLUSTER
+#define STOKE_INT4_CLUSTER 1
 #endif
 // 1: each warp's KB load slots form a ring, a slot refilled with the k-tile KB ahead as soon
 // as it has been used (KB - 1 k-tiles always in flight); 0: filled KB at a time.
@@ -411,6 +424,52 @@ __device__ __forceinline__ void store_from_workspace(const Int4GemmParams& p, u3
     }
 }
 
+__device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+// Thread-block clusters (sm_90; STOKE_INT4_CLUSTER). Without a cluster launch, or before
+// sm_90, a CTA is its own cluster of one.
+__device__ __forceinline__ u32 cluster_ctas() {
+#if __CUDA_ARCH__ >= 900
+    u32 n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+#else
+    return 1;
+#endif
+}
+__device__ __forceinline__ u32 cluster_rank() {
+#if __CUDA_ARCH__ >= 900
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+#else
+    return 0;
+#endif
+}
+// Every thread of every CTA of the cluster: shared-memory writes before it are visible to the
+// cluster's reads after it.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __syncthreads();
+#endif
+}
+// Two floats at shared address `addr` (this CTA's layout) of cluster CTA `rank`.
+__device__ __forceinline__ float2 ld_cluster_f2(u32 addr, u32 rank) {
+    float2 v;
+#if __CUDA_ARCH__ >= 900
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(remote) : "memory");
+#else
+    v.x = v.y = 0.0f;  // never called: no clusters before sm_90
+    (void)addr;
+    (void)rank;
+#endif
+    return v;
+}
+
 // Reduces the CTA's warps through shared memory `red` ([WARPS][MT * 16][RED_PITCH] floats), then
 // applies the epilogue: directly with one split, else through the workspace, by the last CTA.
 constexpr int RED_PITCH = 64 + 4;
@@ -435,12 +494,19 @@ __device__ __forceinline__ void reduce_and_store(const Int4GemmParams& p, float*
             v1 += at(wi, r, c + 1);
         }
     };
+    const u32 cluster = cluster_ctas();
+    const bool dsmem = p.splits > 1 && cluster == p.splits;
     for (u32 i = threadIdx.x; i < pairs; i += blockDim.x) {
         const u32 r = i / 32, c = 2 * (i % 32);
         float v0, v1;
         warp_sum(r, c, v0, v1);
         if (p.splits == 1) {
             store_pair<EPI>(p, row0 + r, slab * 64 + c, v0, v1);
+        } else if (dsmem) {
+            // Warp 0's slot of (r, c) holds the CTA's sum from here on (only this thread reads
+            // or writes it).
+            at(0, r, c) = v0;
+            at(0, r, c + 1) = v1;
         } else {
             float* ws = p.workspace + u64(row0 + r) * p.n + slab * 64 + c;
             atomicAdd(ws, v0);
@@ -448,6 +514,26 @@ __device__ __forceinline__ void reduce_and_store(const Int4GemmParams& p, float*
         }
     }
     if (p.splits == 1) return;
+    if (dsmem) {
+        cluster_sync();
+        const u32 rank = cluster_rank();
+        for (u32 i = rank * blockDim.x + threadIdx.x; i < pairs; i += cluster * blockDim.x) {
+            const u32 r = i / 32, c = 2 * (i % 32);
+            const u32 addr = smem_u32(&at(0, r, c));
+            float v0 = 0.0f, v1 = 0.0f;
+#pragma unroll
+            for (u32 q = 0; q < 8; ++q) {
+                if (q < cluster) {
+                    const float2 v = ld_cluster_f2(addr, q);
+                    v0 += v.x;
+                    v1 += v.y;
+                }
+            }
+            store_pair<EPI>(p, row0 + r, slab * 64 + c, v0, v1);
+        }
+        cluster_sync();  // every CTA's tile stays until the cluster has read it
+        return;
+    }
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) last_cta = atomicAdd(p.counters + blockIdx.x, 1u) == p.splits - 1;
@@ -497,7 +583,6 @@ __host__ __device__ constexpr unsigned batched_dyn_smem(int rows) {
 }
 extern __shared__ __align__(128) unsigned char int4_dyn_smem[];
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
 // Copies `bytes` (16, or 0: zero fill) from src to shared dst; 16-byte aligned src.
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {
@@ -1112,10 +1197,12 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     reduce_and_store<1, EPI>(p, red, slab, row0);
 }
 
-// NAME_pdl: 1 where the entry takes part in programmatic dependent launch (STOKE_INT4_PDL; the
-// runtime reads it when it loads the entry point and launches accordingly).
+// NAME_pdl: 1 where the entry takes part in programmatic dependent launch (STOKE_INT4_PDL);
+// NAME_cluster: 1 where its split-K launches may form clusters along k (STOKE_INT4_CLUSTER). The
+// runtime reads both when it loads the entry point and launches accordingly.
 #define INT4_GEMM_SWAP_ENTRY(NAME, EPI, F16S, KB, NT, MIN_CTAS)                                             \
     extern "C" __device__ unsigned NAME##_pdl = STOKE_INT4_PDL;                                          \
+    extern "C" __device__ unsigned NAME##_cluster = STOKE_INT4_CLUSTER;                                  \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) NAME(const Int4GemmParams p) { \
         int4_gemm_swap<EPI, F16S, KB, NT>(p);                                                     \
     }
@@ -1150,9 +1237,10 @@ INT4_GEMM_SWAP_ENTRIES(int4_gemm_swap, 1, STOKE_INT4_SWAP_KB, STOKE_INT4_SWAP_KB
 INT4_GEMM_SWAP_ENTRIES(int4_gemm_swap16, 2, STOKE_INT4_SWAP16_KB, STOKE_INT4_SWAP16_KB_LONG, STOKE_INT4_SWAP16_MIN_CTAS)
 
 // NAME_dyn_smem: the dynamic shared memory the entry needs (the shared-memory ring's; the runtime
-// reads it when it loads the entry point and launches with it).
+// reads it when it loads the entry point and launches with it); NAME_cluster as above.
 #define INT4_GEMM_ENTRY(NAME, ROWS, MIN_CTAS, EPI, F16S)                                              \
     extern "C" __device__ unsigned NAME##_dyn_smem = batched_dyn_smem(ROWS);                        \
+    extern "C" __device__ unsigned NAME##_cluster = STOKE_INT4_CLUSTER;                             \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) NAME(const Int4GemmParams p) { \
         int4_gemm<ROWS, EPI, F16S>(p);                                                    \
     }

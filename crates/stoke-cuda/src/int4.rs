@@ -5,7 +5,7 @@ use crate::kernels::int4_gemm::{
     Epilogue, Int4GemmParams, MAX_ROWS, SWAP_ROWS_DEFAULT, WARPS, WordOrder, counters_len,
     launch_bound_ctas, launch_bound_slots, plan,
 };
-use crate::{DeviceBuffer, Error, LaunchShape, Result, Runtime};
+use crate::{DeviceBuffer, Error, Kernel, LaunchShape, Result, Runtime};
 use std::sync::Arc;
 
 /// A packed INT4 weight `[k, n]` (docs/INT4_FORMAT.md) in device memory.
@@ -208,6 +208,17 @@ pub fn resident_slots(rt: &Arc<Runtime>) -> impl Fn(&'static str) -> u32 + '_ {
     }
 }
 
+/// Most splits along k that form one cluster (the portable cluster size).
+pub const MAX_CLUSTER_SPLITS: u32 = 8;
+
+/// The cluster a W4A16 launch of `splits` CTAs per slab forms: (1, splits, 1) for 2 to
+/// [`MAX_CLUSTER_SPLITS`] splits where the kernel has the shared-memory split-K reduction
+/// (`<entry>_cluster`, STOKE_INT4_CLUSTER), so the splits of a slab add through each other's
+/// shared memory instead of the workspace; else none.
+pub fn cluster_dims(kernel: &Kernel, splits: u32) -> Option<(u32, u32, u32)> {
+    (kernel.cluster && (2..=MAX_CLUSTER_SPLITS).contains(&splits)).then_some((1, splits, 1))
+}
+
 /// Queues `out = epilogue(x @ w)` on Stoke's stream (one launch per 32 rows).
 ///
 /// # Safety
@@ -283,10 +294,12 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
             // The batched m16 / m32 kernels' shared-memory ring (their `_dyn_smem` global).
             shared_mem_bytes: kernel.dyn_smem,
         };
+        let cluster = cluster_dims(&kernel, l.splits);
         // SAFETY: the params mirror the kernel's struct (layout test); the caller guarantees
         // the pointers; the weight buffers live in `w`, borrowed for the call and freed on this
-        // stream; the scratch is the runtime's.
-        unsafe { rt.launch(&kernel, shape, &params) }?;
+        // stream; the scratch is the runtime's; the kernel reduces within its cluster when
+        // launched with one and through the workspace otherwise.
+        unsafe { rt.launch_cluster(&kernel, shape, cluster, &params) }?;
     }
     Ok(())
 }

@@ -47,6 +47,9 @@ pub struct Kernel {
     /// previous kernel on the stream has finished, and waits for it (griddepcontrol.wait)
     /// before it reads anything another kernel writes or writes anything itself.
     pub pdl: bool,
+    /// The module's `u32` global `<entry>_cluster` is nonzero: the kernel's launches may form
+    /// thread-block clusters ([`Runtime::launch_cluster`]), and it works either way.
+    pub cluster: bool,
 }
 
 /// Grid, block and dynamic shared memory of one launch.
@@ -238,6 +241,7 @@ impl Runtime {
         };
         let dyn_smem = global_u32(format!("{entry}_dyn_smem"))?.unwrap_or(0);
         let pdl = global_u32(format!("{entry}_pdl"))?.unwrap_or(0) != 0;
+        let cluster = global_u32(format!("{entry}_cluster"))?.unwrap_or(0) != 0;
         if dyn_smem as i32 > self.shared_optin as i32 - static_bytes {
             return Err(Error::KernelResources {
                 file: src.file.to_string(),
@@ -264,6 +268,7 @@ impl Runtime {
             max_threads,
             dyn_smem,
             pdl,
+            cluster,
         };
         self.functions
             .lock()
@@ -284,15 +289,52 @@ impl Runtime {
         shape: LaunchShape,
         params: &P,
     ) -> Result<()> {
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe { self.launch_cluster(kernel, shape, None, params) }
+    }
+
+    /// [`Runtime::launch`] with the grid cut into thread-block clusters of `cluster` CTAs
+    /// (each grid dimension a multiple of the cluster's; at most 8 CTAs, the portable size).
+    /// `None`: an ordinary launch.
+    ///
+    /// # Safety
+    /// As [`Runtime::launch`]; with a cluster, the kernel must be written for one.
+    pub unsafe fn launch_cluster<P: Copy>(
+        &self,
+        kernel: &Kernel,
+        shape: LaunchShape,
+        cluster: Option<(u32, u32, u32)>,
+        params: &P,
+    ) -> Result<()> {
         self.bind()?;
         let mut p = *params;
         let mut args = [&mut p as *mut P as *mut c_void];
-        if kernel.pdl {
-            // SAFETY: zero is a valid bit pattern for the attribute (a plain C union).
-            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attr.id =
-                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attr.value.programmaticStreamSerializationAllowed = 1;
+        if let Some((x, y, z)) = cluster {
+            let (g, fits) = (shape.grid, x * y * z <= 8 && x * y * z > 0);
+            if !fits || g.0 % x != 0 || g.1 % y != 0 || g.2 % z != 0 {
+                return Err(Error::Shape(format!(
+                    "{}: cluster ({x}, {y}, {z}) does not tile grid {g:?} (at most 8 CTAs per cluster)",
+                    kernel.entry
+                )));
+            }
+        }
+        if kernel.pdl || cluster.is_some() {
+            // SAFETY: zero is a valid bit pattern for the attributes (plain C unions).
+            let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+            let mut n = 0;
+            if kernel.pdl {
+                attrs[n].id =
+                    sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attrs[n].value.programmaticStreamSerializationAllowed = 1;
+                n += 1;
+            }
+            if let Some((x, y, z)) = cluster {
+                attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+                attrs[n].value.clusterDim.x = x;
+                attrs[n].value.clusterDim.y = y;
+                attrs[n].value.clusterDim.z = z;
+                n += 1;
+            }
             let config = sys::CUlaunchConfig {
                 gridDimX: shape.grid.0,
                 gridDimY: shape.grid.1,
@@ -302,11 +344,12 @@ impl Runtime {
                 blockDimZ: shape.block.2,
                 sharedMemBytes: shape.shared_mem_bytes,
                 hStream: self.cu_stream(),
-                attrs: &mut attr,
-                numAttrs: 1,
+                attrs: attrs.as_mut_ptr(),
+                numAttrs: n as u32,
             };
             // SAFETY: as below; the kernel waits for the previous one before it touches what
-            // that one writes (Kernel::pdl), and the config and attribute outlive the call.
+            // that one writes (Kernel::pdl), a clustered kernel is written for its cluster (the
+            // caller), and the config and attributes outlive the call.
             return unsafe {
                 sys::cuLaunchKernelEx(
                     &config,
