@@ -462,7 +462,7 @@ fn bench_variant(
                     let mut row = json!({"variant": kind, "order": format!("{:?}", dw.order), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
                         "host_us": host_us, "stream_us": timing.stream_us, "weight_bytes": dw.bytes(), "weight_copies": dws.len(), "gbps": gbps, "of_copy": gbps / copy_gbps,
                         "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1],
-                        "cluster": rt.kernel(&INT4_GEMM, launch.entry).ok().and_then(|kern| stoke_cuda::int4::cluster_dims(&kern, launch.splits)).map(|c| c.1)});
+                        "cluster": rt.kernel(&INT4_GEMM, launch.entry).ok().and_then(|kern| stoke_cuda::int4::cluster_dims(&rt, &kern, &launch).ok().flatten()).map(|c| c.1)});
                     if !variant.is_empty() {
                         row["defines"] = json!(variant);
                     }

@@ -2,7 +2,7 @@
 
 use crate::kernels::INT4_GEMM;
 use crate::kernels::int4_gemm::{
-    Epilogue, Int4GemmParams, MAX_ROWS, SWAP_ROWS_DEFAULT, WARPS, WordOrder, counters_len,
+    Epilogue, Int4GemmParams, Launch, MAX_ROWS, SWAP_ROWS_DEFAULT, WARPS, WordOrder, counters_len,
     launch_bound_ctas, launch_bound_slots, plan,
 };
 use crate::{DeviceBuffer, Error, Kernel, LaunchShape, Result, Runtime};
@@ -211,12 +211,25 @@ pub fn resident_slots(rt: &Arc<Runtime>) -> impl Fn(&'static str) -> u32 + '_ {
 /// Most splits along k that form one cluster (the portable cluster size).
 pub const MAX_CLUSTER_SPLITS: u32 = 8;
 
-/// The cluster a W4A16 launch of `splits` CTAs per slab forms: (1, splits, 1) for 2 to
-/// [`MAX_CLUSTER_SPLITS`] splits where the kernel has the shared-memory split-K reduction
-/// (`<entry>_cluster`, STOKE_INT4_CLUSTER), so the splits of a slab add through each other's
-/// shared memory instead of the workspace; else none.
-pub fn cluster_dims(kernel: &Kernel, splits: u32) -> Option<(u32, u32, u32)> {
-    (kernel.cluster && (2..=MAX_CLUSTER_SPLITS).contains(&splits)).then_some((1, splits, 1))
+/// The cluster a W4A16 launch forms: (1, splits, 1) for 2 to [`MAX_CLUSTER_SPLITS`] splits
+/// where the kernel has the shared-memory split-K reduction (`<entry>_cluster`,
+/// STOKE_INT4_CLUSTER) and the launch's clusters (one per CTA column) are all resident at
+/// once, so the splits of a slab add through each other's shared memory instead of the
+/// workspace; else none. Clusters are placed whole inside the GPU's processing clusters, so
+/// a grid that fills the resident CTA slots may not fit as clusters: there a cluster launch
+/// ran as a second wave, 1.3-1.6x slower (docs/PERF_NOTES.md), and the launch stays plain.
+pub fn cluster_dims(
+    rt: &Runtime,
+    kernel: &Kernel,
+    launch: &Launch,
+) -> Result<Option<(u32, u32, u32)>> {
+    let splits = launch.splits;
+    if !kernel.cluster || !(2..=MAX_CLUSTER_SPLITS).contains(&splits) {
+        return Ok(None);
+    }
+    let cluster = (1, splits, 1);
+    let resident = rt.max_active_clusters(kernel, launch.block.0, cluster)?;
+    Ok((launch.grid.0 <= resident).then_some(cluster))
 }
 
 /// Queues `out = epilogue(x @ w)` on Stoke's stream (one launch per 32 rows).
@@ -294,7 +307,7 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
             // The batched m16 / m32 kernels' shared-memory ring (their `_dyn_smem` global).
             shared_mem_bytes: kernel.dyn_smem,
         };
-        let cluster = cluster_dims(&kernel, l.splits);
+        let cluster = cluster_dims(rt, &kernel, &l)?;
         // SAFETY: the params mirror the kernel's struct (layout test); the caller guarantees
         // the pointers; the weight buffers live in `w`, borrowed for the call and freed on this
         // stream; the scratch is the runtime's; the kernel reduces within its cluster when

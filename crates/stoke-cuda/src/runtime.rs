@@ -77,6 +77,8 @@ pub struct Runtime {
     defines: Mutex<HashMap<&'static str, Vec<String>>>,
     /// Resident CTAs per SM by (entry point, threads per CTA), from the occupancy calculator.
     occupancy: Mutex<HashMap<(&'static str, u32), u32>>,
+    /// Clusters resident at once by (entry point, threads per CTA, cluster (x, y, z)).
+    cluster_occupancy: Mutex<HashMap<(&'static str, u32, (u32, u32, u32)), u32>>,
     /// Borrowed allocations kept alive until the event after their last use completes.
     in_flight: Mutex<VecDeque<(CudaEvent, Box<dyn Any + Send>)>>,
     /// Buffers returned by dropped `DeviceBuffer`s, by size, for reuse without a driver call.
@@ -152,6 +154,7 @@ impl Runtime {
             functions: Mutex::new(HashMap::new()),
             defines: Mutex::new(HashMap::new()),
             occupancy: Mutex::new(HashMap::new()),
+            cluster_occupancy: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(VecDeque::new()),
             poison: Default::default(),
             pool: Mutex::new(HashMap::new()),
@@ -571,6 +574,7 @@ impl Runtime {
             .unwrap()
             .retain(|(f, _), _| *f != file);
         self.occupancy.lock().unwrap().clear();
+        self.cluster_occupancy.lock().unwrap().clear();
     }
 
     /// Resident CTAs per SM of `kernel` launched with `block_threads` threads and its dynamic
@@ -592,6 +596,50 @@ impl Runtime {
             .call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?
             .max(1);
         self.occupancy.lock().unwrap().insert(key, n);
+        Ok(n)
+    }
+
+    /// Clusters of `cluster` CTAs of `kernel` (`block_threads` threads each, its dynamic shared
+    /// memory) the GPU holds resident at once: the driver's occupancy calculator for cluster
+    /// launches (cached), which counts where clusters fit in the GPU's processing clusters, so
+    /// it may be less than the resident CTAs divided by the cluster size.
+    pub fn max_active_clusters(
+        &self,
+        kernel: &Kernel,
+        block_threads: u32,
+        cluster: (u32, u32, u32),
+    ) -> Result<u32> {
+        let key = (kernel.entry, block_threads, cluster);
+        if let Some(n) = self.cluster_occupancy.lock().unwrap().get(&key) {
+            return Ok(*n);
+        }
+        self.bind()?;
+        // SAFETY: zero is a valid bit pattern for the attribute (a plain C union).
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim.x = cluster.0;
+        attr.value.clusterDim.y = cluster.1;
+        attr.value.clusterDim.z = cluster.2;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cluster.0,
+            gridDimY: cluster.1,
+            gridDimZ: cluster.2,
+            blockDimX: block_threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: kernel.dyn_smem,
+            hStream: self.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: the function is loaded in this context, the config and its attribute outlive
+        // the call, and `n` is a valid out pointer.
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, kernel.func.cu_function(), &config) }
+            .result()
+            .call("cuOccupancyMaxActiveClusters")?;
+        let n = n.max(0) as u32;
+        self.cluster_occupancy.lock().unwrap().insert(key, n);
         Ok(n)
     }
 
