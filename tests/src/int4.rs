@@ -487,7 +487,11 @@ fn bench_variant(
                         row["of_same_size_copy"] = json!(c / us);
                     }
                     rows.push(row);
-                    if m != 1 || !all || stream_k {
+                    // The split sweep: at one row with STOKE_INT4_BENCH=all, or at the rows
+                    // listed in STOKE_INT4_SWEEP_ROWS (e.g. `1,16`).
+                    let sweep_rows = std::env::var("STOKE_INT4_SWEEP_ROWS").unwrap_or_default();
+                    let listed = sweep_rows.split(',').any(|s| s.trim() == m.to_string());
+                    if !((m == 1 && all) || listed) || stream_k {
                         continue;
                     }
                     let mut seen = Vec::new();
@@ -500,8 +504,21 @@ fn bench_variant(
                         call.splits = l.splits;
                         let us = time_gemm(&rt, dws, &call, 3).us;
                         let gbps = bytes as f64 / us / 1e3;
-                        sweep.push(json!({"variant": kind, "order": format!("{:?}", dw.order), "shape": name, "m": m,
-                            "splits": l.splits, "ctas": l.grid.0 * l.grid.1, "us": us, "of_copy": gbps / copy_gbps}));
+                        let cluster = rt
+                            .kernel(&INT4_GEMM, l.entry)
+                            .ok()
+                            .and_then(|kern| {
+                                stoke_cuda::int4::cluster_dims(&rt, &kern, &l)
+                                    .ok()
+                                    .flatten()
+                            })
+                            .map(|c| c.1);
+                        let mut point = json!({"variant": kind, "order": format!("{:?}", dw.order), "shape": name, "m": m,
+                            "splits": l.splits, "ctas": l.grid.0 * l.grid.1, "cluster": cluster, "us": us, "of_copy": gbps / copy_gbps});
+                        if !variant.is_empty() {
+                            point["defines"] = json!(variant);
+                        }
+                        sweep.push(point);
                     }
                     let best = sweep
                         .iter()
