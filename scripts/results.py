@@ -250,10 +250,10 @@ def render_int4(w, res, path):
     if others:
         w("Each kernel variant and device word order in the same run (µs; the default above is `SwapAB` at m <= 8, `Batched` beyond):")
         w("")
-        keys = sorted({(r.get("variant", "Batched"), r["order"]) for r in b["runs"]})
+        keys = sorted({(r.get("variant", "Batched"), r["order"]) for r in b["runs"] if not r.get("defines")})
         w("| shape | m | " + " | ".join(f"{v} / {o}" for v, o in keys) + " |")
         w("| --- | ---: |" + " ---: |" * len(keys))
-        by = {(r["shape"], r["m"], r.get("variant", "Batched"), r["order"]): r for r in b["runs"]}
+        by = {(r["shape"], r["m"], r.get("variant", "Batched"), r["order"]): r for r in b["runs"] if not r.get("defines")}
         for r in default:
             if r["m"] not in (1, 8, 16, 32):
                 continue
@@ -262,13 +262,27 @@ def render_int4(w, res, path):
         w("")
     render_variants(w, b["runs"], lambda r: (r["shape"], r["m"], r.get("variant", "Batched"), r.get("order", "KtMajor")), "W4A16")
     if b.get("split_sweep"):
-        w("Split-count sweep at m = 1 (CTAs per 64-column slab along k; µs, best in bold; `splits` in the main table is the plan's choice):")
+        # The shipped kernels' sweep: the default kind at each swept row count (the batched
+        # kernel at m = 1 in older runs, which swept only that), default word order.
+        swept = [e for e in b["split_sweep"] if not e.get("defines") and e.get("order", "KtMajor") == "KtMajor"]
+        kinds = {e.get("variant", "Batched") for e in swept}
+        def default_kind(e):
+            kind = e.get("variant", "Batched")
+            if "SwapAB" not in kinds:
+                return kind == "Batched"
+            return kind == ("SwapAB" if e["m"] <= 8 else "Batched")
+        sweep = [e for e in swept if default_kind(e)]
+        rows = sorted({e["m"] for e in sweep})
+        w(f"Split-count sweep at m = {', '.join(map(str, rows))} (CTAs per 64-column slab along k; µs, best in bold, `c`: launched as")
+        w("clusters of the splits; `splits` in the main table is the plan's choice):")
         w("")
-        sweep = [e for e in b["split_sweep"] if e.get("variant", "Batched") == "Batched" and e.get("order", "KtMajor") == "KtMajor"]
-        for shape in dict.fromkeys(e["shape"] for e in sweep):
-            pts = [e for e in sweep if e["shape"] == shape]
+        for shape, m_ in dict.fromkeys((e["shape"], e["m"]) for e in sweep):
+            pts = [e for e in sweep if e["shape"] == shape and e["m"] == m_]
             best = min(pts, key=lambda e: e["us"])
-            w(f"- {shape}: " + ", ".join((f"**{e['splits']}: {e['us']:.1f}**" if e is best else f"{e['splits']}: {e['us']:.1f}") for e in pts))
+            def cell(e):
+                t = f"{e['splits']}{'c' if e.get('cluster') else ''}: {e['us']:.1f}"
+                return f"**{t}**" if e is best else t
+            w(f"- {shape}, m = {m_} ({pts[0].get('variant', 'Batched')}): " + ", ".join(cell(e) for e in pts))
         w("")
     w("Kernel resources (ptxas): " + ", ".join(sorted({f"{k['entry']} {k['registers']} regs / {k['shared_bytes']} B smem / {k['spills']} B spills" for k in b["kernels"] if k["entry"].startswith(("int4_gemm_plain_bf16s", "int4_gemm_swap_plain_bf16s"))})))
     w("")
