@@ -9,7 +9,9 @@
 #   attention-profile [SHAPE --batch B --ctx C --formats int4]: the same for decode attention
 #          (OUTDIR/ncu-attention-profile.txt), the named formats (default all; two launches
 #          each, so NCU_LAUNCHES=6 covers three). NCU_KERNELS=REGEX picks the kernels profiled
-#          (e.g. int4_gemm_swap: int4-profile launches the batched kernels first)
+#          (e.g. int4_gemm_swap: int4-profile launches the batched kernels first). With
+#          NCU_PEER='SHAPE BATCH CTX' it then profiles PyTorch SDPA's kernels at that point
+#          (OUTDIR/ncu-attention-peer.txt; NCU_PEER_KERNELS=REGEX, default flash|fmha|attn|sdpa|cudnn)
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
 #   Kernel variants: with STOKE_KERNEL_VARIANTS='NAME=V,NAME2=V2;NAME=V3' the int4 and
 #          attention benchmarks also time each variant (NVRTC defines; the knobs are at the
@@ -52,6 +54,14 @@ if [ "$what" = int4-profile ] || [ "$what" = attention-profile ]; then
       --section SourceCounters \
       .bundle/stoke-gpu --out "$out" "$what" "$@" > "$out/ncu-$what.txt" 2>&1 || status=1
   tail -5 "$out/ncu-$what.txt"
+  if [ "$what" = attention-profile ] && [ -n "${NCU_PEER:-}" ]; then
+    # The peer's kernels at one point, every launch of its three calls (NCU_PEER_LAUNCHES).
+    "$ncu" --target-processes all -k "regex:${NCU_PEER_KERNELS:-flash|fmha|attn|sdpa|cudnn}" --launch-count "${NCU_PEER_LAUNCHES:-6}" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+        --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+        python3 scripts/peers/attention_torch.py --profile $NCU_PEER > "$out/ncu-attention-peer.txt" 2>&1 || status=1
+    tail -5 "$out/ncu-attention-peer.txt"
+  fi
   exit $status
 fi
 if [ "$what" = llama ]; then

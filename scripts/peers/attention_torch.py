@@ -5,6 +5,8 @@ token per sequence, for the Llama-3.1-8B and 70B attention shapes at (batch, con
 {(1, 1024), (8, 1024), (32, 4096), (1, 32768)}, with the same run's device-to-device copy rate.
 
 usage: attention_torch.py OUT.json
+       attention_torch.py --profile SHAPE BATCH CTX   (a few eager calls at one point, for a
+                                                       profiler such as ncu; writes nothing)
 
 Timing as in int4_torch.py (CUDA events around batches of calls, median of 5; `us` from a CUDA
 graph of the batch, `eager_us` issued eagerly, which small points spend in dispatch). Caches rotate
@@ -24,7 +26,23 @@ POINTS = [(1, 1024), (8, 1024), (32, 4096), (1, 32768)]
 ROTATE_BYTES = 160e6
 
 
+def profile(shape, batch, ctx):
+    """Three eager calls at one point (the first may pick and load SDPA's kernel)."""
+    name, heads, kvh, d = next(s for s in SHAPES if s[0] == shape)
+    dev = torch.device("cuda")
+    k = torch.randn(batch, kvh, ctx, d, dtype=torch.bfloat16, device=dev)
+    v = torch.randn(batch, kvh, ctx, d, dtype=torch.bfloat16, device=dev)
+    q = torch.randn(batch, heads, 1, d, dtype=torch.bfloat16, device=dev)
+    for _ in range(3):
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.cuda.synchronize()
+    print(f"torch sdpa {name} b {batch} ctx {ctx}: 3 calls")
+
+
 def main():
+    if sys.argv[1] == "--profile":
+        profile(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        return
     out_path = sys.argv[1]
     dev = torch.device("cuda")
     copy, res = copy_record()
