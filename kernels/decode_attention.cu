@@ -177,15 +177,6 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_PARTIAL_F16
 #define STOKE_ATTN_PARTIAL_F16 0
 #endif
-// 1: the last split's merge first asks L1 for every split's partial outputs of its warp's
-// heads (prefetch.global.L1, issued behind the arrival count's fence, so they are fetched after
-// every split's stores are visible), then reads those outputs through L1 (ld.ca) instead of the
-// L2 only, while the (max, sum) records still come from the L2: the output loads of each batch
-// should no longer cost an L2 round trip. 0: every merge load through the L2 (ld.cg). f32
-// partials only.
-#ifndef STOKE_ATTN_MERGE_PREFETCH
-#define STOKE_ATTN_MERGE_PREFETCH 0
-#endif
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int MAX_GROUP = 8;
 
@@ -274,15 +265,9 @@ __device__ __forceinline__ void hadamard_regs(float (&x)[D / 32], u32 block, u32
 
 // E consecutive floats at p (E = 2 or 4, aligned): shared memory, or with CG global memory
 // through the L2 only (data other CTAs wrote during this kernel).
-template <int E, bool CG = false, bool CA = false>
+template <int E, bool CG = false>
 __device__ __forceinline__ void load_floats(const float* p, float (&x)[E]) {
-    if (E == 4 && CA) {
-        const float4 v = __ldca(reinterpret_cast<const float4*>(p));
-        x[0] = v.x;
-        x[1 % E] = v.y;
-        x[2 % E] = v.z;
-        x[3 % E] = v.w;
-    } else if (E == 4) {
+    if (E == 4) {
         const float4 v = CG ? __ldcg(reinterpret_cast<const float4*>(p)) : *reinterpret_cast<const float4*>(p);
         x[0] = v.x;
         x[1 % E] = v.y;
@@ -1287,18 +1272,6 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     __syncthreads();
     if (!last) return;
     __threadfence();
-    constexpr bool PF = STOKE_ATTN_MERGE_PREFETCH != 0 && STOKE_ATTN_PARTIAL_F16 == 0;
-    if (PF) {
-        // Every split's output rows of the warp's heads, one 128-byte line per lane and pass.
-#pragma unroll
-        for (int r = 0; r < QR; ++r) {
-            const u32 h = warp + WARPS * r;
-            if (h >= group) break;
-            const char* base = reinterpret_cast<const char*>(p.part_o + (u64(b) * p.heads + kvh * group + h) * p.splits * D);
-            const u32 bytes = p.splits * D * 4;
-            for (u32 off = lane * 128; off < bytes; off += 32 * 128) asm volatile("prefetch.global.L1 [%0];" ::"l"(base + off));
-        }
-    }
     // The warp's heads together (their loads interleave). Lane l first holds split l's (max,
     // sum) of each head, and the splits' weights reach the other lanes by shuffles.
     float mx[QR], lsum[QR], os[QR][E], ms[QR], ls[QR];
@@ -1378,7 +1351,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #if STOKE_ATTN_PARTIAL_F16
                 load_part_f16<E>(po[r] + u64(s0 + i) * D, x);
 #else
-                load_floats<E, !PF, PF>(po[r] + u64(s0 + i) * D, x);
+                load_floats<E, true>(po[r] + u64(s0 + i) * D, x);
 #endif
 #pragma unroll
                 for (int e = 0; e < E; ++e) os[r][e] += x[e] * fi;
