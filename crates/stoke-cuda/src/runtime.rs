@@ -52,6 +52,14 @@ pub struct Kernel {
     pub cluster: bool,
 }
 
+/// Whether thread-block clusters of `cluster` CTAs tile `grid`: each dimension a positive
+/// divisor of the grid's, and at most 8 CTAs in all (the portable cluster size).
+pub fn cluster_tiles_grid(grid: (u32, u32, u32), cluster: (u32, u32, u32)) -> bool {
+    let (x, y, z) = cluster;
+    let ctas = u64::from(x) * u64::from(y) * u64::from(z);
+    (1..=8).contains(&ctas) && grid.0 % x == 0 && grid.1 % y == 0 && grid.2 % z == 0
+}
+
 /// Grid, block and dynamic shared memory of one launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LaunchShape {
@@ -313,11 +321,10 @@ impl Runtime {
         let mut p = *params;
         let mut args = [&mut p as *mut P as *mut c_void];
         if let Some((x, y, z)) = cluster {
-            let (g, fits) = (shape.grid, x * y * z <= 8 && x * y * z > 0);
-            if !fits || g.0 % x != 0 || g.1 % y != 0 || g.2 % z != 0 {
+            if !cluster_tiles_grid(shape.grid, (x, y, z)) {
                 return Err(Error::Shape(format!(
-                    "{}: cluster ({x}, {y}, {z}) does not tile grid {g:?} (at most 8 CTAs per cluster)",
-                    kernel.entry
+                    "{}: cluster ({x}, {y}, {z}) does not tile grid {:?} (at most 8 CTAs per cluster)",
+                    kernel.entry, shape.grid
                 )));
             }
         }
@@ -714,4 +721,32 @@ const POOL_LIMIT_BYTES: usize = 2 << 30;
 /// tensor shape always share a class.
 fn pool_size(bytes: usize) -> usize {
     bytes.max(1).div_ceil(512) * 512
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cluster_tiles_grid;
+
+    #[test]
+    fn clusters_must_tile_the_grid() {
+        assert!(cluster_tiles_grid((96, 4, 1), (1, 4, 1)));
+        assert!(cluster_tiles_grid((160, 3, 1), (1, 3, 1)));
+        assert!(cluster_tiles_grid((64, 8, 1), (1, 8, 1)));
+        assert!(
+            !cluster_tiles_grid((64, 6, 1), (1, 4, 1)),
+            "6 splits in clusters of 4"
+        );
+        assert!(
+            !cluster_tiles_grid((64, 16, 1), (1, 16, 1)),
+            "past the portable size"
+        );
+        assert!(
+            !cluster_tiles_grid((64, 4, 1), (0, 4, 1)),
+            "an empty dimension"
+        );
+        assert!(
+            !cluster_tiles_grid((64, 4, 1), (u32::MAX, u32::MAX, 2)),
+            "no overflow"
+        );
+    }
 }
