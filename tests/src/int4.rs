@@ -453,6 +453,20 @@ fn bench_variant(
                     let (us, host_us) = (timing.us, timing.host_us);
                     let gbps = bytes as f64 / us / 1e3;
                     let launch = plan(0);
+                    // The launch the shipped plan makes for this call (default swap rows).
+                    let shipped = stoke_cuda::kernels::int4_gemm::plan(
+                        m as u32,
+                        k as u32,
+                        n as u32,
+                        128,
+                        false,
+                        Epilogue::Plain,
+                        &stoke_cuda::int4::resident_slots(&rt),
+                        0,
+                        stoke_cuda::int4::swap_rows_default(),
+                        stoke_cuda::int4::stream_k_default(),
+                    )
+                    .unwrap()[0];
                     println!(
                         "int4 {kind} {:?} {name:<12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {} host {host_us:.1} us",
                         dw.order,
@@ -462,6 +476,7 @@ fn bench_variant(
                     let mut row = json!({"variant": kind, "order": format!("{:?}", dw.order), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
                         "host_us": host_us, "stream_us": timing.stream_us, "weight_bytes": dw.bytes(), "weight_copies": dws.len(), "gbps": gbps, "of_copy": gbps / copy_gbps,
                         "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1],
+                        "default_plan": launch == shipped,
                         "cluster": rt.kernel(&INT4_GEMM, launch.entry).ok().and_then(|kern| stoke_cuda::int4::cluster_dims(&rt, &kern, &launch).ok().flatten()).map(|c| c.1)});
                     if !variant.is_empty() {
                         row["defines"] = json!(variant);

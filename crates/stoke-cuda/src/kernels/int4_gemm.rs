@@ -257,7 +257,10 @@ fn gcd(a: u32, b: u32) -> u32 {
 /// per unit). `swap_rows`: launches of at most that many rows use the swapped-operand kernels
 /// (weights as the mma A operand, x as B): `int4_gemm_swap_*` up to 8 rows,
 /// `int4_gemm_swap16_*` (two 8-row n-tiles per CTA, one CTA per 16 rows of a slab,
-/// [`row_groups`]) above; 0: the batched kernels throughout ([`SWAP_ROWS_DEFAULT`]).
+/// [`row_groups`]) above; 0: the batched kernels throughout ([`SWAP_ROWS_DEFAULT`]). Above 16
+/// rows the plan also takes swap16 where the batched kernel's slabs fill more than half of its
+/// resident slots but not all (no split-K left; 70B qkv), unless `swap_rows` is 0 or `splits`
+/// is given.
 /// `stream_k`: launches that use `int4_gemm_swap_*` use its stream-K form instead
 /// (`int4_gemm_swapk_*`: one CTA per resident slot at most, each warp an equal share of all
 /// the slabs' fold units, at least one; `splits` 0 in the launch).
@@ -292,20 +295,30 @@ pub fn plan(
     let mut row0 = 0;
     while row0 < m {
         let rows = (m - row0).min(MAX_ROWS);
-        let mt = match rows {
+        let scale = usize::from(f16_scales);
+        let mut mt = match rows {
             0..=8 if rows <= swap_rows => 3,
             _ if rows <= swap_rows => 4,
             0..=8 => 0,
             9..=16 => 1,
             _ => 2,
         };
+        if mt == 2 && explicit == 0 && swap_rows > 0 {
+            // 17-32 rows where the batched m32 kernel's slabs alone take more than half of its
+            // resident slots (no split-K) but not all of them: swap16, whose two row groups per
+            // slab fill them (70B qkv: 54.8 -> 47.2 us, results/h200-int4.json at 306e637).
+            // Not with `swap_rows` 0 (the batched kernels throughout).
+            let batched = slots(ENTRY_POINTS[epilogue.index() * 6 + scale * 3 + 2]);
+            if slabs * 2 > batched && slabs < batched {
+                mt = 4;
+            }
+        }
         let swapped = mt >= 3;
         let groups = if mt == 4 { row_groups(rows) } else { 1 };
         // ENTRY_POINTS runs epilogue, scale type, m-tile, then the swapped kernels by epilogue
         // and scale type, then their `_long` forms, then the same two for swap16, then the
         // stream-K kernels (the test below checks). A kernel's two forms have the same launch bounds, so the split count
         // is planned on the first.
-        let scale = usize::from(f16_scales);
         let swap_base = if mt == 4 { 30 } else { 18 };
         let entry = if swapped {
             ENTRY_POINTS[swap_base + epilogue.index() * 2 + scale]
@@ -502,6 +515,55 @@ mod tests {
                 .count();
         assert_eq!(defined, ENTRY_POINTS.len());
         assert_eq!(SOURCE.matches("INT4_GEMM_SWAP_ENTRY(PREFIX##").count(), 12);
+    }
+
+    #[test]
+    fn swap16_above_16_rows_where_the_batched_slabs_leave_no_split() {
+        let default = |m, k, n| {
+            plan(
+                m,
+                k,
+                n,
+                128,
+                false,
+                Epilogue::Plain,
+                &launch_bound_slots(132),
+                0,
+                SWAP_ROWS_DEFAULT,
+                false,
+            )
+            .unwrap()[0]
+        };
+        // 70B qkv: 160 slabs against 264 batched m32 slots.
+        let l = default(32, 8192, 10240);
+        assert_eq!(l.entry, "int4_gemm_swap16_plain_bf16s_long");
+        assert_eq!(l.grid, (320, 1, 1));
+        assert_eq!(
+            default(17, 8192, 10240).entry,
+            "int4_gemm_swap16_plain_bf16s_long"
+        );
+        // 16 rows, slabs that allow split-K, or more slabs than slots: the batched kernels.
+        assert_eq!(default(16, 8192, 10240).entry, "int4_gemm_plain_bf16s_m16");
+        assert_eq!(default(32, 8192, 8192).entry, "int4_gemm_plain_bf16s_m32");
+        assert_eq!(default(32, 8192, 57344).entry, "int4_gemm_plain_bf16s_m32");
+        // Batched throughout (swap_rows 0) and forced splits keep the batched kernel.
+        assert_eq!(
+            plan_h200(32, 8192, 10240, 128, false, Epilogue::Plain, 0, false).unwrap()[0].entry,
+            "int4_gemm_plain_bf16s_m32"
+        );
+        let forced = plan(
+            32,
+            8192,
+            10240,
+            128,
+            false,
+            Epilogue::Plain,
+            &launch_bound_slots(132),
+            2,
+            SWAP_ROWS_DEFAULT,
+            false,
+        );
+        assert_eq!(forced.unwrap()[0].entry, "int4_gemm_plain_bf16s_m32");
     }
 
     #[test]
