@@ -204,7 +204,8 @@ pub fn launch_bound_slots(sm_count: u32) -> impl Fn(&'static str) -> u32 {
 /// (9-32 rows) were no faster than the batched ones at m = 16 and mixed at m = 32 (faster on
 /// 70B qkv 60.2 -> 50.3 us, slower on 70B down 109.8 -> 132.3 us;
 /// results/experiments/h200-int4-swap16-3d5e22e.json), so they are opt-in
-/// (`STOKE_INT4_SWAP_ROWS=32`).
+/// (`STOKE_INT4_SWAP_ROWS=32`), except where [`plan`] finds the batched m32 kernel without
+/// split-K on an under-filled GPU (70B qkv).
 pub const SWAP_ROWS_DEFAULT: u32 = 8;
 /// `swap_rows` for the swapped kernels at every row count.
 pub const SWAP_ALL: u32 = MAX_ROWS;
