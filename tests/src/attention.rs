@@ -569,8 +569,8 @@ pub fn bench(copy_gbps: f64) -> Value {
     });
     let mut sweep = Vec::new();
     let mut rng = StdRng::seed_from_u64(12);
-    let (name, heads, kvh, d) = BENCH_SHAPES[0];
-    for (batch, ctx, counts) in SPLIT_SWEEP {
+    for (shape, batch, ctx, counts) in SPLIT_SWEEP {
+        let (name, heads, kvh, d) = BENCH_SHAPES[*shape];
         for format in [KvFormat::Bf16, KvFormat::Int4] {
             for &s in *counts {
                 let t = time_point(
@@ -597,9 +597,15 @@ pub fn bench(copy_gbps: f64) -> Value {
     json!({"copy_gbps": copy_gbps, "runs": rows, "kernels": regs, "split_sweep": sweep})
 }
 
-/// Forced split counts timed at (batch, context) points of the 8B shape (the plan picks 1 at
-/// B = 32, ctx 4096 and 32 at B = 1, ctx 32k).
-const SPLIT_SWEEP: &[(u32, u32, &[u32])] = &[(32, 4096, &[2, 4]), (1, 32768, &[16, 24, 48, 64])];
+/// Forced split counts timed at (shape index in BENCH_SHAPES, batch, context) points (the plan
+/// picks 1 at B = 32, ctx 4096, 32 at B = 1, ctx 32k and 4 at B = 8, ctx 1024).
+const SPLIT_SWEEP: &[(usize, u32, u32, &[u32])] = &[
+    (0, 32, 4096, &[2, 4]),
+    (0, 1, 32768, &[16, 24, 48, 64]),
+    (1, 1, 32768, &[16, 24]),
+    (0, 8, 1024, &[1, 2, 8]),
+    (1, 8, 1024, &[1, 2, 8]),
+];
 
 /// One timed benchmark point.
 struct PointTime {
