@@ -1,8 +1,9 @@
 // W4A16 GEMM for decode-sized batches: y = x W with x bf16 [m, k], W packed INT4 [k, n]
 // (docs/INT4_FORMAT.md), f32 accumulation, bf16 output, and a fused epilogue.
 //
-// The file is compiled at run time by NVRTC for sm_90a (it runs on sm_80 and later). Like every
-// Stoke kernel it includes no header: bf16 and f16 are raw 16-bit patterns converted with PTX.
+// The file is compiled at run time by NVRTC for sm_90a (programmatic launch and thread-block
+// clusters need sm_90, where the runtime runs). Like every Stoke kernel it includes no header:
+// bf16 and f16 are raw 16-bit patterns converted with PTX.
 //
 // ---------------------------------------------------------------------------------------------
 // Entry points: int4_gemm_EPI_SC_mROWS (batched), int4_gemm_swap_EPI_SC[_long] (m <= 8),
