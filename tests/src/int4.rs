@@ -434,7 +434,7 @@ fn bench_variant(
                     );
                     call.stream_k = stream_k;
                     let bytes = dw.bytes() + m * k * 2 + m * n * 2;
-                    let plan = |splits| {
+                    let plan_with = |splits, swap_rows, stream_k| {
                         stoke_cuda::kernels::int4_gemm::plan(
                             m as u32,
                             k as u32,
@@ -444,29 +444,23 @@ fn bench_variant(
                             Epilogue::Plain,
                             &stoke_cuda::int4::resident_slots(&rt),
                             splits,
-                            if swap_ab { SWAP_ALL } else { 0 },
+                            swap_rows,
                             stream_k,
                         )
                         .unwrap()[0]
                     };
+                    let plan =
+                        |splits| plan_with(splits, if swap_ab { SWAP_ALL } else { 0 }, stream_k);
                     let timing = time_gemm(&rt, dws, &call, 5);
                     let (us, host_us) = (timing.us, timing.host_us);
                     let gbps = bytes as f64 / us / 1e3;
                     let launch = plan(0);
                     // The launch the shipped plan makes for this call (default swap rows).
-                    let shipped = stoke_cuda::kernels::int4_gemm::plan(
-                        m as u32,
-                        k as u32,
-                        n as u32,
-                        128,
-                        false,
-                        Epilogue::Plain,
-                        &stoke_cuda::int4::resident_slots(&rt),
+                    let shipped = plan_with(
                         0,
                         stoke_cuda::int4::swap_rows_default(),
                         stoke_cuda::int4::stream_k_default(),
-                    )
-                    .unwrap()[0];
+                    );
                     println!(
                         "int4 {kind} {:?} {name:<12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {} host {host_us:.1} us",
                         dw.order,

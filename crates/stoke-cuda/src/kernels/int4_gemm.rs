@@ -520,7 +520,9 @@ mod tests {
 
     #[test]
     fn swap16_above_16_rows_where_the_batched_slabs_leave_no_split() {
-        let default = |m, k, n| {
+        // The plan's first launch with the default swap rows and `splits` (0: the plan's).
+        let default = |m, k, n, splits| {
+            let slots = launch_bound_slots(132);
             plan(
                 m,
                 k,
@@ -528,43 +530,43 @@ mod tests {
                 128,
                 false,
                 Epilogue::Plain,
-                &launch_bound_slots(132),
-                0,
+                &slots,
+                splits,
                 SWAP_ROWS_DEFAULT,
                 false,
             )
             .unwrap()[0]
         };
-        // 70B qkv: 160 slabs against 264 batched m32 slots.
-        let l = default(32, 8192, 10240);
-        assert_eq!(l.entry, "int4_gemm_swap16_plain_bf16s_long");
-        assert_eq!(l.grid, (320, 1, 1));
+        // 70B qkv: 160 slabs against 264 batched m32 slots; two row groups per slab.
+        let l = default(32, 8192, 10240, 0);
         assert_eq!(
-            default(17, 8192, 10240).entry,
+            (l.entry, l.grid),
+            ("int4_gemm_swap16_plain_bf16s_long", (320, 1, 1))
+        );
+        assert_eq!(
+            default(17, 8192, 10240, 0).entry,
             "int4_gemm_swap16_plain_bf16s_long"
         );
         // 16 rows, slabs that allow split-K, or more slabs than slots: the batched kernels.
-        assert_eq!(default(16, 8192, 10240).entry, "int4_gemm_plain_bf16s_m16");
-        assert_eq!(default(32, 8192, 8192).entry, "int4_gemm_plain_bf16s_m32");
-        assert_eq!(default(32, 8192, 57344).entry, "int4_gemm_plain_bf16s_m32");
-        // Batched throughout (swap_rows 0) and forced splits keep the batched kernel.
         assert_eq!(
-            plan_h200(32, 8192, 10240, 128, false, Epilogue::Plain, 0, false).unwrap()[0].entry,
+            default(16, 8192, 10240, 0).entry,
+            "int4_gemm_plain_bf16s_m16"
+        );
+        assert_eq!(
+            default(32, 8192, 8192, 0).entry,
             "int4_gemm_plain_bf16s_m32"
         );
-        let forced = plan(
-            32,
-            8192,
-            10240,
-            128,
-            false,
-            Epilogue::Plain,
-            &launch_bound_slots(132),
-            2,
-            SWAP_ROWS_DEFAULT,
-            false,
+        assert_eq!(
+            default(32, 8192, 57344, 0).entry,
+            "int4_gemm_plain_bf16s_m32"
         );
-        assert_eq!(forced.unwrap()[0].entry, "int4_gemm_plain_bf16s_m32");
+        // Forced splits, and batched throughout (swap_rows 0), keep the batched kernel.
+        assert_eq!(
+            default(32, 8192, 10240, 2).entry,
+            "int4_gemm_plain_bf16s_m32"
+        );
+        let batched = plan_h200(32, 8192, 10240, 128, false, Epilogue::Plain, 0, false).unwrap();
+        assert_eq!(batched[0].entry, "int4_gemm_plain_bf16s_m32");
     }
 
     #[test]
