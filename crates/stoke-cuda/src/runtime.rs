@@ -635,7 +635,8 @@ impl Runtime {
             blockDimY: 1,
             blockDimZ: 1,
             sharedMemBytes: kernel.dyn_smem,
-            hStream: self.cu_stream(),
+            // A query, not a launch: no stream (so it is safe while Stoke's stream is captured).
+            hStream: std::ptr::null_mut(),
             attrs: &mut attr,
             numAttrs: 1,
         };

@@ -307,7 +307,7 @@ pub fn plan(
         if mt == 2 && explicit == 0 && swap_rows > 0 {
             // 17-32 rows where the batched m32 kernel's slabs alone take more than half of its
             // resident slots (no split-K) but not all of them: swap16, whose two row groups per
-            // slab fill them (70B qkv: 54.8 -> 47.2 us, results/h200-int4.json at 306e637).
+            // slab fill them (70B qkv m32: 55.3 -> 46.7 us, results/h200-int4.json at d82164e).
             // Not with `swap_rows` 0 (the batched kernels throughout).
             let batched = slots(ENTRY_POINTS[epilogue.index() * 6 + scale * 3 + 2]);
             if slabs * 2 > batched && slabs < batched {
