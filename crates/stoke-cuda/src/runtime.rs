@@ -635,8 +635,7 @@ impl Runtime {
             blockDimY: 1,
             blockDimZ: 1,
             sharedMemBytes: kernel.dyn_smem,
-            // A query, not a launch: no stream (so it is safe while Stoke's stream is captured).
-            hStream: std::ptr::null_mut(),
+            hStream: self.cu_stream(),
             attrs: &mut attr,
             numAttrs: 1,
         };
