@@ -56,7 +56,7 @@ pub struct Kernel {
 /// divisor of the grid's, and at most 8 CTAs in all (the portable cluster size).
 pub fn cluster_tiles_grid(grid: (u32, u32, u32), cluster: (u32, u32, u32)) -> bool {
     let (x, y, z) = cluster;
-    let ctas = u64::from(x) * u64::from(y) * u64::from(z);
+    let ctas = u128::from(x) * u128::from(y) * u128::from(z);
     (1..=8).contains(&ctas) && grid.0 % x == 0 && grid.1 % y == 0 && grid.2 % z == 0
 }
 
