@@ -173,8 +173,8 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 // own shared memory, a cluster barrier, then CTA q of the cluster sums items q, q + splits, ...
 // across the cluster in a fixed order (deterministic) and applies the epilogue, and a second
 // barrier keeps every tile alive until read. No workspace atomics, fence, counter or
-// last-CTA pass. Launched without a cluster (more than 8 splits, older GPUs) the same kernel
-// adds through the workspace as before.
+// last-CTA pass. Launched without a cluster (more than 8 splits, or clusters that would not
+// all be resident at once) the same kernel adds through the workspace as before.
 #ifndef STOKE_INT4_CLUSTER
 #define STOKE_INT4_CLUSTER 1
 #endif
@@ -427,47 +427,29 @@ __device__ __forceinline__ void store_from_workspace(const Int4GemmParams& p, u3
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
-// Thread-block clusters (sm_90; STOKE_INT4_CLUSTER). Without a cluster launch, or before
-// sm_90, a CTA is its own cluster of one.
+// Thread-block clusters (STOKE_INT4_CLUSTER). Without a cluster launch a CTA is its own
+// cluster of one.
 __device__ __forceinline__ u32 cluster_ctas() {
-#if __CUDA_ARCH__ >= 900
     u32 n;
     asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
     return n;
-#else
-    return 1;
-#endif
 }
 __device__ __forceinline__ u32 cluster_rank() {
-#if __CUDA_ARCH__ >= 900
     u32 r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
     return r;
-#else
-    return 0;
-#endif
 }
 // Every thread of every CTA of the cluster: shared-memory writes before it are visible to the
 // cluster's reads after it.
 __device__ __forceinline__ void cluster_sync() {
-#if __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#else
-    __syncthreads();
-#endif
 }
 // Two floats at shared address `addr` (this CTA's layout) of cluster CTA `rank`.
 __device__ __forceinline__ float2 ld_cluster_f2(u32 addr, u32 rank) {
     float2 v;
-#if __CUDA_ARCH__ >= 900
     u32 remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
     asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(remote) : "memory");
-#else
-    v.x = v.y = 0.0f;  // never called: no clusters before sm_90
-    (void)addr;
-    (void)rank;
-#endif
     return v;
 }
 
