@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
 use stoke_cuda::kernels::INT4_GEMM;
-use stoke_cuda::kernels::int4_gemm::{Epilogue, SWAP_ALL, WordOrder};
+use stoke_cuda::kernels::int4_gemm::{Epilogue, Launch, SWAP_ALL, WordOrder};
 use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::bf16;
 use stoke_formats::int4::{PackedInt4, ScaleType};
@@ -338,6 +338,15 @@ fn time_gemm(
     })
 }
 
+/// The splits per cluster `launch` runs with (`int4::cluster_dims`), or None: unclustered.
+fn cluster_splits(rt: &Runtime, launch: &Launch) -> Option<u32> {
+    let kernel = rt.kernel(&INT4_GEMM, launch.entry).ok()?;
+    stoke_cuda::int4::cluster_dims(rt, &kernel, launch)
+        .ok()
+        .flatten()
+        .map(|c| c.1)
+}
+
 /// The W4A16 GEMM on the 8B/70B projection shapes, group 128 symmetric bf16 scales: µs,
 /// effective GB/s (packed weights + scales + activations + output) and the share of the same
 /// run's device-to-device copy rate, for the default word order, or with `STOKE_INT4_BENCH=all`
@@ -471,7 +480,7 @@ fn bench_variant(
                         "host_us": host_us, "stream_us": timing.stream_us, "weight_bytes": dw.bytes(), "weight_copies": dws.len(), "gbps": gbps, "of_copy": gbps / copy_gbps,
                         "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1],
                         "default_plan": launch == shipped,
-                        "cluster": rt.kernel(&INT4_GEMM, launch.entry).ok().and_then(|kern| stoke_cuda::int4::cluster_dims(&rt, &kern, &launch).ok().flatten()).map(|c| c.1)});
+                        "cluster": cluster_splits(&rt, &launch)});
                     if !variant.is_empty() {
                         row["defines"] = json!(variant);
                     }
@@ -513,15 +522,7 @@ fn bench_variant(
                         call.splits = l.splits;
                         let us = time_gemm(&rt, dws, &call, 3).us;
                         let gbps = bytes as f64 / us / 1e3;
-                        let cluster = rt
-                            .kernel(&INT4_GEMM, l.entry)
-                            .ok()
-                            .and_then(|kern| {
-                                stoke_cuda::int4::cluster_dims(&rt, &kern, &l)
-                                    .ok()
-                                    .flatten()
-                            })
-                            .map(|c| c.1);
+                        let cluster = cluster_splits(&rt, &l);
                         let mut point = json!({"variant": kind, "order": format!("{:?}", dw.order), "shape": name, "m": m,
                             "splits": l.splits, "ctas": l.grid.0 * l.grid.1, "cluster": cluster, "us": us, "of_copy": gbps / copy_gbps});
                         if !variant.is_empty() {

@@ -60,6 +60,17 @@ pub fn cluster_tiles_grid(grid: (u32, u32, u32), cluster: (u32, u32, u32)) -> bo
     (1..=8).contains(&ctas) && grid.0 % x == 0 && grid.1 % y == 0 && grid.2 % z == 0
 }
 
+/// The launch attribute that cuts a grid into clusters of `cluster` CTAs.
+fn cluster_attribute((x, y, z): (u32, u32, u32)) -> sys::CUlaunchAttribute {
+    // SAFETY: zero is a valid bit pattern for the attribute (a plain C union).
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = x;
+    attr.value.clusterDim.y = y;
+    attr.value.clusterDim.z = z;
+    attr
+}
+
 /// Grid, block and dynamic shared memory of one launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LaunchShape {
@@ -338,11 +349,8 @@ impl Runtime {
                 attrs[n].value.programmaticStreamSerializationAllowed = 1;
                 n += 1;
             }
-            if let Some((x, y, z)) = cluster {
-                attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-                attrs[n].value.clusterDim.x = x;
-                attrs[n].value.clusterDim.y = y;
-                attrs[n].value.clusterDim.z = z;
+            if let Some(c) = cluster {
+                attrs[n] = cluster_attribute(c);
                 n += 1;
             }
             let config = sys::CUlaunchConfig {
@@ -621,12 +629,7 @@ impl Runtime {
             return Ok(*n);
         }
         self.bind()?;
-        // SAFETY: zero is a valid bit pattern for the attribute (a plain C union).
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attr.value.clusterDim.x = cluster.0;
-        attr.value.clusterDim.y = cluster.1;
-        attr.value.clusterDim.z = cluster.2;
+        let mut attr = cluster_attribute(cluster);
         let config = sys::CUlaunchConfig {
             gridDimX: cluster.0,
             gridDimY: cluster.1,
