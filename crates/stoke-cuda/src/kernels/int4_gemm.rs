@@ -539,32 +539,24 @@ mod tests {
         };
         // 70B qkv: 160 slabs against 264 batched m32 slots; two row groups per slab.
         let l = default(32, 8192, 10240, 0);
-        assert_eq!(
-            (l.entry, l.grid),
-            ("int4_gemm_swap16_plain_bf16s_long", (320, 1, 1))
-        );
-        assert_eq!(
-            default(17, 8192, 10240, 0).entry,
-            "int4_gemm_swap16_plain_bf16s_long"
-        );
-        // 16 rows, slabs that allow split-K, or more slabs than slots: the batched kernels.
-        assert_eq!(
-            default(16, 8192, 10240, 0).entry,
-            "int4_gemm_plain_bf16s_m16"
-        );
-        assert_eq!(
-            default(32, 8192, 8192, 0).entry,
-            "int4_gemm_plain_bf16s_m32"
-        );
-        assert_eq!(
-            default(32, 8192, 57344, 0).entry,
-            "int4_gemm_plain_bf16s_m32"
-        );
-        // Forced splits, and batched throughout (swap_rows 0), keep the batched kernel.
-        assert_eq!(
-            default(32, 8192, 10240, 2).entry,
-            "int4_gemm_plain_bf16s_m32"
-        );
+        assert_eq!(l.grid, (320, 1, 1));
+        // (rows, k, n, splits) -> entry. 17-32 rows on 70B qkv: swap16. 16 rows, slabs that
+        // allow split-K, more slabs than slots, or forced splits: the batched kernels.
+        for (m, k, n, splits, entry) in [
+            (32, 8192, 10240, 0, "int4_gemm_swap16_plain_bf16s_long"),
+            (17, 8192, 10240, 0, "int4_gemm_swap16_plain_bf16s_long"),
+            (16, 8192, 10240, 0, "int4_gemm_plain_bf16s_m16"),
+            (32, 8192, 8192, 0, "int4_gemm_plain_bf16s_m32"),
+            (32, 8192, 57344, 0, "int4_gemm_plain_bf16s_m32"),
+            (32, 8192, 10240, 2, "int4_gemm_plain_bf16s_m32"),
+        ] {
+            assert_eq!(
+                default(m, k, n, splits).entry,
+                entry,
+                "m {m} k {k} n {n} splits {splits}"
+            );
+        }
+        // Batched throughout (swap_rows 0) keeps the batched kernel.
         let batched = plan_h200(32, 8192, 10240, 128, false, Epilogue::Plain, 0, false).unwrap();
         assert_eq!(batched[0].entry, "int4_gemm_plain_bf16s_m32");
     }
