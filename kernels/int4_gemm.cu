@@ -453,13 +453,14 @@ __device__ __forceinline__ float2 ld_cluster_f2(u32 addr, u32 rank) {
     return v;
 }
 
-// Reduces the CTA's warps through shared memory `red` ([WARPS][MT * 16][RED_PITCH] floats), then
+// Reduces the CTA's warps through shared memory `red` ([SLOTS][MT * 16][RED_PITCH] floats), then
 // applies the epilogue: directly with one split, else through the workspace, by the last CTA.
 constexpr int RED_PITCH = 64 + 4;
-// The second half of finish: every warp has written its [MT * 16][64] values into `red`.
+// The second half of finish: every warp has written its [MT * 16][64] values into `red` (SLOTS
+// = WARPS: one slot per warp, summed; 1: the warps wrote disjoint columns of one slot).
 // `slab`: the CTA's 64-column slab; `row0`: its first row (swapped row groups, else 0). The
 // split-K counter is the CTA column's, counters[blockIdx.x].
-template <int MT, int EPI>
+template <int MT, int EPI, int SLOTS = WARPS>
 __device__ __forceinline__ void reduce_and_store(const Int4GemmParams& p, float* red, u32 slab, u32 row0) {
     __shared__ u32 last_cta;
     auto at = [&](u32 w, u32 row, u32 col) -> float& {
@@ -472,7 +473,7 @@ __device__ __forceinline__ void reduce_and_store(const Int4GemmParams& p, float*
     auto warp_sum = [&](u32 r, u32 c, float& v0, float& v1) {
         v0 = v1 = 0.0f;
 #pragma unroll
-        for (int wi = 0; wi < WARPS; ++wi) {
+        for (int wi = 0; wi < SLOTS; ++wi) {
             v0 += at(wi, r, c);
             v1 += at(wi, r, c + 1);
         }
@@ -1179,6 +1180,266 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
             }
     reduce_and_store<1, EPI>(p, red, slab, row0);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Warpgroup kernels (entry points int4_gemm_wg_EPI_SC_nN, N = 8, 16 or 32: most rows per
+// launch): C^T = W^T x^T on Hopper's warpgroup MMA. The CTA is one warpgroup (4 warps) and owns
+// a 64-column slab and a contiguous range of k (grid = (n / 64, splits)). Per k-tile one
+// wgmma.m64nNk16 takes the slab's 64 columns as its A operand from registers (warp w: columns
+// 16 w .. 16 w + 15, which is word w of every lane's 16-byte strip: each word already is an
+// m16n8k16 A quad, nibble pairs 0, 2, 1, 3) and x's k-tile as B from shared memory. The
+// tensor-core instructions per k-tile no longer grow with the rows, where mma.sync needs one
+// per 8 rows and 16 columns.
+// Steps of 4 k-tiles: warp w loads k-tile 4 s + w of step s (one 16-byte load per lane, a
+// register ring STOKE_INT4_WG_RING steps deep) and writes its four words to shared memory, word
+// j into region j; after the step's barrier warp j reads its column tile of the 4 k-tiles back
+// (4-byte accesses, conflict-free both ways). x goes straight to shared memory (cp.async,
+// STOKE_INT4_WG_STAGES - 2 steps ahead) in the wgmma's K-major core-matrix layout.
+// The nibbles become q - 8 exactly (LOP3 to 128 + q, then minus 136), so the tensor core sums
+// x (q - 8) over a fold unit into P (the unit's first k-tile overwrites: scale-d 0), and the
+// unit's end folds acc += d P per column. Symmetric weights only, fold units of 4 or 8 k-tiles
+// (group 64 and up), k ranges in whole units. (The asymmetric form would also need the units'
+// sums of x: a second wgmma chain against A = ones made ptxas serialize every wgmma, C7511, or
+// take 246 registers to pipeline them; those weights stay on the other kernels.)
+// ---------------------------------------------------------------------------------------------
+
+// Shared stages of the warpgroup kernels (x in flight STAGES - 2 steps ahead: a stage is
+// refilled only after the barrier that follows every warp's wait on the wgmma that read it).
+#ifndef STOKE_INT4_WG_STAGES
+#define STOKE_INT4_WG_STAGES 4
+#endif
+// Weight loads in flight per warp, in steps (one 16-byte load each).
+#ifndef STOKE_INT4_WG_RING
+#define STOKE_INT4_WG_RING 4
+#endif
+// Resident CTAs per SM the warpgroup kernels' launch bounds ask for.
+#ifndef STOKE_INT4_WG_MIN_CTAS
+#define STOKE_INT4_WG_MIN_CTAS 4
+#endif
+
+template <int N>
+struct WgSmem {
+    static constexpr u32 W_BYTES = 4 * 4 * 128;  // [word j][k-tile i][lane] u32
+    static constexpr u32 X_KT = N * 32;          // one k-tile of x: N rows x 16 k, bf16
+    static constexpr u32 STAGE = W_BYTES + 4 * X_KT;
+    static constexpr u32 RING = STOKE_INT4_WG_STAGES * STAGE;
+    static constexpr u32 RED = (N + 15) / 16 * 16 * RED_PITCH * 4;  // one slot (reduce_and_store)
+    static constexpr u32 BYTES = RING > RED ? RING : RED;
+};
+
+// Shared-memory matrix descriptor of one k-tile of x at shared address `addr`: no swizzle,
+// K-major core matrices of 8 rows x 16 bytes; the k halves 128 bytes apart (leading byte
+// offset), the 8-row groups 256 apart (stride byte offset).
+__device__ __forceinline__ u64 wg_x_desc(u32 addr) {
+    return u64((addr & 0x3ffffu) >> 4) | (u64(128 >> 4) << 16) | (u64(256 >> 4) << 32);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// d (+)= A x B for one k-tile: A the 64 x 16 bf16 quad of each warp, B the descriptor's x tile;
+// scale_d 0 overwrites d.
+template <int N>
+struct Wgmma;
+template <>
+struct Wgmma<8> {
+    static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u64 desc, u32 scale_d) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+    }
+};
+template <>
+struct Wgmma<16> {
+    static __device__ __forceinline__ void mma(float (&d)[8], const u32 (&a)[4], u64 desc, u32 scale_d) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+            "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+    }
+};
+template <>
+struct Wgmma<32> {
+    static __device__ __forceinline__ void mma(float (&d)[16], const u32 (&a)[4], u64 desc, u32 scale_d) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, "
+            "%10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+    }
+};
+
+// The bf16 pair q - 8 of nibble pair I of w (exact: 128 + q from the LOP3, minus 136).
+template <int I>
+__device__ __forceinline__ u32 centered_pair(u32 w) {
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(nibble_pair<I>(w)), "r"(0x3f803f80u), "r"(0xc308c308u));
+    return r;
+}
+
+__device__ __forceinline__ void sts32(u32 addr, u32 v) { asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
+__device__ __forceinline__ u32 lds32(u32 addr) {
+    u32 r;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(addr) : "memory");
+    return r;
+}
+
+template <int EPI, bool F16S, int N>
+__device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
+    using L = WgSmem<N>;
+    constexpr int ACC = N / 2;  // accumulators per thread of an m64nN tile
+    constexpr u32 ST = STOKE_INT4_WG_STAGES, D = ST - 2;
+    constexpr int R = STOKE_INT4_WG_RING;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 g = lane >> 2, t = lane & 3;
+    const u32 slab = blockIdx.x;
+    // The CTA's k range: whole blocks of max(4, fold_kt) k-tiles (a step is 4).
+    const u32 fkt = p.fold_kt;
+    const u32 bkt = fkt > 4 ? fkt : 4;
+    const u32 blocks = p.k / 16 / bkt;
+    const u32 b0 = u32(u64(blocks) * blockIdx.y / p.splits), b1 = u32(u64(blocks) * (blockIdx.y + 1) / p.splits);
+    const u32 kt0 = b0 * bkt, steps = (b1 - b0) * bkt / 4;
+    if (STOKE_INT4_PDL) asm volatile("griddepcontrol.launch_dependents;");
+
+    const u32 smem = smem_u32(int4_dyn_smem);
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    // This warp's k-tile of each step: kt0 + 4 s + warp.
+    const uint4* wp = static_cast<const uint4*>(p.words) +
+                      (u64(kt0 + warp) * p.kt_stride + u64(slab) * p.slab_stride) * 32 + lane;
+    const u64 wstep = u64(p.kt_stride) * 4 * 32;
+    uint4 wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+        if (u32(r) < steps) wr[r] = load_stream(wp + r * wstep, policy);
+    if (STOKE_INT4_PDL) griddep_wait();
+
+    // x of step s into stage `stage`: 16-byte chunk q of the step (k half h, row r, k-tile i)
+    // to its core-matrix place; rows past m read as zeros.
+    const bool aligned16 = (reinterpret_cast<u64>(p.x) & 15) == 0;
+    const char* xg = static_cast<const char*>(p.x);
+    auto copy_x = [&](u32 s, u32 stage) {
+        const u32 xs = stage + L::W_BYTES;
+#pragma unroll
+        for (int c = 0; c < (8 * N + 127) / 128; ++c) {
+            const u32 q = 128 * c + threadIdx.x;
+            if (q >= 8 * N) break;
+            const u32 h = q & 1, r = (q >> 1) % N, i = (q >> 1) / N;
+            const u32 dst = xs + i * L::X_KT + (r >> 3) * 256 + h * 128 + (r & 7) * 16;
+            const bool valid = r < p.m;
+            const char* src = xg + (valid ? (u64(r) * p.k + (kt0 + 4 * s + i) * 16 + h * 8) * 2 : 0);
+            if (aligned16) cp_async16(dst, src, valid ? 16 : 0);
+            else cp_async16_by4(dst, src, valid ? 16 : 0);
+        }
+    };
+#pragma unroll
+    for (u32 s = 0; s < D; ++s) {
+        if (s < steps) copy_x(s, smem + s * L::STAGE);
+        cp_async_commit();
+    }
+
+    // The lane's columns: c0 = 16 warp + g (accumulators 4 j + 0 / 1) and c0 + 8 (4 j + 2 / 3).
+    const u16* s16 = static_cast<const u16*>(p.scales) + slab * 64 + 16 * warp + g;
+    GroupWalk gw(p, kt0 / fkt);
+    u32 d0 = 0, d1 = 0;  // the current unit's scales of c0 and c0 + 8
+    auto load_scales = [&]() {
+        const u64 idx = u64(gw.row) * p.n;
+        d0 = load_u16(s16 + idx);
+        d1 = load_u16(s16 + idx + 8);
+    };
+    float acc[ACC], part[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) acc[i] = part[i] = 0.0f;
+    auto fold = [&]() {
+        const float f0 = scale_value<F16S>(d0), f1 = scale_value<F16S>(d1);
+#pragma unroll
+        for (int i = 0; i < ACC; ++i) acc[i] = fmaf((i & 2) ? f1 : f0, part[i], acc[i]);
+    };
+
+    u32 stage = 0;  // smem offset of step s's stage
+    for (u32 s0 = 0; s0 < steps; s0 += R) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const u32 s = s0 + r;
+            if (s >= steps) break;
+            const u32 st = smem + stage;
+            // 1. This warp's k-tile of the step: word j to region j.
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u32 v = j == 0 ? wr[r].x : j == 1 ? wr[r].y : j == 2 ? wr[r].z : wr[r].w;
+                sts32(st + j * 512 + warp * 128 + lane * 4, v);
+            }
+            if (s + R < steps) wr[r] = load_stream(wp + u64(s + R) * wstep, policy);
+            // 2. x of step s + D.
+            if (s + D < steps) copy_x(s + D, smem + ((s + D) % ST) * L::STAGE);
+            cp_async_commit();
+            // 3. The previous step's wgmma done (its A registers and stage free); fold the unit
+            // that ended with it; this step's x landed (this thread's copies), then the barrier.
+            wg_wait_all();
+            if (s > 0 && (4 * s) % fkt == 0) fold();
+            if ((4 * s) % fkt == 0) {
+                if (s > 0) gw.next();
+                load_scales();
+            }
+            cp_async_wait<D>();
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            __syncthreads();
+            // 4. This warp's column tile of the 4 k-tiles, as A quads of q - 8.
+            u32 a[4][4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 w = lds32(st + warp * 512 + i * 128 + lane * 4);
+                a[i][0] = centered_pair<0>(w);
+                a[i][1] = centered_pair<2>(w);
+                a[i][2] = centered_pair<1>(w);
+                a[i][3] = centered_pair<3>(w);
+            }
+            // 5. One wgmma per k-tile; a unit's first k-tile overwrites.
+            wg_fence();
+            const u32 xs = st + L::W_BYTES;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) Wgmma<N>::mma(part, a[i], wg_x_desc(xs + i * L::X_KT), (4 * s + i) % fkt != 0);
+            wg_commit();
+            stage = stage + L::STAGE == ST * L::STAGE ? 0 : stage + L::STAGE;
+        }
+    }
+    wg_wait_all();
+    if (steps > 0) fold();
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the ring: the reduction reuses it
+    // Accumulator i: column 16 warp + g + 8 ((i >> 1) & 1), x row 8 (i >> 2) + 2t + (i & 1).
+    float* red = reinterpret_cast<float*>(int4_dyn_smem);
+#pragma unroll
+    for (int i = 0; i < ACC; ++i)
+        red[(8 * (i >> 2) + 2 * t + (i & 1)) * RED_PITCH + 16 * warp + g + 8 * ((i >> 1) & 1)] = acc[i];
+    reduce_and_store<(N + 15) / 16, EPI, 1>(p, red, slab, 0);
+}
+
+// NAME_dyn_smem, NAME_pdl and NAME_cluster as for the other entry points.
+#define INT4_GEMM_WG_ENTRY(NAME, EPI, F16S, N)                                                          \
+    extern "C" __device__ unsigned NAME##_dyn_smem = WgSmem<N>::BYTES;                                  \
+    extern "C" __device__ unsigned NAME##_pdl = STOKE_INT4_PDL;                                         \
+    extern "C" __device__ unsigned NAME##_cluster = STOKE_INT4_CLUSTER;                                 \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, STOKE_INT4_WG_MIN_CTAS) NAME(const Int4GemmParams p) { \
+        int4_gemm_wg<EPI, F16S, N>(p);                                                                  \
+    }
+#define INT4_GEMM_WG_ENTRIES(EPI_NAME, EPI)                                    \
+    INT4_GEMM_WG_ENTRY(int4_gemm_wg_##EPI_NAME##_bf16s_n8, EPI, false, 8)      \
+    INT4_GEMM_WG_ENTRY(int4_gemm_wg_##EPI_NAME##_bf16s_n16, EPI, false, 16)    \
+    INT4_GEMM_WG_ENTRY(int4_gemm_wg_##EPI_NAME##_bf16s_n32, EPI, false, 32)    \
+    INT4_GEMM_WG_ENTRY(int4_gemm_wg_##EPI_NAME##_f16s_n8, EPI, true, 8)        \
+    INT4_GEMM_WG_ENTRY(int4_gemm_wg_##EPI_NAME##_f16s_n16, EPI, true, 16)      \
+    INT4_GEMM_WG_ENTRY(int4_gemm_wg_##EPI_NAME##_f16s_n32, EPI, true, 32)
+INT4_GEMM_WG_ENTRIES(plain, EPI_PLAIN)
+INT4_GEMM_WG_ENTRIES(residual, EPI_RESIDUAL)
+INT4_GEMM_WG_ENTRIES(swiglu, EPI_SWIGLU)
 
 // NAME_pdl: 1 where the entry takes part in programmatic dependent launch (STOKE_INT4_PDL);
 // NAME_cluster: 1 where its split-K launches may form clusters along k (STOKE_INT4_CLUSTER). The

@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
 use stoke_cuda::kernels::INT4_GEMM;
-use stoke_cuda::kernels::int4_gemm::{Epilogue, Launch, SWAP_ALL, WordOrder};
+use stoke_cuda::kernels::int4_gemm::{Epilogue, Launch, SWAP_ALL, WordOrder, wg_eligible};
 use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::bf16;
 use stoke_formats::int4::{PackedInt4, ScaleType};
@@ -127,6 +127,7 @@ const CASES: &[(usize, usize, usize, ScaleType, bool)] = &[
     (576, 576, 576, ScaleType::Bf16, false),
     (1536, 4160, 32, ScaleType::F16, true),
     (4096, 1088, 128, ScaleType::Bf16, false),
+    (2048, 1472, 64, ScaleType::F16, false),
     (14336, 320, 128, ScaleType::Bf16, true),
 ];
 const ROWS: &[usize] = &[1, 2, 7, 16, 31, 32, 33];
@@ -213,17 +214,22 @@ fn gemm_matches_reference() -> Result<Value, String> {
                         .collect();
                     // The swapped kernels also at one split, where k >= 4096 gives every warp
                     // the long-stream entry points' LONG_STREAM_TILES k-tiles, and in their
-                    // stream-K form (the m <= 8 launches: m 33 ends with one).
+                    // stream-K form (the m <= 8 launches: m 33 ends with one); the warpgroup
+                    // kernels at every row count (m 33: n32 then n8), with the plan's splits
+                    // and one, where the weight allows them (symmetric, groups of 64 and up).
+                    let wg_ok = !asym && wg_eligible(k as u32, group as u32);
                     let runs = dws.iter().flat_map(|d| {
                         [
-                            (d, false, 0, false),
-                            (d, true, 0, false),
-                            (d, true, 1, false),
-                            (d, true, 0, true),
+                            (d, false, 0, false, false),
+                            (d, true, 0, false, false),
+                            (d, true, 1, false, false),
+                            (d, true, 0, true, false),
+                            (d, false, 0, false, true),
+                            (d, false, 1, false, true),
                         ]
                     });
-                    for (dw, swap_ab, splits, stream_k) in runs {
-                        if splits == 1 && k < 4096 {
+                    for (dw, swap_ab, splits, stream_k, wg) in runs {
+                        if (splits == 1 && k < 4096) || (wg && !wg_ok) {
                             continue;
                         }
                         let call = Int4Gemm {
@@ -236,6 +242,7 @@ fn gemm_matches_reference() -> Result<Value, String> {
                             splits,
                             swap_rows: if swap_ab { SWAP_ALL } else { 0 },
                             stream_k,
+                            wg_rows: u32::from(wg),
                         };
                         // Poisoned before each word order's kernel writes it.
                         unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }
@@ -245,7 +252,13 @@ fn gemm_matches_reference() -> Result<Value, String> {
                         let got = get_bf16(&out);
                         let what = format!(
                             "seed {seed}: {order:?}{}{} m {m}{} k {k} n {n} group {group} {st:?} {} {epi:?}{}",
-                            if swap_ab { " swapped" } else { "" },
+                            if swap_ab {
+                                " swapped"
+                            } else if wg {
+                                " warpgroup"
+                            } else {
+                                ""
+                            },
                             if stream_k {
                                 " stream-K"
                             } else if splits == 1 {
@@ -272,7 +285,7 @@ fn gemm_matches_reference() -> Result<Value, String> {
                         if !(err < TOLERANCE) {
                             return Err(format!("{what}: relative error {err:.3e}"));
                         }
-                        checked.push(json!({"swap_ab": swap_ab, "stream_k": stream_k, "splits": splits, "order": format!("{:?}", dw.order), "m": m, "x_offset_bytes": 2 * x_pad, "k": k, "n": n, "group": group,
+                        checked.push(json!({"swap_ab": swap_ab, "stream_k": stream_k, "warpgroup": wg, "splits": splits, "order": format!("{:?}", dw.order), "m": m, "x_offset_bytes": 2 * x_pad, "k": k, "n": n, "group": group,
                         "epilogue": format!("{epi:?}"), "row_scale": with_scale, "rel_err": err,
                         "rel_err_unrounded": err_unrounded}));
                     }
@@ -413,20 +426,26 @@ fn bench_variant(
                 .collect();
             let xb = put_u16(&rt, &x);
             let out = rt.alloc(m * n * 2).unwrap();
-            // The swapped-operand kernels beside the batched ones at every m, and the
-            // stream-K form of the swapped kernel at m <= 8.
-            for (swap_ab, stream_k) in [(false, false), (true, false), (true, true)] {
+            // The swapped-operand kernels beside the batched ones at every m, the stream-K
+            // form of the swapped kernel at m <= 8, and the warpgroup kernels at every m.
+            for (swap_ab, stream_k, wg) in [
+                (false, false, false),
+                (true, false, false),
+                (true, true, false),
+                (false, false, true),
+            ] {
                 if stream_k && m > 8 {
                     continue;
                 }
-                // The shipped default is SwapAB up to SWAP_ROWS_DEFAULT rows, Batched above;
-                // Swap16 rows are the opt-in swapped kernel for 9-32 rows, StreamK the opt-in
-                // stream-K form at m <= 8.
-                let kind = match (swap_ab, stream_k, m) {
-                    (false, _, _) => "Batched",
-                    (true, true, _) => "StreamK",
-                    (true, false, 0..=8) => "SwapAB",
-                    (true, false, _) => "Swap16",
+                // The shipped default (`default_plan`): SwapAB up to SWAP_ROWS_DEFAULT rows,
+                // Wgmma from WG_ROWS_DEFAULT; Batched and Swap16 are the kernels for 9-32 rows
+                // without the warpgroup kernels, StreamK the opt-in stream-K form at m <= 8.
+                let kind = match (swap_ab, stream_k, wg, m) {
+                    (_, _, true, _) => "Wgmma",
+                    (false, _, _, _) => "Batched",
+                    (true, true, _, _) => "StreamK",
+                    (true, false, _, 0..=8) => "SwapAB",
+                    (true, false, _, _) => "Swap16",
                 };
                 if !only("STOKE_INT4_VARIANT_KINDS", kind)
                     || !only("STOKE_INT4_VARIANT_ROWS", &m.to_string())
@@ -442,8 +461,9 @@ fn bench_variant(
                         if swap_ab { SWAP_ALL } else { 0 },
                     );
                     call.stream_k = stream_k;
+                    call.wg_rows = u32::from(wg);
                     let bytes = dw.bytes() + m * k * 2 + m * n * 2;
-                    let plan_with = |splits, swap_rows, stream_k| {
+                    let plan_with = |splits, swap_rows, stream_k, wg_rows| {
                         stoke_cuda::kernels::int4_gemm::plan(
                             m as u32,
                             k as u32,
@@ -455,11 +475,18 @@ fn bench_variant(
                             splits,
                             swap_rows,
                             stream_k,
+                            wg_rows,
                         )
                         .unwrap()[0]
                     };
-                    let plan =
-                        |splits| plan_with(splits, if swap_ab { SWAP_ALL } else { 0 }, stream_k);
+                    let plan = |splits| {
+                        plan_with(
+                            splits,
+                            if swap_ab { SWAP_ALL } else { 0 },
+                            stream_k,
+                            call.wg_rows,
+                        )
+                    };
                     let timing = time_gemm(&rt, dws, &call, 5);
                     let (us, host_us) = (timing.us, timing.host_us);
                     let gbps = bytes as f64 / us / 1e3;
@@ -469,6 +496,7 @@ fn bench_variant(
                         0,
                         stoke_cuda::int4::swap_rows_default(),
                         stoke_cuda::int4::stream_k_default(),
+                        stoke_cuda::int4::wg_rows_default(),
                     );
                     println!(
                         "int4 {kind} {:?} {name:<12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {} host {host_us:.1} us",
@@ -486,11 +514,14 @@ fn bench_variant(
                     }
                     // The kernel's mma.m16n8k16 count and their time at the same run's rate:
                     // batched, one per 16 rows, 16 k and 8 columns; swapped, one per 8 rows (16 at
-                    // m <= 8), 16 k and 16 columns.
+                    // m <= 8), 16 k and 16 columns; warpgroup, one wgmma.m64nNk16 (N = 8, 16 or
+                    // 32 rows) per 16 k and 64 columns, N / 2 of them.
+                    let wg_n = [8, 16, 32].into_iter().find(|t| m <= *t).unwrap_or(32);
                     let mmas = (k / 16) as u64
                         * match kind {
                             "Batched" => (n / 8 * m.div_ceil(16)) as u64,
                             "Swap16" => (n / 16 * 2 * m.div_ceil(16)) as u64,
+                            "Wgmma" => (n / 64 * wg_n / 2) as u64,
                             _ => (n / 16) as u64,
                         };
                     row["mma_count"] = json!(mmas);

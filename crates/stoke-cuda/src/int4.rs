@@ -2,8 +2,8 @@
 
 use crate::kernels::INT4_GEMM;
 use crate::kernels::int4_gemm::{
-    Epilogue, Int4GemmParams, Launch, MAX_ROWS, SWAP_ROWS_DEFAULT, WARPS, WordOrder, counters_len,
-    launch_bound_ctas, launch_bound_slots, plan,
+    Epilogue, Int4GemmParams, Launch, MAX_ROWS, SWAP_ROWS_DEFAULT, WARPS, WG_ROWS_DEFAULT,
+    WordOrder, counters_len, launch_bound_ctas, launch_bound_slots, plan,
 };
 use crate::{DeviceBuffer, Error, Kernel, LaunchShape, Result, Runtime};
 use std::sync::Arc;
@@ -78,6 +78,7 @@ impl DeviceInt4 {
             0,
             0,
             false,
+            0,
         )
         .map_err(|e| Error::Shape(e.0))?;
         if words.len() != k * n / 8 {
@@ -152,10 +153,15 @@ pub struct Int4Gemm {
     /// The stream-K form of the swapped m <= 8 kernel (`int4_gemm_swapk_*`); `splits` is then
     /// ignored. [`stream_k_default`] for the process default.
     pub stream_k: bool,
+    /// Launches of at least this many rows use the warpgroup kernels (`int4_gemm_wg_*`) where
+    /// the shape allows them and the weight is symmetric; 0: none. [`wg_rows_default`] for the
+    /// process default.
+    pub wg_rows: u32,
 }
 
 impl Int4Gemm {
-    /// A plain-epilogue call (no residual, no row scale) with the plan's split count.
+    /// A plain-epilogue call (no residual, no row scale) with the plan's split count, the
+    /// warpgroup kernels off.
     pub fn plain(x: u64, m: u32, out: u64, swap_rows: u32) -> Self {
         Self {
             x,
@@ -167,6 +173,7 @@ impl Int4Gemm {
             splits: 0,
             swap_rows,
             stream_k: false,
+            wg_rows: 0,
         }
     }
 }
@@ -187,6 +194,24 @@ pub fn swap_rows_default() -> u32 {
             }
         },
         Err(_) => SWAP_ROWS_DEFAULT,
+    })
+}
+
+/// Rows from which the warpgroup kernels are used: `STOKE_INT4_WG_ROWS` (0-32, 0: never), else
+/// [`WG_ROWS_DEFAULT`].
+pub fn wg_rows_default() -> u32 {
+    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *V.get_or_init(|| match std::env::var("STOKE_INT4_WG_ROWS") {
+        Ok(v) => match v.trim().parse::<u32>() {
+            Ok(r) if r <= MAX_ROWS => r,
+            _ => {
+                tracing::warn!(
+                    "STOKE_INT4_WG_ROWS={v:?} is not a row count 0-{MAX_ROWS}; using {WG_ROWS_DEFAULT}"
+                );
+                WG_ROWS_DEFAULT
+            }
+        },
+        Err(_) => WG_ROWS_DEFAULT,
     })
 }
 
@@ -257,6 +282,8 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         call.splits,
         call.swap_rows,
         call.stream_k,
+        // The warpgroup kernels take symmetric weights only.
+        if w.offsets.is_some() { 0 } else { call.wg_rows },
     )
     .map_err(|e| Error::Shape(e.0))?;
     let (kt_stride, slab_stride) = w.order.strides(w.k, w.n);

@@ -128,7 +128,29 @@ pub const ENTRY_POINTS: &[&str] = &[
     "int4_gemm_swapk_residual_f16s",
     "int4_gemm_swapk_swiglu_bf16s",
     "int4_gemm_swapk_swiglu_f16s",
+    "int4_gemm_wg_plain_bf16s_n8",
+    "int4_gemm_wg_plain_bf16s_n16",
+    "int4_gemm_wg_plain_bf16s_n32",
+    "int4_gemm_wg_plain_f16s_n8",
+    "int4_gemm_wg_plain_f16s_n16",
+    "int4_gemm_wg_plain_f16s_n32",
+    "int4_gemm_wg_residual_bf16s_n8",
+    "int4_gemm_wg_residual_bf16s_n16",
+    "int4_gemm_wg_residual_bf16s_n32",
+    "int4_gemm_wg_residual_f16s_n8",
+    "int4_gemm_wg_residual_f16s_n16",
+    "int4_gemm_wg_residual_f16s_n32",
+    "int4_gemm_wg_swiglu_bf16s_n8",
+    "int4_gemm_wg_swiglu_bf16s_n16",
+    "int4_gemm_wg_swiglu_bf16s_n32",
+    "int4_gemm_wg_swiglu_f16s_n8",
+    "int4_gemm_wg_swiglu_f16s_n16",
+    "int4_gemm_wg_swiglu_f16s_n32",
 ];
+
+/// Index in [`ENTRY_POINTS`] of the first warpgroup entry point (`int4_gemm_wg_*`), laid out by
+/// epilogue, scale type, then rows 8 / 16 / 32.
+const WG_BASE: usize = 48;
 
 /// K-tiles per warp from which the swapped kernel's `_long` entry points (a deeper load ring)
 /// are used: at 64 and more they were faster on every benchmark shape, below it slower
@@ -178,12 +200,15 @@ impl Epilogue {
 pub const WARPS: u32 = 4;
 /// Most rows one launch handles.
 pub const MAX_ROWS: u32 = 32;
-/// Resident CTAs per SM an entry point's launch bounds ask for (m32: 2, swapped m <= 8: 4,
-/// else 3).
+/// Resident CTAs per SM an entry point's launch bounds ask for (m32: 2, swapped m <= 8 and
+/// warpgroup: 4, else 3).
 /// The runtime plans with the occupancy calculator instead ([`crate::Runtime::resident_ctas`]);
 /// this is the expectation for code without a GPU (shape checks, tests).
 pub fn launch_bound_ctas(entry: &str) -> u32 {
-    if entry.starts_with("int4_gemm_swap_") || entry.starts_with("int4_gemm_swapk_") {
+    if entry.starts_with("int4_gemm_swap_")
+        || entry.starts_with("int4_gemm_swapk_")
+        || entry.starts_with("int4_gemm_wg_")
+    {
         4
     } else if entry.starts_with("int4_gemm_swap16_") {
         3
@@ -207,6 +232,9 @@ pub fn launch_bound_slots(sm_count: u32) -> impl Fn(&'static str) -> u32 {
 /// (`STOKE_INT4_SWAP_ROWS=32`), except where [`plan`] finds the batched m32 kernel without
 /// split-K on an under-filled GPU (70B qkv).
 pub const SWAP_ROWS_DEFAULT: u32 = 8;
+/// Rows from which the plan uses the warpgroup kernels by default (`int4_gemm_wg_*`, where the
+/// shape and the weight allow them).
+pub const WG_ROWS_DEFAULT: u32 = 9;
 /// `swap_rows` for the swapped kernels at every row count.
 pub const SWAP_ALL: u32 = MAX_ROWS;
 
@@ -232,6 +260,18 @@ pub struct Launch {
     pub rows: u32,
     pub fold_kt: u32,
     pub splits: u32,
+}
+
+/// Fewest k-tiles per CTA the plan gives a warpgroup launch by default (explicit splits may go
+/// down to one block).
+pub const WG_MIN_TILES: u32 = 16;
+
+/// Whether the warpgroup kernels take a (valid) shape: fold units of 4 or 8 k-tiles (groups of
+/// 64 and more; `fold_kt = gcd(group / 16, 8)`) and k a whole number of blocks of
+/// `max(4, fold_kt)` k-tiles. Symmetric weights only: the caller checks that.
+pub fn wg_eligible(k: u32, group: u32) -> bool {
+    let fold_kt = gcd(group / 16, 8);
+    fold_kt >= 4 && (k / 16) % fold_kt.max(4) == 0
 }
 
 /// Why a shape can't run on these kernels.
@@ -265,6 +305,11 @@ fn gcd(a: u32, b: u32) -> u32 {
 /// `stream_k`: launches that use `int4_gemm_swap_*` use its stream-K form instead
 /// (`int4_gemm_swapk_*`: one CTA per resident slot at most, each warp an equal share of all
 /// the slabs' fold units, at least one; `splits` 0 in the launch).
+/// `wg_rows`: launches of at least that many rows (0: none) use the warpgroup kernels
+/// (`int4_gemm_wg_*`, wgmma with the weights as the register operand; 8, 16 or 32 rows) where
+/// the shape allows them ([`wg_eligible`]; symmetric weights only, which the caller knows):
+/// one CTA per slab and split, the k range dealt in blocks of `max(4, fold_kt)` k-tiles, as
+/// many splits as fill one wave of resident CTAs with at least [`WG_MIN_TILES`] k-tiles each.
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     m: u32,
@@ -277,6 +322,7 @@ pub fn plan(
     splits: u32,
     swap_rows: u32,
     stream_k: bool,
+    wg_rows: u32,
 ) -> Result<Vec<Launch>, ShapeError> {
     if k == 0 || k % 16 != 0 || n == 0 || n % 64 != 0 {
         return Err(ShapeError(format!(
@@ -297,6 +343,32 @@ pub fn plan(
     while row0 < m {
         let rows = (m - row0).min(MAX_ROWS);
         let scale = usize::from(f16_scales);
+        if wg_rows > 0 && rows >= wg_rows && wg_eligible(k, group) {
+            let n_index = match rows {
+                0..=8 => 0,
+                9..=16 => 1,
+                _ => 2,
+            };
+            let entry = ENTRY_POINTS[WG_BASE + epilogue.index() * 6 + scale * 3 + n_index];
+            let blocks = k / 16 / fold_kt.max(4);
+            let most = (k / 16 / WG_MIN_TILES).clamp(1, blocks);
+            let splits = if explicit > 0 {
+                explicit.min(blocks).clamp(1, 65535)
+            } else {
+                (slots(entry) / slabs).clamp(1, most)
+            };
+            out.push(Launch {
+                entry,
+                grid: (slabs, splits, 1),
+                block: (WARPS * 32, 1, 1),
+                row0,
+                rows,
+                fold_kt,
+                splits,
+            });
+            row0 += rows;
+            continue;
+        }
         let mut mt = match rows {
             0..=8 if rows <= swap_rows => 3,
             _ if rows <= swap_rows => 4,
@@ -397,6 +469,7 @@ mod tests {
             splits,
             if swap { SWAP_ALL } else { 0 },
             false,
+            0,
         )
     }
 
@@ -502,6 +575,15 @@ mod tests {
                             &e[prefix.len()..]
                         ))
                 }
+                None if e.starts_with("int4_gemm_wg_") => {
+                    // INT4_GEMM_WG_ENTRIES(epilogue, ...) instantiates both scale types and rows.
+                    let epi = e["int4_gemm_wg_".len()..].split('_').next().unwrap();
+                    SOURCE.contains(&format!("INT4_GEMM_WG_ENTRIES({epi},"))
+                        && SOURCE.contains(&format!(
+                            "INT4_GEMM_WG_ENTRY(int4_gemm_wg_##EPI_NAME##{},",
+                            &e["int4_gemm_wg_".len() + epi.len()..]
+                        ))
+                }
                 None => {
                     SOURCE.contains(&format!("INT4_GEMM_ENTRY({e},"))
                         || SOURCE.contains(&format!("INT4_GEMM_SWAPK_ENTRY({e},"))
@@ -513,14 +595,16 @@ mod tests {
             + 12 * SOURCE.matches("INT4_GEMM_SWAP_ENTRIES(int4_gemm_").count()
             + SOURCE
                 .matches("INT4_GEMM_SWAPK_ENTRY(int4_gemm_swapk_")
-                .count();
+                .count()
+            + 6 * SOURCE.matches("\nINT4_GEMM_WG_ENTRIES(").count();
         assert_eq!(defined, ENTRY_POINTS.len());
         assert_eq!(SOURCE.matches("INT4_GEMM_SWAP_ENTRY(PREFIX##").count(), 12);
     }
 
     #[test]
     fn swap16_above_16_rows_where_the_batched_slabs_leave_no_split() {
-        // The plan's first launch with the default swap rows and `splits` (0: the plan's).
+        // The plan's first launch with the default swap rows and `splits` (0: the plan's),
+        // warpgroup kernels off.
         let default = |m, k, n, splits| {
             let slots = launch_bound_slots(132);
             plan(
@@ -534,6 +618,7 @@ mod tests {
                 splits,
                 SWAP_ROWS_DEFAULT,
                 false,
+                0,
             )
             .unwrap()[0]
         };
@@ -635,6 +720,7 @@ mod tests {
                         0,
                         8,
                         true,
+                        0,
                     )
                     .unwrap()
                 };
@@ -652,5 +738,55 @@ mod tests {
         }
         let bad = |k, n, g| plan_h200(1, k, n, g, false, Epilogue::Plain, 0, false).is_err();
         assert!(bad(100, 64, 16) && bad(128, 96, 16) && bad(128, 64, 48));
+    }
+
+    #[test]
+    fn warpgroup_launches_where_the_shape_allows_them() {
+        let wg = |m, k, n, group, splits, wg_rows| {
+            plan(
+                m,
+                k,
+                n,
+                group,
+                true,
+                Epilogue::SwiGlu,
+                &launch_bound_slots(132),
+                splits,
+                SWAP_ROWS_DEFAULT,
+                false,
+                wg_rows,
+            )
+            .unwrap()
+        };
+        // Groups of 32 (fold units of 2 k-tiles) and k not a whole number of blocks: never.
+        assert!(!wg_eligible(1536, 32) && !wg_eligible(64 * 9 + 32, 64 * 9 + 32));
+        assert!(wg_eligible(576, 64) && wg_eligible(576, 576) && wg_eligible(4096, 128));
+        assert!(!wg_eligible(4096 + 64, 128));
+        let l = wg(1536, 1536, 4160, 32, 0, 1);
+        assert!(l.iter().all(|l| !l.entry.starts_with("int4_gemm_wg_")));
+        // 8B qkv at 16 and 40 rows from 9 rows on: one wave of 528 CTAs over 96 slabs, 5 splits;
+        // the 8-row tail keeps the swapped kernel.
+        let l = wg(16, 4096, 6144, 128, 0, 9);
+        assert_eq!(l[0].entry, "int4_gemm_wg_swiglu_f16s_n16");
+        assert_eq!((l[0].grid, l[0].splits, l[0].fold_kt), ((96, 5, 1), 5, 8));
+        let l = wg(40, 4096, 6144, 128, 0, 9);
+        assert_eq!(l.len(), 2);
+        assert_eq!(l[0].entry, "int4_gemm_wg_swiglu_f16s_n32");
+        assert_eq!((l[1].row0, l[1].rows), (32, 8));
+        assert!(l[1].entry.starts_with("int4_gemm_swap_"));
+        // At least WG_MIN_TILES k-tiles per CTA by default; explicit splits down to one block.
+        let l = wg(1, 1024, 64, 128, 0, 1);
+        assert_eq!(
+            (l[0].entry, l[0].splits),
+            ("int4_gemm_wg_swiglu_f16s_n8", 4)
+        );
+        assert_eq!(wg(1, 1024, 64, 128, 99, 1)[0].splits, 8);
+        assert_eq!(wg(1, 576, 64, 64, 99, 1)[0].splits, 9);
+        // 0: never.
+        assert!(
+            !wg(32, 4096, 6144, 128, 0, 0)[0]
+                .entry
+                .starts_with("int4_gemm_wg_")
+        );
     }
 }
