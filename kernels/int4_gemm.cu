@@ -1217,6 +1217,11 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 #define STOKE_INT4_WG_MIN_CTAS 4
 #endif
 
+// Timing probe (wrong results allowed; the GPU test skips it): 1 drops the proxy fence.
+#ifndef STOKE_INT4_WG_PROBE
+#define STOKE_INT4_WG_PROBE 0
+#endif
+
 template <int N>
 struct WgSmem {
     static constexpr u32 W_BYTES = 4 * 4 * 128;  // [word j][k-tile i][lane] u32
@@ -1389,7 +1394,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
                 load_scales();
             }
             cp_async_wait<D>();
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            if (STOKE_INT4_WG_PROBE != 1) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             __syncthreads();
             // 4. This warp's column tile of the 4 k-tiles, as A quads of q - 8.
             u32 a[4][4];
