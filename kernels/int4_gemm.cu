@@ -1190,11 +1190,16 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 // m16n8k16 A quad, nibble pairs 0, 2, 1, 3) and x's k-tile as B from shared memory. The
 // tensor-core instructions per k-tile no longer grow with the rows, where mma.sync needs one
 // per 8 rows and 16 columns.
-// Steps of 4 k-tiles: warp w loads k-tile 4 s + w of step s (one 16-byte load per lane, a
-// register ring STOKE_INT4_WG_RING steps deep) and writes its four words to shared memory, word
-// j into region j; after the step's barrier warp j reads its column tile of the 4 k-tiles back
-// (4-byte accesses, conflict-free both ways). x goes straight to shared memory (cp.async,
-// STOKE_INT4_WG_STAGES - 2 steps ahead) in the wgmma's K-major core-matrix layout.
+// Steps of 4 k-tiles, batches of STOKE_INT4_WG_BATCH steps: warp w loads k-tile 4 s + w of
+// each step s of the next batch (one 16-byte load per lane and step, all in flight while this
+// batch computes) and, when the batch begins, writes its words to shared memory, word j into
+// region j; after the batch's barrier warp j reads its column tile of each k-tile back (4-byte
+// accesses, conflict-free both ways). x goes to shared memory a batch ahead too (cp.async), in
+// the wgmma's K-major core-matrix layout. One wait per batch: ptxas tracks every load of the
+// ring on one scoreboard and waits for all of them at the first use, so a per-step ring (the
+// first form) drained every step (about 1 us per step: 1.1 TB/s at best), and so does the
+// proxy fence (MEMBAR) the wgmma needs after x's copies; both now come once per batch, when
+// everything they wait for is needed anyway.
 // The nibbles become q - 8 exactly (LOP3 to 128 + q, then minus 136), so the tensor core sums
 // x (q - 8) over a fold unit into P (the unit's first k-tile overwrites: scale-d 0), and the
 // unit's end folds acc += d P per column. Symmetric weights only, fold units of 4 or 8 k-tiles
@@ -1203,31 +1208,24 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 // take 246 registers to pipeline them; those weights stay on the other kernels.)
 // ---------------------------------------------------------------------------------------------
 
-// Shared stages of the warpgroup kernels (x in flight STAGES - 2 steps ahead: a stage is
-// refilled only after the barrier that follows every warp's wait on the wgmma that read it).
-#ifndef STOKE_INT4_WG_STAGES
-#define STOKE_INT4_WG_STAGES 4
-#endif
-// Weight loads in flight per warp, in steps (one 16-byte load each).
-#ifndef STOKE_INT4_WG_RING
-#define STOKE_INT4_WG_RING 4
+// Steps per batch (4 k-tiles each); weights, scales and x of the next batch are in flight while
+// one computes.
+#ifndef STOKE_INT4_WG_BATCH
+#define STOKE_INT4_WG_BATCH 4
 #endif
 // Resident CTAs per SM the warpgroup kernels' launch bounds ask for.
 #ifndef STOKE_INT4_WG_MIN_CTAS
 #define STOKE_INT4_WG_MIN_CTAS 4
 #endif
 
-// Timing probe (wrong results allowed; the GPU test skips it): 1 drops the proxy fence.
-#ifndef STOKE_INT4_WG_PROBE
-#define STOKE_INT4_WG_PROBE 0
-#endif
-
 template <int N>
 struct WgSmem {
-    static constexpr u32 W_BYTES = 4 * 4 * 128;  // [word j][k-tile i][lane] u32
-    static constexpr u32 X_KT = N * 32;          // one k-tile of x: N rows x 16 k, bf16
-    static constexpr u32 STAGE = W_BYTES + 4 * X_KT;
-    static constexpr u32 RING = STOKE_INT4_WG_STAGES * STAGE;
+    static constexpr u32 W_STEP = 4 * 4 * 128;  // [word j][k-tile i][lane] u32
+    static constexpr u32 X_KT = N * 32;         // one k-tile of x: N rows x 16 k, bf16
+    static constexpr u32 X_STEP = 4 * X_KT;
+    static constexpr u32 W_BUF = STOKE_INT4_WG_BATCH * W_STEP;
+    static constexpr u32 X_BUF = STOKE_INT4_WG_BATCH * X_STEP;
+    static constexpr u32 RING = 2 * (W_BUF + X_BUF);  // two batches: [x 0][x 1][w 0][w 1]
     static constexpr u32 RED = (N + 15) / 16 * 16 * RED_PITCH * 4;  // one slot (reduce_and_store)
     static constexpr u32 BYTES = RING > RED ? RING : RED;
 };
@@ -1300,8 +1298,7 @@ template <int EPI, bool F16S, int N>
 __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
     using L = WgSmem<N>;
     constexpr int ACC = N / 2;  // accumulators per thread of an m64nN tile
-    constexpr u32 ST = STOKE_INT4_WG_STAGES, D = ST - 2;
-    constexpr int R = STOKE_INT4_WG_RING;
+    constexpr int Q = STOKE_INT4_WG_BATCH;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
     const u32 slab = blockIdx.x;
@@ -1311,114 +1308,144 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
     const u32 blocks = p.k / 16 / bkt;
     const u32 b0 = u32(u64(blocks) * blockIdx.y / p.splits), b1 = u32(u64(blocks) * (blockIdx.y + 1) / p.splits);
     const u32 kt0 = b0 * bkt, steps = (b1 - b0) * bkt / 4;
+    const u32 batches = (steps + Q - 1) / Q;
     if (STOKE_INT4_PDL) asm volatile("griddepcontrol.launch_dependents;");
 
     const u32 smem = smem_u32(int4_dyn_smem);
+    const u32 xbuf = smem, wbuf = smem + 2 * L::X_BUF;
     u64 policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     // This warp's k-tile of each step: kt0 + 4 s + warp.
     const uint4* wp = static_cast<const uint4*>(p.words) +
                       (u64(kt0 + warp) * p.kt_stride + u64(slab) * p.slab_stride) * 32 + lane;
     const u64 wstep = u64(p.kt_stride) * 4 * 32;
-    uint4 wr[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-        if (u32(r) < steps) wr[r] = load_stream(wp + r * wstep, policy);
-    if (STOKE_INT4_PDL) griddep_wait();
-
-    // x of step s into stage `stage`: 16-byte chunk q of the step (k half h, row r, k-tile i)
-    // to its core-matrix place; rows past m read as zeros.
-    const bool aligned16 = (reinterpret_cast<u64>(p.x) & 15) == 0;
-    const char* xg = static_cast<const char*>(p.x);
-    auto copy_x = [&](u32 s, u32 stage) {
-        const u32 xs = stage + L::W_BYTES;
-#pragma unroll
-        for (int c = 0; c < (8 * N + 127) / 128; ++c) {
-            const u32 q = 128 * c + threadIdx.x;
-            if (q >= 8 * N) break;
-            const u32 h = q & 1, r = (q >> 1) % N, i = (q >> 1) / N;
-            const u32 dst = xs + i * L::X_KT + (r >> 3) * 256 + h * 128 + (r & 7) * 16;
-            const bool valid = r < p.m;
-            const char* src = xg + (valid ? (u64(r) * p.k + (kt0 + 4 * s + i) * 16 + h * 8) * 2 : 0);
-            if (aligned16) cp_async16(dst, src, valid ? 16 : 0);
-            else cp_async16_by4(dst, src, valid ? 16 : 0);
-        }
-    };
-#pragma unroll
-    for (u32 s = 0; s < D; ++s) {
-        if (s < steps) copy_x(s, smem + s * L::STAGE);
-        cp_async_commit();
-    }
-
     // The lane's columns: c0 = 16 warp + g (accumulators 4 j + 0 / 1) and c0 + 8 (4 j + 2 / 3).
     const u16* s16 = static_cast<const u16*>(p.scales) + slab * 64 + 16 * warp + g;
-    GroupWalk gw(p, kt0 / fkt);
-    u32 d0 = 0, d1 = 0;  // the current unit's scales of c0 and c0 + 8
-    auto load_scales = [&]() {
-        const u64 idx = u64(gw.row) * p.n;
-        d0 = load_u16(s16 + idx);
-        d1 = load_u16(s16 + idx + 8);
+    // Loads of one batch: each step's weights, and the scales of each fold unit that begins in
+    // it (their scale rows walked by gl).
+    GroupWalk gl(p, kt0 / fkt);
+    uint4 wr[Q];
+    u32 sc[Q][2];
+    auto load_batch = [&](u32 bt) {
+#pragma unroll
+        for (int j = 0; j < Q; ++j) {
+            const u32 s = bt * Q + j;
+            if (s < steps) {
+                wr[j] = load_stream(wp + u64(s) * wstep, policy);
+                if ((4 * s) % fkt == 0) {
+                    if (s > 0) gl.next();
+                    const u64 idx = u64(gl.row) * p.n;
+                    sc[j][0] = load_u16(s16 + idx);
+                    sc[j][1] = load_u16(s16 + idx + 8);
+                }
+            }
+        }
     };
+    // x of batch bt into buffer bt % 2: 16-byte chunk q of a step (k half h, row r, k-tile i) to
+    // its core-matrix place; rows past m read as zeros.
+    const bool aligned16 = (reinterpret_cast<u64>(p.x) & 15) == 0;
+    const char* xg = static_cast<const char*>(p.x);
+    auto copy_x = [&](u32 bt) {
+        const u32 xs0 = xbuf + (bt & 1) * L::X_BUF;
+#pragma unroll
+        for (int j = 0; j < Q; ++j) {
+            const u32 s = bt * Q + j;
+            if (s >= steps) break;
+#pragma unroll
+            for (int c = 0; c < (8 * N + 127) / 128; ++c) {
+                const u32 q = 128 * c + threadIdx.x;
+                if (q >= 8 * N) break;
+                const u32 h = q & 1, r = (q >> 1) % N, i = (q >> 1) / N;
+                const u32 dst = xs0 + j * L::X_STEP + i * L::X_KT + (r >> 3) * 256 + h * 128 + (r & 7) * 16;
+                const bool valid = r < p.m;
+                const char* src = xg + (valid ? (u64(r) * p.k + (kt0 + 4 * s + i) * 16 + h * 8) * 2 : 0);
+                if (aligned16) cp_async16(dst, src, valid ? 16 : 0);
+                else cp_async16_by4(dst, src, valid ? 16 : 0);
+            }
+        }
+        cp_async_commit();
+    };
+    if (batches > 0) load_batch(0);
+    if (STOKE_INT4_PDL) griddep_wait();
+    if (batches > 0) copy_x(0);
+
     float acc[ACC], part[ACC];
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc[i] = part[i] = 0.0f;
+    u32 d0 = 0, d1 = 0;  // the current unit's scales of c0 and c0 + 8
     auto fold = [&]() {
         const float f0 = scale_value<F16S>(d0), f1 = scale_value<F16S>(d1);
 #pragma unroll
         for (int i = 0; i < ACC; ++i) acc[i] = fmaf((i & 2) ? f1 : f0, part[i], acc[i]);
     };
 
-    u32 stage = 0;  // smem offset of step s's stage
-    for (u32 s0 = 0; s0 < steps; s0 += R) {
+    for (u32 bt = 0; bt < batches; ++bt) {
+        const u32 ws0 = wbuf + (bt & 1) * L::W_BUF, xs0 = xbuf + (bt & 1) * L::X_BUF;
+        // The previous batch's wgmma are done (its buffers are free), this batch's x has landed
+        // (this thread's copies; the proxy fence makes them visible to the tensor core), then
+        // the weights go to shared memory.
+        wg_wait_all();
+        cp_async_wait<0>();
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        u32 scb[Q][2];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const u32 s = s0 + r;
+        for (int j = 0; j < Q; ++j) {
+            if (bt * Q + j < steps) {
+                const u32 st = ws0 + j * L::W_STEP + warp * 128 + lane * 4;
+                sts32(st, wr[j].x);
+                sts32(st + 512, wr[j].y);
+                sts32(st + 1024, wr[j].z);
+                sts32(st + 1536, wr[j].w);
+                scb[j][0] = sc[j][0];
+                scb[j][1] = sc[j][1];
+            }
+        }
+        __syncthreads();
+        // The next batch's loads, in flight while this one computes.
+        if (bt + 1 < batches) {
+            load_batch(bt + 1);
+            copy_x(bt + 1);
+        }
+#pragma unroll
+        for (int j = 0; j < Q; ++j) {
+            const u32 s = bt * Q + j;
             if (s >= steps) break;
-            const u32 st = smem + stage;
-            // 1. This warp's k-tile of the step: word j to region j.
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const u32 v = j == 0 ? wr[r].x : j == 1 ? wr[r].y : j == 2 ? wr[r].z : wr[r].w;
-                sts32(st + j * 512 + warp * 128 + lane * 4, v);
-            }
-            if (s + R < steps) wr[r] = load_stream(wp + u64(s + R) * wstep, policy);
-            // 2. x of step s + D.
-            if (s + D < steps) copy_x(s + D, smem + ((s + D) % ST) * L::STAGE);
-            cp_async_commit();
-            // 3. The previous step's wgmma done (its A registers and stage free); fold the unit
-            // that ended with it; this step's x landed (this thread's copies), then the barrier.
-            wg_wait_all();
-            if (s > 0 && (4 * s) % fkt == 0) fold();
             if ((4 * s) % fkt == 0) {
-                if (s > 0) gw.next();
-                load_scales();
+                // A fold unit begins: fold the one that ended (after its wgmma), take the new scales.
+                if (s > 0) {
+                    wg_wait_all();
+                    fold();
+                }
+                d0 = scb[j][0];
+                d1 = scb[j][1];
             }
-            cp_async_wait<D>();
-            if (STOKE_INT4_WG_PROBE != 1) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            __syncthreads();
-            // 4. This warp's column tile of the 4 k-tiles, as A quads of q - 8.
-            u32 a[4][4];
+            // This warp's column tile of the step's 4 k-tiles, as A quads of q - 8 (once the
+            // previous step's wgmma have read theirs: redefining a pending wgmma's registers
+            // makes ptxas serialize them all, C7513).
+            u32 wd[4], a[4][4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) wd[i] = lds32(ws0 + j * L::W_STEP + warp * 512 + i * 128 + lane * 4);
+            wg_wait_all();
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const u32 w = lds32(st + warp * 512 + i * 128 + lane * 4);
+                const u32 w = wd[i];
                 a[i][0] = centered_pair<0>(w);
                 a[i][1] = centered_pair<2>(w);
                 a[i][2] = centered_pair<1>(w);
                 a[i][3] = centered_pair<3>(w);
             }
-            // 5. One wgmma per k-tile; a unit's first k-tile overwrites.
+            // One wgmma per k-tile; a unit's first k-tile overwrites.
             wg_fence();
-            const u32 xs = st + L::W_BYTES;
+            const u32 xs = xs0 + j * L::X_STEP;
 #pragma unroll
             for (int i = 0; i < 4; ++i) Wgmma<N>::mma(part, a[i], wg_x_desc(xs + i * L::X_KT), (4 * s + i) % fkt != 0);
             wg_commit();
-            stage = stage + L::STAGE == ST * L::STAGE ? 0 : stage + L::STAGE;
         }
     }
     wg_wait_all();
     if (steps > 0) fold();
     cp_async_wait<0>();
-    __syncthreads();  // every warp is done with the ring: the reduction reuses it
+    __syncthreads();  // every warp is done with the buffers: the reduction reuses them
     // Accumulator i: column 16 warp + g + 8 ((i >> 1) & 1), x row 8 (i >> 2) + 2t + (i & 1).
     float* red = reinterpret_cast<float*>(int4_dyn_smem);
 #pragma unroll
