@@ -582,7 +582,7 @@ fn bench_variant(
 
 /// A few W4A16 launches to run under a profiler (`ncu`): for each of the named shapes at
 /// `m` rows, each word order, the swapped-operand kernel (the plan's at m <= 8) first, then the
-/// batched one: two launches each.
+/// batched one, then the warpgroup one: two launches each.
 pub fn profile_launches(shapes: &[&str], m: usize) {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(7);
@@ -598,18 +598,19 @@ pub fn profile_launches(shapes: &[&str], m: usize) {
             let dw =
                 DeviceInt4::upload_ordered(&rt, (k, n, 128), false, &words, &scales, None, order)
                     .unwrap();
-            for swap_ab in [true, false] {
-                let call = Int4Gemm::plain(
+            for (swap_ab, wg) in [(true, false), (false, false), (false, true)] {
+                let mut call = Int4Gemm::plain(
                     xb.ptr(),
                     m as u32,
                     out.ptr(),
                     if swap_ab { SWAP_ALL } else { 0 },
                 );
+                call.wg_rows = u32::from(wg);
                 for _ in 0..2 {
                     unsafe { int4_gemm(&rt, &dw, &call) }.unwrap();
                 }
                 rt.synchronize().unwrap();
-                println!("profiled {name} m {m} {order:?} swapped {swap_ab}");
+                println!("profiled {name} m {m} {order:?} swapped {swap_ab} warpgroup {wg}");
             }
         }
     }
