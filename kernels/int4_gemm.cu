@@ -1279,12 +1279,15 @@ struct Wgmma<32> {
     }
 };
 
-// The bf16 pair q - 8 of nibble pair I of w (exact: 128 + q from the LOP3, minus 136).
-template <int I>
-__device__ __forceinline__ u32 centered_pair(u32 w) {
-    u32 r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(nibble_pair<I>(w)), "r"(0x3f803f80u), "r"(0xc308c308u));
-    return r;
+// The A quad of q - 8 (bf16 pairs, exact) of word w: nibble pairs 0, 2, 1, 3 (the pair at bits
+// 4 i and 16 + 4 i), each 128 + q from a LOP3 (the magic-number trick), minus 136. (Masking
+// the odd pairs in place as 128 + 16 q does not work for bf16: 16 q for q >= 8 reaches the
+// exponent's low bit.)
+__device__ __forceinline__ void centered_quad(u32 w, u32 (&a)[4]) {
+    const u32 p[4] = {nibble_pair<0>(w), nibble_pair<2>(w), nibble_pair<1>(w), nibble_pair<3>(w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(a[i]) : "r"(p[i]), "r"(0x3f803f80u), "r"(0xc308c308u));
 }
 
 __device__ __forceinline__ void sts32(u32 addr, u32 v) { asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
@@ -1304,6 +1307,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
     const u32 slab = blockIdx.x;
     // The CTA's k range: whole blocks of max(4, fold_kt) k-tiles (a step is 4).
     const u32 fkt = p.fold_kt;
+    const u32 fmask = fkt - 1;  // fold_kt is a power of two: no division in the loop
     const u32 bkt = fkt > 4 ? fkt : 4;
     const u32 blocks = p.k / 16 / bkt;
     const u32 b0 = u32(u64(blocks) * blockIdx.y / p.splits), b1 = u32(u64(blocks) * (blockIdx.y + 1) / p.splits);
@@ -1332,7 +1336,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
             const u32 s = bt * Q + j;
             if (s < steps) {
                 wr[j] = load_stream(wp + u64(s) * wstep, policy);
-                if ((4 * s) % fkt == 0) {
+                if (((4 * s) & fmask) == 0) {
                     if (s > 0) gl.next();
                     const u64 idx = u64(gl.row) * p.n;
                     sc[j][0] = load_u16(s16 + idx);
@@ -1355,7 +1359,8 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
             for (int c = 0; c < (8 * N + 127) / 128; ++c) {
                 const u32 q = 128 * c + threadIdx.x;
                 if (q >= 8 * N) break;
-                const u32 h = q & 1, r = (q >> 1) % N, i = (q >> 1) / N;
+                // Consecutive threads take consecutive rows: 8 of them cover the 8 bank groups.
+                const u32 r = q % N, h = (q / N) & 1, i = q / (2 * N);
                 const u32 dst = xs0 + j * L::X_STEP + i * L::X_KT + (r >> 3) * 256 + h * 128 + (r & 7) * 16;
                 const bool valid = r < p.m;
                 const char* src = xg + (valid ? (u64(r) * p.k + (kt0 + 4 * s + i) * 16 + h * 8) * 2 : 0);
@@ -1380,7 +1385,9 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
     };
 
     for (u32 bt = 0; bt < batches; ++bt) {
-        const u32 ws0 = wbuf + (bt & 1) * L::W_BUF, xs0 = xbuf + (bt & 1) * L::X_BUF;
+        const u32 ws0 = wbuf + (bt & 1) * L::W_BUF;
+        // The batch's x buffer; a k-tile's descriptor adds its offset / 16 (the address field).
+        const u64 xdesc = wg_x_desc(xbuf + (bt & 1) * L::X_BUF);
         // The previous batch's wgmma are done (its buffers are free), this batch's x has landed
         // (this thread's copies; the proxy fence makes them visible to the tensor core), then
         // the weights go to shared memory.
@@ -1410,7 +1417,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
         for (int j = 0; j < Q; ++j) {
             const u32 s = bt * Q + j;
             if (s >= steps) break;
-            if ((4 * s) % fkt == 0) {
+            if (((4 * s) & fmask) == 0) {
                 // A fold unit begins: fold the one that ended (after its wgmma), take the new scales.
                 if (s > 0) {
                     wg_wait_all();
@@ -1427,18 +1434,12 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
             for (int i = 0; i < 4; ++i) wd[i] = lds32(ws0 + j * L::W_STEP + warp * 512 + i * 128 + lane * 4);
             wg_wait_all();
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const u32 w = wd[i];
-                a[i][0] = centered_pair<0>(w);
-                a[i][1] = centered_pair<2>(w);
-                a[i][2] = centered_pair<1>(w);
-                a[i][3] = centered_pair<3>(w);
-            }
+            for (int i = 0; i < 4; ++i) centered_quad(wd[i], a[i]);
             // One wgmma per k-tile; a unit's first k-tile overwrites.
             wg_fence();
-            const u32 xs = xs0 + j * L::X_STEP;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) Wgmma<N>::mma(part, a[i], wg_x_desc(xs + i * L::X_KT), (4 * s + i) % fkt != 0);
+            for (int i = 0; i < 4; ++i)
+                Wgmma<N>::mma(part, a[i], xdesc + (j * L::X_STEP + i * L::X_KT) / 16, ((4 * s + i) & fmask) != 0);
             wg_commit();
         }
     }
