@@ -1213,6 +1213,12 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 #ifndef STOKE_INT4_WG_BATCH
 #define STOKE_INT4_WG_BATCH 4
 #endif
+// Timing probes of the warpgroup kernels (wrong results; the GPU test skips them): 2 issues
+// no wgmma (the A quads are XORed into one accumulator), 4 copies no x (the wgmma read
+// whatever the buffers hold).
+#ifndef STOKE_INT4_WG_PROBE
+#define STOKE_INT4_WG_PROBE 0
+#endif
 // Resident CTAs per SM the warpgroup kernels' launch bounds ask for.
 #ifndef STOKE_INT4_WG_MIN_CTAS
 #define STOKE_INT4_WG_MIN_CTAS 4
@@ -1364,6 +1370,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
                 const u32 dst = xs0 + j * L::X_STEP + i * L::X_KT + (r >> 3) * 256 + h * 128 + (r & 7) * 16;
                 const bool valid = r < p.m;
                 const char* src = xg + (valid ? (u64(r) * p.k + (kt0 + 4 * s + i) * 16 + h * 8) * 2 : 0);
+                if (STOKE_INT4_WG_PROBE == 4) continue;
                 if (aligned16) cp_async16(dst, src, valid ? 16 : 0);
                 else cp_async16_by4(dst, src, valid ? 16 : 0);
             }
@@ -1437,9 +1444,14 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
             for (int i = 0; i < 4; ++i) centered_quad(wd[i], a[i]);
             // One wgmma per k-tile; a unit's first k-tile overwrites.
             wg_fence();
+#if STOKE_INT4_WG_PROBE == 2
+#pragma unroll
+            for (int i = 0; i < 4; ++i) part[0] = __uint_as_float(__float_as_uint(part[0]) ^ a[i][0] ^ a[i][1] ^ a[i][2] ^ a[i][3]);
+#else
 #pragma unroll
             for (int i = 0; i < 4; ++i)
                 Wgmma<N>::mma(part, a[i], xdesc + (j * L::X_STEP + i * L::X_KT) / 16, ((4 * s + i) & fmask) != 0);
+#endif
             wg_commit();
         }
     }
