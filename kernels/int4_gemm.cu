@@ -1219,6 +1219,11 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 #ifndef STOKE_INT4_WG_PROBE
 #define STOKE_INT4_WG_PROBE 0
 #endif
+// 1: x goes through registers (16-byte loads a batch ahead, stored when the batch begins)
+// instead of cp.async.
+#ifndef STOKE_INT4_WG_X_REGS
+#define STOKE_INT4_WG_X_REGS 0
+#endif
 // Resident CTAs per SM the warpgroup kernels' launch bounds ask for.
 #ifndef STOKE_INT4_WG_MIN_CTAS
 #define STOKE_INT4_WG_MIN_CTAS 4
@@ -1377,9 +1382,61 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
         }
         cp_async_commit();
     };
+    // STOKE_INT4_WG_X_REGS: x of a batch in registers, chunk c of step j in xv[j][c].
+    constexpr int XC = (8 * N + 127) / 128;
+    uint4 xv[STOKE_INT4_WG_X_REGS ? Q : 1][XC];
+    auto x_chunk = [&](u32 s, int c, u32& dst_off, const char*& src, bool& valid) {
+        const u32 q = 128 * c + threadIdx.x;
+        const u32 r = q % N, h = (q / N) & 1, i = q / (2 * N);
+        dst_off = i * L::X_KT + (r >> 3) * 256 + h * 128 + (r & 7) * 16;
+        valid = r < p.m && q < 8 * N;
+        src = xg + (valid ? (u64(r) * p.k + (kt0 + 4 * s + i) * 16 + h * 8) * 2 : 0);
+    };
+    auto load_x = [&](u32 bt) {
+#pragma unroll
+        for (int j = 0; j < Q; ++j)
+#pragma unroll
+            for (int c = 0; c < XC; ++c) {
+                const u32 s = bt * Q + j;
+                u32 off;
+                const char* src;
+                bool valid;
+                x_chunk(s, c, off, src, valid);
+                uint4 v = make_uint4(0, 0, 0, 0);
+                if (valid && s < steps) {
+                    if (aligned16) {
+                        v = *reinterpret_cast<const uint4*>(src);
+                    } else {
+                        const u32* s4 = reinterpret_cast<const u32*>(src);
+                        v = make_uint4(s4[0], s4[1], s4[2], s4[3]);
+                    }
+                }
+                xv[STOKE_INT4_WG_X_REGS ? j : 0][c] = v;
+            }
+    };
+    auto store_x = [&](u32 bt) {
+        const u32 xs0 = xbuf + (bt & 1) * L::X_BUF;
+#pragma unroll
+        for (int j = 0; j < Q; ++j)
+#pragma unroll
+            for (int c = 0; c < XC; ++c) {
+                if (128 * c + threadIdx.x >= 8 * N || bt * Q + j >= steps) continue;
+                u32 off;
+                const char* src;
+                bool valid;
+                x_chunk(bt * Q + j, c, off, src, valid);
+                const uint4 v = xv[STOKE_INT4_WG_X_REGS ? j : 0][c];
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(xs0 + j * L::X_STEP + off), "r"(v.x),
+                             "r"(v.y), "r"(v.z), "r"(v.w)
+                             : "memory");
+            }
+    };
     if (batches > 0) load_batch(0);
     if (STOKE_INT4_PDL) griddep_wait();
-    if (batches > 0) copy_x(0);
+    if (batches > 0) {
+        if (STOKE_INT4_WG_X_REGS) load_x(0);
+        else copy_x(0);
+    }
 
     float acc[ACC], part[ACC];
 #pragma unroll
@@ -1399,7 +1456,8 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
         // (this thread's copies; the proxy fence makes them visible to the tensor core), then
         // the weights go to shared memory.
         wg_wait_all();
-        cp_async_wait<0>();
+        if (STOKE_INT4_WG_X_REGS) store_x(bt);
+        else cp_async_wait<0>();
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         u32 scb[Q][2];
 #pragma unroll
@@ -1418,7 +1476,8 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
         // The next batch's loads, in flight while this one computes.
         if (bt + 1 < batches) {
             load_batch(bt + 1);
-            copy_x(bt + 1);
+            if (STOKE_INT4_WG_X_REGS) load_x(bt + 1);
+            else copy_x(bt + 1);
         }
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
