@@ -1194,12 +1194,14 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 // each step s of the next batch (one 16-byte load per lane and step, all in flight while this
 // batch computes) and, when the batch begins, writes its words to shared memory, word j into
 // region j; after the batch's barrier warp j reads its column tile of each k-tile back (4-byte
-// accesses, conflict-free both ways). x goes to shared memory a batch ahead too (cp.async), in
-// the wgmma's K-major core-matrix layout. One wait per batch: ptxas tracks every load of the
-// ring on one scoreboard and waits for all of them at the first use, so a per-step ring (the
-// first form) drained every step (about 1 us per step: 1.1 TB/s at best), and so does the
-// proxy fence (MEMBAR) the wgmma needs after x's copies; both now come once per batch, when
-// everything they wait for is needed anyway.
+// accesses, conflict-free both ways). x comes a batch ahead too, through registers, and is
+// stored in the wgmma's K-major core-matrix layout. One wait per batch: ptxas tracks every load
+// of a register ring on one scoreboard and waits for all of them at the first use, so a
+// per-step ring (the first form) drained every step (about 1 us per step, 1.1 TB/s at best),
+// and the proxy fence the wgmma needs after x's stores is a MEMBAR that waits for every load
+// in flight; both now come once per batch, when what they wait for is needed anyway.
+// Opt-in (the plan's `wg_rows`): slower than the batched and swapped kernels on every benchmark
+// shape as it stands (docs/PERF_NOTES.md).
 // The nibbles become q - 8 exactly (LOP3 to 128 + q, then minus 136), so the tensor core sums
 // x (q - 8) over a fold unit into P (the unit's first k-tile overwrites: scale-d 0), and the
 // unit's end folds acc += d P per column. Symmetric weights only, fold units of 4 or 8 k-tiles
@@ -1213,20 +1215,13 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 #ifndef STOKE_INT4_WG_BATCH
 #define STOKE_INT4_WG_BATCH 4
 #endif
-// Timing probes of the warpgroup kernels (wrong results; the GPU test skips them): 2 issues
-// no wgmma (the A quads are XORed into one accumulator), 4 copies no x (the wgmma read
-// whatever the buffers hold).
-#ifndef STOKE_INT4_WG_PROBE
-#define STOKE_INT4_WG_PROBE 0
-#endif
-// 1: x goes through registers (16-byte loads a batch ahead, stored when the batch begins)
-// instead of cp.async.
-#ifndef STOKE_INT4_WG_X_REGS
-#define STOKE_INT4_WG_X_REGS 0
-#endif
-// Resident CTAs per SM the warpgroup kernels' launch bounds ask for.
+// Resident CTAs per SM the warpgroup kernels' launch bounds ask for (n32: its x registers
+// spill at 128 registers).
 #ifndef STOKE_INT4_WG_MIN_CTAS
 #define STOKE_INT4_WG_MIN_CTAS 4
+#endif
+#ifndef STOKE_INT4_WG_MIN_CTAS_N32
+#define STOKE_INT4_WG_MIN_CTAS_N32 3
 #endif
 
 template <int N>
@@ -1356,35 +1351,15 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
             }
         }
     };
-    // x of batch bt into buffer bt % 2: 16-byte chunk q of a step (k half h, row r, k-tile i) to
-    // its core-matrix place; rows past m read as zeros.
     const bool aligned16 = (reinterpret_cast<u64>(p.x) & 15) == 0;
     const char* xg = static_cast<const char*>(p.x);
-    auto copy_x = [&](u32 bt) {
-        const u32 xs0 = xbuf + (bt & 1) * L::X_BUF;
-#pragma unroll
-        for (int j = 0; j < Q; ++j) {
-            const u32 s = bt * Q + j;
-            if (s >= steps) break;
-#pragma unroll
-            for (int c = 0; c < (8 * N + 127) / 128; ++c) {
-                const u32 q = 128 * c + threadIdx.x;
-                if (q >= 8 * N) break;
-                // Consecutive threads take consecutive rows: 8 of them cover the 8 bank groups.
-                const u32 r = q % N, h = (q / N) & 1, i = q / (2 * N);
-                const u32 dst = xs0 + j * L::X_STEP + i * L::X_KT + (r >> 3) * 256 + h * 128 + (r & 7) * 16;
-                const bool valid = r < p.m;
-                const char* src = xg + (valid ? (u64(r) * p.k + (kt0 + 4 * s + i) * 16 + h * 8) * 2 : 0);
-                if (STOKE_INT4_WG_PROBE == 4) continue;
-                if (aligned16) cp_async16(dst, src, valid ? 16 : 0);
-                else cp_async16_by4(dst, src, valid ? 16 : 0);
-            }
-        }
-        cp_async_commit();
-    };
-    // STOKE_INT4_WG_X_REGS: x of a batch in registers, chunk c of step j in xv[j][c].
+    // x of a batch in registers (16-byte chunks, loaded a batch ahead like the weights, stored
+    // to shared memory when the batch begins): chunk c of step j in xv[j][c]. A step's chunk q
+    // is (row r, k half h, k-tile i); consecutive threads take consecutive rows, so 8 of them
+    // cover the 8 bank groups; rows past m are zeros. (cp.async copies instead, measured: 1.4-1.9x
+    // slower, results/experiments/h200-int4-wgmma-025c690.json.)
     constexpr int XC = (8 * N + 127) / 128;
-    uint4 xv[STOKE_INT4_WG_X_REGS ? Q : 1][XC];
+    uint4 xv[Q][XC];
     auto x_chunk = [&](u32 s, int c, u32& dst_off, const char*& src, bool& valid) {
         const u32 q = 128 * c + threadIdx.x;
         const u32 r = q % N, h = (q / N) & 1, i = q / (2 * N);
@@ -1411,7 +1386,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
                         v = make_uint4(s4[0], s4[1], s4[2], s4[3]);
                     }
                 }
-                xv[STOKE_INT4_WG_X_REGS ? j : 0][c] = v;
+                xv[j][c] = v;
             }
     };
     auto store_x = [&](u32 bt) {
@@ -1425,7 +1400,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
                 const char* src;
                 bool valid;
                 x_chunk(bt * Q + j, c, off, src, valid);
-                const uint4 v = xv[STOKE_INT4_WG_X_REGS ? j : 0][c];
+                const uint4 v = xv[j][c];
                 asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(xs0 + j * L::X_STEP + off), "r"(v.x),
                              "r"(v.y), "r"(v.z), "r"(v.w)
                              : "memory");
@@ -1433,10 +1408,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
     };
     if (batches > 0) load_batch(0);
     if (STOKE_INT4_PDL) griddep_wait();
-    if (batches > 0) {
-        if (STOKE_INT4_WG_X_REGS) load_x(0);
-        else copy_x(0);
-    }
+    if (batches > 0) load_x(0);
 
     float acc[ACC], part[ACC];
 #pragma unroll
@@ -1456,8 +1428,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
         // (this thread's copies; the proxy fence makes them visible to the tensor core), then
         // the weights go to shared memory.
         wg_wait_all();
-        if (STOKE_INT4_WG_X_REGS) store_x(bt);
-        else cp_async_wait<0>();
+        store_x(bt);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         u32 scb[Q][2];
 #pragma unroll
@@ -1476,8 +1447,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
         // The next batch's loads, in flight while this one computes.
         if (bt + 1 < batches) {
             load_batch(bt + 1);
-            if (STOKE_INT4_WG_X_REGS) load_x(bt + 1);
-            else copy_x(bt + 1);
+            load_x(bt + 1);
         }
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
@@ -1503,20 +1473,14 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
             for (int i = 0; i < 4; ++i) centered_quad(wd[i], a[i]);
             // One wgmma per k-tile; a unit's first k-tile overwrites.
             wg_fence();
-#if STOKE_INT4_WG_PROBE == 2
-#pragma unroll
-            for (int i = 0; i < 4; ++i) part[0] = __uint_as_float(__float_as_uint(part[0]) ^ a[i][0] ^ a[i][1] ^ a[i][2] ^ a[i][3]);
-#else
 #pragma unroll
             for (int i = 0; i < 4; ++i)
                 Wgmma<N>::mma(part, a[i], xdesc + (j * L::X_STEP + i * L::X_KT) / 16, ((4 * s + i) & fmask) != 0);
-#endif
             wg_commit();
         }
     }
     wg_wait_all();
     if (steps > 0) fold();
-    cp_async_wait<0>();
     __syncthreads();  // every warp is done with the buffers: the reduction reuses them
     // Accumulator i: column 16 warp + g + 8 ((i >> 1) & 1), x row 8 (i >> 2) + 2t + (i & 1).
     float* red = reinterpret_cast<float*>(int4_dyn_smem);
@@ -1531,7 +1495,8 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
     extern "C" __device__ unsigned NAME##_dyn_smem = WgSmem<N>::BYTES;                                  \
     extern "C" __device__ unsigned NAME##_pdl = STOKE_INT4_PDL;                                         \
     extern "C" __device__ unsigned NAME##_cluster = STOKE_INT4_CLUSTER;                                 \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, STOKE_INT4_WG_MIN_CTAS) NAME(const Int4GemmParams p) { \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, N == 32 ? STOKE_INT4_WG_MIN_CTAS_N32 : STOKE_INT4_WG_MIN_CTAS) \
+        NAME(const Int4GemmParams p) {                                                                  \
         int4_gemm_wg<EPI, F16S, N>(p);                                                                  \
     }
 #define INT4_GEMM_WG_ENTRIES(EPI_NAME, EPI)                                    \

@@ -201,14 +201,13 @@ pub const WARPS: u32 = 4;
 /// Most rows one launch handles.
 pub const MAX_ROWS: u32 = 32;
 /// Resident CTAs per SM an entry point's launch bounds ask for (m32: 2, swapped m <= 8 and
-/// warpgroup: 4, else 3).
+/// warpgroup n8 / n16: 4, else 3).
 /// The runtime plans with the occupancy calculator instead ([`crate::Runtime::resident_ctas`]);
 /// this is the expectation for code without a GPU (shape checks, tests).
 pub fn launch_bound_ctas(entry: &str) -> u32 {
-    if entry.starts_with("int4_gemm_swap_")
-        || entry.starts_with("int4_gemm_swapk_")
-        || entry.starts_with("int4_gemm_wg_")
-    {
+    if entry.starts_with("int4_gemm_wg_") {
+        if entry.ends_with("_n32") { 3 } else { 4 }
+    } else if entry.starts_with("int4_gemm_swap_") || entry.starts_with("int4_gemm_swapk_") {
         4
     } else if entry.starts_with("int4_gemm_swap16_") {
         3
@@ -233,8 +232,11 @@ pub fn launch_bound_slots(sm_count: u32) -> impl Fn(&'static str) -> u32 {
 /// split-K on an under-filled GPU (70B qkv).
 pub const SWAP_ROWS_DEFAULT: u32 = 8;
 /// Rows from which the plan uses the warpgroup kernels by default (`int4_gemm_wg_*`, where the
-/// shape and the weight allow them).
-pub const WG_ROWS_DEFAULT: u32 = 9;
+/// shape and the weight allow them): 0, none. They are slower than the batched and swapped
+/// kernels on every benchmark shape as they stand
+/// (results/experiments/h200-int4-wgmma-025c690.json), so they are opt-in
+/// (`STOKE_INT4_WG_ROWS`).
+pub const WG_ROWS_DEFAULT: u32 = 0;
 /// `swap_rows` for the swapped kernels at every row count.
 pub const SWAP_ALL: u32 = MAX_ROWS;
 
