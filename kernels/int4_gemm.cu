@@ -1215,32 +1215,62 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 #ifndef STOKE_INT4_WG_BATCH
 #define STOKE_INT4_WG_BATCH 4
 #endif
-// Resident CTAs per SM the warpgroup kernels' launch bounds ask for (n32: its x registers
-// spill at 128 registers).
+// Resident CTAs per SM the warpgroup kernels' launch bounds ask for.
 #ifndef STOKE_INT4_WG_MIN_CTAS
 #define STOKE_INT4_WG_MIN_CTAS 4
 #endif
-#ifndef STOKE_INT4_WG_MIN_CTAS_N32
-#define STOKE_INT4_WG_MIN_CTAS_N32 3
-#endif
+
+// The warpgroup kernels' parameter: the common one and a tensor map of x for the copy engine
+// (2-D, bf16, [rows, k], box 64 k x N rows, 128-byte swizzle, rows past the launch's zeros),
+// encoded by the runtime for each launch. Passed as a __grid_constant__ kernel parameter.
+struct __align__(64) TensorMap {
+    u64 opaque[16];
+};
+struct Int4WgParams {
+    Int4GemmParams p;
+    TensorMap x_map;
+};
+static_assert(sizeof(Int4WgParams) == 256, "Int4WgParams layout");
 
 template <int N>
 struct WgSmem {
     static constexpr u32 W_STEP = 4 * 4 * 128;  // [word j][k-tile i][lane] u32
-    static constexpr u32 X_KT = N * 32;         // one k-tile of x: N rows x 16 k, bf16
-    static constexpr u32 X_STEP = 4 * X_KT;
+    static constexpr u32 X_STEP = N * 128;      // N rows x 64 k, bf16, 128-byte swizzle
     static constexpr u32 W_BUF = STOKE_INT4_WG_BATCH * W_STEP;
     static constexpr u32 X_BUF = STOKE_INT4_WG_BATCH * X_STEP;
-    static constexpr u32 RING = 2 * (W_BUF + X_BUF);  // two batches: [x 0][x 1][w 0][w 1]
+    // [x 0][x 1][w 0][w 1][2 mbarriers], from a 1024-byte aligned base (the swizzle atoms).
+    static constexpr u32 RING = 2 * (X_BUF + W_BUF) + 16;
     static constexpr u32 RED = (N + 15) / 16 * 16 * RED_PITCH * 4;  // one slot (reduce_and_store)
-    static constexpr u32 BYTES = RING > RED ? RING : RED;
+    static constexpr u32 BYTES = (RING > RED ? RING : RED) + 1024;  // + alignment slack
 };
 
-// Shared-memory matrix descriptor of one k-tile of x at shared address `addr`: no swizzle,
-// K-major core matrices of 8 rows x 16 bytes; the k halves 128 bytes apart (leading byte
-// offset), the 8-row groups 256 apart (stride byte offset).
+// Shared-memory matrix descriptor of x at shared address `addr`: K-major, 128-byte swizzle
+// (the copy engine's layout: 8-row atoms of 128-byte rows, 1024 bytes apart: stride byte
+// offset), leading byte offset unused (1). k-tile i of a step starts 32 i bytes into the rows.
 __device__ __forceinline__ u64 wg_x_desc(u32 addr) {
-    return u64((addr & 0x3ffffu) >> 4) | (u64(128 >> 4) << 16) | (u64(256 >> 4) << 32);
+    return u64((addr & 0x3ffffu) >> 4) | (u64(1) << 16) | (u64(1024 >> 4) << 32) | (u64(1) << 62);
+}
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nwait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n}" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// The copy engine's copy of the box at (k, row) of `map` to shared `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 k, u32 row, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(k), "r"(row), "r"(bar)
+        : "memory");
 }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -1304,7 +1334,8 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
 }
 
 template <int EPI, bool F16S, int N>
-__device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
+__device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
+    const Int4GemmParams& p = wgp.p;
     using L = WgSmem<N>;
     constexpr int ACC = N / 2;  // accumulators per thread of an m64nN tile
     constexpr int Q = STOKE_INT4_WG_BATCH;
@@ -1321,8 +1352,14 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
     const u32 batches = (steps + Q - 1) / Q;
     if (STOKE_INT4_PDL) asm volatile("griddepcontrol.launch_dependents;");
 
-    const u32 smem = smem_u32(int4_dyn_smem);
-    const u32 xbuf = smem, wbuf = smem + 2 * L::X_BUF;
+    const u32 smem = (smem_u32(int4_dyn_smem) + 1023) & ~1023u;
+    const u32 xbuf = smem, wbuf = smem + 2 * L::X_BUF, bars = wbuf + 2 * L::W_BUF;
+    if (threadIdx.x == 0) {
+        mbar_init(bars, 1);
+        mbar_init(bars + 8, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
     u64 policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     // This warp's k-tile of each step: kt0 + 4 s + warp.
@@ -1351,64 +1388,19 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
             }
         }
     };
-    const bool aligned16 = (reinterpret_cast<u64>(p.x) & 15) == 0;
-    const char* xg = static_cast<const char*>(p.x);
-    // x of a batch in registers (16-byte chunks, loaded a batch ahead like the weights, stored
-    // to shared memory when the batch begins): chunk c of step j in xv[j][c]. A step's chunk q
-    // is (row r, k half h, k-tile i); consecutive threads take consecutive rows, so 8 of them
-    // cover the 8 bank groups; rows past m are zeros. (cp.async copies instead, measured: 1.4-1.9x
-    // slower, results/experiments/h200-int4-wgmma-025c690.json.)
-    constexpr int XC = (8 * N + 127) / 128;
-    uint4 xv[Q][XC];
-    auto x_chunk = [&](u32 s, int c, u32& dst_off, const char*& src, bool& valid) {
-        const u32 q = 128 * c + threadIdx.x;
-        const u32 r = q % N, h = (q / N) & 1, i = q / (2 * N);
-        dst_off = i * L::X_KT + (r >> 3) * 256 + h * 128 + (r & 7) * 16;
-        valid = r < p.m && q < 8 * N;
-        src = xg + (valid ? (u64(r) * p.k + (kt0 + 4 * s + i) * 16 + h * 8) * 2 : 0);
-    };
-    auto load_x = [&](u32 bt) {
-#pragma unroll
-        for (int j = 0; j < Q; ++j)
-#pragma unroll
-            for (int c = 0; c < XC; ++c) {
-                const u32 s = bt * Q + j;
-                u32 off;
-                const char* src;
-                bool valid;
-                x_chunk(s, c, off, src, valid);
-                uint4 v = make_uint4(0, 0, 0, 0);
-                if (valid && s < steps) {
-                    if (aligned16) {
-                        v = *reinterpret_cast<const uint4*>(src);
-                    } else {
-                        const u32* s4 = reinterpret_cast<const u32*>(src);
-                        v = make_uint4(s4[0], s4[1], s4[2], s4[3]);
-                    }
-                }
-                xv[j][c] = v;
-            }
-    };
-    auto store_x = [&](u32 bt) {
-        const u32 xs0 = xbuf + (bt & 1) * L::X_BUF;
-#pragma unroll
-        for (int j = 0; j < Q; ++j)
-#pragma unroll
-            for (int c = 0; c < XC; ++c) {
-                if (128 * c + threadIdx.x >= 8 * N || bt * Q + j >= steps) continue;
-                u32 off;
-                const char* src;
-                bool valid;
-                x_chunk(bt * Q + j, c, off, src, valid);
-                const uint4 v = xv[j][c];
-                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(xs0 + j * L::X_STEP + off), "r"(v.x),
-                             "r"(v.y), "r"(v.z), "r"(v.w)
-                             : "memory");
-            }
+    // x of batch bt into buffer bt % 2 by the copy engine (one box of 64 k x N rows per step,
+    // rows past m zero-filled), completing on that buffer's mbarrier; thread 0 issues it.
+    auto copy_x = [&](u32 bt) {
+        if (threadIdx.x != 0) return;
+        const u32 n = min(steps - bt * Q, u32(Q));
+        const u32 bar = bars + 8 * (bt & 1);
+        mbar_expect_tx(bar, n * L::X_STEP);
+        for (u32 j = 0; j < n; ++j)
+            tma_load_2d(xbuf + (bt & 1) * L::X_BUF + j * L::X_STEP, &wgp.x_map, (kt0 + 4 * (bt * Q + j)) * 16, 0, bar);
     };
     if (batches > 0) load_batch(0);
     if (STOKE_INT4_PDL) griddep_wait();
-    if (batches > 0) load_x(0);
+    if (batches > 0) copy_x(0);
 
     float acc[ACC], part[ACC];
 #pragma unroll
@@ -1424,12 +1416,9 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
         const u32 ws0 = wbuf + (bt & 1) * L::W_BUF;
         // The batch's x buffer; a k-tile's descriptor adds its offset / 16 (the address field).
         const u64 xdesc = wg_x_desc(xbuf + (bt & 1) * L::X_BUF);
-        // The previous batch's wgmma are done (its buffers are free), this batch's x has landed
-        // (this thread's copies; the proxy fence makes them visible to the tensor core), then
-        // the weights go to shared memory.
+        // The previous batch's wgmma are done (its buffers are free), then the weights go to
+        // shared memory; x is waited for on its mbarrier (its bt / 2-th use: that parity).
         wg_wait_all();
-        store_x(bt);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         u32 scb[Q][2];
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
@@ -1447,8 +1436,9 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
         // The next batch's loads, in flight while this one computes.
         if (bt + 1 < batches) {
             load_batch(bt + 1);
-            load_x(bt + 1);
+            copy_x(bt + 1);
         }
+        mbar_wait(bars + 8 * (bt & 1), (bt >> 1) & 1);
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
             const u32 s = bt * Q + j;
@@ -1475,7 +1465,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
             wg_fence();
 #pragma unroll
             for (int i = 0; i < 4; ++i)
-                Wgmma<N>::mma(part, a[i], xdesc + (j * L::X_STEP + i * L::X_KT) / 16, ((4 * s + i) & fmask) != 0);
+                Wgmma<N>::mma(part, a[i], xdesc + (j * L::X_STEP + i * 32) / 16, ((4 * s + i) & fmask) != 0);
             wg_commit();
         }
     }
@@ -1483,7 +1473,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
     if (steps > 0) fold();
     __syncthreads();  // every warp is done with the buffers: the reduction reuses them
     // Accumulator i: column 16 warp + g + 8 ((i >> 1) & 1), x row 8 (i >> 2) + 2t + (i & 1).
-    float* red = reinterpret_cast<float*>(int4_dyn_smem);
+    float* red = reinterpret_cast<float*>(int4_dyn_smem + (smem - smem_u32(int4_dyn_smem)));
 #pragma unroll
     for (int i = 0; i < ACC; ++i)
         red[(8 * (i >> 2) + 2 * t + (i & 1)) * RED_PITCH + 16 * warp + g + 8 * ((i >> 1) & 1)] = acc[i];
@@ -1495,8 +1485,8 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4GemmParams& p) {
     extern "C" __device__ unsigned NAME##_dyn_smem = WgSmem<N>::BYTES;                                  \
     extern "C" __device__ unsigned NAME##_pdl = STOKE_INT4_PDL;                                         \
     extern "C" __device__ unsigned NAME##_cluster = STOKE_INT4_CLUSTER;                                 \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, N == 32 ? STOKE_INT4_WG_MIN_CTAS_N32 : STOKE_INT4_WG_MIN_CTAS) \
-        NAME(const Int4GemmParams p) {                                                                  \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, STOKE_INT4_WG_MIN_CTAS) \
+        NAME(const __grid_constant__ Int4WgParams p) {                                                  \
         int4_gemm_wg<EPI, F16S, N>(p);                                                                  \
     }
 #define INT4_GEMM_WG_ENTRIES(EPI_NAME, EPI)                                    \

@@ -216,8 +216,9 @@ fn gemm_matches_reference() -> Result<Value, String> {
                     // the long-stream entry points' LONG_STREAM_TILES k-tiles, and in their
                     // stream-K form (the m <= 8 launches: m 33 ends with one); the warpgroup
                     // kernels at every row count (m 33: n32 then n8), with the plan's splits
-                    // and one, where the weight allows them (symmetric, groups of 64 and up).
-                    let wg_ok = !asym && wg_eligible(k as u32, group as u32);
+                    // and one, where the weight and x allow them (symmetric, groups of 64 and
+                    // up; x 16-byte aligned for the copy engine, so not at m 31 and 33).
+                    let wg_ok = !asym && wg_eligible(k as u32, group as u32) && x_pad == 0;
                     let runs = dws.iter().flat_map(|d| {
                         [
                             (d, false, 0, false, false),

@@ -2,8 +2,9 @@
 
 use crate::kernels::INT4_GEMM;
 use crate::kernels::int4_gemm::{
-    Epilogue, Int4GemmParams, Launch, MAX_ROWS, SWAP_ROWS_DEFAULT, WARPS, WG_ROWS_DEFAULT,
-    WordOrder, counters_len, launch_bound_ctas, launch_bound_slots, plan,
+    Epilogue, Int4GemmParams, Int4WgParams, Launch, MAX_ROWS, SWAP_ROWS_DEFAULT, WARPS,
+    WG_ROWS_DEFAULT, WordOrder, counters_len, launch_bound_ctas, launch_bound_slots, plan,
+    wg_rows_of,
 };
 use crate::{DeviceBuffer, Error, Kernel, LaunchShape, Result, Runtime};
 use std::sync::Arc;
@@ -282,8 +283,13 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         call.splits,
         call.swap_rows,
         call.stream_k,
-        // The warpgroup kernels take symmetric weights only.
-        if w.offsets.is_some() { 0 } else { call.wg_rows },
+        // The warpgroup kernels take symmetric weights only, and x through the copy engine
+        // (16-byte aligned rows).
+        if w.offsets.is_some() || call.x % 16 != 0 {
+            0
+        } else {
+            call.wg_rows
+        },
     )
     .map_err(|e| Error::Shape(e.0))?;
     let (kt_stride, slab_stride) = w.order.strides(w.k, w.n);
@@ -339,7 +345,14 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         // the pointers; the weight buffers live in `w`, borrowed for the call and freed on this
         // stream; the scratch is the runtime's; the kernel reduces within its cluster when
         // launched with one and through the workspace otherwise.
-        unsafe { rt.launch_cluster(&kernel, shape, cluster, &params) }?;
+        if let Some(box_rows) = wg_rows_of(l.entry) {
+            // The warpgroup kernels read this launch's rows of x through a tensor map.
+            let x_map = rt.bf16_tensor_map(params.x, l.rows, w.k, box_rows, 64)?;
+            let wg = Int4WgParams { p: params, x_map };
+            unsafe { rt.launch_cluster(&kernel, shape, cluster, &wg) }?;
+        } else {
+            unsafe { rt.launch_cluster(&kernel, shape, cluster, &params) }?;
+        }
     }
     Ok(())
 }

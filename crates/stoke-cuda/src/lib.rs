@@ -17,7 +17,7 @@ pub mod kv;
 mod runtime;
 
 pub use compile::{CompileReport, compile_cubin, nvrtc_version};
-pub use runtime::{DeviceBuffer, Kernel, LaunchShape, Runtime, Unavailable};
+pub use runtime::{DeviceBuffer, Kernel, LaunchShape, Runtime, TensorMap, Unavailable};
 
 use cudarc::driver::DriverError;
 

@@ -61,6 +61,12 @@ pub fn cluster_tiles_grid(grid: (u32, u32, u32), cluster: (u32, u32, u32)) -> bo
 }
 
 /// The launch attribute that cuts a grid into clusters of `cluster` CTAs.
+/// A tensor map for the copy engine (the driver's opaque 128-byte `CUtensorMap`), passed to
+/// kernels by value (`__grid_constant__`), 64-byte aligned as the kernels declare it.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug)]
+pub struct TensorMap(pub [u64; 16]);
+
 fn cluster_attribute((x, y, z): (u32, u32, u32)) -> sys::CUlaunchAttribute {
     // SAFETY: zero is a valid bit pattern for the attribute (a plain C union).
     let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -651,6 +657,52 @@ impl Runtime {
         let n = n.max(0) as u32;
         self.cluster_occupancy.lock().unwrap().insert(key, n);
         Ok(n)
+    }
+
+    /// A tensor map for the copy engine over a row-major bf16 matrix of `rows` x `cols` at
+    /// `ptr`: boxes of `box_cols` x `box_rows`, 128-byte swizzle (`box_cols * 2` must be at
+    /// most 128), elements past the matrix read as zeros. `ptr` must be 16-byte aligned and the
+    /// row pitch (`cols * 2`) a multiple of 16.
+    pub fn bf16_tensor_map(
+        &self,
+        ptr: u64,
+        rows: u32,
+        cols: u32,
+        box_rows: u32,
+        box_cols: u32,
+    ) -> Result<TensorMap> {
+        if ptr % 16 != 0 || (u64::from(cols) * 2) % 16 != 0 || box_cols * 2 > 128 {
+            return Err(Error::Shape(format!(
+                "tensor map of a bf16 [{rows}, {cols}] matrix at {ptr:#x} (box {box_rows} x {box_cols}): needs a 16-byte aligned address, a row pitch that is a multiple of 16 bytes and boxes at most 128 bytes wide"
+            )));
+        }
+        self.bind()?;
+        let mut map = TensorMap([0; 16]);
+        let dims: [u64; 2] = [u64::from(cols), u64::from(rows)];
+        let strides: [u64; 1] = [u64::from(cols) * 2];
+        let boxes: [u32; 2] = [box_cols, box_rows];
+        let elem: [u32; 2] = [1, 1];
+        // SAFETY: `map` is 64-byte aligned and 128 bytes (the driver's CUtensorMap); the arrays
+        // have the rank's lengths (strides: rank - 1) and outlive the call.
+        unsafe {
+            sys::cuTensorMapEncodeTiled(
+                (&mut map as *mut TensorMap).cast::<sys::CUtensorMap>(),
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                2,
+                ptr as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                elem.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        }
+        .result()
+        .call("cuTensorMapEncodeTiled")?;
+        Ok(map)
     }
 
     /// Poisons every buffer allocated from now on (see the field's docs).

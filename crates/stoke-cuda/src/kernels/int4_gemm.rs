@@ -148,6 +148,23 @@ pub const ENTRY_POINTS: &[&str] = &[
     "int4_gemm_wg_swiglu_f16s_n32",
 ];
 
+/// The warpgroup entry points' parameter (`Int4WgParams` in the `.cu` file): the common one
+/// and the copy engine's map of this launch's rows of x (boxes of 64 k x N rows).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Int4WgParams {
+    pub p: Int4GemmParams,
+    pub x_map: crate::TensorMap,
+}
+
+/// Rows of x a warpgroup entry point takes (its `_nN` suffix), or None for the other kernels.
+pub fn wg_rows_of(entry: &str) -> Option<u32> {
+    entry
+        .strip_prefix("int4_gemm_wg_")
+        .and_then(|e| e.rsplit_once("_n"))
+        .and_then(|(_, n)| n.parse().ok())
+}
+
 /// Index in [`ENTRY_POINTS`] of the first warpgroup entry point (`int4_gemm_wg_*`), laid out by
 /// epilogue, scale type, then rows 8 / 16 / 32.
 const WG_BASE: usize = 48;
@@ -201,13 +218,14 @@ pub const WARPS: u32 = 4;
 /// Most rows one launch handles.
 pub const MAX_ROWS: u32 = 32;
 /// Resident CTAs per SM an entry point's launch bounds ask for (m32: 2, swapped m <= 8 and
-/// warpgroup n8 / n16: 4, else 3).
+/// warpgroup: 4, else 3).
 /// The runtime plans with the occupancy calculator instead ([`crate::Runtime::resident_ctas`]);
 /// this is the expectation for code without a GPU (shape checks, tests).
 pub fn launch_bound_ctas(entry: &str) -> u32 {
-    if entry.starts_with("int4_gemm_wg_") {
-        if entry.ends_with("_n32") { 3 } else { 4 }
-    } else if entry.starts_with("int4_gemm_swap_") || entry.starts_with("int4_gemm_swapk_") {
+    if entry.starts_with("int4_gemm_swap_")
+        || entry.starts_with("int4_gemm_swapk_")
+        || entry.starts_with("int4_gemm_wg_")
+    {
         4
     } else if entry.starts_with("int4_gemm_swap16_") {
         3
@@ -477,6 +495,11 @@ mod tests {
 
     #[test]
     fn params_layout_matches_c() {
+        assert_eq!(std::mem::size_of::<Int4WgParams>(), 256);
+        assert_eq!(std::mem::offset_of!(Int4WgParams, x_map), 128);
+        assert!(SOURCE.contains(r#"static_assert(sizeof(Int4WgParams) == 256"#));
+        assert_eq!(wg_rows_of("int4_gemm_wg_swiglu_f16s_n32"), Some(32));
+        assert_eq!(wg_rows_of("int4_gemm_swap16_plain_bf16s"), None);
         assert_eq!(std::mem::size_of::<Int4GemmParams>(), 104);
         assert!(SOURCE.contains(r#"static_assert(sizeof(Int4GemmParams) == 104"#));
         assert_eq!(std::mem::offset_of!(Int4GemmParams, m), 72);
