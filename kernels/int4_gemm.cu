@@ -1194,14 +1194,14 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 // each step s of the next batch (one 16-byte load per lane and step, all in flight while this
 // batch computes) and, when the batch begins, writes its words to shared memory, word j into
 // region j; after the batch's barrier warp j reads its column tile of each k-tile back (4-byte
-// accesses, conflict-free both ways). x comes a batch ahead too, through registers, and is
-// stored in the wgmma's K-major core-matrix layout. One wait per batch: ptxas tracks every load
-// of a register ring on one scoreboard and waits for all of them at the first use, so a
-// per-step ring (the first form) drained every step (about 1 us per step, 1.1 TB/s at best),
-// and the proxy fence the wgmma needs after x's stores is a MEMBAR that waits for every load
-// in flight; both now come once per batch, when what they wait for is needed anyway.
-// Opt-in (the plan's `wg_rows`): slower than the batched and swapped kernels on every benchmark
-// shape as it stands (docs/PERF_NOTES.md).
+// accesses, conflict-free both ways). One wait per batch: ptxas tracks every load of a
+// register ring on one scoreboard and waits for all of them at the first use, so a per-step
+// ring (the first form) drained every step (about 1 us per step, 1.1 TB/s at best).
+// x comes by the copy engine (cp.async.bulk.tensor, one box of 64 k x N rows per step from a
+// tensor map the runtime encodes per launch, 128-byte swizzle, rows past m zero-filled),
+// completing on one mbarrier per buffer: no thread copies x and no proxy fence is needed (x
+// through cp.async, then through registers, cost 1.2-2x the time: docs/PERF_NOTES.md). The
+// plan uses these kernels from 9 rows on (`wg_rows`); x must be 16-byte aligned.
 // The nibbles become q - 8 exactly (LOP3 to 128 + q, then minus 136), so the tensor core sums
 // x (q - 8) over a fold unit into P (the unit's first k-tile overwrites: scale-d 0), and the
 // unit's end folds acc += d P per column. Symmetric weights only, fold units of 4 or 8 k-tiles

@@ -250,11 +250,11 @@ pub fn launch_bound_slots(sm_count: u32) -> impl Fn(&'static str) -> u32 {
 /// split-K on an under-filled GPU (70B qkv).
 pub const SWAP_ROWS_DEFAULT: u32 = 8;
 /// Rows from which the plan uses the warpgroup kernels by default (`int4_gemm_wg_*`, where the
-/// shape and the weight allow them): 0, none. They are slower than the batched and swapped
-/// kernels on every benchmark shape as they stand
-/// (results/experiments/h200-int4-wgmma-025c690.json), so they are opt-in
-/// (`STOKE_INT4_WG_ROWS`).
-pub const WG_ROWS_DEFAULT: u32 = 0;
+/// shape, the weight and x allow them): 9. At 16 and 32 rows they were faster than the best
+/// of the batched and swap16 kernels on 14 of the 16 benchmark points (70B gate/up m32 191 ->
+/// 125 us, 70B qkv m32 46.9 -> 26.8), slower on 8B o m16 and 8B qkv m32 by 6-9%; at 8 rows and
+/// fewer the swapped kernel is faster (results/experiments/h200-int4-wgmma-tma-91e14bf.json).
+pub const WG_ROWS_DEFAULT: u32 = 9;
 /// `swap_rows` for the swapped kernels at every row count.
 pub const SWAP_ALL: u32 = MAX_ROWS;
 
