@@ -253,7 +253,7 @@ def render_int4(w, res, path):
     others = [r for r in b["runs"] if r not in default and not r.get("defines")]
     if others:
         if any("default_plan" in o for o in b["runs"]):
-            w("Each kernel variant and device word order in the same run (µs; the main table shows the shipped plan's launch: `SwapAB` at m <= 8, `Batched` beyond, `Swap16` where the plan takes it):")
+            w("Each kernel variant and device word order in the same run (µs; the main table shows the shipped plan's launch: `SwapAB` at m <= 8, `Wgmma` (the warpgroup kernels) beyond where the run has them, else `Batched`, or `Swap16` where the plan takes it):")
         else:
             w("Each kernel variant and device word order in the same run (µs; the default above is `SwapAB` at m <= 8, `Batched` beyond):")
         w("")
