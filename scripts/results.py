@@ -196,6 +196,9 @@ def render_llama(w, res, path):
 def render_int4(w, res, path):
     b = res["int4"]
     section(w, "W4A16 GEMM", res, path)
+    if res["meta"].get("default_plan_note"):
+        w(f"Plan: {res['meta']['default_plan_note']}")
+        w("")
     copy = [e for e in res["torch_int4"] if e.get("impl") == "d2d_copy"][0]
     w(f"`kernels/int4_gemm.cu`, group 128, symmetric, bf16 scales; Llama-3.1 projection shapes (gate/up as one")
     w(f"interleaved GEMM). µs per call (CUDA events, median of 5 batches), weights rotated through >= 160 MB of")
@@ -216,7 +219,7 @@ def render_int4(w, res, path):
         w("the same way; `% of it`: that time over Stoke's, the speed of a copy of this size reached.")
     mma = b.get("mma_rate")
     if mma:
-        w(f"`mma floor`: the kernel's mma.m16n8k16 count at the same run's mma.sync rate, the compute side of its")
+        w(f"`mma floor`: the kernel's mma.m16n8k16 count (warpgroup rows: their wgmma multiply-adds in m16n8k16 units) at the same run's mma.sync rate, the compute side of its")
         w(f"roofline: {mma['mma_rate_c8']['tflops']:.0f} TFLOP/s (bf16 in, f32 accumulation; `kernels/mma_rate.cu`, 8 independent")
         w(f"accumulators per warp, 16 warps per SM), {mma['mma_rate_c1']['ns_per_round']:.1f} ns per mma along one dependent chain.")
     w("")

@@ -139,7 +139,7 @@ const TOLERANCE: f64 = 2e-3;
 /// Both device word orders are tested and measured.
 const ORDERS: [WordOrder; 2] = [WordOrder::KtMajor, WordOrder::SlabMajor];
 
-/// The kernels (both device word orders, batched and swapped-operand kernels) against the f64 reference over the dequantized weight, on fresh random
+/// The kernels (both device word orders; batched, swapped-operand and warpgroup kernels) against the f64 reference over the dequantized weight, on fresh random
 /// data with poisoned outputs.
 pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
     let rt = crate::gpu()?;
