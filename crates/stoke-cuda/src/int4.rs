@@ -179,41 +179,34 @@ impl Int4Gemm {
     }
 }
 
+/// A row count 0-32 from environment variable `name`, else `default` (with a warning when it is
+/// set to something else).
+fn env_rows(name: &str, default: u32) -> u32 {
+    match std::env::var(name) {
+        Ok(v) => match v.trim().parse::<u32>() {
+            Ok(r) if r <= MAX_ROWS => r,
+            _ => {
+                tracing::warn!("{name}={v:?} is not a row count 0-{MAX_ROWS}; using {default}");
+                default
+            }
+        },
+        Err(_) => default,
+    }
+}
+
 /// Rows up to which the swapped-operand kernels are used: `STOKE_INT4_SWAP_ROWS` (0-32), else
 /// [`SWAP_ROWS_DEFAULT`] (8: the swapped m <= 8 kernel is faster on every benchmark shape,
 /// results/h200-int4.json).
 pub fn swap_rows_default() -> u32 {
     static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *V.get_or_init(|| match std::env::var("STOKE_INT4_SWAP_ROWS") {
-        Ok(v) => match v.trim().parse::<u32>() {
-            Ok(r) if r <= MAX_ROWS => r,
-            _ => {
-                tracing::warn!(
-                    "STOKE_INT4_SWAP_ROWS={v:?} is not a row count 0-{MAX_ROWS}; using {SWAP_ROWS_DEFAULT}"
-                );
-                SWAP_ROWS_DEFAULT
-            }
-        },
-        Err(_) => SWAP_ROWS_DEFAULT,
-    })
+    *V.get_or_init(|| env_rows("STOKE_INT4_SWAP_ROWS", SWAP_ROWS_DEFAULT))
 }
 
 /// Rows from which the warpgroup kernels are used: `STOKE_INT4_WG_ROWS` (0-32, 0: never), else
 /// [`WG_ROWS_DEFAULT`].
 pub fn wg_rows_default() -> u32 {
     static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *V.get_or_init(|| match std::env::var("STOKE_INT4_WG_ROWS") {
-        Ok(v) => match v.trim().parse::<u32>() {
-            Ok(r) if r <= MAX_ROWS => r,
-            _ => {
-                tracing::warn!(
-                    "STOKE_INT4_WG_ROWS={v:?} is not a row count 0-{MAX_ROWS}; using {WG_ROWS_DEFAULT}"
-                );
-                WG_ROWS_DEFAULT
-            }
-        },
-        Err(_) => WG_ROWS_DEFAULT,
-    })
+    *V.get_or_init(|| env_rows("STOKE_INT4_WG_ROWS", WG_ROWS_DEFAULT))
 }
 
 /// Whether the swapped m <= 8 launches use their stream-K form: `STOKE_INT4_STREAM_K=1`; off

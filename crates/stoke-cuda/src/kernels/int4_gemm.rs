@@ -363,6 +363,15 @@ pub fn plan(
     while row0 < m {
         let rows = (m - row0).min(MAX_ROWS);
         let scale = usize::from(f16_scales);
+        let launch = move |entry: &'static str, grid: (u32, u32, u32), splits: u32| Launch {
+            entry,
+            grid,
+            block: (WARPS * 32, 1, 1),
+            row0,
+            rows,
+            fold_kt,
+            splits,
+        };
         if wg_rows > 0 && rows >= wg_rows && wg_eligible(k, group) {
             let n_index = match rows {
                 0..=8 => 0,
@@ -377,15 +386,7 @@ pub fn plan(
             } else {
                 (slots(entry) / slabs).clamp(1, most)
             };
-            out.push(Launch {
-                entry,
-                grid: (slabs, splits, 1),
-                block: (WARPS * 32, 1, 1),
-                row0,
-                rows,
-                fold_kt,
-                splits,
-            });
+            out.push(launch(entry, (slabs, splits, 1), splits));
             row0 += rows;
             continue;
         }
@@ -448,15 +449,7 @@ pub fn plan(
             };
             (entry, (slabs * groups, splits, 1), splits)
         };
-        out.push(Launch {
-            entry,
-            grid,
-            block: (WARPS * 32, 1, 1),
-            row0,
-            rows,
-            fold_kt,
-            splits,
-        });
+        out.push(launch(entry, grid, splits));
         row0 += rows;
     }
     Ok(out)
