@@ -8,7 +8,8 @@
 // ---------------------------------------------------------------------------------------------
 // Entry points: int4_gemm_EPI_SC_mROWS (batched), int4_gemm_swap_EPI_SC[_long] (m <= 8),
 // int4_gemm_swap16_EPI_SC[_long] (m <= 32; see "Swapped operands" below) and
-// int4_gemm_swapk_EPI_SC (m <= 8, stream-K), one argument `Int4GemmParams` by value.
+// int4_gemm_swapk_EPI_SC (m <= 8, stream-K), one argument `Int4GemmParams` by value; and
+// int4_gemm_wg_EPI_SC_nN (N <= 8, 16, 32 rows; "Warpgroup kernels" below), `Int4WgParams`.
 //   EPI  plain     out[r, c] = acc[r, c]
 //        residual  out[r, c] = acc[r, c] + residual[r, c]          (sum in f32, rounded once)
 //        swiglu    out[r, j] = silu(acc[r, 2j]) * acc[r, 2j + 1]   (gate/up interleaved; out is
@@ -1199,9 +1200,10 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 // ring (the first form) drained every step (about 1 us per step, 1.1 TB/s at best).
 // x comes by the copy engine (cp.async.bulk.tensor, one box of 64 k x N rows per step from a
 // tensor map the runtime encodes per launch, 128-byte swizzle, rows past m zero-filled),
-// completing on one mbarrier per buffer: no thread copies x and no proxy fence is needed (x
-// through cp.async, then through registers, cost 1.2-2x the time: docs/PERF_NOTES.md). The
-// plan uses these kernels from 9 rows on (`wg_rows`); x must be 16-byte aligned.
+// completing on one mbarrier per buffer: no thread copies x and no proxy fence is needed (at
+// 16 and 32 rows, x through cp.async took 1.24-3.7x the time, through registers 1.07-1.95x:
+// docs/PERF_NOTES.md). The plan uses these kernels from 9 rows on (`wg_rows`); x must be
+// 16-byte aligned.
 // The nibbles become q - 8 exactly (LOP3 to 128 + q, then minus 136), so the tensor core sums
 // x (q - 8) over a fold unit into P (the unit's first k-tile overwrites: scale-d 0), and the
 // unit's end folds acc += d P per column. Symmetric weights only, fold units of 4 or 8 k-tiles

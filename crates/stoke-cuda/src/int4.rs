@@ -155,8 +155,8 @@ pub struct Int4Gemm {
     /// ignored. [`stream_k_default`] for the process default.
     pub stream_k: bool,
     /// Launches of at least this many rows use the warpgroup kernels (`int4_gemm_wg_*`) where
-    /// the shape allows them and the weight is symmetric; 0: none. [`wg_rows_default`] for the
-    /// process default.
+    /// the shape allows them, the weight is symmetric and `x` is 16-byte aligned; 0: none.
+    /// [`wg_rows_default`] for the process default.
     pub wg_rows: u32,
 }
 
