@@ -1421,7 +1421,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
         // The previous batch's wgmma are done (its buffers are free), then the weights go to
         // shared memory; x is waited for on its mbarrier (its bt / 2-th use: that parity).
         wg_wait_all();
-        u32 scb[Q][2];
+        u32 scb[Q][2];  // this batch's scales: sc takes the next batch's loads below
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
             if (bt * Q + j < steps) {

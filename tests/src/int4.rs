@@ -7,7 +7,9 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
 use stoke_cuda::kernels::INT4_GEMM;
-use stoke_cuda::kernels::int4_gemm::{Epilogue, Launch, SWAP_ALL, WordOrder, wg_eligible};
+use stoke_cuda::kernels::int4_gemm::{
+    Epilogue, Launch, SWAP_ALL, WordOrder, wg_eligible, wg_rows_of,
+};
 use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::bf16;
 use stoke_formats::int4::{PackedInt4, ScaleType};
@@ -516,8 +518,8 @@ fn bench_variant(
                     // The kernel's mma.m16n8k16 count and their time at the same run's rate:
                     // batched, one per 16 rows, 16 k and 8 columns; swapped, one per 8 rows (16 at
                     // m <= 8), 16 k and 16 columns; warpgroup, one wgmma.m64nNk16 (N = 8, 16 or
-                    // 32 rows) per 16 k and 64 columns, N / 2 of them.
-                    let wg_n = [8, 16, 32].into_iter().find(|t| m <= *t).unwrap_or(32);
+                    // 32 rows: the launch's entry point) per 16 k and 64 columns, N / 2 of them.
+                    let wg_n = wg_rows_of(launch.entry).unwrap_or(32) as usize;
                     let mmas = (k / 16) as u64
                         * match kind {
                             "Batched" => (n / 8 * m.div_ceil(16)) as u64,
