@@ -1217,6 +1217,12 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 #ifndef STOKE_INT4_WG_BATCH
 #define STOKE_INT4_WG_BATCH 4
 #endif
+// 1: the steps of a batch overlap: two sets of A quads and of partial sums, so a step waits
+// only for the wgmma two steps back and a unit's fold for its own last step; 0: every step
+// waits for the previous step's wgmma.
+#ifndef STOKE_INT4_WG_PIPE
+#define STOKE_INT4_WG_PIPE 1
+#endif
 // Resident CTAs per SM the warpgroup kernels' launch bounds ask for.
 #ifndef STOKE_INT4_WG_MIN_CTAS
 #define STOKE_INT4_WG_MIN_CTAS 4
@@ -1278,6 +1284,7 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 k
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 
 // d (+)= A x B for one k-tile: A the 64 x 16 bf16 quad of each warp, B the descriptor's x tile;
 // scale_d 0 overwrites d.
@@ -1335,7 +1342,7 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
     return r;
 }
 
-template <int EPI, bool F16S, int N>
+template <int EPI, bool F16S, int N, int FK>
 __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     const Int4GemmParams& p = wgp.p;
     using L = WgSmem<N>;
@@ -1345,9 +1352,9 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     const u32 g = lane >> 2, t = lane & 3;
     const u32 slab = blockIdx.x;
     // The CTA's k range: whole blocks of max(4, fold_kt) k-tiles (a step is 4).
-    const u32 fkt = p.fold_kt;
-    const u32 fmask = fkt - 1;  // fold_kt is a power of two: no division in the loop
-    const u32 bkt = fkt > 4 ? fkt : 4;
+    constexpr u32 fkt = 4 * FK;  // the launch's fold_kt: 4 or 8 (steps per unit FK = 1 or 2)
+    constexpr u32 fmask = fkt - 1;
+    constexpr u32 bkt = fkt;
     const u32 blocks = p.k / 16 / bkt;
     const u32 b0 = u32(u64(blocks) * blockIdx.y / p.splits), b1 = u32(u64(blocks) * (blockIdx.y + 1) / p.splits);
     const u32 kt0 = b0 * bkt, steps = (b1 - b0) * bkt / 4;
@@ -1396,24 +1403,109 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
         if (threadIdx.x != 0) return;
         const u32 n = min(steps - bt * Q, u32(Q));
         const u32 bar = bars + 8 * (bt & 1);
-        mbar_expect_tx(bar, n * L::X_STEP);
-        for (u32 j = 0; j < n; ++j)
-            tma_load_2d(xbuf + (bt & 1) * L::X_BUF + j * L::X_STEP, &wgp.x_map, (kt0 + 4 * (bt * Q + j)) * 16, 0, bar);
+        // The pipelined loop pads a partial batch with boxes past k (all zeros).
+        const u32 boxes = STOKE_INT4_WG_PIPE ? u32(Q) : n;
+        mbar_expect_tx(bar, boxes * L::X_STEP);
+        for (u32 j = 0; j < boxes; ++j)
+            tma_load_2d(xbuf + (bt & 1) * L::X_BUF + j * L::X_STEP, &wgp.x_map, j < n ? (kt0 + 4 * (bt * Q + j)) * 16 : p.k, 0, bar);
     };
     if (batches > 0) load_batch(0);
     if (STOKE_INT4_PDL) griddep_wait();
     if (batches > 0) copy_x(0);
 
-    float acc[ACC], part[ACC];
+    float acc[ACC];
 #pragma unroll
-    for (int i = 0; i < ACC; ++i) acc[i] = part[i] = 0.0f;
+    for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;
     u32 d0 = 0, d1 = 0;  // the current unit's scales of c0 and c0 + 8
-    auto fold = [&]() {
+    auto fold = [&](const float(&pp)[ACC]) {
         const float f0 = scale_value<F16S>(d0), f1 = scale_value<F16S>(d1);
 #pragma unroll
-        for (int i = 0; i < ACC; ++i) acc[i] = fmaf((i & 2) ? f1 : f0, part[i], acc[i]);
+        for (int i = 0; i < ACC; ++i) acc[i] = fmaf((i & 2) ? f1 : f0, pp[i], acc[i]);
+    };
+    // The batch's weights go to shared memory (word j to region j), its scales to scb.
+    u32 scb[Q][2];
+    auto store_batch = [&](u32 bt, u32 ws0) {
+#pragma unroll
+        for (int j = 0; j < Q; ++j) {
+            const u32 st = ws0 + j * L::W_STEP + warp * 128 + lane * 4;
+            if (bt * Q + j < steps) {
+                sts32(st, wr[j].x);
+                sts32(st + 512, wr[j].y);
+                sts32(st + 1024, wr[j].z);
+                sts32(st + 1536, wr[j].w);
+                scb[j][0] = sc[j][0];
+                scb[j][1] = sc[j][1];
+            } else if (STOKE_INT4_WG_PIPE) {
+                // A padding step (see the pipelined loop): zero weights, zero scales.
+                sts32(st, 0x88888888u);
+                sts32(st + 512, 0x88888888u);
+                sts32(st + 1024, 0x88888888u);
+                sts32(st + 1536, 0x88888888u);
+                scb[j][0] = scb[j][1] = 0;
+            }
+        }
+    };
+    // This warp's column tile of step j's 4 k-tiles from the batch's shared memory.
+    auto read_step = [&](u32 ws0, int j, u32(&wd)[4]) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wd[i] = lds32(ws0 + j * L::W_STEP + warp * 512 + i * 128 + lane * 4);
     };
 
+#if STOKE_INT4_WG_PIPE
+    // Two sets of A quads (step j uses set j % 2) and of partial sums (unit u uses set u % 2):
+    // step j's expansion waits only for step j - 2's wgmma, and a unit is folded once the next
+    // unit's first step is issued and its own last step done (wait_group 1). Units never
+    // straddle batches and a batch holds an even number of them (16 / fold_kt), so the sets'
+    // indices are compile-time constants. Every batch runs all Q steps: ptxas pipelines the
+    // wgmma only without early exits (C7513), so a last, partial batch is padded with steps of
+    // zero weights (q = 8), zero scales and x boxes past k (the copy engine's zero fill).
+    float part[2][ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) part[0][i] = part[1][i] = 0.0f;
+    u32 a[2][4][4];
+    for (u32 bt = 0; bt < batches; ++bt) {
+        const u32 ws0 = wbuf + (bt & 1) * L::W_BUF;
+        const u64 xdesc = wg_x_desc(xbuf + (bt & 1) * L::X_BUF);
+        // Drained once per batch: the x buffer the next copy overwrites was read by the last one.
+        wg_wait_all();
+        if (bt > 0) fold(part[1]);  // the previous batch's last unit
+        store_batch(bt, ws0);
+        __syncthreads();
+        if (bt + 1 < batches) {
+            load_batch(bt + 1);
+            copy_x(bt + 1);
+        }
+        mbar_wait(bars + 8 * (bt & 1), (bt >> 1) & 1);
+#pragma unroll
+        for (int j = 0; j < Q; ++j) {
+            const int par = (j / FK) & 1;
+            const bool first = j % FK == 0;
+            u32 wd[4];
+            read_step(ws0, j, wd);
+            if (j >= 2) wg_wait_1();
+#pragma unroll
+            for (int i = 0; i < 4; ++i) centered_quad(wd[i], a[j & 1][i]);
+            wg_fence();
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                Wgmma<N>::mma(part[par], a[j & 1][i], xdesc + (j * L::X_STEP + i * 32) / 16, !(first && i == 0));
+            wg_commit();
+            if (first) {
+                if (j > 0) {
+                    wg_wait_1();
+                    fold(part[par ^ 1]);
+                }
+                d0 = scb[j][0];
+                d1 = scb[j][1];
+            }
+        }
+    }
+    wg_wait_all();
+    if (batches > 0) fold(part[1]);
+#else
+    float part[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) part[i] = 0.0f;
     for (u32 bt = 0; bt < batches; ++bt) {
         const u32 ws0 = wbuf + (bt & 1) * L::W_BUF;
         // The batch's x buffer; a k-tile's descriptor adds its offset / 16 (the address field).
@@ -1421,19 +1513,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
         // The previous batch's wgmma are done (its buffers are free), then the weights go to
         // shared memory; x is waited for on its mbarrier (its bt / 2-th use: that parity).
         wg_wait_all();
-        u32 scb[Q][2];  // this batch's scales: sc takes the next batch's loads below
-#pragma unroll
-        for (int j = 0; j < Q; ++j) {
-            if (bt * Q + j < steps) {
-                const u32 st = ws0 + j * L::W_STEP + warp * 128 + lane * 4;
-                sts32(st, wr[j].x);
-                sts32(st + 512, wr[j].y);
-                sts32(st + 1024, wr[j].z);
-                sts32(st + 1536, wr[j].w);
-                scb[j][0] = sc[j][0];
-                scb[j][1] = sc[j][1];
-            }
-        }
+        store_batch(bt, ws0);
         __syncthreads();
         // The next batch's loads, in flight while this one computes.
         if (bt + 1 < batches) {
@@ -1449,7 +1529,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
                 // A fold unit begins: fold the one that ended (after its wgmma), take the new scales.
                 if (s > 0) {
                     wg_wait_all();
-                    fold();
+                    fold(part);
                 }
                 d0 = scb[j][0];
                 d1 = scb[j][1];
@@ -1458,8 +1538,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
             // previous step's wgmma have read theirs: redefining a pending wgmma's registers
             // makes ptxas serialize them all, C7513).
             u32 wd[4], a[4][4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) wd[i] = lds32(ws0 + j * L::W_STEP + warp * 512 + i * 128 + lane * 4);
+            read_step(ws0, j, wd);
             wg_wait_all();
 #pragma unroll
             for (int i = 0; i < 4; ++i) centered_quad(wd[i], a[i]);
@@ -1472,7 +1551,8 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
         }
     }
     wg_wait_all();
-    if (steps > 0) fold();
+    if (steps > 0) fold(part);
+#endif
     __syncthreads();  // every warp is done with the buffers: the reduction reuses them
     // Accumulator i: column 16 warp + g + 8 ((i >> 1) & 1), x row 8 (i >> 2) + 2t + (i & 1).
     float* red = reinterpret_cast<float*>(int4_dyn_smem + (smem - smem_u32(int4_dyn_smem)));
@@ -1489,7 +1569,10 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     extern "C" __device__ unsigned NAME##_cluster = STOKE_INT4_CLUSTER;                                 \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, STOKE_INT4_WG_MIN_CTAS) \
         NAME(const __grid_constant__ Int4WgParams p) {                                                  \
-        int4_gemm_wg<EPI, F16S, N>(p);                                                                  \
+        if (p.p.fold_kt == 4)                                                                           \
+            int4_gemm_wg<EPI, F16S, N, 1>(p);                                                           \
+        else                                                                                            \
+            int4_gemm_wg<EPI, F16S, N, 2>(p);                                                           \
     }
 #define INT4_GEMM_WG_ENTRIES(EPI_NAME, EPI)                                    \
     INT4_GEMM_WG_ENTRY(int4_gemm_wg_##EPI_NAME##_bf16s_n8, EPI, false, 8)      \
