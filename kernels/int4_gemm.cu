@@ -1224,9 +1224,17 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 #define STOKE_INT4_WG_PIPE 1
 #endif
 // Resident CTAs per SM the warpgroup kernels' launch bounds ask for.
-#ifndef STOKE_INT4_WG_MIN_CTAS
-#define STOKE_INT4_WG_MIN_CTAS 4
+#ifndef STOKE_INT4_WG_MIN_CTAS_N8
+#define STOKE_INT4_WG_MIN_CTAS_N8 5
 #endif
+#ifndef STOKE_INT4_WG_MIN_CTAS_N16
+#define STOKE_INT4_WG_MIN_CTAS_N16 5
+#endif
+#ifndef STOKE_INT4_WG_MIN_CTAS_N32
+#define STOKE_INT4_WG_MIN_CTAS_N32 4
+#endif
+#define STOKE_INT4_WG_MIN_CTAS(N) \
+    ((N) == 8 ? STOKE_INT4_WG_MIN_CTAS_N8 : (N) == 16 ? STOKE_INT4_WG_MIN_CTAS_N16 : STOKE_INT4_WG_MIN_CTAS_N32)
 
 // The warpgroup kernels' parameter: the common one and a tensor map of x for the copy engine
 // (2-D, bf16, [rows, k], box 64 k x N rows, 128-byte swizzle, rows past the launch's zeros),
@@ -1381,7 +1389,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     // it (their scale rows walked by gl).
     GroupWalk gl(p, kt0 / fkt);
     uint4 wr[Q];
-    u32 sc[Q][2];
+    u32 sc[Q];  // a unit's scales of c0 (low half) and c0 + 8 (high half)
     auto load_batch = [&](u32 bt) {
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
@@ -1391,8 +1399,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
                 if (((4 * s) & fmask) == 0) {
                     if (s > 0) gl.next();
                     const u64 idx = u64(gl.row) * p.n;
-                    sc[j][0] = load_u16(s16 + idx);
-                    sc[j][1] = load_u16(s16 + idx + 8);
+                    sc[j] = load_u16(s16 + idx) | load_u16(s16 + idx + 8) << 16;
                 }
             }
         }
@@ -1416,14 +1423,14 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     float acc[ACC];
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;
-    u32 d0 = 0, d1 = 0;  // the current unit's scales of c0 and c0 + 8
+    u32 d01 = 0;  // the current unit's scales of c0 (low half) and c0 + 8 (high half)
     auto fold = [&](const float(&pp)[ACC]) {
-        const float f0 = scale_value<F16S>(d0), f1 = scale_value<F16S>(d1);
+        const float f0 = scale_value<F16S>(d01), f1 = scale_value<F16S>(d01 >> 16);
 #pragma unroll
         for (int i = 0; i < ACC; ++i) acc[i] = fmaf((i & 2) ? f1 : f0, pp[i], acc[i]);
     };
     // The batch's weights go to shared memory (word j to region j), its scales to scb.
-    u32 scb[Q][2];
+    u32 scb[Q];
     auto store_batch = [&](u32 bt, u32 ws0) {
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
@@ -1433,15 +1440,14 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
                 sts32(st + 512, wr[j].y);
                 sts32(st + 1024, wr[j].z);
                 sts32(st + 1536, wr[j].w);
-                scb[j][0] = sc[j][0];
-                scb[j][1] = sc[j][1];
+                scb[j] = sc[j];
             } else if (STOKE_INT4_WG_PIPE) {
                 // A padding step (see the pipelined loop): zero weights, zero scales.
                 sts32(st, 0x88888888u);
                 sts32(st + 512, 0x88888888u);
                 sts32(st + 1024, 0x88888888u);
                 sts32(st + 1536, 0x88888888u);
-                scb[j][0] = scb[j][1] = 0;
+                scb[j] = 0;
             }
         }
     };
@@ -1495,8 +1501,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
                     wg_wait_1();
                     fold(part[par ^ 1]);
                 }
-                d0 = scb[j][0];
-                d1 = scb[j][1];
+                d01 = scb[j];
             }
         }
     }
@@ -1531,8 +1536,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
                     wg_wait_all();
                     fold(part);
                 }
-                d0 = scb[j][0];
-                d1 = scb[j][1];
+                d01 = scb[j];
             }
             // This warp's column tile of the step's 4 k-tiles, as A quads of q - 8 (once the
             // previous step's wgmma have read theirs: redefining a pending wgmma's registers
@@ -1567,7 +1571,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     extern "C" __device__ unsigned NAME##_dyn_smem = WgSmem<N>::BYTES;                                  \
     extern "C" __device__ unsigned NAME##_pdl = STOKE_INT4_PDL;                                         \
     extern "C" __device__ unsigned NAME##_cluster = STOKE_INT4_CLUSTER;                                 \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, STOKE_INT4_WG_MIN_CTAS) \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, STOKE_INT4_WG_MIN_CTAS(N)) \
         NAME(const __grid_constant__ Int4WgParams p) {                                                  \
         if (p.p.fold_kt == 4)                                                                           \
             int4_gemm_wg<EPI, F16S, N, 1>(p);                                                           \
