@@ -1389,7 +1389,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     // it (their scale rows walked by gl).
     GroupWalk gl(p, kt0 / fkt);
     uint4 wr[Q];
-    u32 sc[Q];  // a unit's scales of c0 (low half) and c0 + 8 (high half)
+    u32 sc[Q][2];  // a unit's scales of c0 and c0 + 8 (kept apart: combining them would wait for the loads)
     auto load_batch = [&](u32 bt) {
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
@@ -1399,7 +1399,8 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
                 if (((4 * s) & fmask) == 0) {
                     if (s > 0) gl.next();
                     const u64 idx = u64(gl.row) * p.n;
-                    sc[j] = load_u16(s16 + idx) | load_u16(s16 + idx + 8) << 16;
+                    sc[j][0] = load_u16(s16 + idx);
+                    sc[j][1] = load_u16(s16 + idx + 8);
                 }
             }
         }
@@ -1440,7 +1441,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
                 sts32(st + 512, wr[j].y);
                 sts32(st + 1024, wr[j].z);
                 sts32(st + 1536, wr[j].w);
-                scb[j] = sc[j];
+                scb[j] = sc[j][0] | sc[j][1] << 16;
             } else if (STOKE_INT4_WG_PIPE) {
                 // A padding step (see the pipelined loop): zero weights, zero scales.
                 sts32(st, 0x88888888u);
@@ -1559,10 +1560,13 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
 #endif
     __syncthreads();  // every warp is done with the buffers: the reduction reuses them
     // Accumulator i: column 16 warp + g + 8 ((i >> 1) & 1), x row 8 (i >> 2) + 2t + (i & 1).
-    float* red = reinterpret_cast<float*>(int4_dyn_smem + (smem - smem_u32(int4_dyn_smem)));
+    // The thread's indices are read again here rather than kept through the loop (registers).
+    u32 tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    float* red = reinterpret_cast<float*>(int4_dyn_smem + ((1024 - (smem_u32(int4_dyn_smem) & 1023)) & 1023));
 #pragma unroll
     for (int i = 0; i < ACC; ++i)
-        red[(8 * (i >> 2) + 2 * t + (i & 1)) * RED_PITCH + 16 * warp + g + 8 * ((i >> 1) & 1)] = acc[i];
+        red[(8 * (i >> 2) + 2 * (tid & 3) + (i & 1)) * RED_PITCH + 16 * (tid >> 5) + ((tid & 31) >> 2) + 8 * ((i >> 1) & 1)] = acc[i];
     reduce_and_store<(N + 15) / 16, EPI, 1>(p, red, slab, 0);
 }
 
