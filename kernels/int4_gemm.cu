@@ -1237,8 +1237,8 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     ((N) == 8 ? STOKE_INT4_WG_MIN_CTAS_N8 : (N) == 16 ? STOKE_INT4_WG_MIN_CTAS_N16 : STOKE_INT4_WG_MIN_CTAS_N32)
 
 // The warpgroup kernels' parameter: the common one and a tensor map of x for the copy engine
-// (2-D, bf16, [rows, k], box 64 k x N rows, 128-byte swizzle, rows past the launch's zeros),
-// encoded by the runtime for each launch. Passed as a __grid_constant__ kernel parameter.
+// (bf16 [rows, k] seen as 3-D: 64 k, rows, k / 64 blocks; box 64 k x N rows x 4 blocks, 128-byte
+// swizzle, rows past the launch's and blocks past k zeros), encoded by the runtime per launch. Passed as a __grid_constant__ kernel parameter.
 struct __align__(64) TensorMap {
     u64 opaque[16];
 };
@@ -1247,6 +1247,8 @@ struct Int4WgParams {
     TensorMap x_map;
 };
 static_assert(sizeof(Int4WgParams) == 256, "Int4WgParams layout");
+
+static_assert(STOKE_INT4_WG_BATCH % 4 == 0, "x comes in boxes of 4 steps");
 
 template <int N>
 struct WgSmem {
@@ -1281,11 +1283,12 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
         "r"(parity)
         : "memory");
 }
-// The copy engine's copy of the box at (k, row) of `map` to shared `dst`, completing on `bar`.
-__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 k, u32 row, u32 bar) {
+// The copy engine's copy of the box at (0, 0, block) of the 3-D `map` to shared `dst`,
+// completing on `bar`.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 block, u32 bar) {
     asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
-        "l"(reinterpret_cast<u64>(map)), "r"(k), "r"(row), "r"(bar)
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(0), "r"(0), "r"(block), "r"(bar)
         : "memory");
 }
 
@@ -1379,43 +1382,51 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     __syncthreads();
     u64 policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    // This warp's k-tile of each step: kt0 + 4 s + warp.
-    const uint4* wp = static_cast<const uint4*>(p.words) +
-                      (u64(kt0 + warp) * p.kt_stride + u64(slab) * p.slab_stride) * 32 + lane;
+    // This warp's k-tile of each step: kt0 + 4 s + warp; wnext walks them (the next load).
+    const uint4* wnext = static_cast<const uint4*>(p.words) +
+                         (u64(kt0 + warp) * p.kt_stride + u64(slab) * p.slab_stride) * 32 + lane;
     const u64 wstep = u64(p.kt_stride) * 4 * 32;
-    // The lane's columns: c0 = 16 warp + g (accumulators 4 j + 0 / 1) and c0 + 8 (4 j + 2 / 3).
-    const u16* s16 = static_cast<const u16*>(p.scales) + slab * 64 + 16 * warp + g;
-    // Loads of one batch: each step's weights, and the scales of each fold unit that begins in
-    // it (their scale rows walked by gl).
+    // The lane's columns: c0 = 16 warp + g (accumulators 4 j + 0 / 1) and c0 + 8 (4 j + 2 / 3);
+    // snext: their scales in the row of the next unit to load (ig: that unit's place in its
+    // group of upg units).
     GroupWalk gl(p, kt0 / fkt);
+    const u16* snext = static_cast<const u16*>(p.scales) + u64(gl.row) * p.n + slab * 64 + 16 * warp + g;
+    u32 ig = gl.in_group;
+    const u32 upg = gl.units_per_group;
+    // Loads of one batch: each step's weights, and the scales of each fold unit that begins in
+    // it (a unit begins at every FK-th step of a batch: compile-time).
     uint4 wr[Q];
     u32 sc[Q][2];  // a unit's scales of c0 and c0 + 8 (kept apart: combining them would wait for the loads)
     auto load_batch = [&](u32 bt) {
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
-            const u32 s = bt * Q + j;
-            if (s < steps) {
-                wr[j] = load_stream(wp + u64(s) * wstep, policy);
-                if (((4 * s) & fmask) == 0) {
-                    if (s > 0) gl.next();
-                    const u64 idx = u64(gl.row) * p.n;
-                    sc[j][0] = load_u16(s16 + idx);
-                    sc[j][1] = load_u16(s16 + idx + 8);
+            if (bt * Q + j < steps) {
+                wr[j] = load_stream(wnext, policy);
+                wnext += wstep;
+                if (j % FK == 0) {
+                    if (bt > 0 || j > 0) {
+                        if (++ig == upg) {
+                            ig = 0;
+                            snext += p.n;
+                        }
+                    }
+                    sc[j][0] = load_u16(snext);
+                    sc[j][1] = load_u16(snext + 8);
                 }
             }
         }
     };
-    // x of batch bt into buffer bt % 2 by the copy engine (one box of 64 k x N rows per step,
-    // rows past m zero-filled), completing on that buffer's mbarrier; thread 0 issues it.
+    // x of batch bt into buffer bt % 2 by the copy engine (boxes of 64 k x N rows x 4 steps,
+    // rows past m zero-filled), completing on that buffer's mbarrier; thread 0 issues it. A
+    // partial last batch gets whole boxes too: past the CTA's k range the pipelined loop pads
+    // with zero weights, and past k the copy engine fills zeros.
     auto copy_x = [&](u32 bt) {
         if (threadIdx.x != 0) return;
-        const u32 n = min(steps - bt * Q, u32(Q));
         const u32 bar = bars + 8 * (bt & 1);
-        // The pipelined loop pads a partial batch with boxes past k (all zeros).
-        const u32 boxes = STOKE_INT4_WG_PIPE ? u32(Q) : n;
-        mbar_expect_tx(bar, boxes * L::X_STEP);
-        for (u32 j = 0; j < boxes; ++j)
-            tma_load_2d(xbuf + (bt & 1) * L::X_BUF + j * L::X_STEP, &wgp.x_map, j < n ? (kt0 + 4 * (bt * Q + j)) * 16 : p.k, 0, bar);
+        mbar_expect_tx(bar, L::X_BUF);
+#pragma unroll
+        for (int i = 0; i < Q / 4; ++i)
+            tma_load_3d(xbuf + (bt & 1) * L::X_BUF + 4 * i * L::X_STEP, &wgp.x_map, kt0 / 4 + bt * Q + 4 * i, bar);
     };
     if (batches > 0) load_batch(0);
     if (STOKE_INT4_PDL) griddep_wait();
@@ -1442,13 +1453,21 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
                 sts32(st + 1024, wr[j].z);
                 sts32(st + 1536, wr[j].w);
                 scb[j] = sc[j][0] | sc[j][1] << 16;
-            } else if (STOKE_INT4_WG_PIPE) {
-                // A padding step (see the pipelined loop): zero weights, zero scales.
-                sts32(st, 0x88888888u);
-                sts32(st + 512, 0x88888888u);
-                sts32(st + 1024, 0x88888888u);
-                sts32(st + 1536, 0x88888888u);
-                scb[j] = 0;
+            }
+        }
+        if (STOKE_INT4_WG_PIPE && (bt + 1) * Q > steps) {
+            // The padding steps of a partial last batch (see the pipelined loop): zero weights
+            // (q = 8), zero scales.
+#pragma unroll
+            for (int j = 1; j < Q; ++j) {
+                const u32 st = ws0 + j * L::W_STEP + warp * 128 + lane * 4;
+                if (bt * Q + j >= steps) {
+                    sts32(st, 0x88888888u);
+                    sts32(st + 512, 0x88888888u);
+                    sts32(st + 1024, 0x88888888u);
+                    sts32(st + 1536, 0x88888888u);
+                    scb[j] = 0;
+                }
             }
         }
     };

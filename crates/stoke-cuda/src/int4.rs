@@ -339,8 +339,9 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         // stream; the scratch is the runtime's; the kernel reduces within its cluster when
         // launched with one and through the workspace otherwise.
         if let Some(box_rows) = wg_rows_of(l.entry) {
-            // The warpgroup kernels read this launch's rows of x through a tensor map.
-            let x_map = rt.bf16_tensor_map(params.x, l.rows, w.k, box_rows, 64)?;
+            // The warpgroup kernels read this launch's rows of x through a tensor map, 4 steps
+            // (4 x 64 k) per box.
+            let x_map = rt.bf16_tensor_map(params.x, l.rows, w.k, box_rows, 64, 4)?;
             let wg = Int4WgParams { p: params, x_map };
             unsafe { rt.launch_cluster(&kernel, shape, cluster, &wg) }?;
         } else {

@@ -660,9 +660,12 @@ impl Runtime {
     }
 
     /// A tensor map for the copy engine over a row-major bf16 matrix of `rows` x `cols` at
-    /// `ptr`: boxes of `box_cols` x `box_rows`, 128-byte swizzle (`box_cols * 2` must be at
-    /// most 128), elements past the matrix read as zeros. `ptr` must be 16-byte aligned and the
-    /// row pitch (`cols * 2`) a multiple of 16.
+    /// `ptr`, seen as 3-D (`box_cols` columns, rows, column blocks of `box_cols`): boxes of
+    /// `box_cols` x `box_rows` x `box_blocks` consecutive column blocks, landing in shared
+    /// memory block after block (each `box_rows` rows of `box_cols` columns), 128-byte swizzle
+    /// (`box_cols * 2` must be 128 or less and divide `cols * 2`), elements past the matrix
+    /// read as zeros. `ptr` must be 16-byte aligned and the row pitch (`cols * 2`) a multiple
+    /// of 16.
     pub fn bf16_tensor_map(
         &self,
         ptr: u64,
@@ -670,25 +673,35 @@ impl Runtime {
         cols: u32,
         box_rows: u32,
         box_cols: u32,
+        box_blocks: u32,
     ) -> Result<TensorMap> {
-        if ptr % 16 != 0 || (u64::from(cols) * 2) % 16 != 0 || box_cols * 2 > 128 {
+        if ptr % 16 != 0
+            || (u64::from(cols) * 2) % 16 != 0
+            || box_cols * 2 > 128
+            || box_cols % 8 != 0
+            || cols % box_cols != 0
+        {
             return Err(Error::Shape(format!(
-                "tensor map of a bf16 [{rows}, {cols}] matrix at {ptr:#x} (box {box_rows} x {box_cols}): needs a 16-byte aligned address, a row pitch that is a multiple of 16 bytes and boxes at most 128 bytes wide"
+                "tensor map of a bf16 [{rows}, {cols}] matrix at {ptr:#x} (box {box_rows} x {box_cols} x {box_blocks}): needs a 16-byte aligned address, a row pitch that is a multiple of 16 bytes and boxes at most 128 bytes wide, a multiple of 16 bytes, dividing the row"
             )));
         }
         self.bind()?;
         let mut map = TensorMap([0; 16]);
-        let dims: [u64; 2] = [u64::from(cols), u64::from(rows)];
-        let strides: [u64; 1] = [u64::from(cols) * 2];
-        let boxes: [u32; 2] = [box_cols, box_rows];
-        let elem: [u32; 2] = [1, 1];
+        let dims: [u64; 3] = [
+            u64::from(box_cols),
+            u64::from(rows),
+            u64::from(cols / box_cols),
+        ];
+        let strides: [u64; 2] = [u64::from(cols) * 2, u64::from(box_cols) * 2];
+        let boxes: [u32; 3] = [box_cols, box_rows, box_blocks];
+        let elem: [u32; 3] = [1, 1, 1];
         // SAFETY: `map` is 64-byte aligned and 128 bytes (the driver's CUtensorMap); the arrays
         // have the rank's lengths (strides: rank - 1) and outlive the call.
         unsafe {
             sys::cuTensorMapEncodeTiled(
                 (&mut map as *mut TensorMap).cast::<sys::CUtensorMap>(),
                 sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                2,
+                3,
                 ptr as *mut std::ffi::c_void,
                 dims.as_ptr(),
                 strides.as_ptr(),
