@@ -1223,12 +1223,15 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 #ifndef STOKE_INT4_WG_PIPE
 #define STOKE_INT4_WG_PIPE 1
 #endif
-// Resident CTAs per SM the warpgroup kernels' launch bounds ask for.
+// Resident CTAs per SM the warpgroup kernels' launch bounds ask for, per row tier. n16 at 4
+// (128 registers) against 5 (96) at 15cfe24: faster on 7 of 8 benchmark shapes at m = 16 (8B
+// gate/up 29.2 -> 24.4 us, 70B qkv 21.5 -> 18.5), slower on 8B qkv (8.8 -> 11.7: its 6
+// clustered splits need the fifth slot).
 #ifndef STOKE_INT4_WG_MIN_CTAS_N8
 #define STOKE_INT4_WG_MIN_CTAS_N8 5
 #endif
 #ifndef STOKE_INT4_WG_MIN_CTAS_N16
-#define STOKE_INT4_WG_MIN_CTAS_N16 5
+#define STOKE_INT4_WG_MIN_CTAS_N16 4
 #endif
 #ifndef STOKE_INT4_WG_MIN_CTAS_N32
 #define STOKE_INT4_WG_MIN_CTAS_N32 4
