@@ -493,14 +493,19 @@ fn bench_variant(
                     let timing = time_gemm(&rt, dws, &call, 5);
                     let (us, host_us) = (timing.us, timing.host_us);
                     let gbps = bytes as f64 / us / 1e3;
-                    let launch = plan(0);
+                    // The launches as run: the plan, and warpgroup splits re-chosen for clusters.
+                    let as_run = |l: Launch| {
+                        let kernel = rt.kernel(&INT4_GEMM, l.entry).unwrap();
+                        stoke_cuda::int4::clustered(&rt, &kernel, l, k as u32).unwrap()
+                    };
+                    let launch = as_run(plan(0));
                     // The launch the shipped plan makes for this call (default swap rows).
-                    let shipped = plan_with(
+                    let shipped = as_run(plan_with(
                         0,
                         stoke_cuda::int4::swap_rows_default(),
                         stoke_cuda::int4::stream_k_default(),
                         stoke_cuda::int4::wg_rows_default(),
-                    );
+                    ));
                     println!(
                         "int4 {kind} {:?} {name:<12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {} host {host_us:.1} us",
                         dw.order,

@@ -4,7 +4,7 @@ use crate::kernels::INT4_GEMM;
 use crate::kernels::int4_gemm::{
     Epilogue, Int4GemmParams, Int4WgParams, Launch, MAX_ROWS, SWAP_ROWS_DEFAULT, WARPS,
     WG_ROWS_DEFAULT, WordOrder, counters_len, launch_bound_ctas, launch_bound_slots, plan,
-    wg_rows_of,
+    wg_clustered, wg_rows_of,
 };
 use crate::{DeviceBuffer, Error, Kernel, LaunchShape, Result, Runtime};
 use std::sync::Arc;
@@ -251,6 +251,27 @@ pub fn cluster_dims(
     Ok((launch.grid.0 <= resident).then_some(cluster))
 }
 
+/// A planned launch of `k` rows of weights as the GPU runs it: a warpgroup launch on a short
+/// k range whose splits cannot all be resident as clusters takes the largest smaller split
+/// count whose clusters are ([`wg_clustered`]); any other launch as planned.
+pub fn clustered(rt: &Runtime, kernel: &Kernel, l: Launch, k: u32) -> Result<Launch> {
+    if wg_rows_of(l.entry).is_none() || l.splits < 2 {
+        return Ok(l);
+    }
+    let mut fits = [false; MAX_CLUSTER_SPLITS as usize + 1];
+    for s in 2..=l.splits.min(MAX_CLUSTER_SPLITS) {
+        let trial = Launch {
+            splits: s,
+            grid: (l.grid.0, s, l.grid.2),
+            ..l
+        };
+        fits[s as usize] = cluster_dims(rt, kernel, &trial)?.is_some();
+    }
+    Ok(wg_clustered(&l, k, |s| {
+        s <= MAX_CLUSTER_SPLITS && fits[s as usize]
+    }))
+}
+
 /// Queues `out = epilogue(x @ w)` on Stoke's stream (one launch per 32 rows).
 ///
 /// # Safety
@@ -298,6 +319,12 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
     };
     let out_cols = call.epilogue.out_cols(w.n as usize) as u64;
     for l in launches {
+        let kernel = rt.kernel(&INT4_GEMM, l.entry)?;
+        let l = if call.splits == 0 {
+            clustered(rt, &kernel, l, w.k)?
+        } else {
+            l
+        };
         let r0 = u64::from(l.row0);
         let params = Int4GemmParams {
             x: call.x + r0 * u64::from(w.k) * 2,
@@ -326,7 +353,6 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
             kt_stride,
             slab_stride,
         };
-        let kernel = rt.kernel(&INT4_GEMM, l.entry)?;
         let shape = LaunchShape {
             grid: l.grid,
             block: l.block,

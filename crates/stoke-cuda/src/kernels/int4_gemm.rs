@@ -217,12 +217,14 @@ impl Epilogue {
 pub const WARPS: u32 = 4;
 /// Most rows one launch handles.
 pub const MAX_ROWS: u32 = 32;
-/// Resident CTAs per SM an entry point's launch bounds ask for (m32: 2, swapped m <= 8 and
-/// warpgroup: 4, else 3).
+/// Resident CTAs per SM an entry point's launch bounds ask for (m32: 2, warpgroup n8: 5,
+/// swapped m <= 8 and warpgroup n16 / n32: 4, else 3).
 /// The runtime plans with the occupancy calculator instead ([`crate::Runtime::resident_ctas`]);
 /// this is the expectation for code without a GPU (shape checks, tests).
 pub fn launch_bound_ctas(entry: &str) -> u32 {
-    if entry.starts_with("int4_gemm_swap_")
+    if entry.starts_with("int4_gemm_wg_") && entry.ends_with("_n8") {
+        5
+    } else if entry.starts_with("int4_gemm_swap_")
         || entry.starts_with("int4_gemm_swapk_")
         || entry.starts_with("int4_gemm_wg_")
     {
@@ -280,6 +282,34 @@ pub struct Launch {
     pub rows: u32,
     pub fold_kt: u32,
     pub splits: u32,
+}
+
+/// Most k-tiles per CTA at which a warpgroup launch whose splits cannot all be resident as
+/// clusters takes fewer splits that can ([`wg_clustered`]): on short k ranges the reduction
+/// through the clusters' shared memory outweighs the lost parallelism (16 rows at 15cfe24:
+/// 8B qkv 5 unclustered splits 11.4 us, 4 clustered 8.7; 8B o 8 unclustered 9.6, 6 clustered
+/// 7.3), on long ones it does not (8B down, 112 k-tiles per split: 8 unclustered 15.5, 6
+/// clustered 17.0; 70B down 45.1 against 55.5).
+pub const WG_CLUSTER_MAX_TILES: u32 = 64;
+
+/// A warpgroup launch of `k` rows of weights re-split for clusters: when its splits cannot all
+/// be resident as clusters (`fits(splits)` false) and each split streams at most
+/// [`WG_CLUSTER_MAX_TILES`] k-tiles, the largest smaller split count (2 or more) whose clusters
+/// fit; else the launch as it is.
+pub fn wg_clustered(launch: &Launch, k: u32, fits: impl Fn(u32) -> bool) -> Launch {
+    let mut l = *launch;
+    if wg_rows_of(l.entry).is_none()
+        || l.splits < 2
+        || fits(l.splits)
+        || k / 16 / l.splits > WG_CLUSTER_MAX_TILES
+    {
+        return l;
+    }
+    if let Some(s) = (2..l.splits).rev().find(|&s| fits(s)) {
+        l.splits = s;
+        l.grid.1 = s;
+    }
+    l
 }
 
 /// Fewest k-tiles per CTA the plan gives a warpgroup launch by default (explicit splits may go
@@ -806,5 +836,50 @@ mod tests {
                 .entry
                 .starts_with("int4_gemm_wg_")
         );
+    }
+
+    #[test]
+    fn warpgroup_splits_rechosen_for_clusters_on_short_ranges() {
+        let l = |entry, slabs, splits| Launch {
+            entry,
+            grid: (slabs, splits, 1),
+            block: (128, 1, 1),
+            row0: 0,
+            rows: 16,
+            fold_kt: 8,
+            splits,
+        };
+        let up_to = |most| move |s: u32| s <= most;
+        // 8B qkv at 16 rows: 5 splits of 51 k-tiles whose clusters do not fit -> 4.
+        let r = wg_clustered(&l("int4_gemm_wg_plain_bf16s_n16", 96, 5), 4096, up_to(4));
+        assert_eq!((r.splits, r.grid), (4, (96, 4, 1)));
+        // 8B o: 8 splits of 32 k-tiles -> the largest that fits, 6.
+        assert_eq!(
+            wg_clustered(&l("int4_gemm_wg_plain_bf16s_n16", 64, 8), 4096, up_to(6)).splits,
+            6
+        );
+        // Clusters that fit, long ranges (8B down: 112 k-tiles per split), nothing that fits,
+        // and other kernels: unchanged.
+        let same = |x: Launch, k, fits: &dyn Fn(u32) -> bool| wg_clustered(&x, k, fits) == x;
+        assert!(same(
+            l("int4_gemm_wg_plain_bf16s_n16", 96, 5),
+            4096,
+            &up_to(5)
+        ));
+        assert!(same(
+            l("int4_gemm_wg_plain_bf16s_n16", 64, 8),
+            14336,
+            &up_to(6)
+        ));
+        assert!(same(
+            l("int4_gemm_wg_plain_bf16s_n16", 96, 5),
+            4096,
+            &up_to(1)
+        ));
+        assert!(same(
+            l("int4_gemm_swap_plain_bf16s", 96, 5),
+            4096,
+            &up_to(4)
+        ));
     }
 }
