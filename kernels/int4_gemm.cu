@@ -1198,12 +1198,15 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 // accesses, conflict-free both ways). One wait per batch: ptxas tracks every load of a
 // register ring on one scoreboard and waits for all of them at the first use, so a per-step
 // ring (the first form) drained every step (about 1 us per step, 1.1 TB/s at best).
-// x comes by the copy engine (cp.async.bulk.tensor, one box of 64 k x N rows per step from a
-// tensor map the runtime encodes per launch, 128-byte swizzle, rows past m zero-filled),
-// completing on one mbarrier per buffer: no thread copies x and no proxy fence is needed (at
-// 16 and 32 rows, x through cp.async took 1.24-3.7x the time, through registers 1.07-1.95x:
-// docs/PERF_NOTES.md). The plan uses these kernels from 9 rows on (`wg_rows`); x must be
-// 16-byte aligned.
+// x comes by the copy engine (cp.async.bulk.tensor, one box of 64 k x N rows x 4 steps per
+// batch from a 3-D tensor map the runtime encodes per launch, 128-byte swizzle, rows past m and
+// blocks past k zero-filled), completing on one mbarrier per buffer: no thread copies x and no
+// proxy fence is needed (at 16 and 32 rows, x through cp.async took 1.24-3.7x the time, through
+// registers 1.07-1.95x: docs/PERF_NOTES.md). The steps of a batch overlap (STOKE_INT4_WG_PIPE):
+// a step's expansion waits only for the wgmma two steps back, a unit's fold for its own last
+// step; the wgmma drain once per batch (ptxas serializes wgmma left in flight across the
+// batch's loads, barrier and waits: C7513). The plan uses these kernels from 9 rows on
+// (`wg_rows`); x must be 16-byte aligned.
 // The nibbles become q - 8 exactly (LOP3 to 128 + q, then minus 136), so the tensor core sums
 // x (q - 8) over a fold unit into P (the unit's first k-tile overwrites: scale-d 0), and the
 // unit's end folds acc += d P per column. Symmetric weights only, fold units of 4 or 8 k-tiles

@@ -252,10 +252,11 @@ pub fn launch_bound_slots(sm_count: u32) -> impl Fn(&'static str) -> u32 {
 /// split-K on an under-filled GPU (70B qkv).
 pub const SWAP_ROWS_DEFAULT: u32 = 8;
 /// Rows from which the plan uses the warpgroup kernels by default (`int4_gemm_wg_*`, where the
-/// shape, the weight and x allow them): 9. At 16 and 32 rows they were faster than the best
-/// of the batched and swap16 kernels on 14 of the 16 benchmark points (70B gate/up m32 191 ->
-/// 125 us, 70B qkv m32 46.9 -> 26.8), slower on 8B o m16 and 8B qkv m32 by 6-9%; at 8 rows and
-/// fewer the swapped kernel is faster (results/experiments/h200-int4-wgmma-tma-91e14bf.json).
+/// shape, the weight and x allow them): 9. At 16 and 32 rows they are faster than the batched
+/// and swap16 kernels on all 16 benchmark points (results/h200-int4.json at 1f2848b: 70B
+/// gate/up m16 79.0 us against 121.4, m32 92.4 against 193.7). At 1 row the swapped kernel
+/// is faster on 5 of the 8 shapes (70B gate/up 66.9 against 72.2 us), ties on 2 and is slower
+/// on 70B qkv (16.7 against 16.2), so it keeps 8 rows and fewer.
 pub const WG_ROWS_DEFAULT: u32 = 9;
 /// `swap_rows` for the swapped kernels at every row count.
 pub const SWAP_ALL: u32 = MAX_ROWS;
