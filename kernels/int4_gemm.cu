@@ -1366,11 +1366,10 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     constexpr int ACC = N / 2;  // accumulators per thread of an m64nN tile
     constexpr int Q = STOKE_INT4_WG_BATCH;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 g = lane >> 2, t = lane & 3;
+    const u32 g = lane >> 2;
     const u32 slab = blockIdx.x;
     // The CTA's k range: whole blocks of max(4, fold_kt) k-tiles (a step is 4).
     constexpr u32 fkt = 4 * FK;  // the launch's fold_kt: 4 or 8 (steps per unit FK = 1 or 2)
-    constexpr u32 fmask = fkt - 1;
     constexpr u32 bkt = fkt;
     const u32 blocks = p.k / 16 / bkt;
     const u32 b0 = u32(u64(blocks) * blockIdx.y / p.splits), b1 = u32(u64(blocks) * (blockIdx.y + 1) / p.splits);
@@ -1483,6 +1482,19 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
         for (int i = 0; i < 4; ++i) wd[i] = lds32(ws0 + j * L::W_STEP + warp * 512 + i * 128 + lane * 4);
     };
 
+    // A batch begins (its previous wgmma done): its weights to shared memory, then the next
+    // batch's loads and copy, in flight while this one computes, and the wait for this
+    // batch's x on its mbarrier (its bt / 2-th use: that parity).
+    auto begin_batch = [&](u32 bt, u32 ws0) {
+        store_batch(bt, ws0);
+        __syncthreads();
+        if (bt + 1 < batches) {
+            load_batch(bt + 1);
+            copy_x(bt + 1);
+        }
+        mbar_wait(bars + 8 * (bt & 1), (bt >> 1) & 1);
+    };
+
 #if STOKE_INT4_WG_PIPE
     // Two sets of A quads (step j uses set j % 2) and of partial sums (unit u uses set u % 2):
     // step j's expansion waits only for step j - 2's wgmma, and a unit is folded once the next
@@ -1501,13 +1513,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
         // Drained once per batch: the x buffer the next copy overwrites was read by the last one.
         wg_wait_all();
         if (bt > 0) fold(part[1]);  // the previous batch's last unit
-        store_batch(bt, ws0);
-        __syncthreads();
-        if (bt + 1 < batches) {
-            load_batch(bt + 1);
-            copy_x(bt + 1);
-        }
-        mbar_wait(bars + 8 * (bt & 1), (bt >> 1) & 1);
+        begin_batch(bt, ws0);
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
             const int par = (j / FK) & 1;
@@ -1534,6 +1540,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     wg_wait_all();
     if (batches > 0) fold(part[1]);
 #else
+    constexpr u32 fmask = fkt - 1;
     float part[ACC];
 #pragma unroll
     for (int i = 0; i < ACC; ++i) part[i] = 0.0f;
@@ -1541,17 +1548,9 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
         const u32 ws0 = wbuf + (bt & 1) * L::W_BUF;
         // The batch's x buffer; a k-tile's descriptor adds its offset / 16 (the address field).
         const u64 xdesc = wg_x_desc(xbuf + (bt & 1) * L::X_BUF);
-        // The previous batch's wgmma are done (its buffers are free), then the weights go to
-        // shared memory; x is waited for on its mbarrier (its bt / 2-th use: that parity).
+        // The previous batch's wgmma are done: its buffers are free.
         wg_wait_all();
-        store_batch(bt, ws0);
-        __syncthreads();
-        // The next batch's loads, in flight while this one computes.
-        if (bt + 1 < batches) {
-            load_batch(bt + 1);
-            copy_x(bt + 1);
-        }
-        mbar_wait(bars + 8 * (bt & 1), (bt >> 1) & 1);
+        begin_batch(bt, ws0);
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
             const u32 s = bt * Q + j;
