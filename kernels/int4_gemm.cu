@@ -1202,7 +1202,7 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 // batch from a 3-D tensor map the runtime encodes per launch, 128-byte swizzle, rows past m and
 // blocks past k zero-filled), completing on one mbarrier per buffer: no thread copies x and no
 // proxy fence is needed (at 16 and 32 rows, x through cp.async took 1.24-3.7x the time, through
-// registers 1.07-1.95x: docs/PERF_NOTES.md). The steps of a batch overlap (STOKE_INT4_WG_PIPE):
+// registers 1.07-1.95x: docs/PERF_NOTES.md). The steps of a batch overlap (two sets of registers):
 // a step's expansion waits only for the wgmma two steps back, a unit's fold for its own last
 // step; the wgmma drain once per batch (ptxas serializes wgmma left in flight across the
 // batch's loads, barrier and waits: C7513). The plan uses these kernels from 9 rows on
@@ -1219,12 +1219,6 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 // one computes.
 #ifndef STOKE_INT4_WG_BATCH
 #define STOKE_INT4_WG_BATCH 4
-#endif
-// 1: the steps of a batch overlap: two sets of A quads and of partial sums, so a step waits
-// only for the wgmma two steps back and a unit's fold for its own last step; 0: every step
-// waits for the previous step's wgmma.
-#ifndef STOKE_INT4_WG_PIPE
-#define STOKE_INT4_WG_PIPE 1
 #endif
 // Resident CTAs per SM the warpgroup kernels' launch bounds ask for, per row tier. n16 at 4
 // (128 registers) against 5 (96) at 15cfe24: faster on 7 of 8 benchmark shapes at m = 16 (8B
@@ -1460,7 +1454,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
                 scb[j] = sc[j][0] | sc[j][1] << 16;
             }
         }
-        if (STOKE_INT4_WG_PIPE && (bt + 1) * Q > steps) {
+        if ((bt + 1) * Q > steps) {
             // The padding steps of a partial last batch (see the pipelined loop): zero weights
             // (q = 8), zero scales.
 #pragma unroll
@@ -1482,20 +1476,6 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
         for (int i = 0; i < 4; ++i) wd[i] = lds32(ws0 + j * L::W_STEP + warp * 512 + i * 128 + lane * 4);
     };
 
-    // A batch begins (its previous wgmma done): its weights to shared memory, then the next
-    // batch's loads and copy, in flight while this one computes, and the wait for this
-    // batch's x on its mbarrier (its bt / 2-th use: that parity).
-    auto begin_batch = [&](u32 bt, u32 ws0) {
-        store_batch(bt, ws0);
-        __syncthreads();
-        if (bt + 1 < batches) {
-            load_batch(bt + 1);
-            copy_x(bt + 1);
-        }
-        mbar_wait(bars + 8 * (bt & 1), (bt >> 1) & 1);
-    };
-
-#if STOKE_INT4_WG_PIPE
     // Two sets of A quads (step j uses set j % 2) and of partial sums (unit u uses set u % 2):
     // step j's expansion waits only for step j - 2's wgmma, and a unit is folded once the next
     // unit's first step is issued and its own last step done (wait_group 1). Units never
@@ -1513,7 +1493,13 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
         // Drained once per batch: the x buffer the next copy overwrites was read by the last one.
         wg_wait_all();
         if (bt > 0) fold(part[1]);  // the previous batch's last unit
-        begin_batch(bt, ws0);
+        store_batch(bt, ws0);
+        __syncthreads();
+        if (bt + 1 < batches) {
+            load_batch(bt + 1);
+            copy_x(bt + 1);
+        }
+        mbar_wait(bars + 8 * (bt & 1), (bt >> 1) & 1);
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
             const int par = (j / FK) & 1;
@@ -1539,49 +1525,6 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     }
     wg_wait_all();
     if (batches > 0) fold(part[1]);
-#else
-    constexpr u32 fmask = fkt - 1;
-    float part[ACC];
-#pragma unroll
-    for (int i = 0; i < ACC; ++i) part[i] = 0.0f;
-    for (u32 bt = 0; bt < batches; ++bt) {
-        const u32 ws0 = wbuf + (bt & 1) * L::W_BUF;
-        // The batch's x buffer; a k-tile's descriptor adds its offset / 16 (the address field).
-        const u64 xdesc = wg_x_desc(xbuf + (bt & 1) * L::X_BUF);
-        // The previous batch's wgmma are done: its buffers are free.
-        wg_wait_all();
-        begin_batch(bt, ws0);
-#pragma unroll
-        for (int j = 0; j < Q; ++j) {
-            const u32 s = bt * Q + j;
-            if (s >= steps) break;
-            if (((4 * s) & fmask) == 0) {
-                // A fold unit begins: fold the one that ended (after its wgmma), take the new scales.
-                if (s > 0) {
-                    wg_wait_all();
-                    fold(part);
-                }
-                d01 = scb[j];
-            }
-            // This warp's column tile of the step's 4 k-tiles, as A quads of q - 8 (once the
-            // previous step's wgmma have read theirs: redefining a pending wgmma's registers
-            // makes ptxas serialize them all, C7513).
-            u32 wd[4], a[4][4];
-            read_step(ws0, j, wd);
-            wg_wait_all();
-#pragma unroll
-            for (int i = 0; i < 4; ++i) centered_quad(wd[i], a[i]);
-            // One wgmma per k-tile; a unit's first k-tile overwrites.
-            wg_fence();
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                Wgmma<N>::mma(part, a[i], xdesc + (j * L::X_STEP + i * 32) / 16, ((4 * s + i) & fmask) != 0);
-            wg_commit();
-        }
-    }
-    wg_wait_all();
-    if (steps > 0) fold(part);
-#endif
     __syncthreads();  // every warp is done with the buffers: the reduction reuses them
     // Accumulator i: column 16 warp + g + 8 ((i >> 1) & 1), x row 8 (i >> 2) + 2t + (i & 1).
     // The thread's indices are read again here rather than kept through the loop (registers).
