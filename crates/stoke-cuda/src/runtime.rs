@@ -677,6 +677,7 @@ impl Runtime {
     ) -> Result<TensorMap> {
         if ptr % 16 != 0
             || (u64::from(cols) * 2) % 16 != 0
+            || box_cols == 0
             || box_cols * 2 > 128
             || box_cols % 8 != 0
             || cols % box_cols != 0
