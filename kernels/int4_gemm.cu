@@ -1238,7 +1238,8 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 
 // The warpgroup kernels' parameter: the common one and a tensor map of x for the copy engine
 // (bf16 [rows, k] seen as 3-D: 64 k, rows, k / 64 blocks; box 64 k x N rows x 4 blocks, 128-byte
-// swizzle, rows past the launch's and blocks past k zeros), encoded by the runtime per launch. Passed as a __grid_constant__ kernel parameter.
+// swizzle, rows past the launch's and blocks past k zeros), encoded by the runtime per launch.
+// Passed as a __grid_constant__ kernel parameter.
 struct __align__(64) TensorMap {
     u64 opaque[16];
 };
@@ -1362,7 +1363,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2;
     const u32 slab = blockIdx.x;
-    // The CTA's k range: whole blocks of max(4, fold_kt) k-tiles (a step is 4).
+    // The CTA's k range: whole fold units (a step is 4 k-tiles).
     constexpr u32 fkt = 4 * FK;  // the launch's fold_kt: 4 or 8 (steps per unit FK = 1 or 2)
     constexpr u32 bkt = fkt;
     const u32 blocks = p.k / 16 / bkt;
@@ -1417,8 +1418,8 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     };
     // x of batch bt into buffer bt % 2 by the copy engine (boxes of 64 k x N rows x 4 steps,
     // rows past m zero-filled), completing on that buffer's mbarrier; thread 0 issues it. A
-    // partial last batch gets whole boxes too: past the CTA's k range the pipelined loop pads
-    // with zero weights, and past k the copy engine fills zeros.
+    // partial last batch gets whole boxes too: past the CTA's k range the loop pads with zero
+    // weights, and past k the copy engine fills zeros.
     auto copy_x = [&](u32 bt) {
         if (threadIdx.x != 0) return;
         const u32 bar = bars + 8 * (bt & 1);
@@ -1455,7 +1456,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
             }
         }
         if ((bt + 1) * Q > steps) {
-            // The padding steps of a partial last batch (see the pipelined loop): zero weights
+            // The padding steps of a partial last batch (see the loop below): zero weights
             // (q = 8), zero scales.
 #pragma unroll
             for (int j = 1; j < Q; ++j) {
