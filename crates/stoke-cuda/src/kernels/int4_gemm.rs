@@ -287,7 +287,7 @@ pub struct Launch {
 
 /// Most k-tiles per CTA at which a warpgroup launch whose splits cannot all be resident as
 /// clusters takes fewer splits that can ([`wg_clustered`]): on short k ranges the reduction
-/// through the clusters' shared memory outweighs the lost parallelism (16 rows at 15cfe24:
+/// through the clusters' shared memory outweighs the lost parallelism (16 rows at 164ece4:
 /// 8B qkv 5 unclustered splits 11.4 us, 4 clustered 8.7; 8B o 8 unclustered 9.6, 6 clustered
 /// 7.3), on long ones it does not (8B down, 112 k-tiles per split: 8 unclustered 15.5, 6
 /// clustered 17.0; 70B down 45.1 against 55.5).
