@@ -46,6 +46,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::llama::int4_decode_matches_dequantized,
     ),
     (
+        "smollm2_rtn_int4_decode_warpgroup_matches_simulated",
+        crate::llama::rtn_int4_decode_warpgroup_matches_simulated,
+    ),
+    (
         "decode_attention_matches_reference",
         crate::attention::decode_attention_matches_reference,
     ),

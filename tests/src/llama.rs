@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use stoke::FusedOps;
 use stoke_llama::generate::{SamplingConfig, generate};
 use stoke_llama::load::load_gguf;
+use stoke_llama::model::Llama;
 
 /// The greedy continuation of "Once upon a time" (no BOS) that an independent f32 forward of
 /// the dequantized model gives.
@@ -132,6 +133,14 @@ fn eval_text() -> String {
         })
 }
 
+/// The evaluation text's token ids under a loaded model's tokenizer.
+fn eval_ids<B: burn::tensor::backend::Backend>(
+    l: &stoke_llama::load::Loaded<B>,
+) -> Result<Vec<u32>, String> {
+    let e = l.tokenizer.encode(eval_text().as_str(), false);
+    Ok(e.map_err(|e| e.to_string())?.get_ids().to_vec())
+}
+
 fn log_softmax_at(logits: &[f64], target: usize) -> f64 {
     let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let lse = max + logits.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
@@ -146,9 +155,7 @@ fn log_softmax_at(logits: &[f64], target: usize) -> f64 {
 /// model at least about as well as the plain bf16 model does. Reports top-1 agreement, the
 /// largest logit difference and each model's perplexity over those tokens.
 pub fn int4_decode_matches_dequantized() -> Result<Value, String> {
-    use burn::tensor::{Int, Tensor, TensorData};
     use stoke_llama::load::load_gguf_packed;
-    use stoke_llama::model::{KvCache, Llama};
     let path = model_path()?;
     let device = Default::default();
     let packed = load_gguf_packed::<crate::StokeCuda>(&path, &device, DType::BF16, 128)
@@ -157,13 +164,59 @@ pub fn int4_decode_matches_dequantized() -> Result<Value, String> {
         .map_err(|e| e.to_string())?;
     let plain32 = load_gguf::<crate::PlainCuda>(&path, &device, DType::F32, 128)
         .map_err(|e| e.to_string())?;
-    let (batch, steps) = (8usize, 64usize);
-    let ids: Vec<u32> = packed
-        .tokenizer
-        .encode(eval_text().as_str(), false)
-        .map_err(|e| e.to_string())?
-        .get_ids()
-        .to_vec();
+    let ids = eval_ids(&packed)?;
+    let models = (&packed.model, &plain16.model, &plain32.model);
+    kernels_vs_dequantized(models, &ids, (8, 64), &device)
+}
+
+/// SmolLM2 quantized at load by round-to-nearest into symmetric INT4 (group 128, 64 where k is
+/// 576, bf16 scales), decoded token by token at 16 sequences x 32 tokens: 16 rows per
+/// projection, so `linear` runs the warpgroup kernels (`int4_gemm_wg_*`). Beside it the same
+/// quantization in plain burn-cuda ops, where `quantize` keeps the dequantized weights
+/// (simulated quantization), in bf16 and in f32, judged as in
+/// [`int4_decode_matches_dequantized`]; fails unless warpgroup launches ran.
+pub fn rtn_int4_decode_warpgroup_matches_simulated() -> Result<Value, String> {
+    use stoke_llama::quant::{QuantizeConfig, quantize};
+    let path = model_path()?;
+    let device = Default::default();
+    let cfg = QuantizeConfig::default();
+    let rtn = |e: stoke_llama::quant::QuantError| e.to_string();
+    let load = |e: stoke_llama::load::LoadError| e.to_string();
+    let kernels = load_gguf::<crate::StokeCuda>(&path, &device, DType::BF16, 64).map_err(load)?;
+    let ids = eval_ids(&kernels)?;
+    let kernels = quantize(kernels.model, &cfg, None).map_err(rtn)?.0;
+    let plain16 = load_gguf::<crate::PlainCuda>(&path, &device, DType::BF16, 64).map_err(load)?;
+    let plain16 = quantize(plain16.model, &cfg, None).map_err(rtn)?.0;
+    let plain32 = load_gguf::<crate::PlainCuda>(&path, &device, DType::F32, 64).map_err(load)?;
+    let plain32 = quantize(plain32.model, &cfg, None).map_err(rtn)?.0;
+    let wg0 = stoke_cuda::int4::warpgroup_launches();
+    let mut report =
+        kernels_vs_dequantized((&kernels, &plain16, &plain32), &ids, (16, 32), &device)?;
+    let wg = stoke_cuda::int4::warpgroup_launches() - wg0;
+    report["warpgroup_launches"] = json!(wg);
+    if wg == 0 {
+        return Err(format!("the warpgroup kernels never ran: {report}"));
+    }
+    Ok(report)
+}
+
+/// Decodes `batch` sequences of `steps` tokens of the evaluation text, teacher-forced, through
+/// the INT4 kernel model and the plain bf16 and f32 models, and judges the kernels by the f32
+/// model: they pass when their top-1 agreement with it is at most 0.02 below the plain bf16
+/// model's and their perplexity's relative distance from it at most 0.005 above, and when the
+/// W4A16 kernels ran.
+fn kernels_vs_dequantized(
+    (kernels, plain16, plain32): (
+        &Llama<crate::StokeCuda>,
+        &Llama<crate::PlainCuda>,
+        &Llama<crate::PlainCuda>,
+    ),
+    ids: &[u32],
+    (batch, steps): (usize, usize),
+    device: &burn_cuda::CudaDevice,
+) -> Result<Value, String> {
+    use burn::tensor::{Int, Tensor, TensorData};
+    use stoke_llama::model::KvCache;
     if ids.len() < batch * steps {
         return Err(format!(
             "evaluation text has {} tokens, need {}",
@@ -190,10 +243,10 @@ pub fn int4_decode_matches_dequantized() -> Result<Value, String> {
             .collect()
     }
     let calls0 = stoke::cuda::int4_linear::kernel_calls();
-    let lk = decode(&packed.model, DType::BF16, &seq, (batch, steps), &device);
+    let lk = decode(kernels, DType::BF16, &seq, (batch, steps), device);
     let kernel_calls = stoke::cuda::int4_linear::kernel_calls() - calls0;
-    let l16 = decode(&plain16.model, DType::BF16, &seq, (batch, steps), &device);
-    let l32 = decode(&plain32.model, DType::F32, &seq, (batch, steps), &device);
+    let l16 = decode(plain16, DType::BF16, &seq, (batch, steps), device);
+    let l32 = decode(plain32, DType::F32, &seq, (batch, steps), device);
     let vocab = lk[0].len() / batch;
     let argmax = |r: &[f64]| (0..r.len()).max_by(|&i, &j| r[i].total_cmp(&r[j])).unwrap();
     // Top-1 agreement and largest logit difference of `a` against `b`.

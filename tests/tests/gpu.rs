@@ -25,5 +25,6 @@ gpu_tests!(
     int4_gemm_matches_dequantized_reference,
     int4_linear_epilogues_match_reference,
     smollm2_int4_decode_matches_dequantized,
+    smollm2_rtn_int4_decode_warpgroup_matches_simulated,
     decode_attention_matches_reference,
 );

@@ -251,6 +251,14 @@ pub fn cluster_dims(
     Ok((launch.grid.0 <= resident).then_some(cluster))
 }
 
+static WARPGROUP_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many launches of the warpgroup kernels (`int4_gemm_wg_*`) [`int4_gemm`] has queued in
+/// this process (tests check that a path reaches them).
+pub fn warpgroup_launches() -> u64 {
+    WARPGROUP_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// A planned launch of `k` rows of weights as the GPU runs it: a warpgroup launch on a short
 /// k range whose splits cannot all be resident as clusters takes the largest smaller split
 /// count whose clusters are ([`wg_clustered`]); any other launch as planned.
@@ -370,6 +378,7 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
             let x_map = rt.bf16_tensor_map(params.x, l.rows, w.k, box_rows, 64, 4)?;
             let wg = Int4WgParams { p: params, x_map };
             unsafe { rt.launch_cluster(&kernel, shape, cluster, &wg) }?;
+            WARPGROUP_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         } else {
             unsafe { rt.launch_cluster(&kernel, shape, cluster, &params) }?;
         }
