@@ -263,21 +263,22 @@ pub fn warpgroup_launches() -> u64 {
 /// k range whose splits cannot all be resident as clusters takes the largest smaller split
 /// count whose clusters are ([`wg_clustered`]); any other launch as planned.
 pub fn clustered(rt: &Runtime, kernel: &Kernel, l: Launch, k: u32) -> Result<Launch> {
-    if wg_rows_of(l.entry).is_none() || l.splits < 2 {
-        return Ok(l);
-    }
-    let mut fits = [false; MAX_CLUSTER_SPLITS as usize + 1];
-    for s in 2..=l.splits.min(MAX_CLUSTER_SPLITS) {
+    // The driver is asked lazily (cached per entry and cluster size), its first error kept.
+    let mut err = None;
+    let out = wg_clustered(&l, k, |s| {
+        if s > MAX_CLUSTER_SPLITS || err.is_some() {
+            return false;
+        }
         let trial = Launch {
             splits: s,
             grid: (l.grid.0, s, l.grid.2),
             ..l
         };
-        fits[s as usize] = cluster_dims(rt, kernel, &trial)?.is_some();
-    }
-    Ok(wg_clustered(&l, k, |s| {
-        s <= MAX_CLUSTER_SPLITS && fits[s as usize]
-    }))
+        cluster_dims(rt, kernel, &trial)
+            .map_err(|e| err = Some(e))
+            .is_ok_and(|c| c.is_some())
+    });
+    err.map_or(Ok(out), Err)
 }
 
 /// Queues `out = epilogue(x @ w)` on Stoke's stream (one launch per 32 rows).

@@ -60,13 +60,13 @@ pub fn cluster_tiles_grid(grid: (u32, u32, u32), cluster: (u32, u32, u32)) -> bo
     (1..=8).contains(&ctas) && grid.0 % x == 0 && grid.1 % y == 0 && grid.2 % z == 0
 }
 
-/// The launch attribute that cuts a grid into clusters of `cluster` CTAs.
 /// A tensor map for the copy engine (the driver's opaque 128-byte `CUtensorMap`), passed to
 /// kernels by value (`__grid_constant__`), 64-byte aligned as the kernels declare it.
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Debug)]
 pub struct TensorMap(pub [u64; 16]);
 
+/// The launch attribute that cuts a grid into clusters of `cluster` CTAs.
 fn cluster_attribute((x, y, z): (u32, u32, u32)) -> sys::CUlaunchAttribute {
     // SAFETY: zero is a valid bit pattern for the attribute (a plain C union).
     let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };

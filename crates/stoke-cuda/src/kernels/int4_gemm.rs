@@ -297,12 +297,13 @@ pub const WG_CLUSTER_MAX_TILES: u32 = 64;
 /// be resident as clusters (`fits(splits)` false) and each split streams at most
 /// [`WG_CLUSTER_MAX_TILES`] k-tiles, the largest smaller split count (2 or more) whose clusters
 /// fit; else the launch as it is.
-pub fn wg_clustered(launch: &Launch, k: u32, fits: impl Fn(u32) -> bool) -> Launch {
+pub fn wg_clustered(launch: &Launch, k: u32, mut fits: impl FnMut(u32) -> bool) -> Launch {
     let mut l = *launch;
+    // `fits` asks the driver: called only where the answer matters, largest count first.
     if wg_rows_of(l.entry).is_none()
         || l.splits < 2
-        || fits(l.splits)
         || k / 16 / l.splits > WG_CLUSTER_MAX_TILES
+        || fits(l.splits)
     {
         return l;
     }
