@@ -16,6 +16,7 @@
 #   Kernel variants: with STOKE_KERNEL_VARIANTS='NAME=V,NAME2=V2;NAME=V3' the int4 and
 #          attention benchmarks also time each variant (NVRTC defines; the knobs are at the
 #          top of each kernel file) beside the shipped kernels, rows tagged "defines".
+#          STOKE_BENCH_ONLY=1 skips the int4 / attention test (run it first with `test NAME`).
 #   llama: the SmolLM2 prefill/decode baseline alone (needs the model in STOKE_MODEL_CACHE)
 set -uo pipefail
 out=${1:?usage: gpu-run.sh OUTDIR [test|bench|all|llama]}

@@ -72,12 +72,17 @@ pub(crate) fn put_f32(rt: &Arc<Runtime>, v: &[f32]) -> DeviceBuffer {
 }
 
 pub(crate) fn get_bf16(buf: &DeviceBuffer) -> Vec<f64> {
+    try_get_bf16(buf).unwrap()
+}
+
+/// The buffer's bf16 values, or the copy's error (a fault of an earlier kernel shows here).
+pub(crate) fn try_get_bf16(buf: &DeviceBuffer) -> Result<Vec<f64>, String> {
     let mut bytes = vec![0u8; buf.bytes()];
-    unsafe { buf.runtime().copy_dtoh(&mut bytes, buf.ptr()) }.unwrap();
-    bytes
+    unsafe { buf.runtime().copy_dtoh(&mut bytes, buf.ptr()) }.map_err(|e| e.to_string())?;
+    Ok(bytes
         .chunks_exact(2)
         .map(|c| bf16::to_f32(u16::from_le_bytes([c[0], c[1]])) as f64)
-        .collect()
+        .collect())
 }
 
 /// `epilogue(x @ w)` in f64 from the dequantized weight.
@@ -251,8 +256,6 @@ fn gemm_matches_reference() -> Result<Value, String> {
                         unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }
                             .map_err(|e| e.to_string())?;
                         let order = dw.order;
-                        unsafe { int4_gemm(&rt, dw, &call) }.map_err(|e| e.to_string())?;
-                        let got = get_bf16(&out);
                         let what = format!(
                             "seed {seed}: {order:?}{}{} m {m}{} k {k} n {n} group {group} {st:?} {} {epi:?}{}",
                             if swap_ab {
@@ -273,6 +276,9 @@ fn gemm_matches_reference() -> Result<Value, String> {
                             if asym { "asymmetric" } else { "symmetric" },
                             if with_scale { " row_scale" } else { "" }
                         );
+                        // A launch or the copy back failing (a fault in the kernel) names the case.
+                        unsafe { int4_gemm(&rt, dw, &call) }.map_err(|e| format!("{what}: {e}"))?;
+                        let got = try_get_bf16(&out).map_err(|e| format!("{what}: {e}"))?;
                         if got.iter().any(|v| !v.is_finite()) {
                             return Err(format!(
                                 "{what}: unwritten (poisoned) or non-finite outputs"

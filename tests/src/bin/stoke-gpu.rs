@@ -62,7 +62,14 @@ enum Command {
 /// One kernel's GPU test, then its benchmark beside the same run's copy rate, written to
 /// `OUT/{key}.json` under `key` (the exit status fails if either did).
 fn run_kernel(cli: &Cli, test: &str, key: &str, bench: fn(f64) -> Value) -> bool {
-    let ok = run_tests(cli, &[test.to_string()]);
+    // STOKE_BENCH_ONLY=1: the benchmark alone (a variant's test run on its own beforehand, so
+    // that a fault there cannot take the benchmark's context with it).
+    let ok = if std::env::var("STOKE_BENCH_ONLY").as_deref() == Ok("1") {
+        println!("{test}: not run (STOKE_BENCH_ONLY=1)");
+        true
+    } else {
+        run_tests(cli, &[test.to_string()])
+    };
     match stoke_tests::gpu() {
         Ok(rt) => {
             let copy_gbps = stoke_tests::bench::copy_bandwidth(&rt);
