@@ -130,6 +130,10 @@ fn reference(
 /// Shapes of the correctness test: (k, n, group, scale type, asymmetric). K values of the issue,
 /// N not a multiple of 128, per-channel groups, both scale types, both forms.
 const CASES: &[(usize, usize, usize, ScaleType, bool)] = &[
+    // k = 4096 at one split gives the swapped kernel's long-stream entry points 64 k-tiles per
+    // warp: here with fold units of 2 and 4 k-tiles (the GGUF group of 32, asymmetric; 64).
+    (4096, 576, 32, ScaleType::F16, true),
+    (4096, 704, 64, ScaleType::Bf16, false),
     (576, 960, 64, ScaleType::F16, true),
     (576, 576, 576, ScaleType::Bf16, false),
     (1536, 4160, 32, ScaleType::F16, true),
