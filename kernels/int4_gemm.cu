@@ -1220,6 +1220,12 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 #ifndef STOKE_INT4_WG_BATCH
 #define STOKE_INT4_WG_BATCH 4
 #endif
+// 1: a batch with all its steps in the CTA's range loads and stores them without checking each
+// against the range (a second copy of that code for the last, partial batch); 0: every batch
+// checks every step.
+#ifndef STOKE_INT4_WG_FULL
+#define STOKE_INT4_WG_FULL 1
+#endif
 // Resident CTAs per SM the warpgroup kernels' launch bounds ask for, per row tier. n16 at 4
 // (128 registers) against 5 (96) at 15cfe24: faster on 7 of 8 benchmark shapes at m = 16 (8B
 // gate/up 29.2 -> 24.4 us, 70B qkv 21.5 -> 18.5), slower on 8B qkv (8.8 -> 11.7: its 6
@@ -1354,6 +1360,12 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
     return r;
 }
 
+// A compile-time flag passed to the warpgroup kernel's batch helpers (generic lambdas).
+template <bool B>
+struct WgFull {
+    static constexpr bool value = B;
+};
+
 template <int EPI, bool F16S, int N, int FK>
 __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     const Int4GemmParams& p = wgp.p;
@@ -1394,13 +1406,14 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     u32 ig = gl.in_group;
     const u32 upg = gl.units_per_group;
     // Loads of one batch: each step's weights, and the scales of each fold unit that begins in
-    // it (a unit begins at every FK-th step of a batch: compile-time).
+    // it (a unit begins at every FK-th step of a batch: compile-time). `full` (WgFull<true>): the
+    // batch has all Q steps, so no step is checked against the range.
     uint4 wr[Q];
     u32 sc[Q][2];  // a unit's scales of c0 and c0 + 8 (kept apart: combining them would wait for the loads)
-    auto load_batch = [&](u32 bt) {
+    auto load_batch = [&](u32 bt, auto full) {
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
-            if (bt * Q + j < steps) {
+            if (decltype(full)::value || bt * Q + j < steps) {
                 wr[j] = load_stream(wnext, policy);
                 wnext += wstep;
                 if (j % FK == 0) {
@@ -1428,7 +1441,10 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
         for (int i = 0; i < Q / 4; ++i)
             tma_load_3d(xbuf + (bt & 1) * L::X_BUF + 4 * i * L::X_STEP, &wgp.x_map, kt0 / 4 + bt * Q + 4 * i, bar);
     };
-    if (batches > 0) load_batch(0);
+    if (batches > 0) {
+        if (STOKE_INT4_WG_FULL && Q <= steps) load_batch(0, WgFull<true>{});
+        else load_batch(0, WgFull<false>{});
+    }
     if (STOKE_INT4_PDL) griddep_wait();
     if (batches > 0) copy_x(0);
 
@@ -1443,11 +1459,11 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     };
     // The batch's weights go to shared memory (word j to region j), its scales to scb.
     u32 scb[Q];
-    auto store_batch = [&](u32 bt, u32 ws0) {
+    auto store_batch = [&](u32 bt, u32 ws0, auto full) {
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
             const u32 st = ws0 + j * L::W_STEP + warp * 128 + lane * 4;
-            if (bt * Q + j < steps) {
+            if (decltype(full)::value || bt * Q + j < steps) {
                 sts32(st, wr[j].x);
                 sts32(st + 512, wr[j].y);
                 sts32(st + 1024, wr[j].z);
@@ -1455,7 +1471,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
                 scb[j] = sc[j][0] | sc[j][1] << 16;
             }
         }
-        if ((bt + 1) * Q > steps) {
+        if (!decltype(full)::value) {
             // The padding steps of a partial last batch (see the loop below): zero weights
             // (q = 8), zero scales.
 #pragma unroll
@@ -1494,10 +1510,13 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
         // Drained once per batch: the x buffer the next copy overwrites was read by the last one.
         wg_wait_all();
         if (bt > 0) fold(part[1]);  // the previous batch's last unit
-        store_batch(bt, ws0);
+        // Only a last, partial batch checks its steps against the range (and pads).
+        if (STOKE_INT4_WG_FULL && (bt + 1) * Q <= steps) store_batch(bt, ws0, WgFull<true>{});
+        else store_batch(bt, ws0, WgFull<false>{});
         __syncthreads();
         if (bt + 1 < batches) {
-            load_batch(bt + 1);
+            if (STOKE_INT4_WG_FULL && (bt + 2) * Q <= steps) load_batch(bt + 1, WgFull<true>{});
+            else load_batch(bt + 1, WgFull<false>{});
             copy_x(bt + 1);
         }
         mbar_wait(bars + 8 * (bt & 1), (bt >> 1) & 1);
