@@ -177,6 +177,20 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 #ifndef STOKE_ATTN_PARTIAL_F16
 #define STOKE_ATTN_PARTIAL_F16 0
 #endif
+// Programmatic dependent launch (the entry's `_pdl` global; Runtime::launch): the kernel lets
+// the next kernel on the stream launch at once, and before it waits for the previous kernel
+// (griddepcontrol.wait) it only asks the L2 for the first STOKE_ATTN_PDL_PREFETCH batches of
+// each warp's cache rows, so their DRAM round trip overlaps the previous kernel's end. Those
+// are hints: the slot is read before the wait only to place them (a stale value prefetches
+// other rows), and every load that feeds the results comes after the wait (the L2 is
+// coherent). 0: launched in plain stream order.
+#ifndef STOKE_ATTN_PDL
+#define STOKE_ATTN_PDL 1
+#endif
+#ifndef STOKE_ATTN_PDL_PREFETCH
+#define STOKE_ATTN_PDL_PREFETCH 1
+#endif
+
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int MAX_GROUP = 8;
 
@@ -863,6 +877,43 @@ struct AttnShape {
 
 extern __shared__ __align__(16) unsigned char attn_dyn_smem[];
 
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+    asm volatile("prefetch.global.L2::evict_normal [%0];" ::"l"(ptr));
+}
+
+// STOKE_ATTN_PDL: lets the next kernel launch, asks the L2 for this warp's first batches of
+// cache rows (keys and values; positions from the split alone, clipped to the slot's capacity:
+// no length is read), then waits for the previous kernel. Nothing before the wait reads what
+// another kernel writes except the slot index, and that only places the hints.
+template <int FMT, int D>
+__device__ __forceinline__ void attn_pdl_prologue(const AttnParams& p) {
+    if (!STOKE_ATTN_PDL) return;
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (STOKE_ATTN_PDL_PREFETCH > 0 && !STOKE_ATTN_RANGES) {
+        using S = AttnShape<FMT, D>;
+        constexpr int KB = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;  // bytes per row
+        constexpr int LINES = 16 * S::TILES * KB / 128;  // 128-byte lines per batch of a warp
+        const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        const KvCache& c = p.cache;
+        u32 slot;
+        asm volatile("ld.global.u32 %0, [%1];" : "=r"(slot) : "l"(p.slot_of + blockIdx.z));
+        const u64 row0 = (u64(slot) * c.kv_heads + blockIdx.y) * c.cap;
+        const u32 kw0 = blockIdx.x * p.chunk + warp * 16 * S::TILES;
+#pragma unroll
+        for (int f = 0; f < STOKE_ATTN_PDL_PREFETCH; ++f) {
+            const u32 r0 = kw0 + f * S::WARPS * 16 * S::TILES;
+            for (u32 i = lane; i < u32(LINES); i += 32) {
+                const u32 row = r0 + i * 128 / KB;
+                if (row >= c.cap) break;
+                const u64 at = (row0 + r0) * KB + u64(i) * 128;
+                prefetch_l2(static_cast<const u8*>(c.k) + at);
+                prefetch_l2(static_cast<const u8*>(c.v) + at);
+            }
+        }
+    }
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 // The attention kernel (entry points decode_attn_FMT_dD), one warp per 16-key tile at a time;
 // the tensor-core layout is in the header.
 template <int FMT, int D>
@@ -881,6 +932,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         if (int(dyn) < int(S::DYN)) __trap();
     }
 
+    attn_pdl_prologue<FMT, D>(p);
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
     const u32 split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
@@ -1369,9 +1421,11 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 // split plan asks the occupancy calculator.
 // Holding BF16 and FP8 to 168 registers for 3 CTAs per SM was measured slower
 // (results/experiments/h200-attention-3ctas-f301e7a.json).
-// NAME_dyn_smem: the dynamic shared memory each launch must bring (Runtime::kernel reads it).
+// NAME_dyn_smem: the dynamic shared memory each launch must bring; NAME_pdl: launched with
+// programmatic dependent launch (STOKE_ATTN_PDL). Runtime::kernel reads both.
 #define DECODE_ATTN_ENTRY(NAME, FMT, D, W, MC)                                                       \
     extern "C" __device__ unsigned NAME##_dyn_smem = AttnShape<FMT, D>::DYN;                        \
+    extern "C" __device__ unsigned NAME##_pdl = STOKE_ATTN_PDL;                                     \
     extern "C" __global__ void __launch_bounds__(W * 32, MC) NAME(const AttnParams p) { decode_attn<FMT, D>(p); }
 
 DECODE_ATTN_ENTRY(decode_attn_bf16_d64, FMT_BF16, 64, STOKE_ATTN_WARPS, STOKE_ATTN_MIN_CTAS)
