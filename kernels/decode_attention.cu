@@ -183,10 +183,19 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 // each warp's cache rows, so their DRAM round trip overlaps the previous kernel's end. Those
 // are hints: the slot is read before the wait only to place them (a stale value prefetches
 // other rows), and every load that feeds the results comes after the wait (the L2 is
-// coherent). 0: launched in plain stream order.
+// coherent). 0: launched in plain stream order. STOKE_ATTN_PDL is the mirrors' (FP8 / INT4),
+// STOKE_ATTN_PDL_BF16 the BF16 cache's. Both on against both off, same run (graphs of
+// back-to-back calls; results/experiments/h200-attention-pdl-b48a9b7.json): the mirrors 1-5%
+// faster at every point (INT4 B = 32, ctx 4096 41.61 -> 41.15 us at 70B, ctx 32k 20.05 ->
+// 19.54), BF16 2-5% faster at context 1024 but 1.5-1.7% slower at B = 32, ctx 4096 (125.94 ->
+// 128.12 us at 70B) and at 8B ctx 32k, so BF16 stays in stream order.
 #ifndef STOKE_ATTN_PDL
 #define STOKE_ATTN_PDL 1
 #endif
+#ifndef STOKE_ATTN_PDL_BF16
+#define STOKE_ATTN_PDL_BF16 0
+#endif
+#define ATTN_PDL(FMT) ((FMT) == FMT_BF16 ? STOKE_ATTN_PDL_BF16 : STOKE_ATTN_PDL)
 #ifndef STOKE_ATTN_PDL_PREFETCH
 #define STOKE_ATTN_PDL_PREFETCH 1
 #endif
@@ -887,7 +896,7 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr) {
 // another kernel writes except the slot index, and that only places the hints.
 template <int FMT, int D>
 __device__ __forceinline__ void attn_pdl_prologue(const AttnParams& p) {
-    if (!STOKE_ATTN_PDL) return;
+    if (!ATTN_PDL(FMT)) return;
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     if (STOKE_ATTN_PDL_PREFETCH > 0 && !STOKE_ATTN_RANGES) {
         using S = AttnShape<FMT, D>;
@@ -1422,10 +1431,10 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 // Holding BF16 and FP8 to 168 registers for 3 CTAs per SM was measured slower
 // (results/experiments/h200-attention-3ctas-f301e7a.json).
 // NAME_dyn_smem: the dynamic shared memory each launch must bring; NAME_pdl: launched with
-// programmatic dependent launch (STOKE_ATTN_PDL). Runtime::kernel reads both.
+// programmatic dependent launch (STOKE_ATTN_PDL, _BF16). Runtime::kernel reads both.
 #define DECODE_ATTN_ENTRY(NAME, FMT, D, W, MC)                                                       \
     extern "C" __device__ unsigned NAME##_dyn_smem = AttnShape<FMT, D>::DYN;                        \
-    extern "C" __device__ unsigned NAME##_pdl = STOKE_ATTN_PDL;                                     \
+    extern "C" __device__ unsigned NAME##_pdl = ATTN_PDL(FMT);                                      \
     extern "C" __global__ void __launch_bounds__(W * 32, MC) NAME(const AttnParams p) { decode_attn<FMT, D>(p); }
 
 DECODE_ATTN_ENTRY(decode_attn_bf16_d64, FMT_BF16, 64, STOKE_ATTN_WARPS, STOKE_ATTN_MIN_CTAS)
