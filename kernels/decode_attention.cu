@@ -904,8 +904,10 @@ __device__ __forceinline__ void attn_pdl_prologue(const AttnParams& p) {
         constexpr int LINES = 16 * S::TILES * KB / 128;  // 128-byte lines per batch of a warp
         const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         const KvCache& c = p.cache;
+        // Through the L2 only (.cg): a line of slot_of left in this SM's L1 before the wait could
+        // serve the kernel's own read after it with a value an earlier kernel has since changed.
         u32 slot;
-        asm volatile("ld.global.u32 %0, [%1];" : "=r"(slot) : "l"(p.slot_of + blockIdx.z));
+        asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(slot) : "l"(p.slot_of + blockIdx.z));
         const u64 row0 = (u64(slot) * c.kv_heads + blockIdx.y) * c.cap;
         const u32 kw0 = blockIdx.x * p.chunk + warp * 16 * S::TILES;
 #pragma unroll
