@@ -65,6 +65,12 @@ typedef unsigned long long u64;
 
 enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 
+// Bytes of one cache row (d values) in format FMT: bf16, one e4m3 code or one nibble per value.
+template <int FMT, int D>
+__host__ __device__ constexpr int row_bytes() {
+    return FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
+}
+
 // Tuning knobs, overridable by NVRTC defines (benchmarks time variants through
 // Runtime::set_defines; the defaults are the shipped kernels): 16-key tiles of loads a warp
 // queues before computing (INT4, and BF16 / FP8), and the launch bounds' CTAs per SM.
@@ -661,7 +667,7 @@ template <int FMT, int D, int VP>
 __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, u32 k0, u32 k1, u32 lane,
                                          Raw<FMT, D>& r, u16* tile, u8* ktile) {
     const u32 g = lane >> 2, t = lane & 3;
-    constexpr int KB = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;  // bytes per row
+    constexpr int KB = row_bytes<FMT, D>();
     constexpr int KP = Piece<KB / 4>::BYTES, VP2 = Piece<KB / 2>::BYTES;
     if (FMT == FMT_BF16 && STOKE_ATTN_K_SMEM) {  // chunks swizzled (KTile)
         copy_tile_rows<KB>(c.k, row0, base, k0, k1, lane, [&](u32 row, u32 chunk) { return smem_u32(ktile + KTile<D>::at(row, chunk)); });
@@ -768,7 +774,7 @@ __device__ __forceinline__ void operand_values(int R, int& e0, int& e1, float& q
 template <int FMT, int D, int VP>
 __device__ __forceinline__ void load_tile_fast(const u8* kp, const u8* vp, const float* ksp, const float* vsp,
                                               int ti, Raw<FMT, D>& r, u32 vdst, u32 kdst) {
-    constexpr int KB = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
+    constexpr int KB = row_bytes<FMT, D>();
     constexpr int KP = Piece<KB / 4>::BYTES, VP2 = Piece<KB / 2>::BYTES;
     if (FMT == FMT_BF16 && STOKE_ATTN_K_SMEM) {
         // kp: the lane's chunk of its first row (load_tile); kdst: its swizzled place in slot 0.
@@ -900,7 +906,7 @@ __device__ __forceinline__ void attn_pdl_prologue(const AttnParams& p) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     if (STOKE_ATTN_PDL_PREFETCH > 0 && !STOKE_ATTN_RANGES) {
         using S = AttnShape<FMT, D>;
-        constexpr int KB = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;  // bytes per row
+        constexpr int KB = row_bytes<FMT, D>();
         constexpr int LINES = 16 * S::TILES * KB / 128;  // 128-byte lines per batch of a warp
         const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
         const KvCache& c = p.cache;
@@ -964,7 +970,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         if (h < group) load_words<E / 2>(reinterpret_cast<const u8*>(p.q + ((u64(b) * p.heads + kvh * group + h) * D + lane * E)), qraw[r]);
     }
     // Bytes per cache row; a lane's key pieces (KP bytes, KE values) and value pieces (VP2 bytes).
-    constexpr int KB = FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
+    constexpr int KB = row_bytes<FMT, D>();
     constexpr int KP = Piece<KB / 4>::BYTES, VP2 = FMT == FMT_BF16 ? 16 : Piece<KB / 2>::BYTES;
     constexpr int KE = FMT == FMT_BF16 ? KP / 2 : FMT == FMT_FP8 ? KP : 2 * KP;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};  // heads 2t, 2t + 1 (l: this lane's keys)
