@@ -205,6 +205,17 @@ __host__ __device__ constexpr int row_bytes() {
 #ifndef STOKE_ATTN_PDL_PREFETCH
 #define STOKE_ATTN_PDL_PREFETCH 1
 #endif
+// 1: a split launch of 2-8 splits whose clusters are all resident at once forms one thread-block
+// cluster per (sequence, kv head) (the entry's `_cluster` global; the runtime decides per launch),
+// and the splits merge through distributed shared memory: each CTA leaves its heads' partials
+// (max, sum, unnormalized output) in its own shared memory, a cluster barrier, then CTA q merges
+// heads q, q + splits, ... from every CTA's memory and writes them, and a second barrier keeps
+// each CTA's memory until the cluster has read it. No partials in global memory, no arrival
+// count, and the merge is spread over the splits instead of done by the last one to finish.
+// 0 (or a launch without a cluster): the partials and the last split's merge below.
+#ifndef STOKE_ATTN_CLUSTER
+#define STOKE_ATTN_CLUSTER 1
+#endif
 
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int MAX_GROUP = 8;
@@ -334,6 +345,37 @@ __device__ __forceinline__ void store_bf16(u16* p, const float (&x)[E]) {
         *reinterpret_cast<uint2*>(p) = make_uint2(w0, u32(f32_to_bf16(x[2 % E])) | (u32(f32_to_bf16(x[3 % E])) << 16));
     else
         *reinterpret_cast<u32*>(p) = w0;
+}
+
+// Thread-block clusters (STOKE_ATTN_CLUSTER). Without a cluster launch a CTA is its own
+// cluster of one.
+__device__ __forceinline__ u32 cluster_ctas() {
+    u32 n;
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+}
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// Every thread of every CTA of the cluster: shared-memory writes before it are visible to the
+// cluster's reads after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// E (2 or 4) floats at shared address `addr` (this CTA's layout) of cluster CTA `rank`.
+template <int E>
+__device__ __forceinline__ void ld_cluster_floats(u32 addr, u32 rank, float (&x)[E]) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    if (E == 4)
+        asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(x[0]), "=f"(x[1 % E]), "=f"(x[2 % E]), "=f"(x[3 % E])
+                     : "r"(remote)
+                     : "memory");
+    else
+        asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(x[0]), "=f"(x[E - 1]) : "r"(remote) : "memory");
 }
 
 // A head's merged output slice (lane l: dims l E ..): divided by the row sum, rotated back
@@ -896,6 +938,48 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr) {
     asm volatile("prefetch.global.L2::evict_normal [%0];" ::"l"(ptr));
 }
 
+// STOKE_ATTN_CLUSTER: the merge of a cluster's splits. CTA q (split q) merges heads q, q + splits,
+// ..., a warp per head: lane s holds split s's (max, sum) from `ml` ([head][2] floats) of CTA s,
+// and the splits' outputs from `part` ([head][D] floats) are added in a fixed order
+// (deterministic). Not inlined: at the end of the attention kernel its registers are free, and
+// inlined it made ptxas spill in the INT4 kernel's merge.
+template <int D, int WARPS>
+__device__ __noinline__ void cluster_merge(const AttnParams& p, u32 part, u32 ml, u32 group, u32 kvh, u32 b, u32 warp, u32 lane) {
+    constexpr int E = D / 32;
+    cluster_sync();
+    const u32 rank = cluster_rank(), ns = p.splits;
+    for (u32 h = rank + warp * ns; h < group; h += WARPS * ns) {
+        float ms = NEG_INF, ls = 0.0f;
+        if (lane < ns) {
+            float v[2];
+            ld_cluster_floats<2>(ml + h * 8, lane, v);
+            ms = v[0];
+            ls = v[1];
+        }
+        float mx = ms;
+#pragma unroll
+        for (int o2 = 16; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
+        const float f = ms == NEG_INF ? 0.0f : __expf(ms - mx);  // an empty split adds 0
+        float lsum = ls * f;
+#pragma unroll
+        for (int o2 = 16; o2 > 0; o2 >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, o2);
+        float os[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) os[e] = 0.0f;
+#pragma unroll
+        for (u32 s = 0; s < 8; ++s) {
+            const float fs = __shfl_sync(0xffffffffu, f, s);
+            if (s >= ns) break;
+            float x[E];
+            ld_cluster_floats<E>(part + (h * D + lane * E) * 4, s, x);
+#pragma unroll
+            for (int e = 0; e < E; ++e) os[e] += x[e] * fs;
+        }
+        write_head<D>(os, lsum, p.block, lane, p.out + (u64(b) * p.heads + kvh * group + h) * D);
+    }
+    cluster_sync();  // every CTA's partials stay until the cluster has read them
+}
+
 // STOKE_ATTN_PDL: lets the next kernel launch, asks the L2 for this warp's first batches of
 // cache rows (keys and values; positions from the split alone, clipped to the slot's capacity:
 // no length is read), then waits for the previous kernel. Nothing before the wait reads what
@@ -942,6 +1026,9 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     __shared__ __align__(16) float qs[MAX_GROUP][QsRow<D>::P];
     __shared__ __align__(16) unsigned char vt_static[KSM ? 16 : S::VT_AREA];
     __shared__ float wm[WARPS][MAX_GROUP], wl[WARPS][MAX_GROUP];
+    // STOKE_ATTN_CLUSTER: this split's partials, read by the cluster's merge.
+    __shared__ __align__(16) float cpart[STOKE_ATTN_CLUSTER ? MAX_GROUP : 1][D];
+    __shared__ __align__(8) float cml[STOKE_ATTN_CLUSTER ? MAX_GROUP : 1][2];
     unsigned char* const vt_raw = KSM ? attn_dyn_smem : vt_static;
     if (KSM) {  // the launch must bring the dynamic area (the host reads <entry>_dyn_smem)
         u32 dyn;
@@ -1291,7 +1378,9 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     __syncthreads();
     // A warp per head merges its warps' outputs (lane l: dims l E ..). One split: the CTA holds
     // the whole output of its heads; normalized, rotated back and written as bf16 here, with no
-    // partials and no combine. Else the split's partial (max, sum, unnormalized output).
+    // partials and no combine. Else the split's partial (max, sum, unnormalized output): in this
+    // CTA's shared memory when the splits form a cluster, else in global memory.
+    const bool dsm = STOKE_ATTN_CLUSTER && p.splits > 1 && cluster_ctas() == p.splits;
 #pragma unroll
     for (int r = 0; r < QR; ++r) {
         const u32 h = warp + WARPS * r;
@@ -1314,6 +1403,12 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         const u64 row = u64(b) * p.heads + kvh * group + h;
         if (p.splits == 1) {
             write_head<D>(os, lsum, p.block, lane, p.out + row * D);
+        } else if (STOKE_ATTN_CLUSTER && dsm) {
+            store_floats<E>(&cpart[STOKE_ATTN_CLUSTER ? h : 0][lane * E], os);
+            if (lane == 0) {
+                cml[STOKE_ATTN_CLUSTER ? h : 0][0] = mx;
+                cml[STOKE_ATTN_CLUSTER ? h : 0][1] = lsum;
+            }
         } else {
             const u64 ph = row * p.splits + split;
 #if STOKE_ATTN_PARTIAL_F16
@@ -1328,6 +1423,10 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         }
     }
     if (p.splits == 1) return;
+    if (STOKE_ATTN_CLUSTER && dsm) {
+        cluster_merge<D, WARPS>(p, smem_u32(&cpart[0][0]), smem_u32(&cml[0][0]), group, kvh, b, warp, lane);
+        return;
+    }
     // The last split of (b, kvh) to finish merges every split's partials (no second launch) and
     // puts the arrival count back to zero for the next launch.
     __shared__ u32 last;
@@ -1439,10 +1538,12 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 // Holding BF16 and FP8 to 168 registers for 3 CTAs per SM was measured slower
 // (results/experiments/h200-attention-3ctas-f301e7a.json).
 // NAME_dyn_smem: the dynamic shared memory each launch must bring; NAME_pdl: launched with
-// programmatic dependent launch (STOKE_ATTN_PDL, _BF16). Runtime::kernel reads both.
+// programmatic dependent launch (STOKE_ATTN_PDL, _BF16); NAME_cluster: split launches may form
+// clusters (STOKE_ATTN_CLUSTER). Runtime::kernel reads all three.
 #define DECODE_ATTN_ENTRY(NAME, FMT, D, W, MC)                                                       \
     extern "C" __device__ unsigned NAME##_dyn_smem = AttnShape<FMT, D>::DYN;                        \
     extern "C" __device__ unsigned NAME##_pdl = ATTN_PDL(FMT);                                      \
+    extern "C" __device__ unsigned NAME##_cluster = STOKE_ATTN_CLUSTER;                             \
     extern "C" __global__ void __launch_bounds__(W * 32, MC) NAME(const AttnParams p) { decode_attn<FMT, D>(p); }
 
 DECODE_ATTN_ENTRY(decode_attn_bf16_d64, FMT_BF16, 64, STOKE_ATTN_WARPS, STOKE_ATTN_MIN_CTAS)

@@ -315,6 +315,17 @@ fn attention_matches_reference() -> Result<Value, String> {
             outlier: 1.0,
             splits: Some(70),
         },
+        // 8 forced splits: clusters of 8 CTAs where they are all resident, merging through
+        // distributed shared memory (a head per CTA); the 17-key sequence leaves 7 splits empty.
+        Case {
+            heads: 64,
+            kv_heads: 8,
+            d: 128,
+            lens: vec![4097, 1000, 17],
+            outliers: 0,
+            outlier: 1.0,
+            splits: Some(8),
+        },
     ];
     let mut report = Vec::new();
     let mut worst = 0f64;
@@ -426,8 +437,12 @@ fn attention_matches_reference() -> Result<Value, String> {
                     .splits(&rt, batch as u32, max_len)
                     .map_err(|e| e.to_string())?,
             };
+            let cluster = f
+                .cache
+                .cluster_ctas(&rt, batch as u32, max_len, c.splits)
+                .map_err(|e| e.to_string())?;
             report.push(json!({"format": format.name(), "block": block, "heads": c.heads, "kv_heads": c.kv_heads, "d": c.d,
-            "batch": batch, "max_len": max_len, "splits": splits, "kernel_rel_err": kern_err, "quantization_rel_err": quant_err,
+            "batch": batch, "max_len": max_len, "splits": splits, "cluster": cluster, "kernel_rel_err": kern_err, "quantization_rel_err": quant_err,
             "append_rows_differing": append_mismatch, "append_rows": append_rows}));
         }
     }
@@ -590,7 +605,7 @@ pub fn bench(copy_gbps: f64) -> Value {
                     100.0 * gbps / copy_gbps
                 );
                 sweep.push(json!({"shape": name, "batch": batch, "ctx": ctx, "format": format.name(),
-                    "splits": s, "chunk": t.chunk, "us": t.us, "gbps": gbps, "of_copy": gbps / copy_gbps}));
+                    "splits": s, "cluster": t.cluster, "chunk": t.chunk, "us": t.us, "gbps": gbps, "of_copy": gbps / copy_gbps}));
             }
         }
     }
@@ -598,13 +613,16 @@ pub fn bench(copy_gbps: f64) -> Value {
 }
 
 /// Forced split counts timed at (shape index in BENCH_SHAPES, batch, context) points (the plan
-/// picks 1 at B = 32, ctx 4096, 32 at B = 1, ctx 32k and 4 at B = 8, ctx 1024).
+/// picks 1 at B = 32, ctx 4096, 32 at B = 1, ctx 32k, 4 at B = 8, ctx 1024 and 16 at B = 1,
+/// ctx 1024; 2-8 splits form clusters).
 const SPLIT_SWEEP: &[(usize, u32, u32, &[u32])] = &[
     (0, 32, 4096, &[2, 4]),
     (0, 1, 32768, &[16, 24, 48, 64]),
     (1, 1, 32768, &[16, 24]),
     (0, 8, 1024, &[1, 2, 8]),
     (1, 8, 1024, &[1, 2, 8]),
+    (0, 1, 1024, &[4, 8]),
+    (1, 1, 1024, &[4, 8]),
 ];
 
 /// One timed benchmark point.
@@ -617,6 +635,10 @@ struct PointTime {
     copies: usize,
     /// Keys per split of a forced split count (0: the plan's).
     chunk: u32,
+    /// Split-KV CTAs per (sequence, kv head), and CTAs per cluster (1: the splits merge
+    /// through global memory; else they form one cluster).
+    splits: u32,
+    cluster: u32,
 }
 
 /// Times decode attention at one point: enough caches (>= 160 MB) that the L2 never holds the
@@ -647,6 +669,11 @@ fn time_point(
         step.attend(rt, &caches[i % copies], splits)
     });
     let chunk = splits.map_or(0, |s| forced_split(ctx, s).0);
+    let used = match splits {
+        Some(s) => forced_split(ctx, s).1,
+        None => caches[0].splits(rt, batch, ctx).unwrap(),
+    };
+    let cluster = caches[0].cluster_ctas(rt, batch, ctx, splits).unwrap();
     PointTime {
         us: t.us,
         stream_us: t.stream_us,
@@ -654,6 +681,8 @@ fn time_point(
         bytes: caches[0].bytes_read(step.rows as usize),
         copies,
         chunk,
+        splits: used,
+        cluster,
     }
 }
 
@@ -680,7 +709,8 @@ fn bench_variant(rt: &Arc<Runtime>, copy_gbps: f64, variant: &str, rows: &mut Ve
                 );
                 let mut row = json!({"shape": name, "heads": heads, "kv_heads": kvh, "d": d, "batch": batch, "ctx": ctx,
                 "format": format.name(), "block": block, "us": us, "host_us": host_us, "bytes": bytes, "gbps": gbps,
-                "of_copy": gbps / copy_gbps, "copies": t.copies, "stream_us": t.stream_us});
+                "of_copy": gbps / copy_gbps, "copies": t.copies, "stream_us": t.stream_us, "splits": t.splits,
+                "cluster": t.cluster});
                 if !variant.is_empty() {
                     row["defines"] = json!(variant);
                 }

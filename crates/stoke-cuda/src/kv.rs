@@ -5,6 +5,7 @@
 //! and how many keys it attends to are device buffers (`slot_of`, `pos`, `len`), so a captured
 //! decode step replays with new positions.
 
+use crate::int4::MAX_CLUSTER_SPLITS;
 use crate::kernels::DECODE_ATTENTION;
 use crate::kernels::decode_attention::{
     AppendParams, AttnParams, KvCacheParams, KvFormat, attn_entry, check_shape, forced_split,
@@ -219,10 +220,12 @@ impl DeviceKvCache {
             }
         };
         let threads = kernel.max_threads;
-        // One split: the attention kernel writes the output itself (no partials). More: each
-        // split writes its partials and the last to finish merges them; the arrival counts come
-        // from the runtime's zeroed scratch, which the kernel leaves zeroed.
-        let parts = if splits > 1 {
+        let cluster = self.attn_cluster(rt, &kernel, batch, splits)?;
+        // One split: the attention kernel writes the output itself (no partials). Splits that
+        // form a cluster merge through each other's shared memory (no partials either). Else
+        // each split writes its partials and the last to finish merges them; the arrival counts
+        // come from the runtime's zeroed scratch, which the kernel leaves zeroed.
+        let parts = if splits > 1 && cluster.is_none() {
             let items = batch as usize * heads as usize * splits as usize;
             let arrived = rt.zeroed_scratch(batch as usize * self.kv_heads as usize * 4)?;
             Some((
@@ -259,8 +262,43 @@ impl DeviceKvCache {
             block: (threads, 1, 1),
             shared_mem_bytes: kernel.dyn_smem,
         };
-        // SAFETY: as above; the partials are Stoke buffers freed on this stream after use.
-        unsafe { rt.launch(&kernel, shape, &params) }
+        // SAFETY: as above; the partials are Stoke buffers freed on this stream after use; the
+        // kernel is written for clusters of its splits (`<entry>_cluster`).
+        unsafe { rt.launch_cluster(&kernel, shape, cluster, &params) }
+    }
+
+    /// The thread-block cluster a split launch forms: (splits, 1, 1) for 2 to
+    /// [`MAX_CLUSTER_SPLITS`] splits where the kernel merges through distributed shared memory
+    /// (`<entry>_cluster`, STOKE_ATTN_CLUSTER) and every (sequence, kv head)'s cluster is
+    /// resident at once (a waiting cluster would hold its finished CTAs' slots); else none.
+    fn attn_cluster(
+        &self,
+        rt: &Runtime,
+        kernel: &Kernel,
+        batch: u32,
+        splits: u32,
+    ) -> Result<Option<(u32, u32, u32)>> {
+        if !kernel.cluster || !(2..=MAX_CLUSTER_SPLITS).contains(&splits) {
+            return Ok(None);
+        }
+        let cluster = (splits, 1, 1);
+        let resident = rt.max_active_clusters(kernel, kernel.max_threads, cluster)?;
+        Ok((u64::from(batch) * u64::from(self.kv_heads) <= u64::from(resident)).then_some(cluster))
+    }
+
+    /// CTAs per cluster of the launch [`Self::attend_splits`] makes for `batch` sequences of at
+    /// most `max_len` keys with `splits` (None: the plan's): the split count when the splits
+    /// merge through distributed shared memory, else 1.
+    pub fn cluster_ctas(
+        &self,
+        rt: &Runtime,
+        batch: u32,
+        max_len: u32,
+        splits: Option<u32>,
+    ) -> Result<u32> {
+        let (kernel, _, s) = self.attn_plan(rt, batch, max_len)?;
+        let s = splits.map_or(s, |f| forced_split(max_len, f).1);
+        Ok(self.attn_cluster(rt, &kernel, batch, s)?.map_or(1, |c| c.0))
     }
 
     /// The attention kernel of this cache and its split-KV plan for `batch` sequences of at
