@@ -206,7 +206,8 @@ __host__ __device__ constexpr int row_bytes() {
 #define STOKE_ATTN_PDL_PREFETCH 1
 #endif
 // 1: a split launch of 2-8 splits whose clusters are all resident at once forms one thread-block
-// cluster per (sequence, kv head) (the entry's `_cluster` global; the runtime decides per launch),
+// cluster per (sequence, kv head) on the `_cl` entry points (the runtime decides per launch, and
+// the split plan counts such a split's merge as free),
 // and the splits merge through distributed shared memory: each CTA leaves its heads' partials
 // (max, sum, unnormalized output) in its own shared memory, a cluster barrier, then CTA q merges
 // heads q, q + splits, ... from every CTA's memory and writes them, and a second barrier keeps
@@ -1017,7 +1018,7 @@ __device__ __forceinline__ void attn_pdl_prologue(const AttnParams& p) {
 
 // The attention kernel (entry points decode_attn_FMT_dD), one warp per 16-key tile at a time;
 // the tensor-core layout is in the header.
-template <int FMT, int D>
+template <int FMT, int D, bool CL>
 __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     using S = AttnShape<FMT, D>;
     constexpr bool F16 = FMT != FMT_BF16;
@@ -1026,9 +1027,10 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     __shared__ __align__(16) float qs[MAX_GROUP][QsRow<D>::P];
     __shared__ __align__(16) unsigned char vt_static[KSM ? 16 : S::VT_AREA];
     __shared__ float wm[WARPS][MAX_GROUP], wl[WARPS][MAX_GROUP];
-    // STOKE_ATTN_CLUSTER: this split's partials, read by the cluster's merge.
-    __shared__ __align__(16) float cpart[STOKE_ATTN_CLUSTER ? MAX_GROUP : 1][D];
-    __shared__ __align__(8) float cml[STOKE_ATTN_CLUSTER ? MAX_GROUP : 1][2];
+    // The cluster entry points (CL): this split's partials, read by the cluster's merge.
+    constexpr bool CLM = CL && STOKE_ATTN_CLUSTER;
+    __shared__ __align__(16) float cpart[CLM ? MAX_GROUP : 1][CLM ? D : 4];
+    __shared__ __align__(8) float cml[CLM ? MAX_GROUP : 1][2];
     unsigned char* const vt_raw = KSM ? attn_dyn_smem : vt_static;
     if (KSM) {  // the launch must bring the dynamic area (the host reads <entry>_dyn_smem)
         u32 dyn;
@@ -1379,8 +1381,10 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     // A warp per head merges its warps' outputs (lane l: dims l E ..). One split: the CTA holds
     // the whole output of its heads; normalized, rotated back and written as bf16 here, with no
     // partials and no combine. Else the split's partial (max, sum, unnormalized output): in this
-    // CTA's shared memory when the splits form a cluster, else in global memory.
-    const bool dsm = STOKE_ATTN_CLUSTER && p.splits > 1 && cluster_ctas() == p.splits;
+    // CTA's shared memory (cluster entry points, launched as clusters of the splits), else in
+    // global memory.
+    if (CLM && p.splits > 1 && cluster_ctas() != p.splits) __trap();  // the host's contract
+    const bool dsm = CLM && p.splits > 1;
 #pragma unroll
     for (int r = 0; r < QR; ++r) {
         const u32 h = warp + WARPS * r;
@@ -1403,11 +1407,11 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         const u64 row = u64(b) * p.heads + kvh * group + h;
         if (p.splits == 1) {
             write_head<D>(os, lsum, p.block, lane, p.out + row * D);
-        } else if (STOKE_ATTN_CLUSTER && dsm) {
-            store_floats<E>(&cpart[STOKE_ATTN_CLUSTER ? h : 0][lane * E], os);
+        } else if (CLM && dsm) {
+            store_floats<E>(&cpart[CLM ? h : 0][CLM ? lane * E : 0], os);
             if (lane == 0) {
-                cml[STOKE_ATTN_CLUSTER ? h : 0][0] = mx;
-                cml[STOKE_ATTN_CLUSTER ? h : 0][1] = lsum;
+                cml[CLM ? h : 0][0] = mx;
+                cml[CLM ? h : 0][1] = lsum;
             }
         } else {
             const u64 ph = row * p.splits + split;
@@ -1423,7 +1427,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         }
     }
     if (p.splits == 1) return;
-    if (STOKE_ATTN_CLUSTER && dsm) {
+    if (CLM && dsm) {
         cluster_merge<D, WARPS>(p, smem_u32(&cpart[0][0]), smem_u32(&cml[0][0]), group, kvh, b, warp, lane);
         return;
     }
@@ -1537,14 +1541,21 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 // split plan asks the occupancy calculator.
 // Holding BF16 and FP8 to 168 registers for 3 CTAs per SM was measured slower
 // (results/experiments/h200-attention-3ctas-f301e7a.json).
+// Each format and head dim has two entry points: NAME, and NAME_cl, whose split launches are
+// clusters of their splits merging through distributed shared memory (STOKE_ATTN_CLUSTER). Kept
+// apart because the plain kernel built with the cluster merge in it ran 4-6% slower at every
+// point in the run that timed the first form (e56ebe1), launches without clusters included.
 // NAME_dyn_smem: the dynamic shared memory each launch must bring; NAME_pdl: launched with
-// programmatic dependent launch (STOKE_ATTN_PDL, _BF16); NAME_cluster: split launches may form
-// clusters (STOKE_ATTN_CLUSTER). Runtime::kernel reads all three.
+// programmatic dependent launch (STOKE_ATTN_PDL, _BF16); NAME_cl_cluster: its launches may form
+// clusters. Runtime::kernel reads all three.
 #define DECODE_ATTN_ENTRY(NAME, FMT, D, W, MC)                                                       \
     extern "C" __device__ unsigned NAME##_dyn_smem = AttnShape<FMT, D>::DYN;                        \
     extern "C" __device__ unsigned NAME##_pdl = ATTN_PDL(FMT);                                      \
-    extern "C" __device__ unsigned NAME##_cluster = STOKE_ATTN_CLUSTER;                             \
-    extern "C" __global__ void __launch_bounds__(W * 32, MC) NAME(const AttnParams p) { decode_attn<FMT, D>(p); }
+    extern "C" __global__ void __launch_bounds__(W * 32, MC) NAME(const AttnParams p) { decode_attn<FMT, D, false>(p); } \
+    extern "C" __device__ unsigned NAME##_cl_dyn_smem = AttnShape<FMT, D>::DYN;                     \
+    extern "C" __device__ unsigned NAME##_cl_pdl = ATTN_PDL(FMT);                                   \
+    extern "C" __device__ unsigned NAME##_cl_cluster = STOKE_ATTN_CLUSTER;                          \
+    extern "C" __global__ void __launch_bounds__(W * 32, MC) NAME##_cl(const AttnParams p) { decode_attn<FMT, D, true>(p); }
 
 DECODE_ATTN_ENTRY(decode_attn_bf16_d64, FMT_BF16, 64, STOKE_ATTN_WARPS, STOKE_ATTN_MIN_CTAS)
 DECODE_ATTN_ENTRY(decode_attn_bf16_d128, FMT_BF16, 128, STOKE_ATTN_WARPS, STOKE_ATTN_MIN_CTAS)

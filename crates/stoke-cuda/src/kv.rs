@@ -8,8 +8,8 @@
 use crate::int4::MAX_CLUSTER_SPLITS;
 use crate::kernels::DECODE_ATTENTION;
 use crate::kernels::decode_attention::{
-    AppendParams, AttnParams, KvCacheParams, KvFormat, attn_entry, check_shape, forced_split,
-    split_plan,
+    AppendParams, AttnParams, KvCacheParams, KvFormat, attn_cluster_entry, attn_entry, check_shape,
+    forced_split, split_plan,
 };
 use crate::{DeviceBuffer, Error, Kernel, LaunchShape, Result, Runtime};
 use std::sync::Arc;
@@ -211,16 +211,8 @@ impl DeviceKvCache {
         if batch == 0 {
             return Ok(());
         }
-        let (kernel, chunk, splits) = match splits {
-            None => self.attn_plan(rt, batch, max_len)?,
-            Some(s) => {
-                let (chunk, splits) = forced_split(max_len, s);
-                let kernel = rt.kernel(&DECODE_ATTENTION, attn_entry(self.format, self.d))?;
-                (kernel, chunk, splits)
-            }
-        };
+        let (kernel, chunk, splits, cluster) = self.attn_plan(rt, batch, max_len, splits)?;
         let threads = kernel.max_threads;
-        let cluster = self.attn_cluster(rt, &kernel, batch, splits)?;
         // One split: the attention kernel writes the output itself (no partials). Splits that
         // form a cluster merge through each other's shared memory (no partials either). Else
         // each split writes its partials and the last to finish merges them; the arrival counts
@@ -267,23 +259,16 @@ impl DeviceKvCache {
         unsafe { rt.launch_cluster(&kernel, shape, cluster, &params) }
     }
 
-    /// The thread-block cluster a split launch forms: (splits, 1, 1) for 2 to
-    /// [`MAX_CLUSTER_SPLITS`] splits where the kernel merges through distributed shared memory
-    /// (`<entry>_cluster`, STOKE_ATTN_CLUSTER) and every (sequence, kv head)'s cluster is
-    /// resident at once (a waiting cluster would hold its finished CTAs' slots); else none.
-    fn attn_cluster(
-        &self,
-        rt: &Runtime,
-        kernel: &Kernel,
-        batch: u32,
-        splits: u32,
-    ) -> Result<Option<(u32, u32, u32)>> {
-        if !kernel.cluster || !(2..=MAX_CLUSTER_SPLITS).contains(&splits) {
-            return Ok(None);
+    /// Whether a launch of `splits` splits for `batch` sequences forms clusters on the cluster
+    /// entry point `cl`: 2 to [`MAX_CLUSTER_SPLITS`] splits, the kernel built with the cluster
+    /// merge (`<entry>_cluster`, STOKE_ATTN_CLUSTER), and every (sequence, kv head)'s cluster
+    /// resident at once (a waiting cluster would hold its finished CTAs' slots).
+    fn clusters_fit(&self, rt: &Runtime, cl: &Kernel, batch: u32, splits: u32) -> Result<bool> {
+        if !cl.cluster || !(2..=MAX_CLUSTER_SPLITS).contains(&splits) {
+            return Ok(false);
         }
-        let cluster = (splits, 1, 1);
-        let resident = rt.max_active_clusters(kernel, kernel.max_threads, cluster)?;
-        Ok((u64::from(batch) * u64::from(self.kv_heads) <= u64::from(resident)).then_some(cluster))
+        let resident = rt.max_active_clusters(cl, cl.max_threads, (splits, 1, 1))?;
+        Ok(u64::from(batch) * u64::from(self.kv_heads) <= u64::from(resident))
     }
 
     /// CTAs per cluster of the launch [`Self::attend_splits`] makes for `batch` sequences of at
@@ -296,25 +281,57 @@ impl DeviceKvCache {
         max_len: u32,
         splits: Option<u32>,
     ) -> Result<u32> {
-        let (kernel, _, s) = self.attn_plan(rt, batch, max_len)?;
-        let s = splits.map_or(s, |f| forced_split(max_len, f).1);
-        Ok(self.attn_cluster(rt, &kernel, batch, s)?.map_or(1, |c| c.0))
+        let (.., cluster) = self.attn_plan(rt, batch, max_len, splits)?;
+        Ok(cluster.map_or(1, |c| c.0))
     }
 
     /// The attention kernel of this cache and its split-KV plan for `batch` sequences of at
-    /// most `max_len` keys: (kernel, keys per split, splits). The block size is the kernel's
-    /// launch bounds (warps per CTA are a kernel knob).
-    fn attn_plan(&self, rt: &Runtime, batch: u32, max_len: u32) -> Result<(Kernel, u32, u32)> {
+    /// most `max_len` keys (`forced`: that many splits, [`forced_split`]): (kernel, keys per
+    /// split, splits, cluster). Split launches whose clusters fit run on the cluster entry point
+    /// as clusters of their splits. The block size is the kernel's launch bounds (warps per CTA
+    /// are a kernel knob).
+    #[allow(clippy::type_complexity)]
+    fn attn_plan(
+        &self,
+        rt: &Runtime,
+        batch: u32,
+        max_len: u32,
+        forced: Option<u32>,
+    ) -> Result<(Kernel, u32, u32, Option<(u32, u32, u32)>)> {
         let kernel = rt.kernel(&DECODE_ATTENTION, attn_entry(self.format, self.d))?;
-        let ctas = rt.resident_ctas(&kernel, kernel.max_threads)?;
-        let (chunk, splits) = split_plan(batch, self.kv_heads, max_len, rt.sm_count, ctas);
-        Ok((kernel, chunk, splits))
+        let cl = rt.kernel(&DECODE_ATTENTION, attn_cluster_entry(self.format, self.d))?;
+        // The driver is asked lazily (the runtime caches it per entry and cluster size), its
+        // first error kept.
+        let err = std::cell::RefCell::new(None);
+        let fits = |s: u32| match self.clusters_fit(rt, &cl, batch, s) {
+            Ok(f) => f,
+            Err(e) => {
+                err.borrow_mut().get_or_insert(e);
+                false
+            }
+        };
+        let (chunk, splits) = match forced {
+            Some(s) => forced_split(max_len, s),
+            None => {
+                let ctas = rt.resident_ctas(&kernel, kernel.max_threads)?;
+                split_plan(batch, self.kv_heads, max_len, rt.sm_count, ctas, &fits)
+            }
+        };
+        let clustered = splits > 1 && fits(splits);
+        if let Some(e) = err.into_inner() {
+            return Err(e);
+        }
+        Ok(if clustered {
+            (cl, chunk, splits, Some((splits, 1, 1)))
+        } else {
+            (kernel, chunk, splits, None)
+        })
     }
 
     /// Split-KV CTAs per (sequence, kv head) that [`Self::attend`] launches for `batch`
     /// sequences of at most `max_len` keys (1: no partials to merge).
     pub fn splits(&self, rt: &Runtime, batch: u32, max_len: u32) -> Result<u32> {
-        Ok(self.attn_plan(rt, batch, max_len)?.2)
+        Ok(self.attn_plan(rt, batch, max_len, None)?.2)
     }
 
     /// Bytes decode attention reads for `keys` cached tokens (K and V rows, scales included).

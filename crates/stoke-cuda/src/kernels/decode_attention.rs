@@ -63,6 +63,12 @@ pub const ENTRY_POINTS: &[&str] = &[
     "decode_attn_fp8_d128",
     "decode_attn_int4_d64",
     "decode_attn_int4_d128",
+    "decode_attn_bf16_d64_cl",
+    "decode_attn_bf16_d128_cl",
+    "decode_attn_fp8_d64_cl",
+    "decode_attn_fp8_d128_cl",
+    "decode_attn_int4_d64_cl",
+    "decode_attn_int4_d128_cl",
 ];
 
 /// A cache format (the `FMT_*` values of the `.cu` file).
@@ -122,16 +128,20 @@ pub fn check_shape(heads: u32, kv_heads: u32, d: u32, block: u32) -> Result<(), 
 
 /// Keys per split-KV CTA for contexts up to `max_len`: returns (chunk, splits), chunks a
 /// multiple of 64 keys (one 16-key tile per warp). The time is modeled as waves of resident CTAs
-/// times the keys of one CTA plus [`SPLIT_OVERHEAD_KEYS`] (its query setup and partials); the
-/// split count with the least time wins, the fewer splits on a tie. At batch 1 and long
-/// contexts this fills the GPU's resident slots as nearly as the chunk rounding allows (8 kv
-/// heads, 32k keys: 32 splits of 1024, 256 of 264 CTAs); at batch 32 and 4k keys, one split.
+/// times the keys of one CTA plus [`SPLIT_OVERHEAD_KEYS`] (its query setup and partials; none
+/// where `clustered(splits)`: the splits merge through distributed shared memory, no partials
+/// in global memory); the split count with the least time wins, the fewer splits on a tie. At
+/// batch 1 and long contexts this fills the GPU's resident slots as nearly as the chunk
+/// rounding allows (8 kv heads, 32k keys: 32 splits of 1024, 256 of 264 CTAs); at batch 32 and
+/// 4k keys, one split; at batch 1 and 1k keys 8 clustered splits of 128 where clusters of 8 are
+/// resident (16 of 64 without).
 pub fn split_plan(
     batch: u32,
     kv_heads: u32,
     max_len: u32,
     sm_count: u32,
     ctas_per_sm: u32,
+    clustered: &dyn Fn(u32) -> bool,
 ) -> (u32, u32) {
     let len = max_len.max(1);
     let base = u64::from(batch.max(1) * kv_heads.max(1));
@@ -143,7 +153,12 @@ pub fn split_plan(
         let chunk = len.div_ceil(want).next_multiple_of(64);
         let splits = len.div_ceil(chunk);
         let waves = (base * u64::from(splits)).div_ceil(slots);
-        let cost = waves * u64::from(chunk + SPLIT_OVERHEAD_KEYS);
+        let overhead = if clustered(splits) {
+            0
+        } else {
+            SPLIT_OVERHEAD_KEYS
+        };
+        let cost = waves * u64::from(chunk + overhead);
         if cost < best.0 {
             best = (cost, chunk, splits);
         }
@@ -167,6 +182,12 @@ pub const SPLIT_OVERHEAD_KEYS: u32 = 64;
 /// The attention entry point of a cache format and head dim.
 pub fn attn_entry(format: KvFormat, d: u32) -> &'static str {
     ENTRY_POINTS[1 + 2 * format as usize + usize::from(d == 128)]
+}
+
+/// The entry point of a cache format and head dim whose split launches are clusters of their
+/// 2-8 splits (`<entry>_cl`, STOKE_ATTN_CLUSTER).
+pub fn attn_cluster_entry(format: KvFormat, d: u32) -> &'static str {
+    ENTRY_POINTS[7 + 2 * format as usize + usize::from(d == 128)]
 }
 
 #[cfg(test)]
@@ -202,6 +223,10 @@ mod tests {
         ] {
             for d in [64, 128] {
                 assert_eq!(attn_entry(f, d), format!("decode_attn_{name}_d{d}"));
+                assert_eq!(
+                    attn_cluster_entry(f, d),
+                    format!("decode_attn_{name}_d{d}_cl")
+                );
             }
         }
     }
@@ -216,16 +241,29 @@ mod tests {
             (1, 3, 1),
             (3, 1, 4097),
         ] {
-            let (chunk, splits) = split_plan(b, kvh, len, 132, 2);
-            assert!(chunk % 64 == 0 && chunk * splits >= len && chunk * (splits - 1) < len.max(1));
+            for clusters in [false, true] {
+                let (chunk, splits) =
+                    split_plan(b, kvh, len, 132, 2, &|s| clusters && (2..=8).contains(&s));
+                assert!(
+                    chunk % 64 == 0 && chunk * splits >= len && chunk * (splits - 1) < len.max(1)
+                );
+            }
         }
+        let none = |_| false;
+        let all = |s| (2..=8).contains(&s);
         // One wave, as full as the chunk rounding allows; one split where batch x kv heads
         // already fill the GPU; the finest split for short contexts.
-        assert_eq!(split_plan(1, 8, 32768, 132, 2), (1024, 32));
-        assert_eq!(split_plan(32, 8, 4096, 132, 2), (4096, 1));
-        assert_eq!(split_plan(8, 8, 1024, 132, 2), (256, 4));
-        assert_eq!(split_plan(1, 8, 1024, 132, 2), (64, 16));
-        assert_eq!(split_plan(1, 3, 1, 132, 2), (64, 1));
+        assert_eq!(split_plan(1, 8, 32768, 132, 2, &none), (1024, 32));
+        assert_eq!(split_plan(32, 8, 4096, 132, 2, &none), (4096, 1));
+        assert_eq!(split_plan(8, 8, 1024, 132, 2, &none), (256, 4));
+        assert_eq!(split_plan(1, 8, 1024, 132, 2, &none), (64, 16));
+        assert_eq!(split_plan(1, 3, 1, 132, 2, &none), (64, 1));
+        // Clustered splits (no partials): 8 of 128 keys instead of 16 of 64 at batch 1, ctx
+        // 1024; the others as before.
+        assert_eq!(split_plan(1, 8, 1024, 132, 2, &all), (128, 8));
+        assert_eq!(split_plan(8, 8, 1024, 132, 2, &all), (256, 4));
+        assert_eq!(split_plan(1, 8, 32768, 132, 2, &all), (1024, 32));
+        assert_eq!(split_plan(32, 8, 4096, 132, 2, &all), (4096, 1));
         assert_eq!(forced_split(4097, 70), (64, 65));
         assert_eq!(forced_split(32768, 24), (1376, 24));
         assert_eq!(forced_split(17, 0), (32, 1));
