@@ -102,11 +102,15 @@ def render_attention(w, res, path):
     if a.get("split_sweep"):
         w("Forced split counts in the same run (shipped kernels), against the plan's row above:")
         w("")
-        w("| shape | batch | ctx | format | splits | keys per split | µs | % copy | plan's µs |")
-        w("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        # Runs since 16c38ba record the plan's split count and whether the splits formed clusters.
+        cl = any("cluster" in r for r in a["split_sweep"])
+        w("| shape | batch | ctx | format | splits | keys per split | " + ("cluster | " if cl else "") + "µs | % copy | plan's µs |")
+        w("| --- | ---: | ---: | --- | ---: | ---: | " + ("--- | " if cl else "") + "---: | ---: | ---: |")
         for r in a["split_sweep"]:
             b = by.get((r["shape"], r["batch"], r["ctx"], r["format"]))
-            w(f"| {r['shape']} | {r['batch']} | {r['ctx']} | {r['format']} | {r['splits']} | {r['chunk']} | {r['us']:.1f} | {100 * r['of_copy']:.1f}% | " + (f"{b['us']:.1f} |" if b else "- |"))
+            c = ("yes | " if r.get("cluster", 1) > 1 else "no | ") if cl else ""
+            plan = (f"{b['us']:.1f}" + (f" ({b['splits']}{', cluster' if b.get('cluster', 1) > 1 else ''})" if "splits" in b else "") + " |") if b else "- |"
+            w(f"| {r['shape']} | {r['batch']} | {r['ctx']} | {r['format']} | {r['splits']} | {r['chunk']} | {c}{r['us']:.1f} | {100 * r['of_copy']:.1f}% | " + plan)
         w("")
     if pvt:
         w("The previous kernels (S = Q K^T, then O^T = V^T P^T: the `*_pvt` entry points, removed after this run) in the same run, µs (% copy):")
