@@ -740,13 +740,16 @@ fn point_listed(list: Option<&str>, batch: u32, ctx: u32) -> bool {
 }
 
 /// Whether a variant's benchmark times `format`: a variant whose every knob names the INT4
-/// kernels (`..._INT4`) leaves the BF16 and FP8 kernels as shipped, so only INT4 is timed.
+/// kernels (`..._INT4`) leaves the BF16 and FP8 kernels as shipped, so only INT4 is timed; the
+/// same for the BF16 kernels (`..._BF16`).
 fn variant_times(variant: &str, format: KvFormat) -> bool {
-    let int4_only = !variant.is_empty()
-        && variant
-            .split(',')
-            .all(|d| d.split('=').next().unwrap_or("").trim().ends_with("_INT4"));
-    !int4_only || format == KvFormat::Int4
+    let only = |suffix: &str| {
+        !variant.is_empty()
+            && variant
+                .split(',')
+                .all(|d| d.split('=').next().unwrap_or("").trim().ends_with(suffix))
+    };
+    (!only("_INT4") || format == KvFormat::Int4) && (!only("_BF16") || format == KvFormat::Bf16)
 }
 
 /// A few decode-attention launches to run under a profiler (`ncu`): the named benchmark shape
