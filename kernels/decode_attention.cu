@@ -194,16 +194,16 @@ __host__ __device__ constexpr int row_bytes() {
 // back-to-back calls; results/experiments/h200-attention-pdl-b48a9b7.json): the mirrors 1-5%
 // faster at every point (INT4 B = 32, ctx 4096 41.61 -> 41.15 us at 70B, ctx 32k 20.05 ->
 // 19.54), BF16 2-5% faster at context 1024 but 1.5-1.7% slower at B = 32, ctx 4096 (125.94 ->
-// 128.12 us at 70B) and at 8B ctx 32k. So the BF16 kernels are built for it (the prologue above
-// the wait) and the runtime launches them programmatically only for calls that read at most
-// BF16_PDL_MAX_BYTES (crates/stoke-cuda/src/kernels/decode_attention.rs); otherwise in stream
-// order, where the wait returns at once. STOKE_ATTN_PDL_BF16=0: the BF16 kernels without the
-// prologue, always in stream order.
+// 128.12 us at 70B) and at 8B ctx 32k, so BF16 stays in stream order. Launching BF16
+// programmatically only for calls of at most 64 MiB (b758a041, reverted;
+// results/experiments/h200-attention-bf16-pdl-size-b758a04.json) gained 1.7-2.2% at B = 8, ctx
+// 1024 but lost 4-5% at B = 1 (clustered launches), and the prologue alone, in stream order,
+// cost 0.6-3.6% at B = 32 and ctx 32k.
 #ifndef STOKE_ATTN_PDL
 #define STOKE_ATTN_PDL 1
 #endif
 #ifndef STOKE_ATTN_PDL_BF16
-#define STOKE_ATTN_PDL_BF16 1
+#define STOKE_ATTN_PDL_BF16 0
 #endif
 #define ATTN_PDL(FMT) ((FMT) == FMT_BF16 ? STOKE_ATTN_PDL_BF16 : STOKE_ATTN_PDL)
 #ifndef STOKE_ATTN_PDL_PREFETCH

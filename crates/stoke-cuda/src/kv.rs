@@ -8,8 +8,8 @@
 use crate::int4::MAX_CLUSTER_SPLITS;
 use crate::kernels::DECODE_ATTENTION;
 use crate::kernels::decode_attention::{
-    AppendParams, AttnParams, BF16_PDL_MAX_BYTES, KvCacheParams, KvFormat, attn_cluster_entry,
-    attn_entry, check_shape, forced_split, split_plan,
+    AppendParams, AttnParams, KvCacheParams, KvFormat, attn_cluster_entry, attn_entry, check_shape,
+    forced_split, split_plan,
 };
 use crate::{DeviceBuffer, Error, Kernel, LaunchShape, Result, Runtime};
 use std::sync::Arc;
@@ -254,14 +254,9 @@ impl DeviceKvCache {
             block: (threads, 1, 1),
             shared_mem_bytes: kernel.dyn_smem,
         };
-        // Programmatic dependent launch: the mirrors always; the BF16 cache only for calls that
-        // read at most BF16_PDL_MAX_BYTES (the early launch cost the long ones, see there).
-        let pdl = self.format != KvFormat::Bf16
-            || self.bytes_read(batch as usize * max_len as usize) <= BF16_PDL_MAX_BYTES;
         // SAFETY: as above; the partials are Stoke buffers freed on this stream after use; the
-        // kernel is written for clusters of its splits (`<entry>_cluster`) and for programmatic
-        // launch where it asks for it (`<entry>_pdl`; launch_with checks).
-        unsafe { rt.launch_with(&kernel, shape, cluster, pdl, &params) }
+        // kernel is written for clusters of its splits (`<entry>_cluster`).
+        unsafe { rt.launch_cluster(&kernel, shape, cluster, &params) }
     }
 
     /// Whether a launch of `splits` splits for `batch` sequences forms clusters on the cluster

@@ -334,26 +334,6 @@ impl Runtime {
         cluster: Option<(u32, u32, u32)>,
         params: &P,
     ) -> Result<()> {
-        // SAFETY: the caller's guarantees, passed on.
-        unsafe { self.launch_with(kernel, shape, cluster, kernel.pdl, params) }
-    }
-
-    /// [`Runtime::launch_cluster`] with programmatic dependent launch chosen per launch: `pdl`
-    /// asks for it, and only a kernel written for it ([`Kernel::pdl`]) gets it; a kernel that
-    /// is launched without it runs in plain stream order (its `griddepcontrol` instructions
-    /// return at once).
-    ///
-    /// # Safety
-    /// As [`Runtime::launch_cluster`].
-    pub unsafe fn launch_with<P: Copy>(
-        &self,
-        kernel: &Kernel,
-        shape: LaunchShape,
-        cluster: Option<(u32, u32, u32)>,
-        pdl: bool,
-        params: &P,
-    ) -> Result<()> {
-        let pdl = pdl && kernel.pdl;
         self.bind()?;
         let mut p = *params;
         let mut args = [&mut p as *mut P as *mut c_void];
@@ -365,11 +345,11 @@ impl Runtime {
                 )));
             }
         }
-        if pdl || cluster.is_some() {
+        if kernel.pdl || cluster.is_some() {
             // SAFETY: zero is a valid bit pattern for the attributes (plain C unions).
             let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
             let mut n = 0;
-            if pdl {
+            if kernel.pdl {
                 attrs[n].id =
                     sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
                 attrs[n].value.programmaticStreamSerializationAllowed = 1;

@@ -175,14 +175,6 @@ pub fn forced_split(max_len: u32, splits: u32) -> (u32, u32) {
     (chunk, len.div_ceil(chunk))
 }
 
-/// The most cache bytes a BF16 decode attention call reads and still launches with
-/// programmatic dependent launch (the mirrors always do). Timed against stream order at
-/// b48a9b7 (`results/experiments/h200-attention-pdl-b48a9b7.json`): 2-5% faster at context
-/// 1024 (B = 1 and 8: 4 and 34 MB), 1.5-1.7% slower at B = 32, ctx 4096 (537 MB) and at the 8B
-/// shape's B = 1, ctx 32k (134 MB): the early launch costs the long calls what it saves the
-/// short ones.
-pub const BF16_PDL_MAX_BYTES: usize = 64 << 20;
-
 /// What one split-KV CTA costs beyond its keys (loading and rotating its queries, writing and
 /// merging partials), in keys' worth of time: a tie-breaker toward fewer splits.
 pub const SPLIT_OVERHEAD_KEYS: u32 = 64;
