@@ -1547,8 +1547,8 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 // (results/experiments/h200-attention-3ctas-f301e7a.json).
 // Each format and head dim has two entry points: NAME, and NAME_cl, whose split launches are
 // clusters of their splits merging through distributed shared memory (STOKE_ATTN_CLUSTER). Kept
-// apart because the plain kernel built with the cluster merge in it ran 4-6% slower at every
-// point in the run that timed the first form (e56ebe1), launches without clusters included.
+// apart because the plain kernels built with the cluster merge in them ran 4-6% slower in the
+// run that timed that first form (e56ebe1) at B = 8, ctx 1024, where no launch formed a cluster.
 // NAME_dyn_smem: the dynamic shared memory each launch must bring; NAME_pdl: launched with
 // programmatic dependent launch (STOKE_ATTN_PDL, _BF16); NAME_cl_cluster: its launches may form
 // clusters. Runtime::kernel reads all three.
