@@ -245,6 +245,16 @@ fn attention_matches_reference() -> Result<Value, String> {
     rt.set_poison_allocations(true);
     let seed = crate::seed();
     let mut rng = StdRng::seed_from_u64(seed);
+    // GQA 8, d = 128, three sequences of 4097, 1000 and 17 keys, `splits` forced.
+    let forced = |splits| Case {
+        heads: 64,
+        kv_heads: 8,
+        d: 128,
+        lens: vec![4097, 1000, 17],
+        outliers: 0,
+        outlier: 1.0,
+        splits: Some(splits),
+    };
     let cases = [
         // (heads, kv heads, d, lens): GQA ratios 4, 3, 1, 8; contexts 1, 17, 1024, 4097.
         Case {
@@ -306,26 +316,10 @@ fn attention_matches_reference() -> Result<Value, String> {
         // 65 forced splits of 64 keys: the last split's merge walks three chunks of 32 splits,
         // a warp merges two heads (GQA 8 over 4 or 6 warps), and the shorter sequences leave
         // splits empty.
-        Case {
-            heads: 64,
-            kv_heads: 8,
-            d: 128,
-            lens: vec![4097, 1000, 17],
-            outliers: 0,
-            outlier: 1.0,
-            splits: Some(70),
-        },
+        forced(70),
         // 8 forced splits: clusters of 8 CTAs where they are all resident, merging through
         // distributed shared memory (a head per CTA); the 17-key sequence leaves 7 splits empty.
-        Case {
-            heads: 64,
-            kv_heads: 8,
-            d: 128,
-            lens: vec![4097, 1000, 17],
-            outliers: 0,
-            outlier: 1.0,
-            splits: Some(8),
-        },
+        forced(8),
     ];
     let mut report = Vec::new();
     let mut worst = 0f64;
