@@ -211,8 +211,8 @@ __host__ __device__ constexpr int row_bytes() {
 #endif
 // 1: a split launch of 2-8 splits whose clusters are all resident at once forms one thread-block
 // cluster per (sequence, kv head) on the `_cl` entry points (the runtime decides per launch, and
-// the split plan counts such a split's merge as free),
-// and the splits merge through distributed shared memory: each CTA leaves its heads' partials
+// the split plan counts such a split's merge as free), and the splits merge through
+// distributed shared memory: each CTA leaves its heads' partials
 // (max, sum, unnormalized output) in its own shared memory, a cluster barrier, then CTA q merges
 // heads q, q + splits, ... from every CTA's memory and writes them, and a second barrier keeps
 // each CTA's memory until the cluster has read it. No partials in global memory, no arrival
@@ -1411,11 +1411,11 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         const u64 row = u64(b) * p.heads + kvh * group + h;
         if (p.splits == 1) {
             write_head<D>(os, lsum, p.block, lane, p.out + row * D);
-        } else if (CLM && dsm) {
-            store_floats<E>(&cpart[CLM ? h : 0][CLM ? lane * E : 0], os);
+        } else if (dsm) {
+            store_floats<E>(&cpart[h][lane * E], os);
             if (lane == 0) {
-                cml[CLM ? h : 0][0] = mx;
-                cml[CLM ? h : 0][1] = lsum;
+                cml[h][0] = mx;
+                cml[h][1] = lsum;
             }
         } else {
             const u64 ph = row * p.splits + split;
@@ -1431,7 +1431,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         }
     }
     if (p.splits == 1) return;
-    if (CLM && dsm) {
+    if (dsm) {
         cluster_merge<D, WARPS>(p, smem_u32(&cpart[0][0]), smem_u32(&cml[0][0]), group, kvh, b, warp, lane);
         return;
     }

@@ -317,7 +317,7 @@ impl DeviceKvCache {
                 split_plan(batch, self.kv_heads, max_len, rt.sm_count, ctas, &fits)
             }
         };
-        let clustered = splits > 1 && fits(splits);
+        let clustered = fits(splits);
         if let Some(e) = err.into_inner() {
             return Err(e);
         }
