@@ -38,6 +38,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::int4::int4_gemm_matches_dequantized_reference,
     ),
     (
+        "int4_tuned_plan_matches_reference",
+        crate::int4::int4_tuned_plan_matches_reference,
+    ),
+    (
         "int4_linear_epilogues_match_reference",
         crate::int4::int4_linear_epilogues_match_reference,
     ),

@@ -255,6 +255,7 @@ fn gemm_matches_reference() -> Result<Value, String> {
                             swap_rows: if swap_ab { SWAP_ALL } else { 0 },
                             stream_k,
                             wg_rows: u32::from(wg),
+                            tune: false,
                         };
                         // Poisoned before each word order's kernel writes it.
                         unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }
@@ -311,6 +312,154 @@ fn gemm_matches_reference() -> Result<Value, String> {
         json!({ "seed": seed, "max_relative_error": worst, "worst_case": worst_case, "tolerance": TOLERANCE,
         "max_relative_error_unrounded": worst_unrounded,
         "cases": checked.len(), "shapes": CASES.iter().map(|c| format!("{}x{} g{} {:?} {}", c.0, c.1, c.2, c.3, if c.4 {"asym"} else {"sym"})).collect::<Vec<_>>(), "rows": ROWS }),
+    )
+}
+
+/// Calls that leave the plan to Stoke (`Int4Gemm::tune`) against the f64 reference, fresh
+/// random data, poisoned outputs: the first call of each shape times the candidate kernels
+/// (`int4::tune_records` must then hold the shape with two or more), later ones use the
+/// choice; a first call while the stream captures a graph uses the plan untimed.
+pub fn int4_tuned_plan_matches_reference() -> Result<Value, String> {
+    let rt = crate::gpu()?;
+    rt.set_poison_allocations(true);
+    let seed = crate::seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    // (k, n, group, scale type, asymmetric, rows, captured first)
+    let cases: &[(usize, usize, usize, ScaleType, bool, &[usize], bool)] = &[
+        (4096, 4096, 128, ScaleType::Bf16, false, &[1, 8, 16], false),
+        (8192, 10240, 128, ScaleType::Bf16, false, &[1, 4], false),
+        (2048, 1472, 64, ScaleType::F16, false, &[2, 7], false),
+        (4096, 576, 32, ScaleType::F16, true, &[1], false),
+        (1536, 4160, 64, ScaleType::Bf16, false, &[3], true),
+    ];
+    let mut worst = 0f64;
+    let mut checked = Vec::new();
+    for &(k, n, group, st, asym, rows, captured) in cases {
+        let p = random_weight(&mut rng, k, n, group, st, asym);
+        let w = p.dequantize();
+        let dw = upload(&rt, &p);
+        for &m in rows {
+            let x: Vec<f32> = (0..m * k)
+                .map(|_| bf16::round(rng.random_range(-2.0f32..2.0)))
+                .collect();
+            let xb = put_u16(
+                &rt,
+                &x.iter().map(|v| bf16::from_f32(*v)).collect::<Vec<_>>(),
+            );
+            let epilogues: &[Epilogue] = if m == 7 || m == 8 {
+                &[Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu]
+            } else {
+                &[Epilogue::Plain]
+            };
+            for &epi in epilogues {
+                let residual: Vec<f32> = if epi == Epilogue::Residual {
+                    (0..m * n)
+                        .map(|_| bf16::round(rng.random_range(-3.0f32..3.0)))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                let rb = (!residual.is_empty()).then(|| {
+                    put_u16(
+                        &rt,
+                        &residual
+                            .iter()
+                            .map(|v| bf16::from_f32(*v))
+                            .collect::<Vec<_>>(),
+                    )
+                });
+                let rs: Option<Vec<f32>> = (epi == Epilogue::Residual)
+                    .then(|| (0..m).map(|_| rng.random_range(0.2f32..3.0)).collect());
+                let sb = rs.as_ref().map(|s| put_f32(&rt, s));
+                let out = rt
+                    .alloc(m * epi.out_cols(n) * 2)
+                    .map_err(|e| e.to_string())?;
+                let call = Int4Gemm {
+                    x: xb.ptr(),
+                    m: m as u32,
+                    out: out.ptr(),
+                    epilogue: epi,
+                    residual: rb.as_ref().map_or(0, |b| b.ptr()),
+                    row_scale: sb.as_ref().map_or(0, |b| b.ptr()),
+                    splits: 0,
+                    swap_rows: stoke_cuda::int4::swap_rows_default(),
+                    stream_k: false,
+                    wg_rows: stoke_cuda::int4::wg_rows_default(),
+                    tune: true,
+                };
+                let what = format!(
+                    "tuned m {m} k {k} n {n} group {group} {st:?} {} {epi:?}",
+                    if asym { "asymmetric" } else { "symmetric" }
+                );
+                let tuned = || {
+                    stoke_cuda::int4::tune_records().into_iter().find(|r| {
+                        (r.m, r.k, r.n, r.epilogue) == (m as u32, k as u32, n as u32, epi)
+                    })
+                };
+                unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }
+                    .map_err(|e| e.to_string())?;
+                if captured {
+                    // The first call inside a capture: nothing timed, nothing recorded.
+                    let graph = rt
+                        .capture(|| unsafe { int4_gemm(&rt, &dw, &call) })
+                        .map_err(|e| format!("{what}: capture: {e}"))?;
+                    if tuned().is_some() {
+                        return Err(format!("{what}: tuned while capturing a graph"));
+                    }
+                    graph
+                        .launch()
+                        .map_err(|e| format!("{what}: graph launch: {e}"))?;
+                } else {
+                    unsafe { int4_gemm(&rt, &dw, &call) }.map_err(|e| format!("{what}: {e}"))?;
+                }
+                let want: Vec<f64> = reference(&x, m, &w, k, n, epi, &residual, rs.as_deref())
+                    .iter()
+                    .map(|v| bf16::round(*v as f32) as f64)
+                    .collect();
+                let mut errs = Vec::new();
+                // Twice: the first call (tuned, or captured), then a call with the choice.
+                for pass in 0..2 {
+                    if pass == 1 {
+                        unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }
+                            .map_err(|e| e.to_string())?;
+                        unsafe { int4_gemm(&rt, &dw, &call) }
+                            .map_err(|e| format!("{what}: {e}"))?;
+                    }
+                    let got = try_get_bf16(&out).map_err(|e| format!("{what}: {e}"))?;
+                    if got.iter().any(|v| !v.is_finite()) {
+                        return Err(format!(
+                            "{what}: unwritten (poisoned) or non-finite outputs"
+                        ));
+                    }
+                    let err = relative_error(&got, &want);
+                    if !(err < TOLERANCE) {
+                        return Err(format!(
+                            "{what} (call {}): relative error {err:.3e}",
+                            pass + 1
+                        ));
+                    }
+                    worst = worst.max(err);
+                    errs.push(err);
+                }
+                // Symmetric weights have two or more candidates at every row count (the swapped
+                // or warpgroup kernels and the other); asymmetric ones only the plan's.
+                let record = tuned();
+                match (&record, asym) {
+                    (Some(r), false) if r.candidates.len() >= 2 => {}
+                    (None, true) => {}
+                    _ => return Err(format!("{what}: unexpected tuning record {record:?}")),
+                }
+                checked.push(json!({"m": m, "k": k, "n": n, "group": group, "asymmetric": asym,
+                    "epilogue": format!("{epi:?}"), "captured_first": captured, "rel_err": errs,
+                    "candidates": record.as_ref().map(|r| r.candidates.iter()
+                        .map(|(e, s, us)| json!({"entry": e, "splits": s, "us": us})).collect::<Vec<_>>()),
+                    "chosen": record.as_ref().map(|r| r.candidates[r.chosen].0)}));
+            }
+        }
+    }
+    rt.set_poison_allocations(false);
+    Ok(
+        json!({ "seed": seed, "max_relative_error": worst, "tolerance": TOLERANCE, "cases": checked }),
     )
 }
 
@@ -441,19 +590,24 @@ fn bench_variant(
             let out = rt.alloc(m * n * 2).unwrap();
             // The swapped-operand kernels beside the batched ones at every m, the stream-K
             // form of the swapped kernel at m <= 8, and the warpgroup kernels at every m.
-            for (swap_ab, stream_k, wg) in [
-                (false, false, false),
-                (true, false, false),
-                (true, true, false),
-                (false, false, true),
+            // And the shipped call: the plan's kernels tuned per shape on the first call
+            // (`Int4Gemm::tune`, on unless STOKE_INT4_TUNE=0).
+            let tune = stoke_cuda::int4::tune_default();
+            for (swap_ab, stream_k, wg, tuned) in [
+                (false, false, false, false),
+                (true, false, false, false),
+                (true, true, false, false),
+                (false, false, true, false),
+                (true, false, false, true),
             ] {
-                if stream_k && m > 8 {
+                if (stream_k && m > 8) || (tuned && !tune) {
                     continue;
                 }
                 // The shipped default (`default_plan`): SwapAB up to SWAP_ROWS_DEFAULT rows,
                 // Wgmma from WG_ROWS_DEFAULT; Batched and Swap16 are the kernels for 9-32 rows
                 // without the warpgroup kernels, StreamK the opt-in stream-K form at m <= 8.
                 let kind = match (swap_ab, stream_k, wg, m) {
+                    _ if tuned => "Tuned",
                     (_, _, true, _) => "Wgmma",
                     (false, _, _, _) => "Batched",
                     (true, true, _, _) => "StreamK",
@@ -475,6 +629,19 @@ fn bench_variant(
                     );
                     call.stream_k = stream_k;
                     call.wg_rows = u32::from(wg);
+                    if tuned {
+                        call.swap_rows = stoke_cuda::int4::swap_rows_default();
+                        call.wg_rows = stoke_cuda::int4::wg_rows_default();
+                        call.tune = true;
+                        // The first call tunes (outside the timing and the graph capture).
+                        unsafe { int4_gemm(&rt, dw, &call) }.unwrap();
+                        rt.synchronize().unwrap();
+                    }
+                    let record = stoke_cuda::int4::tune_records().into_iter().find(|r| {
+                        tuned
+                            && (r.m, r.k, r.n, r.epilogue)
+                                == (m as u32, k as u32, n as u32, Epilogue::Plain)
+                    });
                     let bytes = dw.bytes() + m * k * 2 + m * n * 2;
                     let plan_with = |splits, swap_rows, stream_k, wg_rows| {
                         stoke_cuda::kernels::int4_gemm::plan(
@@ -495,9 +662,11 @@ fn bench_variant(
                     let plan = |splits| {
                         plan_with(
                             splits,
-                            if swap_ab { SWAP_ALL } else { 0 },
+                            call.swap_rows,
                             stream_k,
-                            call.wg_rows,
+                            // A tuned call's launch: the tuner's choice (the plan's if the
+                            // shape had one candidate).
+                            record.as_ref().map_or(call.wg_rows, |r| r.wg_rows),
                         )
                     };
                     let timing = time_gemm(&rt, dws, &call, 5);
@@ -525,8 +694,18 @@ fn bench_variant(
                     let mut row = json!({"variant": kind, "order": format!("{:?}", dw.order), "shape": name, "k": k, "n": n, "m": m, "group": 128, "us": us,
                         "host_us": host_us, "stream_us": timing.stream_us, "weight_bytes": dw.bytes(), "weight_copies": dws.len(), "gbps": gbps, "of_copy": gbps / copy_gbps,
                         "entry": launch.entry, "splits": launch.splits, "grid": [launch.grid.0, launch.grid.1],
-                        "default_plan": launch == shipped,
+                        // With tuning on, the tuned call is the shipped one.
+                        "default_plan": if tune { tuned } else { launch == shipped },
                         "cluster": cluster_splits(&rt, &launch)});
+                    if let Some(r) = &record {
+                        // The tuner's own timings (one launch after an L2 flush, median).
+                        row["tuned_candidates"] = json!(
+                            r.candidates
+                                .iter()
+                                .map(|(e, s, us)| json!({"entry": e, "splits": s, "us": us}))
+                                .collect::<Vec<_>>()
+                        );
+                    }
                     if !variant.is_empty() {
                         row["defines"] = json!(variant);
                     }
@@ -535,8 +714,15 @@ fn bench_variant(
                     // m <= 8), 16 k and 16 columns; warpgroup, one wgmma.m64nNk16 (N = 8, 16 or
                     // 32 rows: the launch's entry point) per 16 k and 64 columns, N / 2 of them.
                     let wg_n = wg_rows_of(launch.entry).unwrap_or(32) as usize;
+                    // A tuned row counts as the kernel it launched.
+                    let kernel_kind = match launch.entry {
+                        e if wg_rows_of(e).is_some() => "Wgmma",
+                        e if e.contains("swap16") => "Swap16",
+                        e if e.contains("swap") => "SwapAB",
+                        _ => "Batched",
+                    };
                     let mmas = (k / 16) as u64
-                        * match kind {
+                        * match kernel_kind {
                             "Batched" => (n / 8 * m.div_ceil(16)) as u64,
                             "Swap16" => (n / 16 * 2 * m.div_ceil(16)) as u64,
                             "Wgmma" => (n / 64 * wg_n / 2) as u64,
@@ -558,7 +744,7 @@ fn bench_variant(
                     // listed in STOKE_INT4_SWEEP_ROWS (e.g. `1,16`).
                     let sweep_rows = std::env::var("STOKE_INT4_SWEEP_ROWS").unwrap_or_default();
                     let listed = sweep_rows.split(',').any(|s| s.trim() == m.to_string());
-                    if !((m == 1 && all) || listed) || stream_k {
+                    if !((m == 1 && all) || listed) || stream_k || tuned {
                         continue;
                     }
                     let mut seen = Vec::new();

@@ -23,6 +23,7 @@ gpu_tests!(
     synthetic_llama_stoke_matches_burn_cuda,
     smollm2_greedy_on_gpu,
     int4_gemm_matches_dequantized_reference,
+    int4_tuned_plan_matches_reference,
     int4_linear_epilogues_match_reference,
     smollm2_int4_decode_matches_dequantized,
     smollm2_rtn_int4_decode_warpgroup_matches_simulated,

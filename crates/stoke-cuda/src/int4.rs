@@ -6,7 +6,7 @@ use crate::kernels::int4_gemm::{
     WG_ROWS_DEFAULT, WordOrder, counters_len, launch_bound_ctas, launch_bound_slots, plan,
     wg_clustered, wg_rows_of,
 };
-use crate::{DeviceBuffer, Error, Kernel, LaunchShape, Result, Runtime};
+use crate::{DeviceBuffer, DriverContext, Error, Kernel, LaunchShape, Result, Runtime};
 use std::sync::Arc;
 
 /// A packed INT4 weight `[k, n]` (docs/INT4_FORMAT.md) in device memory.
@@ -158,6 +158,9 @@ pub struct Int4Gemm {
     /// the shape allows them, the weight is symmetric and `x` is 16-byte aligned; 0: none.
     /// [`wg_rows_default`] for the process default.
     pub wg_rows: u32,
+    /// Time the candidate plans on the first call of each shape and row count and use the
+    /// fastest from then on (calls with `splits` 0, up to 32 rows; see [`tune_default`]).
+    pub tune: bool,
 }
 
 impl Int4Gemm {
@@ -175,6 +178,7 @@ impl Int4Gemm {
             swap_rows,
             stream_k: false,
             wg_rows: 0,
+            tune: false,
         }
     }
 }
@@ -254,7 +258,8 @@ pub fn cluster_dims(
 static WARPGROUP_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// How many launches of the warpgroup kernels (`int4_gemm_wg_*`) [`int4_gemm`] has queued in
-/// this process (tests check that a path reaches them).
+/// this process for its calls, not counting the tuner's trial launches (tests check that a
+/// path reaches them).
 pub fn warpgroup_launches() -> u64 {
     WARPGROUP_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
 }
@@ -281,20 +286,14 @@ pub fn clustered(rt: &Runtime, kernel: &Kernel, l: Launch, k: u32) -> Result<Lau
     err.map_or(Ok(out), Err)
 }
 
-/// Queues `out = epilogue(x @ w)` on Stoke's stream (one launch per 32 rows).
-///
-/// # Safety
-/// Every pointer in `call` must be valid device memory of the documented size, 4-byte aligned,
-/// and stay valid until the kernels finish (Stoke buffers, or pinned ones).
-pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> Result<()> {
-    if call.m == 0 {
-        return Ok(());
-    }
-    if call.epilogue == Epilogue::Residual && call.residual == 0 {
-        return Err(Error::Shape(
-            "INT4 GEMM residual epilogue without a residual".into(),
-        ));
-    }
+/// The launches of `call` with the warpgroup kernels from `wg_rows` rows, as the GPU runs them
+/// (warpgroup splits re-chosen for clusters when the plan chooses the split count).
+fn planned(
+    rt: &Arc<Runtime>,
+    w: &DeviceInt4,
+    call: &Int4Gemm,
+    wg_rows: u32,
+) -> Result<Vec<Launch>> {
     let launches = plan(
         call.m,
         w.k,
@@ -306,15 +305,30 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         call.splits,
         call.swap_rows,
         call.stream_k,
-        // The warpgroup kernels take symmetric weights only, and x through the copy engine
-        // (16-byte aligned rows).
-        if w.offsets.is_some() || call.x % 16 != 0 {
-            0
-        } else {
-            call.wg_rows
-        },
+        wg_rows,
     )
     .map_err(|e| Error::Shape(e.0))?;
+    if call.splits != 0 {
+        return Ok(launches);
+    }
+    launches
+        .into_iter()
+        .map(|l| clustered(rt, &rt.kernel(&INT4_GEMM, l.entry)?, l, w.k))
+        .collect()
+}
+
+/// Queues `launches` (a plan of `call`) writing to `out`.
+///
+/// # Safety
+/// As [`int4_gemm`]; `out` holds the call's output.
+unsafe fn launch_planned(
+    rt: &Arc<Runtime>,
+    w: &DeviceInt4,
+    call: &Int4Gemm,
+    launches: &[Launch],
+    out: u64,
+    counted: bool,
+) -> Result<()> {
     let (kt_stride, slab_stride) = w.order.strides(w.k, w.n);
     // Split-K (splits > 1) and stream-K (splits 0) add through the workspace.
     let split = launches.iter().any(|l| l.splits != 1);
@@ -327,20 +341,15 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         (0, 0)
     };
     let out_cols = call.epilogue.out_cols(w.n as usize) as u64;
-    for l in launches {
+    for &l in launches {
         let kernel = rt.kernel(&INT4_GEMM, l.entry)?;
-        let l = if call.splits == 0 {
-            clustered(rt, &kernel, l, w.k)?
-        } else {
-            l
-        };
         let r0 = u64::from(l.row0);
         let params = Int4GemmParams {
             x: call.x + r0 * u64::from(w.k) * 2,
             words: w.words.ptr(),
             scales: w.scales.ptr(),
             offsets: w.offsets.as_ref().map_or(0, |o| o.ptr()),
-            out: call.out + r0 * out_cols * 2,
+            out: out + r0 * out_cols * 2,
             residual: if call.residual == 0 {
                 0
             } else {
@@ -379,10 +388,239 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
             let x_map = rt.bf16_tensor_map(params.x, l.rows, w.k, box_rows, 64, 4)?;
             let wg = Int4WgParams { p: params, x_map };
             unsafe { rt.launch_cluster(&kernel, shape, cluster, &wg) }?;
-            WARPGROUP_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if counted {
+                WARPGROUP_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
         } else {
             unsafe { rt.launch_cluster(&kernel, shape, cluster, &params) }?;
         }
     }
     Ok(())
+}
+
+/// Whether calls that leave the plan to Stoke ([`Int4Gemm::tune`]) time its candidate
+/// kernels on the first call of each shape: on unless `STOKE_INT4_TUNE=0`.
+pub fn tune_default() -> bool {
+    // 0: not read yet, 1: off, 2: on.
+    match TUNE.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("STOKE_INT4_TUNE").as_deref() != Ok("0");
+            set_tune_default(on);
+            on
+        }
+        v => v == 2,
+    }
+}
+
+/// Sets [`tune_default`] for the rest of the process (a test that must run given kernels).
+pub fn set_tune_default(on: bool) {
+    TUNE.store(1 + u8::from(on), std::sync::atomic::Ordering::Relaxed);
+}
+
+static TUNE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// What a tuned call's plan depends on.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct TuneKey {
+    ordinal: usize,
+    /// The kernels' compile-time defines (benchmarks time variants in one process).
+    defines: Vec<String>,
+    m: u32,
+    k: u32,
+    n: u32,
+    group: u32,
+    f16_scales: bool,
+    order: WordOrder,
+    epilogue: Epilogue,
+    swap_rows: u32,
+    wg_rows: u32,
+}
+
+/// One shape's tuning: each candidate plan's first launch and its time, and the choice.
+#[derive(Clone, Debug)]
+pub struct TuneRecord {
+    pub m: u32,
+    pub k: u32,
+    pub n: u32,
+    pub group: u32,
+    pub epilogue: Epilogue,
+    /// (entry point, splits, median µs) of each candidate's first launch, the plan's first.
+    pub candidates: Vec<(&'static str, u32, f64)>,
+    /// Index into `candidates` of the plan the calls use.
+    pub chosen: usize,
+    /// `wg_rows` of the chosen plan.
+    pub wg_rows: u32,
+}
+
+type TuneTable = std::collections::HashMap<TuneKey, TuneRecord>;
+
+fn tune_table() -> &'static std::sync::Mutex<TuneTable> {
+    static T: std::sync::OnceLock<std::sync::Mutex<TuneTable>> = std::sync::OnceLock::new();
+    T.get_or_init(Default::default)
+}
+
+/// Every shape tuned so far in this process (benchmarks and tests report them).
+pub fn tune_records() -> Vec<TuneRecord> {
+    let mut v: Vec<TuneRecord> = tune_table().lock().unwrap().values().cloned().collect();
+    v.sort_by_key(|r| (r.k, r.n, r.m, r.epilogue.name()));
+    v
+}
+
+/// Timed repetitions of each candidate (after one untimed round).
+const TUNE_REPS: usize = 9;
+/// A candidate replaces the plan only when it is at least this much faster (timing noise).
+const TUNE_MARGIN: f64 = 0.02;
+
+/// `wg_rows` for a tuned call: the plan's, or the warpgroup kernels from one row, or none,
+/// whichever ran fastest on this GPU on the first call of the shape (cached per shape). At
+/// up to 8 rows the plan's swapped kernel and the warpgroup 8-row kernel each win on some
+/// shapes (docs/PERF_NOTES.md) and no rule of the shape separates them. While the stream
+/// is capturing a graph nothing can be timed: the plan's choice, not cached.
+fn tuned_wg_rows(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm, wg_rows: u32) -> Result<u32> {
+    if wg_rows == 0 {
+        // Neither the warpgroup kernels nor others to weigh them against.
+        return Ok(0);
+    }
+    let key = TuneKey {
+        ordinal: rt.ordinal,
+        defines: rt.defines_of(INT4_GEMM.file),
+        m: call.m,
+        k: w.k,
+        n: w.n,
+        group: w.group,
+        f16_scales: w.f16_scales,
+        order: w.order,
+        epilogue: call.epilogue,
+        swap_rows: call.swap_rows,
+        wg_rows,
+    };
+    if let Some(r) = tune_table().lock().unwrap().get(&key) {
+        return Ok(r.wg_rows);
+    }
+    // Candidates: the plan, the warpgroup kernels at every row count (where allowed), and
+    // none; the same launches once.
+    let mut options: Vec<(u32, Vec<Launch>)> = Vec::new();
+    for rows in [wg_rows, 1, 0] {
+        let launches = planned(rt, w, call, rows)?;
+        if !options.iter().any(|(_, l)| *l == launches) {
+            options.push((rows, launches));
+        }
+    }
+    if rt.is_capturing()? {
+        return Ok(wg_rows);
+    }
+    // One candidate (the shape rules the warpgroup kernels out): recorded untimed.
+    let times = if options.len() < 2 {
+        vec![f64::NAN]
+    } else {
+        time_plans(rt, w, call, &options)?
+    };
+    let best = (0..times.len())
+        .min_by(|&a, &b| times[a].total_cmp(&times[b]))
+        .unwrap_or(0);
+    let chosen = if times[best] < times[0] * (1.0 - TUNE_MARGIN) {
+        best
+    } else {
+        0
+    };
+    let record = TuneRecord {
+        m: call.m,
+        k: w.k,
+        n: w.n,
+        group: w.group,
+        epilogue: call.epilogue,
+        candidates: options
+            .iter()
+            .zip(&times)
+            .map(|((_, l), &us)| (l[0].entry, l[0].splits, us))
+            .collect(),
+        chosen,
+        wg_rows: options[chosen].0,
+    };
+    tracing::debug!(
+        "stoke int4: tuned m {} k {} n {} {}: {:?}, chose {}",
+        call.m,
+        w.k,
+        w.n,
+        call.epilogue.name(),
+        record.candidates,
+        record.candidates[chosen].0
+    );
+    let rows = record.wg_rows;
+    tune_table().lock().unwrap().insert(key, record);
+    Ok(rows)
+}
+
+/// Median µs of each plan of `call`, each launch timed alone with its weights out of the L2
+/// (a write of twice the L2's size before it), as a decode step meets them; the plans
+/// interleaved, into a scratch output.
+fn time_plans(
+    rt: &Arc<Runtime>,
+    w: &DeviceInt4,
+    call: &Int4Gemm,
+    options: &[(u32, Vec<Launch>)],
+) -> Result<Vec<f64>> {
+    let out_bytes = call.m as usize * call.epilogue.out_cols(w.n as usize) * 2;
+    let out = rt.alloc(out_bytes)?;
+    let flush_bytes = (2 * rt.l2_bytes()?).max(1 << 20);
+    let flush = rt.alloc(flush_bytes)?;
+    // Created up front, so the host queues each launch while the GPU still writes the flush.
+    let events = (0..(TUNE_REPS + 1) * options.len())
+        .map(|_| Ok((rt.timing_event()?, rt.timing_event()?)))
+        .collect::<Result<Vec<_>>>()?;
+    let mut pairs = events.iter();
+    for round in 0..=TUNE_REPS {
+        for (_, launches) in options {
+            let (start, end) = pairs.next().unwrap();
+            // SAFETY: `flush` holds flush_bytes bytes.
+            unsafe { rt.fill_bytes(flush.ptr(), round as u8, flush_bytes) }?;
+            rt.record(start)?;
+            // SAFETY: the caller's pointers (as for the call itself), `out` a scratch output
+            // of the call's size.
+            unsafe { launch_planned(rt, w, call, launches, out.ptr(), false) }?;
+            rt.record(end)?;
+        }
+    }
+    let mut times = vec![Vec::new(); options.len()];
+    // The first round (kernel loads, first launches) is not counted.
+    for (i, (start, end)) in events.iter().enumerate().skip(options.len()) {
+        let ms = start.elapsed_ms(end).call("cuEventElapsedTime")?;
+        times[i % options.len()].push(f64::from(ms) * 1e3);
+    }
+    Ok(times
+        .into_iter()
+        .map(|mut t| {
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        })
+        .collect())
+}
+
+/// Queues `out = epilogue(x @ w)` on Stoke's stream (one launch per 32 rows).
+///
+/// # Safety
+/// Every pointer in `call` must be valid device memory of the documented size, 4-byte aligned,
+/// and stay valid until the kernels finish (Stoke buffers, or pinned ones).
+pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> Result<()> {
+    if call.m == 0 {
+        return Ok(());
+    }
+    if call.epilogue == Epilogue::Residual && call.residual == 0 {
+        return Err(Error::Shape(
+            "INT4 GEMM residual epilogue without a residual".into(),
+        ));
+    }
+    // The warpgroup kernels take symmetric weights only, and x through the copy engine
+    // (16-byte aligned rows).
+    let mut wg_rows = if w.offsets.is_some() || call.x % 16 != 0 {
+        0
+    } else {
+        call.wg_rows
+    };
+    if call.tune && call.splits == 0 && !call.stream_k && call.m <= MAX_ROWS {
+        wg_rows = tuned_wg_rows(rt, w, call, wg_rows)?;
+    }
+    let launches = planned(rt, w, call, wg_rows)?;
+    // SAFETY: as guaranteed by the caller.
+    unsafe { launch_planned(rt, w, call, &launches, call.out, true) }
 }

@@ -733,6 +733,31 @@ impl Runtime {
             .collect()
     }
 
+    /// The preprocessor defines kernel file `file` is compiled with now ([`Runtime::set_defines`]).
+    pub fn defines_of(&self, file: &str) -> Vec<String> {
+        self.defines
+            .lock()
+            .unwrap()
+            .get(file)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Whether Stoke's stream is capturing a CUDA graph now (work queued is recorded, not run).
+    pub fn is_capturing(&self) -> Result<bool> {
+        let status = self.stream.capture_status().call("cuStreamIsCapturing")?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// The device's L2 cache size in bytes.
+    pub fn l2_bytes(&self) -> Result<usize> {
+        let b = self
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+            .call("cuDeviceGetAttribute")?;
+        Ok(b.max(0) as usize)
+    }
+
     /// Creates a timing event (for benchmarks).
     pub fn timing_event(&self) -> Result<CudaEvent> {
         self.ctx

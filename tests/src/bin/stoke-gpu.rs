@@ -61,14 +61,17 @@ enum Command {
 
 /// One kernel's GPU test, then its benchmark beside the same run's copy rate, written to
 /// `OUT/{key}.json` under `key` (the exit status fails if either did).
-fn run_kernel(cli: &Cli, test: &str, key: &str, bench: fn(f64) -> Value) -> bool {
+fn run_kernel(cli: &Cli, tests: &[&str], key: &str, bench: fn(f64) -> Value) -> bool {
     // STOKE_BENCH_ONLY=1: the benchmark alone (a variant's test run on its own beforehand, so
     // that a fault there cannot take the benchmark's context with it).
     let ok = if std::env::var("STOKE_BENCH_ONLY").as_deref() == Ok("1") {
-        println!("{test}: not run (STOKE_BENCH_ONLY=1)");
+        println!("{}: not run (STOKE_BENCH_ONLY=1)", tests.join(", "));
         true
     } else {
-        run_tests(cli, &[test.to_string()])
+        run_tests(
+            cli,
+            &tests.iter().map(|t| t.to_string()).collect::<Vec<_>>(),
+        )
     };
     match stoke_tests::gpu() {
         Ok(rt) => {
@@ -193,13 +196,16 @@ fn main() -> ExitCode {
         Command::Bench => run_bench(&cli),
         Command::Int4 => run_kernel(
             &cli,
-            "int4_gemm_matches_dequantized_reference",
+            &[
+                "int4_gemm_matches_dequantized_reference",
+                "int4_tuned_plan_matches_reference",
+            ],
             "int4",
             stoke_tests::int4::bench,
         ),
         Command::Attention => run_kernel(
             &cli,
-            "decode_attention_matches_reference",
+            &["decode_attention_matches_reference"],
             "attention",
             stoke_tests::attention::bench,
         ),

@@ -47,7 +47,7 @@ pub struct Int4GemmParams {
 /// The order of the 512-byte blocks (one k-tile of 16 rows x one slab of 64 columns) of a
 /// packed weight in device memory. Within a block the order is the fragment order of
 /// docs/INT4_FORMAT.md either way.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum WordOrder {
     /// Block `kt * (n / 64) + slab`: the packer's order (docs/INT4_FORMAT.md).
     #[default]
@@ -175,7 +175,7 @@ const WG_BASE: usize = 48;
 pub const LONG_STREAM_TILES: u32 = 64;
 
 /// What the kernel does with each finished value.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Epilogue {
     /// `out = x W`
     Plain,

@@ -101,6 +101,7 @@ pub(crate) fn try_linear_with<I: Backend>(
         swap_rows: stoke_cuda::int4::swap_rows_default(),
         stream_k: stoke_cuda::int4::stream_k_default(),
         wg_rows: stoke_cuda::int4::wg_rows_default(),
+        tune: stoke_cuda::int4::tune_default(),
     };
     // SAFETY: x is pinned (or Stoke-owned) until the kernel is done, out is a Stoke buffer of
     // m * n bf16, the weight buffers are held by `dw` (freed on Stoke's stream).
