@@ -317,13 +317,34 @@ fn planned(
         .collect()
 }
 
-/// Queues `launches` (a plan of `call`) writing to `out`.
+/// Device pointers of a packed weight's words, scales and offsets (0: symmetric).
+#[derive(Clone, Copy, Debug)]
+struct WeightPtrs {
+    words: u64,
+    scales: u64,
+    offsets: u64,
+}
+
+impl DeviceInt4 {
+    fn ptrs(&self) -> WeightPtrs {
+        WeightPtrs {
+            words: self.words.ptr(),
+            scales: self.scales.ptr(),
+            offsets: self.offsets.as_ref().map_or(0, |o| o.ptr()),
+        }
+    }
+}
+
+/// Queues `launches` (a plan of `call`) on the weight `w` describes, at `ptrs` (its own
+/// buffers, or a copy of them), writing to `out`.
 ///
 /// # Safety
-/// As [`int4_gemm`]; `out` holds the call's output.
+/// As [`int4_gemm`]; `ptrs` hold a weight like `w`, `out` the call's output.
+#[allow(clippy::too_many_arguments)]
 unsafe fn launch_planned(
     rt: &Arc<Runtime>,
     w: &DeviceInt4,
+    ptrs: WeightPtrs,
     call: &Int4Gemm,
     launches: &[Launch],
     out: u64,
@@ -346,9 +367,9 @@ unsafe fn launch_planned(
         let r0 = u64::from(l.row0);
         let params = Int4GemmParams {
             x: call.x + r0 * u64::from(w.k) * 2,
-            words: w.words.ptr(),
-            scales: w.scales.ptr(),
-            offsets: w.offsets.as_ref().map_or(0, |o| o.ptr()),
+            words: ptrs.words,
+            scales: ptrs.scales,
+            offsets: ptrs.offsets,
             out: out + r0 * out_cols * 2,
             residual: if call.residual == 0 {
                 0
@@ -466,10 +487,12 @@ pub fn tune_records() -> Vec<TuneRecord> {
     v
 }
 
-/// Timed repetitions of each candidate (after one untimed round).
-const TUNE_REPS: usize = 9;
+/// Timed replays of each candidate's graph (after one untimed replay).
+const TUNE_REPS: usize = 5;
 /// A candidate replaces the plan only when it is at least this much faster (timing noise).
 const TUNE_MARGIN: f64 = 0.02;
+/// Most copies of a weight the tuner makes (tiny weights: their launches then may hit the L2).
+const TUNE_MAX_COPIES: usize = 2048;
 
 /// `wg_rows` for a tuned call: the plan's, or the warpgroup kernels from one row, or none,
 /// whichever ran fastest on this GPU on the first call of the shape (cached per shape). At
@@ -513,7 +536,19 @@ fn tuned_wg_rows(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm, wg_rows: u3
     let times = if options.len() < 2 {
         vec![f64::NAN]
     } else {
-        time_plans(rt, w, call, &options)?
+        match time_plans(rt, w, call, &options) {
+            Ok(t) => t,
+            // Out of memory for the weight's copies, say: the plan's choice, kept.
+            Err(e) => {
+                tracing::warn!(
+                    "stoke int4: tuning m {} k {} n {} not possible ({e}); the plan's kernels",
+                    call.m,
+                    w.k,
+                    w.n
+                );
+                vec![f64::NAN; options.len()]
+            }
+        }
     };
     let best = (0..times.len())
         .min_by(|&a, &b| times[a].total_cmp(&times[b]))
@@ -551,42 +586,93 @@ fn tuned_wg_rows(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm, wg_rows: u3
     Ok(rows)
 }
 
-/// Median µs of each plan of `call`, each launch timed alone with its weights out of the L2
-/// (a write of twice the L2's size before it), as a decode step meets them; the plans
-/// interleaved, into a scratch output.
+/// µs per launch of each plan of `call`, measured as the benchmarks and a decode step meet
+/// the kernels: a CUDA graph of back-to-back launches (programmatic launch between them) over
+/// copies of the weight spanning twice the L2, so every launch reads its weight from DRAM;
+/// the median of [`TUNE_REPS`] replays per plan, the plans interleaved; into a scratch output.
+/// The copies are freed afterwards (not pooled).
 fn time_plans(
     rt: &Arc<Runtime>,
     w: &DeviceInt4,
     call: &Int4Gemm,
     options: &[(u32, Vec<Launch>)],
 ) -> Result<Vec<f64>> {
-    let out_bytes = call.m as usize * call.epilogue.out_cols(w.n as usize) * 2;
-    let out = rt.alloc(out_bytes)?;
-    let flush_bytes = (2 * rt.l2_bytes()?).max(1 << 20);
-    let flush = rt.alloc(flush_bytes)?;
-    // Created up front, so the host queues each launch while the GPU still writes the flush.
-    let events = (0..(TUNE_REPS + 1) * options.len())
+    let out = rt.alloc(call.m as usize * call.epilogue.out_cols(w.n as usize) * 2)?;
+    let span = 2 * rt.l2_bytes()?;
+    let bytes = w.bytes().max(1);
+    let copies = if bytes >= span {
+        1
+    } else {
+        (span.div_ceil(bytes) + 1).min(TUNE_MAX_COPIES)
+    };
+    let ring = |buf: Option<&DeviceBuffer>| -> Result<Option<DeviceBuffer>> {
+        let Some(b) = buf else { return Ok(None) };
+        let r = rt.alloc_unpooled(b.bytes() * copies)?;
+        for i in 0..copies {
+            // SAFETY: slot i of the ring holds b.bytes() bytes.
+            unsafe { rt.copy_dtod(r.ptr() + (i * b.bytes()) as u64, b.ptr(), b.bytes()) }?;
+        }
+        Ok(Some(r))
+    };
+    let (words, scales, offsets) = if copies > 1 {
+        (
+            ring(Some(&w.words))?,
+            ring(Some(&w.scales))?,
+            ring(w.offsets.as_ref())?,
+        )
+    } else {
+        (None, None, None)
+    };
+    let copy = |i: usize| {
+        let at = |ring: &Option<DeviceBuffer>, own: u64, b: usize| {
+            ring.as_ref().map_or(own, |r| r.ptr() + (i * b) as u64)
+        };
+        let own = w.ptrs();
+        WeightPtrs {
+            words: at(&words, own.words, w.words.bytes()),
+            scales: at(&scales, own.scales, w.scales.bytes()),
+            offsets: w
+                .offsets
+                .as_ref()
+                .map_or(0, |o| at(&offsets, own.offsets, o.bytes())),
+        }
+    };
+    let launches_per_graph = copies.max(8).next_multiple_of(copies);
+    let mut graphs = Vec::new();
+    for (_, launches) in options {
+        // Once outside the capture: loads the kernels and sizes the zeroed scratch.
+        // SAFETY: the caller's pointers (as for the call itself), the weight copies, `out` a
+        // scratch output of the call's size.
+        unsafe { launch_planned(rt, w, copy(0), call, launches, out.ptr(), false) }?;
+        let graph = rt.capture(|| {
+            (0..launches_per_graph).try_for_each(|i| {
+                // SAFETY: as above.
+                unsafe { launch_planned(rt, w, copy(i % copies), call, launches, out.ptr(), false) }
+            })
+        })?;
+        graph.upload().call("cuGraphUpload")?;
+        graph.launch().call("cuGraphLaunch")?;
+        graphs.push(graph);
+    }
+    let events = (0..TUNE_REPS * options.len())
         .map(|_| Ok((rt.timing_event()?, rt.timing_event()?)))
         .collect::<Result<Vec<_>>>()?;
     let mut pairs = events.iter();
-    for round in 0..=TUNE_REPS {
-        for (_, launches) in options {
+    for _ in 0..TUNE_REPS {
+        for graph in &graphs {
             let (start, end) = pairs.next().unwrap();
-            // SAFETY: `flush` holds flush_bytes bytes.
-            unsafe { rt.fill_bytes(flush.ptr(), round as u8, flush_bytes) }?;
             rt.record(start)?;
-            // SAFETY: the caller's pointers (as for the call itself), `out` a scratch output
-            // of the call's size.
-            unsafe { launch_planned(rt, w, call, launches, out.ptr(), false) }?;
+            graph.launch().call("cuGraphLaunch")?;
             rt.record(end)?;
         }
     }
     let mut times = vec![Vec::new(); options.len()];
-    // The first round (kernel loads, first launches) is not counted.
-    for (i, (start, end)) in events.iter().enumerate().skip(options.len()) {
+    for (i, (start, end)) in events.iter().enumerate() {
         let ms = start.elapsed_ms(end).call("cuEventElapsedTime")?;
-        times[i % options.len()].push(f64::from(ms) * 1e3);
+        times[i % options.len()].push(f64::from(ms) * 1e3 / launches_per_graph as f64);
     }
+    rt.synchronize()?;
+    drop(graphs);
     Ok(times
         .into_iter()
         .map(|mut t| {
@@ -622,5 +708,5 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
     }
     let launches = planned(rt, w, call, wg_rows)?;
     // SAFETY: as guaranteed by the caller.
-    unsafe { launch_planned(rt, w, call, &launches, call.out, true) }
+    unsafe { launch_planned(rt, w, w.ptrs(), call, &launches, call.out, true) }
 }

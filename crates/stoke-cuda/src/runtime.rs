@@ -447,12 +447,28 @@ impl Runtime {
             ptr,
             bytes,
             rt: self.clone(),
+            pooled: true,
         };
         if self.poison.load(std::sync::atomic::Ordering::Relaxed) {
             // SAFETY: the buffer holds at least `bytes` bytes.
             unsafe { self.fill_bytes(ptr, 0xFF, bytes) }?;
         }
         Ok(buf)
+    }
+
+    /// Device memory for a short while (stream-ordered, not poisoned): freed when dropped, not
+    /// kept in the pool (a large one-off buffer would hold its memory there).
+    pub fn alloc_unpooled(self: &Arc<Self>, bytes: usize) -> Result<DeviceBuffer> {
+        self.bind()?;
+        // SAFETY: stream-ordered allocation on a live stream; freed on the same stream.
+        let ptr = unsafe { result::malloc_async(self.cu_stream(), bytes.max(1)) }
+            .call("cuMemAllocAsync")?;
+        Ok(DeviceBuffer {
+            ptr,
+            bytes,
+            rt: self.clone(),
+            pooled: false,
+        })
     }
 
     /// Takes back a dropped buffer: pooled while the pool is under its limit, else freed.
@@ -778,6 +794,8 @@ pub struct DeviceBuffer {
     ptr: sys::CUdeviceptr,
     bytes: usize,
     rt: Arc<Runtime>,
+    /// Returned to the pool when dropped (else freed: [`Runtime::alloc_unpooled`]).
+    pooled: bool,
 }
 
 impl DeviceBuffer {
@@ -804,7 +822,16 @@ impl std::fmt::Debug for DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        self.rt.release(self.ptr, self.bytes);
+        if self.pooled {
+            self.rt.release(self.ptr, self.bytes);
+            return;
+        }
+        let _ = self.rt.bind();
+        // SAFETY: allocated by `alloc_unpooled` on this stream; stream order makes the free
+        // wait for every kernel queued on it before.
+        if let Err(e) = unsafe { result::free_async(self.ptr, self.rt.cu_stream()) } {
+            tracing::error!("cuMemFreeAsync failed for {:#x}: {e}", self.ptr);
+        }
     }
 }
 
