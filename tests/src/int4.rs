@@ -453,7 +453,8 @@ pub fn int4_tuned_plan_matches_reference() -> Result<Value, String> {
                     "epilogue": format!("{epi:?}"), "captured_first": captured, "rel_err": errs,
                     "candidates": record.as_ref().map(|r| r.candidates.iter()
                         .map(|(e, s, us)| json!({"entry": e, "splits": s, "us": us})).collect::<Vec<_>>()),
-                    "chosen": record.as_ref().map(|r| r.candidates[r.chosen].0)}));
+                    "chosen": record.as_ref().map(|r| r.candidates[r.chosen].0),
+                    "tuning_ms": record.as_ref().map(|r| r.tuning_ms)}));
             }
         }
     }
@@ -707,6 +708,7 @@ fn bench_variant(
                                 .map(|(e, s, us)| json!({"entry": e, "splits": s, "us": us}))
                                 .collect::<Vec<_>>()
                         );
+                        row["tuning_ms"] = json!(r.tuning_ms);
                     }
                     if !variant.is_empty() {
                         row["defines"] = json!(variant);

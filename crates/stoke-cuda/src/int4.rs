@@ -471,6 +471,9 @@ pub struct TuneRecord {
     pub chosen: usize,
     /// `wg_rows` of the chosen plan.
     pub wg_rows: u32,
+    /// Host milliseconds the tuning added to the shape's first call (copies, graph captures,
+    /// timed replays).
+    pub tuning_ms: f64,
 }
 
 type TuneTable = std::collections::HashMap<TuneKey, TuneRecord>;
@@ -532,6 +535,7 @@ fn tuned_wg_rows(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm, wg_rows: u3
     if rt.is_capturing()? {
         return Ok(wg_rows);
     }
+    let t0 = std::time::Instant::now();
     // One candidate (the shape rules the warpgroup kernels out): recorded untimed.
     let times = if options.len() < 2 {
         vec![f64::NAN]
@@ -571,6 +575,7 @@ fn tuned_wg_rows(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm, wg_rows: u3
             .collect(),
         chosen,
         wg_rows: options[chosen].0,
+        tuning_ms: t0.elapsed().as_secs_f64() * 1e3,
     };
     tracing::debug!(
         "stoke int4: tuned m {} k {} n {} {}: {:?}, chose {}",
