@@ -217,6 +217,10 @@ def render_int4(w, res, path):
         else:
             w("The peers' calls are replayed from a CUDA graph (GPU time, no dispatch on the host); Stoke's are launched back")
             w("to back from the host (about 4 µs to queue one, below the kernel time).")
+    if any(r.get("variant") == "Tuned" for r in b["runs"]):
+        w("The main table is the shipped call: the plan's kernels tuned per shape and row count on the first call")
+        w("(`Int4Gemm::tune`: the plan, the warpgroup kernels from one row, and the plan without them, each timed as")
+        w("here; the rows hold the tuner's own times as `tuned_candidates`); `kernel` is the entry point it ran.")
     same = any("same_size_copy_us" in r for r in b["runs"])
     if same:
         w("`same-size copy`: µs of one device-to-device copy moving the weight bytes (half read, half written), timed")
@@ -228,8 +232,12 @@ def render_int4(w, res, path):
         w(f"accumulators per warp, 16 warps per SM), {mma['mma_rate_c1']['ns_per_round']:.1f} ns per mma along one dependent chain.")
     w("")
     extra = (" same-size copy µs | % of it |" if same else "") + (" mma floor µs |" if mma else "")
-    w("| shape (k x n) | m | Stoke µs | Stoke % copy | torch int4 µs | torch int4 % copy | Stoke speedup vs torch int4 | bf16 matmul µs | splits |" + extra)
-    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if same else "") + (" ---: |" if mma else ""))
+    # The kernel each row ran (rows from runs that record it), short: `swap`, `wg_n8`, ...
+    kern = any("entry" in r for r in b["runs"])
+    def kernel(r):
+        return r.get("entry", "-").replace("int4_gemm_", "").replace("_plain", "").replace("_bf16s", "")
+    w("| shape (k x n) | m | Stoke µs | Stoke % copy | torch int4 µs | torch int4 % copy | Stoke speedup vs torch int4 | bf16 matmul µs | splits |" + (" kernel |" if kern else "") + extra)
+    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" --- |" if kern else "") + (" ---: | ---: |" if same else "") + (" ---: |" if mma else ""))
     peers = {(e["impl"], e["shape"], e["m"]): e for e in res["torch_int4"] if "us" in e}
     # The default kernel and word order in the main table (the swapped-operand kernel at m <= 8
     # where the run has it, else the batched one); the others below it.
@@ -255,7 +263,7 @@ def render_int4(w, res, path):
             sc = f" {r['same_size_copy_us']:.1f} | {100 * r['of_same_size_copy']:.0f}% |" if "same_size_copy_us" in r else " - | - |"
         if mma:
             sc += f" {r['mma_floor_us']:.1f} |" if "mma_floor_us" in r else " - |"
-        w(f"| {r['shape']} ({r['k']} x {r['n']}) | {r['m']} | {r['us']:.1f} | {100 * r['of_copy']:.1f}% | {ti_us} | {ti_pc} | {sp} | {tb_us} | {r['splits']} |" + sc)
+        w(f"| {r['shape']} ({r['k']} x {r['n']}) | {r['m']} | {r['us']:.1f} | {100 * r['of_copy']:.1f}% | {ti_us} | {ti_pc} | {sp} | {tb_us} | {r['splits']} |" + (f" {kernel(r)} |" if kern else "") + sc)
     w("")
     others = [r for r in b["runs"] if r not in default and not r.get("defines")]
     if others:
