@@ -127,6 +127,44 @@ fn reference(
     }
 }
 
+/// A call's residual (`[m, n]`, for [`Epilogue::Residual`], else empty) and row scales (`[m]`,
+/// with `with_scale`), on the host and uploaded.
+struct EpilogueInputs {
+    residual: Vec<f32>,
+    rb: Option<DeviceBuffer>,
+    rs: Option<Vec<f32>>,
+    sb: Option<DeviceBuffer>,
+}
+
+fn epilogue_inputs(
+    rt: &Arc<Runtime>,
+    rng: &mut StdRng,
+    (m, n): (usize, usize),
+    epi: Epilogue,
+    with_scale: bool,
+) -> EpilogueInputs {
+    let residual: Vec<f32> = if epi == Epilogue::Residual {
+        (0..m * n)
+            .map(|_| bf16::round(rng.random_range(-3.0f32..3.0)))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let rs: Option<Vec<f32>> =
+        with_scale.then(|| (0..m).map(|_| rng.random_range(0.2f32..3.0)).collect());
+    let rb = (!residual.is_empty()).then(|| {
+        let bits: Vec<u16> = residual.iter().map(|v| bf16::from_f32(*v)).collect();
+        put_u16(rt, &bits)
+    });
+    let sb = rs.as_ref().map(|s| put_f32(rt, s));
+    EpilogueInputs {
+        residual,
+        rb,
+        rs,
+        sb,
+    }
+}
+
 /// Shapes of the correctness test: (k, n, group, scale type, asymmetric). K values of the issue,
 /// N not a multiple of 128, per-channel groups, both scale types, both forms.
 const CASES: &[(usize, usize, usize, ScaleType, bool)] = &[
@@ -197,25 +235,12 @@ fn gemm_matches_reference() -> Result<Value, String> {
                     &[false]
                 };
                 for &with_scale in scaled {
-                    let residual: Vec<f32> = if epi == Epilogue::Residual {
-                        (0..m * n)
-                            .map(|_| bf16::round(rng.random_range(-3.0f32..3.0)))
-                            .collect()
-                    } else {
-                        Vec::new()
-                    };
-                    let rs: Option<Vec<f32>> =
-                        with_scale.then(|| (0..m).map(|_| rng.random_range(0.2f32..3.0)).collect());
-                    let rb = (!residual.is_empty()).then(|| {
-                        put_u16(
-                            &rt,
-                            &residual
-                                .iter()
-                                .map(|v| bf16::from_f32(*v))
-                                .collect::<Vec<_>>(),
-                        )
-                    });
-                    let sb = rs.as_ref().map(|s| put_f32(&rt, s));
+                    let EpilogueInputs {
+                        residual,
+                        rb,
+                        rs,
+                        sb,
+                    } = epilogue_inputs(&rt, &mut rng, (m, n), epi, with_scale);
                     let cols = epi.out_cols(n);
                     let out = rt.alloc(m * cols * 2).map_err(|e| e.to_string())?;
                     let exact = reference(&x, m, &w, k, n, epi, &residual, rs.as_deref());
@@ -352,25 +377,13 @@ pub fn int4_tuned_plan_matches_reference() -> Result<Value, String> {
                 &[Epilogue::Plain]
             };
             for &epi in epilogues {
-                let residual: Vec<f32> = if epi == Epilogue::Residual {
-                    (0..m * n)
-                        .map(|_| bf16::round(rng.random_range(-3.0f32..3.0)))
-                        .collect()
-                } else {
-                    Vec::new()
-                };
-                let rb = (!residual.is_empty()).then(|| {
-                    put_u16(
-                        &rt,
-                        &residual
-                            .iter()
-                            .map(|v| bf16::from_f32(*v))
-                            .collect::<Vec<_>>(),
-                    )
-                });
-                let rs: Option<Vec<f32>> = (epi == Epilogue::Residual)
-                    .then(|| (0..m).map(|_| rng.random_range(0.2f32..3.0)).collect());
-                let sb = rs.as_ref().map(|s| put_f32(&rt, s));
+                // The residual call also scales its rows.
+                let EpilogueInputs {
+                    residual,
+                    rb,
+                    rs,
+                    sb,
+                } = epilogue_inputs(&rt, &mut rng, (m, n), epi, epi == Epilogue::Residual);
                 let out = rt
                     .alloc(m * epi.out_cols(n) * 2)
                     .map_err(|e| e.to_string())?;
