@@ -251,8 +251,8 @@ pub fn cluster_dims(
         return Ok(None);
     }
     let cluster = (1, splits, 1);
-    let resident = rt.max_active_clusters(kernel, launch.block.0, cluster)?;
-    Ok((launch.grid.0 <= resident).then_some(cluster))
+    let fits = rt.clusters_fit(kernel, launch.block.0, cluster, u64::from(launch.grid.0))?;
+    Ok(fits.then_some(cluster))
 }
 
 static WARPGROUP_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

@@ -267,8 +267,8 @@ impl DeviceKvCache {
         if !cl.cluster || !(2..=MAX_CLUSTER_SPLITS).contains(&splits) {
             return Ok(false);
         }
-        let resident = rt.max_active_clusters(cl, cl.max_threads, (splits, 1, 1))?;
-        Ok(u64::from(batch) * u64::from(self.kv_heads) <= u64::from(resident))
+        let clusters = u64::from(batch) * u64::from(self.kv_heads);
+        rt.clusters_fit(cl, cl.max_threads, (splits, 1, 1), clusters)
     }
 
     /// CTAs per cluster of the launch [`Self::attend_splits`] makes for `batch` sequences of at

@@ -636,6 +636,19 @@ impl Runtime {
         Ok(n)
     }
 
+    /// Whether `count` clusters of `cluster` CTAs of `kernel` (`block_threads` threads each)
+    /// can all be resident at once ([`Runtime::max_active_clusters`]).
+    pub fn clusters_fit(
+        &self,
+        kernel: &Kernel,
+        block_threads: u32,
+        cluster: (u32, u32, u32),
+        count: u64,
+    ) -> Result<bool> {
+        let resident = self.max_active_clusters(kernel, block_threads, cluster)?;
+        Ok(count <= u64::from(resident))
+    }
+
     /// Clusters of `cluster` CTAs of `kernel` (`block_threads` threads each, its dynamic shared
     /// memory) the GPU holds resident at once: the driver's occupancy calculator for cluster
     /// launches (cached), which counts where clusters fit in the GPU's processing clusters, so
