@@ -693,7 +693,11 @@ fn bench_variant(
                         let kernel = rt.kernel(&INT4_GEMM, l.entry).unwrap();
                         stoke_cuda::int4::clustered(&rt, &kernel, l, k as u32).unwrap()
                     };
-                    let launch = as_run(plan(0));
+                    // A tuned call that chose a split count runs the plan at that count.
+                    let launch = match record.as_ref().map_or(0, |r| r.splits) {
+                        0 => as_run(plan(0)),
+                        splits => plan(splits),
+                    };
                     // The launch the shipped plan makes for this call (default swap rows).
                     let shipped = as_run(plan_with(
                         0,

@@ -471,6 +471,8 @@ pub struct TuneRecord {
     pub chosen: usize,
     /// `wg_rows` of the chosen plan.
     pub wg_rows: u32,
+    /// Split count of the chosen plan (0: the plan's own).
+    pub splits: u32,
     /// Host milliseconds the tuning added to the shape's first call (copies, graph captures,
     /// timed replays).
     pub tuning_ms: f64,
@@ -497,15 +499,21 @@ const TUNE_MARGIN: f64 = 0.02;
 /// Most copies of a weight the tuner makes (tiny weights: their launches then may hit the L2).
 const TUNE_MAX_COPIES: usize = 2048;
 
-/// `wg_rows` for a tuned call: the plan's, or the warpgroup kernels from one row, or none,
+/// `(wg_rows, splits)` for a tuned call: the plan's, the warpgroup kernels from one row, or
+/// none, each at its planned split count or one fewer or more (`splits` 0: the plan's count),
 /// whichever ran fastest on this GPU on the first call of the shape (cached per shape). At
 /// up to 8 rows the plan's swapped kernel and the warpgroup 8-row kernel each win on some
 /// shapes (docs/PERF_NOTES.md) and no rule of the shape separates them. While the stream
 /// is capturing a graph nothing can be timed: the plan's choice, not cached.
-fn tuned_wg_rows(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm, wg_rows: u32) -> Result<u32> {
+fn tuned_plan(
+    rt: &Arc<Runtime>,
+    w: &DeviceInt4,
+    call: &Int4Gemm,
+    wg_rows: u32,
+) -> Result<(u32, u32)> {
     if wg_rows == 0 {
-        // Neither the warpgroup kernels nor others to weigh them against.
-        return Ok(0);
+        // The plan's kernels only (asymmetric weights, unaligned x, or none asked for).
+        return Ok((0, 0));
     }
     let key = TuneKey {
         ordinal: rt.ordinal,
@@ -521,19 +529,33 @@ fn tuned_wg_rows(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm, wg_rows: u3
         wg_rows,
     };
     if let Some(r) = tune_table().lock().unwrap().get(&key) {
-        return Ok(r.wg_rows);
+        return Ok((r.wg_rows, r.splits));
     }
     // Candidates: the plan, the warpgroup kernels at every row count (where allowed), and
-    // none; the same launches once.
-    let mut options: Vec<(u32, Vec<Launch>)> = Vec::new();
+    // none, each with its planned split count and one split fewer and more; the same launches
+    // once.
+    let mut options: Vec<(u32, u32, Vec<Launch>)> = Vec::new();
     for rows in [wg_rows, 1, 0] {
-        let launches = planned(rt, w, call, rows)?;
-        if !options.iter().any(|(_, l)| *l == launches) {
-            options.push((rows, launches));
+        let base = planned(rt, w, call, rows)?;
+        let s = base[0].splits;
+        let mut add = |splits: u32, launches: Vec<Launch>| {
+            if !options.iter().any(|(.., l)| *l == launches) {
+                options.push((rows, splits, launches));
+            }
+        };
+        add(0, base);
+        for near in [s.saturating_sub(1), s + 1] {
+            if s > 0 && near > 0 {
+                let explicit = Int4Gemm {
+                    splits: near,
+                    ..*call
+                };
+                add(near, planned(rt, w, &explicit, rows)?);
+            }
         }
     }
     if rt.is_capturing()? {
-        return Ok(wg_rows);
+        return Ok((wg_rows, 0));
     }
     let t0 = std::time::Instant::now();
     // One candidate (the shape rules the warpgroup kernels out): recorded untimed.
@@ -571,10 +593,11 @@ fn tuned_wg_rows(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm, wg_rows: u3
         candidates: options
             .iter()
             .zip(&times)
-            .map(|((_, l), &us)| (l[0].entry, l[0].splits, us))
+            .map(|((.., l), &us)| (l[0].entry, l[0].splits, us))
             .collect(),
         chosen,
         wg_rows: options[chosen].0,
+        splits: options[chosen].1,
         tuning_ms: t0.elapsed().as_secs_f64() * 1e3,
     };
     tracing::debug!(
@@ -586,9 +609,9 @@ fn tuned_wg_rows(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm, wg_rows: u3
         record.candidates,
         record.candidates[chosen].0
     );
-    let rows = record.wg_rows;
+    let plan = (record.wg_rows, record.splits);
     tune_table().lock().unwrap().insert(key, record);
-    Ok(rows)
+    Ok(plan)
 }
 
 /// µs per launch of each plan of `call`, measured as the benchmarks and a decode step meet
@@ -600,7 +623,7 @@ fn time_plans(
     rt: &Arc<Runtime>,
     w: &DeviceInt4,
     call: &Int4Gemm,
-    options: &[(u32, Vec<Launch>)],
+    options: &[(u32, u32, Vec<Launch>)],
 ) -> Result<Vec<f64>> {
     let out = rt.alloc(call.m as usize * call.epilogue.out_cols(w.n as usize) * 2)?;
     let span = 2 * rt.l2_bytes()?;
@@ -644,7 +667,7 @@ fn time_plans(
     };
     let launches_per_graph = copies.max(8).next_multiple_of(copies);
     let mut graphs = Vec::new();
-    for (_, launches) in options {
+    for (.., launches) in options {
         // Once outside the capture: loads the kernels and sizes the zeroed scratch.
         // SAFETY: the caller's pointers (as for the call itself), the weight copies, `out` a
         // scratch output of the call's size.
@@ -708,9 +731,11 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
     } else {
         call.wg_rows
     };
+    let mut call = *call;
     if call.tune && call.splits == 0 && !call.stream_k && call.m <= MAX_ROWS {
-        wg_rows = tuned_wg_rows(rt, w, call, wg_rows)?;
+        (wg_rows, call.splits) = tuned_plan(rt, w, &call, wg_rows)?;
     }
+    let call = &call;
     let launches = planned(rt, w, call, wg_rows)?;
     // SAFETY: as guaranteed by the caller.
     unsafe { launch_planned(rt, w, w.ptrs(), call, &launches, call.out, true) }
