@@ -219,8 +219,9 @@ def render_int4(w, res, path):
             w("to back from the host (about 4 µs to queue one, below the kernel time).")
     if any(r.get("variant") == "Tuned" for r in b["runs"]):
         w("The main table is the shipped call: the plan's kernels tuned per shape and row count on the first call")
-        w("(`Int4Gemm::tune`: the plan, the warpgroup kernels from one row, and the plan without them, each timed as")
-        w("here; the rows hold the tuner's own times as `tuned_candidates`); `kernel` is the entry point it ran.")
+        w("(`Int4Gemm::tune`: the plan, the warpgroup kernels from one row, and the plan without them, each at its")
+        w("planned split count and one fewer and more, timed as here; the rows hold the tuner's own times as")
+        w("`tuned_candidates`); `kernel` is the entry point it ran, `splits` its split count.")
     same = any("same_size_copy_us" in r for r in b["runs"])
     if same:
         w("`same-size copy`: µs of one device-to-device copy moving the weight bytes (half read, half written), timed")
