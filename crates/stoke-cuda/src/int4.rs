@@ -231,10 +231,7 @@ pub fn resident_slots(rt: &Arc<Runtime>) -> impl Fn(&'static str) -> u32 + '_ {
     }
 }
 
-/// Most splits along k that form one cluster (the portable cluster size).
-pub const MAX_CLUSTER_SPLITS: u32 = 8;
-
-/// The cluster a W4A16 launch forms: (1, splits, 1) for 2 to [`MAX_CLUSTER_SPLITS`] splits
+/// The cluster a W4A16 launch forms: (1, splits, 1) for 2 to [`crate::MAX_CLUSTER_CTAS`] splits
 /// where the kernel has the shared-memory split-K reduction (`<entry>_cluster`,
 /// STOKE_INT4_CLUSTER) and the launch's clusters (one per CTA column) are all resident at
 /// once, so the splits of a slab add through each other's shared memory instead of the
@@ -246,11 +243,7 @@ pub fn cluster_dims(
     kernel: &Kernel,
     launch: &Launch,
 ) -> Result<Option<(u32, u32, u32)>> {
-    let splits = launch.splits;
-    if !kernel.cluster || !(2..=MAX_CLUSTER_SPLITS).contains(&splits) {
-        return Ok(None);
-    }
-    let cluster = (1, splits, 1);
+    let cluster = (1, launch.splits, 1);
     let fits = rt.clusters_fit(kernel, launch.block.0, cluster, u64::from(launch.grid.0))?;
     Ok(fits.then_some(cluster))
 }
@@ -271,7 +264,7 @@ pub fn clustered(rt: &Runtime, kernel: &Kernel, l: Launch, k: u32) -> Result<Lau
     // The driver is asked lazily (cached per entry and cluster size), its first error kept.
     let mut err = None;
     let out = wg_clustered(&l, k, |s| {
-        if s > MAX_CLUSTER_SPLITS || err.is_some() {
+        if err.is_some() {
             return false;
         }
         let trial = Launch {
@@ -441,11 +434,12 @@ pub fn set_tune_default(on: bool) {
 static TUNE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// What a tuned call's plan depends on.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct TuneKey {
     ordinal: usize,
-    /// The kernels' compile-time defines (benchmarks time variants in one process).
-    defines: Vec<String>,
+    /// The kernels' compile-time defines ([`Runtime::defines_epoch`]: benchmarks time variants
+    /// in one process).
+    defines: u64,
     m: u32,
     k: u32,
     n: u32,
@@ -517,7 +511,7 @@ fn tuned_plan(
     }
     let key = TuneKey {
         ordinal: rt.ordinal,
-        defines: rt.defines_of(INT4_GEMM.file),
+        defines: rt.defines_epoch(),
         m: call.m,
         k: w.k,
         n: w.n,

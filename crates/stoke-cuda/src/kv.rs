@@ -5,7 +5,6 @@
 //! and how many keys it attends to are device buffers (`slot_of`, `pos`, `len`), so a captured
 //! decode step replays with new positions.
 
-use crate::int4::MAX_CLUSTER_SPLITS;
 use crate::kernels::DECODE_ATTENTION;
 use crate::kernels::decode_attention::{
     AppendParams, AttnParams, KvCacheParams, KvFormat, attn_cluster_entry, attn_entry, check_shape,
@@ -259,18 +258,6 @@ impl DeviceKvCache {
         unsafe { rt.launch_cluster(&kernel, shape, cluster, &params) }
     }
 
-    /// Whether a launch of `splits` splits for `batch` sequences forms clusters on the cluster
-    /// entry point `cl`: 2 to [`MAX_CLUSTER_SPLITS`] splits, the kernel built with the cluster
-    /// merge (`<entry>_cluster`, STOKE_ATTN_CLUSTER), and every (sequence, kv head)'s cluster
-    /// resident at once (a waiting cluster would hold its finished CTAs' slots).
-    fn clusters_fit(&self, rt: &Runtime, cl: &Kernel, batch: u32, splits: u32) -> Result<bool> {
-        if !cl.cluster || !(2..=MAX_CLUSTER_SPLITS).contains(&splits) {
-            return Ok(false);
-        }
-        let clusters = u64::from(batch) * u64::from(self.kv_heads);
-        rt.clusters_fit(cl, cl.max_threads, (splits, 1, 1), clusters)
-    }
-
     /// CTAs per cluster of the launch [`Self::attend_splits`] makes for `batch` sequences of at
     /// most `max_len` keys with `splits` (None: the plan's): the split count when the splits
     /// merge through distributed shared memory, else 1.
@@ -303,7 +290,11 @@ impl DeviceKvCache {
         // The driver is asked lazily (the runtime caches it per entry and cluster size), its
         // first error kept.
         let err = std::cell::RefCell::new(None);
-        let fits = |s: u32| match self.clusters_fit(rt, &cl, batch, s) {
+        // A launch of `s` splits forms clusters where every (sequence, kv head)'s cluster is
+        // resident at once (a waiting cluster would hold its finished CTAs' slots), on an entry
+        // point built with the cluster merge (`<entry>_cluster`, STOKE_ATTN_CLUSTER).
+        let clusters = u64::from(batch) * u64::from(self.kv_heads);
+        let fits = |s: u32| match rt.clusters_fit(&cl, cl.max_threads, (s, 1, 1), clusters) {
             Ok(f) => f,
             Err(e) => {
                 err.borrow_mut().get_or_insert(e);

@@ -17,7 +17,9 @@ pub mod kv;
 mod runtime;
 
 pub use compile::{CompileReport, compile_cubin, nvrtc_version};
-pub use runtime::{DeviceBuffer, Kernel, LaunchShape, Runtime, TensorMap, Unavailable};
+pub use runtime::{
+    DeviceBuffer, Kernel, LaunchShape, MAX_CLUSTER_CTAS, Runtime, TensorMap, Unavailable,
+};
 
 use cudarc::driver::DriverError;
 

@@ -100,6 +100,8 @@ pub struct Runtime {
     /// Preprocessor defines (`NAME=VALUE`) a kernel file is compiled with: none by default;
     /// benchmarks set them to time kernel variants (`set_defines`).
     defines: Mutex<HashMap<&'static str, Vec<String>>>,
+    /// Bumped by every `set_defines` ([`Runtime::defines_epoch`]).
+    defines_epoch: std::sync::atomic::AtomicU64,
     /// Resident CTAs per SM by (entry point, threads per CTA), from the occupancy calculator.
     occupancy: Mutex<HashMap<(&'static str, u32), u32>>,
     /// Clusters resident at once by (entry point, threads per CTA, cluster (x, y, z)).
@@ -178,6 +180,7 @@ impl Runtime {
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             defines: Mutex::new(HashMap::new()),
+            defines_epoch: Default::default(),
             occupancy: Mutex::new(HashMap::new()),
             cluster_occupancy: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(VecDeque::new()),
@@ -481,9 +484,14 @@ impl Runtime {
             self.pool.lock().unwrap().entry(size).or_default().push(ptr);
             return;
         }
+        self.free(ptr);
+    }
+
+    /// Frees a buffer allocated on Stoke's stream (by `alloc` or `alloc_unpooled`), stream-ordered:
+    /// the free waits for every kernel queued before it.
+    fn free(&self, ptr: sys::CUdeviceptr) {
         let _ = self.bind();
-        // SAFETY: allocated by `alloc` on this stream; stream order makes the free wait for
-        // every kernel queued on it before.
+        // SAFETY: allocated on this stream and owned by no one now.
         if let Err(e) = unsafe { result::free_async(ptr, self.cu_stream()) } {
             tracing::error!("cuMemFreeAsync failed for {ptr:#x}: {e}");
         }
@@ -612,6 +620,8 @@ impl Runtime {
             .retain(|(f, _), _| *f != file);
         self.occupancy.lock().unwrap().clear();
         self.cluster_occupancy.lock().unwrap().clear();
+        self.defines_epoch
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Resident CTAs per SM of `kernel` launched with `block_threads` threads and its dynamic
@@ -637,7 +647,9 @@ impl Runtime {
     }
 
     /// Whether `count` clusters of `cluster` CTAs of `kernel` (`block_threads` threads each)
-    /// can all be resident at once ([`Runtime::max_active_clusters`]).
+    /// can all be resident at once ([`Runtime::max_active_clusters`]). Never for a kernel not
+    /// built for clusters (`Kernel::cluster`) or a cluster of fewer than 2 or more than
+    /// [`MAX_CLUSTER_CTAS`] CTAs (the driver is not asked then).
     pub fn clusters_fit(
         &self,
         kernel: &Kernel,
@@ -645,6 +657,10 @@ impl Runtime {
         cluster: (u32, u32, u32),
         count: u64,
     ) -> Result<bool> {
+        let ctas = cluster.0 * cluster.1 * cluster.2;
+        if !kernel.cluster || !(2..=MAX_CLUSTER_CTAS).contains(&ctas) {
+            return Ok(false);
+        }
         let resident = self.max_active_clusters(kernel, block_threads, cluster)?;
         Ok(count <= u64::from(resident))
     }
@@ -762,14 +778,11 @@ impl Runtime {
             .collect()
     }
 
-    /// The preprocessor defines kernel file `file` is compiled with now ([`Runtime::set_defines`]).
-    pub fn defines_of(&self, file: &str) -> Vec<String> {
-        self.defines
-            .lock()
-            .unwrap()
-            .get(file)
-            .cloned()
-            .unwrap_or_default()
+    /// How many times [`Runtime::set_defines`] has changed what the kernels are compiled with
+    /// (choices measured on the kernels, such as the W4A16 tuning, keep it in their keys).
+    pub fn defines_epoch(&self) -> u64 {
+        self.defines_epoch
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether Stoke's stream is capturing a CUDA graph now (work queued is recorded, not run).
@@ -837,16 +850,14 @@ impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         if self.pooled {
             self.rt.release(self.ptr, self.bytes);
-            return;
-        }
-        let _ = self.rt.bind();
-        // SAFETY: allocated by `alloc_unpooled` on this stream; stream order makes the free
-        // wait for every kernel queued on it before.
-        if let Err(e) = unsafe { result::free_async(self.ptr, self.rt.cu_stream()) } {
-            tracing::error!("cuMemFreeAsync failed for {:#x}: {e}", self.ptr);
+        } else {
+            self.rt.free(self.ptr);
         }
     }
 }
+
+/// Most CTAs in one cluster Stoke launches (the portable cluster size).
+pub const MAX_CLUSTER_CTAS: u32 = 8;
 
 /// Most bytes the buffer pool keeps for reuse; beyond it dropped buffers are freed.
 const POOL_LIMIT_BYTES: usize = 2 << 30;
