@@ -268,6 +268,58 @@ pub fn mma_rate(rt: &Arc<Runtime>) -> Value {
     v
 }
 
+/// The fastest one launch reads `bytes` once (the W4A16 kernels' load: no L1 allocation, L2
+/// evict-first), from buffers rotated through >= 256 MB, timed like the kernels
+/// ([`time_calls`]): the memory side of their roofline at one row, where they read their weights
+/// and write almost nothing. Every configuration of `kernels/read_rate.cu` is timed (a chunk per
+/// CTA or per warp, 4 or 8 loads in flight per thread, 128 or 256 threads, 1-8 CTAs per SM);
+/// returns the best µs and every configuration's.
+pub(crate) fn same_size_read(rt: &Arc<Runtime>, bytes: usize) -> (f64, Value) {
+    use stoke_cuda::kernels::READ_RATE;
+    use stoke_cuda::kernels::read_rate::{ENTRY_POINTS, ReadRateParams};
+    let bytes = bytes.next_multiple_of(16);
+    let sets = (L2_ESCAPE_BYTES / bytes).clamp(1, 64);
+    let bufs: Vec<_> = (0..sets)
+        .map(|_| {
+            let b = rt.alloc(bytes).unwrap();
+            // SAFETY: `b` holds `bytes` bytes.
+            unsafe { rt.fill_bytes(b.ptr(), 0x3c, bytes).unwrap() };
+            b
+        })
+        .collect();
+    let out = rt.alloc(rt.sm_count as usize * 8 * 256 * 4).unwrap();
+    let iters = (200_000_000 / bytes).clamp(10, 2000);
+    let (mut best, mut configs) = (f64::INFINITY, Vec::new());
+    for entry in ENTRY_POINTS {
+        let kernel = rt.kernel(&READ_RATE, entry).unwrap();
+        for threads in [128u32, 256] {
+            for ctas_per_sm in [1u32, 2, 4, 8] {
+                let shape = LaunchShape {
+                    grid: (rt.sm_count * ctas_per_sm, 1, 1),
+                    block: (threads, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: the params mirror the kernel's struct (layout test); each buffer holds
+                // `bytes` bytes, `out` one u32 per launched thread, both outlive the timer.
+                let t = time_calls(rt, 5, iters, |i| unsafe {
+                    let params = ReadRateParams {
+                        src: bufs[i % sets].ptr(),
+                        words: (bytes / 16) as u64,
+                        out: out.ptr(),
+                        never: 0x9e37_79b9,
+                        pad: 0,
+                    };
+                    rt.launch(&kernel, shape, &params).unwrap()
+                });
+                best = best.min(t.us);
+                configs.push(json!({ "entry": entry, "threads": threads,
+                    "ctas_per_sm": ctas_per_sm, "us": t.us }));
+            }
+        }
+    }
+    (best, json!(configs))
+}
+
 /// µs per device-to-device copy moving `traffic` bytes (half read, half written), from buffers
 /// rotated through >= 256 MB (no copy starts in L2), timed like the kernels ([`time_calls`]):
 /// what one launch moving that many bytes reaches (transfers of tens of MB stay well below the

@@ -544,20 +544,29 @@ pub fn bench(copy_gbps: f64) -> Value {
     let all = std::env::var("STOKE_INT4_BENCH").as_deref() == Ok("all");
     let orders: &[WordOrder] = if all { &ORDERS } else { &[WordOrder::KtMajor] };
     let rt = crate::gpu().expect("GPU");
-    let (mut rows, mut sweep, mut regs) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut rows, mut sweep, mut reads, mut regs) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     // The compute side of the roofline: each row's mma count at this rate.
     let mma = crate::bench::mma_rate(&rt);
     let mma_tflops = mma["mma_rate_c8"]["tflops"].as_f64().unwrap_or(0.0);
+    // The read side beside the copy rate: one launch reading 1 GiB once.
+    let (read_us, _) = crate::bench::same_size_read(&rt, 1 << 30);
+    let read_gbps = (1u64 << 30) as f64 / read_us / 1e3;
+    println!(
+        "HBM read, one launch over 1 GiB: {read_us:.1} us, {read_gbps:.0} GB/s ({:.1}% of the copy rate)",
+        100.0 * read_gbps / copy_gbps
+    );
     crate::bench::for_each_variant(&rt, INT4_GEMM.file, |variant| {
         bench_variant(
-            &rt, copy_gbps, mma_tflops, orders, all, variant, &mut rows, &mut sweep,
+            &rt, copy_gbps, mma_tflops, orders, all, variant, &mut rows, &mut sweep, &mut reads,
         );
         if variant.is_empty() {
             // The shipped kernels' resources (a variant's module replaces them).
             regs = crate::bench::kernel_reports(&rt, INT4_GEMM.file);
         }
     });
-    json!({ "copy_gbps": copy_gbps, "mma_rate": mma, "runs": rows, "split_sweep": sweep, "kernels": regs })
+    json!({ "copy_gbps": copy_gbps, "read_gbps": read_gbps, "mma_rate": mma, "runs": rows, "split_sweep": sweep,
+        "same_size_read": reads, "kernels": regs })
 }
 
 /// The benchmark with the kernels as compiled now; rows of a variant carry its defines.
@@ -571,6 +580,7 @@ fn bench_variant(
     variant: &str,
     rows: &mut Vec<Value>,
     sweep: &mut Vec<Value>,
+    reads: &mut Vec<Value>,
 ) {
     let rt = rt.clone();
     let mut rng = StdRng::seed_from_u64(7);
@@ -594,6 +604,17 @@ fn bench_variant(
                 weights[0][0].bytes() / 1_000_000,
                 100.0 * weights[0][0].bytes() as f64 / us / 1e3 / copy_gbps
             );
+            us
+        });
+        // The ceiling at one row: the fastest single launch reading the weight bytes once.
+        let read = variant.is_empty().then(|| {
+            let (us, configs) = crate::bench::same_size_read(&rt, weights[0][0].bytes());
+            println!(
+                "int4 {name:<12} same-size read ({} MB read): {us:8.2} us ({:5.1}% of the copy rate)",
+                weights[0][0].bytes() / 1_000_000,
+                100.0 * weights[0][0].bytes() as f64 / us / 1e3 / copy_gbps
+            );
+            reads.push(json!({ "shape": name, "bytes": weights[0][0].bytes(), "us": us, "configs": configs }));
             us
         });
         for &m in BENCH_ROWS {
@@ -759,6 +780,11 @@ fn bench_variant(
                         // A copy moving the weight bytes, and the kernel's speed against it.
                         row["same_size_copy_us"] = json!(c);
                         row["of_same_size_copy"] = json!(c / us);
+                    }
+                    if let Some(r) = read {
+                        // One launch reading the weight bytes once, and the kernel against it.
+                        row["same_size_read_us"] = json!(r);
+                        row["of_same_size_read"] = json!(r / us);
                     }
                     rows.push(row);
                     // The split sweep: at one row with STOKE_INT4_BENCH=all, or at the rows

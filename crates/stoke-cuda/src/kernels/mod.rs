@@ -4,6 +4,7 @@
 pub mod decode_attention;
 pub mod int4_gemm;
 pub mod mma_rate;
+pub mod read_rate;
 pub mod rms_norm;
 
 /// A kernel source file compiled as one module.
@@ -61,9 +62,15 @@ pub const ALL: &[KernelSource] = &[
         source: mma_rate::SOURCE,
         entries: mma_rate::ENTRY_POINTS,
     },
+    KernelSource {
+        file: "read_rate.cu",
+        source: read_rate::SOURCE,
+        entries: read_rate::ENTRY_POINTS,
+    },
 ];
 
 pub const RMS_NORM: KernelSource = ALL[0];
 pub const INT4_GEMM: KernelSource = ALL[1];
 pub const DECODE_ATTENTION: KernelSource = ALL[2];
 pub const MMA_RATE: KernelSource = ALL[3];
+pub const READ_RATE: KernelSource = ALL[4];
