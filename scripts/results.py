@@ -226,19 +226,27 @@ def render_int4(w, res, path):
     if same:
         w("`same-size copy`: µs of one device-to-device copy moving the weight bytes (half read, half written), timed")
         w("the same way; `% of it`: that time over Stoke's, the speed of a copy of this size reached.")
+    read = any("same_size_read_us" in r for r in b["runs"])
+    if read:
+        w("`same-size read`: µs of the fastest single launch reading the weight bytes once with the kernels' load")
+        w("(`kernels/read_rate.cu`, best of 32 launch shapes: a chunk per CTA or per warp, 4 or 8 16-byte loads in")
+        w("flight per thread, 128 or 256 threads, 1-8 CTAs per SM), timed the same way: the memory side of the roofline")
+        w("at one row, where the kernels read and write almost nothing; `% of it`: that time over Stoke's.")
+        if b.get("read_gbps"):
+            w(f"One launch reading 1 GiB that way: {b['read_gbps']:.0f} GB/s, {100 * b['read_gbps'] / b['copy_gbps']:.1f}% of the copy rate.")
     mma = b.get("mma_rate")
     if mma:
         w(f"`mma floor`: the kernel's mma.m16n8k16 count (warpgroup rows: their wgmma multiply-adds in m16n8k16 units) at the same run's mma.sync rate, the compute side of its")
         w(f"roofline: {mma['mma_rate_c8']['tflops']:.0f} TFLOP/s (bf16 in, f32 accumulation; `kernels/mma_rate.cu`, 8 independent")
         w(f"accumulators per warp, 16 warps per SM), {mma['mma_rate_c1']['ns_per_round']:.1f} ns per mma along one dependent chain.")
     w("")
-    extra = (" same-size copy µs | % of it |" if same else "") + (" mma floor µs |" if mma else "")
+    extra = (" same-size copy µs | % of it |" if same else "") + (" same-size read µs | % of it |" if read else "") + (" mma floor µs |" if mma else "")
     # The kernel each row ran (rows from runs that record it), short: `swap`, `wg_n8`, ...
     kern = any("entry" in r for r in b["runs"])
     def kernel(r):
         return r.get("entry", "-").replace("int4_gemm_", "").replace("_plain", "").replace("_bf16s", "")
     w("| shape (k x n) | m | Stoke µs | Stoke % copy | torch int4 µs | torch int4 % copy | Stoke speedup vs torch int4 | bf16 matmul µs | splits |" + (" kernel |" if kern else "") + extra)
-    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" --- |" if kern else "") + (" ---: | ---: |" if same else "") + (" ---: |" if mma else ""))
+    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" --- |" if kern else "") + (" ---: | ---: |" if same else "") + (" ---: | ---: |" if read else "") + (" ---: |" if mma else ""))
     peers = {(e["impl"], e["shape"], e["m"]): e for e in res["torch_int4"] if "us" in e}
     # The default kernel and word order in the main table (the swapped-operand kernel at m <= 8
     # where the run has it, else the batched one); the others below it.
@@ -262,6 +270,8 @@ def render_int4(w, res, path):
         sc = ""
         if same:
             sc = f" {r['same_size_copy_us']:.1f} | {100 * r['of_same_size_copy']:.0f}% |" if "same_size_copy_us" in r else " - | - |"
+        if read:
+            sc += f" {r['same_size_read_us']:.1f} | {100 * r['of_same_size_read']:.0f}% |" if "same_size_read_us" in r else " - | - |"
         if mma:
             sc += f" {r['mma_floor_us']:.1f} |" if "mma_floor_us" in r else " - |"
         w(f"| {r['shape']} ({r['k']} x {r['n']}) | {r['m']} | {r['us']:.1f} | {100 * r['of_copy']:.1f}% | {ti_us} | {ti_pc} | {sp} | {tb_us} | {r['splits']} |" + (f" {kernel(r)} |" if kern else "") + sc)
