@@ -184,16 +184,6 @@ enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
 #ifndef STOKE_INT4_SWAP_PIPELINE
 #define STOKE_INT4_SWAP_PIPELINE 1
 #endif
-// 1: the swapped kernels (swap, swap16; not stream-K) stream each k-tile's weight strip and x
-// fragments into a per-warp ring of KB slots in shared memory with cp.async, one commit group per
-// k-tile, and wait for the oldest group only (cp.async.wait_group KB - 1): KB - 1 k-tiles stay in
-// flight at every k-tile. In the register ring (0) ptxas tracks all of a warp's loads on one
-// scoreboard, so the first use in each pass over the slots waits for every load in flight,
-// including the one issued a k-tile earlier. Each lane reads back only the bytes it copied (no
-// barrier). The ring shares the CTA's shared memory with the reduction buffer.
-#ifndef STOKE_INT4_SWAP_SMEM
-#define STOKE_INT4_SWAP_SMEM 0
-#endif
 
 __device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
@@ -925,17 +915,10 @@ __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wa
 // `slab`, x rows row0 onwards; `groups` row groups share the slab's weights (L2 policy).
 // PDL: the first ring of weight loads goes out before griddepcontrol.wait, everything that
 // reads x or writes after it (STOKE_INT4_PDL).
-// SMEM (STOKE_INT4_SWAP_SMEM): the load slots are the warp's SwapRing<KB, NT> in shared memory
-// at `ring` (the CTA's rings, warp after warp).
-template <int KB, int NT>
-struct SwapRing {
-    static constexpr u32 SLOT = 512 + NT * 256;  // the weight strip, then x: [nt][b0 / b1][lane] u32
-    static constexpr u32 WARP = KB * SLOT;
-};
-template <bool F16S, int KB, int NT, bool LATE = STOKE_INT4_FOLD_LATE != 0, bool PDL = false, bool SMEM = false>
+template <bool F16S, int KB, int NT, bool LATE = STOKE_INT4_FOLD_LATE != 0, bool PDL = false>
 __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u32 row0, u32 groups, u32 u_begin,
-                                           u32 u_end, float (&acc)[NT][4][4], u32 ring = 0) {
-    constexpr bool RING = STOKE_INT4_SWAP_PIPELINE != 0 || SMEM;
+                                           u32 u_end, float (&acc)[NT][4][4]) {
+    constexpr bool RING = STOKE_INT4_SWAP_PIPELINE != 0;
     const u32 lane = threadIdx.x & 31;
     const u32 g = lane >> 2, t = lane & 3;
     const u32 fkt = p.fold_kt;
@@ -985,7 +968,6 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
     // accumulates into one of two partial sets (part for the first of a pair of units, pb for
     // the second) and the other set is folded after the first mma of the next unit is issued.
     const bool late = LATE && RING && fkt == 8 && 8 % KB == 0 && !STOKE_INT4_PROBE_ARITH;
-    static_assert(!SMEM || !STOKE_INT4_PROBE_ARITH, "the probes time the register ring");
     // Scales of the current unit (dm) and, except in the late form, which loads each unit's
     // scales after the previous fold, of the next one (dmn), in flight a unit ahead.
     GroupWalk gw(p, u_begin);
@@ -1018,53 +1000,7 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
         fill_w(s);
         fill_x(s);
     };
-    // The shared-memory ring: slot `s` at ring + s SLOT, this lane's bytes of it.
-    using R = SwapRing<KB, NT>;
-    const u32 my_ring = ring + (threadIdx.x >> 5) * R::WARP;
-    auto copy_w = [&](u32 slot) {
-        cp_async16_stream(slot + lane * 16, wp, policy);
-        if (STOKE_INT4_W_ADVANCE) wp += wstep;
-    };
-    auto copy_x = [&](u32 slot) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(slot + 512 + ((2 * nt + h) * 32 + lane) * 4),
-                             "l"(xr[nt] + 4 * h)
-                             : "memory");
-            xr[nt] += STOKE_INT4_X_STEP;
-        }
-    };
-    // Waits for the oldest k-tile in flight (slot `slot`) and reads the lane's words back.
-    auto take = [&](u32 slot, uint4& wv, u32 (&xb0)[NT], u32 (&xb1)[NT]) {
-        cp_async_wait<KB - 1>();
-        wv = lds128(slot + lane * 16);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(xb0[nt]) : "r"(slot + 512 + (2 * nt * 32 + lane) * 4) : "memory");
-            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(xb1[nt]) : "r"(slot + 512 + ((2 * nt + 1) * 32 + lane) * 4) : "memory");
-        }
-    };
-    // The slot just read gets the k-tile KB ahead (if any); one group per k-tile either way.
-    auto refill = [&](u32 slot, bool more) {
-        if (more) {
-            copy_w(slot);
-            copy_x(slot);
-        }
-        cp_async_commit();
-    };
-    if (SMEM) {  // the weights first, then (after the previous kernel, with PDL) x
-#pragma unroll
-        for (int s = 0; s < KB; ++s)
-            if (u32(s) < tiles) copy_w(my_ring + s * R::SLOT);
-        if (PDL) griddep_wait();
-#pragma unroll
-        for (int s = 0; s < KB; ++s) {
-            if (u32(s) < tiles) copy_x(my_ring + s * R::SLOT);
-            cp_async_commit();
-        }
-    } else if (RING && PDL) {  // the weights first, then (after the previous kernel) x
+    if (RING && PDL) {  // the weights first, then (after the previous kernel) x
 #pragma unroll
         for (int s = 0; s < KB; ++s)
             if (u32(s) < tiles) fill_w(s);
@@ -1094,16 +1030,7 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
 #pragma unroll
             for (int kk = 0; kk < 8; ++kk) {
                 const int sl = kk % KB;
-                uint4 wv;
-                u32 xb0[NT], xb1[NT];
-                if (SMEM) {
-                    take(my_ring + sl * R::SLOT, wv, xb0, xb1);
-                } else {
-                    wv = w[sl];
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) xb0[nt] = b0[sl][nt], xb1[nt] = b1[sl][nt];
-                }
-                mma_tile(into, wv, xb0, xb1);
+                mma_tile(into, w[sl], b0[sl], b1[sl]);
                 if (kk == 0 && pending) {
                     // The previous unit's last mma went out a k-tile ago: fold it now, then ask
                     // for this unit's scales (dm is free again).
@@ -1111,9 +1038,8 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
                     gw.next();
                     load_scales(gw.row, dm);
                 }
-                add_x_sums(sx, xb0, xb1);
-                if (SMEM) refill(my_ring + sl * R::SLOT, i + KB < tiles);
-                else if (i + KB < tiles) fill(sl);
+                add_x_sums(sx, b0[sl], b1[sl]);
+                if (i + KB < tiles) fill(sl);
                 ++i;
             }
             unit_sums(sx, t, ps0, ps1);  // for this unit's fold during the next (or after the loop)
@@ -1124,38 +1050,11 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
             pending = true;
             if (i >= tiles) {
                 fold_set(part);
-                if (SMEM) cp_async_wait<0>();
                 return;
             }
             unit_body(pb, part, true);
         }
         if (pending) fold_set(pb);
-        if (SMEM) cp_async_wait<0>();
-        return;
-    }
-    if (SMEM) {  // k-tile by k-tile, the fold after each unit's last
-        u32 slot = 0;
-        for (u32 i = 0; i < tiles; ++i) {
-            uint4 wv;
-            u32 xb0[NT], xb1[NT];
-            const u32 addr = my_ring + slot * R::SLOT;
-            take(addr, wv, xb0, xb1);
-            mma_tile(part, wv, xb0, xb1);
-            add_x_sums(sx, xb0, xb1);
-            refill(addr, i + KB < tiles);
-            slot = slot + 1 == KB ? 0 : slot + 1;
-            if (++in_unit < fkt) continue;
-            in_unit = 0;
-            float s0[NT], s1[NT];
-            unit_sums(sx, t, s0, s1);
-            fold_swapped<F16S, NT>(acc, part, dm, sym, s0, s1);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) dm[j] = dmn[j];
-            ++unit;
-            gw.next();
-            if (unit + 1 < u_end) load_scales(gw.row, dmn);
-        }
-        cp_async_wait<0>();
         return;
     }
     for (u32 i0 = 0; i0 < tiles; i0 += KB) {
@@ -1256,10 +1155,7 @@ __device__ __forceinline__ void swap_stream_k(const Int4GemmParams& p) {
 
 template <int EPI, bool F16S, int KB, int NT>
 __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
-    constexpr bool SMEM = STOKE_INT4_SWAP_SMEM != 0;
-    // The reduction buffer, and (SMEM) the warps' load rings before it.
-    constexpr u32 RED_FLOATS = WARPS * 16 * RED_PITCH, RING_FLOATS = SMEM ? WARPS * SwapRing<KB, NT>::WARP / 4 : 0;
-    __shared__ __align__(16) float red[RED_FLOATS > RING_FLOATS ? RED_FLOATS : RING_FLOATS];
+    __shared__ float red[WARPS * 16 * RED_PITCH];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
     const u32 groups = gridDim.x / (p.n / 64);  // row groups (1 unless swap16 with m > 16)
@@ -1270,9 +1166,7 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     // this grid's CTAs exit and wait (griddepcontrol.wait) before touching what this one writes.
     if (STOKE_INT4_PDL) asm volatile("griddepcontrol.launch_dependents;");
     float acc[NT][4][4];
-    swap_units<F16S, KB, NT, STOKE_INT4_FOLD_LATE != 0, STOKE_INT4_PDL != 0, SMEM>(p, slab, row0, groups, u_begin, u_end,
-                                                                                   acc, smem_u32(red));
-    if (SMEM) __syncthreads();  // every warp is done with its ring: the area is the reduction's now
+    swap_units<F16S, KB, NT, STOKE_INT4_FOLD_LATE != 0, STOKE_INT4_PDL != 0>(p, slab, row0, groups, u_begin, u_end, acc);
     // Rows 8 nt + 2t, 8 nt + 2t + 1 of columns 16 j + g, 16 j + 8 + g into the reduction buffer
     // (NT = 1: rows 8-15 unused).
     auto at = [&](u32 row, u32 col) -> float& { return red[(warp * 16 + row) * RED_PITCH + col]; };
