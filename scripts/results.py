@@ -81,9 +81,14 @@ def render_attention(w, res, path):
         w("Stoke's calls are launched back to back from the host, which queues one in `host µs`, below the kernel time.")
     else:
         w("it is timed from Python, so its small cases include PyTorch's dispatch. `host µs`: Stoke's time to queue one call.")
+    read = any("same_size_read_us" in r for r in a["runs"])
+    if read:
+        w("`BF16 read µs`: the fastest single launch reading the BF16 cache's bytes once (`kernels/read_rate.cu`, best of")
+        w("32 launch shapes, timed the same way), the memory side of the roofline; `BF16 / SDPA % of read`: that time over")
+        w("Stoke's BF16 time and over SDPA's.")
     w("")
-    w("| shape | batch | ctx | BF16 µs | BF16 % copy | FP8 µs | FP8 % copy | INT4 µs | INT4 % copy | SDPA µs | SDPA % copy | BF16 vs SDPA | host µs |" + (" SDPA eager µs |" if graphed else ""))
-    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if graphed else ""))
+    w("| shape | batch | ctx | BF16 µs | BF16 % copy | FP8 µs | FP8 % copy | INT4 µs | INT4 % copy | SDPA µs | SDPA % copy | BF16 vs SDPA | host µs |" + (" SDPA eager µs |" if graphed else "") + (" BF16 read µs | BF16 % of read | SDPA % of read |" if read else ""))
+    w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if graphed else "") + (" ---: | ---: | ---: |" if read else ""))
     peers = {(e["shape"], e["batch"], e["ctx"]): e for e in res["torch_attention"] if "us" in e}
     by = {(r["shape"], r["batch"], r["ctx"], r["format"]): r for r in a["runs"] if not r.get("pv_transposed") and not r.get("defines")}
     pvt = {(r["shape"], r["batch"], r["ctx"], r["format"]): r for r in a["runs"] if r.get("pv_transposed") and not r.get("defines")}
@@ -96,6 +101,9 @@ def render_attention(w, res, path):
         ps = [f"{pe['us']:.1f}", f"{100 * pe['of_copy']:.1f}%", f"{pe['us'] / f[0]['us']:.2f}x"] if pe and f[0] else ["-", "-", "-"]
         host = f"{f[0]['host_us']:.1f}" if f[0] and "host_us" in f[0] else "-"
         eager = (f" {pe['eager_us']:.1f} |" if pe and "eager_us" in pe else " - |") if graphed else ""
+        if read:
+            rd = f[0].get("same_size_read_us") if f[0] else None
+            eager += (f" {rd:.1f} | {100 * rd / f[0]['us']:.0f}% | " + (f"{100 * rd / pe['us']:.0f}% |" if pe else "- |")) if rd else " - | - | - |"
         w(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells + ps) + f" | {host} |" + eager)
     w("")
     render_variants(w, a["runs"], lambda r: (r["shape"], r["batch"], r["ctx"], r["format"]), "decode attention")

@@ -569,8 +569,10 @@ impl BenchStep {
 pub fn bench(copy_gbps: f64) -> Value {
     let rt = crate::gpu().expect("GPU");
     let (mut rows, mut regs) = (Vec::new(), Vec::new());
+    // The fastest one launch reads each point's cache bytes once, by byte count.
+    let mut reads = std::collections::HashMap::new();
     crate::bench::for_each_variant(&rt, DECODE_ATTENTION.file, |variant| {
-        bench_variant(&rt, copy_gbps, variant, &mut rows);
+        bench_variant(&rt, copy_gbps, variant, &mut rows, &mut reads);
         if variant.is_empty() {
             // The shipped kernels' resources (a variant's module replaces them).
             regs = crate::bench::kernel_reports(&rt, DECODE_ATTENTION.file);
@@ -681,7 +683,13 @@ fn time_point(
 }
 
 /// The benchmark points with the kernels as compiled now; rows of a variant carry its defines.
-fn bench_variant(rt: &Arc<Runtime>, copy_gbps: f64, variant: &str, rows: &mut Vec<Value>) {
+fn bench_variant(
+    rt: &Arc<Runtime>,
+    copy_gbps: f64,
+    variant: &str,
+    rows: &mut Vec<Value>,
+    reads: &mut std::collections::HashMap<usize, f64>,
+) {
     let mut rng = StdRng::seed_from_u64(11);
     for &(name, heads, kvh, d) in BENCH_SHAPES {
         for &(batch, ctx) in BENCH_POINTS {
@@ -705,7 +713,14 @@ fn bench_variant(rt: &Arc<Runtime>, copy_gbps: f64, variant: &str, rows: &mut Ve
                 "format": format.name(), "block": block, "us": us, "host_us": host_us, "bytes": bytes, "gbps": gbps,
                 "of_copy": gbps / copy_gbps, "copies": t.copies, "stream_us": t.stream_us, "splits": t.splits,
                 "cluster": t.cluster});
-                if !variant.is_empty() {
+                if variant.is_empty() {
+                    // The memory side of the roofline: one launch reading the same bytes once.
+                    let read = *reads
+                        .entry(bytes)
+                        .or_insert_with(|| crate::bench::same_size_read(rt, bytes).0);
+                    row["same_size_read_us"] = json!(read);
+                    row["of_same_size_read"] = json!(read / us);
+                } else {
                     row["defines"] = json!(variant);
                 }
                 rows.push(row);
