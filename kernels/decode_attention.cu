@@ -146,12 +146,6 @@ __host__ __device__ constexpr int row_bytes() {
 #ifndef STOKE_ATTN_L2_PREFETCH
 #define STOKE_ATTN_L2_PREFETCH 128
 #endif
-// N > 0: at the top of each batch a warp asks the L2 for its key and value rows N batches ahead
-// (cp.async.bulk.prefetch.L2, one instruction per matrix by lanes 0 and 1), so the rows are on
-// their way from DRAM without holding registers or shared memory; 0: no prefetch ahead.
-#ifndef STOKE_ATTN_L2_AHEAD
-#define STOKE_ATTN_L2_AHEAD 0
-#endif
 // Lazy rescale: the running max a warp's probabilities are taken against moves only when a
 // score passes it by more than STOKE_ATTN_LAZY (log2 units; 0: whenever it passes it), so the
 // output's rescale runs on fewer tiles and the probabilities stay below 2^LAZY (the mirrors'
@@ -1187,14 +1181,6 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     }
 
     for (bool first_batch = true; base0 < kend; base0 += kstep, first_batch = false) {
-        if (STOKE_ATTN_L2_AHEAD > 0 && lane < 2) {  // the warp's rows N batches ahead, into L2
-            const u32 pb = base0 + STOKE_ATTN_L2_AHEAD * kstep;
-            if (pb < kend) {
-                const u32 bytes = min(16u * TILES, kend - pb) * KB;
-                const u8* src = static_cast<const u8*>(lane == 0 ? c.k : c.v) + (row0 + pb) * KB;
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-            }
-        }
         if (!RING && !first_batch) {
 #pragma unroll
             for (int ti = 0; ti < TILES; ++ti) issue(ti, base0);
