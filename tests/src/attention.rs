@@ -7,7 +7,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::kernels::DECODE_ATTENTION;
-use stoke_cuda::kernels::decode_attention::{KvFormat, forced_split};
+use stoke_cuda::kernels::decode_attention::KvFormat;
 use stoke_cuda::kv::DeviceKvCache;
 use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::bf16;
@@ -424,16 +424,9 @@ fn attention_matches_reference() -> Result<Value, String> {
                     "{what}: kernel relative error {kern_err:.3e} against the reference over its own cache"
                 ));
             }
-            let splits = match c.splits {
-                Some(s) => forced_split(max_len, s).1,
-                None => f
-                    .cache
-                    .splits(&rt, batch as u32, max_len)
-                    .map_err(|e| e.to_string())?,
-            };
-            let cluster = f
+            let (_, splits, cluster) = f
                 .cache
-                .cluster_ctas(&rt, batch as u32, max_len, c.splits)
+                .split_launch(&rt, batch as u32, max_len, c.splits)
                 .map_err(|e| e.to_string())?;
             report.push(json!({"format": format.name(), "block": block, "heads": c.heads, "kv_heads": c.kv_heads, "d": c.d,
             "batch": batch, "max_len": max_len, "splits": splits, "cluster": cluster, "kernel_rel_err": kern_err, "quantization_rel_err": quant_err,
@@ -664,12 +657,7 @@ fn time_point(
     let t = crate::bench::time_calls(rt, 5, iters, |i| {
         step.attend(rt, &caches[i % copies], splits)
     });
-    let chunk = splits.map_or(0, |s| forced_split(ctx, s).0);
-    let used = match splits {
-        Some(s) => forced_split(ctx, s).1,
-        None => caches[0].splits(rt, batch, ctx).unwrap(),
-    };
-    let cluster = caches[0].cluster_ctas(rt, batch, ctx, splits).unwrap();
+    let (chunk, used, cluster) = caches[0].split_launch(rt, batch, ctx, splits).unwrap();
     PointTime {
         us: t.us,
         stream_us: t.stream_us,

@@ -258,18 +258,18 @@ impl DeviceKvCache {
         unsafe { rt.launch_cluster(&kernel, shape, cluster, &params) }
     }
 
-    /// CTAs per cluster of the launch [`Self::attend_splits`] makes for `batch` sequences of at
-    /// most `max_len` keys with `splits` (None: the plan's): the split count when the splits
-    /// merge through distributed shared memory, else 1.
-    pub fn cluster_ctas(
+    /// The split-KV launch [`Self::attend_splits`] makes for `batch` sequences of at most
+    /// `max_len` keys with `splits` (None: the plan's): (keys per split, splits, CTAs per
+    /// cluster: the split count when the splits merge through distributed shared memory, else 1).
+    pub fn split_launch(
         &self,
         rt: &Runtime,
         batch: u32,
         max_len: u32,
         splits: Option<u32>,
-    ) -> Result<u32> {
-        let (.., cluster) = self.attn_plan(rt, batch, max_len, splits)?;
-        Ok(cluster.map_or(1, |c| c.0))
+    ) -> Result<(u32, u32, u32)> {
+        let (_, chunk, splits, cluster) = self.attn_plan(rt, batch, max_len, splits)?;
+        Ok((chunk, splits, cluster.map_or(1, |c| c.0)))
     }
 
     /// The attention kernel of this cache and its split-KV plan for `batch` sequences of at
