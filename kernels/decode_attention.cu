@@ -63,6 +63,8 @@ typedef unsigned short u16;
 typedef unsigned char u8;
 typedef unsigned long long u64;
 
+#include "cluster.cuh"
+
 enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 
 // Bytes of one cache row (d values) in format FMT: bf16, one e4m3 code or one nibble per value.
@@ -352,36 +354,8 @@ __device__ __forceinline__ void store_bf16(u16* p, const float (&x)[E]) {
         *reinterpret_cast<u32*>(p) = w0;
 }
 
-// Thread-block clusters (STOKE_ATTN_CLUSTER). Without a cluster launch a CTA is its own
-// cluster of one.
-__device__ __forceinline__ u32 cluster_ctas() {
-    u32 n;
-    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-    return n;
-}
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-// Every thread of every CTA of the cluster: shared-memory writes before it are visible to the
-// cluster's reads after it.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// E (2 or 4) floats at shared address `addr` (this CTA's layout) of cluster CTA `rank`.
-template <int E>
-__device__ __forceinline__ void ld_cluster_floats(u32 addr, u32 rank, float (&x)[E]) {
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    if (E == 4)
-        asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                     : "=f"(x[0]), "=f"(x[1 % E]), "=f"(x[2 % E]), "=f"(x[3 % E])
-                     : "r"(remote)
-                     : "memory");
-    else
-        asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(x[0]), "=f"(x[E - 1]) : "r"(remote) : "memory");
-}
+// Thread-block clusters (STOKE_ATTN_CLUSTER): cluster_ctas, cluster_rank, cluster_sync and
+// ld_cluster_floats come from cluster.cuh.
 
 // A head's merged output slice (lane l: dims l E ..): divided by the row sum, rotated back
 // (undoes V's rotation; block 0: none) and written as bf16 at out.

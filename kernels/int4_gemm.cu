@@ -46,6 +46,8 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
 
+#include "cluster.cuh"
+
 struct Int4GemmParams {
     const void* x;          // [m, k] bf16, row-major
     const void* words;      // k * n / 8 words in fragment order
@@ -428,31 +430,8 @@ __device__ __forceinline__ void store_from_workspace(const Int4GemmParams& p, u3
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
-// Thread-block clusters (STOKE_INT4_CLUSTER). Without a cluster launch a CTA is its own
-// cluster of one.
-__device__ __forceinline__ u32 cluster_ctas() {
-    u32 n;
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-    return n;
-}
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-// Every thread of every CTA of the cluster: shared-memory writes before it are visible to the
-// cluster's reads after it.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// Two floats at shared address `addr` (this CTA's layout) of cluster CTA `rank`.
-__device__ __forceinline__ float2 ld_cluster_f2(u32 addr, u32 rank) {
-    float2 v;
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(remote) : "memory");
-    return v;
-}
+// Thread-block clusters (STOKE_INT4_CLUSTER): cluster_ctas, cluster_rank, cluster_sync and
+// ld_cluster_f2 come from cluster.cuh.
 
 // Reduces the CTA's warps through shared memory `red` ([SLOTS][MT * 16][RED_PITCH] floats), then
 // applies the epilogue: directly with one split, else through the workspace, by the last CTA.

@@ -50,7 +50,8 @@ fn cache_dir() -> Option<PathBuf> {
     Some(base.join("stoke").join("kernels"))
 }
 
-/// Compiles `source` (the file `file` under `kernels/`) to a cubin for `arch` (e.g. `sm_90a`).
+/// Compiles `source` (the file `file` under `kernels/`, its `#include`s of
+/// [`crate::kernels::HEADERS`] written in place) to a cubin for `arch` (e.g. `sm_90a`).
 /// Returns the cubin, the per-entry resource report and whether it came from the disk cache.
 /// Set `STOKE_KERNEL_CACHE=` (empty) to disable the cache.
 pub fn compile_cubin(
@@ -61,6 +62,7 @@ pub fn compile_cubin(
 ) -> Result<(Vec<u8>, Vec<CompileReport>, bool)> {
     let version = nvrtc_version()?;
     let options = nvrtc_options(arch, extra_options);
+    let source = &*crate::kernels::expand_includes(source);
 
     let mut hasher = Sha256::new();
     hasher.update(source.as_bytes());
@@ -122,7 +124,8 @@ pub fn compile_uncached(
 ) -> Result<(Vec<u8>, Vec<CompileReport>)> {
     nvrtc_version()?;
     let options = nvrtc_options(arch, extra_options);
-    let (cubin, log) = nvrtc_compile(file, source, &options).map_err(|log| Error::Compile {
+    let source = crate::kernels::expand_includes(source);
+    let (cubin, log) = nvrtc_compile(file, &source, &options).map_err(|log| Error::Compile {
         file: file.to_string(),
         arch: arch.to_string(),
         log,
