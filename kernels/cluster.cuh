@@ -31,7 +31,9 @@ __device__ __forceinline__ void ld_cluster_floats(u32 addr, u32 rank, float (&x)
     else
         asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(x[0]), "=f"(x[E - 1]) : "r"(remote) : "memory");
 }
-// Two floats at shared address `addr` (this CTA's layout) of cluster CTA `rank`.
+// Two floats at shared address `addr` (this CTA's layout) of cluster CTA `rank`, as a float2:
+// the W4A16 split-K reduction's form (ld_cluster_floats<2> there issues the same two
+// instructions but changes the surrounding register allocation and schedule).
 __device__ __forceinline__ float2 ld_cluster_f2(u32 addr, u32 rank) {
     float2 v;
     u32 remote;
