@@ -62,6 +62,11 @@ def render_variants(w, runs, key, label):
     w("")
 
 
+# How `same_size_read_us` is measured (tests/src/bench.rs `same_size_read`).
+READ_PROBE = ("`kernels/read_rate.cu`, best of 32 launch shapes: a chunk per CTA or per warp, 4 or 8 16-byte loads in flight"
+              " per thread, 128 or 256 threads, 1-8 CTAs per SM; timed the same way")
+
+
 def render_attention(w, res, path):
     a = res["attention"]
     section(w, "Decode attention", res, path)
@@ -83,9 +88,8 @@ def render_attention(w, res, path):
         w("it is timed from Python, so its small cases include PyTorch's dispatch. `host µs`: Stoke's time to queue one call.")
     read = any("same_size_read_us" in r for r in a["runs"])
     if read:
-        w("`BF16 read µs`: the fastest single launch reading the BF16 cache's bytes once (`kernels/read_rate.cu`, best of")
-        w("32 launch shapes, timed the same way), the memory side of the roofline; `BF16 / SDPA % of read`: that time over")
-        w("Stoke's BF16 time and over SDPA's.")
+        w(f"`BF16 read µs`: the fastest single launch reading the BF16 cache's bytes once ({READ_PROBE}), the memory side")
+        w("of the roofline; `BF16 / SDPA % of read`: that time over Stoke's BF16 time and over SDPA's.")
     w("")
     w("| shape | batch | ctx | BF16 µs | BF16 % copy | FP8 µs | FP8 % copy | INT4 µs | INT4 % copy | SDPA µs | SDPA % copy | BF16 vs SDPA | host µs |" + (" SDPA eager µs |" if graphed else "") + (" BF16 read µs | BF16 % of read | SDPA % of read |" if read else ""))
     w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if graphed else "") + (" ---: | ---: | ---: |" if read else ""))
@@ -236,10 +240,9 @@ def render_int4(w, res, path):
         w("the same way; `% of it`: that time over Stoke's, the speed of a copy of this size reached.")
     read = any("same_size_read_us" in r for r in b["runs"])
     if read:
-        w("`same-size read`: µs of the fastest single launch reading the weight bytes once with the kernels' load")
-        w("(`kernels/read_rate.cu`, best of 32 launch shapes: a chunk per CTA or per warp, 4 or 8 16-byte loads in")
-        w("flight per thread, 128 or 256 threads, 1-8 CTAs per SM), timed the same way: the memory side of the roofline")
-        w("at one row, where the kernels read and write almost nothing; `% of it`: that time over Stoke's.")
+        w(f"`same-size read`: µs of the fastest single launch reading the weight bytes once with the kernels' load ({READ_PROBE}):")
+        w("the memory side of the roofline at one row, where the kernels read and write almost nothing; `% of it`: that time")
+        w("over Stoke's.")
         if b.get("read_gbps"):
             w(f"One launch reading 1 GiB that way: {b['read_gbps']:.0f} GB/s, {100 * b['read_gbps'] / b['copy_gbps']:.1f}% of the copy rate.")
     mma = b.get("mma_rate")

@@ -21,6 +21,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// A buffer of `bytes` bytes filled with 0x3c: random-looking, finite bit patterns (never time
+/// zeros), about 0.0115 as bf16 and f32; the timed kernels' work does not depend on the values.
+fn filled(rt: &Arc<Runtime>, bytes: usize) -> DeviceBuffer {
+    let b = rt.alloc(bytes).unwrap();
+    // SAFETY: `b` holds `bytes` bytes.
+    unsafe { rt.fill_bytes(b.ptr(), 0x3c, bytes).unwrap() };
+    b
+}
+
 /// Kernel variants a benchmark times: first the shipped kernels (no defines), then each entry
 /// of `STOKE_KERNEL_VARIANTS`, `;`-separated lists of `,`-separated NVRTC defines (for
 /// example `STOKE_ATTN_TILES_INT4=2,STOKE_ATTN_MIN_CTAS=3;STOKE_ATTN_TILES_INT4=3`; the knobs
@@ -217,9 +226,8 @@ fn time_wall(
 /// Device-to-device copy of 1 GiB, bytes read + written per second.
 pub fn copy_bandwidth(rt: &Arc<Runtime>) -> f64 {
     let bytes = 1usize << 30;
-    let (a, b) = (rt.alloc(bytes).unwrap(), rt.alloc(bytes).unwrap());
-    // SAFETY: fills and copies within two live buffers of `bytes` bytes.
-    unsafe { rt.fill_bytes(a.ptr(), 0x3c, bytes).unwrap() };
+    let (a, b) = (filled(rt, bytes), rt.alloc(bytes).unwrap());
+    // SAFETY: copies within two live buffers of `bytes` bytes.
     let us = time_events(rt, 5, 10, |_| unsafe {
         rt.copy_dtod(b.ptr(), a.ptr(), bytes).unwrap()
     });
@@ -276,23 +284,19 @@ pub fn mma_rate(rt: &Arc<Runtime>) -> Value {
 /// returns the best µs and every configuration's.
 pub(crate) fn same_size_read(rt: &Arc<Runtime>, bytes: usize) -> (f64, Value) {
     use stoke_cuda::kernels::READ_RATE;
-    use stoke_cuda::kernels::read_rate::{ENTRY_POINTS, ReadRateParams};
+    use stoke_cuda::kernels::read_rate::{ENTRY_POINTS, MAX_THREADS, ReadRateParams};
     let bytes = bytes.next_multiple_of(16);
     let sets = (L2_ESCAPE_BYTES / bytes).clamp(1, 64);
-    let bufs: Vec<_> = (0..sets)
-        .map(|_| {
-            let b = rt.alloc(bytes).unwrap();
-            // SAFETY: `b` holds `bytes` bytes.
-            unsafe { rt.fill_bytes(b.ptr(), 0x3c, bytes).unwrap() };
-            b
-        })
-        .collect();
-    let out = rt.alloc(rt.sm_count as usize * 8 * 256 * 4).unwrap();
+    let bufs: Vec<_> = (0..sets).map(|_| filled(rt, bytes)).collect();
+    // One u32 per thread of the largest launch below (8 CTAs per SM of MAX_THREADS).
+    let out = rt
+        .alloc(rt.sm_count as usize * 8 * MAX_THREADS as usize * 4)
+        .unwrap();
     let iters = (200_000_000 / bytes).clamp(10, 2000);
     let (mut best, mut configs) = (f64::INFINITY, Vec::new());
     for entry in ENTRY_POINTS {
         let kernel = rt.kernel(&READ_RATE, entry).unwrap();
-        for threads in [128u32, 256] {
+        for threads in [MAX_THREADS / 2, MAX_THREADS] {
             for ctas_per_sm in [1u32, 2, 4, 8] {
                 let shape = LaunchShape {
                     grid: (rt.sm_count * ctas_per_sm, 1, 1),
@@ -328,12 +332,7 @@ pub(crate) fn same_size_copy_us(rt: &Arc<Runtime>, traffic: usize) -> f64 {
     let half = (traffic / 2).max(256);
     let sets = (L2_ESCAPE_BYTES / (2 * half)).clamp(2, 64);
     let bufs: Vec<_> = (0..sets)
-        .map(|_| {
-            let (a, b) = (rt.alloc(half).unwrap(), rt.alloc(half).unwrap());
-            // SAFETY: `a` holds `half` bytes.
-            unsafe { rt.fill_bytes(a.ptr(), 0x3c, half).unwrap() };
-            (a, b)
-        })
+        .map(|_| (filled(rt, half), rt.alloc(half).unwrap()))
         .collect();
     let iters = (200_000_000 / (2 * half)).clamp(20, 2000);
     time_calls(rt, 5, iters, |i| {
@@ -353,13 +352,7 @@ struct RmsBuffers {
 fn rms_buffers(rt: &Arc<Runtime>, rows: usize, hidden: usize, elem: usize) -> RmsBuffers {
     let bytes = rows * hidden * elem;
     let sets = (L2_ESCAPE_BYTES / (2 * bytes)).clamp(1, 64);
-    let alloc = |n: usize| {
-        let b = rt.alloc(n).unwrap();
-        // Random-looking, finite bit patterns (never time zeros): 0x3c3c.. is ~0.0115 in both
-        // dtypes, and the kernel's work doesn't depend on the values.
-        unsafe { rt.fill_bytes(b.ptr(), 0x3c, n).unwrap() };
-        b
-    };
+    let alloc = |n: usize| filled(rt, n);
     RmsBuffers {
         x: (0..sets).map(|_| alloc(bytes)).collect(),
         out: (0..sets).map(|_| alloc(bytes)).collect(),
