@@ -9,6 +9,12 @@
 // allocation, L2 evict-first), U loads of 16 bytes in flight per thread. Block: up to 256 threads,
 // any grid. The loaded words are XORed and written to out[global thread] only if they equal
 // `never`, so the loads stay and nothing is stored.
+// read_rate_bulk: the same bytes through the copy engine: one contiguous chunk per CTA, copied
+// into a ring of `stages` shared-memory stages of `stage_bytes` each by cp.async.bulk (L2
+// evict-first), each stage completing on its own mbarrier and refilled as soon as it has landed.
+// One thread issues and waits; the bytes in flight are stages x stage_bytes per CTA, independent
+// of registers (the form a kernel staging its tiles through shared memory by the copy engine
+// would take). Block: 32 threads; dynamic shared memory stages x stage_bytes + 8 x stages.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -18,9 +24,11 @@ struct ReadRateParams {
     u64 words;
     u32* out;
     u32 never;
+    u32 stage_bytes;  // read_rate_bulk: bytes per stage (a multiple of 16)
+    u32 stages;       // read_rate_bulk: stages in the ring
     u32 pad;
 };
-static_assert(sizeof(ReadRateParams) == 32, "ReadRateParams layout");
+static_assert(sizeof(ReadRateParams) == 40, "ReadRateParams layout");
 
 __device__ __forceinline__ uint4 load_stream(const uint4* p, u64 policy) {
     uint4 r;
@@ -60,3 +68,52 @@ extern "C" __global__ void __launch_bounds__(256) read_rate_cta_u4(const ReadRat
 extern "C" __global__ void __launch_bounds__(256) read_rate_cta_u8(const ReadRateParams p) { read_rate<8, false>(p); }
 extern "C" __global__ void __launch_bounds__(256) read_rate_warp_u4(const ReadRateParams p) { read_rate<4, true>(p); }
 extern "C" __global__ void __launch_bounds__(256) read_rate_warp_u8(const ReadRateParams p) { read_rate<8, true>(p); }
+
+// The bulk form's dynamic shared memory is set per launch (stages x stage_bytes + 8 x stages);
+// this exported minimum (one stage's mbarrier) marks it as an entry that brings some, so the
+// runtime asks for the largest shared-memory carveout when it loads it.
+extern "C" __device__ unsigned read_rate_bulk_dyn_smem = 8;
+extern __shared__ __align__(128) unsigned char read_rate_smem[];
+
+extern "C" __global__ void __launch_bounds__(32) read_rate_bulk(const ReadRateParams p) {
+    if (threadIdx.x != 0) return;
+    const u32 stages = p.stages, stage = p.stage_bytes;
+    const u64 begin = p.words * blockIdx.x / gridDim.x * 16, end = p.words * (blockIdx.x + 1) / gridDim.x * 16;
+    const u64 copies = (end - begin + stage - 1) / stage;
+    const u32 base = static_cast<u32>(__cvta_generic_to_shared(read_rate_smem));
+    const u32 bars = base + stages * stage;
+    for (u32 s = 0; s < stages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * s) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    const char* src = reinterpret_cast<const char*>(p.src);
+    // Copy i goes to stage i % stages.
+    auto issue = [&](u64 i) {
+        const u32 s = u32(i % stages), bar = bars + 8 * s;
+        const u64 at = begin + i * stage;
+        const u32 n = u32(min(u64(stage), end - at));
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n) : "memory");
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+                base + s * stage),
+            "l"(src + at), "r"(n), "r"(bar), "l"(policy)
+            : "memory");
+    };
+    for (u64 i = 0; i < copies && i < stages; ++i) issue(i);
+    u32 acc = 0;
+    for (u64 i = 0; i < copies; ++i) {
+        const u32 s = u32(i % stages), bar = bars + 8 * s, parity = u32(i / stages) & 1;
+        asm volatile(
+            "{\n.reg .pred done;\nwait_%=:\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+            "@!done bra wait_%=;\n}" ::"r"(bar),
+            "r"(parity)
+            : "memory");
+        // One word of the stage, so the copy is used before its stage is refilled.
+        u32 w;
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w) : "r"(base + s * stage) : "memory");
+        acc ^= w;
+        if (i + stages < copies) issue(i + stages);
+    }
+    if (acc == p.never) p.out[blockIdx.x] = acc;
+}

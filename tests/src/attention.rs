@@ -676,7 +676,7 @@ fn bench_variant(
     copy_gbps: f64,
     variant: &str,
     rows: &mut Vec<Value>,
-    reads: &mut std::collections::HashMap<usize, f64>,
+    reads: &mut std::collections::HashMap<usize, Value>,
 ) {
     let mut rng = StdRng::seed_from_u64(11);
     for &(name, heads, kvh, d) in BENCH_SHAPES {
@@ -703,11 +703,14 @@ fn bench_variant(
                 "cluster": t.cluster});
                 if variant.is_empty() {
                     // The memory side of the roofline: one launch reading the same bytes once.
-                    let read = *reads
+                    let read = reads
                         .entry(bytes)
-                        .or_insert_with(|| crate::bench::same_size_read(rt, bytes).0);
-                    row["same_size_read_us"] = json!(read);
-                    row["of_same_size_read"] = json!(read / us);
+                        .or_insert_with(|| crate::bench::same_size_read(rt, bytes).summary());
+                    let read_us = read["us"].as_f64().unwrap_or(f64::NAN);
+                    row["same_size_read_us"] = json!(read_us);
+                    row["of_same_size_read"] = json!(read_us / us);
+                    row["same_size_read_load_us"] = read["load_us"].clone();
+                    row["same_size_read_bulk_us"] = read["bulk_us"].clone();
                 } else {
                     row["defines"] = json!(variant);
                 }

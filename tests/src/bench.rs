@@ -276,15 +276,17 @@ pub fn mma_rate(rt: &Arc<Runtime>) -> Value {
     v
 }
 
-/// The fastest one launch reads `bytes` once (the W4A16 kernels' load: no L1 allocation, L2
-/// evict-first), from buffers rotated through >= 256 MB, timed like the kernels
-/// ([`time_calls`]): the memory side of their roofline at one row, where they read their weights
-/// and write almost nothing. Every configuration of `kernels/read_rate.cu` is timed (a chunk per
-/// CTA or per warp, 4 or 8 loads in flight per thread, 128 or 256 threads, 1-8 CTAs per SM);
-/// returns the best µs and every configuration's.
-pub(crate) fn same_size_read(rt: &Arc<Runtime>, bytes: usize) -> (f64, Value) {
+/// The fastest one launch reads `bytes` once, from buffers rotated through >= 256 MB, timed like
+/// the kernels ([`time_calls`]): the memory side of their roofline where they read and write
+/// almost nothing. Every configuration of `kernels/read_rate.cu` is timed: the kernels' load (no
+/// L1 allocation, L2 evict-first; a chunk per CTA or per warp, 4 or 8 loads in flight per thread,
+/// 128 or 256 threads, 1-8 CTAs per SM) and the copy engine into a ring of shared-memory stages
+/// ([`BULK_SHAPES`]).
+pub(crate) fn same_size_read(rt: &Arc<Runtime>, bytes: usize) -> ReadCeiling {
     use stoke_cuda::kernels::READ_RATE;
-    use stoke_cuda::kernels::read_rate::{ENTRY_POINTS, MAX_THREADS, ReadRateParams};
+    use stoke_cuda::kernels::read_rate::{
+        BULK_ENTRY, BULK_THREADS, LOAD_ENTRIES, MAX_THREADS, ReadRateParams, bulk_smem,
+    };
     let bytes = bytes.next_multiple_of(16);
     let sets = (L2_ESCAPE_BYTES / bytes).clamp(1, 64);
     let bufs: Vec<_> = (0..sets).map(|_| filled(rt, bytes)).collect();
@@ -293,35 +295,98 @@ pub(crate) fn same_size_read(rt: &Arc<Runtime>, bytes: usize) -> (f64, Value) {
         .alloc(rt.sm_count as usize * 8 * MAX_THREADS as usize * 4)
         .unwrap();
     let iters = (200_000_000 / bytes).clamp(10, 2000);
-    let (mut best, mut configs) = (f64::INFINITY, Vec::new());
-    for entry in ENTRY_POINTS {
+    let mut configs = Vec::new();
+    let mut time = |entry: &'static str, threads: u32, ctas_per_sm: u32, stage: (u32, u32)| {
         let kernel = rt.kernel(&READ_RATE, entry).unwrap();
+        let bulk = entry == BULK_ENTRY;
+        let shape = LaunchShape {
+            grid: (rt.sm_count * ctas_per_sm, 1, 1),
+            block: (threads, 1, 1),
+            shared_mem_bytes: if bulk { bulk_smem(stage.0, stage.1) } else { 0 },
+        };
+        // SAFETY: the params mirror the kernel's struct (layout test); each buffer holds
+        // `bytes` bytes, `out` one u32 per launched thread, both outlive the timer; the bulk
+        // launch brings its stages' shared memory.
+        let t = time_calls(rt, 5, iters, |i| unsafe {
+            let params = ReadRateParams {
+                src: bufs[i % sets].ptr(),
+                words: (bytes / 16) as u64,
+                out: out.ptr(),
+                never: 0x9e37_79b9,
+                stage_bytes: stage.0,
+                stages: stage.1,
+                pad: 0,
+            };
+            rt.launch(&kernel, shape, &params).unwrap()
+        });
+        let mut c =
+            json!({ "entry": entry, "threads": threads, "ctas_per_sm": ctas_per_sm, "us": t.us });
+        if bulk {
+            c["stage_bytes"] = json!(stage.0);
+            c["stages"] = json!(stage.1);
+        }
+        configs.push(c);
+        t.us
+    };
+    let mut load_us = f64::INFINITY;
+    for entry in LOAD_ENTRIES {
         for threads in [MAX_THREADS / 2, MAX_THREADS] {
             for ctas_per_sm in [1u32, 2, 4, 8] {
-                let shape = LaunchShape {
-                    grid: (rt.sm_count * ctas_per_sm, 1, 1),
-                    block: (threads, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                // SAFETY: the params mirror the kernel's struct (layout test); each buffer holds
-                // `bytes` bytes, `out` one u32 per launched thread, both outlive the timer.
-                let t = time_calls(rt, 5, iters, |i| unsafe {
-                    let params = ReadRateParams {
-                        src: bufs[i % sets].ptr(),
-                        words: (bytes / 16) as u64,
-                        out: out.ptr(),
-                        never: 0x9e37_79b9,
-                        pad: 0,
-                    };
-                    rt.launch(&kernel, shape, &params).unwrap()
-                });
-                best = best.min(t.us);
-                configs.push(json!({ "entry": entry, "threads": threads,
-                    "ctas_per_sm": ctas_per_sm, "us": t.us }));
+                load_us = load_us.min(time(entry, threads, ctas_per_sm, (0, 0)));
             }
         }
     }
-    (best, json!(configs))
+    let mut bulk_us = f64::INFINITY;
+    for &(stage_bytes, stages, ctas_per_sm) in BULK_SHAPES {
+        let smem = ctas_per_sm * bulk_smem(stage_bytes, stages);
+        if smem <= rt.shared_optin.min(BULK_SMEM_PER_SM) {
+            let us = time(BULK_ENTRY, BULK_THREADS, ctas_per_sm, (stage_bytes, stages));
+            bulk_us = bulk_us.min(us);
+        }
+    }
+    ReadCeiling {
+        us: load_us.min(bulk_us),
+        load_us,
+        bulk_us,
+        configs: json!(configs),
+    }
+}
+
+/// The copy-engine read probe's shapes: (bytes per stage, stages, CTAs per SM), from 16 KB to
+/// 192 KB in flight per SM; those over [`BULK_SMEM_PER_SM`] (or the device's per-CTA limit) are
+/// skipped.
+const BULK_SHAPES: &[(u32, u32, u32)] = &[
+    (4096, 8, 1),
+    (4096, 8, 2),
+    (4096, 8, 4),
+    (8192, 8, 2),
+    (16384, 4, 1),
+    (16384, 4, 2),
+    (16384, 6, 2),
+    (16384, 12, 1),
+    (32768, 4, 1),
+    (32768, 3, 2),
+    (32768, 6, 1),
+    (65536, 3, 1),
+];
+
+/// Shared memory per SM the bulk shapes may take (the H200's 228 KB less the CTAs' reserve).
+const BULK_SMEM_PER_SM: u32 = 220 * 1024;
+
+/// [`same_size_read`]'s answer: the best µs of either form, each form's best, every
+/// configuration's time.
+pub(crate) struct ReadCeiling {
+    pub us: f64,
+    pub load_us: f64,
+    pub bulk_us: f64,
+    pub configs: Value,
+}
+
+impl ReadCeiling {
+    /// The bests as JSON fields: `us`, `load_us`, `bulk_us`.
+    pub fn summary(&self) -> Value {
+        json!({ "us": self.us, "load_us": self.load_us, "bulk_us": self.bulk_us })
+    }
 }
 
 /// µs per device-to-device copy moving `traffic` bytes (half read, half written), from buffers

@@ -550,11 +550,14 @@ pub fn bench(copy_gbps: f64) -> Value {
     let mma = crate::bench::mma_rate(&rt);
     let mma_tflops = mma["mma_rate_c8"]["tflops"].as_f64().unwrap_or(0.0);
     // The read side beside the copy rate: one launch reading 1 GiB once.
-    let (read_us, _) = crate::bench::same_size_read(&rt, 1 << 30);
+    let gib = crate::bench::same_size_read(&rt, 1 << 30);
+    let read_us = gib.us;
     let read_gbps = (1u64 << 30) as f64 / read_us / 1e3;
     println!(
-        "HBM read, one launch over 1 GiB: {read_us:.1} us, {read_gbps:.0} GB/s ({:.1}% of the copy rate)",
-        100.0 * read_gbps / copy_gbps
+        "HBM read, one launch over 1 GiB: {read_us:.1} us, {read_gbps:.0} GB/s ({:.1}% of the copy rate; loads {:.1} us, copy engine {:.1} us)",
+        100.0 * read_gbps / copy_gbps,
+        gib.load_us,
+        gib.bulk_us
     );
     crate::bench::for_each_variant(&rt, INT4_GEMM.file, |variant| {
         bench_variant(
@@ -565,7 +568,7 @@ pub fn bench(copy_gbps: f64) -> Value {
             regs = crate::bench::kernel_reports(&rt, INT4_GEMM.file);
         }
     });
-    json!({ "copy_gbps": copy_gbps, "read_gbps": read_gbps, "mma_rate": mma, "runs": rows, "split_sweep": sweep,
+    json!({ "copy_gbps": copy_gbps, "read_gbps": read_gbps, "read_1gib": gib.summary(), "mma_rate": mma, "runs": rows, "split_sweep": sweep,
         "same_size_read": reads, "kernels": regs })
 }
 
@@ -608,13 +611,17 @@ fn bench_variant(
         });
         // The ceiling at one row: the fastest single launch reading the weight bytes once.
         let read = variant.is_empty().then(|| {
-            let (us, configs) = crate::bench::same_size_read(&rt, weights[0][0].bytes());
+            let r = crate::bench::same_size_read(&rt, weights[0][0].bytes());
+            let us = r.us;
             println!(
-                "int4 {name:<12} same-size read ({} MB read): {us:8.2} us ({:5.1}% of the copy rate)",
+                "int4 {name:<12} same-size read ({} MB read): {us:8.2} us ({:5.1}% of the copy rate; loads {:.2}, copy engine {:.2} us)",
                 weights[0][0].bytes() / 1_000_000,
-                100.0 * weights[0][0].bytes() as f64 / us / 1e3 / copy_gbps
+                100.0 * weights[0][0].bytes() as f64 / us / 1e3 / copy_gbps,
+                r.load_us,
+                r.bulk_us
             );
-            reads.push(json!({ "shape": name, "bytes": weights[0][0].bytes(), "us": us, "configs": configs }));
+            reads.push(json!({ "shape": name, "bytes": weights[0][0].bytes(), "us": us,
+                "load_us": r.load_us, "bulk_us": r.bulk_us, "configs": r.configs }));
             us
         });
         for &m in BENCH_ROWS {
