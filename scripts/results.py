@@ -63,8 +63,24 @@ def render_variants(w, runs, key, label):
 
 
 # How `same_size_read_us` is measured (tests/src/bench.rs `same_size_read`).
-READ_PROBE = ("`kernels/read_rate.cu`, best of 32 launch shapes: a chunk per CTA or per warp, 4 or 8 16-byte loads in flight"
-              " per thread, 128 or 256 threads, 1-8 CTAs per SM; timed the same way")
+READ_PROBE = ("`kernels/read_rate.cu`, best of 32 launch shapes of the kernels' load: a chunk per CTA or per warp, 4 or 8"
+              " 16-byte loads in flight per thread, 128 or 256 threads, 1-8 CTAs per SM; and, where the run has it, of 12 shapes"
+              " of the copy engine: a chunk per CTA through a ring of 2-12 shared-memory stages of 4-64 KB by `cp.async.bulk`,"
+              " 16-192 KB in flight per SM; timed the same way")
+
+
+def render_read_forms(w, entries):
+    """The read probe's best launch of each form, per byte count: entries of (label, bytes,
+    loads µs, copy-engine µs)."""
+    if not entries:
+        return
+    w("The read probe by form (the best launch of each; the tables above take the faster):")
+    w("")
+    w("| bytes read | MB | loads µs | copy engine µs | copy engine / loads |")
+    w("| --- | ---: | ---: | ---: | ---: |")
+    for label, n, ld, bk in entries:
+        w(f"| {label} | {n / 1e6:.0f} | {ld:.2f} | {bk:.2f} | {bk / ld:.2f}x |")
+    w("")
 
 
 def render_attention(w, res, path):
@@ -110,6 +126,12 @@ def render_attention(w, res, path):
             eager += (f" {rd:.1f} | {100 * rd / f[0]['us']:.0f}% | " + (f"{100 * rd / pe['us']:.0f}% |" if pe else "- |")) if rd else " - | - | - |"
         w(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells + ps) + f" | {host} |" + eager)
     w("")
+    forms = {}
+    for r in a["runs"]:
+        if r["format"] == "bf16" and "same_size_read_bulk_us" in r and not r.get("defines"):
+            forms.setdefault(r["bytes"], (f"BF16 cache, batch {r['batch']}, ctx {r['ctx']}", r["bytes"],
+                                          r["same_size_read_load_us"], r["same_size_read_bulk_us"]))
+    render_read_forms(w, list(forms.values()))
     render_variants(w, a["runs"], lambda r: (r["shape"], r["batch"], r["ctx"], r["format"]), "decode attention")
     if a.get("split_sweep"):
         w("Forced split counts in the same run (shipped kernels), against the plan's row above:")
@@ -240,11 +262,14 @@ def render_int4(w, res, path):
         w("the same way; `% of it`: that time over Stoke's, the speed of a copy of this size reached.")
     read = any("same_size_read_us" in r for r in b["runs"])
     if read:
-        w(f"`same-size read`: µs of the fastest single launch reading the weight bytes once with the kernels' load ({READ_PROBE}):")
+        w(f"`same-size read`: µs of the fastest single launch reading the weight bytes once ({READ_PROBE}):")
         w("the memory side of the roofline at one row, where the kernels read and write almost nothing; `% of it`: that time")
         w("over Stoke's.")
         if b.get("read_gbps"):
             w(f"One launch reading 1 GiB that way: {b['read_gbps']:.0f} GB/s, {100 * b['read_gbps'] / b['copy_gbps']:.1f}% of the copy rate.")
+            g = b.get("read_1gib")
+            if g:
+                w(f"The best of each form over 1 GiB: loads {g['load_us']:.1f} µs, copy engine {g['bulk_us']:.1f} µs.")
     mma = b.get("mma_rate")
     if mma:
         w(f"`mma floor`: the kernel's mma.m16n8k16 count (warpgroup rows: their wgmma multiply-adds in m16n8k16 units) at the same run's mma.sync rate, the compute side of its")
@@ -304,6 +329,10 @@ def render_int4(w, res, path):
             cells = [by.get((r["shape"], r["m"], v, o)) for v, o in keys]
             w(f"| {r['shape']} | {r['m']} | " + " | ".join(f"{c['us']:.1f}" if c else "-" for c in cells) + " |")
         w("")
+    forms = [(f"{e['shape']} weights", e["bytes"], e["load_us"], e["bulk_us"]) for e in b.get("same_size_read", []) if "bulk_us" in e]
+    if forms and b.get("read_1gib"):
+        forms.append(("1 GiB", 1 << 30, b["read_1gib"]["load_us"], b["read_1gib"]["bulk_us"]))
+    render_read_forms(w, forms)
     render_variants(w, b["runs"], lambda r: (r["shape"], r["m"], r.get("variant", "Batched"), r.get("order", "KtMajor")), "W4A16")
     if b.get("split_sweep"):
         # The shipped kernels' sweep: the default kind at each swept row count (the batched
