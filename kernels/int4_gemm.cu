@@ -47,6 +47,7 @@ typedef unsigned short u16;
 typedef unsigned long long u64;
 
 #include "cluster.cuh"
+#include "mbarrier.cuh"
 
 struct Int4GemmParams {
     const void* x;          // [m, k] bf16, row-major
@@ -1255,20 +1256,6 @@ __device__ __forceinline__ u64 wg_x_desc(u32 addr) {
     return u64((addr & 0x3ffffu) >> 4) | (u64(1) << 16) | (u64(1024 >> 4) << 32) | (u64(1) << 62);
 }
 
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nwait_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra wait_%=;\n}" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
 // The copy engine's copy of the box at (0, 0, block) of the 3-D `map` to shared `dst`,
 // completing on `bar`.
 __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 block, u32 bar) {

@@ -19,6 +19,8 @@
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+#include "mbarrier.cuh"
+
 struct ReadRateParams {
     const uint4* src;
     u64 words;
@@ -82,7 +84,7 @@ extern "C" __global__ void __launch_bounds__(32) read_rate_bulk(const ReadRatePa
     const u64 copies = (end - begin + stage - 1) / stage;
     const u32 base = static_cast<u32>(__cvta_generic_to_shared(read_rate_smem));
     const u32 bars = base + stages * stage;
-    for (u32 s = 0; s < stages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * s) : "memory");
+    for (u32 s = 0; s < stages; ++s) mbar_init(bars + 8 * s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     u64 policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
@@ -92,7 +94,7 @@ extern "C" __global__ void __launch_bounds__(32) read_rate_bulk(const ReadRatePa
         const u32 s = u32(i % stages), bar = bars + 8 * s;
         const u64 at = begin + i * stage;
         const u32 n = u32(min(u64(stage), end - at));
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n) : "memory");
+        mbar_expect_tx(bar, n);
         asm volatile(
             "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
                 base + s * stage),
@@ -102,13 +104,8 @@ extern "C" __global__ void __launch_bounds__(32) read_rate_bulk(const ReadRatePa
     for (u64 i = 0; i < copies && i < stages; ++i) issue(i);
     u32 acc = 0;
     for (u64 i = 0; i < copies; ++i) {
-        const u32 s = u32(i % stages), bar = bars + 8 * s, parity = u32(i / stages) & 1;
-        asm volatile(
-            "{\n.reg .pred done;\nwait_%=:\n"
-            "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-            "@!done bra wait_%=;\n}" ::"r"(bar),
-            "r"(parity)
-            : "memory");
+        const u32 s = u32(i % stages);
+        mbar_wait(bars + 8 * s, u32(i / stages) & 1);
         // One word of the stage, so the copy is used before its stage is refilled.
         u32 w;
         asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w) : "r"(base + s * stage) : "memory");

@@ -10,10 +10,16 @@ pub mod rms_norm;
 /// Headers the kernel files include (`#include "NAME"`), by name. NVRTC is given each kernel file
 /// with those lines replaced by the header's text ([`expand_includes`]), so one translation unit
 /// goes to the compiler and the disk cache keys on all of it.
-pub const HEADERS: &[(&str, &str)] = &[(
-    "cluster.cuh",
-    include_str!("../../../../kernels/cluster.cuh"),
-)];
+pub const HEADERS: &[(&str, &str)] = &[
+    (
+        "cluster.cuh",
+        include_str!("../../../../kernels/cluster.cuh"),
+    ),
+    (
+        "mbarrier.cuh",
+        include_str!("../../../../kernels/mbarrier.cuh"),
+    ),
+];
 
 /// `source` with each `#include "NAME"` line naming one of [`HEADERS`] replaced by that header's
 /// text; other lines (other includes among them) are kept as they are.
