@@ -1196,7 +1196,9 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 // ---------------------------------------------------------------------------------------------
 
 // Steps per batch (4 k-tiles each); weights, scales and x of the next batch are in flight while
-// one computes.
+// one computes. 8 (with 3 CTAs per SM at 16 and 32 rows, whose shared memory and registers it
+// needs): 0.72-0.99x the speed on most points (70B qkv m32 20.9 -> 29.0 us), the batch's own
+// instructions halved per step notwithstanding (results/experiments/h200-int4-wg-batch8-ff4e41d.json).
 #ifndef STOKE_INT4_WG_BATCH
 #define STOKE_INT4_WG_BATCH 4
 #endif
