@@ -262,21 +262,18 @@ pub fn warpgroup_launches() -> u64 {
 /// count whose clusters are ([`wg_clustered`]); any other launch as planned.
 pub fn clustered(rt: &Runtime, kernel: &Kernel, l: Launch, k: u32) -> Result<Launch> {
     // The driver is asked lazily (cached per entry and cluster size), its first error kept.
-    let mut err = None;
+    let err = crate::FirstError::default();
     let out = wg_clustered(&l, k, |s| {
-        if err.is_some() {
-            return false;
-        }
-        let trial = Launch {
-            splits: s,
-            grid: (l.grid.0, s, l.grid.2),
-            ..l
-        };
-        cluster_dims(rt, kernel, &trial)
-            .map_err(|e| err = Some(e))
-            .is_ok_and(|c| c.is_some())
+        err.ask(|| {
+            let trial = Launch {
+                splits: s,
+                grid: (l.grid.0, s, l.grid.2),
+                ..l
+            };
+            Ok(cluster_dims(rt, kernel, &trial)?.is_some())
+        })
     });
-    err.map_or(Ok(out), Err)
+    err.finish(out)
 }
 
 /// The launches of `call` with the warpgroup kernels from `wg_rows` rows, as the GPU runs them

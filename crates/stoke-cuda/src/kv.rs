@@ -289,18 +289,12 @@ impl DeviceKvCache {
         let cl = rt.kernel(&DECODE_ATTENTION, attn_cluster_entry(self.format, self.d))?;
         // The driver is asked lazily (the runtime caches it per entry and cluster size), its
         // first error kept.
-        let err = std::cell::RefCell::new(None);
+        let err = crate::FirstError::default();
         // A launch of `s` splits forms clusters where every (sequence, kv head)'s cluster is
         // resident at once (a waiting cluster would hold its finished CTAs' slots), on an entry
         // point built with the cluster merge (`<entry>_cluster`, STOKE_ATTN_CLUSTER).
         let clusters = u64::from(batch) * u64::from(self.kv_heads);
-        let fits = |s: u32| match rt.clusters_fit(&cl, cl.max_threads, (s, 1, 1), clusters) {
-            Ok(f) => f,
-            Err(e) => {
-                err.borrow_mut().get_or_insert(e);
-                false
-            }
-        };
+        let fits = |s: u32| err.ask(|| rt.clusters_fit(&cl, cl.max_threads, (s, 1, 1), clusters));
         let (chunk, splits) = match forced {
             Some(s) => forced_split(max_len, s),
             None => {
@@ -309,10 +303,7 @@ impl DeviceKvCache {
             }
         };
         let clustered = fits(splits);
-        if let Some(e) = err.into_inner() {
-            return Err(e);
-        }
-        Ok(if clustered {
+        err.finish(if clustered {
             (cl, chunk, splits, Some((splits, 1, 1)))
         } else {
             (kernel, chunk, splits, None)

@@ -69,3 +69,46 @@ impl<T> DriverContext<T> for std::result::Result<T, DriverError> {
         self.map_err(|source| Error::Driver { call, source })
     }
 }
+
+/// The first error of driver queries made from a yes/no predicate (the launch planners ask the
+/// driver lazily, inside search loops that take plain `bool`s): each failed query answers no and
+/// is kept if it is the first; [`FirstError::finish`] returns it in place of the search's result.
+#[derive(Default)]
+pub(crate) struct FirstError(std::cell::RefCell<Option<Error>>);
+
+impl FirstError {
+    /// `query`'s answer, or `false` (keeping its error) when it fails or an earlier one did.
+    pub(crate) fn ask(&self, query: impl FnOnce() -> Result<bool>) -> bool {
+        if self.0.borrow().is_some() {
+            return false;
+        }
+        query().unwrap_or_else(|e| {
+            self.0.borrow_mut().get_or_insert(e);
+            false
+        })
+    }
+
+    /// `value`, or the first error a query returned.
+    pub(crate) fn finish<T>(self, value: T) -> Result<T> {
+        self.0.into_inner().map_or(Ok(value), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_error_keeps_the_first_failure_and_stops_asking() {
+        let err = FirstError::default();
+        assert!(err.ask(|| Ok(true)));
+        assert!(!err.ask(|| Ok(false)));
+        assert!(!err.ask(|| Err(Error::Shape("first".into()))));
+        assert!(!err.ask(|| panic!("not asked after a failure")));
+        match err.finish(7) {
+            Err(Error::Shape(m)) => assert_eq!(m, "first"),
+            other => panic!("expected the first error, got {other:?}"),
+        }
+        assert_eq!(FirstError::default().finish(7).unwrap(), 7);
+    }
+}
