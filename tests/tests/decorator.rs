@@ -56,7 +56,7 @@ struct HostOwned {
 
 impl StokeData<Cpu> for HostOwned {
     fn shape(&self) -> burn::tensor::Shape {
-        self.data.shape.clone().into()
+        self.data.shape.clone()
     }
     fn dtype(&self) -> burn::tensor::DType {
         self.data.dtype

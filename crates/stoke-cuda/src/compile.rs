@@ -75,11 +75,10 @@ pub fn compile_cubin(
             d.join(format!("{stem}-{arch}-{}.log", &key[..16])),
         )
     });
-    if let Some((cubin_path, log_path)) = &cached {
-        if let (Ok(cubin), Ok(log)) = (std::fs::read(cubin_path), std::fs::read_to_string(log_path))
-        {
-            return Ok((cubin, parse_ptxas_log(&log), true));
-        }
+    if let Some((cubin_path, log_path)) = &cached
+        && let (Ok(cubin), Ok(log)) = (std::fs::read(cubin_path), std::fs::read_to_string(log_path))
+    {
+        return Ok((cubin, parse_ptxas_log(&log), true));
     }
 
     let (cubin, log) = nvrtc_compile(file, source, &options).map_err(|log| Error::Compile {
@@ -185,8 +184,7 @@ pub fn parse_ptxas_log(log: &str) -> Vec<CompileReport> {
         let idx = line.find(unit)?;
         line[..idx]
             .split(|c: char| !c.is_ascii_digit())
-            .filter(|s| !s.is_empty())
-            .last()?
+            .rfind(|s| !s.is_empty())?
             .parse()
             .ok()
     }

@@ -106,10 +106,10 @@ impl DeviceInt4 {
         if scales.len() != groups {
             return Err(shape_err("scales", groups, scales.len()));
         }
-        if let Some(o) = offsets {
-            if o.len() != groups {
-                return Err(shape_err("offsets", groups, o.len()));
-            }
+        if let Some(o) = offsets
+            && o.len() != groups
+        {
+            return Err(shape_err("offsets", groups, o.len()));
         }
         let put = |data: &[u8]| -> Result<DeviceBuffer> {
             let buf = rt.alloc(data.len())?;
@@ -717,7 +717,7 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
     }
     // The warpgroup kernels take symmetric weights only, and x through the copy engine
     // (16-byte aligned rows).
-    let mut wg_rows = if w.offsets.is_some() || call.x % 16 != 0 {
+    let mut wg_rows = if w.offsets.is_some() || !call.x.is_multiple_of(16) {
         0
     } else {
         call.wg_rows

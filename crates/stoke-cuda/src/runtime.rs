@@ -57,7 +57,10 @@ pub struct Kernel {
 pub fn cluster_tiles_grid(grid: (u32, u32, u32), cluster: (u32, u32, u32)) -> bool {
     let (x, y, z) = cluster;
     let ctas = u128::from(x) * u128::from(y) * u128::from(z);
-    (1..=8).contains(&ctas) && grid.0 % x == 0 && grid.1 % y == 0 && grid.2 % z == 0
+    (1..=8).contains(&ctas)
+        && grid.0.is_multiple_of(x)
+        && grid.1.is_multiple_of(y)
+        && grid.2.is_multiple_of(z)
 }
 
 /// A tensor map for the copy engine (the driver's opaque 128-byte `CUtensorMap`), passed to
@@ -340,13 +343,13 @@ impl Runtime {
         self.bind()?;
         let mut p = *params;
         let mut args = [&mut p as *mut P as *mut c_void];
-        if let Some((x, y, z)) = cluster {
-            if !cluster_tiles_grid(shape.grid, (x, y, z)) {
-                return Err(Error::Shape(format!(
-                    "{}: cluster ({x}, {y}, {z}) does not tile grid {:?} (at most 8 CTAs per cluster)",
-                    kernel.entry, shape.grid
-                )));
-            }
+        if let Some((x, y, z)) = cluster
+            && !cluster_tiles_grid(shape.grid, (x, y, z))
+        {
+            return Err(Error::Shape(format!(
+                "{}: cluster ({x}, {y}, {z}) does not tile grid {:?} (at most 8 CTAs per cluster)",
+                kernel.entry, shape.grid
+            )));
         }
         if kernel.pdl || cluster.is_some() {
             // SAFETY: zero is a valid bit pattern for the attributes (plain C unions).
@@ -527,7 +530,7 @@ impl Runtime {
             .end_capture(sys::CUgraphInstantiate_flags(0))
             .call("cuStreamEndCapture")?;
         queued?;
-        graph.ok_or_else(|| Error::Driver {
+        graph.ok_or(Error::Driver {
             call: "cuStreamEndCapture",
             source: cudarc::driver::DriverError(
                 sys::cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
@@ -720,12 +723,12 @@ impl Runtime {
         box_cols: u32,
         box_blocks: u32,
     ) -> Result<TensorMap> {
-        if ptr % 16 != 0
+        if !ptr.is_multiple_of(16)
             || (u64::from(cols) * 2) % 16 != 0
             || box_cols == 0
             || box_cols * 2 > 128
-            || box_cols % 8 != 0
-            || cols % box_cols != 0
+            || !box_cols.is_multiple_of(8)
+            || !cols.is_multiple_of(box_cols)
         {
             return Err(Error::Shape(format!(
                 "tensor map of a bf16 [{rows}, {cols}] matrix at {ptr:#x} (box {box_rows} x {box_cols} x {box_blocks}): needs a 16-byte aligned address, a row pitch that is a multiple of 16 bytes and boxes at most 128 bytes wide, a multiple of 16 bytes, dividing the row"

@@ -106,10 +106,10 @@ pub fn nibble_position(n: usize, row: usize, col: usize) -> (usize, u32) {
 }
 
 fn check_shape(k: usize, n: usize, group: usize) -> Result<(), Int4Error> {
-    if k % 16 != 0 || n % 64 != 0 || k == 0 || n == 0 {
+    if !k.is_multiple_of(16) || !n.is_multiple_of(64) || k == 0 || n == 0 {
         return Err(Int4Error::Shape { k, n });
     }
-    if group == 0 || group % 16 != 0 || k % group != 0 {
+    if group == 0 || !group.is_multiple_of(16) || !k.is_multiple_of(group) {
         return Err(Int4Error::Group { group, k });
     }
     Ok(())

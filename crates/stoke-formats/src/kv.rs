@@ -27,10 +27,10 @@ pub enum KvError {
 }
 
 fn check_rows(what: &'static str, len: usize, head_dim: usize) -> Result<usize, KvError> {
-    if head_dim == 0 || head_dim % 16 != 0 {
+    if head_dim == 0 || !head_dim.is_multiple_of(16) {
         return Err(KvError::HeadDim(head_dim));
     }
-    if len % head_dim != 0 {
+    if !len.is_multiple_of(head_dim) {
         return Err(KvError::Len {
             what,
             actual: len,
@@ -45,7 +45,7 @@ fn check_rows(what: &'static str, len: usize, head_dim: usize) -> Result<usize, 
 /// inverse: applied to K, V and q, attention scores are unchanged, and applying it again to the
 /// attention output undoes the rotation of V.
 pub fn hadamard(x: &mut [f32], head_dim: usize, block: usize) -> Result<(), KvError> {
-    if !block.is_power_of_two() || block < 2 || head_dim % block != 0 || block > 256 {
+    if !block.is_power_of_two() || block < 2 || !head_dim.is_multiple_of(block) || block > 256 {
         return Err(KvError::Block {
             block,
             head_dim,

@@ -214,13 +214,16 @@ impl LlamaConfig {
         if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
             return bad("head counts must be positive".into());
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return bad(format!(
                 "{} attention heads are not a multiple of {} key/value heads",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!(
                 "head_dim {} is odd (RoPE rotates pairs)",
                 self.head_dim

@@ -87,13 +87,13 @@ pub enum QuantError {
 /// The group for an input dimension `k`: `group` when it divides `k`, else the largest power
 /// of two from 16 up to `group` that does (576 with 128 -> 64), else `k` (one group per column).
 pub fn group_for(k: usize, group: usize) -> usize {
-    if group > 0 && k % group == 0 {
+    if group > 0 && k.is_multiple_of(group) {
         return group;
     }
     let mut g = 16;
     let mut best = None;
     while g <= group {
-        if k % g == 0 {
+        if k.is_multiple_of(g) {
             best = Some(g);
         }
         g *= 2;
@@ -168,7 +168,7 @@ pub fn rtn_burn<B: FusedOps>(
     scale_type: ScaleType,
 ) -> Result<PackedInt4, Int4Error> {
     let [k, n] = w.dims();
-    if group == 0 || group % 16 != 0 || k % group != 0 {
+    if group == 0 || !group.is_multiple_of(16) || k % group != 0 {
         return Err(Int4Error::Group { group, k });
     }
     let device = w.device();

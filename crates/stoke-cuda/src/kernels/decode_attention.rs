@@ -113,7 +113,7 @@ pub fn check_shape(heads: u32, kv_heads: u32, d: u32, block: u32) -> Result<(), 
             "decode attention: head_dim {d} (64 or 128 supported)"
         )));
     }
-    if kv_heads == 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP {
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) || heads / kv_heads > MAX_GROUP {
         return Err(ShapeError(format!(
             "decode attention: {heads} query heads over {kv_heads} kv heads (a whole group of at most {MAX_GROUP})"
         )));

@@ -323,7 +323,7 @@ pub const WG_MIN_TILES: u32 = 16;
 /// `max(4, fold_kt)` k-tiles. Symmetric weights only: the caller checks that.
 pub fn wg_eligible(k: u32, group: u32) -> bool {
     let fold_kt = gcd(group / 16, 8);
-    fold_kt >= 4 && (k / 16) % fold_kt.max(4) == 0
+    fold_kt >= 4 && (k / 16).is_multiple_of(fold_kt.max(4))
 }
 
 /// Why a shape can't run on these kernels.
@@ -376,12 +376,12 @@ pub fn plan(
     stream_k: bool,
     wg_rows: u32,
 ) -> Result<Vec<Launch>, ShapeError> {
-    if k == 0 || k % 16 != 0 || n == 0 || n % 64 != 0 {
+    if k == 0 || !k.is_multiple_of(16) || n == 0 || !n.is_multiple_of(64) {
         return Err(ShapeError(format!(
             "INT4 GEMM needs k % 16 == 0 and n % 64 == 0, got k = {k}, n = {n}"
         )));
     }
-    if group == 0 || group % 16 != 0 || k % group != 0 {
+    if group == 0 || !group.is_multiple_of(16) || !k.is_multiple_of(group) {
         return Err(ShapeError(format!(
             "INT4 GEMM group {group} must be a multiple of 16 dividing k = {k}"
         )));
@@ -467,7 +467,7 @@ pub fn plan(
                 let exact_single = swapped
                     && one_wave > 1
                     && one_wave * WARPS <= units
-                    && units % (one_wave * WARPS) == 0;
+                    && units.is_multiple_of(one_wave * WARPS);
                 if exact_single {
                     one_wave
                 } else {

@@ -123,12 +123,12 @@ impl Pin {
 
 impl Drop for Pin {
     fn drop(&mut self) {
-        if let Some(held) = self.held.take() {
-            if let Err(e) = self.rt.hold_until_done(held) {
-                // Without the event the only safe release is after a full synchronization.
-                tracing::error!("stoke: {e}; synchronizing before releasing a pinned buffer");
-                let _ = self.rt.synchronize();
-            }
+        if let Some(held) = self.held.take()
+            && let Err(e) = self.rt.hold_until_done(held)
+        {
+            // Without the event the only safe release is after a full synchronization.
+            tracing::error!("stoke: {e}; synchronizing before releasing a pinned buffer");
+            let _ = self.rt.synchronize();
         }
     }
 }
@@ -337,10 +337,10 @@ pub(crate) fn float_device<I: Backend>(t: &StokeTensor<I>) -> I::Device {
 pub(crate) async fn float_into_data<I: Backend>(
     t: StokeTensor<I>,
 ) -> Result<TensorData, ExecutionError> {
-    if let Some(d) = t.downcast_ref::<DeviceTensor<I>>() {
-        if d.materialized.get().is_none() {
-            return Ok(d.read());
-        }
+    if let Some(d) = t.downcast_ref::<DeviceTensor<I>>()
+        && d.materialized.get().is_none()
+    {
+        return Ok(d.read());
     }
     I::float_into_data(t.into_inner()).await
 }
@@ -373,9 +373,9 @@ pub fn pin_module<I: Backend, M: burn::module::Module<Stoke<I>>>(module: M) -> M
 
 /// `Backend::memory_cleanup` for `Stoke<I>`: returns Stoke's pooled buffers to the driver.
 pub(crate) fn memory_cleanup<I: Backend>(device: &I::Device) {
-    if let Some(rt) = runtime_for::<I>(device) {
-        if let Err(e) = rt.release_pool() {
-            tracing::warn!("stoke: releasing pooled buffers: {e}");
-        }
+    if let Some(rt) = runtime_for::<I>(device)
+        && let Err(e) = rt.release_pool()
+    {
+        tracing::warn!("stoke: releasing pooled buffers: {e}");
     }
 }
