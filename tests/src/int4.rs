@@ -354,7 +354,8 @@ pub fn int4_tuned_plan_matches_reference() -> Result<Value, String> {
         (4096, 4096, 128, ScaleType::Bf16, false, &[1, 8, 16], false),
         (8192, 10240, 128, ScaleType::Bf16, false, &[1, 4], false),
         (2048, 1472, 64, ScaleType::F16, false, &[2, 7], false),
-        (4096, 576, 32, ScaleType::F16, true, &[1], false),
+        (4096, 576, 32, ScaleType::F16, true, &[1, 16], false),
+        (576, 1536, 32, ScaleType::F16, true, &[1, 8], false),
         (1536, 4160, 64, ScaleType::Bf16, false, &[3], true),
     ];
     let mut worst = 0f64;
@@ -455,11 +456,17 @@ pub fn int4_tuned_plan_matches_reference() -> Result<Value, String> {
                     errs.push(err);
                 }
                 // Symmetric weights have two or more candidates at every row count (the swapped
-                // or warpgroup kernels and the other); asymmetric ones only the plan's.
+                // or warpgroup kernels and the other); asymmetric ones the plan's kernels at its
+                // split count and the neighbours, never a warpgroup kernel (symmetric only).
                 let record = tuned();
                 match (&record, asym) {
                     (Some(r), false) if r.candidates.len() >= 2 => {}
-                    (None, true) => {}
+                    (Some(r), true)
+                        if !r.candidates.is_empty()
+                            && r.wg_rows == 0
+                            && r.candidates
+                                .iter()
+                                .all(|(e, ..)| !e.starts_with("int4_gemm_wg")) => {}
                     _ => return Err(format!("{what}: unexpected tuning record {record:?}")),
                 }
                 checked.push(json!({"m": m, "k": k, "n": n, "group": group, "asymmetric": asym,

@@ -502,10 +502,6 @@ fn tuned_plan(
     call: &Int4Gemm,
     wg_rows: u32,
 ) -> Result<(u32, u32)> {
-    if wg_rows == 0 {
-        // The plan's kernels only (asymmetric weights, unaligned x, or none asked for).
-        return Ok((0, 0));
-    }
     let key = TuneKey {
         ordinal: rt.ordinal,
         defines: rt.defines_epoch(),
@@ -524,9 +520,11 @@ fn tuned_plan(
     }
     // Candidates: the plan, the warpgroup kernels at every row count (where allowed), and
     // none, each with its planned split count and one split fewer and more; the same launches
-    // once.
+    // once. Without the warpgroup kernels (asymmetric weights, unaligned x, or none asked for):
+    // the plan's kernels at the three split counts.
     let mut options: Vec<(u32, u32, Vec<Launch>)> = Vec::new();
-    for rows in [wg_rows, 1, 0] {
+    let rows_options: &[u32] = if wg_rows == 0 { &[0] } else { &[wg_rows, 1, 0] };
+    for &rows in rows_options {
         let base = planned(rt, w, call, rows)?;
         let s = base[0].splits;
         let mut add = |splits: u32, launches: Vec<Launch>| {
