@@ -491,7 +491,8 @@ const TUNE_MARGIN: f64 = 0.02;
 const TUNE_MAX_COPIES: usize = 2048;
 
 /// `(wg_rows, splits)` for a tuned call: the plan's, the warpgroup kernels from one row, or
-/// none, each at its planned split count or one fewer or more (`splits` 0: the plan's count),
+/// none (only the last where `wg_rows` is 0: asymmetric weights, unaligned x, none asked for),
+/// each at its planned split count or one fewer or more (`splits` 0: the plan's count),
 /// whichever ran fastest on this GPU on the first call of the shape (cached per shape). At
 /// up to 8 rows the plan's swapped kernel and the warpgroup 8-row kernel each win on some
 /// shapes (docs/PERF_NOTES.md) and no rule of the shape separates them. While the stream
