@@ -169,14 +169,6 @@ __host__ __device__ constexpr int row_bytes() {
 #ifndef STOKE_ATTN_K_SMEM
 #define STOKE_ATTN_K_SMEM 0
 #endif
-// Timing probe (results wrong by design; the GPU test skips it): the register-fed BF16 / FP8
-// keys of a tile are read as the same bytes, but each load instruction of the warp covers 512
-// contiguous bytes (whole 128-byte lines) instead of 64 bytes of each of 8 rows (half lines).
-// Times what a key layout in load order (the INT4 mirror's kind) would gain; d = 64 FP8 rows
-// are whole lines already.
-#ifndef STOKE_ATTN_KEY_LINES_PROBE
-#define STOKE_ATTN_KEY_LINES_PROBE 0
-#endif
 // Splits whose partials the last split's merge loads together per head of a warp (16: with 8
 // heads per kv head, a warp's 2 heads keep 32 float4 loads in flight). Against 8, same run
 // (results/experiments/h200-attention-merge-k-smem-65d0f3d.json): B = 1, ctx 32k BF16 41.4 ->
@@ -700,19 +692,6 @@ __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, 
     constexpr int KP = Piece<KB / 4>::BYTES, VP2 = Piece<KB / 2>::BYTES;
     if (FMT == FMT_BF16 && STOKE_ATTN_K_SMEM) {  // chunks swizzled (KTile)
         copy_tile_rows<KB>(c.k, row0, base, k0, k1, lane, [&](u32 row, u32 chunk) { return smem_u32(ktile + KTile<D>::at(row, chunk)); });
-    } else if (STOKE_ATTN_KEY_LINES_PROBE && FMT != FMT_INT4 && KB > 64) {
-        constexpr int KW = Raw<FMT, D>::KW, NI = KW / 2;  // 16-byte loads per lane and tile
-#pragma unroll
-        for (int j = 0; j < NI; ++j) {
-            const u32 off = 512 * j + 16 * lane, key = base + off / KB;
-            const u8* p = static_cast<const u8*>(c.k) + (row0 + (key < k1 ? key : k0)) * KB + off % KB;
-            const uint4 v = ldg_cache(reinterpret_cast<const uint4*>(p));
-            u32* w = r.k[j / (NI / 2)] + 4 * (j % (NI / 2));
-            w[0] = v.x;
-            w[1] = v.y;
-            w[2] = v.z;
-            w[3] = v.w;
-        }
     } else {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {

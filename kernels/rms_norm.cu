@@ -58,6 +58,22 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
 
+// 1: every entry point lets the next kernel on the stream start launching at once
+// (griddepcontrol.launch_dependents, sm_90 and later). Only kernels launched for programmatic
+// dependent launch start early (Stoke's W4A16 GEMMs): they queue their weight loads, which no
+// kernel writes, and wait for this grid to finish (griddepcontrol.wait) before they read its
+// output. So a GEMM after an RMSNorm has its first weights in flight while the norm runs. Other
+// kernels still start after this one ends. 0: no early launch.
+#ifndef STOKE_RMS_PDL_TRIGGER
+#define STOKE_RMS_PDL_TRIGGER 1
+#endif
+
+__device__ __forceinline__ void let_dependents_launch() {
+#if STOKE_RMS_PDL_TRIGGER && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 struct RmsNormParams {
     const void* x;         // [rows, hidden], row-major contiguous
     const void* residual;  // [rows, hidden] or nullptr; residual variant: s = x + residual
@@ -474,23 +490,29 @@ __device__ __forceinline__ void twopass_kernel(const RmsNormParams& p) {
 
 #define STOKE_RMS_NORM_ENTRIES(OP, DT, D, RES)                                                   \
     extern "C" __global__ void __launch_bounds__(256, 1) OP##_##DT##_warp(RmsNormParams p) {     \
+        let_dependents_launch();                                                                 \
         stoke_rms_norm::warp_kernel<stoke_rms_norm::D, RES, false>(p);                           \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(1024, 1) OP##_##DT##_block(RmsNormParams p) {   \
+        let_dependents_launch();                                                                 \
         stoke_rms_norm::block_kernel<stoke_rms_norm::D, RES, false>(p);                          \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(256, 1) OP##_##DT##_warp_lat(RmsNormParams p) { \
+        let_dependents_launch();                                                                 \
         stoke_rms_norm::warp_kernel<stoke_rms_norm::D, RES, true>(p);                            \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(1024, 1)                                        \
         OP##_##DT##_block_lat(RmsNormParams p) {                                                 \
+        let_dependents_launch();                                                                 \
         stoke_rms_norm::block_kernel<stoke_rms_norm::D, RES, true>(p);                           \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(1024, 1) OP##_##DT##_twopass(RmsNormParams p) { \
+        let_dependents_launch();                                                                 \
         stoke_rms_norm::twopass_kernel<stoke_rms_norm::D, RES, 16 / stoke_rms_norm::D::kBytes>(  \
             p);                                                                                  \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(1024, 1) OP##_##DT(RmsNormParams p) {           \
+        let_dependents_launch();                                                                 \
         stoke_rms_norm::twopass_kernel<stoke_rms_norm::D, RES, 1>(p);                            \
     }
 

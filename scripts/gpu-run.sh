@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, with .bundle/ from scripts/gpu-bundle.sh:
 # every GPU test, then the benchmarks, then the PyTorch peers, writing JSON into OUTDIR.
-# Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama|int4|attention|int4-profile [SHAPE...]|attention-profile [SHAPE...]]
+# Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama|int4|attention|pairs|int4-profile [SHAPE...]|attention-profile [SHAPE...]]
 #   int4:  the W4A16 GEMM test and benchmark, then its PyTorch peers
 #   attention: the decode-attention test and benchmark, then the PyTorch SDPA peer
+#   pairs: a decode step's RMSNorm then the W4A16 GEMM it feeds (ordering test, then the pairs
+#          timed beside each kernel alone; rms_norm.cu variants through STOKE_KERNEL_VARIANTS)
 #   int4-profile: Nsight Compute reports (OUTDIR/ncu-int4-profile.txt) of the W4A16 kernels on
 #          the named benchmark shapes at one row, every variant and word order
 #   attention-profile [SHAPE --batch B --ctx C --formats int4]: the same for decode attention

@@ -46,6 +46,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::int4::int4_linear_epilogues_match_reference,
     ),
     (
+        "rms_norm_then_int4_gemm_matches_synchronized",
+        crate::pairs::rms_norm_then_int4_gemm_matches_synchronized,
+    ),
+    (
         "smollm2_int4_decode_matches_dequantized",
         crate::llama::int4_decode_matches_dequantized,
     ),

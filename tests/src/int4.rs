@@ -508,10 +508,23 @@ fn bench_weights(
     n: usize,
     order: WordOrder,
 ) -> Vec<DeviceInt4> {
+    weight_copies(rt, rng, k, n, order, 160_000_000)
+}
+
+/// Copies of one random group-128 symmetric weight in `order`, at least `min_bytes` in all (one
+/// at least).
+pub(crate) fn weight_copies(
+    rt: &Arc<Runtime>,
+    rng: &mut StdRng,
+    k: usize,
+    n: usize,
+    order: WordOrder,
+    min_bytes: usize,
+) -> Vec<DeviceInt4> {
     let words: Vec<u32> = (0..k * n / 8).map(|_| rng.random()).collect();
     let scales = vec![bf16::from_f32(0.01); k / 128 * n];
     let one = k * n / 2 + k / 128 * n * 2;
-    let copies = (160_000_000usize.div_ceil(one)).max(1);
+    let copies = min_bytes.div_ceil(one).max(1);
     (0..copies)
         .map(|_| {
             DeviceInt4::upload_ordered(rt, (k, n, 128), false, &words, &scales, None, order)

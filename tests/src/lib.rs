@@ -10,6 +10,7 @@ pub mod bench;
 pub mod gpu;
 pub mod int4;
 pub mod llama;
+pub mod pairs;
 pub mod suite;
 
 use std::sync::Arc;

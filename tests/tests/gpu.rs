@@ -25,6 +25,7 @@ gpu_tests!(
     int4_gemm_matches_dequantized_reference,
     int4_tuned_plan_matches_reference,
     int4_linear_epilogues_match_reference,
+    rms_norm_then_int4_gemm_matches_synchronized,
     smollm2_int4_decode_matches_dequantized,
     smollm2_rtn_int4_decode_warpgroup_matches_simulated,
     decode_attention_matches_reference,

@@ -32,6 +32,9 @@ enum Command {
     Int4,
     /// Decode attention: its GPU test, then its benchmark beside the same run's copy rate.
     Attention,
+    /// A decode step's RMSNorm then the W4A16 GEMM it feeds: the ordering test, then the
+    /// pairs' benchmark beside each kernel alone.
+    Pairs,
     /// A few W4A16 launches (every variant and word order) for a profiler such as `ncu`.
     Int4Profile {
         /// Rows of x.
@@ -208,6 +211,12 @@ fn main() -> ExitCode {
             &["decode_attention_matches_reference"],
             "attention",
             stoke_tests::attention::bench,
+        ),
+        Command::Pairs => run_kernel(
+            &cli,
+            &["rms_norm_then_int4_gemm_matches_synchronized"],
+            "pairs",
+            stoke_tests::pairs::bench,
         ),
         Command::Int4Profile { m, shapes } => {
             let names: Vec<&str> = shapes.iter().map(String::as_str).collect();
