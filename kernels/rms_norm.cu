@@ -488,7 +488,16 @@ __device__ __forceinline__ void twopass_kernel(const RmsNormParams& p) {
 // the first ones, so a thread waits for one memory round trip per pack; with it every row load
 // is issued before the first is used, at 40-56 registers.
 
+// NAME_early_trigger (u32 globals): the entry lets its dependents launch early
+// (STOKE_RMS_PDL_TRIGGER); the runtime reads it to keep crowded cluster launches after it in
+// stream order (Runtime::launch_cluster).
 #define STOKE_RMS_NORM_ENTRIES(OP, DT, D, RES)                                                   \
+    extern "C" __device__ unsigned OP##_##DT##_warp_early_trigger = STOKE_RMS_PDL_TRIGGER;       \
+    extern "C" __device__ unsigned OP##_##DT##_block_early_trigger = STOKE_RMS_PDL_TRIGGER;      \
+    extern "C" __device__ unsigned OP##_##DT##_warp_lat_early_trigger = STOKE_RMS_PDL_TRIGGER;   \
+    extern "C" __device__ unsigned OP##_##DT##_block_lat_early_trigger = STOKE_RMS_PDL_TRIGGER;  \
+    extern "C" __device__ unsigned OP##_##DT##_twopass_early_trigger = STOKE_RMS_PDL_TRIGGER;    \
+    extern "C" __device__ unsigned OP##_##DT##_early_trigger = STOKE_RMS_PDL_TRIGGER;            \
     extern "C" __global__ void __launch_bounds__(256, 1) OP##_##DT##_warp(RmsNormParams p) {     \
         let_dependents_launch();                                                                 \
         stoke_rms_norm::warp_kernel<stoke_rms_norm::D, RES, false>(p);                           \

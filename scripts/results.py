@@ -6,6 +6,7 @@ Usage: scripts/results.py RUN_DIR results/NAME.json [results/EXTRA.json ...]
        scripts/results.py --attention RUN_DIR results/NAME.json   (a `gpu-run.sh OUT attention` run)
        scripts/results.py --int4 RUN_DIR results/NAME.json   (a `gpu-run.sh OUT int4` run; then --render
                                                               with it among the extras)
+       scripts/results.py --pairs RUN_DIR results/NAME.json   (a `gpu-run.sh OUT pairs` run; the same)
 RUN_DIR holds what scripts/gpu-run.sh wrote: gpu-tests.json, bench.json, torch-rms.json, gpu.txt.
 Docs quote only numbers that come from a committed results file, so RESULTS.md is generated.
 """
@@ -37,12 +38,14 @@ def merge(run):
 
 
 def merge_kernel_run(run, key, peer_file, peer_key):
-    """A `gpu-run.sh OUT int4|attention` run: the kernel's GPU test, its benchmark (`key`.json)
-    and its PyTorch peers (`peer_file`)."""
+    """A `gpu-run.sh OUT int4|attention|pairs` run: the kernel's GPU test, its benchmark
+    (`key`.json) and its PyTorch peers (`peer_file`, where there are any)."""
     tests = load(run, "gpu-tests.json")
     result = load(run, f"{key}.json")
-    return {"meta": run_meta(run, result["meta"]), "gpu_tests": tests["tests"] if tests else [],
-            key: result[key], peer_key: load(run, peer_file) or []}
+    merged = {"meta": run_meta(run, result["meta"]), "gpu_tests": tests["tests"] if tests else [], key: result[key]}
+    if peer_file:
+        merged[peer_key] = load(run, peer_file) or []
+    return merged
 
 
 def render_variants(w, runs, key, label):
@@ -364,6 +367,28 @@ def render_int4(w, res, path):
     render_tests(w, res["gpu_tests"], max_details=300)
 
 
+def render_pairs(w, res, path):
+    b = res["pairs"]
+    section(w, "RMSNorm then W4A16 GEMM", res, path)
+    w("A decode step's fused residual RMSNorm (m rows of k, bf16) followed by the W4A16 GEMM it feeds (the shipped,")
+    w("tuned call; group 128, symmetric, bf16 scales), as a CUDA graph of back-to-back pairs (weights rotated through")
+    w(">= 160 MB of copies, inputs through 4 sets), beside the norms alone and the GEMMs alone timed the same way.")
+    w("The RMSNorm kernels let the next kernel launch at once (`griddepcontrol.launch_dependents`), so the GEMM's first")
+    w("weight loads, queued before its `griddepcontrol.wait`, overlap the norm; `STOKE_RMS_PDL_TRIGGER=0` rows are the")
+    w(f"kernels without it, same run. `overlap`: norm + GEMM - pair. `% copy`: the pair's bytes over its time, against the")
+    w(f"same run's copy rate ({b['copy_gbps']:.0f} GB/s).")
+    w("")
+    w("| shape (k x n) | m | defines | pair µs | norm µs | GEMM µs | norm + GEMM µs | overlap µs | pair % copy |")
+    w("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in b["runs"]:
+        w(f"| {r['shape']} ({r['k']} x {r['n']}) | {r['m']} | {r.get('defines') or 'shipped'} | {r['pair_us']:.2f} | {r['norm_us']:.2f} | {r['gemm_us']:.2f} | {r['norm_us'] + r['gemm_us']:.2f} | {r['overlap_us']:.2f} | {100 * r['of_copy']:.1f}% |")
+    w("")
+    if res.get("gpu_tests"):
+        w("GPU tests in that run:")
+        w("")
+        render_tests(w, res["gpu_tests"], max_details=300)
+
+
 def render_kv(w, res, path):
     m = res["meta"]
     section(w, "KV-cache rotation", res, path)
@@ -470,6 +495,8 @@ def render(res, results_path, extras=()):
             render_int4(w, extra, path)
         elif "attention" in extra:
             render_attention(w, extra, path)
+        elif "pairs" in extra:
+            render_pairs(w, extra, path)
         elif "int4_unrotated" in json.dumps(extra.get("runs", [])[:1]):
             render_kv(w, extra, path)
         else:
@@ -485,10 +512,14 @@ def render(res, results_path, extras=()):
 
 
 def main():
-    if sys.argv[1] in ("--int4", "--attention"):
+    if sys.argv[1] in ("--int4", "--attention", "--pairs"):
         run, dest = sys.argv[2], sys.argv[3]
-        merged = (merge_kernel_run(run, "int4", "torch-int4.json", "torch_int4") if sys.argv[1] == "--int4"
-                  else merge_kernel_run(run, "attention", "torch-attention.json", "torch_attention"))
+        if sys.argv[1] == "--int4":
+            merged = merge_kernel_run(run, "int4", "torch-int4.json", "torch_int4")
+        elif sys.argv[1] == "--attention":
+            merged = merge_kernel_run(run, "attention", "torch-attention.json", "torch_attention")
+        else:
+            merged = merge_kernel_run(run, "pairs", None, None)
         Path(dest).write_text(json.dumps(merged, indent=1) + "\n")
         print(f"wrote {dest}")
         return

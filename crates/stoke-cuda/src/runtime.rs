@@ -50,6 +50,11 @@ pub struct Kernel {
     /// The module's `u32` global `<entry>_cluster` is nonzero: the kernel's launches may form
     /// thread-block clusters ([`Runtime::launch_cluster`]), and it works either way.
     pub cluster: bool,
+    /// The module's `u32` global `<entry>_early_trigger` is nonzero: the kernel lets the next
+    /// kernel launch as soon as it starts (griddepcontrol.launch_dependents) while its few CTAs
+    /// hold their SMs (the RMSNorm kernels). See [`Runtime::launch_cluster`] for what that
+    /// means for a clustered kernel launched after it.
+    pub early_trigger: bool,
 }
 
 /// Whether thread-block clusters of `cluster` CTAs tile `grid`: each dimension a positive
@@ -119,6 +124,11 @@ pub struct Runtime {
     /// Tests set this so every new buffer starts as 0xFF bytes (NaN in f32 and bf16): an
     /// element a kernel forgets to write shows up as NaN.
     poison: std::sync::atomic::AtomicBool,
+    /// The last kernel launched on the stream lets its dependents launch early
+    /// ([`Kernel::early_trigger`]).
+    after_early_trigger: std::sync::atomic::AtomicBool,
+    /// Programmatic launches made ordinary by [`Runtime::launch_cluster`]'s crowding rule.
+    pdl_held: std::sync::atomic::AtomicU64,
     /// Zero-filled scratch that kernels leave zeroed (split-K partial sums and arrival
     /// counters): (pointer, bytes). Grown on demand; never poisoned.
     zeroed: Mutex<(sys::CUdeviceptr, usize)>,
@@ -188,6 +198,8 @@ impl Runtime {
             cluster_occupancy: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(VecDeque::new()),
             poison: Default::default(),
+            after_early_trigger: Default::default(),
+            pdl_held: Default::default(),
             pool: Mutex::new(HashMap::new()),
             pooled_bytes: Default::default(),
             zeroed: Mutex::new((0, 0)),
@@ -276,6 +288,7 @@ impl Runtime {
         let dyn_smem = global_u32(format!("{entry}_dyn_smem"))?.unwrap_or(0);
         let pdl = global_u32(format!("{entry}_pdl"))?.unwrap_or(0) != 0;
         let cluster = global_u32(format!("{entry}_cluster"))?.unwrap_or(0) != 0;
+        let early_trigger = global_u32(format!("{entry}_early_trigger"))?.unwrap_or(0) != 0;
         if dyn_smem as i32 > self.shared_optin as i32 - static_bytes {
             return Err(Error::KernelResources {
                 file: src.file.to_string(),
@@ -303,6 +316,7 @@ impl Runtime {
             dyn_smem,
             pdl,
             cluster,
+            early_trigger,
         };
         self.functions
             .lock()
@@ -331,6 +345,17 @@ impl Runtime {
     /// (each grid dimension a multiple of the cluster's; at most 8 CTAs, the portable size).
     /// `None`: an ordinary launch.
     ///
+    /// A kernel with [`Kernel::pdl`] is launched programmatically (it may start while the
+    /// previous kernel runs), except a clustered launch right after an early-triggering kernel
+    /// ([`Kernel::early_trigger`]) whose clusters need more than (r - 1) / r of the clusters the
+    /// GPU holds at once (r: its resident CTAs per SM). Started early, such a grid finds a CTA
+    /// slot taken on the SMs the previous kernel's CTAs still hold; when those CTAs end, the
+    /// freed slots are scattered, one or two per processing cluster, too few for a whole
+    /// cluster, so the clusters that did not fit wait for the first wave to finish. Measured
+    /// (`results/experiments/h200-rms-gemm-pairs-dd16a4e.json`): 70B qkv at 16 rows, RMSNorm
+    /// then the GEMM (3 splits in clusters of 3), 28.2 us programmatically against 21.3 us in
+    /// stream order.
+    ///
     /// # Safety
     /// As [`Runtime::launch`]; with a cluster, the kernel must be written for one.
     pub unsafe fn launch_cluster<P: Copy>(
@@ -351,11 +376,24 @@ impl Runtime {
                 kernel.entry, shape.grid
             )));
         }
-        if kernel.pdl || cluster.is_some() {
+        let after_early = self
+            .after_early_trigger
+            .swap(kernel.early_trigger, std::sync::atomic::Ordering::Relaxed);
+        let programmatic = kernel.pdl
+            && !(after_early
+                && match cluster {
+                    Some(c) => self.crowded(kernel, shape, c)?,
+                    None => false,
+                });
+        if kernel.pdl && !programmatic {
+            self.pdl_held
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        if programmatic || cluster.is_some() {
             // SAFETY: zero is a valid bit pattern for the attributes (plain C unions).
             let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
             let mut n = 0;
-            if kernel.pdl {
+            if programmatic {
                 attrs[n].id =
                     sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
                 attrs[n].value.programmaticStreamSerializationAllowed = 1;
@@ -405,6 +443,29 @@ impl Runtime {
         }
         .call("cuLaunchKernel")?;
         Ok(())
+    }
+
+    /// Whether a launch of `kernel` in `shape` as clusters of `cluster` needs more than
+    /// (r - 1) / r of the clusters the GPU holds at once, r its resident CTAs per SM: started
+    /// while another kernel holds a CTA slot on some SMs, not all of them would fit.
+    fn crowded(
+        &self,
+        kernel: &Kernel,
+        shape: LaunchShape,
+        cluster: (u32, u32, u32),
+    ) -> Result<bool> {
+        let per_cluster = u64::from(cluster.0 * cluster.1 * cluster.2).max(1);
+        let count = u64::from(shape.grid.0) * u64::from(shape.grid.1) * u64::from(shape.grid.2)
+            / per_cluster;
+        let most = u64::from(self.max_active_clusters(kernel, shape.block.0, cluster)?);
+        let r = u64::from(self.resident_ctas(kernel, shape.block.0)?).max(1);
+        Ok(count * r > most * (r - 1))
+    }
+
+    /// Programmatic launches this runtime made ordinary by [`Runtime::launch_cluster`]'s
+    /// crowding rule (benchmarks report it).
+    pub fn pdl_held(&self) -> u64 {
+        self.pdl_held.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Keeps `keep` (e.g. a burn-cuda buffer pin) alive until everything queued on Stoke's
