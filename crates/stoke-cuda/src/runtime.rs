@@ -124,9 +124,9 @@ pub struct Runtime {
     /// Tests set this so every new buffer starts as 0xFF bytes (NaN in f32 and bf16): an
     /// element a kernel forgets to write shows up as NaN.
     poison: std::sync::atomic::AtomicBool,
-    /// The last kernel launched on the stream lets its dependents launch early
-    /// ([`Kernel::early_trigger`]).
-    after_early_trigger: std::sync::atomic::AtomicBool,
+    /// CTAs of the last kernel launched on the stream where it lets its dependents launch
+    /// early ([`Kernel::early_trigger`]), else 0.
+    after_early_trigger: std::sync::atomic::AtomicU64,
     /// Programmatic launches made ordinary by [`Runtime::launch_cluster`]'s crowding rule.
     pdl_held: std::sync::atomic::AtomicU64,
     /// Zero-filled scratch that kernels leave zeroed (split-K partial sums and arrival
@@ -347,11 +347,13 @@ impl Runtime {
     ///
     /// A kernel with [`Kernel::pdl`] is launched programmatically (it may start while the
     /// previous kernel runs), except a clustered launch right after an early-triggering kernel
-    /// ([`Kernel::early_trigger`]) whose clusters need more than (r - 1) / r of the clusters the
-    /// GPU holds at once (r: its resident CTAs per SM). Started early, such a grid finds a CTA
-    /// slot taken on the SMs the previous kernel's CTAs still hold; when those CTAs end, the
-    /// freed slots are scattered, one or two per processing cluster, too few for a whole
-    /// cluster, so the clusters that did not fit wait for the first wave to finish. Measured
+    /// ([`Kernel::early_trigger`]) of c CTAs whose clusters, c more, would not all be resident
+    /// at once. Started early, such a grid finds a CTA slot taken on the SMs the previous
+    /// kernel's CTAs still hold (one slot per CTA for the RMSNorm kernels at decode sizes:
+    /// each uses fewer registers than one GEMM CTA), which costs at most one cluster each; when
+    /// those CTAs end, the freed slots are scattered, one or two per processing cluster, too
+    /// few for a whole cluster, so the clusters that did not fit wait for the first wave to
+    /// finish. Measured
     /// (`results/experiments/h200-rms-gemm-pairs-dd16a4e.json`): 70B qkv at 16 rows, RMSNorm
     /// then the GEMM (3 splits in clusters of 3), 28.2 us programmatically against 21.3 us in
     /// stream order.
@@ -376,13 +378,15 @@ impl Runtime {
                 kernel.entry, shape.grid
             )));
         }
-        let after_early = self
-            .after_early_trigger
-            .swap(kernel.early_trigger, std::sync::atomic::Ordering::Relaxed);
+        let ctas = u64::from(shape.grid.0) * u64::from(shape.grid.1) * u64::from(shape.grid.2);
+        let before = self.after_early_trigger.swap(
+            if kernel.early_trigger { ctas } else { 0 },
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let programmatic = kernel.pdl
-            && !(after_early
+            && !(before > 0
                 && match cluster {
-                    Some(c) => self.crowded(kernel, shape, c)?,
+                    Some(c) => self.crowded(kernel, shape, c, before)?,
                     None => false,
                 });
         if kernel.pdl && !programmatic {
@@ -445,21 +449,21 @@ impl Runtime {
         Ok(())
     }
 
-    /// Whether a launch of `kernel` in `shape` as clusters of `cluster` needs more than
-    /// (r - 1) / r of the clusters the GPU holds at once, r its resident CTAs per SM: started
-    /// while another kernel holds a CTA slot on some SMs, not all of them would fit.
+    /// Whether a launch of `kernel` in `shape` as clusters of `cluster` would not have all its
+    /// clusters resident at once beside `holding` CTAs of another kernel (each taking the place
+    /// of one cluster at most).
     fn crowded(
         &self,
         kernel: &Kernel,
         shape: LaunchShape,
         cluster: (u32, u32, u32),
+        holding: u64,
     ) -> Result<bool> {
         let per_cluster = u64::from(cluster.0 * cluster.1 * cluster.2).max(1);
         let count = u64::from(shape.grid.0) * u64::from(shape.grid.1) * u64::from(shape.grid.2)
             / per_cluster;
         let most = u64::from(self.max_active_clusters(kernel, shape.block.0, cluster)?);
-        let r = u64::from(self.resident_ctas(kernel, shape.block.0)?).max(1);
-        Ok(count * r > most * (r - 1))
+        Ok(count + holding > most)
     }
 
     /// Programmatic launches this runtime made ordinary by [`Runtime::launch_cluster`]'s
