@@ -375,13 +375,17 @@ def render_pairs(w, res, path):
     w(">= 160 MB of copies, inputs through 4 sets), beside the norms alone and the GEMMs alone timed the same way.")
     w("The RMSNorm kernels let the next kernel launch at once (`griddepcontrol.launch_dependents`), so the GEMM's first")
     w("weight loads, queued before its `griddepcontrol.wait`, overlap the norm; `STOKE_RMS_PDL_TRIGGER=0` rows are the")
-    w(f"kernels without it, same run. `overlap`: norm + GEMM - pair. `% copy`: the pair's bytes over its time, against the")
-    w(f"same run's copy rate ({b['copy_gbps']:.0f} GB/s).")
+    w("kernels without it, same run. `overlap`: norm + GEMM - pair. `% copy`: the pair's bytes over its time, against the")
+    w(f"same run's copy rate ({b['copy_gbps']:.0f} GB/s). `in order`: the runtime launched the pairs' GEMMs in stream order")
+    w("instead (a clustered GEMM whose clusters, one more per CTA of the norm, would not all be resident at once;")
+    w("`Runtime::launch_cluster`).")
     w("")
-    w("| shape (k x n) | m | defines | pair µs | norm µs | GEMM µs | norm + GEMM µs | overlap µs | pair % copy |")
-    w("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    order = any("gemm_launches_in_stream_order" in r for r in b["runs"])
+    w("| shape (k x n) | m | defines | pair µs | norm µs | GEMM µs | norm + GEMM µs | overlap µs | pair % copy |" + (" in order |" if order else ""))
+    w("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" --- |" if order else ""))
     for r in b["runs"]:
-        w(f"| {r['shape']} ({r['k']} x {r['n']}) | {r['m']} | {r.get('defines') or 'shipped'} | {r['pair_us']:.2f} | {r['norm_us']:.2f} | {r['gemm_us']:.2f} | {r['norm_us'] + r['gemm_us']:.2f} | {r['overlap_us']:.2f} | {100 * r['of_copy']:.1f}% |")
+        held = (" yes |" if r.get("gemm_launches_in_stream_order") else " no |") if order else ""
+        w(f"| {r['shape']} ({r['k']} x {r['n']}) | {r['m']} | {r.get('defines') or 'shipped'} | {r['pair_us']:.2f} | {r['norm_us']:.2f} | {r['gemm_us']:.2f} | {r['norm_us'] + r['gemm_us']:.2f} | {r['overlap_us']:.2f} | {100 * r['of_copy']:.1f}% |" + held)
     w("")
     if res.get("gpu_tests"):
         w("GPU tests in that run:")
