@@ -104,7 +104,8 @@ fn gemm_call(s: &PairSet, m: usize) -> Int4Gemm {
 /// before the graph runs.
 pub fn rms_norm_then_int4_gemm_matches_synchronized() -> Result<Value, String> {
     let rt = crate::gpu()?;
-    let mut rng = StdRng::seed_from_u64(rand::random());
+    let seed: u64 = rand::random();
+    let mut rng = StdRng::seed_from_u64(seed);
     let (k, n, sets) = (4096usize, 6144usize, 6usize);
     let w = weight_copies(&rt, &mut rng, k, n, WordOrder::default(), 1);
     let gamma = put_u16(&rt, &random_bf16(&mut rng, k, 1.0));
@@ -157,7 +158,7 @@ pub fn rms_norm_then_int4_gemm_matches_synchronized() -> Result<Value, String> {
         }
         cases.push(json!({"m": m, "pairs": sets, "max_relative_difference": worst}));
     }
-    Ok(json!({"k": k, "n": n, "cases": cases}))
+    Ok(json!({"k": k, "n": n, "cases": cases, "seed": seed}))
 }
 
 /// The projections an RMSNorm feeds in a Llama decode step (k x n): qkv and gate/up.
