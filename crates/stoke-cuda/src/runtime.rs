@@ -68,6 +68,21 @@ pub fn cluster_tiles_grid(grid: (u32, u32, u32), cluster: (u32, u32, u32)) -> bo
         && grid.2.is_multiple_of(z)
 }
 
+/// Whether a grid of `grid` CTAs in clusters of `cluster` would not have all its clusters
+/// resident at once beside `holding` CTAs of another kernel, each taking the place of one
+/// cluster at most, where the GPU holds `most` such clusters at once
+/// ([`Runtime::launch_cluster`]'s crowding rule).
+pub fn crowded_clusters(
+    grid: (u32, u32, u32),
+    cluster: (u32, u32, u32),
+    holding: u64,
+    most: u32,
+) -> bool {
+    let per_cluster = u64::from(cluster.0) * u64::from(cluster.1) * u64::from(cluster.2);
+    let ctas = u64::from(grid.0) * u64::from(grid.1) * u64::from(grid.2);
+    ctas / per_cluster.max(1) + holding > u64::from(most)
+}
+
 /// A tensor map for the copy engine (the driver's opaque 128-byte `CUtensorMap`), passed to
 /// kernels by value (`__grid_constant__`), 64-byte aligned as the kernels declare it.
 #[repr(C, align(64))]
@@ -459,11 +474,8 @@ impl Runtime {
         cluster: (u32, u32, u32),
         holding: u64,
     ) -> Result<bool> {
-        let per_cluster = u64::from(cluster.0 * cluster.1 * cluster.2).max(1);
-        let count = u64::from(shape.grid.0) * u64::from(shape.grid.1) * u64::from(shape.grid.2)
-            / per_cluster;
-        let most = u64::from(self.max_active_clusters(kernel, shape.block.0, cluster)?);
-        Ok(count + holding > most)
+        let most = self.max_active_clusters(kernel, shape.block.0, cluster)?;
+        Ok(crowded_clusters(shape.grid, cluster, holding, most))
     }
 
     /// Programmatic launches this runtime made ordinary by [`Runtime::launch_cluster`]'s
@@ -938,7 +950,20 @@ fn pool_size(bytes: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::cluster_tiles_grid;
+    use super::{cluster_tiles_grid, crowded_clusters};
+
+    #[test]
+    fn crowding_counts_one_cluster_place_per_holding_cta() {
+        // 160 clusters of 3 (70B qkv at 16 rows, 3 splits): with 16 norm CTAs beside them
+        // they need 176 places.
+        assert!(crowded_clusters((160, 3, 1), (1, 3, 1), 16, 175));
+        assert!(!crowded_clusters((160, 3, 1), (1, 3, 1), 16, 176));
+        // Nothing holding: crowded only past what fits at all.
+        assert!(!crowded_clusters((96, 4, 1), (1, 4, 1), 0, 96));
+        assert!(crowded_clusters((96, 4, 1), (1, 4, 1), 0, 95));
+        // One norm CTA beside 96 clusters of 4 where 120 fit.
+        assert!(!crowded_clusters((96, 4, 1), (1, 4, 1), 1, 120));
+    }
 
     #[test]
     fn clusters_must_tile_the_grid() {
