@@ -57,6 +57,13 @@ pub fn upload_ordered(rt: &Arc<Runtime>, p: &PackedInt4, order: WordOrder) -> De
     .expect("upload")
 }
 
+/// `len` bf16 values uniform in [-1, 1) (as raw bits).
+pub(crate) fn random_bf16(rng: &mut StdRng, len: usize) -> Vec<u16> {
+    (0..len)
+        .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
+        .collect()
+}
+
 pub(crate) fn put_u16(rt: &Arc<Runtime>, v: &[u16]) -> DeviceBuffer {
     let b = rt.alloc(v.len() * 2).unwrap();
     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -645,10 +652,7 @@ fn bench_variant(
             us
         });
         for &m in BENCH_ROWS {
-            let x: Vec<u16> = (0..m * k)
-                .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
-                .collect();
-            let xb = put_u16(&rt, &x);
+            let xb = put_u16(&rt, &random_bf16(&mut rng, m * k));
             let out = rt.alloc(m * n * 2).unwrap();
             // The swapped-operand kernels beside the batched ones at every m, the stream-K
             // form of the swapped kernel at m <= 8, and the warpgroup kernels at every m.
@@ -865,10 +869,7 @@ pub fn profile_launches(shapes: &[&str], m: usize) {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(7);
     for &(name, k, n) in BENCH_SHAPES.iter().filter(|s| shapes.contains(&s.0)) {
-        let x: Vec<u16> = (0..m * k)
-            .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
-            .collect();
-        let xb = put_u16(&rt, &x);
+        let xb = put_u16(&rt, &random_bf16(&mut rng, m * k));
         let out = rt.alloc(m * n * 2).unwrap();
         for order in ORDERS {
             let words: Vec<u32> = (0..k * n / 8).map(|_| rng.random()).collect();
