@@ -185,15 +185,6 @@ __host__ __device__ constexpr int row_bytes() {
 #ifndef STOKE_ATTN_PARTIAL_F16
 #define STOKE_ATTN_PARTIAL_F16 0
 #endif
-// G > 0: a split launch of more than G splits (through global memory) merges in two levels, G
-// splits to a group (the last of each group merges the group's partials while the other groups
-// still stream; the last group merges the groups' results); 0: the last split merges them all.
-#ifndef STOKE_ATTN_MERGE_GROUP
-#define STOKE_ATTN_MERGE_GROUP 0
-#endif
-#if STOKE_ATTN_MERGE_GROUP && STOKE_ATTN_PARTIAL_F16
-#error "the two-level merge writes f32 partials"
-#endif
 // Programmatic dependent launch (the entry's `_pdl` global; Runtime::launch): the kernel lets
 // the next kernel on the stream launch at once, and before it waits for the previous kernel
 // (griddepcontrol.wait) it only asks the L2 for the first STOKE_ATTN_PDL_PREFETCH batches of
@@ -264,9 +255,7 @@ struct AttnParams {
                           // exp; PARTIAL_F16: and the output's scale); the host allocates 16 bytes
                           // per record
     u16* out;             // [batch, heads, d] bf16
-    u32* arrived;         // [batch, kv_heads] splits finished (splits > 1), then [batch, kv_heads,
-                          // splits] (at most) groups' counts (STOKE_ATTN_MERGE_GROUP); zero
-                          // between launches
+    u32* arrived;         // [batch, kv_heads] splits finished (splits > 1); zero between launches
     u32 batch, heads, splits, chunk, block;
     float scale;          // 1 / sqrt(d)
 };
@@ -1007,10 +996,6 @@ __device__ __forceinline__ void attn_pdl_prologue(const AttnParams& p) {
 
 // The attention kernel (entry points decode_attn_FMT_dD), one warp per 16-key tile at a time;
 // the tensor-core layout is in the header.
-template <int D, int WARPS>
-__device__ __forceinline__ void merge_splits(const AttnParams& p, u32 b, u32 kvh, u32 group, u32 warp, u32 lane, u32 first,
-                                          u32 count, u32 stride, bool final);
-
 template <int FMT, int D, bool CL>
 __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     using S = AttnShape<FMT, D>;
@@ -1425,50 +1410,20 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         return;
     }
     // The last split of (b, kvh) to finish merges every split's partials (no second launch) and
-    // puts the arrival count back to zero for the next launch. With STOKE_ATTN_MERGE_GROUP = G
-    // and more than G splits, two levels: the last split of each group of G merges the group's
-    // partials into the group's first slot (while the other groups still stream), and the last
-    // group to finish merges the groups' results.
+    // puts the arrival count back to zero for the next launch.
     __shared__ u32 last;
-#if STOKE_ATTN_MERGE_GROUP
-    constexpr u32 MG = STOKE_ATTN_MERGE_GROUP;
-    const bool two = p.splits > MG;
-#else
-    constexpr u32 MG = 1;
-    const bool two = false;
-#endif
-    const u32 groups = (p.splits + MG - 1) / MG;
-#pragma unroll 1
-    for (u32 level = two ? 0 : 1; level < 2; ++level) {
-        // Level 0: the splits of this one's group; level 1: every split, or every group's result.
-        const u32 first = level == 0 ? split / MG * MG : 0;
-        const u32 count = level == 0 ? min(MG, p.splits - first) : two ? groups : p.splits;
-        const u32 stride = level == 0 || !two ? 1 : MG;
-        __threadfence();  // this CTA's partials are visible before it counts itself
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            u32* cnt = level == 0 ? p.arrived + u64(p.batch) * c.kv_heads + (u64(b) * c.kv_heads + kvh) * p.splits + split / MG
-                                  : p.arrived + u64(b) * c.kv_heads + kvh;
-            last = atomicAdd(cnt, 1u) == count - 1;
-            if (last) *cnt = 0;
-        }
-        __syncthreads();
-        if (!last) return;
-        __threadfence();
-        merge_splits<D, WARPS>(p, b, kvh, group, warp, lane, first, count, stride, level == 1);
+    __threadfence();  // this CTA's partials are visible before it counts itself
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32* cnt = p.arrived + u64(b) * c.kv_heads + kvh;
+        last = atomicAdd(cnt, 1u) == p.splits - 1;
+        if (last) *cnt = 0;
     }
-}
-
-// Merges the partials of splits first, first + stride, ... (count of them) of the heads of
-// (b, kvh): a warp's heads together (their loads interleave). Lane l first holds split l's
-// (max, sum) of each head, and the splits' weights reach the other lanes by shuffles. `final`:
-// normalized, rotated back and written as bf16; else written as the partial of split `first`
-// (the two-level merge's group result; each lane rewrites only what it read).
-template <int D, int WARPS>
-__device__ __forceinline__ void merge_splits(const AttnParams& p, u32 b, u32 kvh, u32 group, u32 warp, u32 lane, u32 first,
-                                          u32 count, u32 stride, bool final) {
-    constexpr int E = D / 32;
-    constexpr int QR = (MAX_GROUP + WARPS - 1) / WARPS;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // The warp's heads together (their loads interleave). Lane l first holds split l's (max,
+    // sum) of each head, and the splits' weights reach the other lanes by shuffles.
     float mx[QR], lsum[QR], os[QR][E], ms[QR], ls[QR];
 #if STOKE_ATTN_PARTIAL_F16
     // Records (max, sum, scale, -), f16 outputs; the scale goes into the split's weight.
@@ -1487,15 +1442,15 @@ __device__ __forceinline__ void merge_splits(const AttnParams& p, u32 b, u32 kvh
         const u32 h = warp + WARPS * r;
         hv[r] = h < group;
         const u64 row = u64(b) * p.heads + kvh * group + (hv[r] ? h : 0);
-        ml[r] = reinterpret_cast<const Rec*>(p.part_ml) + row * p.splits + first;
-        po[r] = reinterpret_cast<const PartT*>(p.part_o) + (row * p.splits + first) * D + lane * E;
+        ml[r] = reinterpret_cast<const Rec*>(p.part_ml) + row * p.splits;
+        po[r] = reinterpret_cast<const PartT*>(p.part_o) + row * p.splits * D + lane * E;
         ms[r] = NEG_INF;
         ls[r] = 0.0f;
 #if STOKE_ATTN_PARTIAL_F16
         sc[r] = 1.0f;  // lanes past the splits: weight 0 times a finite scale
 #endif
-        if (hv[r] && lane < count) {
-            const Rec v = __ldcg(&ml[r][u64(lane) * stride]);
+        if (hv[r] && lane < p.splits) {
+            const Rec v = __ldcg(&ml[r][lane]);
             ms[r] = v.x;
             ls[r] = v.y;
 #if STOKE_ATTN_PARTIAL_F16
@@ -1504,7 +1459,7 @@ __device__ __forceinline__ void merge_splits(const AttnParams& p, u32 b, u32 kvh
         }
         mx[r] = ms[r];
         if (hv[r])
-            for (u32 s = lane + 32; s < count; s += 32) mx[r] = fmaxf(mx[r], __ldcg(&ml[r][u64(s) * stride].x));
+            for (u32 s = lane + 32; s < p.splits; s += 32) mx[r] = fmaxf(mx[r], __ldcg(&ml[r][s].x));
         lsum[r] = 0.0f;
 #pragma unroll
         for (int e = 0; e < E; ++e) os[r][e] = 0.0f;
@@ -1513,15 +1468,15 @@ __device__ __forceinline__ void merge_splits(const AttnParams& p, u32 b, u32 kvh
     for (int r = 0; r < QR; ++r)
 #pragma unroll
         for (int o2 = 16; o2 > 0; o2 >>= 1) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], o2));
-    for (u32 s0 = 0; s0 < count; s0 += 32) {
-        const u32 n = min(32u, count - s0);
+    for (u32 s0 = 0; s0 < p.splits; s0 += 32) {
+        const u32 n = min(32u, p.splits - s0);
         float f[QR];
 #pragma unroll
         for (int r = 0; r < QR; ++r) {
             if (s0 > 0) {
                 ms[r] = NEG_INF;
                 if (hv[r] && lane < n) {
-                    const Rec v = __ldcg(&ml[r][u64(s0 + lane) * stride]);
+                    const Rec v = __ldcg(&ml[r][s0 + lane]);
                     ms[r] = v.x;
                     ls[r] = v.y;
 #if STOKE_ATTN_PARTIAL_F16
@@ -1544,9 +1499,9 @@ __device__ __forceinline__ void merge_splits(const AttnParams& p, u32 b, u32 kvh
                 if (!hv[r]) continue;
                 float x[E];
 #if STOKE_ATTN_PARTIAL_F16
-                load_part_f16<E>(po[r] + u64(s0 + i) * stride * D, x);
+                load_part_f16<E>(po[r] + u64(s0 + i) * D, x);
 #else
-                load_floats<E, true>(po[r] + u64(s0 + i) * stride * D, x);
+                load_floats<E, true>(po[r] + u64(s0 + i) * D, x);
 #endif
 #pragma unroll
                 for (int e = 0; e < E; ++e) os[r][e] += x[e] * fi;
@@ -1556,19 +1511,7 @@ __device__ __forceinline__ void merge_splits(const AttnParams& p, u32 b, u32 kvh
     for (int r = 0; r < QR; ++r) {
 #pragma unroll
         for (int o2 = 16; o2 > 0; o2 >>= 1) lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], o2);
-        if (!hv[r]) continue;
-        const u64 row = u64(b) * p.heads + kvh * group + warp + WARPS * r;
-        if (final) {
-            write_head<D>(os[r], lsum[r], p.block, lane, p.out + row * D);
-        } else {
-#if !STOKE_ATTN_PARTIAL_F16
-            store_floats<E>(p.part_o + (row * p.splits + first) * D + lane * E, os[r]);
-            if (lane == 0) {
-                p.part_ml[(row * p.splits + first) * 2] = mx[r];
-                p.part_ml[(row * p.splits + first) * 2 + 1] = lsum[r];
-            }
-#endif
-        }
+        if (hv[r]) write_head<D>(os[r], lsum[r], p.block, lane, p.out + (u64(b) * p.heads + kvh * group + warp + WARPS * r) * D);
     }
 }
 

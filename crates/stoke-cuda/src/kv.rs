@@ -218,10 +218,7 @@ impl DeviceKvCache {
         // come from the runtime's zeroed scratch, which the kernel leaves zeroed.
         let parts = if splits > 1 && cluster.is_none() {
             let items = batch as usize * heads as usize * splits as usize;
-            // A count per (sequence, kv head), and one per group of splits for the kernel's
-            // two-level merge (STOKE_ATTN_MERGE_GROUP; at most one per split).
-            let counts = batch as usize * self.kv_heads as usize * (1 + splits as usize);
-            let arrived = rt.zeroed_scratch(counts * 4)?;
+            let arrived = rt.zeroed_scratch(batch as usize * self.kv_heads as usize * 4)?;
             Some((
                 rt.alloc(items * self.d as usize * 4)?,
                 // Records of (max, sum) or, with the kernel's STOKE_ATTN_PARTIAL_F16, (max,
