@@ -1208,6 +1208,12 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
 #ifndef STOKE_INT4_WG_FULL
 #define STOKE_INT4_WG_FULL 1
 #endif
+// Timing probes of the warpgroup kernels (wrong results; the GPU test skips them): 1 leaves out
+// the bf16x2 FMA that takes 128 + q to q - 8 (what the units' sums of x would save), 2 the
+// whole nibble expansion (LOP3, shifts and FMA).
+#ifndef STOKE_INT4_WG_PROBE
+#define STOKE_INT4_WG_PROBE 0
+#endif
 // Resident CTAs per SM the warpgroup kernels' launch bounds ask for, per row tier. n16 at 4
 // (128 registers) against 5 (96) at 15cfe24: faster on 7 of 8 benchmark shapes at m = 16 (8B
 // gate/up 29.2 -> 24.4 us, 70B qkv 21.5 -> 18.5), slower on 8B qkv (8.8 -> 11.7: its 6
@@ -1315,10 +1321,21 @@ struct Wgmma<32> {
 // the odd pairs in place as 128 + 16 q does not work for bf16: 16 q for q >= 8 reaches the
 // exponent's low bit.)
 __device__ __forceinline__ void centered_quad(u32 w, u32 (&a)[4]) {
+#if STOKE_INT4_WG_PROBE == 2
+    // Timing probe: no expansion at all (the packed word itself as each register).
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = w ^ i;
+    return;
+#endif
     const u32 p[4] = {nibble_pair<0>(w), nibble_pair<2>(w), nibble_pair<1>(w), nibble_pair<3>(w)};
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < 4; ++i) {
+#if STOKE_INT4_WG_PROBE == 1
+        a[i] = p[i];  // timing probe: 128 + q, the minus 136 left out
+#else
         asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(a[i]) : "r"(p[i]), "r"(0x3f803f80u), "r"(0xc308c308u));
+#endif
+    }
 }
 
 __device__ __forceinline__ void sts32(u32 addr, u32 v) { asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
