@@ -177,6 +177,12 @@ __host__ __device__ constexpr int row_bytes() {
 #ifndef STOKE_ATTN_MERGE_UNROLL
 #define STOKE_ATTN_MERGE_UNROLL 16
 #endif
+// 1: the in-CTA merge after the last tile works through both head slots of every warp (a warp
+// holds heads warp and warp + WARPS), the second one's result dropped where it is not a real
+// head, so the two heads' chains interleave instead of the second starting after the first.
+#ifndef STOKE_ATTN_MERGE_ILP
+#define STOKE_ATTN_MERGE_ILP 0
+#endif
 // 1: each split's partial output is stored as f16 under a power-of-two scale per (split, head)
 // (the row's largest magnitude brought to [2^13, 2^14)), with records (max, sum, scale, -) of 16
 // bytes; 0: f32 outputs and (max, sum) records of 8 bytes. Halves the bytes the last split's
@@ -1366,24 +1372,34 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #pragma unroll
     for (int r = 0; r < QR; ++r) {
         const u32 h = warp + WARPS * r;
+#if STOKE_ATTN_MERGE_ILP
+        // Every warp works through all QR of its head slots (in range of wo: warp + WARPS r <
+        // MAX_GROUP), so the two heads' chains interleave; only real heads store.
+        const bool real = h < group;
+        const u32 hc = h < MAX_GROUP ? h : warp;  // the slot read (six INT4 warps reach past 8)
+#else
         if (h >= group) break;
+        const bool real = true;
+        const u32 hc = h;
+#endif
         float mx = NEG_INF;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, wm[w][h]);
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, wm[w][hc]);
         float lsum = 0.0f, os[E];
 #pragma unroll
         for (int e = 0; e < E; ++e) os[e] = 0.0f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
-            const float f = wm[w][h] == NEG_INF ? 0.0f : __expf(wm[w][h] - mx);
+            const float f = wm[w][hc] == NEG_INF ? 0.0f : __expf(wm[w][hc] - mx);
             float x[E];
-            load_floats<E>(&wo[w][h][WoRow<D>::pos(FMT, h, lane * E)], x);
-            lsum += wl[w][h] * f;
+            load_floats<E>(&wo[w][hc][WoRow<D>::pos(FMT, hc, lane * E)], x);
+            lsum += wl[w][hc] * f;
 #pragma unroll
             for (int e = 0; e < E; ++e) os[e] += x[e] * f;
         }
         const u64 row = u64(b) * p.heads + kvh * group + h;
-        if (p.splits == 1) {
+        if (!real) {
+        } else if (p.splits == 1) {
             write_head<D>(os, lsum, p.block, lane, p.out + row * D);
         } else if (dsm) {
             store_floats<E>(&cpart[h][lane * E], os);
