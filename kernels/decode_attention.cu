@@ -179,9 +179,15 @@ __host__ __device__ constexpr int row_bytes() {
 #endif
 // 1: the in-CTA merge after the last tile works through both head slots of every warp (a warp
 // holds heads warp and warp + WARPS), the second one's result dropped where it is not a real
-// head, so the two heads' chains interleave instead of the second starting after the first.
+// head, so the two heads' chains interleave instead of the second starting after the first
+// (with 8 heads per kv head the tail after the last tile was about 100 instructions per warp
+// longer than with 4: results/experiments/h200-attention-ncu-70b-b8-99800e6.txt). 0: a warp
+// stops after its real heads. Same run against 0 (fb4aba6,
+// results/experiments/h200-attention-merge-ilp-fb4aba6.json), BF16: B = 8, ctx 1024 14.11 ->
+// 13.73 us (8B), 15.17 -> 14.66 (70B); B = 32, ctx 4096 123.70 -> 123.17 / 124.60 -> 123.46;
+// ctx 32k 38.54 -> 37.65 / 39.44 -> 39.43; FP8 / INT4 within 1.5%.
 #ifndef STOKE_ATTN_MERGE_ILP
-#define STOKE_ATTN_MERGE_ILP 0
+#define STOKE_ATTN_MERGE_ILP 1
 #endif
 // 1: each split's partial output is stored as f16 under a power-of-two scale per (split, head)
 // (the row's largest magnitude brought to [2^13, 2^14)), with records (max, sum, scale, -) of 16
