@@ -446,11 +446,7 @@ pub fn rms_norm(rt: &Arc<Runtime>, copy_gbps: f64) -> Vec<Value> {
                     rt.sm_count,
                 );
                 let kernel = rt.kernel(&RMS_NORM, l.entry).unwrap();
-                let shape = LaunchShape {
-                    grid: l.grid,
-                    block: l.block,
-                    shared_mem_bytes: l.shared_mem_bytes,
-                };
+                let shape = LaunchShape::from(l);
                 let sets = bufs.x.len();
                 let iters = if rows >= 2048 { 50 } else { 200 };
                 let launch_one = |i: usize| {
@@ -566,11 +562,7 @@ pub fn host_and_crossing(rt: &Arc<Runtime>) -> Value {
     let tiny = rms_buffers(rt, 1, hidden, 2);
     let l = launch(ElemType::Bf16, false, 1, hidden as u32, true, rt.sm_count);
     let kernel = rt.kernel(&RMS_NORM, l.entry).unwrap();
-    let shape = LaunchShape {
-        grid: l.grid,
-        block: l.block,
-        shared_mem_bytes: l.shared_mem_bytes,
-    };
+    let shape = LaunchShape::from(l);
     let p = RmsNormParams {
         x: tiny.x[0].ptr(),
         residual: 0,

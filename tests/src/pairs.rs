@@ -57,11 +57,7 @@ fn norm(
 ) -> stoke_cuda::Result<()> {
     let l = launch(ElemType::Bf16, true, m as u32, k as u32, true, rt.sm_count);
     let kernel = rt.kernel(&RMS_NORM, l.entry)?;
-    let shape = LaunchShape {
-        grid: l.grid,
-        block: l.block,
-        shared_mem_bytes: l.shared_mem_bytes,
-    };
+    let shape = LaunchShape::from(l);
     let p = RmsNormParams {
         x: s.x.ptr(),
         residual: s.residual.ptr(),

@@ -108,6 +108,17 @@ pub struct LaunchShape {
     pub shared_mem_bytes: u32,
 }
 
+/// The shape of an RMSNorm launch rule's launch (the rule itself depends on nothing but `std`).
+impl From<crate::kernels::rms_norm::Launch> for LaunchShape {
+    fn from(l: crate::kernels::rms_norm::Launch) -> Self {
+        LaunchShape {
+            grid: l.grid,
+            block: l.block,
+            shared_mem_bytes: l.shared_mem_bytes,
+        }
+    }
+}
+
 pub struct Runtime {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,

@@ -80,11 +80,7 @@ pub(crate) fn try_rms_norm<I: Backend>(
         aligned,
         rt.sm_count,
     );
-    let shape = LaunchShape {
-        grid: l.grid,
-        block: l.block,
-        shared_mem_bytes: l.shared_mem_bytes,
-    };
+    let shape = LaunchShape::from(l);
     let result = rt.kernel(&RMS_NORM, l.entry).and_then(|k| {
         // SAFETY: `RmsNormParams` mirrors the kernel's struct (checked by a size test against the
         // C static_assert); inputs are pinned until the kernel is done (KernelInput), outputs
