@@ -239,6 +239,37 @@ __host__ __device__ constexpr int row_bytes() {
 #define NEG_INF __int_as_float(0xff800000)
 constexpr int MAX_GROUP = 8;
 
+// 1: a timeline of each attention launch for diagnostics (the benchmark reads it after a
+// variant's timing): thread 0 of each CTA stores into the module global decode_attn_trace, at
+// 4 words per CTA (linear block index, the first ATTN_TRACE_CTAS), the %globaltimer ns when the
+// CTA starts, when its last tile is done (every warp), and when it ends, then its SM in the low
+// 16 bits of word 3 with flags above (bit 16: it merged the splits; bit 17: cluster merge).
+// 0: none (the shipped kernels).
+#ifndef STOKE_ATTN_TRACE
+#define STOKE_ATTN_TRACE 0
+#endif
+constexpr unsigned ATTN_TRACE_CTAS = 4096;
+#if STOKE_ATTN_TRACE
+extern "C" __device__ unsigned long long decode_attn_trace[ATTN_TRACE_CTAS * 4];
+#endif
+// Stores the trace word `word` (2: also word 3, the SM and `flags`) of this CTA.
+__device__ __forceinline__ void attn_trace(unsigned word, unsigned flags = 0) {
+#if STOKE_ATTN_TRACE
+    if (threadIdx.x != 0) return;
+    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (cta >= ATTN_TRACE_CTAS) return;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    decode_attn_trace[cta * 4 + word] = t;
+    if (word == 2) {
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        decode_attn_trace[cta * 4 + 3] = sm | (flags << 16);
+    }
+#endif
+}
+
+
 struct KvCache {
     void* k;         // see the header: bf16 rows, fp8 codes or int4 bytes
     void* v;
@@ -1028,6 +1059,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         if (int(dyn) < int(S::DYN)) __trap();
     }
 
+    attn_trace(0);
     attn_pdl_prologue<FMT, D>(p);
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
@@ -1333,6 +1365,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         l[1] += __shfl_xor_sync(0xffffffffu, l[1], o2);
     }
     __syncthreads();  // the V tiles become the merge buffer
+    attn_trace(1);
     float (*wo)[MAX_GROUP][WoRow<D>::P] = reinterpret_cast<float (*)[MAX_GROUP][WoRow<D>::P]>(vt_raw);
     if (g == 0) {
 #pragma unroll
@@ -1426,9 +1459,13 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #endif
         }
     }
-    if (p.splits == 1) return;
+    if (p.splits == 1) {
+        attn_trace(2);
+        return;
+    }
     if (dsm) {
         cluster_merge<D, WARPS>(p, smem_u32(&cpart[0][0]), smem_u32(&cml[0][0]), group, kvh, b, warp, lane);
+        attn_trace(2, 2);
         return;
     }
     // The last split of (b, kvh) to finish merges every split's partials (no second launch) and
@@ -1442,7 +1479,10 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         if (last) *cnt = 0;
     }
     __syncthreads();
-    if (!last) return;
+    if (!last) {
+        attn_trace(2);
+        return;
+    }
     __threadfence();
     // The warp's heads together (their loads interleave). Lane l first holds split l's (max,
     // sum) of each head, and the splits' weights reach the other lanes by shuffles.
@@ -1535,6 +1575,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         for (int o2 = 16; o2 > 0; o2 >>= 1) lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], o2);
         if (hv[r]) write_head<D>(os[r], lsum[r], p.block, lane, p.out + (u64(b) * p.heads + kvh * group + warp + WARPS * r) * D);
     }
+    attn_trace(2, 1);
 }
 
 // BF16 / FP8: 187 / 213 registers at d = 128, 2 CTAs per SM; INT4: 168 (launch bounds); the

@@ -603,11 +603,12 @@ pub fn bench(copy_gbps: f64) -> Value {
 
 /// Forced split counts timed at (shape index in BENCH_SHAPES, batch, context) points (the plan
 /// picks 1 at B = 32, ctx 4096, 32 at B = 1, ctx 32k, 4 at B = 8, ctx 1024 and 16 at B = 1,
-/// ctx 1024; 2-8 splits form clusters).
+/// ctx 1024; 2-8 splits form clusters). At ctx 32k, 33 splits of 1008 keys fill all 264
+/// resident slots of an H200 (the plan's 32 fill 256).
 const SPLIT_SWEEP: &[(usize, u32, u32, &[u32])] = &[
     (0, 32, 4096, &[2, 4]),
-    (0, 1, 32768, &[16, 24, 48, 64]),
-    (1, 1, 32768, &[16, 24]),
+    (0, 1, 32768, &[16, 33, 64]),
+    (1, 1, 32768, &[16, 33]),
     (0, 8, 1024, &[1, 2, 8]),
     (1, 8, 1024, &[1, 2, 8]),
     (0, 1, 1024, &[4, 8]),
@@ -714,11 +715,50 @@ fn bench_variant(
                     row["same_size_read_bulk_us"] = json!(bulk_us);
                 } else {
                     row["defines"] = json!(variant);
+                    if variant.contains("STOKE_ATTN_TRACE=1") {
+                        // The timeline of the last timed launch (t.splits x kv heads x batch CTAs).
+                        row["trace"] = launch_trace(rt, t.splits * kvh * batch);
+                    }
                 }
                 rows.push(row);
             }
         }
     }
+}
+
+/// The kernel's per-CTA timeline of its last launch (`STOKE_ATTN_TRACE=1`: start, last tile
+/// done, end in %globaltimer ns, SM and flags), relative to the first CTA's start, with a
+/// summary in µs: how long the CTAs took to start, when their streaming ended (quantiles) and
+/// when the last one ended.
+fn launch_trace(rt: &Arc<Runtime>, ctas: u32) -> Value {
+    let words = match rt.module_global(DECODE_ATTENTION.file, "decode_attn_trace") {
+        Ok(Some(bytes)) => bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect::<Vec<u64>>(),
+        Ok(None) => return json!({"error": "no decode_attn_trace global in the module"}),
+        Err(e) => return json!({"error": e.to_string()}),
+    };
+    let n = (ctas as usize).min(words.len() / 4);
+    let cta = |i: usize, w: usize| words[4 * i + w];
+    let t0 = (0..n).map(|i| cta(i, 0)).min().unwrap_or(0);
+    let rel = |w: usize| -> Vec<u64> { (0..n).map(|i| cta(i, w).saturating_sub(t0)).collect() };
+    let (start, stream, end) = (rel(0), rel(1), rel(2));
+    let q = |v: &[u64], f: f64| -> f64 {
+        let mut s = v.to_vec();
+        s.sort_unstable();
+        s.get(((s.len().max(1) - 1) as f64 * f).round() as usize)
+            .map_or(0.0, |&x| x as f64 / 1e3)
+    };
+    let summary = json!({
+        "ctas": n,
+        "start_us": [q(&start, 0.5), q(&start, 0.9), q(&start, 1.0)],
+        "stream_end_us": [q(&stream, 0.0), q(&stream, 0.1), q(&stream, 0.5), q(&stream, 0.9), q(&stream, 1.0)],
+        "end_us": [q(&end, 0.5), q(&end, 0.9), q(&end, 1.0)],
+    });
+    println!("  trace: {summary}");
+    json!({"summary": summary, "start_ns": start, "stream_end_ns": stream, "end_ns": end,
+        "sm_flags": (0..n).map(|i| cta(i, 3)).collect::<Vec<u64>>()})
 }
 
 /// Whether the variants' benchmark times the point (batch, ctx): all, or those listed in

@@ -515,6 +515,22 @@ impl Runtime {
         Ok(())
     }
 
+    /// The bytes of the `__device__` global `name` of `file`'s loaded module, after the work
+    /// queued so far (diagnostics such as a kernel's trace buffer): `None` when the module is not
+    /// loaded or defines no such global.
+    pub fn module_global(&self, file: &'static str, name: &str) -> Result<Option<Vec<u8>>> {
+        self.synchronize()?;
+        let modules = self.modules.lock().unwrap();
+        let Some((module, _)) = modules.get(file) else {
+            return Ok(None);
+        };
+        match module.get_global(name, &self.stream) {
+            Ok(sym) => Ok(Some(self.stream.clone_dtoh(&sym).call("cuMemcpyDtoH")?)),
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_FOUND => Ok(None),
+            Err(e) => Err(e).call("cuModuleGetGlobal"),
+        }
+    }
+
     /// Allocates `bytes` on Stoke's stream: from the pool of buffers Stoke dropped earlier, or
     /// stream-ordered from the driver's pool (`cuMemAllocAsync`).
     pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DeviceBuffer> {
