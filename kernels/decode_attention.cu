@@ -189,6 +189,15 @@ __host__ __device__ constexpr int row_bytes() {
 #ifndef STOKE_ATTN_MERGE_ILP
 #define STOKE_ATTN_MERGE_ILP 1
 #endif
+// 1: the last split's merge requests the first STOKE_ATTN_MERGE_UNROLL splits' partial outputs
+// of its warp's heads together with the splits' (max, sum) records, instead of after the records
+// have arrived and their max is known (the weights are applied once both are in): one L2 round
+// trip less on the path after the last split's final tile (BF16 and FP8). The trace of a launch
+// (STOKE_ATTN_TRACE) put that path at 3.4-4.9 us (B = 1, ctx 32k; B = 8, ctx 1024), against
+// 1.3-1.5 us for the splits that only write their partials.
+#ifndef STOKE_ATTN_MERGE_EARLY
+#define STOKE_ATTN_MERGE_EARLY 0
+#endif
 // 1: each split's partial output is stored as f16 under a power-of-two scale per (split, head)
 // (the row's largest magnitude brought to [2^13, 2^14)), with records (max, sum, scale, -) of 16
 // bytes; 0: f32 outputs and (max, sum) records of 8 bytes. Halves the bytes the last split's
@@ -1499,6 +1508,12 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     const PartT* po[QR];
     const Rec* ml[QR];
     bool hv[QR];
+#if STOKE_ATTN_MERGE_EARLY
+    // The first MERGE_EARLY splits' outputs of the warp's heads, requested with the records
+    // (not INT4, whose kernels are held to 168 registers).
+    constexpr int MERGE_EARLY = FMT == FMT_INT4 ? 0 : STOKE_ATTN_MERGE_UNROLL;
+    float xe[QR][MERGE_EARLY > 0 ? MERGE_EARLY : 1][E];
+#endif
 #pragma unroll
     for (int r = 0; r < QR; ++r) {
         const u32 h = warp + WARPS * r;
@@ -1506,6 +1521,21 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         const u64 row = u64(b) * p.heads + kvh * group + (hv[r] ? h : 0);
         ml[r] = reinterpret_cast<const Rec*>(p.part_ml) + row * p.splits;
         po[r] = reinterpret_cast<const PartT*>(p.part_o) + row * p.splits * D + lane * E;
+#if STOKE_ATTN_MERGE_EARLY
+#pragma unroll
+        for (int i = 0; i < MERGE_EARLY; ++i) {
+            if (hv[r] && u32(i) < p.splits) {
+#if STOKE_ATTN_PARTIAL_F16
+                load_part_f16<E>(po[r] + u64(i) * D, xe[r][i]);
+#else
+                load_floats<E, true>(po[r] + u64(i) * D, xe[r][i]);
+#endif
+            } else {
+#pragma unroll
+                for (int e = 0; e < E; ++e) xe[r][i][e] = 0.0f;
+            }
+        }
+#endif
         ms[r] = NEG_INF;
         ls[r] = 0.0f;
 #if STOKE_ATTN_PARTIAL_F16
@@ -1553,8 +1583,23 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #endif
         }
         constexpr int MU = STOKE_ATTN_MERGE_UNROLL;
+        u32 i0 = 0;  // splits of this chunk already merged
+#if STOKE_ATTN_MERGE_EARLY
+        if (s0 == 0) {
+#pragma unroll
+            for (int i = 0; i < MERGE_EARLY; ++i)
+#pragma unroll
+                for (int r = 0; r < QR; ++r) {
+                    const float fi = __shfl_sync(0xffffffffu, f[r], i);
+                    if (!hv[r] || u32(i) >= n) continue;
+#pragma unroll
+                    for (int e = 0; e < E; ++e) os[r][e] += xe[r][i][e] * fi;
+                }
+            i0 = min(n, u32(MERGE_EARLY));
+        }
+#endif
 #pragma unroll MU
-        for (u32 i = 0; i < n; ++i)
+        for (u32 i = i0; i < n; ++i)
 #pragma unroll
             for (int r = 0; r < QR; ++r) {
                 const float fi = __shfl_sync(0xffffffffu, f[r], i);
