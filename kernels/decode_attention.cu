@@ -250,30 +250,44 @@ constexpr int MAX_GROUP = 8;
 
 // 1: a timeline of each attention launch for diagnostics (the benchmark reads it after a
 // variant's timing): thread 0 of each CTA stores into the module global decode_attn_trace, at
-// 4 words per CTA (linear block index, the first ATTN_TRACE_CTAS), the %globaltimer ns when the
-// CTA starts, when its last tile is done (every warp), and when it ends, then its SM in the low
-// 16 bits of word 3 with flags above (bit 16: it merged the splits; bit 17: cluster merge).
-// 0: none (the shipped kernels).
+// ATTN_TRACE_WORDS words per CTA (linear block index, the first ATTN_TRACE_CTAS), the
+// %globaltimer ns at each TraceAt point it passes (0 where it passes none), then its SM in the
+// low 16 bits of word TRACE_SM with flags above (bit 16: it merged the splits; bit 17: cluster
+// merge). 0: none (the shipped kernels).
 #ifndef STOKE_ATTN_TRACE
 #define STOKE_ATTN_TRACE 0
 #endif
+enum TraceAt {
+    TRACE_START = 0,    // the CTA starts
+    TRACE_STREAMED,     // every warp is past its last tile
+    TRACE_MERGED,       // its warps' outputs merged (partials or output stores issued)
+    TRACE_ARRIVED,      // split launches: the arrival count answered
+    TRACE_RECORDS,      // the merging split: every split's (max, sum) in, their max known
+    TRACE_END,          // the CTA's last store issued
+    TRACE_SM,
+    ATTN_TRACE_WORDS = 8
+};
 constexpr unsigned ATTN_TRACE_CTAS = 4096;
 #if STOKE_ATTN_TRACE
-extern "C" __device__ unsigned long long decode_attn_trace[ATTN_TRACE_CTAS * 4];
+extern "C" __device__ unsigned long long decode_attn_trace[ATTN_TRACE_CTAS * ATTN_TRACE_WORDS];
 #endif
-// Stores the trace word `word` (2: also word 3, the SM and `flags`) of this CTA.
-__device__ __forceinline__ void attn_trace(unsigned word, unsigned flags = 0) {
+// Stores the time of point `at` for this CTA (TRACE_END: also its SM and `flags`), read after
+// `dep` is known and after the memory operations before it have been issued.
+__device__ __forceinline__ void attn_trace(TraceAt at, unsigned flags = 0, float dep = 0.0f) {
 #if STOKE_ATTN_TRACE
     if (threadIdx.x != 0) return;
     const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     if (cta >= ATTN_TRACE_CTAS) return;
+    unsigned long long* w = decode_attn_trace + cta * ATTN_TRACE_WORDS;
     unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    decode_attn_trace[cta * 4 + word] = t;
-    if (word == 2) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "f"(dep) : "memory");
+    if (at == TRACE_START)
+        for (int i = 1; i < ATTN_TRACE_WORDS; ++i) w[i] = 0;
+    w[at] = t;
+    if (at == TRACE_END) {
         unsigned sm;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        decode_attn_trace[cta * 4 + 3] = sm | (flags << 16);
+        w[TRACE_SM] = sm | (flags << 16);
     }
 #endif
 }
@@ -1068,7 +1082,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         if (int(dyn) < int(S::DYN)) __trap();
     }
 
-    attn_trace(0);
+    attn_trace(TRACE_START);
     attn_pdl_prologue<FMT, D>(p);
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
@@ -1374,7 +1388,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         l[1] += __shfl_xor_sync(0xffffffffu, l[1], o2);
     }
     __syncthreads();  // the V tiles become the merge buffer
-    attn_trace(1);
+    attn_trace(TRACE_STREAMED);
     float (*wo)[MAX_GROUP][WoRow<D>::P] = reinterpret_cast<float (*)[MAX_GROUP][WoRow<D>::P]>(vt_raw);
     if (g == 0) {
 #pragma unroll
@@ -1468,13 +1482,14 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #endif
         }
     }
+    attn_trace(TRACE_MERGED);
     if (p.splits == 1) {
-        attn_trace(2);
+        attn_trace(TRACE_END);
         return;
     }
     if (dsm) {
         cluster_merge<D, WARPS>(p, smem_u32(&cpart[0][0]), smem_u32(&cml[0][0]), group, kvh, b, warp, lane);
-        attn_trace(2, 2);
+        attn_trace(TRACE_END, 2);
         return;
     }
     // The last split of (b, kvh) to finish merges every split's partials (no second launch) and
@@ -1488,8 +1503,9 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         if (last) *cnt = 0;
     }
     __syncthreads();
+    attn_trace(TRACE_ARRIVED);
     if (!last) {
-        attn_trace(2);
+        attn_trace(TRACE_END);
         return;
     }
     __threadfence();
@@ -1560,6 +1576,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     for (int r = 0; r < QR; ++r)
 #pragma unroll
         for (int o2 = 16; o2 > 0; o2 >>= 1) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], o2));
+    attn_trace(TRACE_RECORDS, 0, mx[0]);
     for (u32 s0 = 0; s0 < p.splits; s0 += 32) {
         const u32 n = min(32u, p.splits - s0);
         float f[QR];
@@ -1620,7 +1637,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         for (int o2 = 16; o2 > 0; o2 >>= 1) lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], o2);
         if (hv[r]) write_head<D>(os[r], lsum[r], p.block, lane, p.out + (u64(b) * p.heads + kvh * group + warp + WARPS * r) * D);
     }
-    attn_trace(2, 1);
+    attn_trace(TRACE_END, 1);
 }
 
 // BF16 / FP8: 187 / 213 registers at d = 128, 2 CTAs per SM; INT4: 168 (launch bounds); the

@@ -726,10 +726,16 @@ fn bench_variant(
     }
 }
 
-/// The kernel's per-CTA timeline of its last launch (`STOKE_ATTN_TRACE=1`: start, last tile
-/// done, end in %globaltimer ns, SM and flags), relative to the first CTA's start, with a
-/// summary in µs: how long the CTAs took to start, when their streaming ended (quantiles) and
-/// when the last one ended.
+/// Words per CTA of the kernel's trace (`ATTN_TRACE_WORDS`) and the points they record, in
+/// order (`TraceAt`), the SM and flags last.
+const TRACE_WORDS: usize = 8;
+const TRACE_POINTS: [&str; 6] = ["start", "streamed", "merged", "arrived", "records", "end"];
+
+/// The kernel's per-CTA timeline of its last launch (`STOKE_ATTN_TRACE=1`): the %globaltimer
+/// ns of each point a CTA passed (start, past its last tile, warps merged, arrival counted,
+/// every split's records in, end), relative to the first CTA's start (-1: not passed), its SM
+/// and flags; with a summary in µs of each point's quantiles (0, 10, 50, 90, 100%) over the
+/// CTAs that passed it, and over the CTAs that merged the splits (flag 1).
 fn launch_trace(rt: &Arc<Runtime>, ctas: u32) -> Value {
     let words = match rt.module_global(DECODE_ATTENTION.file, "decode_attn_trace") {
         Ok(Some(bytes)) => bytes
@@ -739,26 +745,43 @@ fn launch_trace(rt: &Arc<Runtime>, ctas: u32) -> Value {
         Ok(None) => return json!({"error": "no decode_attn_trace global in the module"}),
         Err(e) => return json!({"error": e.to_string()}),
     };
-    let n = (ctas as usize).min(words.len() / 4);
-    let cta = |i: usize, w: usize| words[4 * i + w];
-    let t0 = (0..n).map(|i| cta(i, 0)).min().unwrap_or(0);
-    let rel = |w: usize| -> Vec<u64> { (0..n).map(|i| cta(i, w).saturating_sub(t0)).collect() };
-    let (start, stream, end) = (rel(0), rel(1), rel(2));
-    let q = |v: &[u64], f: f64| -> f64 {
-        let mut s = v.to_vec();
-        s.sort_unstable();
-        s.get(((s.len().max(1) - 1) as f64 * f).round() as usize)
-            .map_or(0.0, |&x| x as f64 / 1e3)
+    let n = (ctas as usize).min(words.len() / TRACE_WORDS);
+    let word = |i: usize, w: usize| words[TRACE_WORDS * i + w];
+    let t0 = (0..n).map(|i| word(i, 0)).min().unwrap_or(0);
+    let sm_flags: Vec<u64> = (0..n).map(|i| word(i, TRACE_POINTS.len())).collect();
+    let at = |w: usize| -> Vec<i64> {
+        (0..n)
+            .map(|i| match word(i, w) {
+                0 => -1,
+                t => t.saturating_sub(t0) as i64,
+            })
+            .collect()
     };
-    let summary = json!({
-        "ctas": n,
-        "start_us": [q(&start, 0.5), q(&start, 0.9), q(&start, 1.0)],
-        "stream_end_us": [q(&stream, 0.0), q(&stream, 0.1), q(&stream, 0.5), q(&stream, 0.9), q(&stream, 1.0)],
-        "end_us": [q(&end, 0.5), q(&end, 0.9), q(&end, 1.0)],
-    });
-    println!("  trace: {summary}");
-    json!({"summary": summary, "start_ns": start, "stream_end_ns": stream, "end_ns": end,
-        "sm_flags": (0..n).map(|i| cta(i, 3)).collect::<Vec<u64>>()})
+    let quantiles = |v: &[i64], keep: &dyn Fn(usize) -> bool| -> Value {
+        let mut s: Vec<i64> = (0..v.len())
+            .filter(|&i| keep(i) && v[i] >= 0)
+            .map(|i| v[i])
+            .collect();
+        if s.is_empty() {
+            return Value::Null;
+        }
+        s.sort_unstable();
+        let q = |f: f64| s[((s.len() - 1) as f64 * f).round() as usize] as f64 / 1e3;
+        json!([q(0.0), q(0.1), q(0.5), q(0.9), q(1.0)])
+    };
+    let merging = |i: usize| sm_flags[i] >> 16 & 1 == 1;
+    let mut summary = serde_json::Map::new();
+    let mut per_cta = serde_json::Map::new();
+    for (w, name) in TRACE_POINTS.iter().enumerate() {
+        let v = at(w);
+        summary.insert(format!("{name}_us"), quantiles(&v, &|_| true));
+        summary.insert(format!("{name}_us_merging"), quantiles(&v, &merging));
+        per_cta.insert(format!("{name}_ns"), json!(v));
+    }
+    summary.insert("ctas".into(), json!(n));
+    println!("  trace: {}", Value::Object(summary.clone()));
+    per_cta.insert("sm_flags".into(), json!(sm_flags));
+    json!({"summary": summary, "per_cta": per_cta})
 }
 
 /// Whether the variants' benchmark times the point (batch, ctx): all, or those listed in
