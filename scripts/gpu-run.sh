@@ -19,6 +19,9 @@
 #          attention benchmarks also time each variant (NVRTC defines; the knobs are at the
 #          top of each kernel file) beside the shipped kernels, rows tagged "defines".
 #          STOKE_BENCH_ONLY=1 skips the int4 / attention test (run it first with `test NAME`).
+#          STOKE_ATTN_VARIANT_POINTS=1x32768,8x1024 times attention variants at those points
+#          only; STOKE_ATTN_SWEEP=0 leaves out the attention split sweep. A variant with
+#          STOKE_ATTN_TRACE=1 also records each CTA's timeline (the rows' "trace").
 #   llama: the SmolLM2 prefill/decode baseline alone (needs the model in STOKE_MODEL_CACHE)
 set -uo pipefail
 out=${1:?usage: gpu-run.sh OUTDIR [test|bench|all|llama]}

@@ -573,7 +573,12 @@ pub fn bench(copy_gbps: f64) -> Value {
     });
     let mut sweep = Vec::new();
     let mut rng = StdRng::seed_from_u64(12);
-    for (shape, batch, ctx, counts) in SPLIT_SWEEP {
+    // STOKE_ATTN_SWEEP=0 leaves the sweep out (a run that times variants only).
+    let sweep_points = match std::env::var("STOKE_ATTN_SWEEP").as_deref() {
+        Ok("0") => &[][..],
+        _ => SPLIT_SWEEP,
+    };
+    for (shape, batch, ctx, counts) in sweep_points {
         let (name, heads, kvh, d) = BENCH_SHAPES[*shape];
         for format in [KvFormat::Bf16, KvFormat::Int4] {
             for &s in *counts {
