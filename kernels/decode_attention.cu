@@ -189,12 +189,16 @@ __host__ __device__ constexpr int row_bytes() {
 #ifndef STOKE_ATTN_MERGE_ILP
 #define STOKE_ATTN_MERGE_ILP 1
 #endif
-// 1: the last split's merge requests the first STOKE_ATTN_MERGE_UNROLL splits' partial outputs
-// of its warp's heads together with the splits' (max, sum) records, instead of after the records
-// have arrived and their max is known (the weights are applied once both are in): one L2 round
-// trip less on the path after the last split's final tile (BF16 and FP8). The trace of a launch
-// (STOKE_ATTN_TRACE) put that path at 3.4-4.9 us (B = 1, ctx 32k; B = 8, ctx 1024), against
-// 1.3-1.5 us for the splits that only write their partials.
+// N > 0: the last split's merge requests the first N splits' partial outputs of its warp's heads
+// together with the splits' (max, sum) records, instead of after the records have arrived and
+// their max is known (the weights are applied once both are in): one L2 round trip less on the
+// path after the last split's final tile (BF16 and FP8); with at most N splits, none of the
+// merge's unrolled loop runs either. 0: off. The trace of a launch (STOKE_ATTN_TRACE) put that
+// path at 3.4-4.9 us (B = 1, ctx 32k; B = 8, ctx 1024), against 1.3-1.5 us for the splits that
+// only write their partials. Same run as the shipped kernels (326c85d / 798a021,
+// results/experiments/h200-attention-merge-early-326c85d.json, ...-acq-rel-798a021.json): N = 16
+// (255 registers) 70B B = 8, ctx 1024 BF16 14.50 -> 14.16 us, FP8 12.89 -> 11.69, but B = 1,
+// ctx 32k 37.90 -> 39.16 (8B) and 39.18 -> 40.39 (70B): slower streaming, not a longer merge.
 #ifndef STOKE_ATTN_MERGE_EARLY
 #define STOKE_ATTN_MERGE_EARLY 0
 #endif
@@ -202,15 +206,13 @@ __host__ __device__ constexpr int row_bytes() {
 // barrier (the release covers the partial stores of every thread, the acquire the merge's loads)
 // instead of a sequentially consistent fence (__threadfence: MEMBAR.SC.GPU and an L1
 // invalidation) by every thread before a relaxed count and another after it. The trace put the
-// fence and count at 0.8 us and the records' round trip behind the second fence at 0.8-1.1 us.
+// records' round trip behind the second fence at 0.8-1.1 us, 0.6-0.8 us without it. Same run
+// against 0 (798a021, results/experiments/h200-attention-acq-rel-798a021.json): every split
+// point faster, B = 8, ctx 1024 BF16 13.72 -> 13.44 us (8B), 14.89 -> 14.50 (70B); B = 1, ctx
+// 32k 38.56 -> 37.90 / 39.33 -> 39.18; FP8 and INT4 0.9-4% faster.
 #ifndef STOKE_ATTN_ACQ_REL
-#define STOKE_ATTN_ACQ_REL 0
+#define STOKE_ATTN_ACQ_REL 1
 #endif
-// 1: each split's partial output is stored as f16 under a power-of-two scale per (split, head)
-// (the row's largest magnitude brought to [2^13, 2^14)), with records (max, sum, scale, -) of 16
-// bytes; 0: f32 outputs and (max, sum) records of 8 bytes. Halves the bytes the last split's
-// merge reads (70B, B = 1, ctx 32k: 128 KB on one SM per kv head) at f16 precision, 2^-11
-// relative per element, before the merge's f32 sums.
 #ifndef STOKE_ATTN_PARTIAL_F16
 #define STOKE_ATTN_PARTIAL_F16 0
 #endif
@@ -1556,7 +1558,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #if STOKE_ATTN_MERGE_EARLY
     // The first MERGE_EARLY splits' outputs of the warp's heads, requested with the records
     // (not INT4, whose kernels are held to 168 registers).
-    constexpr int MERGE_EARLY = FMT == FMT_INT4 ? 0 : STOKE_ATTN_MERGE_UNROLL;
+    constexpr int MERGE_EARLY = FMT == FMT_INT4 ? 0 : STOKE_ATTN_MERGE_EARLY;
     float xe[QR][MERGE_EARLY > 0 ? MERGE_EARLY : 1][E];
 #endif
 #pragma unroll
