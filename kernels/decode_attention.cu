@@ -199,6 +199,9 @@ __host__ __device__ constexpr int row_bytes() {
 // results/experiments/h200-attention-merge-early-326c85d.json, ...-acq-rel-798a021.json): N = 16
 // (255 registers) 70B B = 8, ctx 1024 BF16 14.50 -> 14.16 us, FP8 12.89 -> 11.69, but B = 1,
 // ctx 32k 37.90 -> 39.16 (8B) and 39.18 -> 40.39 (70B): slower streaming, not a longer merge.
+// N = 4 (488c63d, results/h200-attention.json variant rows): B = 8 13.40 -> 13.08 / 14.53 ->
+// 13.64 us, but ctx 32k 38.17 -> 40.55 / 39.29 -> 43.68 (the unrolled loop then starts at split
+// 4 and leaves 12 splits to its one-at-a-time remainder, likely).
 #ifndef STOKE_ATTN_MERGE_EARLY
 #define STOKE_ATTN_MERGE_EARLY 0
 #endif
