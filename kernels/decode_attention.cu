@@ -1508,16 +1508,19 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     // The last split of (b, kvh) to finish merges every split's partials (no second launch) and
     // puts the arrival count back to zero for the next launch.
     __shared__ u32 last;
-#if STOKE_ATTN_ACQ_REL
-    // Every thread's partial stores, then the CTA barrier, then thread 0's count as one
-    // acquire-release atomic: the release covers the stores the barrier ordered before it, the
-    // acquire (and the barrier after it) the other splits' partials for every thread of the
-    // merging split.
+    // STOKE_ATTN_ACQ_REL: every thread's partial stores, then the CTA barrier, then thread 0's
+    // count as one acquire-release atomic: the release covers the stores the barrier ordered
+    // before it, the acquire (and the barrier after it) the other splits' partials for every
+    // thread of the merging split. Else a fence by every thread on each side of a relaxed count.
+    if (!STOKE_ATTN_ACQ_REL) __threadfence();  // this CTA's partials are visible before it counts itself
     __syncthreads();
     if (threadIdx.x == 0) {
         u32* cnt = p.arrived + u64(b) * c.kv_heads + kvh;
         u32 old;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(cnt) : "memory");
+        if (STOKE_ATTN_ACQ_REL)
+            asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(cnt) : "memory");
+        else
+            old = atomicAdd(cnt, 1u);
         last = old == p.splits - 1;
         if (last) *cnt = 0;
     }
@@ -1527,22 +1530,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         attn_trace(TRACE_END);
         return;
     }
-#else
-    __threadfence();  // this CTA's partials are visible before it counts itself
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32* cnt = p.arrived + u64(b) * c.kv_heads + kvh;
-        last = atomicAdd(cnt, 1u) == p.splits - 1;
-        if (last) *cnt = 0;
-    }
-    __syncthreads();
-    attn_trace(TRACE_ARRIVED);
-    if (!last) {
-        attn_trace(TRACE_END);
-        return;
-    }
-    __threadfence();
-#endif
+    if (!STOKE_ATTN_ACQ_REL) __threadfence();
     // The warp's heads together (their loads interleave). Lane l first holds split l's (max,
     // sum) of each head, and the splits' weights reach the other lanes by shuffles.
     float mx[QR], lsum[QR], os[QR][E], ms[QR], ls[QR];
