@@ -305,7 +305,6 @@ __device__ __forceinline__ void attn_trace(TraceAt at, unsigned flags = 0, float
 #endif
 }
 
-
 struct KvCache {
     void* k;         // see the header: bf16 rows, fp8 codes or int4 bytes
     void* v;

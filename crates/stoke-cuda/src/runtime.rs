@@ -119,6 +119,20 @@ impl From<crate::kernels::rms_norm::Launch> for LaunchShape {
     }
 }
 
+/// The `__device__` global `name` of `module` (its address and size; looking it up queues nothing
+/// on `stream`), or `None` where the module defines no such global.
+fn module_symbol<'a>(
+    module: &'a Arc<CudaModule>,
+    name: &str,
+    stream: &'a Arc<CudaStream>,
+) -> Result<Option<cudarc::driver::CudaViewMut<'a, u8>>> {
+    match module.get_global(name, stream) {
+        Ok(sym) => Ok(Some(sym)),
+        Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_FOUND => Ok(None),
+        Err(e) => Err(e).call("cuModuleGetGlobal"),
+    }
+}
+
 pub struct Runtime {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -294,21 +308,20 @@ impl Runtime {
         // so that loading an entry point while Stoke's stream is being captured into a graph
         // adds nothing to the graph.
         let global_u32 = |name: String| -> Result<Option<u32>> {
-            match module.get_global(&name, &self.stream) {
-                Ok(sym) if sym.len() == 4 => {
+            match module_symbol(module, &name, &self.stream)? {
+                Some(sym) if sym.len() == 4 => {
                     let side = self.ctx.new_stream().call("cuStreamCreate")?;
                     let bytes = side.clone_dtoh(&sym).call("cuMemcpyDtoH")?;
                     Ok(Some(u32::from_le_bytes([
                         bytes[0], bytes[1], bytes[2], bytes[3],
                     ])))
                 }
-                Ok(sym) => Err(Error::KernelResources {
+                Some(sym) => Err(Error::KernelResources {
                     file: src.file.to_string(),
                     entry: entry.to_string(),
                     reason: format!("its {name} global is {} bytes, not a u32", sym.len()),
                 }),
-                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_FOUND => Ok(None),
-                Err(e) => Err(e).call("cuModuleGetGlobal"),
+                None => Ok(None),
             }
         };
         let dyn_smem = global_u32(format!("{entry}_dyn_smem"))?.unwrap_or(0);
@@ -524,11 +537,9 @@ impl Runtime {
         let Some((module, _)) = modules.get(file) else {
             return Ok(None);
         };
-        match module.get_global(name, &self.stream) {
-            Ok(sym) => Ok(Some(self.stream.clone_dtoh(&sym).call("cuMemcpyDtoH")?)),
-            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_FOUND => Ok(None),
-            Err(e) => Err(e).call("cuModuleGetGlobal"),
-        }
+        module_symbol(module, name, &self.stream)?
+            .map(|sym| self.stream.clone_dtoh(&sym).call("cuMemcpyDtoH"))
+            .transpose()
     }
 
     /// Allocates `bytes` on Stoke's stream: from the pool of buffers Stoke dropped earlier, or
