@@ -58,18 +58,14 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
 
-// 1: every entry point lets the next kernel on the stream start launching at once
+// Every entry point lets the next kernel on the stream start launching at once
 // (griddepcontrol.launch_dependents, sm_90 and later). Only kernels launched for programmatic
 // dependent launch start early (Stoke's W4A16 GEMMs): they queue their weight loads, which no
 // kernel writes, and wait for this grid to finish (griddepcontrol.wait) before they read its
 // output. So a GEMM after an RMSNorm has its first weights in flight while the norm runs. Other
-// kernels still start after this one ends. 0: no early launch.
-#ifndef STOKE_RMS_PDL_TRIGGER
-#define STOKE_RMS_PDL_TRIGGER 1
-#endif
-
+// kernels still start after this one ends.
 __device__ __forceinline__ void let_dependents_launch() {
-#if STOKE_RMS_PDL_TRIGGER && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
@@ -488,16 +484,15 @@ __device__ __forceinline__ void twopass_kernel(const RmsNormParams& p) {
 // the first ones, so a thread waits for one memory round trip per pack; with it every row load
 // is issued before the first is used, at 40-56 registers.
 
-// NAME_early_trigger (u32 globals): the entry lets its dependents launch early
-// (STOKE_RMS_PDL_TRIGGER); the runtime reads it to keep crowded cluster launches after it in
+// NAME_early_trigger (u32 globals): the entry lets its dependents launch early; the runtime reads it to keep crowded cluster launches after it in
 // stream order (Runtime::launch_cluster).
-#define STOKE_RMS_NORM_ENTRIES(OP, DT, D, RES)                                                   \
-    extern "C" __device__ unsigned OP##_##DT##_warp_early_trigger = STOKE_RMS_PDL_TRIGGER;       \
-    extern "C" __device__ unsigned OP##_##DT##_block_early_trigger = STOKE_RMS_PDL_TRIGGER;      \
-    extern "C" __device__ unsigned OP##_##DT##_warp_lat_early_trigger = STOKE_RMS_PDL_TRIGGER;   \
-    extern "C" __device__ unsigned OP##_##DT##_block_lat_early_trigger = STOKE_RMS_PDL_TRIGGER;  \
-    extern "C" __device__ unsigned OP##_##DT##_twopass_early_trigger = STOKE_RMS_PDL_TRIGGER;    \
-    extern "C" __device__ unsigned OP##_##DT##_early_trigger = STOKE_RMS_PDL_TRIGGER;            \
+#define RMS_NORM_ENTRIES(OP, DT, D, RES)                                                   \
+    extern "C" __device__ unsigned OP##_##DT##_warp_early_trigger = 1;       \
+    extern "C" __device__ unsigned OP##_##DT##_block_early_trigger = 1;      \
+    extern "C" __device__ unsigned OP##_##DT##_warp_lat_early_trigger = 1;   \
+    extern "C" __device__ unsigned OP##_##DT##_block_lat_early_trigger = 1;  \
+    extern "C" __device__ unsigned OP##_##DT##_twopass_early_trigger = 1;    \
+    extern "C" __device__ unsigned OP##_##DT##_early_trigger = 1;            \
     extern "C" __global__ void __launch_bounds__(256, 1) OP##_##DT##_warp(RmsNormParams p) {     \
         let_dependents_launch();                                                                 \
         stoke_rms_norm::warp_kernel<stoke_rms_norm::D, RES, false>(p);                           \
@@ -525,7 +520,7 @@ __device__ __forceinline__ void twopass_kernel(const RmsNormParams& p) {
         stoke_rms_norm::twopass_kernel<stoke_rms_norm::D, RES, 1>(p);                            \
     }
 
-STOKE_RMS_NORM_ENTRIES(rms_norm, f32, F32, false)
-STOKE_RMS_NORM_ENTRIES(rms_norm, bf16, BF16, false)
-STOKE_RMS_NORM_ENTRIES(residual_rms_norm, f32, F32, true)
-STOKE_RMS_NORM_ENTRIES(residual_rms_norm, bf16, BF16, true)
+RMS_NORM_ENTRIES(rms_norm, f32, F32, false)
+RMS_NORM_ENTRIES(rms_norm, bf16, BF16, false)
+RMS_NORM_ENTRIES(residual_rms_norm, f32, F32, true)
+RMS_NORM_ENTRIES(residual_rms_norm, bf16, BF16, true)

@@ -1,4 +1,4 @@
-//! The W4A16 GEMM kernels (`kernels/int4_gemm.cu`) on the GPU: correctness against
+//! The W4A16 GEMM kernels (`kernels/int4_gemm_*.cu`) on the GPU: correctness against
 //! `x @ dequantize(packed)` in f64, and speed against the same run's copy rate.
 
 use rand::rngs::StdRng;
@@ -6,10 +6,10 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
-use stoke_cuda::kernels::INT4_GEMM;
 use stoke_cuda::kernels::int4_gemm::{
-    Epilogue, Launch, SWAP_ALL, WordOrder, wg_eligible, wg_rows_of,
+    Epilogue, Launch, WordOrder, source_of, wg_eligible, wg_rows_of,
 };
+use stoke_cuda::kernels::{INT4_GEMM_BATCHED, INT4_GEMM_SWAP, INT4_GEMM_WG};
 use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::bf16;
 use stoke_formats::int4::{PackedInt4, ScaleType};
@@ -199,7 +199,7 @@ const ORDERS: [WordOrder; 2] = [WordOrder::KtMajor, WordOrder::SlabMajor];
 /// data with poisoned outputs.
 pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
     let rt = crate::gpu()?;
-    crate::bench::test_each_variant(&rt, INT4_GEMM.file, gemm_matches_reference)
+    crate::bench::test_each_variant(&rt, INT4_GEMM_SWAP.file, gemm_matches_reference)
 }
 
 fn gemm_matches_reference() -> Result<Value, String> {
@@ -255,24 +255,17 @@ fn gemm_matches_reference() -> Result<Value, String> {
                         .iter()
                         .map(|v| bf16::round(*v as f32) as f64)
                         .collect();
-                    // The swapped kernels also at one split, where k >= 4096 gives every warp
-                    // the long-stream entry points' LONG_STREAM_TILES k-tiles, and in their
-                    // stream-K form (the m <= 8 launches: m 33 ends with one); the warpgroup
-                    // kernels at every row count (m 33: n32 then n8), with the plan's splits
-                    // and one, where the weight and x allow them (symmetric, groups of 64 and
-                    // up; x 16-byte aligned for the copy engine, so not at m 31 and 33).
+                    // The plan's kernels (swapped up to 8 rows, batched above), also at one
+                    // split, where k >= 4096 gives every warp the long-stream entry points'
+                    // LONG_STREAM_TILES k-tiles; the warpgroup kernels at every row count
+                    // (m 33: n32 then n8), with the plan's splits and one, where the weight and
+                    // x allow them (symmetric, groups of 64 and up; x 16-byte aligned for the
+                    // copy engine, so not at m 31 and 33).
                     let wg_ok = !asym && wg_eligible(k as u32, group as u32) && x_pad == 0;
-                    let runs = dws.iter().flat_map(|d| {
-                        [
-                            (d, false, 0, false, false),
-                            (d, true, 0, false, false),
-                            (d, true, 1, false, false),
-                            (d, true, 0, true, false),
-                            (d, false, 0, false, true),
-                            (d, false, 1, false, true),
-                        ]
-                    });
-                    for (dw, swap_ab, splits, stream_k, wg) in runs {
+                    let runs = dws
+                        .iter()
+                        .flat_map(|d| [(d, 0, false), (d, 1, false), (d, 0, true), (d, 1, true)]);
+                    for (dw, splits, wg) in runs {
                         if (splits == 1 && k < 4096) || (wg && !wg_ok) {
                             continue;
                         }
@@ -284,8 +277,6 @@ fn gemm_matches_reference() -> Result<Value, String> {
                             residual: rb.as_ref().map_or(0, |b| b.ptr()),
                             row_scale: sb.as_ref().map_or(0, |b| b.ptr()),
                             splits,
-                            swap_rows: if swap_ab { SWAP_ALL } else { 0 },
-                            stream_k,
                             wg_rows: u32::from(wg),
                             tune: false,
                         };
@@ -295,20 +286,8 @@ fn gemm_matches_reference() -> Result<Value, String> {
                         let order = dw.order;
                         let what = format!(
                             "seed {seed}: {order:?}{}{} m {m}{} k {k} n {n} group {group} {st:?} {} {epi:?}{}",
-                            if swap_ab {
-                                " swapped"
-                            } else if wg {
-                                " warpgroup"
-                            } else {
-                                ""
-                            },
-                            if stream_k {
-                                " stream-K"
-                            } else if splits == 1 {
-                                " one split"
-                            } else {
-                                ""
-                            },
+                            if wg { " warpgroup" } else { "" },
+                            if splits == 1 { " one split" } else { "" },
                             if x_pad > 0 { " (x at +4 bytes)" } else { "" },
                             if asym { "asymmetric" } else { "symmetric" },
                             if with_scale { " row_scale" } else { "" }
@@ -331,7 +310,7 @@ fn gemm_matches_reference() -> Result<Value, String> {
                         if !(err < TOLERANCE) {
                             return Err(format!("{what}: relative error {err:.3e}"));
                         }
-                        checked.push(json!({"swap_ab": swap_ab, "stream_k": stream_k, "warpgroup": wg, "splits": splits, "order": format!("{:?}", dw.order), "m": m, "x_offset_bytes": 2 * x_pad, "k": k, "n": n, "group": group,
+                        checked.push(json!({"warpgroup": wg, "splits": splits, "order": format!("{:?}", dw.order), "m": m, "x_offset_bytes": 2 * x_pad, "k": k, "n": n, "group": group,
                         "epilogue": format!("{epi:?}"), "row_scale": with_scale, "rel_err": err,
                         "rel_err_unrounded": err_unrounded}));
                     }
@@ -403,8 +382,6 @@ pub fn int4_tuned_plan_matches_reference() -> Result<Value, String> {
                     residual: rb.as_ref().map_or(0, |b| b.ptr()),
                     row_scale: sb.as_ref().map_or(0, |b| b.ptr()),
                     splits: 0,
-                    swap_rows: stoke_cuda::int4::swap_rows_default(),
-                    stream_k: false,
                     wg_rows: stoke_cuda::int4::wg_rows_default(),
                     tune: true,
                 };
@@ -556,7 +533,7 @@ fn time_gemm(
 
 /// The splits per cluster `launch` runs with (`int4::cluster_dims`), or None: unclustered.
 fn cluster_splits(rt: &Runtime, launch: &Launch) -> Option<u32> {
-    let kernel = rt.kernel(&INT4_GEMM, launch.entry).ok()?;
+    let kernel = rt.kernel(source_of(launch.entry), launch.entry).ok()?;
     stoke_cuda::int4::cluster_dims(rt, &kernel, launch)
         .ok()
         .flatten()
@@ -586,13 +563,16 @@ pub fn bench(copy_gbps: f64) -> Value {
         gib.load_us,
         gib.bulk_us
     );
-    crate::bench::for_each_variant(&rt, INT4_GEMM.file, |variant| {
+    crate::bench::for_each_variant(&rt, INT4_GEMM_SWAP.file, |variant| {
         bench_variant(
             &rt, copy_gbps, mma_tflops, orders, all, variant, &mut rows, &mut sweep, &mut reads,
         );
         if variant.is_empty() {
             // The shipped kernels' resources (a variant's module replaces them).
-            regs = crate::bench::kernel_reports(&rt, INT4_GEMM.file);
+            regs = [INT4_GEMM_SWAP, INT4_GEMM_WG, INT4_GEMM_BATCHED]
+                .iter()
+                .flat_map(|s| crate::bench::kernel_reports(&rt, s.file))
+                .collect();
         }
     });
     json!({ "copy_gbps": copy_gbps, "read_gbps": read_gbps, "read_1gib": gib.summary(), "mma_rate": mma, "runs": rows, "split_sweep": sweep,
@@ -654,33 +634,24 @@ fn bench_variant(
         for &m in BENCH_ROWS {
             let xb = put_u16(&rt, &random_bf16(&mut rng, m * k));
             let out = rt.alloc(m * n * 2).unwrap();
-            // The swapped-operand kernels beside the batched ones at every m, the stream-K
-            // form of the swapped kernel at m <= 8, and the warpgroup kernels at every m.
-            // And the shipped call: the plan's kernels tuned per shape on the first call
+            // The plan's kernels without the warpgroup ones (swapped up to 8 rows, batched
+            // above) beside the warpgroup kernels at every m. And the shipped call: the plan's kernels tuned per shape on the first call
             // (`Int4Gemm::tune`, on unless STOKE_INT4_TUNE=0).
             let tune = stoke_cuda::int4::tune_default();
             // The tuned call first: in a run where it came fifth, the 70B gate/up points (one
             // 242 MB weight) ran 4-10% slower than the same launch timed second, at m 2-16.
-            for (swap_ab, stream_k, wg, tuned) in [
-                (true, false, false, true),
-                (false, false, false, false),
-                (true, false, false, false),
-                (true, true, false, false),
-                (false, false, true, false),
-            ] {
-                if (stream_k && m > 8) || (tuned && !tune) {
+            for (wg, tuned) in [(false, true), (false, false), (true, false)] {
+                if tuned && !tune {
                     continue;
                 }
-                // The shipped default (`default_plan`): SwapAB up to SWAP_ROWS_DEFAULT rows,
-                // Wgmma from WG_ROWS_DEFAULT; Batched and Swap16 are the kernels for 9-32 rows
-                // without the warpgroup kernels, StreamK the opt-in stream-K form at m <= 8.
-                let kind = match (swap_ab, stream_k, wg, m) {
+                // The shipped default (`default_plan`): SwapAB up to 8 rows, Wgmma from
+                // WG_ROWS_DEFAULT; Batched, the kernels for 9-32 rows the warpgroup kernels
+                // cannot take.
+                let kind = match (wg, m) {
                     _ if tuned => "Tuned",
-                    (_, _, true, _) => "Wgmma",
-                    (false, _, _, _) => "Batched",
-                    (true, true, _, _) => "StreamK",
-                    (true, false, _, 0..=8) => "SwapAB",
-                    (true, false, _, _) => "Swap16",
+                    (true, _) => "Wgmma",
+                    (false, 0..=8) => "SwapAB",
+                    (false, _) => "Batched",
                 };
                 if !only("STOKE_INT4_VARIANT_KINDS", kind)
                     || !only("STOKE_INT4_VARIANT_ROWS", &m.to_string())
@@ -689,16 +660,9 @@ fn bench_variant(
                 }
                 for dws in &weights {
                     let dw = &dws[0];
-                    let mut call = Int4Gemm::plain(
-                        xb.ptr(),
-                        m as u32,
-                        out.ptr(),
-                        if swap_ab { SWAP_ALL } else { 0 },
-                    );
-                    call.stream_k = stream_k;
+                    let mut call = Int4Gemm::plain(xb.ptr(), m as u32, out.ptr());
                     call.wg_rows = u32::from(wg);
                     if tuned {
-                        call.swap_rows = stoke_cuda::int4::swap_rows_default();
                         call.wg_rows = stoke_cuda::int4::wg_rows_default();
                         call.tune = true;
                         // The first call tunes (outside the timing and the graph capture).
@@ -711,7 +675,7 @@ fn bench_variant(
                                 == (m as u32, k as u32, n as u32, Epilogue::Plain)
                     });
                     let bytes = dw.bytes() + m * k * 2 + m * n * 2;
-                    let plan_with = |splits, swap_rows, stream_k, wg_rows| {
+                    let plan_with = |splits, wg_rows| {
                         stoke_cuda::kernels::int4_gemm::plan(
                             m as u32,
                             k as u32,
@@ -721,8 +685,6 @@ fn bench_variant(
                             Epilogue::Plain,
                             &stoke_cuda::int4::resident_slots(&rt),
                             splits,
-                            swap_rows,
-                            stream_k,
                             wg_rows,
                         )
                         .unwrap()[0]
@@ -730,8 +692,6 @@ fn bench_variant(
                     let plan = |splits| {
                         plan_with(
                             splits,
-                            call.swap_rows,
-                            stream_k,
                             // A tuned call's launch: the tuner's choice (the plan's if the
                             // shape had one candidate).
                             record.as_ref().map_or(call.wg_rows, |r| r.wg_rows),
@@ -742,7 +702,7 @@ fn bench_variant(
                     let gbps = bytes as f64 / us / 1e3;
                     // The launches as run: the plan, and warpgroup splits re-chosen for clusters.
                     let as_run = |l: Launch| {
-                        let kernel = rt.kernel(&INT4_GEMM, l.entry).unwrap();
+                        let kernel = rt.kernel(source_of(l.entry), l.entry).unwrap();
                         stoke_cuda::int4::clustered(&rt, &kernel, l, k as u32).unwrap()
                     };
                     // A tuned call that chose a split count runs the plan at that count.
@@ -750,13 +710,8 @@ fn bench_variant(
                         0 => as_run(plan(0)),
                         splits => plan(splits),
                     };
-                    // The launch the shipped plan makes for this call (default swap rows).
-                    let shipped = as_run(plan_with(
-                        0,
-                        stoke_cuda::int4::swap_rows_default(),
-                        stoke_cuda::int4::stream_k_default(),
-                        stoke_cuda::int4::wg_rows_default(),
-                    ));
+                    // The launch the shipped plan makes for this call.
+                    let shipped = as_run(plan_with(0, stoke_cuda::int4::wg_rows_default()));
                     println!(
                         "int4 {kind} {:?} {name:<12} m {m:2}: {us:8.2} us {gbps:7.0} GB/s ({:5.1}% of copy) splits {} host {host_us:.1} us",
                         dw.order,
@@ -790,14 +745,12 @@ fn bench_variant(
                     // A tuned row counts as the kernel it launched.
                     let kernel_kind = match launch.entry {
                         e if wg_rows_of(e).is_some() => "Wgmma",
-                        e if e.contains("swap16") => "Swap16",
                         e if e.contains("swap") => "SwapAB",
                         _ => "Batched",
                     };
                     let mmas = (k / 16) as u64
                         * match kernel_kind {
                             "Batched" => (n / 8 * m.div_ceil(16)) as u64,
-                            "Swap16" => (n / 16 * 2 * m.div_ceil(16)) as u64,
                             "Wgmma" => (n / 64 * wg_n / 2) as u64,
                             _ => (n / 16) as u64,
                         };
@@ -822,7 +775,7 @@ fn bench_variant(
                     // listed in STOKE_INT4_SWEEP_ROWS (e.g. `1,16`).
                     let sweep_rows = std::env::var("STOKE_INT4_SWEEP_ROWS").unwrap_or_default();
                     let listed = sweep_rows.split(',').any(|s| s.trim() == m.to_string());
-                    if !((m == 1 && all) || listed) || stream_k || tuned {
+                    if !((m == 1 && all) || listed) || tuned {
                         continue;
                     }
                     let mut seen = Vec::new();
@@ -877,19 +830,14 @@ pub fn profile_launches(shapes: &[&str], m: usize) {
             let dw =
                 DeviceInt4::upload_ordered(&rt, (k, n, 128), false, &words, &scales, None, order)
                     .unwrap();
-            for (swap_ab, wg) in [(true, false), (false, false), (false, true)] {
-                let mut call = Int4Gemm::plain(
-                    xb.ptr(),
-                    m as u32,
-                    out.ptr(),
-                    if swap_ab { SWAP_ALL } else { 0 },
-                );
+            for wg in [false, true] {
+                let mut call = Int4Gemm::plain(xb.ptr(), m as u32, out.ptr());
                 call.wg_rows = u32::from(wg);
                 for _ in 0..2 {
                     unsafe { int4_gemm(&rt, &dw, &call) }.unwrap();
                 }
                 rt.synchronize().unwrap();
-                println!("profiled {name} m {m} {order:?} swapped {swap_ab} warpgroup {wg}");
+                println!("profiled {name} m {m} {order:?} warpgroup {wg}");
             }
         }
     }

@@ -74,12 +74,7 @@ fn norm(
 
 /// The shipped GEMM call on the set's normed rows (the plan tuned per shape on its first call).
 fn gemm_call(s: &PairSet, m: usize) -> Int4Gemm {
-    let mut call = Int4Gemm::plain(
-        s.normed.ptr(),
-        m as u32,
-        s.out.ptr(),
-        stoke_cuda::int4::swap_rows_default(),
-    );
+    let mut call = Int4Gemm::plain(s.normed.ptr(), m as u32, s.out.ptr());
     call.wg_rows = stoke_cuda::int4::wg_rows_default();
     call.tune = true;
     call

@@ -1,10 +1,9 @@
 //! Packed INT4 weights on the GPU and the W4A16 GEMM call (`kernels/int4_gemm.cu`).
 
-use crate::kernels::INT4_GEMM;
+use crate::kernels::int4_gemm::source_of;
 use crate::kernels::int4_gemm::{
-    Epilogue, Int4GemmParams, Int4WgParams, Launch, MAX_ROWS, SWAP_ROWS_DEFAULT, WARPS,
-    WG_ROWS_DEFAULT, WordOrder, counters_len, launch_bound_ctas, launch_bound_slots, plan,
-    wg_clustered, wg_rows_of,
+    Epilogue, Int4GemmParams, Int4WgParams, Launch, MAX_ROWS, WARPS, WG_ROWS_DEFAULT, WordOrder,
+    counters_len, launch_bound_ctas, launch_bound_slots, plan, wg_clustered, wg_rows_of,
 };
 use crate::{DeviceBuffer, DriverContext, Error, Kernel, LaunchShape, Result, Runtime};
 use std::sync::Arc;
@@ -78,8 +77,6 @@ impl DeviceInt4 {
             &launch_bound_slots(rt.sm_count),
             0,
             0,
-            false,
-            0,
         )
         .map_err(|e| Error::Shape(e.0))?;
         if words.len() != k * n / 8 {
@@ -147,13 +144,6 @@ pub struct Int4Gemm {
     pub row_scale: u64,
     /// CTAs per 64-column slab along k; 0 lets the plan choose (benchmarks sweep it).
     pub splits: u32,
-    /// Launches of at most this many rows use the swapped-operand kernels (`int4_gemm_swap_*`
-    /// up to 8 rows, `int4_gemm_swap16_*` above; see `kernels::int4_gemm::plan`); 0: none.
-    /// [`swap_rows_default`] for the process default.
-    pub swap_rows: u32,
-    /// The stream-K form of the swapped m <= 8 kernel (`int4_gemm_swapk_*`); `splits` is then
-    /// ignored. [`stream_k_default`] for the process default.
-    pub stream_k: bool,
     /// Launches of at least this many rows use the warpgroup kernels (`int4_gemm_wg_*`) where
     /// the shape allows them, the weight is symmetric and `x` is 16-byte aligned; 0: none.
     /// [`wg_rows_default`] for the process default.
@@ -166,7 +156,7 @@ pub struct Int4Gemm {
 impl Int4Gemm {
     /// A plain-epilogue call (no residual, no row scale) with the plan's split count, the
     /// warpgroup kernels off.
-    pub fn plain(x: u64, m: u32, out: u64, swap_rows: u32) -> Self {
+    pub fn plain(x: u64, m: u32, out: u64) -> Self {
         Self {
             x,
             m,
@@ -175,8 +165,6 @@ impl Int4Gemm {
             residual: 0,
             row_scale: 0,
             splits: 0,
-            swap_rows,
-            stream_k: false,
             wg_rows: 0,
             tune: false,
         }
@@ -198,14 +186,6 @@ fn env_rows(name: &str, default: u32) -> u32 {
     }
 }
 
-/// Rows up to which the swapped-operand kernels are used: `STOKE_INT4_SWAP_ROWS` (0-32), else
-/// [`SWAP_ROWS_DEFAULT`] (8: the swapped m <= 8 kernel is faster on every benchmark shape,
-/// results/h200-int4.json).
-pub fn swap_rows_default() -> u32 {
-    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *V.get_or_init(|| env_rows("STOKE_INT4_SWAP_ROWS", SWAP_ROWS_DEFAULT))
-}
-
 /// Rows from which the warpgroup kernels are used: `STOKE_INT4_WG_ROWS` (0-32, 0: never), else
 /// [`WG_ROWS_DEFAULT`].
 pub fn wg_rows_default() -> u32 {
@@ -213,18 +193,11 @@ pub fn wg_rows_default() -> u32 {
     *V.get_or_init(|| env_rows("STOKE_INT4_WG_ROWS", WG_ROWS_DEFAULT))
 }
 
-/// Whether the swapped m <= 8 launches use their stream-K form: `STOKE_INT4_STREAM_K=1`; off
-/// by default until measured against the split-K plan.
-pub fn stream_k_default() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("STOKE_INT4_STREAM_K").as_deref() == Ok("1"))
-}
-
 /// Resident CTAs of a W4A16 entry point on the whole GPU, from the occupancy calculator (the
 /// launch bounds' expectation if the kernel can't be loaded; the launch reports that error).
 pub fn resident_slots(rt: &Arc<Runtime>) -> impl Fn(&'static str) -> u32 + '_ {
     move |entry| {
-        rt.kernel(&INT4_GEMM, entry)
+        rt.kernel(source_of(entry), entry)
             .and_then(|k| rt.resident_ctas(&k, WARPS * 32))
             .unwrap_or_else(|_| launch_bound_ctas(entry))
             * rt.sm_count
@@ -232,12 +205,11 @@ pub fn resident_slots(rt: &Arc<Runtime>) -> impl Fn(&'static str) -> u32 + '_ {
 }
 
 /// The cluster a W4A16 launch forms: (1, splits, 1) for 2 to [`crate::MAX_CLUSTER_CTAS`] splits
-/// where the kernel has the shared-memory split-K reduction (`<entry>_cluster`,
-/// STOKE_INT4_CLUSTER) and the launch's clusters (one per CTA column) are all resident at
+/// where the kernel has the shared-memory split-K reduction (`<entry>_cluster`) and the launch's clusters (one per CTA column) are all resident at
 /// once, so the splits of a slab add through each other's shared memory instead of the
 /// workspace; else none. Clusters are placed whole inside the GPU's processing clusters, so
 /// a grid that fills the resident CTA slots may not fit as clusters: there a cluster launch
-/// ran as a second wave, 1.3-1.6x slower (docs/PERF_NOTES.md), and the launch stays plain.
+/// ran as a second wave, 1.3-1.6x slower (docs/PERFORMANCE.md), and the launch stays plain.
 pub fn cluster_dims(
     rt: &Runtime,
     kernel: &Kernel,
@@ -293,8 +265,6 @@ fn planned(
         call.epilogue,
         &resident_slots(rt),
         call.splits,
-        call.swap_rows,
-        call.stream_k,
         wg_rows,
     )
     .map_err(|e| Error::Shape(e.0))?;
@@ -303,7 +273,7 @@ fn planned(
     }
     launches
         .into_iter()
-        .map(|l| clustered(rt, &rt.kernel(&INT4_GEMM, l.entry)?, l, w.k))
+        .map(|l| clustered(rt, &rt.kernel(source_of(l.entry), l.entry)?, l, w.k))
         .collect()
 }
 
@@ -353,7 +323,7 @@ unsafe fn launch_planned(
     };
     let out_cols = call.epilogue.out_cols(w.n as usize) as u64;
     for &l in launches {
-        let kernel = rt.kernel(&INT4_GEMM, l.entry)?;
+        let kernel = rt.kernel(source_of(l.entry), l.entry)?;
         let r0 = u64::from(l.row0);
         let params = Int4GemmParams {
             x: call.x + r0 * u64::from(w.k) * 2,
@@ -444,7 +414,6 @@ struct TuneKey {
     f16_scales: bool,
     order: WordOrder,
     epilogue: Epilogue,
-    swap_rows: u32,
     wg_rows: u32,
 }
 
@@ -495,7 +464,7 @@ const TUNE_MAX_COPIES: usize = 2048;
 /// each at its planned split count or one fewer or more (`splits` 0: the plan's count),
 /// whichever ran fastest on this GPU on the first call of the shape (cached per shape). At
 /// up to 8 rows the plan's swapped kernel and the warpgroup 8-row kernel each win on some
-/// shapes (docs/PERF_NOTES.md) and no rule of the shape separates them. While the stream
+/// shapes (docs/PERFORMANCE.md) and no rule of the shape separates them. While the stream
 /// is capturing a graph nothing can be timed: the plan's choice, not cached.
 fn tuned_plan(
     rt: &Arc<Runtime>,
@@ -513,7 +482,6 @@ fn tuned_plan(
         f16_scales: w.f16_scales,
         order: w.order,
         epilogue: call.epilogue,
-        swap_rows: call.swap_rows,
         wg_rows,
     };
     if let Some(r) = tune_table().lock().unwrap().get(&key) {
@@ -722,7 +690,7 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         call.wg_rows
     };
     let mut call = *call;
-    if call.tune && call.splits == 0 && !call.stream_k && call.m <= MAX_ROWS {
+    if call.tune && call.splits == 0 && call.m <= MAX_ROWS {
         (wg_rows, call.splits) = tuned_plan(rt, w, &call, wg_rows)?;
     }
     let call = &call;

@@ -24,10 +24,12 @@ fn every_kernel_compiles_for_sm_90a_without_spills() {
     for src in ALL {
         let (cubin, reports) = compile_uncached(src.file, src.source, "sm_90a", &[]).unwrap();
         assert!(!cubin.is_empty());
-        for entry in src.entries {
+        let entries = (src.entries)();
+        assert_eq!(entries.len(), reports.len(), "{}: entry points", src.file);
+        for entry in entries {
             let r = reports
                 .iter()
-                .find(|r| r.entry == *entry)
+                .find(|r| r.entry == entry)
                 .unwrap_or_else(|| panic!("{}: no ptxas report for {entry}", src.file));
             assert_eq!(
                 r.spill_store_bytes + r.spill_load_bytes,

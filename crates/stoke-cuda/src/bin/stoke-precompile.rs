@@ -5,16 +5,24 @@
 //! `;`-separated set of defines (the tuning knobs at the top of each kernel file), so a knob's
 //! code path keeps compiling while it is off.
 //!
+//! `--dir DIR --cubin-out OUT` instead compiles every `*.cu` file directly in DIR (its
+//! `#include "NAME"` lines filled from the files in DIR) and writes `OUT/<stem>.cubin`:
+//! `scripts/sass-compare.sh` uses it to compile two commits' kernels with the same NVRTC.
+//! `--cubin-out OUT` alone writes the shipped kernels' cubins.
+//!
 //! NVRTC is loaded by name: point `LD_LIBRARY_PATH` at a CUDA 13 `lib` directory (the pinned
 //! PyPI wheels installed by `scripts/cuda-venv.sh` provide one).
 
 use std::process::ExitCode;
 use stoke_cuda::compile::define_options;
-use stoke_cuda::kernels::{ALL, parse_define_sets};
+use stoke_cuda::kernels::{ALL, BENCH, parse_define_sets};
 
 fn main() -> ExitCode {
-    const USAGE: &str = "usage: stoke-precompile [--arch sm_90a] [--variants 'A=1,B=2;C=3']";
+    const USAGE: &str = "usage: stoke-precompile [--arch sm_90a] [--variants 'A=1,B=2;C=3'] \
+                         [--dir DIR] [--cubin-out OUT]";
     let mut arch = "sm_90a".to_string();
+    let mut dir: Option<std::path::PathBuf> = None;
+    let mut cubin_out: Option<std::path::PathBuf> = None;
     let mut variants: Vec<Vec<String>> = vec![Vec::new()];
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -25,6 +33,10 @@ fn main() -> ExitCode {
                     .next()
                     .expect("--variants needs a list, e.g. 'A=1,B=2;C=3'");
                 variants.extend(parse_define_sets(&list).into_iter().map(|(_, d)| d));
+            }
+            "--dir" => dir = Some(args.next().expect("--dir needs a directory").into()),
+            "--cubin-out" => {
+                cubin_out = Some(args.next().expect("--cubin-out needs a directory").into())
             }
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -43,6 +55,13 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
+    if let Some(dir) = dir {
+        let Some(out) = cubin_out else {
+            eprintln!("--dir needs --cubin-out ({USAGE})");
+            return ExitCode::FAILURE;
+        };
+        return compile_dir(&dir, &out, &arch);
+    }
     let mut failed = false;
     println!(
         "{:<16} {:<36} {:>5} {:>8} {:>6} {:>12}",
@@ -50,6 +69,7 @@ fn main() -> ExitCode {
     );
     for (src, defines) in ALL
         .iter()
+        .chain(BENCH)
         .flat_map(|s| variants.iter().map(move |v| (s, v)))
     {
         // A variant only for the files that have every one of its knobs.
@@ -80,7 +100,10 @@ fn main() -> ExitCode {
                         r.spill_load_bytes
                     );
                 }
-                for entry in src.entries {
+                // The Rust description of the entry points and the `.cu` instantiations must
+                // agree exactly, both ways.
+                let expected = (src.entries)();
+                for entry in &expected {
                     if !reports.iter().any(|r| r.entry == *entry) {
                         eprintln!(
                             "kernels/{label}: entry point `{entry}` missing from the compiled module"
@@ -88,10 +111,95 @@ fn main() -> ExitCode {
                         failed = true;
                     }
                 }
+                for r in &reports {
+                    if !expected.contains(&r.entry.as_str()) {
+                        eprintln!(
+                            "kernels/{label}: entry point `{}` is compiled but not described on the Rust side",
+                            r.entry
+                        );
+                        failed = true;
+                    }
+                }
                 println!("{label:<16} cubin {} bytes", cubin.len());
+                if let Some(out) = cubin_out.as_ref().filter(|_| defines.is_empty()) {
+                    let path = out.join(src.file.replace(".cu", ".cubin"));
+                    if let Err(e) =
+                        std::fs::create_dir_all(out).and_then(|_| std::fs::write(&path, &cubin))
+                    {
+                        eprintln!("{}: {e}", path.display());
+                        failed = true;
+                    }
+                }
             }
             Err(e) => {
                 eprintln!("{label}: {e}");
+                failed = true;
+            }
+        }
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+/// Compiles every `*.cu` file directly in `dir` (headers from the same directory) to
+/// `out/<stem>.cubin`.
+fn compile_dir(dir: &std::path::Path, out: &std::path::Path, arch: &str) -> ExitCode {
+    let read = |p: &std::path::Path| std::fs::read_to_string(p);
+    let mut files: Vec<_> = match std::fs::read_dir(dir) {
+        Ok(entries) => entries.filter_map(|e| e.ok().map(|e| e.path())).collect(),
+        Err(e) => {
+            eprintln!("{}: {e}", dir.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    files.sort();
+    let headers: Vec<(String, String)> = files
+        .iter()
+        .filter(|p| p.extension().is_some_and(|x| x == "cuh"))
+        .filter_map(|p| Some((p.file_name()?.to_str()?.to_string(), read(p).ok()?)))
+        .collect();
+    if let Err(e) = std::fs::create_dir_all(out) {
+        eprintln!("{}: {e}", out.display());
+        return ExitCode::FAILURE;
+    }
+    let mut failed = false;
+    for path in files
+        .iter()
+        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+    {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let source = match read(path) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("{}: {e}", path.display());
+                failed = true;
+                continue;
+            }
+        };
+        let source = stoke_cuda::kernels::expand_includes_from(&source, |h| {
+            headers
+                .iter()
+                .find(|(n, _)| n == h)
+                .map(|(_, t)| t.as_str())
+        });
+        match stoke_cuda::compile::compile_uncached(&name, &source, arch, &[]) {
+            Ok((cubin, reports)) => {
+                let target = out.join(name.replace(".cu", ".cubin"));
+                if let Err(e) = std::fs::write(&target, &cubin) {
+                    eprintln!("{}: {e}", target.display());
+                    failed = true;
+                }
+                println!(
+                    "{name}: {} entry points, {} bytes",
+                    reports.len(),
+                    cubin.len()
+                );
+            }
+            Err(e) => {
+                eprintln!("{name}: {e}");
                 failed = true;
             }
         }

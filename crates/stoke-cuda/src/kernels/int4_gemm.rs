@@ -1,14 +1,14 @@
-//! W4A16 GEMM kernels: params mirror and launch plan for `kernels/int4_gemm.cu`.
+//! W4A16 GEMM kernels: params mirror, entry points and launch plan for `kernels/int4_gemm_*.cu`.
 //!
 //! `y = x W` for bf16 `x [m, k]` and a packed INT4 `W [k, n]` (docs/INT4_FORMAT.md), f32
 //! accumulation, bf16 output, with a plain, residual-add or SwiGLU epilogue and an optional
 //! per-row scale. One launch covers up to 32 rows; [`plan`] cuts larger `m` into 32-row chunks.
-//! The `.cu` file's header documents the algorithm.
+//! `kernels/int4_gemm.cuh` and each family's `.cu` header document the algorithm.
 //!
 //! This module depends on nothing but `std`.
 
 /// The kernels' single argument, passed by value. Mirrors `struct Int4GemmParams` in
-/// `kernels/int4_gemm.cu` field for field (the `.cu` file asserts `sizeof == 96`).
+/// `kernels/int4_gemm.cuh` field for field (the header asserts `sizeof == 104`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Int4GemmParams {
@@ -75,78 +75,117 @@ impl WordOrder {
     }
 }
 
-/// `kernels/int4_gemm.cu`, compiled with NVRTC (no include path needed).
-pub const SOURCE: &str = include_str!("../../../../kernels/int4_gemm.cu");
+/// The kernel families, one source file each (all include `kernels/int4_gemm.cuh`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Family {
+    /// `int4_gemm_swap_EPI_SC[_long]` (`kernels/int4_gemm_swap.cu`): up to 8 rows, weights as
+    /// the mma A operand; `long`: the deeper load ring for long k streams.
+    Swap { long: bool },
+    /// `int4_gemm_wg_EPI_SC_nN` (`kernels/int4_gemm_wg.cu`): up to `rows` = 8, 16 or 32 rows on
+    /// the warpgroup MMA; symmetric weights with groups of 64 and more ([`wg_eligible`]).
+    Warpgroup { rows: u32 },
+    /// `int4_gemm_EPI_SC_mROWS` (`kernels/int4_gemm_batched.cu`): up to `rows` = 16 or 32 rows
+    /// of any weight the warpgroup kernels cannot take.
+    Batched { rows: u32 },
+}
 
-/// Every `extern "C"` entry point in [`SOURCE`].
-pub const ENTRY_POINTS: &[&str] = &[
-    "int4_gemm_plain_bf16s_m8",
-    "int4_gemm_plain_bf16s_m16",
-    "int4_gemm_plain_bf16s_m32",
-    "int4_gemm_plain_f16s_m8",
-    "int4_gemm_plain_f16s_m16",
-    "int4_gemm_plain_f16s_m32",
-    "int4_gemm_residual_bf16s_m8",
-    "int4_gemm_residual_bf16s_m16",
-    "int4_gemm_residual_bf16s_m32",
-    "int4_gemm_residual_f16s_m8",
-    "int4_gemm_residual_f16s_m16",
-    "int4_gemm_residual_f16s_m32",
-    "int4_gemm_swiglu_bf16s_m8",
-    "int4_gemm_swiglu_bf16s_m16",
-    "int4_gemm_swiglu_bf16s_m32",
-    "int4_gemm_swiglu_f16s_m8",
-    "int4_gemm_swiglu_f16s_m16",
-    "int4_gemm_swiglu_f16s_m32",
-    "int4_gemm_swap_plain_bf16s",
-    "int4_gemm_swap_plain_f16s",
-    "int4_gemm_swap_residual_bf16s",
-    "int4_gemm_swap_residual_f16s",
-    "int4_gemm_swap_swiglu_bf16s",
-    "int4_gemm_swap_swiglu_f16s",
-    "int4_gemm_swap_plain_bf16s_long",
-    "int4_gemm_swap_plain_f16s_long",
-    "int4_gemm_swap_residual_bf16s_long",
-    "int4_gemm_swap_residual_f16s_long",
-    "int4_gemm_swap_swiglu_bf16s_long",
-    "int4_gemm_swap_swiglu_f16s_long",
-    "int4_gemm_swap16_plain_bf16s",
-    "int4_gemm_swap16_plain_f16s",
-    "int4_gemm_swap16_residual_bf16s",
-    "int4_gemm_swap16_residual_f16s",
-    "int4_gemm_swap16_swiglu_bf16s",
-    "int4_gemm_swap16_swiglu_f16s",
-    "int4_gemm_swap16_plain_bf16s_long",
-    "int4_gemm_swap16_plain_f16s_long",
-    "int4_gemm_swap16_residual_bf16s_long",
-    "int4_gemm_swap16_residual_f16s_long",
-    "int4_gemm_swap16_swiglu_bf16s_long",
-    "int4_gemm_swap16_swiglu_f16s_long",
-    "int4_gemm_swapk_plain_bf16s",
-    "int4_gemm_swapk_plain_f16s",
-    "int4_gemm_swapk_residual_bf16s",
-    "int4_gemm_swapk_residual_f16s",
-    "int4_gemm_swapk_swiglu_bf16s",
-    "int4_gemm_swapk_swiglu_f16s",
-    "int4_gemm_wg_plain_bf16s_n8",
-    "int4_gemm_wg_plain_bf16s_n16",
-    "int4_gemm_wg_plain_bf16s_n32",
-    "int4_gemm_wg_plain_f16s_n8",
-    "int4_gemm_wg_plain_f16s_n16",
-    "int4_gemm_wg_plain_f16s_n32",
-    "int4_gemm_wg_residual_bf16s_n8",
-    "int4_gemm_wg_residual_bf16s_n16",
-    "int4_gemm_wg_residual_bf16s_n32",
-    "int4_gemm_wg_residual_f16s_n8",
-    "int4_gemm_wg_residual_f16s_n16",
-    "int4_gemm_wg_residual_f16s_n32",
-    "int4_gemm_wg_swiglu_bf16s_n8",
-    "int4_gemm_wg_swiglu_bf16s_n16",
-    "int4_gemm_wg_swiglu_bf16s_n32",
-    "int4_gemm_wg_swiglu_f16s_n8",
-    "int4_gemm_wg_swiglu_f16s_n16",
-    "int4_gemm_wg_swiglu_f16s_n32",
-];
+impl Family {
+    /// Every family instantiated by the sources, in the order [`Entry::all`] lists them.
+    pub const ALL: [Family; 7] = [
+        Family::Swap { long: false },
+        Family::Swap { long: true },
+        Family::Warpgroup { rows: 8 },
+        Family::Warpgroup { rows: 16 },
+        Family::Warpgroup { rows: 32 },
+        Family::Batched { rows: 16 },
+        Family::Batched { rows: 32 },
+    ];
+
+    /// The source file that instantiates this family's entry points.
+    pub fn source(self) -> &'static super::KernelSource {
+        match self {
+            Family::Swap { .. } => &super::INT4_GEMM_SWAP,
+            Family::Warpgroup { .. } => &super::INT4_GEMM_WG,
+            Family::Batched { .. } => &super::INT4_GEMM_BATCHED,
+        }
+    }
+}
+
+/// One W4A16 entry point: the single description of the set of instantiated kernels. Its
+/// [`name`](Entry::name) is the `extern "C"` symbol the `.cu` macros produce; the precompile
+/// check (CI) compiles every source and fails unless the compiled entry points are exactly
+/// [`Entry::all`]'s names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Entry {
+    pub family: Family,
+    pub epilogue: Epilogue,
+    /// f16 scales and offsets (`_f16s`), else bf16 (`_bf16s`).
+    pub f16_scales: bool,
+}
+
+impl Entry {
+    /// Every instantiated entry point: each family x epilogue x scale type.
+    pub fn all() -> impl Iterator<Item = Entry> {
+        Family::ALL.into_iter().flat_map(|family| {
+            [Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu]
+                .into_iter()
+                .flat_map(move |epilogue| {
+                    [false, true].map(|f16_scales| Entry {
+                        family,
+                        epilogue,
+                        f16_scales,
+                    })
+                })
+        })
+    }
+
+    fn format(self) -> String {
+        let (epi, sc) = (
+            self.epilogue.name(),
+            if self.f16_scales { "f16s" } else { "bf16s" },
+        );
+        match self.family {
+            Family::Swap { long: false } => format!("int4_gemm_swap_{epi}_{sc}"),
+            Family::Swap { long: true } => format!("int4_gemm_swap_{epi}_{sc}_long"),
+            Family::Warpgroup { rows } => format!("int4_gemm_wg_{epi}_{sc}_n{rows}"),
+            Family::Batched { rows } => format!("int4_gemm_{epi}_{sc}_m{rows}"),
+        }
+    }
+
+    /// The entry point's symbol.
+    pub fn name(self) -> &'static str {
+        static NAMES: std::sync::OnceLock<Vec<(Entry, &'static str)>> = std::sync::OnceLock::new();
+        let names = NAMES.get_or_init(|| {
+            Entry::all()
+                .map(|e| (e, &*Box::leak(e.format().into_boxed_str())))
+                .collect()
+        });
+        names
+            .iter()
+            .find(|(e, _)| *e == self)
+            .map(|(_, n)| *n)
+            .expect("Entry::all lists every entry")
+    }
+
+    /// The entry point of symbol `name`, if it is one.
+    pub fn from_name(name: &str) -> Option<Entry> {
+        Entry::all().find(|e| e.name() == name)
+    }
+}
+
+/// The source file of entry point `entry` (the swapped kernels' for a name that is none: the
+/// runtime then reports the entry point missing).
+pub fn source_of(entry: &str) -> &'static super::KernelSource {
+    Entry::from_name(entry).map_or(&super::INT4_GEMM_SWAP, |e| e.family.source())
+}
+
+/// The names of the entry points `file` instantiates.
+pub fn entry_names(file: &str) -> Vec<&'static str> {
+    Entry::all()
+        .filter(|e| e.family.source().file == file)
+        .map(Entry::name)
+        .collect()
+}
 
 /// The warpgroup entry points' parameter (`Int4WgParams` in the `.cu` file): the common one
 /// and the copy engine's map of this launch's rows of x (boxes of 64 k x N rows).
@@ -159,15 +198,11 @@ pub struct Int4WgParams {
 
 /// Rows of x a warpgroup entry point takes (its `_nN` suffix), or None for the other kernels.
 pub fn wg_rows_of(entry: &str) -> Option<u32> {
-    entry
-        .strip_prefix("int4_gemm_wg_")
-        .and_then(|e| e.rsplit_once("_n"))
-        .and_then(|(_, n)| n.parse().ok())
+    match Entry::from_name(entry)?.family {
+        Family::Warpgroup { rows } => Some(rows),
+        _ => None,
+    }
 }
-
-/// Index in [`ENTRY_POINTS`] of the first warpgroup entry point (`int4_gemm_wg_*`), laid out by
-/// epilogue, scale type, then rows 8 / 16 / 32.
-const WG_BASE: usize = 48;
 
 /// K-tiles per warp from which the swapped kernel's `_long` entry points (a deeper load ring)
 /// are used: at 64 and more they were faster on every benchmark shape, below it slower
@@ -195,15 +230,6 @@ impl Epilogue {
         }
     }
 
-    /// Position in [`ENTRY_POINTS`]' order (plain, residual, swiglu).
-    fn index(self) -> usize {
-        match self {
-            Epilogue::Plain => 0,
-            Epilogue::Residual => 1,
-            Epilogue::SwiGlu => 2,
-        }
-    }
-
     /// Output columns for a weight of `n` columns.
     pub fn out_cols(self, n: usize) -> usize {
         match self {
@@ -217,24 +243,16 @@ impl Epilogue {
 pub const WARPS: u32 = 4;
 /// Most rows one launch handles.
 pub const MAX_ROWS: u32 = 32;
-/// Resident CTAs per SM an entry point's launch bounds ask for (m32: 2, warpgroup n8: 5,
-/// swapped m <= 8 and warpgroup n16 / n32: 4, else 3).
+/// Resident CTAs per SM an entry point's launch bounds ask for (warpgroup n8: 5, swapped and
+/// warpgroup n16 / n32: 4, batched m16: 3, m32: 2).
 /// The runtime plans with the occupancy calculator instead ([`crate::Runtime::resident_ctas`]);
 /// this is the expectation for code without a GPU (shape checks, tests).
 pub fn launch_bound_ctas(entry: &str) -> u32 {
-    if entry.starts_with("int4_gemm_wg_") && entry.ends_with("_n8") {
-        5
-    } else if entry.starts_with("int4_gemm_swap_")
-        || entry.starts_with("int4_gemm_swapk_")
-        || entry.starts_with("int4_gemm_wg_")
-    {
-        4
-    } else if entry.starts_with("int4_gemm_swap16_") {
-        3
-    } else if entry.ends_with("_m32") {
-        2
-    } else {
-        3
+    match Entry::from_name(entry).map(|e| e.family) {
+        Some(Family::Warpgroup { rows: 8 }) => 5,
+        Some(Family::Swap { .. } | Family::Warpgroup { .. }) => 4,
+        Some(Family::Batched { rows: 32 }) => 2,
+        _ => 3,
     }
 }
 
@@ -244,32 +262,18 @@ pub fn launch_bound_slots(sm_count: u32) -> impl Fn(&'static str) -> u32 {
     move |entry| launch_bound_ctas(entry) * sm_count
 }
 
-/// Rows up to which [`plan`] uses the swapped kernels by default: 8. The swap16 kernels
-/// (9-32 rows) were no faster than the batched ones at m = 16 and mixed at m = 32 (faster on
-/// 70B qkv 60.2 -> 50.3 us, slower on 70B down 109.8 -> 132.3 us;
-/// results/experiments/h200-int4-swap16-3d5e22e.json), so they are opt-in
-/// (`STOKE_INT4_SWAP_ROWS=32`), except where [`plan`] finds the batched m32 kernel without
-/// split-K on an under-filled GPU (70B qkv).
-pub const SWAP_ROWS_DEFAULT: u32 = 8;
+/// Rows the swapped kernels take: up to 8 (one 8-row n-tile per CTA).
+pub const SWAP_ROWS: u32 = 8;
 /// Rows from which the plan uses the warpgroup kernels by default (`int4_gemm_wg_*`, where the
-/// shape, the weight and x allow them): 9. At 16 and 32 rows they are faster than the batched
-/// and swap16 kernels on all 16 benchmark points (results/h200-int4.json at 1f2848b: 70B
-/// gate/up m16 79.0 us against 121.4, m32 92.4 against 193.7). At 1 row the swapped kernel
-/// is faster on 5 of the 8 shapes (70B gate/up 66.9 against 72.2 us), ties on 2 and is slower
-/// on 70B qkv (16.7 against 16.2), so it keeps 8 rows and fewer.
+/// shape, the weight and x allow them): 9. At 16 and 32 rows they are faster than every other
+/// kernel on all 16 benchmark points (results/h200-int4.json). At 1 row the swapped kernel is
+/// faster on 5 of the 8 shapes, ties on 2 and is slower on 70B qkv, so it keeps 8 rows and
+/// fewer.
 pub const WG_ROWS_DEFAULT: u32 = 9;
-/// `swap_rows` for the swapped kernels at every row count.
-pub const SWAP_ALL: u32 = MAX_ROWS;
-
-/// CTAs per slab of a swap16 launch of `rows` rows: one per 16 rows. They are adjacent in the
-/// grid (x = slab * groups + group), so the second reads the slab's weights from L2.
-pub fn row_groups(rows: u32) -> u32 {
-    rows.div_ceil(16)
-}
 
 /// Split-K counters (u32) a launch of `n` columns needs: one per CTA column of the grid.
 pub fn counters_len(n: u32) -> usize {
-    (n / 64 * row_groups(MAX_ROWS)) as usize
+    (n / 64) as usize
 }
 
 /// One launch: entry point, grid, block, and the plan fields of its params.
@@ -343,25 +347,18 @@ fn gcd(a: u32, b: u32) -> u32 {
 /// The launches for `x [m, k] @ W [k, n]` with `group`-row scale groups on a GPU that holds
 /// `slots(entry)` resident CTAs of an entry point at once: one launch per 32-row chunk of `m`.
 ///
+/// Kernels: up to 8 rows the swapped kernels ([`Family::Swap`]); from `wg_rows` rows (0:
+/// never; [`WG_ROWS_DEFAULT`]) the warpgroup kernels where the shape allows them
+/// ([`wg_eligible`]; symmetric weights only, which the caller knows: `wg_rows` 0 otherwise);
+/// 9-32 rows of other weights the batched kernels ([`Family::Batched`]).
+///
 /// Split-K: the k range is dealt out in fold units (`fold_kt` 16-row k-tiles, dividing both
 /// the group and 8); a 64-column slab gets as many CTAs along k as fit in one wave of resident
 /// CTAs (measured best: a second, partial wave costs more than the split-K reduction saves),
-/// keeping at least two units per warp. `splits > 0` overrides the choice (at most one warp
-/// per unit). `swap_rows`: launches of at most that many rows use the swapped-operand kernels
-/// (weights as the mma A operand, x as B): `int4_gemm_swap_*` up to 8 rows,
-/// `int4_gemm_swap16_*` (two 8-row n-tiles per CTA, one CTA per 16 rows of a slab,
-/// [`row_groups`]) above; 0: the batched kernels throughout ([`SWAP_ROWS_DEFAULT`]). Above 16
-/// rows the plan also takes swap16 where the batched kernel's slabs fill more than half of its
-/// resident slots but not all (no split-K left; 70B qkv), unless `swap_rows` is 0 or `splits`
-/// is given.
-/// `stream_k`: launches that use `int4_gemm_swap_*` use its stream-K form instead
-/// (`int4_gemm_swapk_*`: one CTA per resident slot at most, each warp an equal share of all
-/// the slabs' fold units, at least one; `splits` 0 in the launch).
-/// `wg_rows`: launches of at least that many rows (0: none) use the warpgroup kernels
-/// (`int4_gemm_wg_*`, wgmma with the weights as the register operand; 8, 16 or 32 rows) where
-/// the shape allows them ([`wg_eligible`]; symmetric weights only, which the caller knows):
-/// one CTA per slab and split, the k range dealt in blocks of `max(4, fold_kt)` k-tiles, as
-/// many splits as fill one wave of resident CTAs with at least [`WG_MIN_TILES`] k-tiles each.
+/// keeping at least two units per warp (the swapped kernel may go to one unit per warp when
+/// that deals the units out exactly). `splits > 0` overrides the choice (at most one warp per
+/// unit). Warpgroup launches deal the k range in blocks of `max(4, fold_kt)` k-tiles, as many
+/// splits as fill one wave with at least [`WG_MIN_TILES`] k-tiles each.
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     m: u32,
@@ -372,8 +369,6 @@ pub fn plan(
     epilogue: Epilogue,
     slots: &dyn Fn(&'static str) -> u32,
     splits: u32,
-    swap_rows: u32,
-    stream_k: bool,
     wg_rows: u32,
 ) -> Result<Vec<Launch>, ShapeError> {
     if k == 0 || !k.is_multiple_of(16) || n == 0 || !n.is_multiple_of(64) {
@@ -390,11 +385,18 @@ pub fn plan(
     let units = k / 16 / fold_kt;
     let slabs = n / 64;
     let explicit = splits;
+    let entry = |family| {
+        Entry {
+            family,
+            epilogue,
+            f16_scales,
+        }
+        .name()
+    };
     let mut out = Vec::new();
     let mut row0 = 0;
     while row0 < m {
         let rows = (m - row0).min(MAX_ROWS);
-        let scale = usize::from(f16_scales);
         let launch = move |entry: &'static str, grid: (u32, u32, u32), splits: u32| Launch {
             entry,
             grid,
@@ -405,12 +407,8 @@ pub fn plan(
             splits,
         };
         if wg_rows > 0 && rows >= wg_rows && wg_eligible(k, group) {
-            let n_index = match rows {
-                0..=8 => 0,
-                9..=16 => 1,
-                _ => 2,
-            };
-            let entry = ENTRY_POINTS[WG_BASE + epilogue.index() * 6 + scale * 3 + n_index];
+            let tier = [8, 16, 32].into_iter().find(|&t| rows <= t).unwrap();
+            let entry = entry(Family::Warpgroup { rows: tier });
             let blocks = k / 16 / fold_kt.max(4);
             let most = (k / 16 / WG_MIN_TILES).clamp(1, blocks);
             let splits = if explicit > 0 {
@@ -422,66 +420,40 @@ pub fn plan(
             row0 += rows;
             continue;
         }
-        let mut mt = match rows {
-            0..=8 if rows <= swap_rows => 3,
-            _ if rows <= swap_rows => 4,
-            0..=8 => 0,
-            9..=16 => 1,
-            _ => 2,
-        };
-        if mt == 2 && explicit == 0 && swap_rows > 0 {
-            // 17-32 rows where the batched m32 kernel's slabs alone take more than half of its
-            // resident slots (no split-K) but not all of them: swap16, whose two row groups per
-            // slab fill them (70B qkv m32: 55.3 -> 46.7 us, results/h200-int4.json at d82164e).
-            // Not with `swap_rows` 0 (the batched kernels throughout).
-            let batched = slots(ENTRY_POINTS[epilogue.index() * 6 + scale * 3 + 2]);
-            if slabs * 2 > batched && slabs < batched {
-                mt = 4;
+        let swapped = rows <= SWAP_ROWS;
+        let family = if swapped {
+            Family::Swap { long: false }
+        } else {
+            Family::Batched {
+                rows: if rows <= 16 { 16 } else { 32 },
             }
-        }
-        let swapped = mt >= 3;
-        let groups = if mt == 4 { row_groups(rows) } else { 1 };
-        // ENTRY_POINTS runs epilogue, scale type, m-tile, then the swapped kernels by epilogue
-        // and scale type, then their `_long` forms, then the same two for swap16, then the
-        // stream-K kernels (the test below checks). A kernel's two forms have the same launch bounds, so the split count
-        // is planned on the first.
-        let swap_base = if mt == 4 { 30 } else { 18 };
-        let entry = if swapped {
-            ENTRY_POINTS[swap_base + epilogue.index() * 2 + scale]
-        } else {
-            ENTRY_POINTS[epilogue.index() * 6 + scale * 3 + mt]
         };
-        let (entry, grid, splits) = if mt == 3 && stream_k {
-            let entry = ENTRY_POINTS[42 + epilogue.index() * 2 + scale];
-            let ctas = slots(entry).min((units * slabs).div_ceil(WARPS)).max(1);
-            (entry, (ctas, 1, 1), 0)
+        // A kernel's two ring forms have the same launch bounds, so the split count is planned
+        // on the first.
+        let first = entry(family);
+        let splits = if explicit > 0 {
+            explicit.min(units.div_ceil(WARPS)).clamp(1, 65535)
         } else {
-            let splits = if explicit > 0 {
-                explicit.min(units.div_ceil(WARPS)).clamp(1, 65535)
+            // One wave of resident CTAs, each warp at least two fold units; the swapped kernel
+            // may go to one unit per warp when that deals the units out exactly (8B o-proj).
+            let one_wave = slots(first) / slabs;
+            let exact_single = swapped
+                && one_wave > 1
+                && one_wave * WARPS <= units
+                && units.is_multiple_of(one_wave * WARPS);
+            if exact_single {
+                one_wave
             } else {
-                // One wave of resident CTAs, each warp at least two fold units; the swapped
-                // kernel may go to one unit per warp when that deals the units out exactly (8B
-                // o-proj: 7.97 us at 8 splits against 9.25 us at 4,
-                // results/experiments/h200-int4-orders-splits-9413a06.json).
-                let one_wave = slots(entry) / (slabs * groups);
-                let exact_single = swapped
-                    && one_wave > 1
-                    && one_wave * WARPS <= units
-                    && units.is_multiple_of(one_wave * WARPS);
-                if exact_single {
-                    one_wave
-                } else {
-                    one_wave.clamp(1, (units / (2 * WARPS)).max(1))
-                }
-            };
-            let entry = if swapped && units * fold_kt >= LONG_STREAM_TILES * splits * WARPS {
-                ENTRY_POINTS[swap_base + 6 + epilogue.index() * 2 + scale]
-            } else {
-                entry
-            };
-            (entry, (slabs * groups, splits, 1), splits)
+                one_wave.clamp(1, (units / (2 * WARPS)).max(1))
+            }
         };
-        out.push(launch(entry, grid, splits));
+        let long = swapped && units * fold_kt >= LONG_STREAM_TILES * splits * WARPS;
+        let entry = if long {
+            entry(Family::Swap { long: true })
+        } else {
+            first
+        };
+        out.push(launch(entry, (slabs, splits, 1), splits));
         row0 += rows;
     }
     Ok(out)
@@ -491,7 +463,8 @@ pub fn plan(
 mod tests {
     use super::*;
 
-    /// The plan on a 132-SM H200 with the launch bounds' resident CTAs.
+    /// The plan on a 132-SM H200 with the launch bounds' resident CTAs; `wg`: the warpgroup
+    /// kernels from 9 rows.
     #[allow(clippy::too_many_arguments)]
     fn plan_h200(
         m: u32,
@@ -501,7 +474,7 @@ mod tests {
         f16_scales: bool,
         epilogue: Epilogue,
         splits: u32,
-        swap: bool,
+        wg: bool,
     ) -> Result<Vec<Launch>, ShapeError> {
         plan(
             m,
@@ -512,83 +485,125 @@ mod tests {
             epilogue,
             &launch_bound_slots(132),
             splits,
-            if swap { SWAP_ALL } else { 0 },
-            false,
-            0,
+            if wg { WG_ROWS_DEFAULT } else { 0 },
         )
     }
 
     #[test]
     fn params_layout_matches_c() {
+        let header = include_str!("../../../../kernels/int4_gemm.cuh");
         assert_eq!(std::mem::size_of::<Int4WgParams>(), 256);
         assert_eq!(std::mem::offset_of!(Int4WgParams, x_map), 128);
-        assert!(SOURCE.contains(r#"static_assert(sizeof(Int4WgParams) == 256"#));
+        assert!(
+            super::super::INT4_GEMM_WG
+                .source
+                .contains(r#"static_assert(sizeof(Int4WgParams) == 256"#)
+        );
         assert_eq!(wg_rows_of("int4_gemm_wg_swiglu_f16s_n32"), Some(32));
-        assert_eq!(wg_rows_of("int4_gemm_swap16_plain_bf16s"), None);
+        assert_eq!(wg_rows_of("int4_gemm_swap_plain_bf16s"), None);
         assert_eq!(std::mem::size_of::<Int4GemmParams>(), 104);
-        assert!(SOURCE.contains(r#"static_assert(sizeof(Int4GemmParams) == 104"#));
+        assert!(header.contains(r#"static_assert(sizeof(Int4GemmParams) == 104"#));
         assert_eq!(std::mem::offset_of!(Int4GemmParams, m), 72);
         assert_eq!(std::mem::offset_of!(Int4GemmParams, splits), 92);
         assert_eq!(std::mem::offset_of!(Int4GemmParams, slab_stride), 100);
     }
 
     #[test]
-    fn entry_points_are_indexed_by_epilogue_scales_rows() {
-        for (e, epi) in [Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu]
-            .into_iter()
-            .enumerate()
-        {
-            for (s, sc) in ["bf16s", "f16s"].into_iter().enumerate() {
-                for (r, rows) in [8, 16, 32].into_iter().enumerate() {
-                    assert_eq!(
-                        ENTRY_POINTS[e * 6 + s * 3 + r],
-                        format!("int4_gemm_{}_{sc}_m{rows}", epi.name())
-                    );
-                    let l = plan_h200(rows, 64, 64, 32, s == 1, epi, 0, false).unwrap();
-                    assert_eq!(l[0].entry, ENTRY_POINTS[e * 6 + s * 3 + r]);
-                    let l = plan_h200(rows, 64, 64, 32, s == 1, epi, 0, true).unwrap();
-                    if rows <= 8 {
-                        assert_eq!(l[0].entry, format!("int4_gemm_swap_{}_{sc}", epi.name()));
-                        assert_eq!(l[0].entry, ENTRY_POINTS[18 + e * 2 + s]);
-                    } else {
-                        assert_eq!(l[0].entry, format!("int4_gemm_swap16_{}_{sc}", epi.name()));
-                        assert_eq!(l[0].entry, ENTRY_POINTS[30 + e * 2 + s]);
-                        assert_eq!(l[0].grid.0, row_groups(rows));
+    fn entry_names_are_unique_and_round_trip() {
+        let all: Vec<Entry> = Entry::all().collect();
+        assert_eq!(all.len(), 7 * 6);
+        let mut names: Vec<&str> = all.iter().map(|e| e.name()).collect();
+        for (e, n) in all.iter().zip(&names) {
+            assert_eq!(Entry::from_name(n), Some(*e));
+        }
+        assert_eq!(
+            Entry {
+                family: Family::Swap { long: true },
+                epilogue: Epilogue::SwiGlu,
+                f16_scales: true
+            }
+            .name(),
+            "int4_gemm_swap_swiglu_f16s_long"
+        );
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), all.len());
+        let per_file: usize = [
+            "int4_gemm_swap.cu",
+            "int4_gemm_wg.cu",
+            "int4_gemm_batched.cu",
+        ]
+        .iter()
+        .map(|f| entry_names(f).len())
+        .sum();
+        assert_eq!(per_file, all.len());
+    }
+
+    #[test]
+    fn sources_instantiate_each_family_once_per_epilogue() {
+        for (file, src, macro_name) in [
+            (
+                "swap",
+                super::super::INT4_GEMM_SWAP.source,
+                "INT4_GEMM_SWAP_ENTRIES(",
+            ),
+            (
+                "wg",
+                super::super::INT4_GEMM_WG.source,
+                "INT4_GEMM_WG_ENTRIES(",
+            ),
+            (
+                "batched",
+                super::super::INT4_GEMM_BATCHED.source,
+                "INT4_GEMM_ENTRIES(",
+            ),
+        ] {
+            for epi in ["plain", "residual", "swiglu"] {
+                assert!(
+                    src.contains(&format!("\n{macro_name}{epi}, ")),
+                    "{file}: {epi}"
+                );
+            }
+            assert!(
+                !crate::kernels::expand_includes(src).contains("#include"),
+                "{file}"
+            );
+        }
+    }
+
+    #[test]
+    fn families_by_rows_epilogue_and_scales() {
+        for epi in [Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu] {
+            for f16 in [false, true] {
+                let name = |family| {
+                    Entry {
+                        family,
+                        epilogue: epi,
+                        f16_scales: f16,
                     }
+                    .name()
+                };
+                for rows in [1, 8] {
+                    let l = plan_h200(rows, 4096, 4096, 128, f16, epi, 0, false).unwrap();
+                    assert_eq!(l[0].entry, name(Family::Swap { long: false }));
                 }
+                // 9-32 rows of weights the warpgroup kernels cannot take (groups of 32).
+                let l = plan_h200(16, 1536, 4160, 32, f16, epi, 0, true).unwrap();
+                assert_eq!(l[0].entry, name(Family::Batched { rows: 16 }));
+                let l = plan_h200(20, 1536, 4160, 32, f16, epi, 0, true).unwrap();
+                assert_eq!(l[0].entry, name(Family::Batched { rows: 32 }));
+                // The deeper ring when every warp streams LONG_STREAM_TILES k-tiles.
+                let long = plan_h200(1, 8192, 57344, 128, f16, epi, 0, true).unwrap();
+                assert_eq!(long[0].entry, name(Family::Swap { long: true }));
+                let l = plan_h200(16, 4096, 4096, 128, f16, epi, 0, true).unwrap();
+                assert_eq!(l[0].entry, name(Family::Warpgroup { rows: 16 }));
             }
         }
-        // The swapped kernel's deeper ring when every warp streams LONG_STREAM_TILES k-tiles:
-        // 70B gate/up (one split, 128 per warp) yes, 8B o-proj (8 splits, 8 per warp) no.
-        for (e, epi) in [Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu]
-            .into_iter()
-            .enumerate()
-        {
-            for (s, sc) in ["bf16s", "f16s"].into_iter().enumerate() {
-                let long = plan_h200(1, 8192, 57344, 128, s == 1, epi, 0, true).unwrap();
-                assert_eq!(long[0].entry, ENTRY_POINTS[24 + e * 2 + s]);
-                assert_eq!(
-                    long[0].entry,
-                    format!("int4_gemm_swap_{}_{sc}_long", epi.name())
-                );
-                let short = plan_h200(1, 4096, 4096, 128, s == 1, epi, 0, true).unwrap();
-                assert_eq!(
-                    short[0].entry,
-                    format!("int4_gemm_swap_{}_{sc}", epi.name())
-                );
-                let long = plan_h200(32, 8192, 57344, 128, s == 1, epi, 0, true).unwrap();
-                assert_eq!(long[0].entry, ENTRY_POINTS[36 + e * 2 + s]);
-                assert_eq!(
-                    long[0].entry,
-                    format!("int4_gemm_swap16_{}_{sc}_long", epi.name())
-                );
-            }
-        }
-        // An explicit split count is kept, up to one warp per fold unit.
+        // Explicit splits, capped at one warp per unit.
         let l = plan_h200(1, 4096, 4096, 128, false, Epilogue::Plain, 3, false).unwrap();
         assert_eq!(l[0].splits, 3);
         let l = plan_h200(1, 4096, 4096, 128, false, Epilogue::Plain, 99, false).unwrap();
-        assert_eq!(l[0].splits, 8);
+        assert_eq!(l[0].splits, 4096 / 16 / 8 / WARPS);
     }
 
     #[test]
@@ -609,95 +624,6 @@ mod tests {
     }
 
     #[test]
-    fn source_is_self_contained_and_instantiates_every_entry() {
-        // No includes but the shared headers, which the compile writes in place.
-        assert!(!crate::kernels::expand_includes(SOURCE).contains("#include"));
-        for e in ENTRY_POINTS {
-            // The swapped entry points come from INT4_GEMM_SWAP_ENTRIES(prefix, ...): one per
-            // epilogue, scale type and ring form.
-            let swapped = ["int4_gemm_swap16", "int4_gemm_swap"]
-                .into_iter()
-                .find(|p| e.starts_with(&format!("{p}_")));
-            let defined = match swapped {
-                Some(prefix) => {
-                    SOURCE.contains(&format!("INT4_GEMM_SWAP_ENTRIES({prefix},"))
-                        && SOURCE.contains(&format!(
-                            "INT4_GEMM_SWAP_ENTRY(PREFIX##{},",
-                            &e[prefix.len()..]
-                        ))
-                }
-                None if e.starts_with("int4_gemm_wg_") => {
-                    // INT4_GEMM_WG_ENTRIES(epilogue, ...) instantiates both scale types and rows.
-                    let epi = e["int4_gemm_wg_".len()..].split('_').next().unwrap();
-                    SOURCE.contains(&format!("INT4_GEMM_WG_ENTRIES({epi},"))
-                        && SOURCE.contains(&format!(
-                            "INT4_GEMM_WG_ENTRY(int4_gemm_wg_##EPI_NAME##{},",
-                            &e["int4_gemm_wg_".len() + epi.len()..]
-                        ))
-                }
-                None => {
-                    SOURCE.contains(&format!("INT4_GEMM_ENTRY({e},"))
-                        || SOURCE.contains(&format!("INT4_GEMM_SWAPK_ENTRY({e},"))
-                }
-            };
-            assert!(defined, "{e}");
-        }
-        let defined = SOURCE.matches("INT4_GEMM_ENTRY(int4_gemm_").count()
-            + 12 * SOURCE.matches("INT4_GEMM_SWAP_ENTRIES(int4_gemm_").count()
-            + SOURCE
-                .matches("INT4_GEMM_SWAPK_ENTRY(int4_gemm_swapk_")
-                .count()
-            + 6 * SOURCE.matches("\nINT4_GEMM_WG_ENTRIES(").count();
-        assert_eq!(defined, ENTRY_POINTS.len());
-        assert_eq!(SOURCE.matches("INT4_GEMM_SWAP_ENTRY(PREFIX##").count(), 12);
-    }
-
-    #[test]
-    fn swap16_above_16_rows_where_the_batched_slabs_leave_no_split() {
-        // The plan's first launch with the default swap rows and `splits` (0: the plan's),
-        // warpgroup kernels off.
-        let default = |m, k, n, splits| {
-            let slots = launch_bound_slots(132);
-            plan(
-                m,
-                k,
-                n,
-                128,
-                false,
-                Epilogue::Plain,
-                &slots,
-                splits,
-                SWAP_ROWS_DEFAULT,
-                false,
-                0,
-            )
-            .unwrap()[0]
-        };
-        // 70B qkv: 160 slabs against 264 batched m32 slots; two row groups per slab.
-        let l = default(32, 8192, 10240, 0);
-        assert_eq!(l.grid, (320, 1, 1));
-        // (rows, k, n, splits) -> entry. 17-32 rows on 70B qkv: swap16. 16 rows, slabs that
-        // allow split-K, more slabs than slots, or forced splits: the batched kernels.
-        for (m, k, n, splits, entry) in [
-            (32, 8192, 10240, 0, "int4_gemm_swap16_plain_bf16s_long"),
-            (17, 8192, 10240, 0, "int4_gemm_swap16_plain_bf16s_long"),
-            (16, 8192, 10240, 0, "int4_gemm_plain_bf16s_m16"),
-            (32, 8192, 8192, 0, "int4_gemm_plain_bf16s_m32"),
-            (32, 8192, 57344, 0, "int4_gemm_plain_bf16s_m32"),
-            (32, 8192, 10240, 2, "int4_gemm_plain_bf16s_m32"),
-        ] {
-            assert_eq!(
-                default(m, k, n, splits).entry,
-                entry,
-                "m {m} k {k} n {n} splits {splits}"
-            );
-        }
-        // Batched throughout (swap_rows 0) keeps the batched kernel.
-        let batched = plan_h200(32, 8192, 10240, 128, false, Epilogue::Plain, 0, false).unwrap();
-        assert_eq!(batched[0].entry, "int4_gemm_plain_bf16s_m32");
-    }
-
-    #[test]
     fn plans_cover_every_row_once_and_fill_the_gpu() {
         for &(k, n, group) in &[
             (576, 576, 64),
@@ -708,85 +634,38 @@ mod tests {
             (1536, 4160, 32),
             (4096, 960, 4096),
         ] {
-            for (m, swap) in [1, 2, 7, 16, 31, 32, 33, 100]
-                .into_iter()
-                .flat_map(|m| [(m, false), (m, true)])
-            {
-                let plan = plan_h200(m, k, n, group, false, Epilogue::Plain, 0, swap).unwrap();
+            for m in [1, 2, 7, 16, 31, 32, 33, 100] {
+                let plan = plan_h200(m, k, n, group, false, Epilogue::Plain, 0, false).unwrap();
                 let covered: u32 = plan.iter().map(|l| l.rows).sum();
                 assert_eq!(covered, m);
                 for (i, l) in plan.iter().enumerate() {
                     assert_eq!(l.row0, i as u32 * 32);
-                    assert!((16 * l.fold_kt) % 16 == 0 && group % (16 * l.fold_kt) == 0);
+                    assert!(group % (16 * l.fold_kt) == 0);
                     assert!(8 % l.fold_kt == 0);
                     let units = k / 16 / l.fold_kt;
                     assert!(
                         l.splits * WARPS <= units.max(WARPS) + WARPS,
                         "{k} {n} {l:?}"
                     );
-                    let tile = [8, 16, 32].into_iter().find(|t| l.rows <= *t).unwrap();
-                    let groups = if swap && tile > 8 {
-                        row_groups(l.rows)
-                    } else {
-                        1
-                    };
-                    assert_eq!(l.grid, (n / 64 * groups, l.splits, 1));
+                    assert_eq!(l.grid, (n / 64, l.splits, 1));
                     assert!(l.grid.0 as usize <= counters_len(n));
-                    if swap && tile == 8 {
+                    if l.rows <= 8 {
                         assert!(l.entry.starts_with("int4_gemm_swap_"), "{l:?}");
-                    } else if swap {
-                        assert!(l.entry.starts_with("int4_gemm_swap16_"), "{l:?}");
                     } else {
-                        assert!(l.entry.ends_with(&format!("_m{tile}")));
+                        let tile = if l.rows <= 16 { 16 } else { 32 };
+                        assert!(l.entry.ends_with(&format!("_m{tile}")), "{l:?}");
                     }
                 }
             }
         }
-        // A big square matrix is split along k up to one wave of CTAs, two units per warp.
+        // A square matrix is split along k up to one wave of CTAs (8 per slab at 4 CTAs per
+        // SM), here one fold unit per warp since that deals the 32 units out exactly.
         let l = plan_h200(1, 4096, 4096, 128, false, Epilogue::Plain, 0, false).unwrap()[0];
-        assert_eq!((l.fold_kt, l.splits), (8, 4));
+        assert_eq!((l.fold_kt, l.splits), (8, 8));
         let l = plan_h200(1, 576, 576, 64, true, Epilogue::SwiGlu, 0, false).unwrap()[0];
-        assert_eq!(l.entry, "int4_gemm_swiglu_f16s_m8");
+        assert_eq!(l.entry, "int4_gemm_swap_swiglu_f16s");
         let l = plan_h200(20, 576, 576, 64, false, Epilogue::Residual, 0, false).unwrap();
         assert_eq!(l[0].entry, "int4_gemm_residual_bf16s_m32");
-        let l = plan_h200(20, 576, 576, 64, false, Epilogue::Residual, 0, true).unwrap();
-        assert_eq!(l[0].entry, "int4_gemm_swap16_residual_bf16s");
-        assert_eq!(l[0].grid.0, 9 * 2);
-        // Stream-K: the swapped m <= 8 launches only, one CTA per resident slot at most and
-        // at least one fold unit per warp.
-        for (e, epi) in [Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu]
-            .into_iter()
-            .enumerate()
-        {
-            for (s, sc) in ["bf16s", "f16s"].into_iter().enumerate() {
-                let sk = |m, k, n| {
-                    plan(
-                        m,
-                        k,
-                        n,
-                        128,
-                        s == 1,
-                        epi,
-                        &launch_bound_slots(132),
-                        0,
-                        8,
-                        true,
-                        0,
-                    )
-                    .unwrap()
-                };
-                let l = sk(8, 8192, 57344);
-                assert_eq!(l[0].entry, ENTRY_POINTS[42 + e * 2 + s]);
-                assert_eq!(l[0].entry, format!("int4_gemm_swapk_{}_{sc}", epi.name()));
-                assert_eq!((l[0].grid, l[0].splits), ((528, 1, 1), 0));
-                // 8B o-proj: 64 slabs x 32 units = 2048 units, one per warp.
-                assert_eq!(sk(1, 4096, 4096)[0].grid, (512, 1, 1));
-                // Rows past 8 keep their kernels.
-                let l = sk(40, 4096, 4096);
-                assert_eq!(l.len(), 2);
-                assert!(l[0].entry.ends_with("_m32") && l[1].entry.starts_with("int4_gemm_swapk_"));
-            }
-        }
         let bad = |k, n, g| plan_h200(1, k, n, g, false, Epilogue::Plain, 0, false).is_err();
         assert!(bad(100, 64, 16) && bad(128, 96, 16) && bad(128, 64, 48));
     }
@@ -803,8 +682,6 @@ mod tests {
                 Epilogue::SwiGlu,
                 &launch_bound_slots(132),
                 splits,
-                SWAP_ROWS_DEFAULT,
-                false,
                 wg_rows,
             )
             .unwrap()

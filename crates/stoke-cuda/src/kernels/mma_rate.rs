@@ -1,8 +1,8 @@
-//! The tensor-core rate probe (`kernels/mma_rate.cu`): mma.sync.m16n8k16 bf16 -> f32, the W4A16
+//! The tensor-core rate probe (`kernels/bench/mma_rate.cu`): mma.sync.m16n8k16 bf16 -> f32, the W4A16
 //! kernels' instruction, timed in the same run as they are (the compute side of their roofline).
 
 /// The kernel source.
-pub const SOURCE: &str = include_str!("../../../../kernels/mma_rate.cu");
+pub const SOURCE: &str = include_str!("../../../../kernels/bench/mma_rate.cu");
 
 /// Every `extern "C"` entry point in [`SOURCE`]: eight independent accumulators per warp
 /// (throughput), and one dependent chain (latency).

@@ -11,6 +11,11 @@ pub mod rms_norm;
 /// with those lines replaced by the header's text ([`expand_includes`]), so one translation unit
 /// goes to the compiler and the disk cache keys on all of it.
 pub const HEADERS: &[(&str, &str)] = &[
+    ("ptx.cuh", include_str!("../../../../kernels/ptx.cuh")),
+    (
+        "int4_gemm.cuh",
+        include_str!("../../../../kernels/int4_gemm.cuh"),
+    ),
     (
         "cluster.cuh",
         include_str!("../../../../kernels/cluster.cuh"),
@@ -24,12 +29,23 @@ pub const HEADERS: &[(&str, &str)] = &[
 /// `source` with each `#include "NAME"` line naming one of [`HEADERS`] replaced by that header's
 /// text; other lines (other includes among them) are kept as they are.
 pub fn expand_includes(source: &str) -> std::borrow::Cow<'_, str> {
-    let header = |line: &str| {
-        let name = line.trim().strip_prefix("#include \"")?.strip_suffix('"')?;
+    expand_includes_from(source, |name| {
         HEADERS
             .iter()
             .find(|(n, _)| *n == name)
             .map(|(_, text)| *text)
+    })
+}
+
+/// [`expand_includes`] with the headers looked up by `lookup` (the SASS comparison compiles
+/// the kernel files of another commit, with that commit's headers).
+pub fn expand_includes_from<'a, 'h>(
+    source: &'a str,
+    lookup: impl Fn(&str) -> Option<&'h str>,
+) -> std::borrow::Cow<'a, str> {
+    let header = |line: &str| {
+        let name = line.trim().strip_prefix("#include \"")?.strip_suffix('"')?;
+        lookup(name)
     };
     if !source.lines().any(|l| header(l).is_some()) {
         return source.into();
@@ -50,11 +66,11 @@ pub fn expand_includes(source: &str) -> std::borrow::Cow<'_, str> {
 /// A kernel source file compiled as one module.
 #[derive(Clone, Copy, Debug)]
 pub struct KernelSource {
-    /// File name under `kernels/`.
+    /// File name under `kernels/` (`bench/NAME` for the benchmark-only kernels).
     pub file: &'static str,
     pub source: &'static str,
-    /// `extern "C"` entry points the module must contain.
-    pub entries: &'static [&'static str],
+    /// `extern "C"` entry points the module contains: exactly these (the precompile check).
+    pub entries: fn() -> Vec<&'static str>,
 }
 
 /// Sets of NVRTC defines written `A=1,B=2;C=3` (`;` between sets, `,` within one; blanks
@@ -80,40 +96,77 @@ impl KernelSource {
     }
 }
 
+fn rms_norm_entries() -> Vec<&'static str> {
+    rms_norm::ENTRY_POINTS.to_vec()
+}
+fn decode_attention_entries() -> Vec<&'static str> {
+    decode_attention::ENTRY_POINTS.to_vec()
+}
+fn int4_swap_entries() -> Vec<&'static str> {
+    int4_gemm::entry_names("int4_gemm_swap.cu")
+}
+fn int4_wg_entries() -> Vec<&'static str> {
+    int4_gemm::entry_names("int4_gemm_wg.cu")
+}
+fn int4_batched_entries() -> Vec<&'static str> {
+    int4_gemm::entry_names("int4_gemm_batched.cu")
+}
+fn mma_rate_entries() -> Vec<&'static str> {
+    mma_rate::ENTRY_POINTS.to_vec()
+}
+fn read_rate_entries() -> Vec<&'static str> {
+    read_rate::ENTRY_POINTS.to_vec()
+}
+
+pub const RMS_NORM: KernelSource = KernelSource {
+    file: "rms_norm.cu",
+    source: rms_norm::SOURCE,
+    entries: rms_norm_entries,
+};
+pub const INT4_GEMM_SWAP: KernelSource = KernelSource {
+    file: "int4_gemm_swap.cu",
+    source: include_str!("../../../../kernels/int4_gemm_swap.cu"),
+    entries: int4_swap_entries,
+};
+pub const INT4_GEMM_WG: KernelSource = KernelSource {
+    file: "int4_gemm_wg.cu",
+    source: include_str!("../../../../kernels/int4_gemm_wg.cu"),
+    entries: int4_wg_entries,
+};
+pub const INT4_GEMM_BATCHED: KernelSource = KernelSource {
+    file: "int4_gemm_batched.cu",
+    source: include_str!("../../../../kernels/int4_gemm_batched.cu"),
+    entries: int4_batched_entries,
+};
+pub const DECODE_ATTENTION: KernelSource = KernelSource {
+    file: "decode_attention.cu",
+    source: decode_attention::SOURCE,
+    entries: decode_attention_entries,
+};
+/// Benchmark-only: the tensor-core rate probe.
+pub const MMA_RATE: KernelSource = KernelSource {
+    file: "bench/mma_rate.cu",
+    source: mma_rate::SOURCE,
+    entries: mma_rate_entries,
+};
+/// Benchmark-only: the HBM read-rate probe.
+pub const READ_RATE: KernelSource = KernelSource {
+    file: "bench/read_rate.cu",
+    source: read_rate::SOURCE,
+    entries: read_rate_entries,
+};
+
 /// Every kernel source Stoke ships; the precompile check builds each of them.
 pub const ALL: &[KernelSource] = &[
-    KernelSource {
-        file: "rms_norm.cu",
-        source: rms_norm::SOURCE,
-        entries: rms_norm::ENTRY_POINTS,
-    },
-    KernelSource {
-        file: "int4_gemm.cu",
-        source: int4_gemm::SOURCE,
-        entries: int4_gemm::ENTRY_POINTS,
-    },
-    KernelSource {
-        file: "decode_attention.cu",
-        source: decode_attention::SOURCE,
-        entries: decode_attention::ENTRY_POINTS,
-    },
-    KernelSource {
-        file: "mma_rate.cu",
-        source: mma_rate::SOURCE,
-        entries: mma_rate::ENTRY_POINTS,
-    },
-    KernelSource {
-        file: "read_rate.cu",
-        source: read_rate::SOURCE,
-        entries: read_rate::ENTRY_POINTS,
-    },
+    RMS_NORM,
+    INT4_GEMM_SWAP,
+    INT4_GEMM_WG,
+    INT4_GEMM_BATCHED,
+    DECODE_ATTENTION,
 ];
 
-pub const RMS_NORM: KernelSource = ALL[0];
-pub const INT4_GEMM: KernelSource = ALL[1];
-pub const DECODE_ATTENTION: KernelSource = ALL[2];
-pub const MMA_RATE: KernelSource = ALL[3];
-pub const READ_RATE: KernelSource = ALL[4];
+/// The kernels only the benchmarks load (`kernels/bench/`); the precompile check builds them too.
+pub const BENCH: &[KernelSource] = &[MMA_RATE, READ_RATE];
 
 #[cfg(test)]
 mod tests {
@@ -136,7 +189,7 @@ mod tests {
 
     #[test]
     fn every_quoted_include_is_a_known_header() {
-        for src in ALL {
+        for src in ALL.iter().chain(BENCH) {
             for line in src
                 .source
                 .lines()

@@ -1,10 +1,10 @@
-//! The HBM read-rate probe (`kernels/read_rate.cu`): one launch streaming a buffer once with the
+//! The HBM read-rate probe (`kernels/bench/read_rate.cu`): one launch streaming a buffer once with the
 //! weights' load, or through shared memory by the copy engine, timed in the same run as the
 //! W4A16 and attention kernels for the same byte counts (the memory side of their roofline where
 //! they read and do not write).
 
 /// The kernel source.
-pub const SOURCE: &str = include_str!("../../../../kernels/read_rate.cu");
+pub const SOURCE: &str = include_str!("../../../../kernels/bench/read_rate.cu");
 
 /// The load forms: one contiguous chunk per CTA or per warp, 4 or 8 16-byte loads in flight per
 /// thread, up to [`MAX_THREADS`] threads.

@@ -291,11 +291,11 @@ mod tests {
                 line
             );
         }
-        // The entry points are stamped out by STOKE_RMS_NORM_ENTRIES(OP, DT, ...) with the
+        // The entry points are stamped out by RMS_NORM_ENTRIES(OP, DT, ...) with the
         // suffixes of VARIANT_SUFFIXES.
         for op in ["rms_norm", "residual_rms_norm"] {
             for dt in ["f32", "bf16"] {
-                let inst = format!("STOKE_RMS_NORM_ENTRIES({op}, {dt},");
+                let inst = format!("RMS_NORM_ENTRIES({op}, {dt},");
                 assert!(SOURCE.contains(&inst), "missing {}", inst);
                 for suffix in VARIANT_SUFFIXES {
                     let name = format!("{op}_{dt}{suffix}");

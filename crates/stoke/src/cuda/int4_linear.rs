@@ -98,8 +98,6 @@ pub(crate) fn try_linear_with<I: Backend>(
         residual: res_in.as_ref().map_or(0, |r| r.ptr),
         row_scale: 0,
         splits: 0,
-        swap_rows: stoke_cuda::int4::swap_rows_default(),
-        stream_k: stoke_cuda::int4::stream_k_default(),
         wg_rows: stoke_cuda::int4::wg_rows_default(),
         tune: stoke_cuda::int4::tune_default(),
     };

@@ -1,0 +1,213 @@
+// Named wrappers of the PTX instructions Stoke's kernels use, shared by every kernel file. A
+// kernel file includes this header first; the runtime writes its text in place of the
+// include line before NVRTC compiles (kernels::expand_includes), so no CUDA header and no
+// include path is needed: bf16 and f16 values are raw 16-bit patterns converted with PTX.
+//
+// Each wrapper is one instruction (or a fixed short sequence) with the exact qualifiers, the
+// `volatile` and the memory clobber the kernels were tuned with: changing one changes the
+// schedule ptxas produces for every kernel that uses it.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// ---- conversions ------------------------------------------------------------------------------
+
+// The low / high bf16 of a packed pair as f32.
+__device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Round (lo, hi) to bf16, packed with lo at the lower address (one F2FP; NaN stays NaN).
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ u16 to_bf16(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+// ---- global memory ----------------------------------------------------------------------------
+
+// 16 bytes read once: no L1 allocation, the L2 policy `policy` (createpolicy; evict-first for
+// weights streamed once).
+__device__ __forceinline__ uint4 load_stream(const uint4* p, u64 policy) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p), "l"(policy));
+    return r;
+}
+
+// Read-only loads through the non-coherent path.
+__device__ __forceinline__ u32 load_u32(const u32* p) {
+    u32 r;
+    asm("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ u32 load_u16(const u16* p) {
+    u16 r;
+    asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return r;
+}
+
+// A float other CTAs wrote (cache at L2 only, so no stale L1 line is read).
+__device__ __forceinline__ float load_cg(const float* p) {
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+    return r;
+}
+
+// ---- shared memory ----------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void sts32(u32 addr, u32 v) { asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory"); }
+__device__ __forceinline__ u32 lds32(u32 addr) {
+    u32 r;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(addr) : "memory");
+    return r;
+}
+__device__ __forceinline__ uint4 lds128(u32 addr) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr) : "memory");
+    return r;
+}
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// ---- cp.async ---------------------------------------------------------------------------------
+
+// Copies `bytes` (16, or 0: zero fill) from src to shared dst; 16-byte aligned src.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+// The same in four 4-byte copies, for a source that is only 4-byte aligned.
+__device__ __forceinline__ void cp_async16_by4(u32 dst, const void* src, u32 bytes) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst + 4 * i),
+                     "l"(static_cast<const char*>(src) + 4 * i), "r"(bytes / 4) : "memory");
+}
+// 16 bytes read once, with an L2 policy.
+__device__ __forceinline__ void cp_async16_stream(u32 dst, const void* src, u64 policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "l"(policy)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N of the calling thread's cp.async groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// ---- tensor cores -----------------------------------------------------------------------------
+
+// c += a b, m16n8k16, bf16 operands, f32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Warpgroup MMA ordering: fence before the first wgmma that reads registers written since,
+// commit the issued wgmma as a group, wait until at most N groups are pending.
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+
+// ---- programmatic dependent launch ------------------------------------------------------------
+
+// Waits until the grids this one depends on have completed and their writes are visible.
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// ---- thread-block clusters --------------------------------------------------------------------
+// Without a cluster launch a CTA is its own cluster of one.
+
+__device__ __forceinline__ u32 cluster_ctas() {
+    u32 n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+}
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// Every thread of every CTA of the cluster: shared-memory writes before it are visible to the
+// cluster's reads after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// E (2 or 4) floats at shared address `addr` (this CTA's layout) of cluster CTA `rank`.
+template <int E>
+__device__ __forceinline__ void ld_cluster_floats(u32 addr, u32 rank, float (&x)[E]) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    if (E == 4)
+        asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(x[0]), "=f"(x[1 % E]), "=f"(x[2 % E]), "=f"(x[3 % E])
+                     : "r"(remote)
+                     : "memory");
+    else
+        asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(x[0]), "=f"(x[E - 1]) : "r"(remote) : "memory");
+}
+// Two floats at shared address `addr` (this CTA's layout) of cluster CTA `rank`, as a float2:
+// the W4A16 split-K reduction's form (ld_cluster_floats<2> there issues the same two
+// instructions but changes the surrounding register allocation and schedule).
+__device__ __forceinline__ float2 ld_cluster_f2(u32 addr, u32 rank) {
+    float2 v;
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(remote) : "memory");
+    return v;
+}
+
+// ---- mbarriers and the copy engine (TMA) ------------------------------------------------------
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// One arrival that also expects `bytes` more of the copy engine's transfers.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nwait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n}" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// A tensor map (CUtensorMap) the runtime encodes, passed as a __grid_constant__ parameter.
+struct __align__(64) TensorMap {
+    u64 opaque[16];
+};
+
+// The copy engine's copy of the box at (0, 0, block) of the 3-D `map` to shared `dst`,
+// completing on `bar`.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 block, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(0), "r"(0), "r"(block), "r"(bar)
+        : "memory");
+}
