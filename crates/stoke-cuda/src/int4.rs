@@ -1,4 +1,4 @@
-//! Packed INT4 weights on the GPU and the W4A16 GEMM call (`kernels/int4_gemm.cu`).
+//! Packed INT4 weights on the GPU and the W4A16 GEMM call (`kernels/int4_gemm_*.cu`).
 
 use crate::kernels::int4_gemm::source_of;
 use crate::kernels::int4_gemm::{
@@ -311,7 +311,7 @@ unsafe fn launch_planned(
     counted: bool,
 ) -> Result<()> {
     let (kt_stride, slab_stride) = w.order.strides(w.k, w.n);
-    // Split-K (splits > 1) and stream-K (splits 0) add through the workspace.
+    // Split-K launches (splits > 1) without clusters add through the workspace.
     let split = launches.iter().any(|l| l.splits != 1);
     let rows = launches.iter().map(|l| l.rows).max().unwrap_or(0) as usize;
     let ws_bytes = rows * w.n as usize * 4;

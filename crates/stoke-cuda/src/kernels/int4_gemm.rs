@@ -26,8 +26,8 @@ pub struct Int4GemmParams {
     pub residual: u64,
     /// `[m]` f32 row factors, or 0.
     pub row_scale: u64,
-    /// `[m, n]` f32, all zeros on entry (left zeroed); needed when `splits != 1` (split-K, or
-    /// 0: stream-K).
+    /// `[m, n]` f32, all zeros on entry (left zeroed); needed when `splits != 1` and the
+    /// launch forms no clusters.
     pub workspace: u64,
     /// [`counters_len`] u32, all zeros on entry (left zeroed); needed when `splits != 1`.
     pub counters: u64,

@@ -1,4 +1,4 @@
-//! `linear` on a packed INT4 weight through the W4A16 kernels (`kernels/int4_gemm.cu`).
+//! `linear` on a packed INT4 weight through the W4A16 kernels (`kernels/int4_gemm_*.cu`).
 
 use super::bridge::{DeviceTensor, KernelInput, runtime_for};
 use crate::packed::PackedWeight;
