@@ -136,6 +136,9 @@ __device__ __forceinline__ void wg_wait_1() { asm volatile("wgmma.wait_group.syn
 
 // Waits until the grids this one depends on have completed and their writes are visible.
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// Lets the next kernel on the stream (if launched for programmatic dependent launch) start
+// launching now; its CTAs take SM slots as this grid's exit.
+__device__ __forceinline__ void griddep_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // ---- thread-block clusters --------------------------------------------------------------------
 // Without a cluster launch a CTA is its own cluster of one.

@@ -4,8 +4,8 @@
 //   residual:  s = x + residual;  sum_out = s;  out = s * rsqrt(mean(s^2) + eps) * gamma
 //
 // The file is compiled at run time by NVRTC (sm_80 and later; tuned for sm_90a). It includes
-// no header at all, so it compiles without any CUDA include path: bf16 values are handled as
-// raw 16-bit patterns and the integer types are defined below.
+// only ptx.cuh (written in place by the runtime), so it compiles without any CUDA include path:
+// bf16 values are handled as raw 16-bit patterns.
 //
 // ---------------------------------------------------------------------------------------------
 // Entry points (each takes one argument, `RmsNormParams` by value). OP is `rms_norm` or
@@ -54,9 +54,7 @@
 // rms_norm(sum_out) bit for bit, exactly what an unfused add-then-norm composition gives.
 // ---------------------------------------------------------------------------------------------
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned long long u64;
+#include "ptx.cuh"
 
 // Every entry point lets the next kernel on the stream start launching at once
 // (griddepcontrol.launch_dependents, sm_90 and later). Only kernels launched for programmatic
@@ -66,7 +64,7 @@ typedef unsigned long long u64;
 // kernels still start after this one ends.
 __device__ __forceinline__ void let_dependents_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    griddep_launch_dependents();
 #endif
 }
 
@@ -103,19 +101,6 @@ constexpr int kBlockPacks = 4;  // 16-byte packs per thread in the _block kernel
 constexpr int kUnroll = 4;      // packs per thread in flight per step of the twopass kernels
 
 __device__ __forceinline__ float bits_to_f32(u32 b) { return __uint_as_float(b); }
-
-// Two f32 -> two bf16 packed in one word, round to nearest even (lo goes to the low half, i.e.
-// the lower address). One F2FP instruction; NaN becomes the canonical bf16 NaN.
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ u16 to_bf16(float f) {
-    u16 r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return r;
-}
 
 // N elements of type D, stored as in memory, naturally aligned to their total size.
 template <class D, int N>

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, with .bundle/ from scripts/gpu-bundle.sh:
 # every GPU test, then the benchmarks, then the PyTorch peers, writing JSON into OUTDIR.
-# Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama|int4|attention|pairs|int4-profile [SHAPE...]|attention-profile [SHAPE...]]
+# Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama|int4|attention|pairs|sanitize [TOOL...]|int4-profile [SHAPE...]|attention-profile [SHAPE...]]
 #   int4:  the W4A16 GEMM test and benchmark, then its PyTorch peers
 #   attention: the decode-attention test and benchmark, then the PyTorch SDPA peer
 #   pairs: a decode step's RMSNorm then the W4A16 GEMM it feeds (ordering test, then the pairs
@@ -23,6 +23,10 @@
 #          only; STOKE_ATTN_SWEEP=0 leaves out the attention split sweep. A variant with
 #          STOKE_ATTN_TRACE=1 also records each CTA's timeline (the rows' "trace").
 #   llama: the SmolLM2 prefill/decode baseline alone (needs the model in STOKE_MODEL_CACHE)
+#   sanitize [TOOL...]: the GPU tests of every shipped kernel under compute-sanitizer, each
+#          TOOL (default: memcheck racecheck synccheck initcheck) on Stoke's kernels only
+#          (burn-cuda's run uninstrumented); logs in OUTDIR/sanitize-TOOL.log, the summary in
+#          OUTDIR/sanitize.json. SANITIZE_TESTS='NAME ...' picks the test cases.
 set -uo pipefail
 out=${1:?usage: gpu-run.sh OUTDIR [test|bench|all|llama]}
 what=${2:-all}
@@ -68,6 +72,36 @@ if [ "$what" = int4-profile ] || [ "$what" = attention-profile ]; then
         python3 scripts/peers/attention_torch.py --profile $NCU_PEER > "$out/ncu-attention-peer.txt" 2>&1 || status=1
     tail -5 "$out/ncu-attention-peer.txt"
   fi
+  exit $status
+fi
+if [ "$what" = sanitize ]; then
+  san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  tools=${*:-memcheck racecheck synccheck initcheck}
+  tests=${SANITIZE_TESTS:-rms_norm_matches_reference residual_rms_norm_matches_reference int4_gemm_matches_dequantized_reference int4_linear_epilogues_match_reference rms_norm_then_int4_gemm_matches_synchronized decode_attention_matches_reference}
+  # Only Stoke's entry points are instrumented where the sanitizer can select kernels by a
+  # regular expression; otherwise every kernel is.
+  regex='rms_norm|int4_gemm|decode_attn|kv_append'
+  filter=()
+  if "$san" --help 2>&1 | grep -q -- '--kernel-regex'; then filter=(--kernel-regex "kns=$regex"); fi
+  "$san" --version | tail -1 | tee "$out/sanitize-version.txt"
+  echo '[' > "$out/sanitize.json"
+  sep=''
+  for tool in $tools; do
+    extra=()
+    [ "$tool" = memcheck ] && extra=(--leak-check no)
+    [ "$tool" = racecheck ] && extra=(--racecheck-report all)
+    t0=$(date +%s)
+    "$san" --tool "$tool" "${filter[@]}" "${extra[@]}" --error-exitcode 99 --print-limit 50 \
+        .bundle/stoke-gpu --out "$out/sanitize-$tool" test $tests > "$out/sanitize-$tool.log" 2>&1
+    rc=$?
+    summary=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize-$tool.log" | tail -1)
+    echo "sanitize $tool: exit $rc, ${summary:-no summary}, $(( $(date +%s) - t0 )) s"
+    printf '%s{"tool": "%s", "exit": %d, "summary": "%s", "seconds": %d, "tests": "%s"}\n' \
+        "$sep" "$tool" "$rc" "$summary" "$(( $(date +%s) - t0 ))" "$tests" >> "$out/sanitize.json"
+    sep=','
+    [ $rc -eq 0 ] || status=1
+  done
+  echo ']' >> "$out/sanitize.json"
   exit $status
 fi
 if [ "$what" = llama ]; then

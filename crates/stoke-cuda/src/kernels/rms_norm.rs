@@ -286,8 +286,8 @@ mod tests {
     fn source_is_self_contained_and_instantiates_every_entry() {
         for line in SOURCE.lines() {
             assert!(
-                !line.trim_start().starts_with("#include"),
-                "kernels/rms_norm.cu must include nothing: {}",
+                !line.trim_start().starts_with("#include") || line.trim() == "#include \"ptx.cuh\"",
+                "kernels/rms_norm.cu must include nothing but ptx.cuh: {}",
                 line
             );
         }
