@@ -50,7 +50,7 @@ struct Int4GemmParams {
     void* out;              // [m, n] bf16 ([m, n / 2] for swiglu)
     const void* residual;   // [m, n] bf16 (residual entry points)
     const float* row_scale; // [m] or null
-    float* workspace;       // [m, n] f32 zeros (splits != 1: split-K, or 0: stream-K)
+    float* workspace;       // [m, n] f32 zeros (splits != 1 without clusters)
     u32* counters;          // [n / 64 * 2] zeros (splits != 1; one per CTA column)
     u32 m, k, n, group;
     u32 fold_kt;            // k-tiles per fold unit

@@ -251,14 +251,8 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
     }
 }
 
-// Stream-K (entry points int4_gemm_swapk_EPI_SC, m <= 8, launched with p.splits == 0 and at
-// most one CTA per resident slot): the slabs' fold units, slab after slab, are dealt evenly to
-// every warp of the grid, so every SM streams the same bytes whatever the shape (no partial
-// second wave, no SM with a CTA fewer). A warp's range may end inside a slab and go on into the
-// next: each piece's sums are added into the workspace, and the warp whose units complete the
-// slab's count (counters[slab], in fold units) applies the epilogue and puts zeros back.
-// Opt-in: faster than the split-K plan only on some shapes (docs/PERF_NOTES.md).
-
+// One CTA: its slab's (and row group's) partial sums over the warps' fold units, reduced and
+// stored by reduce_and_store (int4_gemm.cuh).
 template <int EPI, bool F16S, int KB, int NT>
 __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     __shared__ float red[WARPS * 16 * RED_PITCH];

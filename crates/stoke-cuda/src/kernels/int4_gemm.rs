@@ -267,8 +267,9 @@ pub const SWAP_ROWS: u32 = 8;
 /// Rows from which the plan uses the warpgroup kernels by default (`int4_gemm_wg_*`, where the
 /// shape, the weight and x allow them): 9. At 16 and 32 rows they are faster than every other
 /// kernel on all 16 benchmark points (results/h200-int4.json). At 1 row the swapped kernel is
-/// faster on 5 of the 8 shapes, ties on 2 and is slower on 70B qkv, so it keeps 8 rows and
-/// fewer.
+/// faster on 6 of the 8 shapes, ties on 8B qkv and is slower on 70B qkv, so it keeps 8 rows
+/// and fewer by default; the per-shape tuner (`int4::tuned_plan`) takes the warpgroup n8
+/// kernel where it measures faster.
 pub const WG_ROWS_DEFAULT: u32 = 9;
 
 /// Split-K counters (u32) a launch of `n` columns needs: one per CTA column of the grid.
