@@ -1,0 +1,167 @@
+//! Kernel modules: NVRTC compilation (through the disk cache) and loading of a kernel file,
+//! [`Runtime::kernel`], and the `u32` globals a module exports to describe its entry points.
+
+use super::Runtime;
+use crate::kernels::KernelSource;
+use crate::{DriverContext, Error, Result};
+use cudarc::driver::{CudaFunction, CudaModule, CudaStream, sys};
+use std::sync::Arc;
+
+/// A compiled kernel entry point.
+#[derive(Debug, Clone)]
+pub struct Kernel {
+    pub(super) func: CudaFunction,
+    pub entry: &'static str,
+    /// The most threads per CTA the kernel launches with: its launch bounds, where it has them.
+    pub max_threads: u32,
+    /// Dynamic shared memory every launch of this kernel needs, in bytes: the value of the
+    /// module's `u32` global `<entry>_dyn_smem` where the kernel defines one (its size then
+    /// follows the kernel's compile-time knobs, which the host does not see), else 0.
+    pub dyn_smem: u32,
+    /// Launched with programmatic stream serialization (programmatic dependent launch): the
+    /// module's `u32` global `<entry>_pdl` is nonzero. Such a kernel may start before the
+    /// previous kernel on the stream has finished, and waits for it (griddepcontrol.wait)
+    /// before it reads anything another kernel writes or writes anything itself.
+    pub pdl: bool,
+    /// The module's `u32` global `<entry>_cluster` is nonzero: the kernel's launches may form
+    /// thread-block clusters ([`Runtime::launch_cluster`]), and it works either way.
+    pub cluster: bool,
+    /// The module's `u32` global `<entry>_early_trigger` is nonzero: the kernel lets the next
+    /// kernel launch as soon as it starts (griddepcontrol.launch_dependents) while its few CTAs
+    /// hold their SMs (the RMSNorm kernels). See [`Runtime::launch_cluster`] for what that
+    /// means for a clustered kernel launched after it.
+    pub early_trigger: bool,
+}
+
+/// The `__device__` global `name` of `module` (its address and size; looking it up queues nothing
+/// on `stream`), or `None` where the module defines no such global.
+pub(super) fn module_symbol<'a>(
+    module: &'a Arc<CudaModule>,
+    name: &str,
+    stream: &'a Arc<CudaStream>,
+) -> Result<Option<cudarc::driver::CudaViewMut<'a, u8>>> {
+    match module.get_global(name, stream) {
+        Ok(sym) => Ok(Some(sym)),
+        Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_FOUND => Ok(None),
+        Err(e) => Err(e).call("cuModuleGetGlobal"),
+    }
+}
+
+impl Runtime {
+    /// Loads (compiling on first use, through the disk cache) one kernel entry point.
+    pub fn kernel(&self, src: &KernelSource, entry: &'static str) -> Result<Kernel> {
+        if let Some(k) = self.functions.lock().unwrap().get(&(src.file, entry)) {
+            return Ok(k.clone());
+        }
+        let mut modules = self.modules.lock().unwrap();
+        if !modules.contains_key(src.file) {
+            let t0 = std::time::Instant::now();
+            let defines = (self.defines.lock().unwrap().get(src.file))
+                .map(|d| crate::compile::define_options(d))
+                .unwrap_or_default();
+            let options: Vec<&str> = defines.iter().map(String::as_str).collect();
+            let (cubin, report, cached) =
+                crate::compile_cubin(src.file, src.source, &self.arch, &options)?;
+            self.bind()?;
+            let module = self
+                .ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                .call("cuModuleLoadData")?;
+            tracing::debug!(
+                "loaded kernels/{} for {} in {:?}{}",
+                src.file,
+                self.arch,
+                t0.elapsed(),
+                if cached { " (disk cache)" } else { "" }
+            );
+            modules.insert(src.file, (module, report));
+        }
+        let (module, _) = &modules[src.file];
+        let func = module
+            .load_function(entry)
+            .map_err(|_| Error::MissingEntry {
+                file: src.file.to_string(),
+                entry: entry.to_string(),
+            })?;
+        // Kernels may ask for dynamic shared memory up to the device's opt-in limit, less
+        // their static shared memory.
+        let static_bytes = func
+            .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            .call("cuFuncGetAttribute")?;
+        func.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            (self.shared_optin as i32 - static_bytes).max(0),
+        )
+        .call("cuFuncSetAttribute")?;
+        let max_threads = func
+            .get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
+            .call("cuFuncGetAttribute")? as u32;
+        // The lookups queue nothing on the stream they are given; a value is read on a
+        // short-lived stream of its own (non-blocking), made only for kernels that export one,
+        // so that loading an entry point while Stoke's stream is being captured into a graph
+        // adds nothing to the graph.
+        let global_u32 = |name: String| -> Result<Option<u32>> {
+            match module_symbol(module, &name, &self.stream)? {
+                Some(sym) if sym.len() == 4 => {
+                    let side = self.ctx.new_stream().call("cuStreamCreate")?;
+                    let bytes = side.clone_dtoh(&sym).call("cuMemcpyDtoH")?;
+                    Ok(Some(u32::from_le_bytes([
+                        bytes[0], bytes[1], bytes[2], bytes[3],
+                    ])))
+                }
+                Some(sym) => Err(Error::KernelResources {
+                    file: src.file.to_string(),
+                    entry: entry.to_string(),
+                    reason: format!("its {name} global is {} bytes, not a u32", sym.len()),
+                }),
+                None => Ok(None),
+            }
+        };
+        let dyn_smem = global_u32(format!("{entry}_dyn_smem"))?.unwrap_or(0);
+        let pdl = global_u32(format!("{entry}_pdl"))?.unwrap_or(0) != 0;
+        let cluster = global_u32(format!("{entry}_cluster"))?.unwrap_or(0) != 0;
+        let early_trigger = global_u32(format!("{entry}_early_trigger"))?.unwrap_or(0) != 0;
+        if dyn_smem as i32 > self.shared_optin as i32 - static_bytes {
+            return Err(Error::KernelResources {
+                file: src.file.to_string(),
+                entry: entry.to_string(),
+                reason: format!(
+                    "it needs {dyn_smem} bytes of dynamic shared memory beside {static_bytes} static; {} allows {} per CTA in all",
+                    self.name, self.shared_optin
+                ),
+            });
+        }
+        if dyn_smem > 0 {
+            // As much of the on-chip memory as shared memory as the driver allows: the kernels
+            // that bring dynamic shared memory size their grids by resident CTAs (a hint, in
+            // percent of the maximum).
+            func.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                100,
+            )
+            .call("cuFuncSetAttribute")?;
+        }
+        let kernel = Kernel {
+            func,
+            entry,
+            max_threads,
+            dyn_smem,
+            pdl,
+            cluster,
+            early_trigger,
+        };
+        self.functions
+            .lock()
+            .unwrap()
+            .insert((src.file, entry), kernel.clone());
+        Ok(kernel)
+    }
+
+    /// How many times `Runtime::set_defines` (feature `bench`) has changed what the kernels are
+    /// compiled with, 0 without that feature (choices measured on the kernels, such as the
+    /// W4A16 tuning, keep it in their keys).
+    pub fn defines_epoch(&self) -> u64 {
+        self.defines_epoch
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,164 @@
+//! Occupancy and the copy engine: resident CTAs and clusters of a kernel, tensor maps
+//! ([`TensorMap`]) and the device's L2 size, which the launch plans size their grids by.
+
+use super::launch::cluster_attribute;
+use super::{Kernel, MAX_CLUSTER_CTAS, Runtime};
+use crate::{DriverContext, Error, Result};
+use cudarc::driver::sys;
+
+/// A tensor map for the copy engine (the driver's opaque 128-byte `CUtensorMap`), passed to
+/// kernels by value (`__grid_constant__`), 64-byte aligned as the kernels declare it.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug)]
+pub struct TensorMap(pub [u64; 16]);
+
+impl Runtime {
+    /// Resident CTAs per SM of `kernel` launched with `block_threads` threads and its dynamic
+    /// shared memory (`Kernel::dyn_smem`): the occupancy calculator over its registers, shared
+    /// memory and launch bounds (cached). Launch plans size their grids by it.
+    pub fn resident_ctas(&self, kernel: &Kernel, block_threads: u32) -> Result<u32> {
+        let key = (kernel.entry, block_threads);
+        if let Some(n) = self.occupancy.lock().unwrap().get(&key) {
+            return Ok(*n);
+        }
+        self.bind()?;
+        let n = kernel
+            .func
+            .occupancy_max_active_blocks_per_multiprocessor(
+                block_threads,
+                kernel.dyn_smem as usize,
+                None,
+            )
+            .call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?
+            .max(1);
+        self.occupancy.lock().unwrap().insert(key, n);
+        Ok(n)
+    }
+
+    /// Whether `count` clusters of `cluster` CTAs of `kernel` (`block_threads` threads each)
+    /// can all be resident at once ([`Runtime::max_active_clusters`]). Never for a kernel not
+    /// built for clusters (`Kernel::cluster`) or a cluster of fewer than 2 or more than
+    /// [`MAX_CLUSTER_CTAS`] CTAs (the driver is not asked then).
+    pub fn clusters_fit(
+        &self,
+        kernel: &Kernel,
+        block_threads: u32,
+        cluster: (u32, u32, u32),
+        count: u64,
+    ) -> Result<bool> {
+        let ctas = cluster.0 * cluster.1 * cluster.2;
+        if !kernel.cluster || !(2..=MAX_CLUSTER_CTAS).contains(&ctas) {
+            return Ok(false);
+        }
+        let resident = self.max_active_clusters(kernel, block_threads, cluster)?;
+        Ok(count <= u64::from(resident))
+    }
+
+    /// Clusters of `cluster` CTAs of `kernel` (`block_threads` threads each, its dynamic shared
+    /// memory) the GPU holds resident at once: the driver's occupancy calculator for cluster
+    /// launches (cached), which counts where clusters fit in the GPU's processing clusters, so
+    /// it may be less than the resident CTAs divided by the cluster size.
+    pub fn max_active_clusters(
+        &self,
+        kernel: &Kernel,
+        block_threads: u32,
+        cluster: (u32, u32, u32),
+    ) -> Result<u32> {
+        let key = (kernel.entry, block_threads, cluster);
+        if let Some(n) = self.cluster_occupancy.lock().unwrap().get(&key) {
+            return Ok(*n);
+        }
+        self.bind()?;
+        let mut attr = cluster_attribute(cluster);
+        let config = sys::CUlaunchConfig {
+            gridDimX: cluster.0,
+            gridDimY: cluster.1,
+            gridDimZ: cluster.2,
+            blockDimX: block_threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: kernel.dyn_smem,
+            hStream: self.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: the function is loaded in this context, the config and its attribute outlive
+        // the call, and `n` is a valid out pointer.
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, kernel.func.cu_function(), &config) }
+            .result()
+            .call("cuOccupancyMaxActiveClusters")?;
+        let n = n.max(0) as u32;
+        self.cluster_occupancy.lock().unwrap().insert(key, n);
+        Ok(n)
+    }
+
+    /// A tensor map for the copy engine over a row-major bf16 matrix of `rows` x `cols` at
+    /// `ptr`, seen as 3-D (`box_cols` columns, rows, column blocks of `box_cols`): boxes of
+    /// `box_cols` x `box_rows` x `box_blocks` consecutive column blocks, landing in shared
+    /// memory block after block (each `box_rows` rows of `box_cols` columns), 128-byte swizzle
+    /// (`box_cols * 2` must be 128 or less and divide `cols * 2`), elements past the matrix
+    /// read as zeros. `ptr` must be 16-byte aligned and the row pitch (`cols * 2`) a multiple
+    /// of 16.
+    pub fn bf16_tensor_map(
+        &self,
+        ptr: u64,
+        rows: u32,
+        cols: u32,
+        box_rows: u32,
+        box_cols: u32,
+        box_blocks: u32,
+    ) -> Result<TensorMap> {
+        if !ptr.is_multiple_of(16)
+            || (u64::from(cols) * 2) % 16 != 0
+            || box_cols == 0
+            || box_cols * 2 > 128
+            || !box_cols.is_multiple_of(8)
+            || !cols.is_multiple_of(box_cols)
+        {
+            return Err(Error::Shape(format!(
+                "tensor map of a bf16 [{rows}, {cols}] matrix at {ptr:#x} (box {box_rows} x {box_cols} x {box_blocks}): needs a 16-byte aligned address, a row pitch that is a multiple of 16 bytes and boxes at most 128 bytes wide, a multiple of 16 bytes, dividing the row"
+            )));
+        }
+        self.bind()?;
+        let mut map = TensorMap([0; 16]);
+        let dims: [u64; 3] = [
+            u64::from(box_cols),
+            u64::from(rows),
+            u64::from(cols / box_cols),
+        ];
+        let strides: [u64; 2] = [u64::from(cols) * 2, u64::from(box_cols) * 2];
+        let boxes: [u32; 3] = [box_cols, box_rows, box_blocks];
+        let elem: [u32; 3] = [1, 1, 1];
+        // SAFETY: `map` is 64-byte aligned and 128 bytes (the driver's CUtensorMap); the arrays
+        // have the rank's lengths (strides: rank - 1) and outlive the call.
+        unsafe {
+            sys::cuTensorMapEncodeTiled(
+                (&mut map as *mut TensorMap).cast::<sys::CUtensorMap>(),
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                3,
+                ptr as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                elem.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        }
+        .result()
+        .call("cuTensorMapEncodeTiled")?;
+        Ok(map)
+    }
+
+    /// The device's L2 cache size in bytes.
+    pub fn l2_bytes(&self) -> Result<usize> {
+        let b = self
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+            .call("cuDeviceGetAttribute")?;
+        Ok(b.max(0) as usize)
+    }
+}
