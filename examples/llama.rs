@@ -7,7 +7,7 @@
 use burn::tensor::DType;
 use clap::{Parser, ValueEnum};
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use stoke::FusedOps;
 use stoke_llama::generate::{self, SamplingConfig};
@@ -204,7 +204,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
 
 fn generate_on<B: FusedOps>(
     args: &Args,
-    path: &PathBuf,
+    path: &Path,
     dtype: DType,
     device: B::Device,
 ) -> Result<(), Box<dyn std::error::Error>> {

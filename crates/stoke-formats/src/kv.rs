@@ -350,12 +350,28 @@ pub fn rotation_experiment(
         let (c, s) = quantize_fp8(x, d)?;
         Ok(dequantize_fp8(&c, &s, d))
     };
-    let run = |quant: &dyn Fn(&[f32], bool) -> Result<Vec<f32>, KvError>| -> Result<RotationErrors, KvError> {
-        let unrotated = rel(&decode_attention(&q, &quant(&k, true)?, &quant(&v, false)?, heads, kv_heads, d));
+    type Quant<'a> = &'a dyn Fn(&[f32], bool) -> Result<Vec<f32>, KvError>;
+    let run = |quant: Quant| -> Result<RotationErrors, KvError> {
+        let unrotated = rel(&decode_attention(
+            &q,
+            &quant(&k, true)?,
+            &quant(&v, false)?,
+            heads,
+            kv_heads,
+            d,
+        ));
         let (mut kr, mut vr) = (k.clone(), v.clone());
         hadamard(&mut kr, d, block)?;
         hadamard(&mut vr, d, block)?;
-        let o = decode_attention_rotated(&q, &quant(&kr, true)?, &quant(&vr, false)?, heads, kv_heads, d, block)?;
+        let o = decode_attention_rotated(
+            &q,
+            &quant(&kr, true)?,
+            &quant(&vr, false)?,
+            heads,
+            kv_heads,
+            d,
+            block,
+        )?;
         Ok(RotationErrors {
             unrotated,
             rotated: rel(&o),

@@ -17,6 +17,7 @@ pub struct Perplexity {
 
 /// Perplexity of `model` on `text` (with the KV cache stored in `cache_quant`'s format when
 /// given); `Err` if the text has fewer than `windows * window` tokens.
+#[allow(clippy::too_many_arguments)]
 pub fn perplexity<B: FusedOps>(
     model: &Llama<B>,
     tokenizer: &Tokenizer,

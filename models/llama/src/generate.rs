@@ -154,6 +154,7 @@ pub fn chatml(prompt: &str) -> String {
 
 /// Generates a completion for each prompt, as one batch. `on_text(i, piece)` receives decoded
 /// text of sequence `i` as soon as it is complete (whole UTF-8 characters, stop strings cut).
+#[allow(clippy::too_many_arguments)]
 pub fn generate<B: FusedOps>(
     model: &Llama<B>,
     tokenizer: &Tokenizer,

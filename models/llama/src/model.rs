@@ -233,6 +233,7 @@ pub struct Attention<B: Backend> {
 impl<B: Backend> Attention<B> {
     /// `x: [batch, seq, hidden]`; writes the new keys/values at each sequence's `starts[b]`
     /// and attends over `mask` (`true` = hidden) of shape `[batch, 1, seq, keys]`.
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: Tensor<B, 3>,
@@ -272,10 +273,12 @@ impl<B: Backend> Attention<B> {
         let (kc, vc) = cache;
         for (i, &start) in starts.iter().enumerate() {
             let rows = [i..i + 1, 0..kvh, start..start + s, 0..d];
-            *kc = kc
-                .clone()
-                .slice_assign(rows.clone(), k.clone().slice([i..i + 1]));
-            *vc = vc.clone().slice_assign(rows, v.clone().slice([i..i + 1]));
+            // Burn's `slice` takes one range per leading dimension: a one-element array is the
+            // first dimension's range, not a range to collect.
+            #[allow(clippy::single_range_in_vec_init)]
+            let (ki, vi) = (k.clone().slice([i..i + 1]), v.clone().slice([i..i + 1]));
+            *kc = kc.clone().slice_assign(rows.clone(), ki);
+            *vc = vc.clone().slice_assign(rows, vi);
         }
         let keys = mask.dims()[3];
         let expand = |t: Tensor<B, 4>| {

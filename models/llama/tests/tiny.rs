@@ -141,7 +141,7 @@ fn logits_match_an_f64_reference_with_gqa_tied_and_untied() {
         assert_eq!(loaded.config.tie_word_embeddings, tied);
         let tokens = vec![3usize, 141, 59, 26, 5, 35, 8, 97];
         let mut cache = KvCache::for_model(&loaded.model, 1, 64, DType::F32, &Default::default());
-        let got = logits(&loaded.model, &[tokens.clone()], &mut cache);
+        let got = logits(&loaded.model, std::slice::from_ref(&tokens), &mut cache);
         let want: Vec<f64> = reference_forward(&TINY, &w, &tokens).concat();
         let err = relative_error(&got, &want);
         assert!(err < 1e-5, "tied={tied}: relative error {err:e}");
@@ -157,7 +157,7 @@ fn incremental_decoding_matches_the_full_forward() {
         .model;
     let tokens = vec![1usize, 2, 3, 250, 17, 42, 9];
     let mut full_cache = KvCache::for_model(&m, 1, 64, DType::F32, &Default::default());
-    let full = logits(&m, &[tokens.clone()], &mut full_cache);
+    let full = logits(&m, std::slice::from_ref(&tokens), &mut full_cache);
     let mut cache = KvCache::for_model(&m, 1, 64, DType::F32, &Default::default());
     let mut steps = logits(&m, &[tokens[..3].to_vec()], &mut cache);
     for &t in &tokens[3..] {
@@ -182,7 +182,7 @@ fn a_batch_of_different_lengths_matches_each_sequence_alone() {
     let v = TINY.vocab;
     for (i, s) in seqs.iter().enumerate() {
         let mut alone_cache = KvCache::for_model(&m, 1, 64, DType::F32, &Default::default());
-        let alone = logits(&m, &[s.clone()], &mut alone_cache);
+        let alone = logits(&m, std::slice::from_ref(s), &mut alone_cache);
         let got = &batched[i * 5 * v..(i * 5 + s.len()) * v];
         assert!(relative_error(got, &alone) < 1e-5, "sequence {i} prefill");
         let alone_next = logits(&m, &[vec![11 + i]], &mut alone_cache);

@@ -50,8 +50,8 @@ pub fn runtime_status<I: Backend>(device: &I::Device) -> Result<Arc<Runtime>, Un
     if !inner_is_cuda::<I>() {
         return Err(Unavailable::InnerBackend);
     }
-    static RUNTIMES: OnceLock<Mutex<HashMap<usize, Result<Arc<Runtime>, Unavailable>>>> =
-        OnceLock::new();
+    type Runtimes = HashMap<usize, Result<Arc<Runtime>, Unavailable>>;
+    static RUNTIMES: OnceLock<Mutex<Runtimes>> = OnceLock::new();
     let ordinal = device.id().index_id as usize;
     let mut map = RUNTIMES.get_or_init(Default::default).lock().unwrap();
     map.entry(ordinal)
