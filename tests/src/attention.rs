@@ -237,11 +237,6 @@ const KERNEL_TOLERANCE: f64 = 5e-3;
 /// quantizer; and the outlier experiment with and without the rotation.
 pub fn decode_attention_matches_reference() -> Result<Value, String> {
     let rt = crate::gpu()?;
-    crate::bench::test_each_variant(&rt, DECODE_ATTENTION.file, attention_matches_reference)
-}
-
-fn attention_matches_reference() -> Result<Value, String> {
-    let rt = crate::gpu()?;
     rt.set_poison_allocations(true);
     let seed = crate::seed();
     let mut rng = StdRng::seed_from_u64(seed);
@@ -557,28 +552,19 @@ impl BenchStep {
 }
 
 /// Decode attention (one launch: the splits and their merge) for each shape, point and
-/// format: µs, cache bytes read per second, share of the same run's copy rate; then, with the
-/// shipped kernels, a sweep of forced split counts around the plan's at two points.
+/// format: µs, cache bytes read per second, share of the same run's copy rate; then a sweep of
+/// forced split counts around the plan's at a few points.
 pub fn bench(copy_gbps: f64) -> Value {
     let rt = crate::gpu().expect("GPU");
-    let (mut rows, mut regs) = (Vec::new(), Vec::new());
+    let mut rows = Vec::new();
     // The fastest one launch reads each point's cache bytes once, by byte count.
     let mut reads = std::collections::HashMap::new();
-    crate::bench::for_each_variant(&rt, DECODE_ATTENTION.file, |variant| {
-        bench_variant(&rt, copy_gbps, variant, &mut rows, &mut reads);
-        if variant.is_empty() {
-            // The shipped kernels' resources (a variant's module replaces them).
-            regs = crate::bench::kernel_reports(&rt, DECODE_ATTENTION.file);
-        }
-    });
+    bench_points(&rt, copy_gbps, &mut rows, &mut reads);
+    // The kernels' resources (ptxas).
+    let regs = crate::bench::kernel_reports(&rt, DECODE_ATTENTION.file);
     let mut sweep = Vec::new();
     let mut rng = StdRng::seed_from_u64(12);
-    // STOKE_ATTN_SWEEP=0 leaves the sweep out (a run that times variants only).
-    let sweep_points = match std::env::var("STOKE_ATTN_SWEEP").as_deref() {
-        Ok("0") => &[][..],
-        _ => SPLIT_SWEEP,
-    };
-    for (shape, batch, ctx, counts) in sweep_points {
+    for (shape, batch, ctx, counts) in SPLIT_SWEEP {
         let (name, heads, kvh, d) = BENCH_SHAPES[*shape];
         for format in [KvFormat::Bf16, KvFormat::Int4] {
             for &s in *counts {
@@ -676,11 +662,11 @@ fn time_point(
     }
 }
 
-/// The benchmark points with the kernels as compiled now; rows of a variant carry its defines.
-fn bench_variant(
+/// Every benchmark shape, point and format, timed with the plan's split count, beside the
+/// same-size read of the memory roofline.
+fn bench_points(
     rt: &Arc<Runtime>,
     copy_gbps: f64,
-    variant: &str,
     rows: &mut Vec<Value>,
     // The read probe's (best, loads' best, copy engine's best) µs by byte count.
     reads: &mut std::collections::HashMap<usize, (f64, f64, f64)>,
@@ -688,13 +674,7 @@ fn bench_variant(
     let mut rng = StdRng::seed_from_u64(11);
     for &(name, heads, kvh, d) in BENCH_SHAPES {
         for &(batch, ctx) in BENCH_POINTS {
-            if !variant.is_empty() && !variant_point(batch, ctx) {
-                continue;
-            }
             for format in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int4] {
-                if !variant_times(variant, format) {
-                    continue;
-                }
                 let block = if format == KvFormat::Bf16 { 0 } else { d };
                 let t = time_point(rt, &mut rng, (heads, kvh, d), batch, ctx, format, None);
                 let (us, host_us, bytes) = (t.us, t.host_us, t.bytes);
@@ -708,117 +688,19 @@ fn bench_variant(
                 "format": format.name(), "block": block, "us": us, "host_us": host_us, "bytes": bytes, "gbps": gbps,
                 "of_copy": gbps / copy_gbps, "copies": t.copies, "stream_us": t.stream_us, "splits": t.splits,
                 "cluster": t.cluster});
-                if variant.is_empty() {
-                    // The memory side of the roofline: one launch reading the same bytes once.
-                    let (read_us, load_us, bulk_us) = *reads.entry(bytes).or_insert_with(|| {
-                        let r = crate::bench::same_size_read(rt, bytes);
-                        (r.us, r.load_us, r.bulk_us)
-                    });
-                    row["same_size_read_us"] = json!(read_us);
-                    row["of_same_size_read"] = json!(read_us / us);
-                    row["same_size_read_load_us"] = json!(load_us);
-                    row["same_size_read_bulk_us"] = json!(bulk_us);
-                } else {
-                    row["defines"] = json!(variant);
-                    if variant.contains("STOKE_ATTN_TRACE=1") {
-                        // The timeline of the last timed launch (t.splits x kv heads x batch CTAs).
-                        row["trace"] = launch_trace(rt, t.splits * kvh * batch);
-                    }
-                }
+                // The memory side of the roofline: one launch reading the same bytes once.
+                let (read_us, load_us, bulk_us) = *reads.entry(bytes).or_insert_with(|| {
+                    let r = crate::bench::same_size_read(rt, bytes);
+                    (r.us, r.load_us, r.bulk_us)
+                });
+                row["same_size_read_us"] = json!(read_us);
+                row["of_same_size_read"] = json!(read_us / us);
+                row["same_size_read_load_us"] = json!(load_us);
+                row["same_size_read_bulk_us"] = json!(bulk_us);
                 rows.push(row);
             }
         }
     }
-}
-
-/// Words per CTA of the kernel's trace (`ATTN_TRACE_WORDS`) and the points they record, in
-/// order (`TraceAt`), the SM and flags last.
-const TRACE_WORDS: usize = 8;
-const TRACE_POINTS: [&str; 6] = ["start", "streamed", "merged", "arrived", "records", "end"];
-
-/// The kernel's per-CTA timeline of its last launch (`STOKE_ATTN_TRACE=1`): the %globaltimer
-/// ns of each point a CTA passed (start, past its last tile, warps merged, arrival counted,
-/// every split's records in, end), relative to the first CTA's start (-1: not passed), its SM
-/// and flags; with a summary in µs of each point's quantiles (0, 10, 50, 90, 100%) over the
-/// CTAs that passed it, and over the CTAs that merged the splits (flag 1).
-fn launch_trace(rt: &Arc<Runtime>, ctas: u32) -> Value {
-    let words = match rt.module_global(DECODE_ATTENTION.file, "decode_attn_trace") {
-        Ok(Some(bytes)) => bytes
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
-            .collect::<Vec<u64>>(),
-        Ok(None) => return json!({"error": "no decode_attn_trace global in the module"}),
-        Err(e) => return json!({"error": e.to_string()}),
-    };
-    let n = (ctas as usize).min(words.len() / TRACE_WORDS);
-    let word = |i: usize, w: usize| words[TRACE_WORDS * i + w];
-    let t0 = (0..n).map(|i| word(i, 0)).min().unwrap_or(0);
-    let sm_flags: Vec<u64> = (0..n).map(|i| word(i, TRACE_POINTS.len())).collect();
-    let at = |w: usize| -> Vec<i64> {
-        (0..n)
-            .map(|i| match word(i, w) {
-                0 => -1,
-                t => t.saturating_sub(t0) as i64,
-            })
-            .collect()
-    };
-    let quantiles = |v: &[i64], keep: &dyn Fn(usize) -> bool| -> Value {
-        let mut s: Vec<i64> = (0..v.len())
-            .filter(|&i| keep(i) && v[i] >= 0)
-            .map(|i| v[i])
-            .collect();
-        if s.is_empty() {
-            return Value::Null;
-        }
-        s.sort_unstable();
-        let q = |f: f64| s[((s.len() - 1) as f64 * f).round() as usize] as f64 / 1e3;
-        json!([q(0.0), q(0.1), q(0.5), q(0.9), q(1.0)])
-    };
-    let merging = |i: usize| sm_flags[i] >> 16 & 1 == 1;
-    let mut summary = serde_json::Map::new();
-    let mut per_cta = serde_json::Map::new();
-    for (w, name) in TRACE_POINTS.iter().enumerate() {
-        let v = at(w);
-        summary.insert(format!("{name}_us"), quantiles(&v, &|_| true));
-        summary.insert(format!("{name}_us_merging"), quantiles(&v, &merging));
-        per_cta.insert(format!("{name}_ns"), json!(v));
-    }
-    summary.insert("ctas".into(), json!(n));
-    println!("  trace: {}", Value::Object(summary.clone()));
-    per_cta.insert("sm_flags".into(), json!(sm_flags));
-    json!({"summary": summary, "per_cta": per_cta})
-}
-
-/// Whether the variants' benchmark times the point (batch, ctx): all, or those listed in
-/// `STOKE_ATTN_VARIANT_POINTS` as `BxCTX` (e.g. `1x1024,1x32768`), to time variants that only
-/// change split launches at those points alone.
-fn variant_point(batch: u32, ctx: u32) -> bool {
-    point_listed(
-        std::env::var("STOKE_ATTN_VARIANT_POINTS").ok().as_deref(),
-        batch,
-        ctx,
-    )
-}
-
-fn point_listed(list: Option<&str>, batch: u32, ctx: u32) -> bool {
-    let Some(list) = list.filter(|l| !l.trim().is_empty()) else {
-        return true;
-    };
-    let want = format!("{batch}x{ctx}");
-    list.split(',').any(|p| p.trim() == want)
-}
-
-/// Whether a variant's benchmark times `format`: a variant whose every knob names the INT4
-/// kernels (`..._INT4`) leaves the BF16 and FP8 kernels as shipped, so only INT4 is timed; the
-/// same for the BF16 kernels (`..._BF16`).
-fn variant_times(variant: &str, format: KvFormat) -> bool {
-    let only = |suffix: &str| {
-        !variant.is_empty()
-            && variant
-                .split(',')
-                .all(|d| d.split('=').next().unwrap_or("").trim().ends_with(suffix))
-    };
-    (!only("_INT4") || format == KvFormat::Int4) && (!only("_BF16") || format == KvFormat::Bf16)
 }
 
 /// A few decode-attention launches to run under a profiler (`ncu`): the named benchmark shape
@@ -843,36 +725,5 @@ pub fn profile_launches(shape: &str, batch: u32, ctx: u32, formats: &[String]) {
         }
         rt.synchronize().unwrap();
         println!("profiled {shape} b {batch} ctx {ctx} {}", format.name());
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn variant_points_filter() {
-        assert!(point_listed(None, 32, 4096));
-        assert!(point_listed(Some(""), 32, 4096));
-        assert!(point_listed(Some("1x1024, 1x32768"), 1, 32768));
-        assert!(!point_listed(Some("1x1024,1x32768"), 32, 4096));
-        assert!(!point_listed(Some("1x1024"), 11, 1024));
-    }
-
-    #[test]
-    fn int4_only_variants_time_only_int4() {
-        let int4 = "STOKE_ATTN_WARPS_INT4=6,STOKE_ATTN_MIN_CTAS_INT4=2";
-        assert!(variant_times(int4, KvFormat::Int4));
-        assert!(!variant_times(int4, KvFormat::Bf16));
-        assert!(!variant_times(int4, KvFormat::Fp8));
-        for v in [
-            "",
-            "STOKE_ATTN_WARPS=6",
-            "STOKE_ATTN_WARPS=6,STOKE_ATTN_TILES_INT4=3",
-        ] {
-            for f in [KvFormat::Bf16, KvFormat::Fp8, KvFormat::Int4] {
-                assert!(variant_times(v, f), "{v} {f:?}");
-            }
-        }
     }
 }

@@ -221,9 +221,8 @@ impl DeviceKvCache {
             let arrived = rt.zeroed_scratch(batch as usize * self.kv_heads as usize * 4)?;
             Some((
                 rt.alloc(items * self.d as usize * 4)?,
-                // Records of (max, sum) or, with the kernel's STOKE_ATTN_PARTIAL_F16, (max,
-                // sum, scale, -): room for the larger.
-                rt.alloc(items * 16)?,
+                // Records of (max, sum).
+                rt.alloc(items * 8)?,
                 arrived,
             ))
         } else {
@@ -275,8 +274,8 @@ impl DeviceKvCache {
     /// The attention kernel of this cache and its split-KV plan for `batch` sequences of at
     /// most `max_len` keys (`forced`: that many splits, [`forced_split`]): (kernel, keys per
     /// split, splits, cluster). Split launches whose clusters fit run on the cluster entry point
-    /// as clusters of their splits. The block size is the kernel's launch bounds (warps per CTA
-    /// are a kernel knob).
+    /// as clusters of their splits. The block size is the kernel's launch bounds (its warps per
+    /// CTA, chosen per format in the kernel file).
     #[allow(clippy::type_complexity)]
     fn attn_plan(
         &self,
@@ -292,7 +291,7 @@ impl DeviceKvCache {
         let err = crate::FirstError::default();
         // A launch of `s` splits forms clusters where every (sequence, kv head)'s cluster is
         // resident at once (a waiting cluster would hold its finished CTAs' slots), on an entry
-        // point built with the cluster merge (`<entry>_cluster`, STOKE_ATTN_CLUSTER).
+        // point built with the cluster merge (its `<entry>_cluster` global).
         let clusters = u64::from(batch) * u64::from(self.kv_heads);
         let fits = |s: u32| err.ask(|| rt.clusters_fit(&cl, cl.max_threads, (s, 1, 1), clusters));
         let (chunk, splits) = match forced {

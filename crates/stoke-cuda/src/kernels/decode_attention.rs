@@ -1,5 +1,6 @@
 //! Decode attention and KV-cache append: params mirrors and launch plan for
-//! `kernels/decode_attention.cu` (its header documents the formats and the algorithm).
+//! `kernels/decode_attention.cu` (its header documents the formats, the algorithm and why it is
+//! built that way; `kernels/decode_attention.cuh` holds its building blocks).
 //!
 //! This module depends on nothing but `std`.
 
@@ -51,7 +52,8 @@ pub struct AttnParams {
     pub scale: f32,
 }
 
-/// `kernels/decode_attention.cu`, compiled with NVRTC.
+/// `kernels/decode_attention.cu`, compiled with NVRTC (with `decode_attention.cuh` and
+/// `cluster.cuh` written in place of its includes).
 pub const SOURCE: &str = include_str!("../../../../kernels/decode_attention.cu");
 
 /// Every `extern "C"` entry point in [`SOURCE`].
@@ -185,7 +187,7 @@ pub fn attn_entry(format: KvFormat, d: u32) -> &'static str {
 }
 
 /// The entry point of a cache format and head dim whose split launches are clusters of their
-/// 2-8 splits (`<entry>_cl`, STOKE_ATTN_CLUSTER).
+/// 2-8 splits (`<entry>_cl`), merging through distributed shared memory.
 pub fn attn_cluster_entry(format: KvFormat, d: u32) -> &'static str {
     ENTRY_POINTS[7 + 2 * format as usize + usize::from(d == 128)]
 }

@@ -24,6 +24,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         "mbarrier.cuh",
         include_str!("../../../../kernels/mbarrier.cuh"),
     ),
+    (
+        "decode_attention.cuh",
+        include_str!("../../../../kernels/decode_attention.cuh"),
+    ),
 ];
 
 /// `source` with each `#include "NAME"` line naming one of [`HEADERS`] replaced by that header's
