@@ -103,12 +103,8 @@
 //   - Programmatic dependent launch for the mirrors only: 1-5% faster for them, but BF16 was
 //     slower with it at batch 32 (and at 8B, context 32k), so BF16 stays in stream order.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-typedef unsigned long long u64;
+#include "ptx.cuh"
 
-#include "cluster.cuh"
 
 enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
 
@@ -176,7 +172,7 @@ __device__ __forceinline__ void append_row(const AppendParams& p, u32 b, u32 h, 
     const KvCache& m = p.mirror;
     float x[E];
 #pragma unroll
-    for (int e = 0; e < E; ++e) x[e] = bf16_to_f32(u16(w[e / 2] >> (16 * (e % 2))));
+    for (int e = 0; e < E; ++e) x[e] = bf16_lo(u16(w[e / 2] >> (16 * (e % 2))));
     hadamard_regs<D>(x, p.block, lane);
     float amax = 0.0f;
 #pragma unroll
@@ -307,7 +303,7 @@ template <int FMT, int D>
 __device__ __forceinline__ void attn_pdl_prologue(const AttnParams& p) {
     using S = AttnShape<FMT, D>;
     if (!S::PDL) return;
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    griddep_launch_dependents();
     constexpr int KB = row_bytes<FMT, D>();
     constexpr int LINES = 16 * S::TILES * KB / 128;  // 128-byte lines per batch of a warp
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -325,7 +321,7 @@ __device__ __forceinline__ void attn_pdl_prologue(const AttnParams& p) {
         prefetch_l2(static_cast<const u8*>(c.k) + at);
         prefetch_l2(static_cast<const u8*>(c.v) + at);
     }
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    griddep_wait();
 }
 
 // A split launch without a cluster: counts this split's arrival at (b, kvh) and sets `last` (shared)
@@ -451,7 +447,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         if (h >= MAX_GROUP) break;
         float x[E];
 #pragma unroll
-        for (int e = 0; e < E; ++e) x[e] = h < group ? bf16_to_f32(u16(qraw[r][e / 2] >> (16 * (e % 2)))) : 0.0f;
+        for (int e = 0; e < E; ++e) x[e] = h < group ? bf16_lo(u16(qraw[r][e / 2] >> (16 * (e % 2)))) : 0.0f;
         if (F16) hadamard_regs<D>(x, p.block, lane);
         store_floats<E>(&qs[h][QsRow<D>::pos(lane * E)], x);
     }
@@ -467,7 +463,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         float qf;
         operand_values<FMT>(R, e0, e1, qf);
         auto dim = [&](int e) { return (e / KE) * 4 * KE + int(t) * KE + e % KE; };
-        const u32 h2 = pack2<F16>(qs[g][QsRow<D>::pos(dim(e0))] * qscale * qf, qs[g][QsRow<D>::pos(dim(e1))] * qscale * qf);
+        const u32 h2 = pack_x2<F16>(qs[g][QsRow<D>::pos(dim(e0))] * qscale * qf, qs[g][QsRow<D>::pos(dim(e1))] * qscale * qf);
         qa[R / 2][R % 2] = h2;
         if (FMT == FMT_INT4) {
             float lo, hi;
@@ -504,7 +500,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             k_operand<FMT, D>(r.k[0], ka);
             k_operand<FMT, D>(r.k[1], kb);
 #pragma unroll
-            for (int j = 0; j < D / 16; ++j) mma16816<F16>(sc, ka[2 * j], kb[2 * j], ka[2 * j + 1], kb[2 * j + 1], qa[j][0], qa[j][1]);
+            for (int j = 0; j < D / 16; ++j) mma_m16n8k16<F16>(sc, ka[2 * j], kb[2 * j], ka[2 * j + 1], kb[2 * j + 1], qa[j][0], qa[j][1]);
             const float ks0 = F16 ? r.ks[0][0] * (sscale * LOG2E) : sscale * LOG2E;
             const float ks1 = F16 ? r.ks[1][0] * (sscale * LOG2E) : sscale * LOG2E;
             float s4[4] = {sc[0] * ks0, sc[1] * ks0, sc[2] * ks1, sc[3] * ks1};
@@ -549,11 +545,11 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             l[0] += pr[0] + pr[2];
             l[1] += pr[1] + pr[3];
             const float vs0 = F16 ? r.ks[0][1] * VSF : 1.0f, vs1 = F16 ? r.ks[1][1] * VSF : 1.0f;
-            const u32 pb0 = movmatrix_trans(pack2<F16>(pr[0] * vs0, pr[1] * vs0));
-            const u32 pb1 = movmatrix_trans(pack2<F16>(pr[2] * vs1, pr[3] * vs1));
+            const u32 pb0 = movmatrix_trans(pack_x2<F16>(pr[0] * vs0, pr[1] * vs0));
+            const u32 pb1 = movmatrix_trans(pack_x2<F16>(pr[2] * vs1, pr[3] * vs1));
             if (FMT == FMT_FP8) codes_to_tile<FMT, D, VP>(r, lane, vt);
             // BF16: the groups queued after this tile's slot may still be in flight.
-            if (FMT == FMT_BF16) cp_async_wait(TILES - 1 - t0);
+            if (FMT == FMT_BF16) cp_async_wait_n(TILES - 1 - t0);
             if (FMT == FMT_INT4) {
                 // V^T from registers: word j's bytes 0-1 / 2-3 of the four keys give m-tiles
                 // 4j + 2 hi and 4j + 2 hi + 1 (int4_key_pairs).
@@ -567,8 +563,8 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                         int4_key_pairs(v[j], v[VK + j], hi, a);
                         int4_key_pairs(v[2 * VK + j], v[3 * VK + j], hi, b);
                         const int n = 4 * j + 2 * hi;
-                        mma16816<F16>(o[n], a[0], a[1], b[0], b[1], pb0, pb1);
-                        mma16816<F16>(o[n + 1], a[2], a[3], b[2], b[3], pb0, pb1);
+                        mma_m16n8k16<F16>(o[n], a[0], a[1], b[0], b[1], pb0, pb1);
+                        mma_m16n8k16<F16>(o[n + 1], a[2], a[3], b[2], b[3], pb0, pb1);
                     }
             } else {
                 __syncwarp();
@@ -581,7 +577,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
                     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                                  : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
                                  : "r"(smem_u32(rowp)));
-                    mma16816<F16>(o[n], v0, v1, v2, v3, pb0, pb1);
+                    mma_m16n8k16<F16>(o[n], v0, v1, v2, v3, pb0, pb1);
                 }
                 __syncwarp();
             }

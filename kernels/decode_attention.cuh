@@ -4,13 +4,6 @@
 // its typedefs, cache formats and parameter structs; the runtime writes its text in place of
 // the include line before NVRTC compiles (kernels::expand_includes).
 
-__device__ __forceinline__ float bf16_to_f32(u16 v) { return __uint_as_float(u32(v) << 16); }
-
-__device__ __forceinline__ u16 f32_to_bf16(float f) {
-    u16 r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return r;
-}
 
 // Nearest E4M3 code of x (saturating, ties to even), as the hardware does it.
 __device__ __forceinline__ u32 f32_to_e4m3(float x) {
@@ -88,9 +81,9 @@ __device__ __forceinline__ void store_words(u16* p, const u32 (&w)[N]) {
 // E (2 or 4) floats as bf16 at p (aligned).
 template <int E>
 __device__ __forceinline__ void store_bf16(u16* p, const float (&x)[E]) {
-    const u32 w0 = u32(f32_to_bf16(x[0])) | (u32(f32_to_bf16(x[1])) << 16);
+    const u32 w0 = u32(to_bf16(x[0])) | (u32(to_bf16(x[1])) << 16);
     if (E == 4)
-        *reinterpret_cast<uint2*>(p) = make_uint2(w0, u32(f32_to_bf16(x[2 % E])) | (u32(f32_to_bf16(x[3 % E])) << 16));
+        *reinterpret_cast<uint2*>(p) = make_uint2(w0, u32(to_bf16(x[2 % E])) | (u32(to_bf16(x[3 % E])) << 16));
     else
         *reinterpret_cast<u32*>(p) = w0;
 }
@@ -147,33 +140,11 @@ __device__ __forceinline__ void load_words(const u8* p, u32* w) {
 // Decode attention: fragments, tile loads, shared-memory layouts
 // ---------------------------------------------------------------------------------------------
 
-template <bool F16>
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-    if (F16)
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    else
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 // The two halves (low, high) of an f16 pair as f32.
 __device__ __forceinline__ void f16x2_to_f32(u32 h2, float& lo, float& hi) {
     asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }" : "=f"(lo), "=f"(hi) : "r"(h2));
 }
 
-
-template <bool F16>
-__device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    if (F16)
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    else
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // Two E4M3 codes (bits 0-7 and 8-15 of v) to an f16 pair (exact).
 __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v) {
@@ -217,7 +188,6 @@ __device__ __forceinline__ u32 int4_value_dim(u32 g, u32 n, u32 half) { return g
 // 2t + 8, 2t + 9 (int4_key_pairs).
 __device__ __forceinline__ u32 int4_value_key(int kk) { return (kk & 1) + 8 * (kk >> 1); }
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
 // Raw cache words of one lane per 16-key tile, loaded before any of them is used (so a warp has
 // TILES tiles of loads in flight): the key slice of rows g and g + 8 of the tile (lane (g, t):
@@ -262,21 +232,6 @@ __device__ __forceinline__ void load_pieces(const u8* p, u32 stride, u32 (&w)[N]
     }
 }
 
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global" L2_PF " [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-
-// Waits until at most n of the calling thread's cp.async groups are pending (n is a constant
-// after unrolling; above 3 it waits for 3, which is stricter).
-__device__ __forceinline__ void cp_async_wait(int n) {
-    switch (n) {
-        case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
-        case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
-        case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
-        default: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
-    }
-}
-
 // cp.async of a tile's 16 rows of KB bytes, whole rows per instruction (lane: 16-byte chunk
 // lane % CPR of rows RPI i + lane / CPR), rows past k1 read row k0; dst(row, chunk) is the
 // chunk's shared-memory address.
@@ -288,7 +243,7 @@ __device__ __forceinline__ void copy_tile_rows(const void* src, u64 row0, u32 ba
     for (int i = 0; i < 16 / RPI; ++i) {
         const u32 kr = RPI * i + r0;
         const u64 row = row0 + (base + kr < k1 ? base + kr : k0);
-        cp_async16(dst(kr, col), static_cast<const u8*>(src) + row * KB + col * 16);
+        cp_async16_l2pf(dst(kr, col), static_cast<const u8*>(src) + row * KB + col * 16);
     }
 }
 
@@ -401,7 +356,7 @@ __device__ __forceinline__ void load_tile_fast(const u8* kp, const u8* vp, const
     if (FMT == FMT_BF16) {
         constexpr int RPI = 32 / (KB / 16);  // whole rows per instruction (see copy_tile_rows)
 #pragma unroll
-        for (int i = 0; i < 16 / RPI; ++i) cp_async16(vdst + RPI * i * VP * 2, vp + (ti * 16 + RPI * i) * KB);
+        for (int i = 0; i < 16 / RPI; ++i) cp_async16_l2pf(vdst + RPI * i * VP * 2, vp + (ti * 16 + RPI * i) * KB);
         return;
     }
     if (FMT == FMT_INT4) {  // vp: key row 2t of the batch, at the lane's bytes (load_tile)

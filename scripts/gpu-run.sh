@@ -5,9 +5,9 @@
 #   int4:  the W4A16 GEMM test and benchmark, then its PyTorch peers
 #   attention: the decode-attention test and benchmark, then the PyTorch SDPA peer
 #   pairs: a decode step's RMSNorm then the W4A16 GEMM it feeds (ordering test, then the pairs
-#          timed beside each kernel alone; rms_norm.cu variants through STOKE_KERNEL_VARIANTS)
+#          timed beside each kernel alone)
 #   int4-profile: Nsight Compute reports (OUTDIR/ncu-int4-profile.txt) of the W4A16 kernels on
-#          the named benchmark shapes at one row, every variant and word order
+#          the named benchmark shapes at one row, every kernel family and word order
 #   attention-profile [SHAPE --batch B --ctx C --formats int4]: the same for decode attention
 #          (OUTDIR/ncu-attention-profile.txt), the named formats (default all; two launches
 #          each, so NCU_LAUNCHES=6 covers three). NCU_KERNELS=REGEX picks the kernels profiled
@@ -15,13 +15,7 @@
 #          NCU_PEER='SHAPE BATCH CTX' it then profiles PyTorch SDPA's kernels at that point
 #          (OUTDIR/ncu-attention-peer.txt; NCU_PEER_KERNELS=REGEX, default flash|fmha|attn|sdpa|cudnn)
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
-#   Kernel variants: with STOKE_KERNEL_VARIANTS='NAME=V,NAME2=V2;NAME=V3' the int4 and
-#          attention benchmarks also time each variant (NVRTC defines; the knobs are at the
-#          top of each kernel file) beside the shipped kernels, rows tagged "defines".
-#          STOKE_BENCH_ONLY=1 skips the int4 / attention test (run it first with `test NAME`).
-#          STOKE_ATTN_VARIANT_POINTS=1x32768,8x1024 times attention variants at those points
-#          only; STOKE_ATTN_SWEEP=0 leaves out the attention split sweep. A variant with
-#          STOKE_ATTN_TRACE=1 also records each CTA's timeline (the rows' "trace").
+#   STOKE_BENCH_ONLY=1 skips the int4 / attention test (run it first with `test NAME`).
 #   llama: the SmolLM2 prefill/decode baseline alone (needs the model in STOKE_MODEL_CACHE)
 #   sanitize [TOOL...]: the GPU tests of every shipped kernel under compute-sanitizer, each
 #          TOOL (default: memcheck racecheck synccheck initcheck) on Stoke's kernels only

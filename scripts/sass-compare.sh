@@ -3,8 +3,9 @@
 # compiled here (no GPU) by the pinned NVRTC with the options the runtime uses.
 #
 # Usage: scripts/sass-compare.sh BASE_COMMIT [OUTDIR]
-#   Compiles the `kernels/*.cu` files of BASE_COMMIT and of the working tree (each with its own
-#   headers; `kernels/bench/` is not shipped and not compared), disassembles each cubin with
+#   Compiles the kernel files of BASE_COMMIT and of the working tree (`kernels/*.cu` and the
+#   benchmark-only `kernels/bench/*.cu`, each side with its own `kernels/*.cuh` headers),
+#   disassembles each cubin with
 #   cuobjdump, splits the SASS per entry point and prints one line per entry point:
 #     identical   same SASS: the same instructions and encodings (column padding ignored)
 #     differs     both have it, the SASS differs (OUTDIR/diff/<entry>.diff)
@@ -23,9 +24,17 @@ pre="$root/target/debug/stoke-precompile"
 
 rm -rf "$out"
 mkdir -p "$out/base/src" "$out/head"
+# Each side's kernel files flattened into one directory with its headers.
 git archive "$base" kernels | tar -x -C "$out/base/src"
-"$pre" --dir "$out/base/src/kernels" --cubin-out "$out/base/cubin" >/dev/null
-"$pre" --dir "$root/kernels" --cubin-out "$out/head/cubin" >/dev/null
+mkdir -p "$out/head/src"
+cp "$root"/kernels/*.cu "$root"/kernels/*.cuh "$out/head/src/"
+for side in base head; do
+    dir="$out/$side/src"
+    [ -d "$dir/kernels" ] && dir="$dir/kernels"
+    if [ -d "$dir/bench" ]; then cp "$dir"/bench/*.cu "$dir/"; fi
+    [ "$side" = head ] && [ -d "$root/kernels/bench" ] && cp "$root"/kernels/bench/*.cu "$dir/"
+    "$pre" --dir "$dir" --cubin-out "$out/$side/cubin" >/dev/null
+done
 
 for side in base head; do
     mkdir -p "$out/$side/sass"

@@ -8,7 +8,7 @@
 // The accumulators are written to out[global thread] only if their sum equals `never`, so the
 // work stays and nothing is stored.
 
-typedef unsigned int u32;
+#include "ptx.cuh"
 
 struct MmaRateParams {
     float* out;

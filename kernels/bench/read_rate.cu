@@ -16,10 +16,7 @@
 // of registers (the form a kernel staging its tiles through shared memory by the copy engine
 // would take). Block: 32 threads; dynamic shared memory stages x stage_bytes + 8 x stages.
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-#include "mbarrier.cuh"
+#include "ptx.cuh"
 
 struct ReadRateParams {
     const uint4* src;
@@ -32,7 +29,9 @@ struct ReadRateParams {
 };
 static_assert(sizeof(ReadRateParams) == 40, "ReadRateParams layout");
 
-__device__ __forceinline__ uint4 load_stream(const uint4* p, u64 policy) {
+// The weights' 16-byte load (ptx.cuh's load_stream), volatile so that every load is issued as
+// written whatever the use of its value.
+__device__ __forceinline__ uint4 load_stream_volatile(const uint4* p, u64 policy) {
     uint4 r;
     asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
@@ -55,12 +54,12 @@ __device__ __forceinline__ void read_rate(const ReadRateParams& p) {
     for (; i + u64(U - 1) * stride < end; i += u64(U) * stride) {
         uint4 v[U];
 #pragma unroll
-        for (int j = 0; j < U; ++j) v[j] = load_stream(p.src + i + u64(j) * stride, policy);
+        for (int j = 0; j < U; ++j) v[j] = load_stream_volatile(p.src + i + u64(j) * stride, policy);
 #pragma unroll
         for (int j = 0; j < U; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
     }
     for (; i < end; i += stride) {
-        const uint4 v = load_stream(p.src + i, policy);
+        const uint4 v = load_stream_volatile(p.src + i, policy);
         acc ^= v.x ^ v.y ^ v.z ^ v.w;
     }
     if (acc == p.never) p.out[u64(blockIdx.x) * blockDim.x + threadIdx.x] = acc;

@@ -30,40 +30,6 @@ fn filled(rt: &Arc<Runtime>, bytes: usize) -> DeviceBuffer {
     b
 }
 
-/// Kernel variants a benchmark times: first the shipped kernels (no defines), then each entry
-/// of `STOKE_KERNEL_VARIANTS`, `;`-separated lists of `,`-separated NVRTC defines (for
-/// example `STOKE_ATTN_TILES_INT4=2,STOKE_ATTN_MIN_CTAS=3;STOKE_ATTN_TILES_INT4=3`; the knobs
-/// are at the top of each kernel file). Returns (label, defines); the label of the shipped
-/// kernels is empty. Only the variants whose every define is a knob of `file` are kept, so one
-/// list can serve several kernel files.
-pub(crate) fn kernel_variants(file: &str) -> Vec<(String, Vec<String>)> {
-    let src = stoke_cuda::kernels::ALL.iter().find(|k| k.file == file);
-    let mut v = parse_variants(std::env::var("STOKE_KERNEL_VARIANTS").ok().as_deref());
-    v.retain(|(label, defines)| {
-        label.is_empty() || src.is_some_and(|s| defines.iter().all(|d| s.has_knob(d)))
-    });
-    v
-}
-
-fn parse_variants(list: Option<&str>) -> Vec<(String, Vec<String>)> {
-    let mut v = vec![(String::new(), Vec::new())];
-    v.extend(stoke_cuda::kernels::parse_define_sets(list.unwrap_or("")));
-    v
-}
-
-/// Times `body` for each of [`kernel_variants`] with `file` compiled accordingly (restoring the
-/// shipped kernels afterwards); `body` gets the variant's label.
-pub(crate) fn for_each_variant(rt: &Runtime, file: &'static str, mut body: impl FnMut(&str)) {
-    for (label, defines) in kernel_variants(file) {
-        rt.set_defines(file, &defines);
-        if !label.is_empty() {
-            println!("kernel variant {file}: {label}");
-        }
-        body(&label);
-    }
-    rt.set_defines(file, &[]);
-}
-
 /// ptxas resources of the loaded entry points of kernel file `file` (as compiled now).
 pub(crate) fn kernel_reports(rt: &Runtime, file: &str) -> Vec<Value> {
     rt.loaded_reports()
@@ -71,51 +37,6 @@ pub(crate) fn kernel_reports(rt: &Runtime, file: &str) -> Vec<Value> {
         .filter(|(f, _)| f == file)
         .map(|(_, r)| json!({"entry": r.entry, "registers": r.registers, "shared_bytes": r.shared_bytes, "spills": r.spill_store_bytes}))
         .collect()
-}
-
-/// A timing probe (a knob named `*_PROBE`): a variant that drops part of the kernel's work to
-/// split its time, so its results are wrong by design and the GPU tests skip it.
-fn is_probe(defines: &[String]) -> bool {
-    defines
-        .iter()
-        .any(|d| d.split('=').next().is_some_and(|n| n.ends_with("_PROBE")))
-}
-
-/// A GPU test over the shipped kernels and each of [`kernel_variants`] (so a variant the
-/// benchmark times has passed the same test): the shipped kernels' report, with the variants'
-/// reports under "variants". The first failure ends it, naming the variant.
-pub(crate) fn test_each_variant(
-    rt: &Runtime,
-    file: &'static str,
-    mut test: impl FnMut() -> Result<Value, String>,
-) -> Result<Value, String> {
-    let mut report = Value::Null;
-    let mut variants = Vec::new();
-    for (label, defines) in kernel_variants(file) {
-        if is_probe(&defines) {
-            println!(
-                "kernel variant `{label}`: skipped (a timing probe: its results are not meant to be correct)"
-            );
-            variants.push(json!({"defines": label, "skipped": "timing probe"}));
-            continue;
-        }
-        rt.set_defines(file, &defines);
-        let r = test();
-        if label.is_empty() {
-            report = r.inspect_err(|_| rt.set_defines(file, &[]))?;
-        } else {
-            let r = r.map_err(|e| {
-                rt.set_defines(file, &[]);
-                format!("kernel variant `{label}`: {e}")
-            })?;
-            variants.push(json!({"defines": label, "report": r}));
-        }
-    }
-    rt.set_defines(file, &[]);
-    if !variants.is_empty() {
-        report["variants"] = json!(variants);
-    }
-    Ok(report)
 }
 
 /// Median over `reps` of the mean µs per iteration of `body`, timed with events on Stoke's stream.
@@ -708,21 +629,4 @@ pub fn all() -> Result<Value, String> {
             "stack_bytes": r.stack_bytes, "spill_store_bytes": r.spill_store_bytes, "spill_load_bytes": r.spill_load_bytes,
         })).collect::<Vec<_>>(),
     }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_variants;
-
-    #[test]
-    fn kernel_variants_parse() {
-        assert_eq!(parse_variants(None), vec![(String::new(), vec![])]);
-        let v = parse_variants(Some("A=1, B=2; ;C=3"));
-        assert_eq!(v.len(), 3);
-        assert_eq!(
-            v[1],
-            ("A=1, B=2".to_string(), vec!["A=1".into(), "B=2".into()])
-        );
-        assert_eq!(v[2], ("C=3".to_string(), vec!["C=3".into()]));
-    }
 }

@@ -199,7 +199,8 @@ const ORDERS: [WordOrder; 2] = [WordOrder::KtMajor, WordOrder::SlabMajor];
 /// data with poisoned outputs.
 pub fn int4_gemm_matches_dequantized_reference() -> Result<Value, String> {
     let rt = crate::gpu()?;
-    crate::bench::test_each_variant(&rt, INT4_GEMM_SWAP.file, gemm_matches_reference)
+    drop(rt);
+    gemm_matches_reference()
 }
 
 fn gemm_matches_reference() -> Result<Value, String> {
@@ -548,8 +549,7 @@ pub fn bench(copy_gbps: f64) -> Value {
     let all = std::env::var("STOKE_INT4_BENCH").as_deref() == Ok("all");
     let orders: &[WordOrder] = if all { &ORDERS } else { &[WordOrder::KtMajor] };
     let rt = crate::gpu().expect("GPU");
-    let (mut rows, mut sweep, mut reads, mut regs) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut rows, mut sweep, mut reads) = (Vec::new(), Vec::new(), Vec::new());
     // The compute side of the roofline: each row's mma count at this rate.
     let mma = crate::bench::mma_rate(&rt);
     let mma_tflops = mma["mma_rate_c8"]["tflops"].as_f64().unwrap_or(0.0);
@@ -563,51 +563,38 @@ pub fn bench(copy_gbps: f64) -> Value {
         gib.load_us,
         gib.bulk_us
     );
-    crate::bench::for_each_variant(&rt, INT4_GEMM_SWAP.file, |variant| {
-        bench_variant(
-            &rt, copy_gbps, mma_tflops, orders, all, variant, &mut rows, &mut sweep, &mut reads,
-        );
-        if variant.is_empty() {
-            // The shipped kernels' resources (a variant's module replaces them).
-            regs = [INT4_GEMM_SWAP, INT4_GEMM_WG, INT4_GEMM_BATCHED]
-                .iter()
-                .flat_map(|s| crate::bench::kernel_reports(&rt, s.file))
-                .collect();
-        }
-    });
+    bench_shapes(
+        &rt, copy_gbps, mma_tflops, orders, all, &mut rows, &mut sweep, &mut reads,
+    );
+    let regs: Vec<Value> = [INT4_GEMM_SWAP, INT4_GEMM_WG, INT4_GEMM_BATCHED]
+        .iter()
+        .flat_map(|s| crate::bench::kernel_reports(&rt, s.file))
+        .collect();
     json!({ "copy_gbps": copy_gbps, "read_gbps": read_gbps, "read_1gib": gib.summary(), "mma_rate": mma, "runs": rows, "split_sweep": sweep,
         "same_size_read": reads, "kernels": regs })
 }
 
-/// The benchmark with the kernels as compiled now; rows of a variant carry its defines.
+/// The benchmark's rows over every shape.
 #[allow(clippy::too_many_arguments)]
-fn bench_variant(
+fn bench_shapes(
     rt: &Arc<Runtime>,
     copy_gbps: f64,
     mma_tflops: f64,
     orders: &[WordOrder],
     all: bool,
-    variant: &str,
     rows: &mut Vec<Value>,
     sweep: &mut Vec<Value>,
     reads: &mut Vec<Value>,
 ) {
     let rt = rt.clone();
     let mut rng = StdRng::seed_from_u64(7);
-    // A variant's rows may be limited to some kinds and rows (comma lists in
-    // STOKE_INT4_VARIANT_KINDS, e.g. `SwapAB`, and STOKE_INT4_VARIANT_ROWS, e.g. `1,8`), to time
-    // a knob of one kernel without the rest of the table.
-    let only = |var: &str, item: &str| {
-        variant.is_empty()
-            || std::env::var(var).map_or(true, |v| v.split(',').any(|s| s.trim() == item))
-    };
     for &(name, k, n) in BENCH_SHAPES {
         let weights: Vec<Vec<DeviceInt4>> = orders
             .iter()
             .map(|&o| bench_weights(&rt, &mut rng, k, n, o))
             .collect();
         // The ceiling for one launch streaming this matrix: a copy moving its bytes.
-        let copy_us = variant.is_empty().then(|| {
+        let copy_us = Some({
             let us = crate::bench::same_size_copy_us(&rt, weights[0][0].bytes());
             println!(
                 "int4 {name:<12} same-size copy ({} MB moved): {us:8.2} us ({:5.1}% of the copy rate)",
@@ -617,7 +604,7 @@ fn bench_variant(
             us
         });
         // The ceiling at one row: the fastest single launch reading the weight bytes once.
-        let read = variant.is_empty().then(|| {
+        let read = Some({
             let r = crate::bench::same_size_read(&rt, weights[0][0].bytes());
             let us = r.us;
             println!(
@@ -627,8 +614,10 @@ fn bench_variant(
                 r.load_us,
                 r.bulk_us
             );
-            reads.push(json!({ "shape": name, "bytes": weights[0][0].bytes(), "us": us,
-                "load_us": r.load_us, "bulk_us": r.bulk_us, "configs": r.configs }));
+            reads.push(
+                json!({ "shape": name, "bytes": weights[0][0].bytes(), "us": us,
+                "load_us": r.load_us, "bulk_us": r.bulk_us, "configs": r.configs }),
+            );
             us
         });
         for &m in BENCH_ROWS {
@@ -653,11 +642,6 @@ fn bench_variant(
                     (false, 0..=8) => "SwapAB",
                     (false, _) => "Batched",
                 };
-                if !only("STOKE_INT4_VARIANT_KINDS", kind)
-                    || !only("STOKE_INT4_VARIANT_ROWS", &m.to_string())
-                {
-                    continue;
-                }
                 for dws in &weights {
                     let dw = &dws[0];
                     let mut call = Int4Gemm::plain(xb.ptr(), m as u32, out.ptr());
@@ -734,9 +718,6 @@ fn bench_variant(
                         );
                         row["tuning_ms"] = json!(r.tuning_ms);
                     }
-                    if !variant.is_empty() {
-                        row["defines"] = json!(variant);
-                    }
                     // The kernel's mma.m16n8k16 count and their time at the same run's rate:
                     // batched, one per 16 rows, 16 k and 8 columns; swapped, one per 8 rows (16 at
                     // m <= 8), 16 k and 16 columns; warpgroup, one wgmma.m64nNk16 (N = 8, 16 or
@@ -789,11 +770,8 @@ fn bench_variant(
                         let us = time_gemm(&rt, dws, &call, 3).us;
                         let gbps = bytes as f64 / us / 1e3;
                         let cluster = cluster_splits(&rt, &l);
-                        let mut point = json!({"variant": kind, "order": format!("{:?}", dw.order), "shape": name, "m": m,
+                        let point = json!({"variant": kind, "order": format!("{:?}", dw.order), "shape": name, "m": m,
                             "splits": l.splits, "ctas": l.grid.0 * l.grid.1, "cluster": cluster, "us": us, "of_copy": gbps / copy_gbps});
-                        if !variant.is_empty() {
-                            point["defines"] = json!(variant);
-                        }
                         sweep.push(point);
                     }
                     let best = sweep

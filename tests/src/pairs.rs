@@ -155,9 +155,7 @@ const PAIR_ROWS: &[usize] = &[1, 8, 16];
 
 /// Times, per shape and row count, a graph of back-to-back (residual RMSNorm, GEMM) pairs, the
 /// norms alone and the GEMMs alone (weights rotated through >= 160 MB of copies, inputs through
-/// 4 sets), for the shipped kernels and each `rms_norm.cu` variant of `STOKE_KERNEL_VARIANTS`
-/// (`STOKE_RMS_PDL_TRIGGER=0`: the GEMM starts only after the norm ends). `overlap_us` =
-/// norm + GEMM - pair.
+/// 4 sets). `overlap_us` = norm + GEMM - pair.
 pub fn bench(copy_gbps: f64) -> Value {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(5);
@@ -171,7 +169,7 @@ pub fn bench(copy_gbps: f64) -> Value {
             unsafe { int4_gemm(&rt, &w[0], &gemm_call(&s[0], m)) }.unwrap();
             rt.synchronize().unwrap();
             let iters = (200_000_000 / w[0].bytes()).clamp(20, 2000);
-            crate::bench::for_each_variant(&rt, RMS_NORM.file, |variant| {
+            {
                 let g = |i: usize| {
                     unsafe { int4_gemm(&rt, &w[i % w.len()], &gemm_call(&s[i % s.len()], m)) }
                         .unwrap()
@@ -190,23 +188,15 @@ pub fn bench(copy_gbps: f64) -> Value {
                 let overlap = norm_us + gemm_us - pair_us;
                 let bytes = w[0].bytes() + 3 * m * k * 2 + k * 2 + m * n * 2;
                 println!(
-                    "rms+int4 {name:<12} m {m:2}{}: pair {pair_us:7.2} us, norm {norm_us:6.2} + gemm {gemm_us:7.2} = {:7.2} us (overlap {overlap:5.2} us); pair at {:5.1}% of copy; {held} GEMM launches in stream order",
-                    if variant.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" [{variant}]")
-                    },
+                    "rms+int4 {name:<12} m {m:2}: pair {pair_us:7.2} us, norm {norm_us:6.2} + gemm {gemm_us:7.2} = {:7.2} us (overlap {overlap:5.2} us); pair at {:5.1}% of copy; {held} GEMM launches in stream order",
                     norm_us + gemm_us,
                     100.0 * bytes as f64 / pair_us / 1e3 / copy_gbps
                 );
-                let mut row = json!({"shape": name, "k": k, "n": n, "m": m, "pair_us": pair_us, "norm_us": norm_us,
+                let row = json!({"shape": name, "k": k, "n": n, "m": m, "pair_us": pair_us, "norm_us": norm_us,
                     "gemm_us": gemm_us, "overlap_us": overlap, "bytes": bytes,
                     "of_copy": bytes as f64 / pair_us / 1e3 / copy_gbps, "iters": iters, "gemm_launches_in_stream_order": held});
-                if !variant.is_empty() {
-                    row["defines"] = json!(variant);
-                }
                 rows.push(row);
-            });
+            }
         }
     }
     json!({"copy_gbps": copy_gbps, "runs": rows})

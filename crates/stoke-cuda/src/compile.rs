@@ -102,11 +102,6 @@ pub fn compile_cubin(
     Ok((cubin, parse_ptxas_log(&log), false))
 }
 
-/// NVRTC options for preprocessor defines `NAME=VALUE`.
-pub fn define_options(defines: &[String]) -> Vec<String> {
-    defines.iter().map(|d| format!("-D{d}")).collect()
-}
-
 fn nvrtc_options(arch: &str, extra_options: &[&str]) -> Vec<String> {
     let mut options: Vec<String> = BASE_OPTIONS.iter().map(|s| s.to_string()).collect();
     options.push(format!("--gpu-architecture={arch}"));

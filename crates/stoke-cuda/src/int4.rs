@@ -404,9 +404,6 @@ static TUNE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct TuneKey {
     ordinal: usize,
-    /// The kernels' compile-time defines ([`Runtime::defines_epoch`]: benchmarks time variants
-    /// in one process).
-    defines: u64,
     m: u32,
     k: u32,
     n: u32,
@@ -474,7 +471,6 @@ fn tuned_plan(
 ) -> Result<(u32, u32)> {
     let key = TuneKey {
         ordinal: rt.ordinal,
-        defines: rt.defines_epoch(),
         m: call.m,
         k: w.k,
         n: w.n,

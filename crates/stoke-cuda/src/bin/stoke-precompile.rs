@@ -1,9 +1,7 @@
 //! `stoke-precompile`: compiles every kernel under `kernels/` with NVRTC for an architecture,
 //! without a GPU, and prints ptxas' registers, shared memory, stack and spills per entry point.
-//! Fails (exit 1) if a kernel does not compile or an expected entry point is missing.
-//! `--variants 'A=1,B=2;C=3'` also compiles every file that names those macros with each
-//! `;`-separated set of defines (the tuning knobs at the top of each kernel file), so a knob's
-//! code path keeps compiling while it is off.
+//! Fails (exit 1) if a kernel does not compile or its entry points are not exactly the ones
+//! its Rust description names.
 //!
 //! `--dir DIR --cubin-out OUT` instead compiles every `*.cu` file directly in DIR (its
 //! `#include "NAME"` lines filled from the files in DIR) and writes `OUT/<stem>.cubin`:
@@ -14,26 +12,17 @@
 //! PyPI wheels installed by `scripts/cuda-venv.sh` provide one).
 
 use std::process::ExitCode;
-use stoke_cuda::compile::define_options;
-use stoke_cuda::kernels::{ALL, BENCH, parse_define_sets};
+use stoke_cuda::kernels::{ALL, BENCH};
 
 fn main() -> ExitCode {
-    const USAGE: &str = "usage: stoke-precompile [--arch sm_90a] [--variants 'A=1,B=2;C=3'] \
-                         [--dir DIR] [--cubin-out OUT]";
+    const USAGE: &str = "usage: stoke-precompile [--arch sm_90a] [--dir DIR] [--cubin-out OUT]";
     let mut arch = "sm_90a".to_string();
     let mut dir: Option<std::path::PathBuf> = None;
     let mut cubin_out: Option<std::path::PathBuf> = None;
-    let mut variants: Vec<Vec<String>> = vec![Vec::new()];
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--arch" => arch = args.next().expect("--arch needs a value, e.g. sm_90a"),
-            "--variants" => {
-                let list = args
-                    .next()
-                    .expect("--variants needs a list, e.g. 'A=1,B=2;C=3'");
-                variants.extend(parse_define_sets(&list).into_iter().map(|(_, d)| d));
-            }
             "--dir" => dir = Some(args.next().expect("--dir needs a directory").into()),
             "--cubin-out" => {
                 cubin_out = Some(args.next().expect("--cubin-out needs a directory").into())
@@ -67,27 +56,10 @@ fn main() -> ExitCode {
         "{:<16} {:<36} {:>5} {:>8} {:>6} {:>12}",
         "file", "entry", "regs", "smem", "stack", "spills st/ld"
     );
-    for (src, defines) in ALL
-        .iter()
-        .chain(BENCH)
-        .flat_map(|s| variants.iter().map(move |v| (s, v)))
-    {
-        // A variant only for the files that have every one of its knobs.
-        if !defines.iter().all(|d| src.has_knob(d)) {
-            continue;
-        }
-        let options = define_options(defines);
-        let options: Vec<&str> = options.iter().map(String::as_str).collect();
-        let label = if defines.is_empty() {
-            src.file.to_string()
-        } else {
-            format!("{} [{}]", src.file, defines.join(","))
-        };
-        match stoke_cuda::compile::compile_uncached(src.file, src.source, &arch, &options) {
+    for src in ALL.iter().chain(BENCH) {
+        let label = src.file;
+        match stoke_cuda::compile::compile_uncached(src.file, src.source, &arch, &[]) {
             Ok((cubin, reports)) => {
-                if !defines.is_empty() {
-                    println!("{label}");
-                }
                 for r in &reports {
                     println!(
                         "{:<16} {:<36} {:>5} {:>8} {:>6} {:>6}/{:<6}",
@@ -121,7 +93,7 @@ fn main() -> ExitCode {
                     }
                 }
                 println!("{label:<16} cubin {} bytes", cubin.len());
-                if let Some(out) = cubin_out.as_ref().filter(|_| defines.is_empty()) {
+                if let Some(out) = &cubin_out {
                     let path = out.join(src.file.replace(".cu", ".cubin"));
                     if let Err(e) =
                         std::fs::create_dir_all(out).and_then(|_| std::fs::write(&path, &cubin))

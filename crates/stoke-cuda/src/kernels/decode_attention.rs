@@ -53,7 +53,7 @@ pub struct AttnParams {
 }
 
 /// `kernels/decode_attention.cu`, compiled with NVRTC (with `decode_attention.cuh` and
-/// `cluster.cuh` written in place of its includes).
+/// `ptx.cuh` and `decode_attention.cuh` written in place of their includes).
 pub const SOURCE: &str = include_str!("../../../../kernels/decode_attention.cu");
 
 /// Every `extern "C"` entry point in [`SOURCE`].

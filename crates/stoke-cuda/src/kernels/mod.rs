@@ -17,14 +17,6 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../../../../kernels/int4_gemm.cuh"),
     ),
     (
-        "cluster.cuh",
-        include_str!("../../../../kernels/cluster.cuh"),
-    ),
-    (
-        "mbarrier.cuh",
-        include_str!("../../../../kernels/mbarrier.cuh"),
-    ),
-    (
         "decode_attention.cuh",
         include_str!("../../../../kernels/decode_attention.cuh"),
     ),
@@ -75,29 +67,6 @@ pub struct KernelSource {
     pub source: &'static str,
     /// `extern "C"` entry points the module contains: exactly these (the precompile check).
     pub entries: fn() -> Vec<&'static str>,
-}
-
-/// Sets of NVRTC defines written `A=1,B=2;C=3` (`;` between sets, `,` within one; blanks
-/// ignored): each set as written (trimmed) with its defines. Benchmarks take them from
-/// `STOKE_KERNEL_VARIANTS`, the precompile check from `--variants`.
-pub fn parse_define_sets(list: &str) -> Vec<(String, Vec<String>)> {
-    list.split(';')
-        .map(str::trim)
-        .filter(|item| !item.is_empty())
-        .map(|item| {
-            let defines = item.split(',').map(|d| d.trim().to_string()).collect();
-            (item.to_string(), defines)
-        })
-        .collect()
-}
-
-impl KernelSource {
-    /// Whether this file has the tuning knob that define `NAME=VALUE` sets (an `#ifndef NAME`
-    /// default at its top), so the define applies to it.
-    pub fn has_knob(&self, define: &str) -> bool {
-        let name = define.split('=').next().unwrap_or("").trim();
-        !name.is_empty() && self.source.contains(&format!("#ifndef {name}\n"))
-    }
 }
 
 fn rms_norm_entries() -> Vec<&'static str> {
@@ -179,11 +148,11 @@ mod tests {
     #[test]
     fn includes_are_written_in_place() {
         let src =
-            "typedef unsigned int u32;\n#include \"cluster.cuh\"\n#include <cuda_fp16.h>\nint x;\n";
+            "typedef unsigned int u32;\n#include \"ptx.cuh\"\n#include <cuda_fp16.h>\nint x;\n";
         let out = expand_includes(src);
         assert!(out.starts_with("typedef unsigned int u32;\n"));
         assert!(out.contains("__device__ __forceinline__ void cluster_sync()"));
-        assert!(!out.contains("#include \"cluster.cuh\""));
+        assert!(!out.contains("#include \"ptx.cuh\""));
         assert!(out.ends_with("#include <cuda_fp16.h>\nint x;\n"));
         assert!(matches!(
             expand_includes("int y;\n"),

@@ -73,11 +73,6 @@ pub struct Runtime {
     pub shared_optin: u32,
     modules: Mutex<Modules>,
     functions: Mutex<HashMap<(&'static str, &'static str), Kernel>>,
-    /// Preprocessor defines (`NAME=VALUE`) a kernel file is compiled with: none by default;
-    /// benchmarks set them to time kernel variants (`set_defines`, feature `bench`).
-    defines: Mutex<HashMap<&'static str, Vec<String>>>,
-    /// Bumped by every `set_defines` ([`Runtime::defines_epoch`]).
-    defines_epoch: std::sync::atomic::AtomicU64,
     /// Resident CTAs per SM by (entry point, threads per CTA), from the occupancy calculator.
     occupancy: Mutex<HashMap<(&'static str, u32), u32>>,
     /// Clusters resident at once by (entry point, threads per CTA, cluster (x, y, z)).
@@ -160,8 +155,6 @@ impl Runtime {
             shared_optin,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
-            defines: Mutex::new(HashMap::new()),
-            defines_epoch: Default::default(),
             occupancy: Mutex::new(HashMap::new()),
             cluster_occupancy: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(VecDeque::new()),

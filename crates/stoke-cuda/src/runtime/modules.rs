@@ -56,12 +56,8 @@ impl Runtime {
         let mut modules = self.modules.lock().unwrap();
         if !modules.contains_key(src.file) {
             let t0 = std::time::Instant::now();
-            let defines = (self.defines.lock().unwrap().get(src.file))
-                .map(|d| crate::compile::define_options(d))
-                .unwrap_or_default();
-            let options: Vec<&str> = defines.iter().map(String::as_str).collect();
             let (cubin, report, cached) =
-                crate::compile_cubin(src.file, src.source, &self.arch, &options)?;
+                crate::compile_cubin(src.file, src.source, &self.arch, &[])?;
             self.bind()?;
             let module = self
                 .ctx
@@ -155,13 +151,5 @@ impl Runtime {
             .unwrap()
             .insert((src.file, entry), kernel.clone());
         Ok(kernel)
-    }
-
-    /// How many times `Runtime::set_defines` (feature `bench`) has changed what the kernels are
-    /// compiled with, 0 without that feature (choices measured on the kernels, such as the
-    /// W4A16 tuning, keep it in their keys).
-    pub fn defines_epoch(&self) -> u64 {
-        self.defines_epoch
-            .load(std::sync::atomic::Ordering::Relaxed)
     }
 }
