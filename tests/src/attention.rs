@@ -89,9 +89,9 @@ fn fill(rt: &Arc<Runtime>, rng: &mut StdRng, c: &Case, format: KvFormat, block: 
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (b, &len) in c.lens.iter().enumerate() {
         let mut kb = bf16s(rng, len * c.kv_heads * c.d, 1.0);
-        if c.outliers > 0 {
+        if let Some(every) = c.d.checked_div(c.outliers) {
             for (i, x) in kb.iter_mut().enumerate() {
-                if (i % c.d) % (c.d / c.outliers) == 3 {
+                if (i % c.d) % every == 3 {
                     *x = bf16::round(*x * c.outlier);
                 }
             }
@@ -114,10 +114,10 @@ fn fill(rt: &Arc<Runtime>, rng: &mut StdRng, c: &Case, format: KvFormat, block: 
     unsafe {
         cache.append(
             rt,
-            kb.ptr(),
-            vb.ptr(),
-            sb.ptr(),
-            pb.ptr(),
+            kb.as_ptr(),
+            vb.as_ptr(),
+            sb.as_ptr(),
+            pb.as_ptr(),
             slots.len() as u32,
         )
     }
@@ -390,13 +390,13 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
             unsafe {
                 f.cache.attend_splits(
                     &rt,
-                    qb.ptr(),
+                    qb.as_ptr(),
                     c.heads as u32,
-                    sb.ptr(),
-                    lb.ptr(),
+                    sb.as_ptr(),
+                    lb.as_ptr(),
                     batch as u32,
                     max_len,
-                    out.ptr(),
+                    out.as_mut_ptr(),
                     c.splits,
                 )
             }
@@ -452,8 +452,16 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
         let (sb, lb) = (put_u32(&rt, &f.slot_of), put_u32(&rt, &[1024]));
         let out = rt.alloc(c.heads * c.d * 2).unwrap();
         unsafe {
-            f.cache
-                .attend(&rt, qb.ptr(), 32, sb.ptr(), lb.ptr(), 1, 1024, out.ptr())
+            f.cache.attend(
+                &rt,
+                qb.as_ptr(),
+                32,
+                sb.as_ptr(),
+                lb.as_ptr(),
+                1,
+                1024,
+                out.as_mut_ptr(),
+            )
         }
         .map_err(|e| e.to_string())?;
         let got = get_bf16(&out);
@@ -522,10 +530,10 @@ impl BenchStep {
         unsafe {
             cache.append(
                 rt,
-                self.kx.ptr(),
-                self.vx.ptr(),
-                self.slots.ptr(),
-                self.pos.ptr(),
+                self.kx.as_ptr(),
+                self.vx.as_ptr(),
+                self.slots.as_ptr(),
+                self.pos.as_ptr(),
                 self.rows,
             )
         }
@@ -537,13 +545,13 @@ impl BenchStep {
         unsafe {
             cache.attend_splits(
                 rt,
-                self.q.ptr(),
+                self.q.as_ptr(),
                 self.heads,
-                self.slot_of.ptr(),
-                self.lens.ptr(),
+                self.slot_of.as_ptr(),
+                self.lens.as_ptr(),
                 self.batch,
                 self.ctx,
-                self.out.ptr(),
+                self.out.as_mut_ptr(),
                 splits,
             )
         }

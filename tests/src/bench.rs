@@ -9,9 +9,68 @@ use burn::tensor::{DType, Tensor, TensorData};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::Instant;
-use stoke_cuda::kernels::RMS_NORM;
-use stoke_cuda::kernels::rms_norm::{ElemType, RmsNormParams, launch};
-use stoke_cuda::{DeviceBuffer, LaunchShape, Runtime};
+use stoke_cuda::kernels::rms_norm::{ElemType, RmsNormParams, entry_point, launch};
+use stoke_cuda::{DeviceBuffer, DevicePtr, DevicePtrMut, Kernel, LaunchShape, Runtime};
+
+/// An RMSNorm entry point loaded for its element type (chosen at run time).
+pub(crate) enum RmsKernel {
+    F32(Kernel<RmsNormParams<f32>>),
+    Bf16(Kernel<RmsNormParams<half::bf16>>),
+}
+
+/// The device buffers of one RMSNorm launch (`residual` / `sum_out`: the residual op's).
+pub(crate) struct RmsArgs<'a> {
+    pub x: &'a DeviceBuffer,
+    pub residual: Option<&'a DeviceBuffer>,
+    pub gamma: &'a DeviceBuffer,
+    pub out: &'a DeviceBuffer,
+    pub sum_out: Option<&'a DeviceBuffer>,
+}
+
+impl RmsKernel {
+    pub(crate) fn new(
+        rt: &Runtime,
+        elem: ElemType,
+        entry: &'static str,
+    ) -> stoke_cuda::Result<Self> {
+        Ok(match elem {
+            ElemType::F32 => Self::F32(rt.kernel(entry_point::<f32>(entry))?),
+            ElemType::Bf16 => Self::Bf16(rt.kernel(entry_point::<half::bf16>(entry))?),
+        })
+    }
+
+    /// # Safety
+    /// The buffers hold `rows x hidden` elements (gamma `hidden`) of the kernel's type and
+    /// outlive the kernel.
+    pub(crate) unsafe fn launch(
+        &self,
+        rt: &Runtime,
+        shape: LaunchShape,
+        a: &RmsArgs<'_>,
+        rows: u32,
+        hidden: u32,
+    ) -> stoke_cuda::Result<()> {
+        fn params<T>(a: &RmsArgs<'_>, rows: u32, hidden: u32) -> RmsNormParams<T> {
+            RmsNormParams {
+                x: a.x.as_ptr(),
+                residual: a.residual.map_or(DevicePtr::NULL, |b| b.as_ptr()),
+                gamma: a.gamma.as_ptr(),
+                out: a.out.as_mut_ptr(),
+                sum_out: a.sum_out.map_or(DevicePtrMut::NULL, |b| b.as_mut_ptr()),
+                rows,
+                hidden,
+                eps: 1e-5,
+            }
+        }
+        // SAFETY: the caller's guarantees.
+        unsafe {
+            match self {
+                Self::F32(k) => rt.launch(k, shape, &params(a, rows, hidden)),
+                Self::Bf16(k) => rt.launch(k, shape, &params(a, rows, hidden)),
+            }
+        }
+    }
+}
 
 /// Bytes of working set beyond which repeated inputs no longer fit the 60 MB L2.
 const L2_ESCAPE_BYTES: usize = 256 << 20;
@@ -160,13 +219,14 @@ pub fn copy_bandwidth(rt: &Arc<Runtime>) -> f64 {
 /// accumulators per warp and 4 CTAs of 4 warps per SM (`c8`), and the ns per mma of one
 /// dependent chain with one warp per SM sub-partition (`c1`, the instruction's latency).
 pub fn mma_rate(rt: &Arc<Runtime>) -> Value {
-    use stoke_cuda::kernels::MMA_RATE;
-    use stoke_cuda::kernels::mma_rate::{CHAINS, ENTRY_POINTS, MMA_MACS, MmaRateParams};
+    use stoke_cuda::kernels::mma_rate::{
+        CHAINS, ENTRY_POINTS, MMA_MACS, MmaRateParams, entry_point,
+    };
     let iters = 4096u32;
     let out = rt.alloc(rt.sm_count as usize * 4 * 128 * 4).unwrap();
     let mut v = json!({ "iters": iters });
     for (entry, chains) in ENTRY_POINTS.iter().zip(CHAINS) {
-        let kernel = rt.kernel(&MMA_RATE, entry).unwrap();
+        let kernel = rt.kernel(entry_point(entry)).unwrap();
         let ctas_per_sm = if chains == 1 { 1 } else { 4 };
         let shape = LaunchShape {
             grid: (rt.sm_count * ctas_per_sm, 1, 1),
@@ -174,7 +234,7 @@ pub fn mma_rate(rt: &Arc<Runtime>) -> Value {
             shared_mem_bytes: 0,
         };
         let params = MmaRateParams {
-            out: out.ptr(),
+            out: out.as_mut_ptr(),
             iters,
             never: f32::NAN,
         };
@@ -204,7 +264,7 @@ pub fn mma_rate(rt: &Arc<Runtime>) -> Value {
 /// 128 or 256 threads, 1-8 CTAs per SM) and the copy engine into a ring of shared-memory stages
 /// ([`BULK_SHAPES`]).
 pub(crate) fn same_size_read(rt: &Arc<Runtime>, bytes: usize) -> ReadCeiling {
-    use stoke_cuda::kernels::READ_RATE;
+    use stoke_cuda::kernels::read_rate;
     use stoke_cuda::kernels::read_rate::{
         BULK_ENTRY, BULK_THREADS, LOAD_ENTRIES, MAX_THREADS, ReadRateParams, bulk_smem,
     };
@@ -218,7 +278,7 @@ pub(crate) fn same_size_read(rt: &Arc<Runtime>, bytes: usize) -> ReadCeiling {
     let iters = (200_000_000 / bytes).clamp(10, 2000);
     let mut configs = Vec::new();
     let mut time = |entry: &'static str, threads: u32, ctas_per_sm: u32, stage: (u32, u32)| {
-        let kernel = rt.kernel(&READ_RATE, entry).unwrap();
+        let kernel = rt.kernel(read_rate::entry_point(entry)).unwrap();
         let bulk = entry == BULK_ENTRY;
         let shape = LaunchShape {
             grid: (rt.sm_count * ctas_per_sm, 1, 1),
@@ -230,9 +290,9 @@ pub(crate) fn same_size_read(rt: &Arc<Runtime>, bytes: usize) -> ReadCeiling {
         // launch brings its stages' shared memory.
         let t = time_calls(rt, 5, iters, |i| unsafe {
             let params = ReadRateParams {
-                src: bufs[i % sets].ptr(),
+                src: bufs[i % sets].as_ptr(),
                 words: (bytes / 16) as u64,
-                out: out.ptr(),
+                out: out.as_mut_ptr(),
                 never: 0x9e37_79b9,
                 stage_bytes: stage.0,
                 stages: stage.1,
@@ -366,23 +426,20 @@ pub fn rms_norm(rt: &Arc<Runtime>, copy_gbps: f64) -> Vec<Value> {
                     true,
                     rt.sm_count,
                 );
-                let kernel = rt.kernel(&RMS_NORM, l.entry).unwrap();
+                let kernel = RmsKernel::new(rt, elem_type, l.entry).unwrap();
                 let shape = LaunchShape::from(l);
                 let sets = bufs.x.len();
                 let iters = if rows >= 2048 { 50 } else { 200 };
                 let launch_one = |i: usize| {
-                    let p = RmsNormParams {
-                        x: bufs.x[i % sets].ptr(),
-                        residual: 0,
-                        gamma: bufs.gamma.ptr(),
-                        out: bufs.out[i % sets].ptr(),
-                        sum_out: 0,
-                        rows: rows as u32,
-                        hidden: hidden as u32,
-                        eps: 1e-5,
+                    let a = RmsArgs {
+                        x: &bufs.x[i % sets],
+                        residual: None,
+                        gamma: &bufs.gamma,
+                        out: &bufs.out[i % sets],
+                        sum_out: None,
                     };
-                    // SAFETY: params mirror the kernel's struct; buffers outlive the timing.
-                    unsafe { rt.launch(&kernel, shape, &p) }
+                    // SAFETY: the buffers hold elements of `elem_type` and outlive the timing.
+                    unsafe { kernel.launch(rt, shape, &a, rows as u32, hidden as u32) }
                 };
                 // Back-to-back launches on the stream: small shapes are bound by the host's
                 // launch rate here.
@@ -482,21 +539,21 @@ pub fn host_and_crossing(rt: &Arc<Runtime>) -> Value {
     let alloc_release_us = time_wall(5, 2000, || {}, |_| drop(rt.alloc(8192).unwrap()));
     let tiny = rms_buffers(rt, 1, hidden, 2);
     let l = launch(ElemType::Bf16, false, 1, hidden as u32, true, rt.sm_count);
-    let kernel = rt.kernel(&RMS_NORM, l.entry).unwrap();
+    let kernel = rt.kernel(entry_point::<half::bf16>(l.entry)).unwrap();
     let shape = LaunchShape::from(l);
-    let p = RmsNormParams {
-        x: tiny.x[0].ptr(),
-        residual: 0,
-        gamma: tiny.gamma.ptr(),
-        out: tiny.out[0].ptr(),
-        sum_out: 0,
+    let p = RmsNormParams::<half::bf16> {
+        x: tiny.x[0].as_ptr(),
+        residual: DevicePtr::NULL,
+        gamma: tiny.gamma.as_ptr(),
+        out: tiny.out[0].as_mut_ptr(),
+        sum_out: DevicePtrMut::NULL,
         rows: 1,
         hidden: hidden as u32,
         eps: 1e-5,
     };
     let t0 = Instant::now();
     for _ in 0..n {
-        // SAFETY: params mirror the kernel's struct; the buffers outlive the synchronize below.
+        // SAFETY: the buffers hold bf16 rows and outlive the synchronize below.
         unsafe { rt.launch(&kernel, shape, &p).unwrap() };
     }
     let raw_launch_us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;

@@ -10,7 +10,7 @@ use stoke_cuda::kernels::int4_gemm::{
     Epilogue, Launch, WordOrder, source_of, wg_eligible, wg_rows_of,
 };
 use stoke_cuda::kernels::{INT4_GEMM_BATCHED, INT4_GEMM_SWAP, INT4_GEMM_WG};
-use stoke_cuda::{DeviceBuffer, Runtime};
+use stoke_cuda::{DeviceBuffer, DevicePtr, Runtime};
 use stoke_formats::bf16;
 use stoke_formats::int4::{PackedInt4, ScaleType};
 use stoke_formats::reference::relative_error;
@@ -230,7 +230,7 @@ fn gemm_matches_reference() -> Result<Value, String> {
                     .chain(x.iter().map(|v| bf16::from_f32(*v)))
                     .collect::<Vec<_>>(),
             );
-            let x_ptr = xb.ptr() + 2 * x_pad as u64;
+            let x_ptr = xb.as_ptr::<half::bf16>().add(x_pad);
             let epilogues: &[Epilogue] = if m == 7 || m == 33 {
                 &[Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu]
             } else {
@@ -273,10 +273,10 @@ fn gemm_matches_reference() -> Result<Value, String> {
                         let call = Int4Gemm {
                             x: x_ptr,
                             m: m as u32,
-                            out: out.ptr(),
+                            out: out.as_mut_ptr(),
                             epilogue: epi,
-                            residual: rb.as_ref().map_or(0, |b| b.ptr()),
-                            row_scale: sb.as_ref().map_or(0, |b| b.ptr()),
+                            residual: rb.as_ref().map_or(DevicePtr::NULL, |b| b.as_ptr()),
+                            row_scale: sb.as_ref().map_or(DevicePtr::NULL, |b| b.as_ptr()),
                             splits,
                             wg_rows: u32::from(wg),
                             tune: false,
@@ -376,12 +376,12 @@ pub fn int4_tuned_plan_matches_reference() -> Result<Value, String> {
                     .alloc(m * epi.out_cols(n) * 2)
                     .map_err(|e| e.to_string())?;
                 let call = Int4Gemm {
-                    x: xb.ptr(),
+                    x: xb.as_ptr(),
                     m: m as u32,
-                    out: out.ptr(),
+                    out: out.as_mut_ptr(),
                     epilogue: epi,
-                    residual: rb.as_ref().map_or(0, |b| b.ptr()),
-                    row_scale: sb.as_ref().map_or(0, |b| b.ptr()),
+                    residual: rb.as_ref().map_or(DevicePtr::NULL, |b| b.as_ptr()),
+                    row_scale: sb.as_ref().map_or(DevicePtr::NULL, |b| b.as_ptr()),
                     splits: 0,
                     wg_rows: stoke_cuda::int4::wg_rows_default(),
                     tune: true,
@@ -534,7 +534,7 @@ fn time_gemm(
 
 /// The splits per cluster `launch` runs with (`int4::cluster_dims`), or None: unclustered.
 fn cluster_splits(rt: &Runtime, launch: &Launch) -> Option<u32> {
-    let kernel = rt.kernel(source_of(launch.entry), launch.entry).ok()?;
+    let kernel = rt.kernel_info(source_of(launch.entry), launch.entry).ok()?;
     stoke_cuda::int4::cluster_dims(rt, &kernel, launch)
         .ok()
         .flatten()
@@ -644,7 +644,7 @@ fn bench_shapes(
                 };
                 for dws in &weights {
                     let dw = &dws[0];
-                    let mut call = Int4Gemm::plain(xb.ptr(), m as u32, out.ptr());
+                    let mut call = Int4Gemm::plain(xb.as_ptr(), m as u32, out.as_mut_ptr());
                     call.wg_rows = u32::from(wg);
                     if tuned {
                         call.wg_rows = stoke_cuda::int4::wg_rows_default();
@@ -686,7 +686,7 @@ fn bench_shapes(
                     let gbps = bytes as f64 / us / 1e3;
                     // The launches as run: the plan, and warpgroup splits re-chosen for clusters.
                     let as_run = |l: Launch| {
-                        let kernel = rt.kernel(source_of(l.entry), l.entry).unwrap();
+                        let kernel = rt.kernel_info(source_of(l.entry), l.entry).unwrap();
                         stoke_cuda::int4::clustered(&rt, &kernel, l, k as u32).unwrap()
                     };
                     // A tuned call that chose a split count runs the plan at that count.
@@ -809,7 +809,7 @@ pub fn profile_launches(shapes: &[&str], m: usize) {
                 DeviceInt4::upload_ordered(&rt, (k, n, 128), false, &words, &scales, None, order)
                     .unwrap();
             for wg in [false, true] {
-                let mut call = Int4Gemm::plain(xb.ptr(), m as u32, out.ptr());
+                let mut call = Int4Gemm::plain(xb.as_ptr(), m as u32, out.as_mut_ptr());
                 call.wg_rows = u32::from(wg);
                 for _ in 0..2 {
                     unsafe { int4_gemm(&rt, &dw, &call) }.unwrap();

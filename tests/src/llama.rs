@@ -3,7 +3,7 @@
 
 use burn::tensor::DType;
 use serde_json::{Value, json};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use stoke::FusedOps;
 use stoke_llama::generate::{SamplingConfig, generate};
 use stoke_llama::load::load_gguf;
@@ -19,7 +19,7 @@ pub fn model_path() -> Result<PathBuf, String> {
 
 /// Greedy `max_tokens` after `prompt`, returning the text.
 pub fn greedy<B: FusedOps>(
-    path: &PathBuf,
+    path: &Path,
     dtype: DType,
     prompt: &str,
     max_tokens: usize,
@@ -48,7 +48,7 @@ pub fn greedy<B: FusedOps>(
 /// Prefill and decode speed for one backend: prompts of `prompt_tokens` tokens, `batch`
 /// sequences, `new_tokens` greedy decode steps. Median of `reps` runs after one warm-up.
 fn speed<B: FusedOps>(
-    path: &PathBuf,
+    path: &Path,
     dtype: DType,
     batch: usize,
     prompt_tokens: usize,

@@ -12,9 +12,8 @@ use rand::rngs::StdRng;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::int4::{Int4Gemm, int4_gemm};
-use stoke_cuda::kernels::RMS_NORM;
 use stoke_cuda::kernels::int4_gemm::WordOrder;
-use stoke_cuda::kernels::rms_norm::{ElemType, RmsNormParams, launch};
+use stoke_cuda::kernels::rms_norm::{ElemType, RmsNormParams, entry_point, launch};
 use stoke_cuda::{DeviceBuffer, LaunchShape, Runtime};
 
 /// One pair's buffers: the norm's inputs (x, residual) and outputs (normed, sum), the GEMM's
@@ -56,25 +55,25 @@ fn norm(
     k: usize,
 ) -> stoke_cuda::Result<()> {
     let l = launch(ElemType::Bf16, true, m as u32, k as u32, true, rt.sm_count);
-    let kernel = rt.kernel(&RMS_NORM, l.entry)?;
+    let kernel = rt.kernel(entry_point::<half::bf16>(l.entry))?;
     let shape = LaunchShape::from(l);
-    let p = RmsNormParams {
-        x: s.x.ptr(),
-        residual: s.residual.ptr(),
-        gamma: gamma.ptr(),
-        out: s.normed.ptr(),
-        sum_out: s.sum.ptr(),
+    let p = RmsNormParams::<half::bf16> {
+        x: s.x.as_ptr(),
+        residual: s.residual.as_ptr(),
+        gamma: gamma.as_ptr(),
+        out: s.normed.as_mut_ptr(),
+        sum_out: s.sum.as_mut_ptr(),
         rows: m as u32,
         hidden: k as u32,
         eps: 1e-5,
     };
-    // SAFETY: the params mirror the kernel's struct; every buffer holds m x k bf16 (gamma k).
+    // SAFETY: every buffer holds m x k bf16 (gamma k) and outlives the kernel.
     unsafe { rt.launch(&kernel, shape, &p) }
 }
 
 /// The shipped GEMM call on the set's normed rows (the plan tuned per shape on its first call).
 fn gemm_call(s: &PairSet, m: usize) -> Int4Gemm {
-    let mut call = Int4Gemm::plain(s.normed.ptr(), m as u32, s.out.ptr());
+    let mut call = Int4Gemm::plain(s.normed.as_ptr(), m as u32, s.out.as_mut_ptr());
     call.wg_rows = stoke_cuda::int4::wg_rows_default();
     call.tune = true;
     call

@@ -1,11 +1,15 @@
 //! Packed INT4 weights on the GPU and the W4A16 GEMM call (`kernels/int4_gemm_*.cu`).
 
-use crate::kernels::int4_gemm::source_of;
 use crate::kernels::int4_gemm::{
-    Epilogue, Int4GemmParams, Int4WgParams, Launch, MAX_ROWS, WARPS, WG_ROWS_DEFAULT, WordOrder,
-    counters_len, launch_bound_ctas, launch_bound_slots, plan, wg_clustered, wg_rows_of,
+    Entry, Epilogue, Int4GemmParams, Int4WgParams, Launch, MAX_ROWS, WARPS, WG_ROWS_DEFAULT,
+    WordOrder, counters_len, launch_bound_ctas, launch_bound_slots, plan, source_of, wg_clustered,
+    wg_rows_of,
 };
-use crate::{DeviceBuffer, DriverContext, Error, Kernel, LaunchShape, Result, Runtime};
+use crate::{
+    DeviceBuffer, DevicePtr, DevicePtrMut, DriverContext, Error, KernelInfo, LaunchShape, Result,
+    Runtime,
+};
+use half::bf16;
 use std::sync::Arc;
 
 /// A packed INT4 weight `[k, n]` (docs/INT4_FORMAT.md) in device memory.
@@ -133,15 +137,15 @@ impl DeviceInt4 {
 }
 
 /// Device pointers of one W4A16 GEMM: `x [m, k]` bf16, `out [m, epilogue.out_cols(n)]` bf16,
-/// `residual [m, n]` bf16 for [`Epilogue::Residual`] (else 0), `row_scale [m]` f32 or 0.
+/// `residual [m, n]` bf16 for [`Epilogue::Residual`] (else null), `row_scale [m]` f32 or null.
 #[derive(Clone, Copy, Debug)]
 pub struct Int4Gemm {
-    pub x: u64,
+    pub x: DevicePtr<bf16>,
     pub m: u32,
-    pub out: u64,
+    pub out: DevicePtrMut<bf16>,
     pub epilogue: Epilogue,
-    pub residual: u64,
-    pub row_scale: u64,
+    pub residual: DevicePtr<bf16>,
+    pub row_scale: DevicePtr<f32>,
     /// CTAs per 64-column slab along k; 0 lets the plan choose (benchmarks sweep it).
     pub splits: u32,
     /// Launches of at least this many rows use the warpgroup kernels (`int4_gemm_wg_*`) where
@@ -156,14 +160,14 @@ pub struct Int4Gemm {
 impl Int4Gemm {
     /// A plain-epilogue call (no residual, no row scale) with the plan's split count, the
     /// warpgroup kernels off.
-    pub fn plain(x: u64, m: u32, out: u64) -> Self {
+    pub fn plain(x: DevicePtr<bf16>, m: u32, out: DevicePtrMut<bf16>) -> Self {
         Self {
             x,
             m,
             out,
             epilogue: Epilogue::Plain,
-            residual: 0,
-            row_scale: 0,
+            residual: DevicePtr::NULL,
+            row_scale: DevicePtr::NULL,
             splits: 0,
             wg_rows: 0,
             tune: false,
@@ -197,7 +201,7 @@ pub fn wg_rows_default() -> u32 {
 /// launch bounds' expectation if the kernel can't be loaded; the launch reports that error).
 pub fn resident_slots(rt: &Arc<Runtime>) -> impl Fn(&'static str) -> u32 + '_ {
     move |entry| {
-        rt.kernel(source_of(entry), entry)
+        rt.kernel_info(source_of(entry), entry)
             .and_then(|k| rt.resident_ctas(&k, WARPS * 32))
             .unwrap_or_else(|_| launch_bound_ctas(entry))
             * rt.sm_count
@@ -212,7 +216,7 @@ pub fn resident_slots(rt: &Arc<Runtime>) -> impl Fn(&'static str) -> u32 + '_ {
 /// ran as a second wave, 1.3-1.6x slower (docs/PERFORMANCE.md), and the launch stays plain.
 pub fn cluster_dims(
     rt: &Runtime,
-    kernel: &Kernel,
+    kernel: &KernelInfo,
     launch: &Launch,
 ) -> Result<Option<(u32, u32, u32)>> {
     let cluster = (1, launch.splits, 1);
@@ -232,7 +236,7 @@ pub fn warpgroup_launches() -> u64 {
 /// A planned launch of `k` rows of weights as the GPU runs it: a warpgroup launch on a short
 /// k range whose splits cannot all be resident as clusters takes the largest smaller split
 /// count whose clusters are ([`wg_clustered`]); any other launch as planned.
-pub fn clustered(rt: &Runtime, kernel: &Kernel, l: Launch, k: u32) -> Result<Launch> {
+pub fn clustered(rt: &Runtime, kernel: &KernelInfo, l: Launch, k: u32) -> Result<Launch> {
     // The driver is asked lazily (cached per entry and cluster size), its first error kept.
     let err = crate::FirstError::default();
     let out = wg_clustered(&l, k, |s| {
@@ -273,24 +277,27 @@ fn planned(
     }
     launches
         .into_iter()
-        .map(|l| clustered(rt, &rt.kernel(source_of(l.entry), l.entry)?, l, w.k))
+        .map(|l| clustered(rt, &rt.kernel_info(source_of(l.entry), l.entry)?, l, w.k))
         .collect()
 }
 
-/// Device pointers of a packed weight's words, scales and offsets (0: symmetric).
+/// Device pointers of a packed weight's words, scales and offsets (null: symmetric).
 #[derive(Clone, Copy, Debug)]
 struct WeightPtrs {
-    words: u64,
-    scales: u64,
-    offsets: u64,
+    words: DevicePtr<u32>,
+    scales: DevicePtr<u16>,
+    offsets: DevicePtr<u16>,
 }
 
 impl DeviceInt4 {
     fn ptrs(&self) -> WeightPtrs {
         WeightPtrs {
-            words: self.words.ptr(),
-            scales: self.scales.ptr(),
-            offsets: self.offsets.as_ref().map_or(0, |o| o.ptr()),
+            words: self.words.as_ptr(),
+            scales: self.scales.as_ptr(),
+            offsets: self
+                .offsets
+                .as_ref()
+                .map_or(DevicePtr::NULL, |o| o.as_ptr()),
         }
     }
 }
@@ -307,7 +314,7 @@ unsafe fn launch_planned(
     ptrs: WeightPtrs,
     call: &Int4Gemm,
     launches: &[Launch],
-    out: u64,
+    out: DevicePtrMut<bf16>,
     counted: bool,
 ) -> Result<()> {
     let (kt_stride, slab_stride) = w.order.strides(w.k, w.n);
@@ -317,29 +324,33 @@ unsafe fn launch_planned(
     let ws_bytes = rows * w.n as usize * 4;
     let (workspace, counters) = if split {
         let base = rt.zeroed_scratch(ws_bytes.next_multiple_of(256) + counters_len(w.n) * 4)?;
-        (base, base + ws_bytes.next_multiple_of(256) as u64)
+        (
+            DevicePtrMut::new(base),
+            DevicePtrMut::new(base + ws_bytes.next_multiple_of(256) as u64),
+        )
     } else {
-        (0, 0)
+        (DevicePtrMut::NULL, DevicePtrMut::NULL)
     };
     let out_cols = call.epilogue.out_cols(w.n as usize) as u64;
     for &l in launches {
-        let kernel = rt.kernel(source_of(l.entry), l.entry)?;
-        let r0 = u64::from(l.row0);
+        let entry = Entry::from_name(l.entry)
+            .ok_or_else(|| Error::Shape(format!("{} is not a W4A16 entry point", l.entry)))?;
+        let r0 = l.row0 as usize;
         let params = Int4GemmParams {
-            x: call.x + r0 * u64::from(w.k) * 2,
+            x: call.x.add(r0 * w.k as usize),
             words: ptrs.words,
             scales: ptrs.scales,
             offsets: ptrs.offsets,
-            out: out + r0 * out_cols * 2,
-            residual: if call.residual == 0 {
-                0
+            out: out.add(r0 * out_cols as usize),
+            residual: if call.residual.is_null() {
+                DevicePtr::NULL
             } else {
-                call.residual + r0 * u64::from(w.n) * 2
+                call.residual.add(r0 * w.n as usize)
             },
-            row_scale: if call.row_scale == 0 {
-                0
+            row_scale: if call.row_scale.is_null() {
+                DevicePtr::NULL
             } else {
-                call.row_scale + r0 * 4
+                call.row_scale.add(r0)
             },
             workspace,
             counters,
@@ -352,28 +363,35 @@ unsafe fn launch_planned(
             kt_stride,
             slab_stride,
         };
+        let info = rt.kernel_info(source_of(l.entry), l.entry)?;
         let shape = LaunchShape {
             grid: l.grid,
             block: l.block,
-            // The batched m16 / m32 kernels' shared-memory ring (their `_dyn_smem` global).
-            shared_mem_bytes: kernel.dyn_smem,
+            // The m32 and warpgroup kernels' shared memory (their `_dyn_smem` global).
+            shared_mem_bytes: info.dyn_smem,
         };
-        let cluster = cluster_dims(rt, &kernel, &l)?;
+        let cluster = cluster_dims(rt, &info, &l)?;
         // SAFETY: the params mirror the kernel's struct (layout test); the caller guarantees
         // the pointers; the weight buffers live in `w`, borrowed for the call and freed on this
         // stream; the scratch is the runtime's; the kernel reduces within its cluster when
         // launched with one and through the workspace otherwise.
-        if let Some(box_rows) = wg_rows_of(l.entry) {
-            // The warpgroup kernels read this launch's rows of x through a tensor map, 4 steps
-            // (4 x 64 k) per box.
-            let x_map = rt.bf16_tensor_map(params.x, l.rows, w.k, box_rows, 64, 4)?;
-            let wg = Int4WgParams { p: params, x_map };
-            unsafe { rt.launch_cluster(&kernel, shape, cluster, &wg) }?;
-            if counted {
-                WARPGROUP_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        match entry.entry_point() {
+            Err(wg_entry) => {
+                // The warpgroup kernels read this launch's rows of x through a tensor map, 4
+                // steps (4 x 64 k) per box.
+                let box_rows = wg_rows_of(l.entry).unwrap_or(32);
+                let x_map = rt.bf16_tensor_map(params.x.addr(), l.rows, w.k, box_rows, 64, 4)?;
+                let wg = Int4WgParams { p: params, x_map };
+                let kernel = rt.kernel(wg_entry)?;
+                unsafe { rt.launch_cluster(&kernel, shape, cluster, &wg) }?;
+                if counted {
+                    WARPGROUP_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
             }
-        } else {
-            unsafe { rt.launch_cluster(&kernel, shape, cluster, &params) }?;
+            Ok(gemm_entry) => {
+                let kernel = rt.kernel(gemm_entry)?;
+                unsafe { rt.launch_cluster(&kernel, shape, cluster, &params) }?;
+            }
         }
     }
     Ok(())
@@ -611,12 +629,11 @@ fn time_plans(
         };
         let own = w.ptrs();
         WeightPtrs {
-            words: at(&words, own.words, w.words.bytes()),
-            scales: at(&scales, own.scales, w.scales.bytes()),
-            offsets: w
-                .offsets
-                .as_ref()
-                .map_or(0, |o| at(&offsets, own.offsets, o.bytes())),
+            words: DevicePtr::new(at(&words, own.words.addr(), w.words.bytes())),
+            scales: DevicePtr::new(at(&scales, own.scales.addr(), w.scales.bytes())),
+            offsets: w.offsets.as_ref().map_or(DevicePtr::NULL, |o| {
+                DevicePtr::new(at(&offsets, own.offsets.addr(), o.bytes()))
+            }),
         }
     };
     let launches_per_graph = copies.max(8).next_multiple_of(copies);
@@ -625,11 +642,21 @@ fn time_plans(
         // Once outside the capture: loads the kernels and sizes the zeroed scratch.
         // SAFETY: the caller's pointers (as for the call itself), the weight copies, `out` a
         // scratch output of the call's size.
-        unsafe { launch_planned(rt, w, copy(0), call, launches, out.ptr(), false) }?;
+        unsafe { launch_planned(rt, w, copy(0), call, launches, out.as_mut_ptr(), false) }?;
         let graph = rt.capture(|| {
             (0..launches_per_graph).try_for_each(|i| {
                 // SAFETY: as above.
-                unsafe { launch_planned(rt, w, copy(i % copies), call, launches, out.ptr(), false) }
+                unsafe {
+                    launch_planned(
+                        rt,
+                        w,
+                        copy(i % copies),
+                        call,
+                        launches,
+                        out.as_mut_ptr(),
+                        false,
+                    )
+                }
             })
         })?;
         graph.upload().call("cuGraphUpload")?;
@@ -673,14 +700,14 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
     if call.m == 0 {
         return Ok(());
     }
-    if call.epilogue == Epilogue::Residual && call.residual == 0 {
+    if call.epilogue == Epilogue::Residual && call.residual.is_null() {
         return Err(Error::Shape(
             "INT4 GEMM residual epilogue without a residual".into(),
         ));
     }
     // The warpgroup kernels take symmetric weights only, and x through the copy engine
     // (16-byte aligned rows).
-    let mut wg_rows = if w.offsets.is_some() || !call.x.is_multiple_of(16) {
+    let mut wg_rows = if w.offsets.is_some() || !call.x.addr().is_multiple_of(16) {
         0
     } else {
         call.wg_rows

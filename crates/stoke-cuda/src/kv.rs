@@ -5,12 +5,12 @@
 //! and how many keys it attends to are device buffers (`slot_of`, `pos`, `len`), so a captured
 //! decode step replays with new positions.
 
-use crate::kernels::DECODE_ATTENTION;
 use crate::kernels::decode_attention::{
-    AppendParams, AttnParams, KvCacheParams, KvFormat, attn_cluster_entry, attn_entry, check_shape,
-    forced_split, split_plan,
+    AppendParams, AttnParams, KvCacheParams, KvFormat, append_entry_point, attn_cluster_entry,
+    attn_entry, attn_entry_point, check_shape, forced_split, split_plan,
 };
-use crate::{DeviceBuffer, Error, Kernel, LaunchShape, Result, Runtime};
+use crate::{DeviceBuffer, DevicePtr, DevicePtrMut, Error, Kernel, LaunchShape, Result, Runtime};
+use half::bf16;
 use std::sync::Arc;
 
 /// One mirror's buffers: K and V rows, and their per-row f32 scales.
@@ -87,10 +87,10 @@ impl DeviceKvCache {
 
     fn main_params(&self) -> KvCacheParams {
         KvCacheParams {
-            k: self.k.ptr(),
-            v: self.v.ptr(),
-            ks: 0,
-            vs: 0,
+            k: self.k.as_mut_ptr(),
+            v: self.v.as_mut_ptr(),
+            ks: DevicePtrMut::NULL,
+            vs: DevicePtrMut::NULL,
             kv_heads: self.kv_heads,
             cap: self.cap,
             d: self.d,
@@ -103,10 +103,10 @@ impl DeviceKvCache {
         match &self.mirror {
             None => self.main_params(),
             Some(m) => KvCacheParams {
-                k: m.k.ptr(),
-                v: m.v.ptr(),
-                ks: m.ks.ptr(),
-                vs: m.vs.ptr(),
+                k: m.k.as_mut_ptr(),
+                v: m.v.as_mut_ptr(),
+                ks: m.ks.as_mut_ptr(),
+                vs: m.vs.as_mut_ptr(),
                 kv_heads: self.kv_heads,
                 cap: self.cap,
                 d: self.d,
@@ -125,10 +125,10 @@ impl DeviceKvCache {
     pub unsafe fn append(
         &self,
         rt: &Arc<Runtime>,
-        k_new: u64,
-        v_new: u64,
-        slot_of: u64,
-        pos: u64,
+        k_new: DevicePtr<bf16>,
+        v_new: DevicePtr<bf16>,
+        slot_of: DevicePtr<u32>,
+        pos: DevicePtr<u32>,
         batch: u32,
     ) -> Result<()> {
         if batch == 0 {
@@ -148,7 +148,7 @@ impl DeviceKvCache {
             batch,
             block: self.block,
         };
-        let kernel = rt.kernel(&DECODE_ATTENTION, "kv_append")?;
+        let kernel = rt.kernel(append_entry_point())?;
         let items = batch * self.kv_heads * 2;
         let shape = LaunchShape {
             grid: (items.div_ceil(4), 1, 1),
@@ -170,13 +170,13 @@ impl DeviceKvCache {
     pub unsafe fn attend(
         &self,
         rt: &Arc<Runtime>,
-        q: u64,
+        q: DevicePtr<bf16>,
         heads: u32,
-        slot_of: u64,
-        len: u64,
+        slot_of: DevicePtr<u32>,
+        len: DevicePtr<u32>,
         batch: u32,
         max_len: u32,
-        out: u64,
+        out: DevicePtrMut<bf16>,
     ) -> Result<()> {
         // SAFETY: as documented; the plan's split count.
         unsafe { self.attend_splits(rt, q, heads, slot_of, len, batch, max_len, out, None) }
@@ -191,13 +191,13 @@ impl DeviceKvCache {
     pub unsafe fn attend_splits(
         &self,
         rt: &Arc<Runtime>,
-        q: u64,
+        q: DevicePtr<bf16>,
         heads: u32,
-        slot_of: u64,
-        len: u64,
+        slot_of: DevicePtr<u32>,
+        len: DevicePtr<u32>,
         batch: u32,
         max_len: u32,
-        out: u64,
+        out: DevicePtrMut<bf16>,
         splits: Option<u32>,
     ) -> Result<()> {
         check_shape(heads, self.kv_heads, self.d, self.block).map_err(|e| Error::Shape(e.0))?;
@@ -228,9 +228,10 @@ impl DeviceKvCache {
         } else {
             None
         };
-        let part_ptrs = parts
-            .as_ref()
-            .map_or((0, 0, 0), |(o, ml, a)| (o.ptr(), ml.ptr(), *a));
+        let part_ptrs = parts.as_ref().map_or(
+            (DevicePtrMut::NULL, DevicePtrMut::NULL, DevicePtrMut::NULL),
+            |(o, ml, a)| (o.as_mut_ptr(), ml.as_mut_ptr(), DevicePtrMut::new(*a)),
+        );
         let params = AttnParams {
             q,
             slot_of,
@@ -283,9 +284,9 @@ impl DeviceKvCache {
         batch: u32,
         max_len: u32,
         forced: Option<u32>,
-    ) -> Result<(Kernel, u32, u32, Option<(u32, u32, u32)>)> {
-        let kernel = rt.kernel(&DECODE_ATTENTION, attn_entry(self.format, self.d))?;
-        let cl = rt.kernel(&DECODE_ATTENTION, attn_cluster_entry(self.format, self.d))?;
+    ) -> Result<(Kernel<AttnParams>, u32, u32, Option<(u32, u32, u32)>)> {
+        let kernel = rt.kernel(attn_entry_point(attn_entry(self.format, self.d)))?;
+        let cl = rt.kernel(attn_entry_point(attn_cluster_entry(self.format, self.d)))?;
         // The driver is asked lazily (the runtime caches it per entry and cluster size), its
         // first error kept.
         let err = crate::FirstError::default();

@@ -4,7 +4,9 @@
 //!   pass freely between the two; Stoke's kernels run on a stream of Stoke's own.
 //! - Compiles the kernel sources under `kernels/` with NVRTC for the device's architecture at
 //!   first use, and caches the cubin on disk keyed by source, options, arch and NVRTC version.
-//! - Launches with one flat `#[repr(C)]` parameter struct per kernel.
+//! - Launches with one flat `#[repr(C)]` parameter struct per kernel, holding typed device
+//!   pointers ([`DevicePtr`], [`DevicePtrMut`]); a [`Kernel`] is typed by its struct, so a
+//!   launch with another struct does not compile.
 //! - Holds what a queued kernel borrows from other owners (burn-cuda buffers) until an event
 //!   says the kernel finished, so the owner can't reuse the memory under it.
 //!
@@ -14,11 +16,14 @@ pub mod compile;
 pub mod int4;
 pub mod kernels;
 pub mod kv;
+mod ptr;
 mod runtime;
 
 pub use compile::{CompileReport, compile_cubin, nvrtc_version};
+pub use ptr::{DevicePtr, DevicePtrMut};
 pub use runtime::{
-    DeviceBuffer, Kernel, LaunchShape, MAX_CLUSTER_CTAS, Runtime, TensorMap, Unavailable,
+    DeviceBuffer, Kernel, KernelInfo, LaunchShape, MAX_CLUSTER_CTAS, Runtime, TensorMap,
+    Unavailable,
 };
 
 use cudarc::driver::DriverError;

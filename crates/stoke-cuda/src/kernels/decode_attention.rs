@@ -1,17 +1,20 @@
 //! Decode attention and KV-cache append: params mirrors and launch plan for
 //! `kernels/decode_attention.cu` (its header documents the formats, the algorithm and why it is
 //! built that way; `kernels/decode_attention.cuh` holds its building blocks).
-//!
-//! This module depends on nothing but `std`.
 
-/// `struct KvCache` in the `.cu` file.
+use super::{DECODE_ATTENTION, EntryPoint, KernelParams};
+use crate::{DevicePtr, DevicePtrMut};
+use half::bf16;
+
+/// `struct KvCache` in the `.cu` file: the cache rows as bytes (bf16 values, FP8 codes or INT4
+/// nibbles by `format`) and the mirrors' per-row scales.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct KvCacheParams {
-    pub k: u64,
-    pub v: u64,
-    pub ks: u64,
-    pub vs: u64,
+    pub k: DevicePtrMut<u8>,
+    pub v: DevicePtrMut<u8>,
+    pub ks: DevicePtrMut<f32>,
+    pub vs: DevicePtrMut<f32>,
     pub kv_heads: u32,
     pub cap: u32,
     pub d: u32,
@@ -22,10 +25,10 @@ pub struct KvCacheParams {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct AppendParams {
-    pub k_new: u64,
-    pub v_new: u64,
-    pub slot_of: u64,
-    pub pos: u64,
+    pub k_new: DevicePtr<bf16>,
+    pub v_new: DevicePtr<bf16>,
+    pub slot_of: DevicePtr<u32>,
+    pub pos: DevicePtr<u32>,
     pub main: KvCacheParams,
     pub mirror: KvCacheParams,
     pub batch: u32,
@@ -36,14 +39,14 @@ pub struct AppendParams {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct AttnParams {
-    pub q: u64,
-    pub slot_of: u64,
-    pub len: u64,
+    pub q: DevicePtr<bf16>,
+    pub slot_of: DevicePtr<u32>,
+    pub len: DevicePtr<u32>,
     pub cache: KvCacheParams,
-    pub part_o: u64,
-    pub part_ml: u64,
-    pub out: u64,
-    pub arrived: u64,
+    pub part_o: DevicePtrMut<f32>,
+    pub part_ml: DevicePtrMut<f32>,
+    pub out: DevicePtrMut<bf16>,
+    pub arrived: DevicePtrMut<u32>,
     pub batch: u32,
     pub heads: u32,
     pub splits: u32,
@@ -51,6 +54,10 @@ pub struct AttnParams {
     pub block: u32,
     pub scale: f32,
 }
+
+// SAFETY: the layouts are the `.cu` structs' (asserted in `params_layout_matches_c`).
+unsafe impl KernelParams for AppendParams {}
+unsafe impl KernelParams for AttnParams {}
 
 /// `kernels/decode_attention.cu`, compiled with NVRTC (with `decode_attention.cuh` and
 /// `ptx.cuh` and `decode_attention.cuh` written in place of their includes).
@@ -181,15 +188,37 @@ pub fn forced_split(max_len: u32, splits: u32) -> (u32, u32) {
 /// merging partials), in keys' worth of time: a tie-breaker toward fewer splits.
 pub const SPLIT_OVERHEAD_KEYS: u32 = 64;
 
-/// The attention entry point of a cache format and head dim.
+fn named(name: String) -> &'static str {
+    ENTRY_POINTS
+        .iter()
+        .find(|e| **e == name)
+        .copied()
+        .unwrap_or_else(|| panic!("{name} is not a decode-attention entry point"))
+}
+
+/// The attention entry point of a cache format and head dim (64 or 128; [`check_shape`]).
 pub fn attn_entry(format: KvFormat, d: u32) -> &'static str {
-    ENTRY_POINTS[1 + 2 * format as usize + usize::from(d == 128)]
+    named(format!("decode_attn_{}_d{d}", format.name()))
 }
 
 /// The entry point of a cache format and head dim whose split launches are clusters of their
 /// 2-8 splits (`<entry>_cl`), merging through distributed shared memory.
 pub fn attn_cluster_entry(format: KvFormat, d: u32) -> &'static str {
-    ENTRY_POINTS[7 + 2 * format as usize + usize::from(d == 128)]
+    named(format!("decode_attn_{}_d{d}_cl", format.name()))
+}
+
+/// The cache append's entry point.
+pub fn append_entry_point() -> EntryPoint<AppendParams> {
+    EntryPoint::new(&DECODE_ATTENTION, "kv_append")
+}
+
+/// An attention entry point ([`attn_entry`] or [`attn_cluster_entry`]).
+pub fn attn_entry_point(name: &'static str) -> EntryPoint<AttnParams> {
+    assert!(
+        name.starts_with("decode_attn_"),
+        "{name} is not an attention entry point"
+    );
+    EntryPoint::new(&DECODE_ATTENTION, name)
 }
 
 #[cfg(test)]

@@ -5,7 +5,6 @@
 //! per-row scale. One launch covers up to 32 rows; [`plan`] cuts larger `m` into 32-row chunks.
 //! `kernels/int4_gemm.cuh` and each family's `.cu` header document the algorithm.
 //!
-//! This module depends on nothing but `std`.
 
 /// The kernels' single argument, passed by value. Mirrors `struct Int4GemmParams` in
 /// `kernels/int4_gemm.cuh` field for field (the header asserts `sizeof == 104`).
@@ -13,24 +12,24 @@
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Int4GemmParams {
     /// `[m, k]` bf16, row-major.
-    pub x: u64,
+    pub x: DevicePtr<bf16>,
     /// `k * n / 8` words in fragment order.
-    pub words: u64,
-    /// `[k / group, n]` 16-bit scales.
-    pub scales: u64,
-    /// `[k / group, n]` 16-bit offsets, or 0 for symmetric weights.
-    pub offsets: u64,
+    pub words: DevicePtr<u32>,
+    /// `[k / group, n]` 16-bit scales (bf16 or f16 bits: the entry point's `_bf16s` / `_f16s`).
+    pub scales: DevicePtr<u16>,
+    /// `[k / group, n]` 16-bit offsets, or null for symmetric weights.
+    pub offsets: DevicePtr<u16>,
     /// `[m, n]` bf16 (`[m, n / 2]` for SwiGLU).
-    pub out: u64,
-    /// `[m, n]` bf16, for the residual epilogue; 0 otherwise.
-    pub residual: u64,
-    /// `[m]` f32 row factors, or 0.
-    pub row_scale: u64,
+    pub out: DevicePtrMut<bf16>,
+    /// `[m, n]` bf16, for the residual epilogue; null otherwise.
+    pub residual: DevicePtr<bf16>,
+    /// `[m]` f32 row factors, or null.
+    pub row_scale: DevicePtr<f32>,
     /// `[m, n]` f32, all zeros on entry (left zeroed); needed when `splits != 1` and the
     /// launch forms no clusters.
-    pub workspace: u64,
+    pub workspace: DevicePtrMut<f32>,
     /// [`counters_len`] u32, all zeros on entry (left zeroed); needed when `splits != 1`.
-    pub counters: u64,
+    pub counters: DevicePtrMut<u32>,
     pub m: u32,
     pub k: u32,
     pub n: u32,
@@ -74,6 +73,15 @@ impl WordOrder {
         }
     }
 }
+
+use super::{EntryPoint, KernelParams};
+use crate::{DevicePtr, DevicePtrMut};
+use half::bf16;
+
+// SAFETY: the layouts are the `.cu` structs' (asserted in `params_layout_matches_c`), with the
+// pointers' element types as the kernels read and write them.
+unsafe impl KernelParams for Int4GemmParams {}
+unsafe impl KernelParams for Int4WgParams {}
 
 /// The kernel families, one source file each (all include `kernels/int4_gemm.cuh`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -165,6 +173,15 @@ impl Entry {
             .find(|(e, _)| *e == self)
             .map(|(_, n)| *n)
             .expect("Entry::all lists every entry")
+    }
+
+    /// The entry point, typed by its parameter: `Ok` for the kernels that take
+    /// [`Int4GemmParams`], `Err` for the warpgroup kernels, which take [`Int4WgParams`].
+    pub fn entry_point(self) -> Result<EntryPoint<Int4GemmParams>, EntryPoint<Int4WgParams>> {
+        match self.family {
+            Family::Warpgroup { .. } => Err(EntryPoint::new(self.family.source(), self.name())),
+            _ => Ok(EntryPoint::new(self.family.source(), self.name())),
+        }
     }
 
     /// The entry point of symbol `name`, if it is one.

@@ -20,6 +20,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         "decode_attention.cuh",
         include_str!("../../../../kernels/decode_attention.cuh"),
     ),
+    (
+        "decode_attention.cuh",
+        include_str!("../../../../kernels/decode_attention.cuh"),
+    ),
 ];
 
 /// `source` with each `#include "NAME"` line naming one of [`HEADERS`] replaced by that header's
@@ -67,6 +71,53 @@ pub struct KernelSource {
     pub source: &'static str,
     /// `extern "C"` entry points the module contains: exactly these (the precompile check).
     pub entries: fn() -> Vec<&'static str>,
+}
+
+/// A `#[repr(C)]` parameter struct that a kernel entry point takes by value.
+///
+/// # Safety
+/// The struct's layout must be the `.cu` struct's, field for field (each kernel module's tests
+/// assert the size and offsets against the source's `static_assert`s), and every pointer in it
+/// must be a [`crate::DevicePtr`] / [`crate::DevicePtrMut`] of the element type the kernel
+/// reads or writes there.
+pub unsafe trait KernelParams: Copy + Send + 'static {}
+
+/// One entry point of a kernel source, typed by the parameter struct it takes: only the kernel
+/// module that knows the entry point's `.cu` signature makes one (`EntryPoint::new` is private
+/// to this crate), and [`crate::Runtime::kernel`] turns it into a [`crate::Kernel`] that
+/// launches with that struct and no other.
+pub struct EntryPoint<P> {
+    pub source: &'static KernelSource,
+    pub name: &'static str,
+    _params: std::marker::PhantomData<fn(P)>,
+}
+
+impl<P> Clone for EntryPoint<P> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<P> Copy for EntryPoint<P> {}
+impl<P> std::fmt::Debug for EntryPoint<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.source.file, self.name)
+    }
+}
+
+impl<P: KernelParams> EntryPoint<P> {
+    /// Entry point `name` of `source`; its kernel module vouches that it takes `P`.
+    pub(crate) fn new(source: &'static KernelSource, name: &'static str) -> Self {
+        debug_assert!(
+            (source.entries)().contains(&name),
+            "{name} is not an entry point of kernels/{}",
+            source.file
+        );
+        Self {
+            source,
+            name,
+            _params: std::marker::PhantomData,
+        }
+    }
 }
 
 fn rms_norm_entries() -> Vec<&'static str> {

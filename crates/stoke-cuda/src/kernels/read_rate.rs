@@ -3,6 +3,9 @@
 //! W4A16 and attention kernels for the same byte counts (the memory side of their roofline where
 //! they read and do not write).
 
+use super::{EntryPoint, KernelParams};
+use crate::{DevicePtr, DevicePtrMut};
+
 /// The kernel source.
 pub const SOURCE: &str = include_str!("../../../../kernels/bench/read_rate.cu");
 
@@ -39,16 +42,24 @@ pub const fn bulk_smem(stage_bytes: u32, stages: u32) -> u32 {
     stages * stage_bytes + 8 * stages
 }
 
+// SAFETY: the layout is the `.cu` struct's (asserted in the tests below).
+unsafe impl KernelParams for ReadRateParams {}
+
+/// Entry point `name` of the read-rate probe.
+pub fn entry_point(name: &'static str) -> EntryPoint<ReadRateParams> {
+    EntryPoint::new(&super::READ_RATE, name)
+}
+
 /// Mirror of the kernel's `ReadRateParams`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ReadRateParams {
-    /// The buffer read.
-    pub src: u64,
+    /// The buffer read (16-byte words).
+    pub src: DevicePtr<[u32; 4]>,
     /// Its length in 16-byte words.
     pub words: u64,
     /// One u32 per launched thread (written only if the loaded words XOR to `never`).
-    pub out: u64,
+    pub out: DevicePtrMut<u32>,
     pub never: u32,
     /// [`BULK_ENTRY`]: bytes per stage (a multiple of 16); ignored by the others.
     pub stage_bytes: u32,

@@ -4,29 +4,59 @@
 //! `s = x + residual`, also stored to `sum_out` (`residual_rms_norm_*`). Math is f32; bf16 is
 //! rounded to nearest even once on store, and the bf16 residual op normalizes the rounded sum, so
 //! `out == rms_norm(sum_out)` exactly. The `.cu` file's header documents each entry point.
-//!
-//! This module depends on nothing but `std`.
 
-/// The kernels' single argument, passed by value. Mirrors `struct RmsNormParams` in
+use super::{EntryPoint, KernelParams, RMS_NORM};
+use crate::{DevicePtr, DevicePtrMut};
+
+/// The kernels' single argument, passed by value, for elements of type `T` (`f32` or
+/// `half::bf16`: the `_f32` and `_bf16` entry points). Mirrors `struct RmsNormParams` in
 /// `kernels/rms_norm.cu` field for field: five 64-bit device pointers, then `rows`, `hidden`,
 /// `eps`; 52 bytes of fields, padded to 56 (the `.cu` file asserts `sizeof == 56`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct RmsNormParams {
+pub struct RmsNormParams<T> {
     /// `[rows, hidden]`, row-major contiguous.
-    pub x: u64,
-    /// `[rows, hidden]`; required by the residual entry points, ignored (may be 0) otherwise.
-    pub residual: u64,
+    pub x: DevicePtr<T>,
+    /// `[rows, hidden]`; required by the residual entry points, ignored (may be null) otherwise.
+    pub residual: DevicePtr<T>,
     /// `[hidden]`, same dtype as `x`.
-    pub gamma: u64,
+    pub gamma: DevicePtr<T>,
     /// `[rows, hidden]`. May equal `x`.
-    pub out: u64,
+    pub out: DevicePtrMut<T>,
     /// `[rows, hidden]`: `x + residual`, written by the residual entry points only. May equal
     /// `x` or `residual`; must not overlap `out`.
-    pub sum_out: u64,
+    pub sum_out: DevicePtrMut<T>,
     pub rows: u32,
     pub hidden: u32,
     pub eps: f32,
+}
+
+/// An element type the RMSNorm kernels take.
+pub trait RmsElem: Copy + Send + 'static {
+    const ELEM: ElemType;
+}
+impl RmsElem for f32 {
+    const ELEM: ElemType = ElemType::F32;
+}
+impl RmsElem for half::bf16 {
+    const ELEM: ElemType = ElemType::Bf16;
+}
+
+// SAFETY: the layout is the `.cu` struct's (asserted in the tests below) and the pointers are
+// of the entry point's element type.
+unsafe impl<T: RmsElem> KernelParams for RmsNormParams<T> {}
+
+/// The entry point a [`launch`] rule chose, for elements `T`.
+///
+/// # Panics
+/// If `name` is not an RMSNorm entry point for `T` (the launch rule was asked for another dtype).
+pub fn entry_point<T: RmsElem>(name: &'static str) -> EntryPoint<RmsNormParams<T>> {
+    assert!(
+        ENTRY_POINTS.contains(&name) && name.contains(&format!("_{}", T::ELEM.name())),
+        "{name} is not an RMSNorm entry point for {}",
+        T::ELEM.name()
+    );
+    EntryPoint::new(&RMS_NORM, name)
 }
 
 /// `kernels/rms_norm.cu`, compiled with NVRTC (no include path needed).
@@ -126,7 +156,7 @@ impl Launch {
     }
 }
 
-/// Entry point suffixes in `ENTRY_POINTS` order (the `Variant` discriminants).
+/// Entry point suffixes, by `Variant` discriminant.
 pub const VARIANT_SUFFIXES: [&str; 6] =
     ["", "_warp", "_block", "_twopass", "_warp_lat", "_block_lat"];
 
@@ -140,14 +170,18 @@ enum Variant {
     BlockLat = 5,
 }
 
-/// `ENTRY_POINTS` is ordered op (plain, residual), then dtype (f32, bf16), then variant.
+/// The entry point `OP_DT<suffix>` (OP `rms_norm` or `residual_rms_norm`, DT the element type).
 fn entry(elem: ElemType, residual: bool, variant: Variant) -> &'static str {
-    let op = if residual { 12 } else { 0 };
-    let dt = match elem {
-        ElemType::F32 => 0,
-        ElemType::Bf16 => 6,
-    };
-    ENTRY_POINTS[op + dt + variant as usize]
+    let name = format!(
+        "{}rms_norm_{}{}",
+        if residual { "residual_" } else { "" },
+        elem.name(),
+        VARIANT_SUFFIXES[variant as usize]
+    );
+    ENTRY_POINTS
+        .iter()
+        .find(|e| **e == name)
+        .expect("every op, dtype and variant has an entry point")
 }
 
 fn round_up(v: u32, m: u32) -> u32 {
@@ -269,16 +303,16 @@ mod tests {
     #[test]
     fn params_layout_matches_c() {
         // static_assert(sizeof(RmsNormParams) == 56) in kernels/rms_norm.cu.
-        assert_eq!(std::mem::size_of::<RmsNormParams>(), 56);
-        assert_eq!(std::mem::align_of::<RmsNormParams>(), 8);
-        assert_eq!(std::mem::offset_of!(RmsNormParams, x), 0);
-        assert_eq!(std::mem::offset_of!(RmsNormParams, residual), 8);
-        assert_eq!(std::mem::offset_of!(RmsNormParams, gamma), 16);
-        assert_eq!(std::mem::offset_of!(RmsNormParams, out), 24);
-        assert_eq!(std::mem::offset_of!(RmsNormParams, sum_out), 32);
-        assert_eq!(std::mem::offset_of!(RmsNormParams, rows), 40);
-        assert_eq!(std::mem::offset_of!(RmsNormParams, hidden), 44);
-        assert_eq!(std::mem::offset_of!(RmsNormParams, eps), 48);
+        assert_eq!(std::mem::size_of::<RmsNormParams<f32>>(), 56);
+        assert_eq!(std::mem::align_of::<RmsNormParams<f32>>(), 8);
+        assert_eq!(std::mem::offset_of!(RmsNormParams<f32>, x), 0);
+        assert_eq!(std::mem::offset_of!(RmsNormParams<f32>, residual), 8);
+        assert_eq!(std::mem::offset_of!(RmsNormParams<f32>, gamma), 16);
+        assert_eq!(std::mem::offset_of!(RmsNormParams<f32>, out), 24);
+        assert_eq!(std::mem::offset_of!(RmsNormParams<f32>, sum_out), 32);
+        assert_eq!(std::mem::offset_of!(RmsNormParams<f32>, rows), 40);
+        assert_eq!(std::mem::offset_of!(RmsNormParams<f32>, hidden), 44);
+        assert_eq!(std::mem::offset_of!(RmsNormParams<f32>, eps), 48);
         assert!(SOURCE.contains("static_assert(sizeof(RmsNormParams) == 56"));
     }
 

@@ -2,7 +2,8 @@
 //! cluster rules, the programmatic dependent launch bookkeeping, and
 //! [`Runtime::hold_until_done`] for borrowed memory a queued kernel reads.
 
-use super::{Kernel, Runtime};
+use super::{Kernel, KernelInfo, Runtime};
+use crate::kernels::KernelParams;
 use crate::{DriverContext, Error, Result};
 use cudarc::driver::{result, sys};
 use std::any::Any;
@@ -71,12 +72,11 @@ impl Runtime {
     /// Launches `kernel` on Stoke's stream with `params` as its single by-value argument.
     ///
     /// # Safety
-    /// `P` must be the `#[repr(C)]` mirror of the kernel's parameter struct, and every device
-    /// pointer in it must stay valid until the kernel finishes (owned by a [`DeviceBuffer`](super::DeviceBuffer) that
+    /// Every device pointer in `params` must stay valid until the kernel finishes (owned by a [`DeviceBuffer`](super::DeviceBuffer) that
     /// is dropped only on this stream, or held with [`Runtime::hold_until_done`]).
-    pub unsafe fn launch<P: Copy>(
+    pub unsafe fn launch<P: KernelParams>(
         &self,
-        kernel: &Kernel,
+        kernel: &Kernel<P>,
         shape: LaunchShape,
         params: &P,
     ) -> Result<()> {
@@ -103,9 +103,9 @@ impl Runtime {
     ///
     /// # Safety
     /// As [`Runtime::launch`]; with a cluster, the kernel must be written for one.
-    pub unsafe fn launch_cluster<P: Copy>(
+    pub unsafe fn launch_cluster<P: KernelParams>(
         &self,
-        kernel: &Kernel,
+        kernel: &Kernel<P>,
         shape: LaunchShape,
         cluster: Option<(u32, u32, u32)>,
         params: &P,
@@ -197,7 +197,7 @@ impl Runtime {
     /// of one cluster at most).
     fn crowded(
         &self,
-        kernel: &Kernel,
+        kernel: &KernelInfo,
         shape: LaunchShape,
         cluster: (u32, u32, u32),
         holding: u64,

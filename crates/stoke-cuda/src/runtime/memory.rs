@@ -21,6 +21,14 @@ impl DeviceBuffer {
     pub fn ptr(&self) -> u64 {
         self.ptr
     }
+    /// The buffer as `T`s a kernel reads.
+    pub fn as_ptr<T>(&self) -> crate::DevicePtr<T> {
+        crate::DevicePtr::new(self.ptr)
+    }
+    /// The buffer as `T`s a kernel writes.
+    pub fn as_mut_ptr<T>(&self) -> crate::DevicePtrMut<T> {
+        crate::DevicePtrMut::new(self.ptr)
+    }
     pub fn bytes(&self) -> usize {
         self.bytes
     }

@@ -23,7 +23,7 @@ mod occupancy;
 
 pub use launch::{LaunchShape, MAX_CLUSTER_CTAS};
 pub use memory::DeviceBuffer;
-pub use modules::Kernel;
+pub use modules::{Kernel, KernelInfo};
 pub use occupancy::TensorMap;
 
 use crate::compile::CompileReport;
@@ -72,7 +72,7 @@ pub struct Runtime {
     /// Most shared memory one CTA may use (dynamic included), in bytes.
     pub shared_optin: u32,
     modules: Mutex<Modules>,
-    functions: Mutex<HashMap<(&'static str, &'static str), Kernel>>,
+    functions: Mutex<HashMap<(&'static str, &'static str), KernelInfo>>,
     /// Resident CTAs per SM by (entry point, threads per CTA), from the occupancy calculator.
     occupancy: Mutex<HashMap<(&'static str, u32), u32>>,
     /// Clusters resident at once by (entry point, threads per CTA, cluster (x, y, z)).

@@ -2,14 +2,54 @@
 //! [`Runtime::kernel`], and the `u32` globals a module exports to describe its entry points.
 
 use super::Runtime;
-use crate::kernels::KernelSource;
+use crate::kernels::{EntryPoint, KernelParams, KernelSource};
 use crate::{DriverContext, Error, Result};
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, sys};
 use std::sync::Arc;
 
-/// A compiled kernel entry point.
+/// A loaded kernel entry point, typed by the parameter struct it takes (made from an
+/// [`EntryPoint`] by [`Runtime::kernel`]): [`Runtime::launch`] takes only that struct. Its
+/// facts are those of [`KernelInfo`] (through `Deref`).
+///
+/// A launch with another kernel's parameter struct does not compile:
+/// ```compile_fail
+/// # use stoke_cuda::{LaunchShape, Runtime};
+/// # use stoke_cuda::kernels::{int4_gemm::Int4GemmParams, rms_norm::entry_point};
+/// # fn f(rt: &Runtime, shape: LaunchShape, p: Int4GemmParams) {
+/// let k = rt.kernel(entry_point::<f32>("rms_norm_f32")).unwrap();
+/// unsafe { rt.launch(&k, shape, &p) }.unwrap(); // expects RmsNormParams<f32>
+/// # }
+/// ```
+pub struct Kernel<P> {
+    info: KernelInfo,
+    _params: std::marker::PhantomData<fn(P)>,
+}
+
+impl<P> Clone for Kernel<P> {
+    fn clone(&self) -> Self {
+        Self {
+            info: self.info.clone(),
+            _params: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<P> std::fmt::Debug for Kernel<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.info.fmt(f)
+    }
+}
+
+impl<P> std::ops::Deref for Kernel<P> {
+    type Target = KernelInfo;
+    fn deref(&self) -> &KernelInfo {
+        &self.info
+    }
+}
+
+/// A compiled kernel entry point and what the module exports about it.
 #[derive(Debug, Clone)]
-pub struct Kernel {
+pub struct KernelInfo {
     pub(super) func: CudaFunction,
     pub entry: &'static str,
     /// The most threads per CTA the kernel launches with: its launch bounds, where it has them.
@@ -49,7 +89,16 @@ pub(super) fn module_symbol<'a>(
 
 impl Runtime {
     /// Loads (compiling on first use, through the disk cache) one kernel entry point.
-    pub fn kernel(&self, src: &KernelSource, entry: &'static str) -> Result<Kernel> {
+    pub fn kernel<P: KernelParams>(&self, entry: EntryPoint<P>) -> Result<Kernel<P>> {
+        Ok(Kernel {
+            info: self.kernel_info(entry.source, entry.name)?,
+            _params: std::marker::PhantomData,
+        })
+    }
+
+    /// [`Runtime::kernel`] without the parameter type: the entry point's facts for occupancy
+    /// and cluster queries (a [`KernelInfo`] cannot be launched).
+    pub fn kernel_info(&self, src: &KernelSource, entry: &'static str) -> Result<KernelInfo> {
         if let Some(k) = self.functions.lock().unwrap().get(&(src.file, entry)) {
             return Ok(k.clone());
         }
@@ -137,7 +186,7 @@ impl Runtime {
             )
             .call("cuFuncSetAttribute")?;
         }
-        let kernel = Kernel {
+        let kernel = KernelInfo {
             func,
             entry,
             max_threads,

@@ -2,7 +2,7 @@
 //! ([`TensorMap`]) and the device's L2 size, which the launch plans size their grids by.
 
 use super::launch::cluster_attribute;
-use super::{Kernel, MAX_CLUSTER_CTAS, Runtime};
+use super::{KernelInfo, MAX_CLUSTER_CTAS, Runtime};
 use crate::{DriverContext, Error, Result};
 use cudarc::driver::sys;
 
@@ -16,7 +16,7 @@ impl Runtime {
     /// Resident CTAs per SM of `kernel` launched with `block_threads` threads and its dynamic
     /// shared memory (`Kernel::dyn_smem`): the occupancy calculator over its registers, shared
     /// memory and launch bounds (cached). Launch plans size their grids by it.
-    pub fn resident_ctas(&self, kernel: &Kernel, block_threads: u32) -> Result<u32> {
+    pub fn resident_ctas(&self, kernel: &KernelInfo, block_threads: u32) -> Result<u32> {
         let key = (kernel.entry, block_threads);
         if let Some(n) = self.occupancy.lock().unwrap().get(&key) {
             return Ok(*n);
@@ -41,7 +41,7 @@ impl Runtime {
     /// [`MAX_CLUSTER_CTAS`] CTAs (the driver is not asked then).
     pub fn clusters_fit(
         &self,
-        kernel: &Kernel,
+        kernel: &KernelInfo,
         block_threads: u32,
         cluster: (u32, u32, u32),
         count: u64,
@@ -60,7 +60,7 @@ impl Runtime {
     /// it may be less than the resident CTAs divided by the cluster size.
     pub fn max_active_clusters(
         &self,
-        kernel: &Kernel,
+        kernel: &KernelInfo,
         block_threads: u32,
         cluster: (u32, u32, u32),
     ) -> Result<u32> {

@@ -7,6 +7,7 @@ use burn_backend::{Backend, DType, Shape, TensorMetadata};
 use std::sync::Arc;
 use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
 use stoke_cuda::kernels::int4_gemm::Epilogue;
+use stoke_cuda::{DevicePtr, DevicePtrMut};
 use stoke_formats::int4::ScaleType;
 
 static KERNEL_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -91,12 +92,14 @@ pub(crate) fn try_linear_with<I: Backend>(
     *out_dims.last_mut().unwrap() = epilogue.out_cols(n);
     let out = DeviceTensor::<I>::alloc(&rt, Shape::from(out_dims), DType::BF16, device);
     let call = Int4Gemm {
-        x: x_in.ptr,
+        x: DevicePtr::new(x_in.ptr),
         m: m as u32,
-        out: out.ptr(),
+        out: DevicePtrMut::new(out.ptr()),
         epilogue,
-        residual: res_in.as_ref().map_or(0, |r| r.ptr),
-        row_scale: 0,
+        residual: res_in
+            .as_ref()
+            .map_or(DevicePtr::NULL, |r| DevicePtr::new(r.ptr)),
+        row_scale: DevicePtr::NULL,
         splits: 0,
         wg_rows: stoke_cuda::int4::wg_rows_default(),
         tune: stoke_cuda::int4::tune_default(),

@@ -3,9 +3,44 @@
 use super::bridge::{DeviceTensor, KernelInput, runtime_for};
 use crate::tensor::StokeTensor;
 use burn_backend::{Backend, DType, TensorMetadata};
-use stoke_cuda::LaunchShape;
-use stoke_cuda::kernels::RMS_NORM;
-use stoke_cuda::kernels::rms_norm::{ElemType, RmsNormParams, launch};
+use stoke_cuda::kernels::rms_norm::{ElemType, RmsElem, RmsNormParams, entry_point, launch};
+use stoke_cuda::{DevicePtr, DevicePtrMut, LaunchShape, Runtime};
+
+/// Device addresses of one RMSNorm call (0: none).
+struct Addrs {
+    x: u64,
+    residual: u64,
+    gamma: u64,
+    out: u64,
+    sum_out: u64,
+}
+
+/// Launches the chosen entry point on elements `T`.
+///
+/// # Safety
+/// The addresses hold `rows x hidden` (`gamma`: `hidden`) elements of `T` until the kernel is
+/// done.
+unsafe fn launch_on<T: RmsElem>(
+    rt: &Runtime,
+    entry: &'static str,
+    shape: LaunchShape,
+    a: &Addrs,
+    (rows, hidden, eps): (u32, u32, f32),
+) -> stoke_cuda::Result<()> {
+    let params = RmsNormParams::<T> {
+        x: DevicePtr::new(a.x),
+        residual: DevicePtr::new(a.residual),
+        gamma: DevicePtr::new(a.gamma),
+        out: DevicePtrMut::new(a.out),
+        sum_out: DevicePtrMut::new(a.sum_out),
+        rows,
+        hidden,
+        eps,
+    };
+    let k = rt.kernel(entry_point::<T>(entry))?;
+    // SAFETY: the caller's guarantees.
+    unsafe { rt.launch(&k, shape, &params) }
+}
 
 /// Runs the kernel when it applies: a Stoke runtime on the device, f32 or bf16 `x` with the
 /// same dtype for every input, `gamma` of shape `[hidden]`, `residual` shaped like `x`.
@@ -53,22 +88,19 @@ pub(crate) fn try_rms_norm<I: Backend>(
     let out = DeviceTensor::<I>::alloc(&rt, shape.clone(), dtype, device.clone());
     let sum = residual.map(|_| DeviceTensor::<I>::alloc(&rt, shape.clone(), dtype, device.clone()));
 
-    let params = RmsNormParams {
+    let addrs = Addrs {
         x: x_in.ptr,
         residual: res_in.as_ref().map_or(0, |r| r.ptr),
         gamma: g_in.ptr,
         out: out.ptr(),
         sum_out: sum.as_ref().map_or(0, |s| s.ptr()),
-        rows: rows32,
-        hidden: hidden32,
-        eps: eps as f32,
     };
     let aligned = [
-        params.x,
-        params.residual,
-        params.gamma,
-        params.out,
-        params.sum_out,
+        addrs.x,
+        addrs.residual,
+        addrs.gamma,
+        addrs.out,
+        addrs.sum_out,
     ]
     .iter()
     .all(|p| p % 16 == 0);
@@ -81,12 +113,15 @@ pub(crate) fn try_rms_norm<I: Backend>(
         rt.sm_count,
     );
     let shape = LaunchShape::from(l);
-    let result = rt.kernel(&RMS_NORM, l.entry).and_then(|k| {
-        // SAFETY: `RmsNormParams` mirrors the kernel's struct (checked by a size test against the
-        // C static_assert); inputs are pinned until the kernel is done (KernelInput), outputs
-        // are Stoke buffers freed on the same stream.
-        unsafe { rt.launch(&k, shape, &params) }
-    });
+    let sizes = (rows32, hidden32, eps as f32);
+    // SAFETY: inputs are pinned until the kernel is done (KernelInput), outputs are Stoke
+    // buffers freed on the same stream, all of `dtype`.
+    let result = unsafe {
+        match elem {
+            ElemType::F32 => launch_on::<f32>(&rt, l.entry, shape, &addrs, sizes),
+            ElemType::Bf16 => launch_on::<half::bf16>(&rt, l.entry, shape, &addrs, sizes),
+        }
+    };
     if let Err(e) = result {
         panic!("stoke rms_norm: {e}");
     }
