@@ -7,7 +7,7 @@ use crate::kernels::int4_gemm::{
 };
 use crate::{
     DeviceBuffer, DevicePtr, DevicePtrMut, DriverContext, Error, KernelInfo, LaunchShape, Result,
-    Runtime,
+    Runtime, ShapeError,
 };
 use half::bf16;
 use std::sync::Arc;
@@ -67,8 +67,10 @@ impl DeviceInt4 {
         order: WordOrder,
     ) -> Result<Self> {
         let shape_err = |what: &str, want: usize, got: usize| {
-            Error::Shape(format!(
-                "INT4 weight [{k}, {n}] group {group}: {what} has {got} values, expected {want}"
+            Error::Shape(ShapeError::new(
+                format!("INT4 weight [{k}, {n}] group {group}: {what}"),
+                format!("{want} values"),
+                format!("{got} values"),
             ))
         };
         plan(
@@ -82,7 +84,7 @@ impl DeviceInt4 {
             0,
             0,
         )
-        .map_err(|e| Error::Shape(e.0))?;
+        .map_err(Error::Shape)?;
         if words.len() != k * n / 8 {
             return Err(shape_err("words", k * n / 8, words.len()));
         }
@@ -271,7 +273,7 @@ fn planned(
         call.splits,
         wg_rows,
     )
-    .map_err(|e| Error::Shape(e.0))?;
+    .map_err(Error::Shape)?;
     if call.splits != 0 {
         return Ok(launches);
     }
@@ -333,8 +335,13 @@ unsafe fn launch_planned(
     };
     let out_cols = call.epilogue.out_cols(w.n as usize) as u64;
     for &l in launches {
-        let entry = Entry::from_name(l.entry)
-            .ok_or_else(|| Error::Shape(format!("{} is not a W4A16 entry point", l.entry)))?;
+        let entry = Entry::from_name(l.entry).ok_or_else(|| {
+            Error::Shape(ShapeError::new(
+                "W4A16 entry point",
+                "an int4_gemm_* entry point",
+                l.entry,
+            ))
+        })?;
         let r0 = l.row0 as usize;
         let params = Int4GemmParams {
             x: call.x.add(r0 * w.k as usize),
@@ -701,9 +708,11 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         return Ok(());
     }
     if call.epilogue == Epilogue::Residual && call.residual.is_null() {
-        return Err(Error::Shape(
-            "INT4 GEMM residual epilogue without a residual".into(),
-        ));
+        return Err(Error::Shape(ShapeError::new(
+            "INT4 GEMM residual epilogue",
+            "a residual input",
+            "none",
+        )));
     }
     // The warpgroup kernels take symmetric weights only, and x through the copy engine
     // (16-byte aligned rows).

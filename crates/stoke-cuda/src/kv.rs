@@ -47,7 +47,7 @@ impl DeviceKvCache {
         (slots, kv_heads, cap, d): (u32, u32, u32, u32),
         block: u32,
     ) -> Result<Self> {
-        check_shape(kv_heads, kv_heads, d, block).map_err(|e| Error::Shape(e.0))?;
+        check_shape(kv_heads, kv_heads, d, block).map_err(Error::Shape)?;
         let rows = slots as usize * kv_heads as usize * cap as usize;
         let zeroed = |bytes: usize| -> Result<DeviceBuffer> {
             let b = rt.alloc(bytes.max(4))?;
@@ -200,11 +200,12 @@ impl DeviceKvCache {
         out: DevicePtrMut<bf16>,
         splits: Option<u32>,
     ) -> Result<()> {
-        check_shape(heads, self.kv_heads, self.d, self.block).map_err(|e| Error::Shape(e.0))?;
+        check_shape(heads, self.kv_heads, self.d, self.block).map_err(Error::Shape)?;
         if max_len > self.cap {
-            return Err(Error::Shape(format!(
-                "decode attention: max_len {max_len} beyond the cache capacity {}",
-                self.cap
+            return Err(Error::Shape(crate::ShapeError::new(
+                "decode attention max_len",
+                format!("at most the cache capacity {}", self.cap),
+                max_len.to_string(),
             )));
         }
         if batch == 0 {

@@ -53,7 +53,7 @@ pub enum Error {
         reason: String,
     },
     #[error("{0}")]
-    Shape(String),
+    Shape(#[from] ShapeError),
     #[error("kernel cache at {path}: {source}")]
     Cache {
         path: String,
@@ -63,6 +63,30 @@ pub enum Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// A shape, size or layout a kernel cannot take: what was checked, what it must be, and what
+/// it is.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{what}: expected {expected}, got {got}")]
+pub struct ShapeError {
+    pub what: String,
+    pub expected: String,
+    pub got: String,
+}
+
+impl ShapeError {
+    pub fn new(
+        what: impl Into<String>,
+        expected: impl Into<String>,
+        got: impl Into<String>,
+    ) -> Self {
+        Self {
+            what: what.into(),
+            expected: expected.into(),
+            got: got.into(),
+        }
+    }
+}
 
 /// Attaches the failing call's name to a driver error.
 pub(crate) trait DriverContext<T> {
@@ -108,10 +132,10 @@ mod tests {
         let err = FirstError::default();
         assert!(err.ask(|| Ok(true)));
         assert!(!err.ask(|| Ok(false)));
-        assert!(!err.ask(|| Err(Error::Shape("first".into()))));
+        assert!(!err.ask(|| Err(Error::Shape(ShapeError::new("first", "x", "y")))));
         assert!(!err.ask(|| panic!("not asked after a failure")));
         match err.finish(7) {
-            Err(Error::Shape(m)) => assert_eq!(m, "first"),
+            Err(Error::Shape(m)) => assert_eq!(m.what, "first"),
             other => panic!("expected the first error, got {other:?}"),
         }
         assert_eq!(FirstError::default().finish(7).unwrap(), 7);

@@ -110,27 +110,31 @@ impl KvFormat {
 /// Most query heads per kv head the kernels take (`MAX_GROUP`).
 pub const MAX_GROUP: u32 = 8;
 
-/// Why a shape can't run on these kernels.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ShapeError(pub String);
+pub use crate::ShapeError;
 
 /// Checks an attention shape: head dim 64 or 128, heads a multiple of kv heads with at most
 /// [`MAX_GROUP`] query heads per kv head, rotation block 0 or a power of two in 2..=d.
 pub fn check_shape(heads: u32, kv_heads: u32, d: u32, block: u32) -> Result<(), ShapeError> {
     if d != 64 && d != 128 {
-        return Err(ShapeError(format!(
-            "decode attention: head_dim {d} (64 or 128 supported)"
-        )));
+        return Err(ShapeError::new(
+            "decode attention head_dim",
+            "64 or 128",
+            d.to_string(),
+        ));
     }
     if kv_heads == 0 || !heads.is_multiple_of(kv_heads) || heads / kv_heads > MAX_GROUP {
-        return Err(ShapeError(format!(
-            "decode attention: {heads} query heads over {kv_heads} kv heads (a whole group of at most {MAX_GROUP})"
-        )));
+        return Err(ShapeError::new(
+            "decode attention query heads per kv head",
+            format!("a whole group of at most {MAX_GROUP}"),
+            format!("{heads} query heads over {kv_heads} kv heads"),
+        ));
     }
     if block != 0 && (!block.is_power_of_two() || block < 2 || block > d) {
-        return Err(ShapeError(format!(
-            "decode attention: rotation block {block} (0, or a power of two from 2 to head_dim {d})"
-        )));
+        return Err(ShapeError::new(
+            "decode attention rotation block",
+            format!("0, or a power of two from 2 to head_dim {d}"),
+            block.to_string(),
+        ));
     }
     Ok(())
 }

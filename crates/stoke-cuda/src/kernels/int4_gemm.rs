@@ -348,15 +348,7 @@ pub fn wg_eligible(k: u32, group: u32) -> bool {
     fold_kt >= 4 && (k / 16).is_multiple_of(fold_kt.max(4))
 }
 
-/// Why a shape can't run on these kernels.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ShapeError(pub String);
-
-impl std::fmt::Display for ShapeError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
+pub use crate::ShapeError;
 
 fn gcd(a: u32, b: u32) -> u32 {
     if b == 0 { a } else { gcd(b, a % b) }
@@ -390,14 +382,18 @@ pub fn plan(
     wg_rows: u32,
 ) -> Result<Vec<Launch>, ShapeError> {
     if k == 0 || !k.is_multiple_of(16) || n == 0 || !n.is_multiple_of(64) {
-        return Err(ShapeError(format!(
-            "INT4 GEMM needs k % 16 == 0 and n % 64 == 0, got k = {k}, n = {n}"
-        )));
+        return Err(ShapeError::new(
+            "INT4 GEMM [k, n]",
+            "k % 16 == 0 and n % 64 == 0",
+            format!("k = {k}, n = {n}"),
+        ));
     }
     if group == 0 || !group.is_multiple_of(16) || !k.is_multiple_of(group) {
-        return Err(ShapeError(format!(
-            "INT4 GEMM group {group} must be a multiple of 16 dividing k = {k}"
-        )));
+        return Err(ShapeError::new(
+            "INT4 GEMM group",
+            format!("a multiple of 16 dividing k = {k}"),
+            group.to_string(),
+        ));
     }
     let fold_kt = gcd(group / 16, 8);
     let units = k / 16 / fold_kt;

@@ -116,9 +116,10 @@ impl Runtime {
         if let Some((x, y, z)) = cluster
             && !cluster_tiles_grid(shape.grid, (x, y, z))
         {
-            return Err(Error::Shape(format!(
-                "{}: cluster ({x}, {y}, {z}) does not tile grid {:?} (at most 8 CTAs per cluster)",
-                kernel.entry, shape.grid
+            return Err(Error::Shape(crate::ShapeError::new(
+                format!("{} cluster", kernel.entry),
+                "at most 8 CTAs per cluster, tiling the grid",
+                format!("cluster ({x}, {y}, {z}) over grid {:?}", shape.grid),
             )));
         }
         let ctas = u64::from(shape.grid.0) * u64::from(shape.grid.1) * u64::from(shape.grid.2);

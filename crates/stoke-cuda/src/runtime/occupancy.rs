@@ -116,8 +116,11 @@ impl Runtime {
             || !box_cols.is_multiple_of(8)
             || !cols.is_multiple_of(box_cols)
         {
-            return Err(Error::Shape(format!(
-                "tensor map of a bf16 [{rows}, {cols}] matrix at {ptr:#x} (box {box_rows} x {box_cols} x {box_blocks}): needs a 16-byte aligned address, a row pitch that is a multiple of 16 bytes and boxes at most 128 bytes wide, a multiple of 16 bytes, dividing the row"
+            return Err(Error::Shape(crate::ShapeError::new(
+                "bf16 tensor map",
+                "a 16-byte aligned address, a row pitch that is a multiple of 16 bytes and boxes \
+                 at most 128 bytes wide, a multiple of 16 bytes, dividing the row",
+                format!("[{rows}, {cols}] at {ptr:#x}, box {box_rows} x {box_cols} x {box_blocks}"),
             )));
         }
         self.bind()?;
