@@ -313,23 +313,11 @@ mod tests {
     fn bad_shapes_are_named() {
         assert!(check_shape(32, 8, 128, 128).is_ok());
         assert!(check_shape(9, 3, 64, 64).is_ok());
-        assert!(
-            check_shape(32, 8, 96, 0)
-                .unwrap_err()
-                .0
-                .contains("head_dim 96")
-        );
-        assert!(
-            check_shape(64, 4, 128, 0)
-                .unwrap_err()
-                .0
-                .contains("64 query heads over 4")
-        );
-        assert!(
-            check_shape(32, 8, 128, 48)
-                .unwrap_err()
-                .0
-                .contains("block 48")
-        );
+        let e = check_shape(32, 8, 96, 0).unwrap_err();
+        assert!(e.what.contains("head_dim") && e.got == "96", "{e}");
+        let e = check_shape(64, 4, 128, 0).unwrap_err();
+        assert!(e.got.contains("64 query heads over 4"), "{e}");
+        let e = check_shape(32, 8, 128, 48).unwrap_err();
+        assert!(e.what.contains("rotation block") && e.got == "48", "{e}");
     }
 }
