@@ -370,14 +370,16 @@ unsafe fn launch_planned(
             kt_stride,
             slab_stride,
         };
-        let info = rt.kernel_info(source_of(l.entry), l.entry)?;
-        let shape = LaunchShape {
-            grid: l.grid,
-            block: l.block,
-            // The m32 and warpgroup kernels' shared memory (their `_dyn_smem` global).
-            shared_mem_bytes: info.dyn_smem,
+        // The launch shape (the m32 and warpgroup kernels' shared memory: their `_dyn_smem`
+        // global) and cluster of the loaded kernel.
+        let placed = |info: &KernelInfo| -> Result<_> {
+            let shape = LaunchShape {
+                grid: l.grid,
+                block: l.block,
+                shared_mem_bytes: info.dyn_smem,
+            };
+            Ok((shape, cluster_dims(rt, info, &l)?))
         };
-        let cluster = cluster_dims(rt, &info, &l)?;
         // SAFETY: the params mirror the kernel's struct (layout test); the caller guarantees
         // the pointers; the weight buffers live in `w`, borrowed for the call and freed on this
         // stream; the scratch is the runtime's; the kernel reduces within its cluster when
@@ -390,6 +392,7 @@ unsafe fn launch_planned(
                 let x_map = rt.bf16_tensor_map(params.x.addr(), l.rows, w.k, box_rows, 64, 4)?;
                 let wg = Int4WgParams { p: params, x_map };
                 let kernel = rt.kernel(wg_entry)?;
+                let (shape, cluster) = placed(&kernel)?;
                 unsafe { rt.launch_cluster(&kernel, shape, cluster, &wg) }?;
                 if counted {
                     WARPGROUP_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -397,6 +400,7 @@ unsafe fn launch_planned(
             }
             Ok(gemm_entry) => {
                 let kernel = rt.kernel(gemm_entry)?;
+                let (shape, cluster) = placed(&kernel)?;
                 unsafe { rt.launch_cluster(&kernel, shape, cluster, &params) }?;
             }
         }

@@ -160,15 +160,19 @@ impl Entry {
         }
     }
 
-    /// The entry point's symbol.
-    pub fn name(self) -> &'static str {
+    /// Every entry point with its symbol, made once.
+    fn table() -> &'static [(Entry, &'static str)] {
         static NAMES: std::sync::OnceLock<Vec<(Entry, &'static str)>> = std::sync::OnceLock::new();
-        let names = NAMES.get_or_init(|| {
+        NAMES.get_or_init(|| {
             Entry::all()
                 .map(|e| (e, &*Box::leak(e.format().into_boxed_str())))
                 .collect()
-        });
-        names
+        })
+    }
+
+    /// The entry point's symbol.
+    pub fn name(self) -> &'static str {
+        Self::table()
             .iter()
             .find(|(e, _)| *e == self)
             .map(|(_, n)| *n)
@@ -186,7 +190,10 @@ impl Entry {
 
     /// The entry point of symbol `name`, if it is one.
     pub fn from_name(name: &str) -> Option<Entry> {
-        Entry::all().find(|e| e.name() == name)
+        Self::table()
+            .iter()
+            .find(|(_, n)| *n == name)
+            .map(|(e, _)| *e)
     }
 }
 
