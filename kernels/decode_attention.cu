@@ -16,6 +16,9 @@
 // Entry points:
 //   kv_append         one warp per (slot, kv head, K or V): writes the bf16 row of the main cache
 //                     at position pos[slot], and the rotated, quantized row of the mirror.
+//   rope_append       one warp per (row, q/k/v head) of a q|k|v projection output: RoPE on the q
+//                     and k heads at pos[row], q to q_out, k and v appended as kv_append does,
+//                     len[row] = pos[row] + 1.
 //   decode_attn_FMT_dD  (FMT bf16 / fp8 / int4, D 64 / 128) grid (splits, kv_heads, batch),
 //                     WARPS warps (the launch bounds) that split the keys: the query heads that
 //                     share a kv head (group <= 8) together, so each cache byte is read once; the
@@ -147,8 +150,20 @@ struct AttnParams {
     u32 batch, heads, splits, chunk, block;
     float scale;          // 1 / sqrt(d)
 };
+struct RopeAppendParams {
+    const u16* qkv;       // [batch, (heads + 2 kv_heads) d] bf16: q | k | v of each row
+    u16* q_out;           // [batch, heads, d] bf16: q rotated
+    const float* rope;    // [max_pos, d / 2, 2] (cos, sin) of each position and frequency
+    const u32* slot_of;   // [batch]
+    const u32* pos;       // [batch] position of the row's token
+    u32* len;             // [batch] written: pos + 1 (the keys the step attends to)
+    KvCache main;
+    KvCache mirror;
+    u32 batch, heads, block, max_pos;
+};
 static_assert(sizeof(KvCache) == 48, "KvCache layout");
 static_assert(sizeof(AppendParams) == 136, "AppendParams layout");
+static_assert(sizeof(RopeAppendParams) == 160, "RopeAppendParams layout");
 static_assert(sizeof(AttnParams) == 128, "AttnParams layout");
 
 #include "decode_attention.cuh"
@@ -157,23 +172,20 @@ static_assert(sizeof(AttnParams) == 128, "AttnParams layout");
 // Cache append
 // ---------------------------------------------------------------------------------------------
 
-// One warp per (slot, kv head, K or V) item; lane l holds row values l E .. l E + E - 1.
+// Writes one K or V row held by a warp (lane l: bf16 values l E .. l E + E - 1 in `w`) at
+// (slot, kv head h, pos) of the main cache and, rotated and quantized, of the mirror.
 template <int D>
-__device__ __forceinline__ void append_row(const AppendParams& p, u32 b, u32 h, u32 is_v, u32 kvh, u32 lane) {
+__device__ __forceinline__ void append_words(const KvCache& main, const KvCache& m, u32 block, u32 slot, u32 pos, u32 h,
+                                             u32 is_v, u32 kvh, u32 lane, const u32 (&w)[D / 64]) {
     constexpr int E = D / 32;
-    const u16* src = (is_v ? p.v_new : p.k_new) + (u64(b) * kvh + h) * D + lane * E;
-    const u32 slot = p.slot_of[b], pos = p.pos[b];
-    u32 w[E / 2];
-    load_words<E / 2>(reinterpret_cast<const u8*>(src), w);
-    if (p.main.k) {
-        store_words<E / 2>(static_cast<u16*>(is_v ? p.main.v : p.main.k) + ((u64(slot) * kvh + h) * p.main.cap + pos) * D + lane * E, w);
+    if (main.k) {
+        store_words<E / 2>(static_cast<u16*>(is_v ? main.v : main.k) + ((u64(slot) * kvh + h) * main.cap + pos) * D + lane * E, w);
     }
-    if (!p.mirror.k) return;
-    const KvCache& m = p.mirror;
+    if (!m.k) return;
     float x[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) x[e] = bf16_lo(u16(w[e / 2] >> (16 * (e % 2))));
-    hadamard_regs<D>(x, p.block, lane);
+    hadamard_regs<D>(x, block, lane);
     float amax = 0.0f;
 #pragma unroll
     for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(x[e]));
@@ -209,6 +221,16 @@ __device__ __forceinline__ void append_row(const AppendParams& p, u32 b, u32 h, 
     }
 }
 
+// One warp per (slot, kv head, K or V) item.
+template <int D>
+__device__ __forceinline__ void append_row(const AppendParams& p, u32 b, u32 h, u32 is_v, u32 kvh, u32 lane) {
+    constexpr int E = D / 32;
+    const u16* src = (is_v ? p.v_new : p.k_new) + (u64(b) * kvh + h) * D + lane * E;
+    u32 w[E / 2];
+    load_words<E / 2>(reinterpret_cast<const u8*>(src), w);
+    append_words<D>(p.main, p.mirror, p.block, p.slot_of[b], p.pos[b], h, is_v, kvh, lane, w);
+}
+
 extern "C" __global__ void __launch_bounds__(128) kv_append(const AppendParams p) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 item = blockIdx.x * 4 + warp;  // (b, kv head, K/V)
@@ -220,6 +242,54 @@ extern "C" __global__ void __launch_bounds__(128) kv_append(const AppendParams p
         append_row<128>(p, b, h, is_v, kvh, lane);
     else
         append_row<64>(p, b, h, is_v, kvh, lane);
+}
+
+// One warp per (row, head) of a q|k|v projection's output: q and k heads rotated (rotate-half
+// RoPE at the row's position, f32 math, rounded once), q written for attention, k and v appended
+// to the cache; the row's attention length pos + 1 written by its first warp.
+template <int D>
+__device__ __forceinline__ void rope_append_item(const RopeAppendParams& p, u32 b, u32 item, u32 kvh, u32 lane) {
+    constexpr int E = D / 32;
+    const u32 heads = p.heads;
+    const u16* src = p.qkv + (u64(b) * (heads + 2 * kvh) + item) * D + lane * E;
+    u32 w[E / 2];
+    load_words<E / 2>(reinterpret_cast<const u8*>(src), w);
+    const u32 pos = p.pos[b];
+    if (item == 0 && lane == 0) p.len[b] = pos + 1;
+    if (item < heads + kvh) {
+        // Lane l holds dims l E ..; its rotation partners (d +- D / 2) are in lane l ^ 16.
+        const float* cs = p.rope + (u64(min(pos, p.max_pos - 1)) * (D / 2) + (lane & 15) * E) * 2;
+        const float sign = lane < 16 ? -1.0f : 1.0f;
+        float y[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const float x = bf16_lo(u16(w[e / 2] >> (16 * (e % 2))));
+            const float other = __shfl_xor_sync(0xffffffffu, x, 16);
+            y[e] = x * cs[2 * e] + sign * other * cs[2 * e + 1];
+        }
+#pragma unroll
+        for (int e = 0; e < E / 2; ++e) w[e] = pack_bf16x2(y[2 * e], y[2 * e + 1]);
+    }
+    if (item < heads) {
+        store_words<E / 2>(p.q_out + (u64(b) * heads + item) * D + lane * E, w);
+        return;
+    }
+    const u32 is_v = item >= heads + kvh;
+    append_words<D>(p.main, p.mirror, p.block, p.slot_of[b], pos, item - heads - is_v * kvh, is_v, kvh, lane, w);
+}
+
+extern "C" __global__ void __launch_bounds__(128) rope_append(const RopeAppendParams p) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 kvh = p.main.kv_heads ? p.main.kv_heads : p.mirror.kv_heads;
+    const u32 per_row = p.heads + 2 * kvh;
+    const u32 item = blockIdx.x * 4 + warp;
+    if (item >= p.batch * per_row) return;
+    const u32 b = item / per_row, i = item % per_row;
+    const u32 d = p.main.k ? p.main.d : p.mirror.d;
+    if (d == 128)
+        rope_append_item<128>(p, b, i, kvh, lane);
+    else
+        rope_append_item<64>(p, b, i, kvh, lane);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -6,12 +6,23 @@
 //! decode step replays with new positions.
 
 use crate::kernels::decode_attention::{
-    AppendParams, AttnParams, KvCacheParams, KvFormat, append_entry_point, attn_cluster_entry,
-    attn_entry, attn_entry_point, check_shape, forced_split, split_plan,
+    AppendParams, AttnParams, KvCacheParams, KvFormat, RopeAppendParams, append_entry_point,
+    attn_cluster_entry, attn_entry, attn_entry_point, check_shape, forced_split,
+    rope_append_entry_point, split_plan,
 };
 use crate::{DeviceBuffer, DevicePtr, DevicePtrMut, Error, Kernel, LaunchShape, Result, Runtime};
 use half::bf16;
 use std::sync::Arc;
+
+/// The launch of the append kernels (`kv_append`, `rope_append`): one warp per item, four
+/// warps per CTA.
+fn warp_per_item(items: u32) -> LaunchShape {
+    LaunchShape {
+        grid: (items.div_ceil(4), 1, 1),
+        block: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
 
 /// One mirror's buffers: K and V rows, and their per-row f32 scales.
 #[derive(Debug)]
@@ -98,6 +109,15 @@ impl DeviceKvCache {
         }
     }
 
+    /// The mirror's parameters for the append kernels (null pointers: no mirror).
+    fn mirror_params(&self) -> KvCacheParams {
+        if self.mirror.is_some() {
+            self.read_params()
+        } else {
+            KvCacheParams::default()
+        }
+    }
+
     /// The cache decode attention reads.
     fn read_params(&self) -> KvCacheParams {
         match &self.mirror {
@@ -140,21 +160,59 @@ impl DeviceKvCache {
             slot_of,
             pos,
             main: self.main_params(),
-            mirror: if self.mirror.is_some() {
-                self.read_params()
-            } else {
-                KvCacheParams::default()
-            },
+            mirror: self.mirror_params(),
             batch,
             block: self.block,
         };
         let kernel = rt.kernel(append_entry_point())?;
-        let items = batch * self.kv_heads * 2;
-        let shape = LaunchShape {
-            grid: (items.div_ceil(4), 1, 1),
-            block: (128, 1, 1),
-            shared_mem_bytes: 0,
+        let shape = warp_per_item(batch * self.kv_heads * 2);
+        // SAFETY: params mirror the kernel's struct (layout test); the caller guarantees the
+        // pointers; the cache buffers are owned by self.
+        unsafe { rt.launch(&kernel, shape, &params) }
+    }
+
+    /// Queues RoPE and the append of one decode step straight from a q|k|v projection's output:
+    /// `qkv [batch, (heads + 2 kv_heads) d]` bf16 (each row q | k | v); q and k are rotated
+    /// (rotate-half) by the angles of position `pos[b]` from `rope` (`[max_pos, d / 2, 2]` cos,
+    /// sin f32), q is written to `q_out [batch, heads, d]`, k and v go to slot `slot_of[b]` at
+    /// `pos[b]` as in [`Self::append`], and `len[b] = pos[b] + 1` is written for attention.
+    ///
+    /// # Safety
+    /// The pointers must be valid device memory of those sizes until the kernel finishes, with
+    /// every slot below `slots` and every position below `cap` and `max_pos`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn rope_append(
+        &self,
+        rt: &Arc<Runtime>,
+        qkv: DevicePtr<bf16>,
+        heads: u32,
+        rope: (DevicePtr<f32>, u32),
+        slot_of: DevicePtr<u32>,
+        pos: DevicePtr<u32>,
+        len: DevicePtrMut<u32>,
+        batch: u32,
+        q_out: DevicePtrMut<bf16>,
+    ) -> Result<()> {
+        check_shape(heads, self.kv_heads, self.d, self.block).map_err(Error::Shape)?;
+        if batch == 0 {
+            return Ok(());
+        }
+        let params = RopeAppendParams {
+            qkv,
+            q_out,
+            rope: rope.0,
+            slot_of,
+            pos,
+            len,
+            main: self.main_params(),
+            mirror: self.mirror_params(),
+            batch,
+            heads,
+            block: self.block,
+            max_pos: rope.1,
         };
+        let kernel = rt.kernel(rope_append_entry_point())?;
+        let shape = warp_per_item(batch * (heads + 2 * self.kv_heads));
         // SAFETY: params mirror the kernel's struct (layout test); the caller guarantees the
         // pointers; the cache buffers are owned by self.
         unsafe { rt.launch(&kernel, shape, &params) }

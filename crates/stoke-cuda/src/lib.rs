@@ -12,18 +12,21 @@
 //!
 //! Every CUDA call's status is checked and returned as [`Error`].
 
+pub mod bf16;
 pub mod compile;
 pub mod int4;
 pub mod kernels;
 pub mod kv;
 mod ptr;
 mod runtime;
+pub mod sample;
 
 pub use compile::{CompileReport, compile_cubin, nvrtc_version};
+pub use cudarc::driver::{CudaEvent, CudaGraph};
 pub use ptr::{DevicePtr, DevicePtrMut};
 pub use runtime::{
-    DeviceBuffer, Kernel, KernelInfo, LaunchShape, MAX_CLUSTER_CTAS, Runtime, TensorMap,
-    Unavailable,
+    DeviceBuffer, GraphArena, Kernel, KernelInfo, LaunchShape, MAX_CLUSTER_CTAS, PinnedHost,
+    Runtime, TensorMap, Unavailable,
 };
 
 use cudarc::driver::DriverError;
@@ -54,6 +57,11 @@ pub enum Error {
     },
     #[error("{0}")]
     Shape(#[from] ShapeError),
+    #[error(
+        "a strict graph capture crossed between burn-cuda and Stoke (burn-cuda's work is not in the graph): {}",
+        ops.join("; ")
+    )]
+    Crossing { ops: Vec<String> },
     #[error("kernel cache at {path}: {source}")]
     Cache {
         path: String,

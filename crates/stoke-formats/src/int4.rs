@@ -231,6 +231,19 @@ impl PackedInt4 {
         )
     }
 
+    /// The groups' offsets, those of a symmetric weight written out (`m = -8 d`, exact): for
+    /// combining it with an asymmetric one.
+    fn offsets_written_out(&self) -> Vec<u16> {
+        match &self.offsets {
+            Some(o) => o.clone(),
+            None => self
+                .scales
+                .iter()
+                .map(|&d| self.scale_type.from_f32(-8.0 * self.scale_type.to_f32(d)))
+                .collect(),
+        }
+    }
+
     /// Two weights of the same shape side by side with their columns interleaved: column `2j` is
     /// `a`'s column `j`, column `2j + 1` is `b`'s (gate and up for a SwiGLU epilogue). A symmetric
     /// weight paired with an asymmetric one gets its offsets written out (`m = -8 d`, exact).
@@ -259,20 +272,10 @@ impl PackedInt4 {
                 })
                 .collect()
         };
-        let offsets_of = |p: &PackedInt4| -> Vec<u16> {
-            match &p.offsets {
-                Some(o) => o.clone(),
-                None => p
-                    .scales
-                    .iter()
-                    .map(|&d| p.scale_type.from_f32(-8.0 * p.scale_type.to_f32(d)))
-                    .collect(),
-            }
-        };
         let offsets = if a.offsets.is_none() && b.offsets.is_none() {
             None
         } else {
-            Some(mix(&offsets_of(a), &offsets_of(b)))
+            Some(mix(&a.offsets_written_out(), &b.offsets_written_out()))
         };
         PackedInt4::pack(
             &q,
@@ -281,6 +284,64 @@ impl PackedInt4 {
             a.group,
             a.scale_type,
             mix(&a.scales, &b.scales),
+            offsets,
+        )
+    }
+
+    /// Weights of the same `k`, group and scale type side by side: the columns of `parts[0]`,
+    /// then those of `parts[1]`, ... (q, k and v into one q|k|v projection). Symmetric parts
+    /// next to asymmetric ones get their offsets written out (`m = -8 d`, exact).
+    pub fn concat_columns(parts: &[&PackedInt4]) -> Result<PackedInt4, Int4Error> {
+        let first = *parts.first().ok_or(Int4Error::Len {
+            what: "weights to concatenate",
+            expected: 1,
+            actual: 0,
+        })?;
+        if let Some(b) = parts
+            .iter()
+            .find(|p| p.k != first.k || p.group != first.group || p.scale_type != first.scale_type)
+        {
+            return Err(Int4Error::Mismatch {
+                a: (first.k, first.n, first.group),
+                b: (b.k, b.n, b.group),
+            });
+        }
+        let (k, groups) = (first.k, first.k / first.group);
+        let n: usize = parts.iter().map(|p| p.n).sum();
+        // Column `c` of the result: (part, its column).
+        let source: Vec<(usize, usize)> = parts
+            .iter()
+            .enumerate()
+            .flat_map(|(i, p)| (0..p.n).map(move |c| (i, c)))
+            .collect();
+        let qs: Vec<Vec<u8>> = parts.iter().map(|p| p.unpack_q()).collect();
+        let q: Vec<u8> = (0..k * n)
+            .map(|i| {
+                let (part, c) = source[i % n];
+                qs[part][(i / n) * parts[part].n + c]
+            })
+            .collect();
+        let gather = |of: &dyn Fn(&PackedInt4) -> Vec<u16>| -> Vec<u16> {
+            let vals: Vec<Vec<u16>> = parts.iter().map(|p| of(p)).collect();
+            (0..groups * n)
+                .map(|i| {
+                    let (part, c) = source[i % n];
+                    vals[part][(i / n) * parts[part].n + c]
+                })
+                .collect()
+        };
+        let offsets = if parts.iter().all(|p| p.offsets.is_none()) {
+            None
+        } else {
+            Some(gather(&PackedInt4::offsets_written_out))
+        };
+        PackedInt4::pack(
+            &q,
+            k,
+            n,
+            first.group,
+            first.scale_type,
+            gather(&|p: &PackedInt4| p.scales.clone()),
             offsets,
         )
     }
@@ -412,6 +473,58 @@ mod tests {
         }
         let c = PackedInt4::pack(&q(1), k, n, 64, ScaleType::F16, vec![0; n], None).unwrap();
         assert!(PackedInt4::interleave_columns(&a, &c).is_err());
+    }
+
+    #[test]
+    fn concatenated_columns_dequantize_to_the_parts() {
+        use super::*;
+        let k = 64;
+        let part = |n: usize, seed: u32, asym: bool| {
+            let q: Vec<u8> = (0..k * n)
+                .map(|i| ((i as u32 * 5 + seed) % 16) as u8)
+                .collect();
+            let sc = |s: u16| -> Vec<u16> {
+                (0..k / 32 * n)
+                    .map(|i| ScaleType::F16.from_f32(0.01 * (1 + (i as u16 + s) % 7) as f32))
+                    .collect()
+            };
+            PackedInt4::pack(
+                &q,
+                k,
+                n,
+                32,
+                ScaleType::F16,
+                sc(seed as u16),
+                asym.then(|| sc(3)),
+            )
+            .unwrap()
+        };
+        let (a, b, c) = (part(128, 1, false), part(64, 2, true), part(64, 3, false));
+        let abc = PackedInt4::concat_columns(&[&a, &b, &c]).unwrap();
+        assert_eq!((abc.k, abc.n), (k, 256));
+        let d = abc.dequantize();
+        let mut col = 0;
+        for p in [&a, &b, &c] {
+            let dp = p.dequantize();
+            for r in 0..k {
+                for j in 0..p.n {
+                    assert_eq!(d[r * 256 + col + j], dp[r * p.n + j]);
+                }
+            }
+            col += p.n;
+        }
+        let other = PackedInt4::pack(
+            &vec![0; 32 * 64],
+            32,
+            64,
+            32,
+            ScaleType::F16,
+            vec![0; 64],
+            None,
+        )
+        .unwrap();
+        assert!(PackedInt4::concat_columns(&[&a, &other]).is_err());
+        assert!(PackedInt4::concat_columns(&[]).is_err());
     }
 
     use super::*;

@@ -7,3 +7,4 @@ pub mod gptq;
 pub mod int4;
 pub mod kv;
 pub mod reference;
+pub mod sample;

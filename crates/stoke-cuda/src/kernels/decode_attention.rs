@@ -55,8 +55,28 @@ pub struct AttnParams {
     pub scale: f32,
 }
 
+/// `struct RopeAppendParams`: RoPE on a q|k|v projection's output and the cache append of its
+/// k and v heads, in one launch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RopeAppendParams {
+    pub qkv: DevicePtr<bf16>,
+    pub q_out: DevicePtrMut<bf16>,
+    pub rope: DevicePtr<f32>,
+    pub slot_of: DevicePtr<u32>,
+    pub pos: DevicePtr<u32>,
+    pub len: DevicePtrMut<u32>,
+    pub main: KvCacheParams,
+    pub mirror: KvCacheParams,
+    pub batch: u32,
+    pub heads: u32,
+    pub block: u32,
+    pub max_pos: u32,
+}
+
 // SAFETY: the layouts are the `.cu` structs' (asserted in `params_layout_matches_c`).
 unsafe impl KernelParams for AppendParams {}
+unsafe impl KernelParams for RopeAppendParams {}
 unsafe impl KernelParams for AttnParams {}
 
 /// `kernels/decode_attention.cu`, compiled with NVRTC (with `decode_attention.cuh` and
@@ -66,6 +86,7 @@ pub const SOURCE: &str = include_str!("../../../../kernels/decode_attention.cu")
 /// Every `extern "C"` entry point in [`SOURCE`].
 pub const ENTRY_POINTS: &[&str] = &[
     "kv_append",
+    "rope_append",
     "decode_attn_bf16_d64",
     "decode_attn_bf16_d128",
     "decode_attn_fp8_d64",
@@ -216,6 +237,11 @@ pub fn append_entry_point() -> EntryPoint<AppendParams> {
     EntryPoint::new(&DECODE_ATTENTION, "kv_append")
 }
 
+/// The RoPE-and-append entry point.
+pub fn rope_append_entry_point() -> EntryPoint<RopeAppendParams> {
+    EntryPoint::new(&DECODE_ATTENTION, "rope_append")
+}
+
 /// An attention entry point ([`attn_entry`] or [`attn_cluster_entry`]).
 pub fn attn_entry_point(name: &'static str) -> EntryPoint<AttnParams> {
     assert!(
@@ -234,7 +260,13 @@ mod tests {
         assert_eq!(std::mem::size_of::<KvCacheParams>(), 48);
         assert_eq!(std::mem::size_of::<AppendParams>(), 136);
         assert_eq!(std::mem::size_of::<AttnParams>(), 128);
-        for (name, size) in [("KvCache", 48), ("AppendParams", 136), ("AttnParams", 128)] {
+        assert_eq!(std::mem::size_of::<RopeAppendParams>(), 160);
+        for (name, size) in [
+            ("KvCache", 48),
+            ("AppendParams", 136),
+            ("AttnParams", 128),
+            ("RopeAppendParams", 160),
+        ] {
             assert!(
                 SOURCE.contains(&format!("static_assert(sizeof({name}) == {size}")),
                 "{name}"

@@ -1,11 +1,14 @@
 //! Kernel sources (from the top-level `kernels/` directory) and their Rust-side launch rules.
 //! Each module mirrors its kernel's `#[repr(C)]` parameter struct and picks entry points.
 
+pub mod bf16_gemm;
 pub mod decode_attention;
+pub mod embed;
 pub mod int4_gemm;
 pub mod mma_rate;
 pub mod read_rate;
 pub mod rms_norm;
+pub mod sample;
 
 /// Headers the kernel files include (`#include "NAME"`), by name. NVRTC is given each kernel file
 /// with those lines replaced by the header's text ([`expand_includes`]), so one translation unit
@@ -15,10 +18,6 @@ pub const HEADERS: &[(&str, &str)] = &[
     (
         "int4_gemm.cuh",
         include_str!("../../../../kernels/int4_gemm.cuh"),
-    ),
-    (
-        "decode_attention.cuh",
-        include_str!("../../../../kernels/decode_attention.cuh"),
     ),
     (
         "decode_attention.cuh",
@@ -135,6 +134,15 @@ fn int4_wg_entries() -> Vec<&'static str> {
 fn int4_batched_entries() -> Vec<&'static str> {
     int4_gemm::entry_names("int4_gemm_batched.cu")
 }
+fn bf16_gemm_entries() -> Vec<&'static str> {
+    bf16_gemm::ENTRY_POINTS.to_vec()
+}
+fn embed_entries() -> Vec<&'static str> {
+    embed::ENTRY_POINTS.to_vec()
+}
+fn sample_entries() -> Vec<&'static str> {
+    sample::ENTRY_POINTS.to_vec()
+}
 fn mma_rate_entries() -> Vec<&'static str> {
     mma_rate::ENTRY_POINTS.to_vec()
 }
@@ -167,6 +175,21 @@ pub const DECODE_ATTENTION: KernelSource = KernelSource {
     source: decode_attention::SOURCE,
     entries: decode_attention_entries,
 };
+pub const BF16_GEMM: KernelSource = KernelSource {
+    file: "bf16_gemm.cu",
+    source: bf16_gemm::SOURCE,
+    entries: bf16_gemm_entries,
+};
+pub const EMBED: KernelSource = KernelSource {
+    file: "embed.cu",
+    source: embed::SOURCE,
+    entries: embed_entries,
+};
+pub const SAMPLE: KernelSource = KernelSource {
+    file: "sample.cu",
+    source: sample::SOURCE,
+    entries: sample_entries,
+};
 /// Benchmark-only: the tensor-core rate probe.
 pub const MMA_RATE: KernelSource = KernelSource {
     file: "bench/mma_rate.cu",
@@ -187,6 +210,9 @@ pub const ALL: &[KernelSource] = &[
     INT4_GEMM_WG,
     INT4_GEMM_BATCHED,
     DECODE_ATTENTION,
+    EMBED,
+    BF16_GEMM,
+    SAMPLE,
 ];
 
 /// The kernels only the benchmarks load (`kernels/bench/`); the precompile check builds them too.

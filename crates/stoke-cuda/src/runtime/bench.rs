@@ -25,4 +25,26 @@ impl Runtime {
     pub fn pdl_held(&self) -> u64 {
         self.pdl_held.load(std::sync::atomic::Ordering::Relaxed)
     }
+
+    /// Times every launch from now on alone (an event before and after it, so each kernel runs
+    /// in plain stream order), until [`Runtime::take_profile`].
+    pub fn start_profile(&self) {
+        *self.profile.lock().unwrap() = Some(Vec::new());
+        self.profiling
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Stops timing launches; waits for the stream and returns each timed launch's entry point
+    /// and milliseconds, in launch order.
+    pub fn take_profile(&self) -> crate::Result<Vec<(&'static str, f32)>> {
+        use crate::DriverContext;
+        self.profiling
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        let launches = self.profile.lock().unwrap().take().unwrap_or_default();
+        self.synchronize()?;
+        launches
+            .into_iter()
+            .map(|(name, a, b)| Ok((name, a.elapsed_ms(&b).call("cuEventElapsedTime")?)))
+            .collect()
+    }
 }

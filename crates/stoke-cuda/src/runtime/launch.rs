@@ -110,6 +110,29 @@ impl Runtime {
         cluster: Option<(u32, u32, u32)>,
         params: &P,
     ) -> Result<()> {
+        if self.profiling.load(std::sync::atomic::Ordering::Relaxed) {
+            let (start, end) = (self.timing_event()?, self.timing_event()?);
+            self.record(&start)?;
+            // SAFETY: the caller's guarantees.
+            unsafe { self.launch_now(kernel, shape, cluster, params) }?;
+            self.record(&end)?;
+            if let Some(p) = self.profile.lock().unwrap().as_mut() {
+                p.push((kernel.entry, start, end));
+            }
+            return Ok(());
+        }
+        // SAFETY: the caller's guarantees.
+        unsafe { self.launch_now(kernel, shape, cluster, params) }
+    }
+
+    /// [`Runtime::launch_cluster`] without the profiling hook.
+    unsafe fn launch_now<P: KernelParams>(
+        &self,
+        kernel: &Kernel<P>,
+        shape: LaunchShape,
+        cluster: Option<(u32, u32, u32)>,
+        params: &P,
+    ) -> Result<()> {
         self.bind()?;
         let mut p = *params;
         let mut args = [&mut p as *mut P as *mut c_void];

@@ -13,8 +13,17 @@ pub struct DeviceBuffer {
     ptr: sys::CUdeviceptr,
     bytes: usize,
     rt: Arc<Runtime>,
-    /// Returned to the pool when dropped (else freed: [`Runtime::alloc_unpooled`]).
-    pooled: bool,
+    home: Home,
+}
+
+/// Where a [`DeviceBuffer`] goes when dropped.
+enum Home {
+    /// The runtime's pool ([`Runtime::alloc`]).
+    Pool,
+    /// Freed, stream-ordered ([`Runtime::alloc_unpooled`]).
+    Free,
+    /// Back to the arena it came from (allocated while a graph was captured into it).
+    Arena(Arc<GraphArena>),
 }
 
 impl DeviceBuffer {
@@ -49,10 +58,10 @@ impl std::fmt::Debug for DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if self.pooled {
-            self.rt.release(self.ptr, self.bytes);
-        } else {
-            self.rt.free(self.ptr);
+        match &self.home {
+            Home::Pool => self.rt.release(self.ptr, self.bytes),
+            Home::Free => self.rt.free(self.ptr),
+            Home::Arena(arena) => arena.release(self.ptr, self.bytes),
         }
     }
 }
@@ -71,6 +80,16 @@ impl Runtime {
     /// stream-ordered from the driver's pool (`cuMemAllocAsync`).
     pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DeviceBuffer> {
         let size = pool_size(bytes);
+        let arena = self.arena.lock().unwrap().clone();
+        if let Some(arena) = arena {
+            let ptr = arena.take(self, size)?;
+            return Ok(DeviceBuffer {
+                ptr,
+                bytes,
+                rt: self.clone(),
+                home: Home::Arena(arena),
+            });
+        }
         let reused = self
             .pool
             .lock()
@@ -93,7 +112,7 @@ impl Runtime {
             ptr,
             bytes,
             rt: self.clone(),
-            pooled: true,
+            home: Home::Pool,
         };
         if self.poison.load(std::sync::atomic::Ordering::Relaxed) {
             // SAFETY: the buffer holds at least `bytes` bytes.
@@ -113,7 +132,7 @@ impl Runtime {
             ptr,
             bytes,
             rt: self.clone(),
-            pooled: false,
+            home: Home::Free,
         })
     }
 
@@ -180,6 +199,8 @@ impl Runtime {
         // `dst` can be touched again.
         unsafe { result::memcpy_dtoh_async(dst, src, self.cu_stream()) }
             .call("cuMemcpyDtoHAsync")?;
+        self.host_syncs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.stream.synchronize().call("cuStreamSynchronize")
     }
 
@@ -192,6 +213,8 @@ impl Runtime {
         // SAFETY: guaranteed by the caller; synchronized before `src` may be freed.
         unsafe { result::memcpy_htod_async(dst, src, self.cu_stream()) }
             .call("cuMemcpyHtoDAsync")?;
+        self.host_syncs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.stream.synchronize().call("cuStreamSynchronize")
     }
 
@@ -208,15 +231,17 @@ impl Runtime {
 
     /// At least `bytes` of device memory that is all zeros for the next kernel queued on Stoke's
     /// stream, shared by every user of the runtime: a kernel that uses it must leave it zeroed
-    /// (the split-K GEMMs put back zeros where they summed). Grown stream-ordered.
+    /// (the split-K GEMMs put back zeros where they summed). Grown stream-ordered; an outgrown
+    /// scratch is never freed, so an address a CUDA graph holds stays valid.
     pub fn zeroed_scratch(&self, bytes: usize) -> Result<u64> {
         let mut z = self.zeroed.lock().unwrap();
         if z.1 < bytes {
             self.bind()?;
             let size = bytes.next_power_of_two().max(1 << 16);
             if z.0 != 0 {
-                // SAFETY: allocated below on this stream; the free waits for queued users.
-                unsafe { result::free_async(z.0, self.cu_stream()) }.call("cuMemFreeAsync")?;
+                // Not freed: a captured graph may have the old address baked in. Kept until
+                // the runtime is dropped (the scratch grows a few times per process at most).
+                self.retired.lock().unwrap().push(z.0);
                 *z = (0, 0);
             }
             // SAFETY: stream-ordered allocation, zeroed on the same stream before any use.
@@ -228,5 +253,85 @@ impl Runtime {
             *z = (ptr, size);
         }
         Ok(z.0)
+    }
+}
+
+/// Device memory owned by CUDA graphs: every buffer allocated while a graph is captured into
+/// the arena ([`Runtime::capture_into`]) comes from here and returns here when dropped, so an
+/// address baked into a graph is never handed to a tensor outside it. The memory goes back to
+/// the driver when the arena (held by its graphs and by its live buffers) is dropped.
+pub struct GraphArena {
+    rt: std::sync::Weak<Runtime>,
+    /// Every block the arena allocated: (pointer, bytes).
+    blocks: std::sync::Mutex<Vec<(sys::CUdeviceptr, usize)>>,
+    /// Dropped buffers by size class, reused by the next capture into this arena.
+    free: std::sync::Mutex<std::collections::HashMap<usize, Vec<sys::CUdeviceptr>>>,
+}
+
+impl GraphArena {
+    pub fn new(rt: &Arc<Runtime>) -> Arc<Self> {
+        Arc::new(Self {
+            rt: Arc::downgrade(rt),
+            blocks: Default::default(),
+            free: Default::default(),
+        })
+    }
+
+    /// Bytes the arena holds.
+    pub fn bytes(&self) -> usize {
+        self.blocks.lock().unwrap().iter().map(|b| b.1).sum()
+    }
+
+    fn take(&self, rt: &Runtime, size: usize) -> Result<sys::CUdeviceptr> {
+        if let Some(ptr) = self
+            .free
+            .lock()
+            .unwrap()
+            .get_mut(&size)
+            .and_then(|v| v.pop())
+        {
+            return Ok(ptr);
+        }
+        rt.bind()?;
+        // Not stream-ordered: the allocation outlives the capture and belongs to no graph node.
+        // SAFETY: a plain device allocation, freed in `drop`.
+        let ptr = unsafe { result::malloc_sync(size) }.call("cuMemAlloc")?;
+        self.blocks.lock().unwrap().push((ptr, size));
+        Ok(ptr)
+    }
+
+    fn release(&self, ptr: sys::CUdeviceptr, bytes: usize) {
+        self.free
+            .lock()
+            .unwrap()
+            .entry(pool_size(bytes))
+            .or_default()
+            .push(ptr);
+    }
+}
+
+impl Drop for GraphArena {
+    fn drop(&mut self) {
+        let Some(rt) = self.rt.upgrade() else {
+            return;
+        };
+        // A replay still queued may use the memory: wait for it before freeing.
+        if let Err(e) = rt.synchronize() {
+            tracing::error!("stoke: graph arena: {e}; its memory is not freed");
+            return;
+        }
+        for (ptr, _) in self.blocks.lock().unwrap().drain(..) {
+            // SAFETY: allocated by `take`; the stream is idle and no buffer of the arena lives
+            // (each holds the arena).
+            if let Err(e) = unsafe { result::free_sync(ptr) } {
+                tracing::error!("cuMemFree failed for {ptr:#x}: {e}");
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for GraphArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GraphArena({} bytes)", self.bytes())
     }
 }

@@ -21,8 +21,9 @@ mod memory;
 mod modules;
 mod occupancy;
 
+pub use graph::PinnedHost;
 pub use launch::{LaunchShape, MAX_CLUSTER_CTAS};
-pub use memory::DeviceBuffer;
+pub use memory::{DeviceBuffer, GraphArena};
 pub use modules::{Kernel, KernelInfo};
 pub use occupancy::TensorMap;
 
@@ -95,6 +96,23 @@ pub struct Runtime {
     /// Zero-filled scratch that kernels leave zeroed (split-K partial sums and arrival
     /// counters): (pointer, bytes). Grown on demand; never poisoned.
     zeroed: Mutex<(sys::CUdeviceptr, usize)>,
+    /// Outgrown zeroed scratch buffers, kept because a graph may still hold their addresses.
+    retired: Mutex<Vec<sys::CUdeviceptr>>,
+    /// The arena new buffers come from while a graph is captured ([`Runtime::capture_into`]).
+    arena: Mutex<Option<Arc<GraphArena>>>,
+    /// Crossings between burn-cuda and Stoke reported during a strict capture.
+    crossings: Mutex<Vec<String>>,
+    /// Whether a strict capture is running (crossings are recorded, and fail it).
+    strict: std::sync::atomic::AtomicBool,
+    /// Stream synchronizations by the host ([`Runtime::synchronize`], copies to the host).
+    host_syncs: std::sync::atomic::AtomicU64,
+    /// Crossings between burn-cuda and Stoke so far ([`Runtime::note_crossing`]).
+    crossings_total: std::sync::atomic::AtomicU64,
+    /// Whether each launch is timed alone (benchmarks: the sum of a step's kernel times).
+    profiling: std::sync::atomic::AtomicBool,
+    /// The timed launches: (entry point, event before, event after).
+    #[allow(clippy::type_complexity)]
+    profile: Mutex<Option<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -164,6 +182,14 @@ impl Runtime {
             pool: Mutex::new(HashMap::new()),
             pooled_bytes: Default::default(),
             zeroed: Mutex::new((0, 0)),
+            retired: Mutex::new(Vec::new()),
+            arena: Mutex::new(None),
+            crossings: Mutex::new(Vec::new()),
+            strict: Default::default(),
+            host_syncs: Default::default(),
+            crossings_total: Default::default(),
+            profiling: Default::default(),
+            profile: Mutex::new(None),
         }))
     }
 

@@ -1,0 +1,134 @@
+//! Token sampling kernels: params mirror and entry points of kernels/sample.cu
+//!
+//! One CTA of [`THREADS`] threads per batch row picks the row's next token: greedy, or
+//! temperature with top-k, top-p and a repetition penalty, drawn with Philox4x32-10 from the
+//! row's position counter, which the kernel advances. `stoke_formats::sample` is the CPU
+//! reference; the `.cu` file's header documents the algorithm.
+
+use super::{EntryPoint, KernelParams, SAMPLE};
+use crate::{DevicePtr, DevicePtrMut};
+
+/// The kernels' single argument, passed by value, for logits of type `T` (`f32` or
+/// `half::bf16`: `sample_f32`, `sample_bf16`). Mirrors `struct SampleParams` in
+/// `kernels/sample.cu` field for field: four 64-bit device pointers, the seed, then seven
+/// 32-bit fields; 68 bytes of fields, padded to 72 (the `.cu` file asserts `sizeof == 72`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct SampleParams<T> {
+    /// `[rows, row_stride]`; the first `vocab` of each row are the logits.
+    pub logits: DevicePtr<T>,
+    /// `[rows]`: the chosen token of each row.
+    pub ids_out: DevicePtrMut<u32>,
+    /// `[rows]`: each row's draw counter (its position), written back plus one; null: counter
+    /// 0, nothing written.
+    pub pos: DevicePtrMut<u32>,
+    /// `[rows, (vocab + 31) / 32]` bitmap of the tokens in each sequence (bit `i % 32` of word
+    /// `i / 32`), read for the repetition penalty; the chosen token's bit is set. May be null.
+    pub presence: DevicePtrMut<u32>,
+    /// Philox key: the low 32 bits, then the high 32 bits.
+    pub seed: u64,
+    /// Elements from one row to the next, at least `vocab`.
+    pub row_stride: u32,
+    pub vocab: u32,
+    pub rows: u32,
+    /// `<= 0`: greedy.
+    pub temperature: f32,
+    /// 0 (or at least `vocab`): off.
+    pub top_k: u32,
+    /// `>= 1`: off.
+    pub top_p: f32,
+    /// 1: off.
+    pub repetition_penalty: f32,
+}
+
+/// A logit type the sampling kernels take.
+pub trait SampleElem: Copy + Send + 'static {
+    /// The entry point for logits of this type.
+    const ENTRY: &'static str;
+    /// Logits per 16-byte vector (the kernel's per-thread chunks are whole vectors).
+    const VEC: u32;
+}
+impl SampleElem for f32 {
+    const ENTRY: &'static str = "sample_f32";
+    const VEC: u32 = 4;
+}
+impl SampleElem for half::bf16 {
+    const ENTRY: &'static str = "sample_bf16";
+    const VEC: u32 = 8;
+}
+
+// SAFETY: the layout is the `.cu` struct's (asserted in the tests below) and the pointers are
+// of the entry point's element types.
+unsafe impl<T: SampleElem> KernelParams for SampleParams<T> {}
+
+/// The entry point for logits of type `T`.
+pub fn entry_point<T: SampleElem>() -> EntryPoint<SampleParams<T>> {
+    EntryPoint::new(&SAMPLE, T::ENTRY)
+}
+
+/// `kernels/sample.cu`, compiled with NVRTC (no include path needed).
+pub const SOURCE: &str = include_str!("../../../../kernels/sample.cu");
+
+/// Every `extern "C"` entry point in [`SOURCE`].
+pub const ENTRY_POINTS: &[&str] = &["sample_f32", "sample_bf16"];
+
+/// Threads per CTA (`kThreads` in the `.cu` file; the entry points' launch bounds).
+pub const THREADS: u32 = 1024;
+
+/// Largest vocabulary: the weights of a row (each at most 2^40) must sum below 2^64.
+pub const MAX_VOCAB: u32 = (1 << 24) - 1;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::{align_of, offset_of, size_of};
+
+    #[test]
+    fn params_layout_matches_c() {
+        type P = SampleParams<f32>;
+        assert_eq!(size_of::<P>(), 72);
+        assert_eq!(align_of::<P>(), 8);
+        assert_eq!(size_of::<SampleParams<half::bf16>>(), 72);
+        assert!(SOURCE.contains("static_assert(sizeof(SampleParams) == 72"));
+        assert!(SOURCE.contains("static_assert(alignof(SampleParams) == 8"));
+        let offsets = [
+            (offset_of!(P, logits), "logits 0"),
+            (offset_of!(P, ids_out), "ids_out 8"),
+            (offset_of!(P, pos), "pos 16"),
+            (offset_of!(P, presence), "presence 24"),
+            (offset_of!(P, seed), "seed 32"),
+            (offset_of!(P, row_stride), "row_stride 40"),
+            (offset_of!(P, vocab), "vocab 44"),
+            (offset_of!(P, rows), "rows 48"),
+            (offset_of!(P, temperature), "temperature 52"),
+            (offset_of!(P, top_k), "top_k 56"),
+            (offset_of!(P, top_p), "top_p 60"),
+            (offset_of!(P, repetition_penalty), "repetition_penalty 64"),
+        ];
+        for (off, text) in offsets {
+            let (_, at) = text.split_once(' ').unwrap();
+            assert_eq!(off.to_string(), at, "{text}");
+            // The .cu file lists the same offsets.
+            assert!(
+                SOURCE.contains(text),
+                "{text} not in the .cu offsets comment"
+            );
+        }
+    }
+
+    #[test]
+    fn entry_points_are_the_source_s() {
+        for e in ENTRY_POINTS {
+            assert!(
+                SOURCE.contains(&format!(
+                    "__launch_bounds__({THREADS}, 1) {e}(const SampleParams p)"
+                )),
+                "{e}"
+            );
+        }
+        assert_eq!(entry_point::<f32>().name, "sample_f32");
+        assert_eq!(entry_point::<half::bf16>().name, "sample_bf16");
+        assert!(SOURCE.contains(&format!("constexpr u32 kThreads = {THREADS};")));
+        assert!(!crate::kernels::expand_includes(SOURCE).contains("#include"));
+    }
+}
