@@ -185,10 +185,14 @@ fn generate(item: &syn::ItemTrait, intercepted: &[&str]) -> String {
         } else {
             let args = arg_names.iter().map(|(n, t)| lower(quote!(#n), t));
             let call = quote! { I::#name(#(#args),*) };
-            match &sig.output {
+            let op = name.to_string();
+            let forwarded = match &sig.output {
                 ReturnType::Default => quote! { #call },
                 ReturnType::Type(_, ty) => lift_return(call, ty),
-            }
+            };
+            // Every forwarded op reports itself: a strict graph capture fails on one (it runs on
+            // the inner backend's stream, outside the graph).
+            quote! { crate::route::inner_op(#op); #forwarded }
         };
         let attrs = f.attrs.iter().filter(|a| !a.path().is_ident("doc"));
         methods.push(quote! {

@@ -1,9 +1,9 @@
 //! Fused ops that Burn has no op for, as an extension trait of `Backend`.
 //!
 //! Each method's default body is the plain reference composition in Burn ops (f32 math), so
-//! model code written against [`FusedOps`] runs on any backend that implements it (an empty
-//! impl); `Stoke<I>` overrides them with its
-//! kernels where they apply and falls back to the same composition elsewhere.
+//! model code written against [`FusedOps`] runs on any backend that implements it (an impl that
+//! only names the reference decoder: `stoke::reference_decoder_ops!()`); `Stoke<I>` overrides
+//! them with its kernels where they apply and falls back to the same composition elsewhere.
 
 use crate::backend::Stoke;
 use burn::tensor::{Tensor, TensorPrimitive};
@@ -58,6 +58,74 @@ pub trait FusedOps: Backend {
         let _ = (packed, dtype, device);
         None
     }
+
+    /// A weight made ready for the backend's kernels once, at load (`Stoke<I>` resolves its
+    /// device pointer); the same tensor elsewhere.
+    fn prepare_weight(weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        weight
+    }
+
+    // ---- the decode step (see `crate::decode`) ----
+
+    /// The backend's decoder: the KV cache of every layer, ids, positions, sampling state.
+    type Decoder: Send + std::fmt::Debug;
+
+    /// A decoder for `spec` (cache values in `dtype` where the backend keeps Burn tensors).
+    fn decoder_new(
+        spec: crate::decode::DecodeSpec,
+        dtype: DType,
+        device: &Self::Device,
+    ) -> Result<Self::Decoder, crate::decode::DecodeError>;
+
+    /// Sets the sequences to `prompts`: next positions and the repetition penalty's tokens.
+    fn decoder_begin(
+        dec: &mut Self::Decoder,
+        prompts: &[Vec<u32>],
+    ) -> Result<(), crate::decode::DecodeError>;
+
+    /// Writes a layer's prompt keys and values `[batch, kv_heads, seq, head_dim]`.
+    fn decoder_fill(
+        dec: &mut Self::Decoder,
+        layer: usize,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+    );
+
+    /// Embedding of the current ids and its RMSNorm: `(x, normed)`, `[batch, 1, hidden]`.
+    fn decode_embed(
+        dec: &Self::Decoder,
+        table: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// RoPE, cache append and attention of one step (`crate::decode::decode_attention`).
+    fn decode_attention(
+        dec: &mut Self::Decoder,
+        layer: usize,
+        qkv: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// Picks the next ids from `logits [batch, 1, vocab]`.
+    fn decode_sample(dec: &mut Self::Decoder, logits: FloatTensor<Self>);
+
+    /// Runs one decode step (`Stoke<Cuda>`: as a replayed CUDA graph).
+    fn decode_step(
+        dec: &mut Self::Decoder,
+        body: &mut dyn FnMut(&mut Self::Decoder),
+    ) -> Result<(), crate::decode::DecodeError>;
+
+    /// The ids of the oldest sampling not taken yet.
+    fn decode_take_ids(dec: &mut Self::Decoder) -> Option<Vec<u32>>;
+
+    /// The latest sampling's logits, where the decoder keeps them.
+    fn decode_last_logits(dec: &mut Self::Decoder) -> Option<Vec<f32>>;
+
+    /// Replaces the sampled ids the next step reads (teacher forcing, for evaluation).
+    fn decode_force_ids(
+        dec: &mut Self::Decoder,
+        ids: &[u32],
+    ) -> Result<(), crate::decode::DecodeError>;
 }
 
 /// `silu(y[.., 2j]) * y[.., 2j + 1]` over the last dimension of `y`, on any backend.
@@ -109,6 +177,12 @@ pub fn rms_norm_reference<B: Backend>(
 }
 
 impl<I: Backend> FusedOps for Stoke<I> {
+    crate::cuda::decoder::stoke_decoder_ops!();
+
+    fn prepare_weight(weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::cuda::pin_tensor(weight)
+    }
+
     fn packed_int4_weight(
         packed: stoke_formats::int4::PackedInt4,
         dtype: DType,
@@ -125,18 +199,13 @@ impl<I: Backend> FusedOps for Stoke<I> {
         residual: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         use stoke_cuda::kernels::int4_gemm::Epilogue;
-        crate::cuda::int4_linear::try_linear_with::<I>(
-            &x,
-            &weight,
-            Epilogue::Residual,
-            Some(&residual),
-        )
-        .unwrap_or_else(|| Self::float_add(Self::linear(x, weight, None), residual))
+        crate::cuda::try_linear::<I>(&x, &weight, Epilogue::Residual, Some(&residual))
+            .unwrap_or_else(|| Self::float_add(Self::linear(x, weight, None), residual))
     }
 
     fn linear_swiglu(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
         use stoke_cuda::kernels::int4_gemm::Epilogue;
-        crate::cuda::int4_linear::try_linear_with::<I>(&x, &weight, Epilogue::SwiGlu, None)
+        crate::cuda::try_linear::<I>(&x, &weight, Epilogue::SwiGlu, None)
             .unwrap_or_else(|| swiglu_reference::<Self>(Self::linear(x, weight, None)))
     }
 
@@ -164,7 +233,7 @@ impl<I: Backend> FusedOps for Stoke<I> {
 }
 
 // The inner backends Stoke is used with get the reference compositions. Another backend opts
-// in with an empty `impl stoke::FusedOps for MyBackend {}`.
+// in with `impl stoke::FusedOps for MyBackend { stoke::reference_decoder_ops!(); }`.
 impl<E, J, Q> FusedOps for burn_ndarray::NdArray<E, J, Q>
 where
     E: burn_ndarray::FloatNdArrayElement,
@@ -173,6 +242,7 @@ where
     burn_ndarray::NdArrayTensor:
         From<burn_ndarray::SharedArray<E>> + From<burn_ndarray::SharedArray<J>>,
 {
+    crate::reference_decoder_ops!();
 }
 
 impl<R, F, J, BT> FusedOps for burn_cubecl::CubeBackend<R, F, J, BT>
@@ -182,6 +252,7 @@ where
     J: burn_cubecl::IntElement,
     BT: burn_cubecl::BoolElement,
 {
+    crate::reference_decoder_ops!();
 }
 
 // Training: under autodiff the reference composition runs, so gradients flow through ordinary
@@ -189,6 +260,7 @@ where
 impl<B: Backend, C: burn_autodiff::checkpoint::strategy::CheckpointStrategy> FusedOps
     for burn_autodiff::Autodiff<B, C>
 {
+    crate::reference_decoder_ops!();
 }
 
 fn float<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {

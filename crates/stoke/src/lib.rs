@@ -19,6 +19,7 @@
 
 mod backend;
 pub mod cuda;
+pub mod decode;
 pub mod fused;
 mod ops;
 pub mod packed;
@@ -26,5 +27,12 @@ mod route;
 pub mod tensor;
 
 pub use backend::Stoke;
+#[doc(hidden)]
+pub use burn_backend;
+pub use decode::{
+    DecodeError, DecodeSpec, KvCacheFormat, RefDecoder, Sampling, decode_attention, decode_embed,
+    decode_force_ids, decode_last_logits, decode_sample, decode_step, decode_take_ids, decoder,
+    decoder_begin, decoder_fill,
+};
 pub use fused::{FusedOps, linear_residual, linear_swiglu, residual_rms_norm, rms_norm};
 pub use tensor::{StokeData, StokeTensor};

@@ -8,14 +8,16 @@ use burn_backend::tensor::BoolTensor;
 use burn_backend::{Backend, ExecutionError, TensorData, TensorMetadata};
 
 /// `ModuleOps::linear` (weight `[d_in, d_out]`). A packed INT4 weight with decode-sized bf16
-/// input runs the W4A16 kernel; anything else goes to the inner backend's matmul (a packed
-/// weight then as its dequantized values).
+/// input runs the W4A16 kernel, a pinned bf16 weight with up to 32 rows of bf16 input the dense
+/// bf16 kernel; anything else goes to the inner backend's matmul (a packed weight then as its
+/// dequantized values).
 pub(crate) fn linear<I: Backend>(
     x: StokeTensor<I>,
     weight: StokeTensor<I>,
     bias: Option<StokeTensor<I>>,
 ) -> StokeTensor<I> {
-    if let Some(y) = cuda::int4_linear::try_linear::<I>(&x, &weight) {
+    use stoke_cuda::kernels::int4_gemm::Epilogue;
+    if let Some(y) = cuda::try_linear::<I>(&x, &weight, Epilogue::Plain, None) {
         return match bias {
             None => y,
             Some(b) => {
@@ -85,4 +87,41 @@ pub(crate) fn float_into_data<I: Backend>(
     tensor: StokeTensor<I>,
 ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
     cuda::float_into_data(tensor)
+}
+
+/// Set while a strict decode-step capture runs ([`strict_capture`]).
+static STRICT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// The forwarded ops called during a strict capture.
+static INNER_OPS: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+
+/// Called by every generated forwarding (`ops/*.rs`) before it calls the inner backend.
+#[inline]
+pub(crate) fn inner_op(name: &'static str) {
+    if STRICT.load(std::sync::atomic::Ordering::Relaxed) {
+        INNER_OPS.lock().unwrap().push(name);
+    }
+}
+
+/// Runs `body` with forwarded ops recorded; returns its result and the ops the inner backend
+/// ran meanwhile (a decode step captured into a CUDA graph must have none: they run on the inner
+/// backend's stream, outside the graph).
+pub(crate) fn strict_capture<T>(body: impl FnOnce() -> T) -> (T, Vec<&'static str>) {
+    INNER_OPS.lock().unwrap().clear();
+    STRICT.store(true, std::sync::atomic::Ordering::SeqCst);
+    let out = body();
+    STRICT.store(false, std::sync::atomic::Ordering::SeqCst);
+    (out, std::mem::take(&mut *INNER_OPS.lock().unwrap()))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn forwarded_ops_are_recorded_during_a_strict_capture() {
+        type S = crate::Stoke<burn_ndarray::NdArray<f32>>;
+        let (_, ops) = super::strict_capture(|| {
+            burn::tensor::Tensor::<S, 1>::ones([4], &Default::default()).exp()
+        });
+        assert!(ops.contains(&"float_ones"), "{ops:?}");
+        assert!(ops.contains(&"float_exp"), "{ops:?}");
+    }
 }

@@ -102,6 +102,13 @@ impl Pin {
     /// Pins `t` (made contiguous first) and waits for burn-cuda's stream: the one
     /// synchronization of a crossing into Stoke.
     fn new<I: Backend>(rt: &Arc<Runtime>, t: Cube, device: &I::Device) -> Pin {
+        rt.note_crossing(|| {
+            format!(
+                "a burn-cuda tensor {:?} ({:?}) read by a Stoke kernel",
+                t.shape().as_slice(),
+                t.dtype
+            )
+        });
         let t = if t.is_contiguous() {
             t
         } else {
@@ -202,6 +209,13 @@ impl<I: Backend> StokeData<I> for DeviceTensor<I> {
         self.materialized
             .get_or_init(|| {
                 let rt = self.buf.runtime();
+                rt.note_crossing(|| {
+                    format!(
+                        "a Stoke tensor {:?} ({:?}) read by a burn-cuda op",
+                        self.shape.as_slice(),
+                        self.dtype
+                    )
+                });
                 let out = empty_contiguous::<I>(self.shape.clone(), &self.device, self.dtype);
                 let res = out
                     .client

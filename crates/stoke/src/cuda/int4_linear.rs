@@ -21,17 +21,10 @@ pub fn kernel_calls() -> u64 {
 /// rows re-read the weight).
 pub const MAX_KERNEL_ROWS: usize = 64;
 
-/// `x @ W` on the kernels when `weight` is a [`PackedWeight`], `x` is bf16 `[.., k]` with at
-/// most [`MAX_KERNEL_ROWS`] rows, and Stoke's runtime runs on the device; `None` otherwise.
-pub(crate) fn try_linear<I: Backend>(
-    x: &StokeTensor<I>,
-    weight: &StokeTensor<I>,
-) -> Option<StokeTensor<I>> {
-    try_linear_with(x, weight, Epilogue::Plain, None)
-}
-
-/// [`try_linear`] with a fused epilogue: `Residual` adds `residual` (bf16, shaped like the
-/// output), `SwiGlu` returns `silu(g) * u` of the interleaved gate/up columns (`[.., n / 2]`).
+/// `epilogue(x @ W)` on the kernels when `weight` is a [`PackedWeight`], `x` is bf16 `[.., k]`
+/// with at most [`MAX_KERNEL_ROWS`] rows, and Stoke's runtime runs on the device; `None`
+/// otherwise. `Residual` adds `residual` (bf16, shaped like the output), `SwiGlu` returns
+/// `silu(g) * u` of the interleaved gate/up columns (`[.., n / 2]`).
 pub(crate) fn try_linear_with<I: Backend>(
     x: &StokeTensor<I>,
     weight: &StokeTensor<I>,
@@ -57,12 +50,10 @@ pub(crate) fn try_linear_with<I: Backend>(
     }
     let mut out_dims = dims.to_vec();
     *out_dims.last_mut().unwrap() = n;
-    match (epilogue, residual) {
-        (Epilogue::Residual, Some(r))
-            if r.dtype() == DType::BF16 && r.shape().as_slice() == out_dims.as_slice() => {}
-        (Epilogue::Residual, _) => return None,
-        (Epilogue::SwiGlu, _) if n % 2 != 0 => return None,
-        _ => {}
+    if !super::residual_fits(epilogue, residual, &out_dims)
+        || (epilogue == Epilogue::SwiGlu && n % 2 != 0)
+    {
+        return None;
     }
     let dw = pw
         .gpu

@@ -18,6 +18,8 @@
 //!   burn-cuda can read it. The copy is cached, so each output crosses at most once.
 
 mod bridge;
+pub mod decoder;
+pub(crate) mod dense_linear;
 pub mod int4_linear;
 pub(crate) mod rms_norm;
 
@@ -25,3 +27,34 @@ pub use bridge::{
     DeviceTensor, ResidentTensor, pin, pin_module, pin_tensor, runtime_for, runtime_status,
 };
 pub(crate) use bridge::{float_device, float_into_data, memory_cleanup, sync_device};
+pub use stoke_cuda::Unavailable;
+
+/// `epilogue(x @ W)` on Stoke's GEMMs: the W4A16 kernels for a packed INT4 weight, the dense
+/// bf16 kernel for a pinned bf16 weight; `None` where neither applies (the caller's reference
+/// path). `Residual` adds `residual`, `SwiGlu` returns `silu(g) * u` of interleaved columns.
+pub(crate) fn try_linear<I: burn_backend::Backend>(
+    x: &crate::tensor::StokeTensor<I>,
+    weight: &crate::tensor::StokeTensor<I>,
+    epilogue: stoke_cuda::kernels::int4_gemm::Epilogue,
+    residual: Option<&crate::tensor::StokeTensor<I>>,
+) -> Option<crate::tensor::StokeTensor<I>> {
+    int4_linear::try_linear_with(x, weight, epilogue, residual)
+        .or_else(|| dense_linear::try_dense_linear_with(x, weight, epilogue, residual))
+}
+
+/// Whether a GEMM's epilogue inputs fit its output `[.., n]` (`out_dims`): the `Residual`
+/// epilogue needs a bf16 residual of exactly that shape.
+pub(crate) fn residual_fits<I: burn_backend::Backend>(
+    epilogue: stoke_cuda::kernels::int4_gemm::Epilogue,
+    residual: Option<&crate::tensor::StokeTensor<I>>,
+    out_dims: &[usize],
+) -> bool {
+    use burn_backend::TensorMetadata;
+    match (epilogue, residual) {
+        (stoke_cuda::kernels::int4_gemm::Epilogue::Residual, Some(r)) => {
+            r.dtype() == burn_backend::DType::BF16 && r.shape().as_slice() == out_dims
+        }
+        (stoke_cuda::kernels::int4_gemm::Epilogue::Residual, None) => false,
+        _ => true,
+    }
+}

@@ -9,38 +9,46 @@ impl<I: Backend> ActivationOps<Self> for Stoke<I> {
         tensor: FloatTensor<Self>,
         negative_slope: Scalar,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("leaky_relu");
         lift_float::<I>(I::leaky_relu(lower_float::<I>(tensor), negative_slope))
     }
     fn relu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("relu");
         lift_float::<I>(I::relu(lower_float::<I>(tensor)))
     }
     fn relu_backward(
         output: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("relu_backward");
         lift_float::<
             I,
         >(I::relu_backward(lower_float::<I>(output), lower_float::<I>(grad)))
     }
     fn gelu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("gelu");
         lift_float::<I>(I::gelu(lower_float::<I>(tensor)))
     }
     fn prelu(tensor: FloatTensor<Self>, alpha: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("prelu");
         lift_float::<I>(I::prelu(lower_float::<I>(tensor), lower_float::<I>(alpha)))
     }
     fn gelu_backward(
         x: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("gelu_backward");
         lift_float::<I>(I::gelu_backward(lower_float::<I>(x), lower_float::<I>(grad)))
     }
     fn sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("sigmoid");
         lift_float::<I>(I::sigmoid(lower_float::<I>(tensor)))
     }
     fn sigmoid_backward(
         output: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("sigmoid_backward");
         lift_float::<
             I,
         >(I::sigmoid_backward(lower_float::<I>(output), lower_float::<I>(grad)))
@@ -50,24 +58,30 @@ impl<I: Backend> ActivationOps<Self> for Stoke<I> {
         alpha: Scalar,
         beta: Scalar,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("hard_sigmoid");
         lift_float::<I>(I::hard_sigmoid(lower_float::<I>(tensor), alpha, beta))
     }
     fn log_sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("log_sigmoid");
         lift_float::<I>(I::log_sigmoid(lower_float::<I>(tensor)))
     }
     fn softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        crate::route::inner_op("softmax");
         lift_float::<I>(I::softmax(lower_float::<I>(tensor), dim))
     }
     fn log_softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        crate::route::inner_op("log_softmax");
         lift_float::<I>(I::log_softmax(lower_float::<I>(tensor), dim))
     }
     fn softmin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        crate::route::inner_op("softmin");
         lift_float::<I>(I::softmin(lower_float::<I>(tensor), dim))
     }
     fn log_sigmoid_backward(
         x: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("log_sigmoid_backward");
         lift_float::<
             I,
         >(I::log_sigmoid_backward(lower_float::<I>(x), lower_float::<I>(grad)))

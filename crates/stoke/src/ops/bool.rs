@@ -10,6 +10,7 @@ impl<I: Backend> BoolTensorOps<Self> for Stoke<I> {
         device: &Device<Self>,
         dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_empty");
         I::bool_empty(shape, device, dtype)
     }
     fn bool_zeros(
@@ -17,6 +18,7 @@ impl<I: Backend> BoolTensorOps<Self> for Stoke<I> {
         device: &Device<Self>,
         dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_zeros");
         I::bool_zeros(shape, device, dtype)
     }
     fn bool_ones(
@@ -24,38 +26,47 @@ impl<I: Backend> BoolTensorOps<Self> for Stoke<I> {
         device: &Device<Self>,
         dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_ones");
         I::bool_ones(shape, device, dtype)
     }
     fn bool_into_data(
         tensor: BoolTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+        crate::route::inner_op("bool_into_data");
         I::bool_into_data(tensor)
     }
     fn bool_from_data(data: TensorData, device: &Device<Self>) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_from_data");
         I::bool_from_data(data, device)
     }
     fn bool_into_int(tensor: BoolTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
+        crate::route::inner_op("bool_into_int");
         I::bool_into_int(tensor, out_dtype)
     }
     fn bool_into_float(
         tensor: BoolTensor<Self>,
         out_dtype: FloatDType,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("bool_into_float");
         lift_float::<I>(I::bool_into_float(tensor, out_dtype))
     }
     fn bool_device(tensor: &BoolTensor<Self>) -> Device<Self> {
+        crate::route::inner_op("bool_device");
         I::bool_device(tensor)
     }
     fn bool_to_device(
         tensor: BoolTensor<Self>,
         device: &Device<Self>,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_to_device");
         I::bool_to_device(tensor, device)
     }
     fn bool_reshape(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_reshape");
         I::bool_reshape(tensor, shape)
     }
     fn bool_slice(tensor: BoolTensor<Self>, slices: &[Slice]) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_slice");
         I::bool_slice(tensor, slices)
     }
     fn bool_slice_assign(
@@ -63,6 +74,7 @@ impl<I: Backend> BoolTensorOps<Self> for Stoke<I> {
         slices: &[Slice],
         value: BoolTensor<Self>,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_slice_assign");
         I::bool_slice_assign(tensor, slices, value)
     }
     fn bool_mask_where(
@@ -70,6 +82,7 @@ impl<I: Backend> BoolTensorOps<Self> for Stoke<I> {
         mask: BoolTensor<Self>,
         value: BoolTensor<Self>,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_mask_where");
         I::bool_mask_where(tensor, mask, value)
     }
     fn bool_mask_fill(
@@ -77,6 +90,7 @@ impl<I: Backend> BoolTensorOps<Self> for Stoke<I> {
         mask: BoolTensor<Self>,
         value: Scalar,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_mask_fill");
         I::bool_mask_fill(tensor, mask, value)
     }
     fn bool_gather(
@@ -84,6 +98,7 @@ impl<I: Backend> BoolTensorOps<Self> for Stoke<I> {
         tensor: BoolTensor<Self>,
         indices: IntTensor<Self>,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_gather");
         I::bool_gather(dim, tensor, indices)
     }
     fn bool_scatter_or(
@@ -92,6 +107,7 @@ impl<I: Backend> BoolTensorOps<Self> for Stoke<I> {
         indices: IntTensor<Self>,
         value: BoolTensor<Self>,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_scatter_or");
         I::bool_scatter_or(dim, tensor, indices, value)
     }
     fn bool_select(
@@ -99,6 +115,7 @@ impl<I: Backend> BoolTensorOps<Self> for Stoke<I> {
         dim: usize,
         indices: IntTensor<Self>,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_select");
         I::bool_select(tensor, dim, indices)
     }
     fn bool_select_or(
@@ -107,6 +124,7 @@ impl<I: Backend> BoolTensorOps<Self> for Stoke<I> {
         indices: IntTensor<Self>,
         value: BoolTensor<Self>,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_select_or");
         I::bool_select_or(tensor, dim, indices, value)
     }
     fn bool_repeat_dim(
@@ -114,36 +132,47 @@ impl<I: Backend> BoolTensorOps<Self> for Stoke<I> {
         dim: usize,
         times: usize,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_repeat_dim");
         I::bool_repeat_dim(tensor, dim, times)
     }
     fn bool_cat(tensors: Vec<BoolTensor<Self>>, dim: usize) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_cat");
         I::bool_cat(tensors, dim)
     }
     fn bool_equal(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_equal");
         I::bool_equal(lhs, rhs)
     }
     fn bool_not_equal(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_not_equal");
         I::bool_not_equal(lhs, rhs)
     }
     fn bool_equal_elem(lhs: BoolTensor<Self>, rhs: Scalar) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_equal_elem");
         I::bool_equal_elem(lhs, rhs)
     }
     fn bool_not_equal_elem(lhs: BoolTensor<Self>, rhs: Scalar) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_not_equal_elem");
         I::bool_not_equal_elem(lhs, rhs)
     }
     fn bool_not(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_not");
         I::bool_not(tensor)
     }
     fn bool_and(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_and");
         I::bool_and(lhs, rhs)
     }
     fn bool_or(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_or");
         I::bool_or(lhs, rhs)
     }
     fn bool_xor(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_xor");
         I::bool_xor(lhs, rhs)
     }
     fn bool_transpose(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_transpose");
         I::bool_transpose(tensor)
     }
     fn bool_swap_dims(
@@ -151,33 +180,42 @@ impl<I: Backend> BoolTensorOps<Self> for Stoke<I> {
         dim1: usize,
         dim2: usize,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_swap_dims");
         I::bool_swap_dims(tensor, dim1, dim2)
     }
     fn bool_permute(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_permute");
         I::bool_permute(tensor, axes)
     }
     fn bool_flip(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_flip");
         I::bool_flip(tensor, axes)
     }
     fn bool_any(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_any");
         I::bool_any(tensor)
     }
     fn bool_any_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_any_dim");
         I::bool_any_dim(tensor, dim)
     }
     fn bool_all(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_all");
         I::bool_all(tensor)
     }
     fn bool_all_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_all_dim");
         I::bool_all_dim(tensor, dim)
     }
     fn bool_argwhere(
         tensor: BoolTensor<Self>,
         out_dtype: IntDType,
     ) -> impl Future<Output = IntTensor<Self>> + 'static + Send {
+        crate::route::inner_op("bool_argwhere");
         I::bool_argwhere(tensor, out_dtype)
     }
     fn bool_expand(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_expand");
         I::bool_expand(tensor, shape)
     }
     fn bool_unfold(
@@ -186,6 +224,7 @@ impl<I: Backend> BoolTensorOps<Self> for Stoke<I> {
         size: usize,
         step: usize,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("bool_unfold");
         I::bool_unfold(tensor, dim, size, step)
     }
 }

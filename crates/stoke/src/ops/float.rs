@@ -6,6 +6,7 @@ use super::prelude::*;
 #[rustfmt::skip]
 impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
     fn float_from_data(data: TensorData, device: &Device<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_from_data");
         lift_float::<I>(I::float_from_data(data, device))
     }
     fn float_random(
@@ -14,6 +15,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         device: &Device<Self>,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_random");
         lift_float::<I>(I::float_random(shape, distribution, device, dtype))
     }
     fn float_zeros(
@@ -21,6 +23,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         device: &Device<Self>,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_zeros");
         lift_float::<I>(I::float_zeros(shape, device, dtype))
     }
     fn float_ones(
@@ -28,6 +31,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         device: &Device<Self>,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_ones");
         lift_float::<I>(I::float_ones(shape, device, dtype))
     }
     fn float_full(
@@ -36,6 +40,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         device: &Device<Self>,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_full");
         lift_float::<I>(I::float_full(shape, fill_value, device, dtype))
     }
     fn float_into_data(
@@ -50,12 +55,14 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         tensor: FloatTensor<Self>,
         device: &Device<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_to_device");
         lift_float::<I>(I::float_to_device(lower_float::<I>(tensor), device))
     }
     fn float_into_int(
         tensor: FloatTensor<Self>,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("float_into_int");
         I::float_into_int(lower_float::<I>(tensor), out_dtype)
     }
     fn float_empty(
@@ -63,6 +70,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         device: &Device<Self>,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_empty");
         lift_float::<I>(I::float_empty(shape, device, dtype))
     }
     fn float_repeat_dim(
@@ -70,18 +78,23 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         dim: usize,
         times: usize,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_repeat_dim");
         lift_float::<I>(I::float_repeat_dim(lower_float::<I>(tensor), dim, times))
     }
     fn float_add(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_add");
         lift_float::<I>(I::float_add(lower_float::<I>(lhs), lower_float::<I>(rhs)))
     }
     fn float_add_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        crate::route::inner_op("float_add_scalar");
         lift_float::<I>(I::float_add_scalar(lower_float::<I>(lhs), rhs))
     }
     fn float_clamp_min(tensor: FloatTensor<Self>, min: Scalar) -> FloatTensor<Self> {
+        crate::route::inner_op("float_clamp_min");
         lift_float::<I>(I::float_clamp_min(lower_float::<I>(tensor), min))
     }
     fn float_clamp_max(tensor: FloatTensor<Self>, max: Scalar) -> FloatTensor<Self> {
+        crate::route::inner_op("float_clamp_max");
         lift_float::<I>(I::float_clamp_max(lower_float::<I>(tensor), max))
     }
     fn float_clamp(
@@ -89,39 +102,49 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         min: Scalar,
         max: Scalar,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_clamp");
         lift_float::<I>(I::float_clamp(lower_float::<I>(tensor), min, max))
     }
     fn float_sub(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_sub");
         lift_float::<I>(I::float_sub(lower_float::<I>(lhs), lower_float::<I>(rhs)))
     }
     fn float_sub_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        crate::route::inner_op("float_sub_scalar");
         lift_float::<I>(I::float_sub_scalar(lower_float::<I>(lhs), rhs))
     }
     fn float_mul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_mul");
         lift_float::<I>(I::float_mul(lower_float::<I>(lhs), lower_float::<I>(rhs)))
     }
     fn float_mul_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        crate::route::inner_op("float_mul_scalar");
         lift_float::<I>(I::float_mul_scalar(lower_float::<I>(lhs), rhs))
     }
     fn float_div(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_div");
         lift_float::<I>(I::float_div(lower_float::<I>(lhs), lower_float::<I>(rhs)))
     }
     fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        crate::route::inner_op("float_div_scalar");
         lift_float::<I>(I::float_div_scalar(lower_float::<I>(lhs), rhs))
     }
     fn float_remainder(
         lhs: FloatTensor<Self>,
         rhs: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_remainder");
         lift_float::<I>(I::float_remainder(lower_float::<I>(lhs), lower_float::<I>(rhs)))
     }
     fn float_remainder_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        crate::route::inner_op("float_remainder_scalar");
         lift_float::<I>(I::float_remainder_scalar(lower_float::<I>(lhs), rhs))
     }
     fn float_matmul(
         lhs: FloatTensor<Self>,
         rhs: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_matmul");
         lift_float::<I>(I::float_matmul(lower_float::<I>(lhs), lower_float::<I>(rhs)))
     }
     fn float_cross(
@@ -129,17 +152,21 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         rhs: FloatTensor<Self>,
         dim: usize,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_cross");
         lift_float::<
             I,
         >(I::float_cross(lower_float::<I>(lhs), lower_float::<I>(rhs), dim))
     }
     fn float_neg(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_neg");
         lift_float::<I>(I::float_neg(lower_float::<I>(tensor)))
     }
     fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_recip");
         lift_float::<I>(I::float_recip(lower_float::<I>(tensor)))
     }
     fn float_transpose(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_transpose");
         lift_float::<I>(I::float_transpose(lower_float::<I>(tensor)))
     }
     fn float_swap_dims(
@@ -147,15 +174,19 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         dim1: usize,
         dim2: usize,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_swap_dims");
         lift_float::<I>(I::float_swap_dims(lower_float::<I>(tensor), dim1, dim2))
     }
     fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
+        crate::route::inner_op("float_permute");
         lift_float::<I>(I::float_permute(lower_float::<I>(tensor), axes))
     }
     fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
+        crate::route::inner_op("float_flip");
         lift_float::<I>(I::float_flip(lower_float::<I>(tensor), axes))
     }
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
+        crate::route::inner_op("float_reshape");
         lift_float::<I>(I::float_reshape(lower_float::<I>(tensor), shape))
     }
     fn float_gather(
@@ -163,6 +194,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         tensor: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_gather");
         lift_float::<I>(I::float_gather(dim, lower_float::<I>(tensor), indices))
     }
     fn float_scatter_add(
@@ -171,6 +203,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         indices: IntTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_scatter_add");
         lift_float::<
             I,
         >(
@@ -188,6 +221,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         values: FloatTensor<Self>,
         reduction: burn_backend::tensor::IndexingUpdateOp,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_scatter_nd");
         lift_float::<
             I,
         >(
@@ -203,6 +237,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         data: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_gather_nd");
         lift_float::<I>(I::float_gather_nd(lower_float::<I>(data), indices))
     }
     fn float_select(
@@ -210,6 +245,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         dim: usize,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_select");
         lift_float::<I>(I::float_select(lower_float::<I>(tensor), dim, indices))
     }
     fn float_select_add(
@@ -218,6 +254,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         indices: IntTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_select_add");
         lift_float::<
             I,
         >(
@@ -230,6 +267,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         )
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
+        crate::route::inner_op("float_slice");
         lift_float::<I>(I::float_slice(lower_float::<I>(tensor), slices))
     }
     fn float_slice_assign(
@@ -237,6 +275,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         slices: &[Slice],
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_slice_assign");
         lift_float::<
             I,
         >(
@@ -252,6 +291,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         mask: BoolTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_mask_where");
         lift_float::<
             I,
         >(I::float_mask_where(lower_float::<I>(tensor), mask, lower_float::<I>(value)))
@@ -261,6 +301,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         mask: BoolTensor<Self>,
         value: Scalar,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_mask_fill");
         lift_float::<I>(I::float_mask_fill(lower_float::<I>(tensor), mask, value))
     }
     fn float_equal(
@@ -268,6 +309,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_equal");
         I::float_equal(lower_float::<I>(lhs), lower_float::<I>(rhs), out_dtype)
     }
     fn float_not_equal(
@@ -275,6 +317,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_not_equal");
         I::float_not_equal(lower_float::<I>(lhs), lower_float::<I>(rhs), out_dtype)
     }
     fn float_equal_elem(
@@ -282,6 +325,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_equal_elem");
         I::float_equal_elem(lower_float::<I>(lhs), rhs, out_dtype)
     }
     fn float_not_equal_elem(
@@ -289,6 +333,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_not_equal_elem");
         I::float_not_equal_elem(lower_float::<I>(lhs), rhs, out_dtype)
     }
     fn float_greater(
@@ -296,6 +341,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_greater");
         I::float_greater(lower_float::<I>(lhs), lower_float::<I>(rhs), out_dtype)
     }
     fn float_greater_elem(
@@ -303,6 +349,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_greater_elem");
         I::float_greater_elem(lower_float::<I>(lhs), rhs, out_dtype)
     }
     fn float_greater_equal(
@@ -310,6 +357,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_greater_equal");
         I::float_greater_equal(lower_float::<I>(lhs), lower_float::<I>(rhs), out_dtype)
     }
     fn float_greater_equal_elem(
@@ -317,6 +365,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_greater_equal_elem");
         I::float_greater_equal_elem(lower_float::<I>(lhs), rhs, out_dtype)
     }
     fn float_lower(
@@ -324,6 +373,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_lower");
         I::float_lower(lower_float::<I>(lhs), lower_float::<I>(rhs), out_dtype)
     }
     fn float_lower_elem(
@@ -331,6 +381,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_lower_elem");
         I::float_lower_elem(lower_float::<I>(lhs), rhs, out_dtype)
     }
     fn float_lower_equal(
@@ -338,6 +389,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_lower_equal");
         I::float_lower_equal(lower_float::<I>(lhs), lower_float::<I>(rhs), out_dtype)
     }
     fn float_lower_equal_elem(
@@ -345,9 +397,11 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_lower_equal_elem");
         I::float_lower_equal_elem(lower_float::<I>(lhs), rhs, out_dtype)
     }
     fn float_detach(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_detach");
         lift_float::<I>(I::float_detach(lower_float::<I>(tensor)))
     }
     fn float_set_require_grad(
@@ -360,129 +414,170 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         crate::route::float_is_require_grad::<I>(tensor)
     }
     fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_sum");
         lift_float::<I>(I::float_sum(lower_float::<I>(tensor)))
     }
     fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        crate::route::inner_op("float_sum_dim");
         lift_float::<I>(I::float_sum_dim(lower_float::<I>(tensor), dim))
     }
     fn float_prod(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_prod");
         lift_float::<I>(I::float_prod(lower_float::<I>(tensor)))
     }
     fn float_prod_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        crate::route::inner_op("float_prod_dim");
         lift_float::<I>(I::float_prod_dim(lower_float::<I>(tensor), dim))
     }
     fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_mean");
         lift_float::<I>(I::float_mean(lower_float::<I>(tensor)))
     }
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        crate::route::inner_op("float_mean_dim");
         lift_float::<I>(I::float_mean_dim(lower_float::<I>(tensor), dim))
     }
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        crate::route::inner_op("float_cumsum");
         lift_float::<I>(I::float_cumsum(lower_float::<I>(tensor), dim))
     }
     fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        crate::route::inner_op("float_cumprod");
         lift_float::<I>(I::float_cumprod(lower_float::<I>(tensor), dim))
     }
     fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        crate::route::inner_op("float_cummin");
         lift_float::<I>(I::float_cummin(lower_float::<I>(tensor), dim))
     }
     fn float_cummax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        crate::route::inner_op("float_cummax");
         lift_float::<I>(I::float_cummax(lower_float::<I>(tensor), dim))
     }
     fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        crate::route::inner_op("float_cast");
         lift_float::<I>(I::float_cast(lower_float::<I>(tensor), dtype))
     }
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_exp");
         lift_float::<I>(I::float_exp(lower_float::<I>(tensor)))
     }
     fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_log");
         lift_float::<I>(I::float_log(lower_float::<I>(tensor)))
     }
     fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_log1p");
         lift_float::<I>(I::float_log1p(lower_float::<I>(tensor)))
     }
     fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_powf");
         lift_float::<I>(I::float_powf(lower_float::<I>(lhs), lower_float::<I>(rhs)))
     }
     fn float_powi(lhs: FloatTensor<Self>, rhs: IntTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_powi");
         lift_float::<I>(I::float_powi(lower_float::<I>(lhs), rhs))
     }
     fn float_powi_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        crate::route::inner_op("float_powi_scalar");
         lift_float::<I>(I::float_powi_scalar(lower_float::<I>(lhs), rhs))
     }
     fn float_powi_scalar_impl(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        crate::route::inner_op("float_powi_scalar_impl");
         lift_float::<I>(I::float_powi_scalar_impl(lower_float::<I>(lhs), rhs))
     }
     fn float_powf_scalar(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
+        crate::route::inner_op("float_powf_scalar");
         lift_float::<I>(I::float_powf_scalar(lower_float::<I>(tensor), value))
     }
     fn float_powf_scalar_impl(
         tensor: FloatTensor<Self>,
         value: Scalar,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_powf_scalar_impl");
         lift_float::<I>(I::float_powf_scalar_impl(lower_float::<I>(tensor), value))
     }
     fn float_sqrt(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_sqrt");
         lift_float::<I>(I::float_sqrt(lower_float::<I>(tensor)))
     }
     fn float_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_abs");
         lift_float::<I>(I::float_abs(lower_float::<I>(tensor)))
     }
     fn float_cos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_cos");
         lift_float::<I>(I::float_cos(lower_float::<I>(tensor)))
     }
     fn float_sin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_sin");
         lift_float::<I>(I::float_sin(lower_float::<I>(tensor)))
     }
     fn float_tan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_tan");
         lift_float::<I>(I::float_tan(lower_float::<I>(tensor)))
     }
     fn float_cosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_cosh");
         lift_float::<I>(I::float_cosh(lower_float::<I>(tensor)))
     }
     fn float_sinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_sinh");
         lift_float::<I>(I::float_sinh(lower_float::<I>(tensor)))
     }
     fn float_tanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_tanh");
         lift_float::<I>(I::float_tanh(lower_float::<I>(tensor)))
     }
     fn float_acos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_acos");
         lift_float::<I>(I::float_acos(lower_float::<I>(tensor)))
     }
     fn float_acosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_acosh");
         lift_float::<I>(I::float_acosh(lower_float::<I>(tensor)))
     }
     fn float_asin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_asin");
         lift_float::<I>(I::float_asin(lower_float::<I>(tensor)))
     }
     fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_asinh");
         lift_float::<I>(I::float_asinh(lower_float::<I>(tensor)))
     }
     fn float_atan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_atan");
         lift_float::<I>(I::float_atan(lower_float::<I>(tensor)))
     }
     fn float_atanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_atanh");
         lift_float::<I>(I::float_atanh(lower_float::<I>(tensor)))
     }
     fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_atan2");
         lift_float::<I>(I::float_atan2(lower_float::<I>(lhs), lower_float::<I>(rhs)))
     }
     fn float_round(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_round");
         lift_float::<I>(I::float_round(lower_float::<I>(tensor)))
     }
     fn float_floor(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_floor");
         lift_float::<I>(I::float_floor(lower_float::<I>(tensor)))
     }
     fn float_ceil(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_ceil");
         lift_float::<I>(I::float_ceil(lower_float::<I>(tensor)))
     }
     fn float_trunc(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_trunc");
         lift_float::<I>(I::float_trunc(lower_float::<I>(tensor)))
     }
     fn float_erf(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_erf");
         lift_float::<I>(I::float_erf(lower_float::<I>(tensor)))
     }
     fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> {
+        crate::route::inner_op("float_cat");
         lift_float::<
             I,
         >(
@@ -497,6 +592,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         dim: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("float_argmax");
         I::float_argmax(lower_float::<I>(tensor), dim, out_dtype)
     }
     fn float_argtopk(
@@ -505,9 +601,11 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         k: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("float_argtopk");
         I::float_argtopk(lower_float::<I>(tensor), dim, k, out_dtype)
     }
     fn float_topk(tensor: FloatTensor<Self>, dim: usize, k: usize) -> FloatTensor<Self> {
+        crate::route::inner_op("float_topk");
         lift_float::<I>(I::float_topk(lower_float::<I>(tensor), dim, k))
     }
     fn float_argmin(
@@ -515,12 +613,15 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         dim: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("float_argmin");
         I::float_argmin(lower_float::<I>(tensor), dim, out_dtype)
     }
     fn float_max(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_max");
         lift_float::<I>(I::float_max(lower_float::<I>(tensor)))
     }
     fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        crate::route::inner_op("float_max_dim");
         lift_float::<I>(I::float_max_dim(lower_float::<I>(tensor), dim))
     }
     fn float_max_dim_with_indices(
@@ -528,6 +629,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         dim: usize,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        crate::route::inner_op("float_max_dim_with_indices");
         {
             let (t0, t1) = I::float_max_dim_with_indices(
                 lower_float::<I>(tensor),
@@ -538,9 +640,11 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         }
     }
     fn float_min(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_min");
         lift_float::<I>(I::float_min(lower_float::<I>(tensor)))
     }
     fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        crate::route::inner_op("float_min_dim");
         lift_float::<I>(I::float_min_dim(lower_float::<I>(tensor), dim))
     }
     fn float_min_dim_with_indices(
@@ -548,6 +652,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         dim: usize,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        crate::route::inner_op("float_min_dim_with_indices");
         {
             let (t0, t1) = I::float_min_dim_with_indices(
                 lower_float::<I>(tensor),
@@ -558,12 +663,15 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         }
     }
     fn float_max_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_max_abs");
         lift_float::<I>(I::float_max_abs(lower_float::<I>(tensor)))
     }
     fn float_max_abs_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        crate::route::inner_op("float_max_abs_dim");
         lift_float::<I>(I::float_max_abs_dim(lower_float::<I>(tensor), dim))
     }
     fn float_any(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+        crate::route::inner_op("float_any");
         I::float_any(lower_float::<I>(tensor), out_dtype)
     }
     fn float_any_dim(
@@ -571,9 +679,11 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_any_dim");
         I::float_any_dim(lower_float::<I>(tensor), dim, out_dtype)
     }
     fn float_all(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+        crate::route::inner_op("float_all");
         I::float_all(lower_float::<I>(tensor), out_dtype)
     }
     fn float_all_dim(
@@ -581,12 +691,15 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_all_dim");
         I::float_all_dim(lower_float::<I>(tensor), dim, out_dtype)
     }
     fn float_sign(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("float_sign");
         lift_float::<I>(I::float_sign(lower_float::<I>(tensor)))
     }
     fn float_expand(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
+        crate::route::inner_op("float_expand");
         lift_float::<I>(I::float_expand(lower_float::<I>(tensor), shape))
     }
     fn float_sort(
@@ -594,6 +707,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         dim: usize,
         descending: bool,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_sort");
         lift_float::<I>(I::float_sort(lower_float::<I>(tensor), dim, descending))
     }
     fn float_sort_with_indices(
@@ -602,6 +716,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         descending: bool,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        crate::route::inner_op("float_sort_with_indices");
         {
             let (t0, t1) = I::float_sort_with_indices(
                 lower_float::<I>(tensor),
@@ -618,6 +733,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         descending: bool,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("float_argsort");
         I::float_argsort(lower_float::<I>(tensor), dim, descending, out_dtype)
     }
     fn float_grid_sample_2d(
@@ -625,6 +741,7 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         grid: FloatTensor<Self>,
         options: GridSampleOptions,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_grid_sample_2d");
         lift_float::<
             I,
         >(
@@ -641,18 +758,21 @@ impl<I: Backend> FloatTensorOps<Self> for Stoke<I> {
         size: usize,
         step: usize,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("float_unfold");
         lift_float::<I>(I::float_unfold(lower_float::<I>(tensor), dim, size, step))
     }
     fn float_is_nan(
         tensor: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_is_nan");
         I::float_is_nan(lower_float::<I>(tensor), out_dtype)
     }
     fn float_is_inf(
         tensor: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("float_is_inf");
         I::float_is_inf(lower_float::<I>(tensor), out_dtype)
     }
 }

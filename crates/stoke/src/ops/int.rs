@@ -10,26 +10,33 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         device: &Device<Self>,
         dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_empty");
         I::int_empty(shape, device, dtype)
     }
     fn int_into_data(
         tensor: IntTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+        crate::route::inner_op("int_into_data");
         I::int_into_data(tensor)
     }
     fn int_from_data(data: TensorData, device: &Device<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_from_data");
         I::int_from_data(data, device)
     }
     fn int_device(tensor: &IntTensor<Self>) -> Device<Self> {
+        crate::route::inner_op("int_device");
         I::int_device(tensor)
     }
     fn int_to_device(tensor: IntTensor<Self>, device: &Device<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_to_device");
         I::int_to_device(tensor, device)
     }
     fn int_reshape(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
+        crate::route::inner_op("int_reshape");
         I::int_reshape(tensor, shape)
     }
     fn int_slice(tensor: IntTensor<Self>, slices: &[Slice]) -> IntTensor<Self> {
+        crate::route::inner_op("int_slice");
         I::int_slice(tensor, slices)
     }
     fn int_slice_assign(
@@ -37,12 +44,14 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         slices: &[Slice],
         value: IntTensor<Self>,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_slice_assign");
         I::int_slice_assign(tensor, slices, value)
     }
     fn int_into_float(
         tensor: IntTensor<Self>,
         out_dtype: FloatDType,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("int_into_float");
         lift_float::<I>(I::int_into_float(tensor, out_dtype))
     }
     fn int_mask_where(
@@ -50,6 +59,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         mask: BoolTensor<Self>,
         value: IntTensor<Self>,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_mask_where");
         I::int_mask_where(tensor, mask, value)
     }
     fn int_mask_fill(
@@ -57,6 +67,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         mask: BoolTensor<Self>,
         value: Scalar,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_mask_fill");
         I::int_mask_fill(tensor, mask, value)
     }
     fn int_gather(
@@ -64,6 +75,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         tensor: IntTensor<Self>,
         indices: IntTensor<Self>,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_gather");
         I::int_gather(dim, tensor, indices)
     }
     fn int_scatter_add(
@@ -72,6 +84,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         indices: IntTensor<Self>,
         value: IntTensor<Self>,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_scatter_add");
         I::int_scatter_add(dim, tensor, indices, value)
     }
     fn int_scatter_nd(
@@ -80,12 +93,14 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         values: IntTensor<Self>,
         reduction: burn_backend::tensor::IndexingUpdateOp,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_scatter_nd");
         I::int_scatter_nd(data, indices, values, reduction)
     }
     fn int_gather_nd(
         data: IntTensor<Self>,
         indices: IntTensor<Self>,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_gather_nd");
         I::int_gather_nd(data, indices)
     }
     fn int_select(
@@ -93,6 +108,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         dim: usize,
         indices: IntTensor<Self>,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_select");
         I::int_select(tensor, dim, indices)
     }
     fn int_select_add(
@@ -101,6 +117,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         indices: IntTensor<Self>,
         value: IntTensor<Self>,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_select_add");
         I::int_select_add(tensor, dim, indices, value)
     }
     fn int_repeat_dim(
@@ -108,9 +125,11 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         dim: usize,
         times: usize,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_repeat_dim");
         I::int_repeat_dim(tensor, dim, times)
     }
     fn int_cat(tensors: Vec<IntTensor<Self>>, dim: usize) -> IntTensor<Self> {
+        crate::route::inner_op("int_cat");
         I::int_cat(tensors, dim)
     }
     fn int_equal(
@@ -118,6 +137,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         rhs: IntTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("int_equal");
         I::int_equal(lhs, rhs, out_dtype)
     }
     fn int_not_equal(
@@ -125,6 +145,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         rhs: IntTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("int_not_equal");
         I::int_not_equal(lhs, rhs, out_dtype)
     }
     fn int_equal_elem(
@@ -132,6 +153,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("int_equal_elem");
         I::int_equal_elem(lhs, rhs, out_dtype)
     }
     fn int_not_equal_elem(
@@ -139,6 +161,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("int_not_equal_elem");
         I::int_not_equal_elem(lhs, rhs, out_dtype)
     }
     fn int_greater(
@@ -146,6 +169,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         rhs: IntTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("int_greater");
         I::int_greater(lhs, rhs, out_dtype)
     }
     fn int_greater_elem(
@@ -153,6 +177,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("int_greater_elem");
         I::int_greater_elem(lhs, rhs, out_dtype)
     }
     fn int_greater_equal(
@@ -160,6 +185,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         rhs: IntTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("int_greater_equal");
         I::int_greater_equal(lhs, rhs, out_dtype)
     }
     fn int_greater_equal_elem(
@@ -167,6 +193,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("int_greater_equal_elem");
         I::int_greater_equal_elem(lhs, rhs, out_dtype)
     }
     fn int_lower(
@@ -174,6 +201,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         rhs: IntTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("int_lower");
         I::int_lower(lhs, rhs, out_dtype)
     }
     fn int_lower_elem(
@@ -181,6 +209,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("int_lower_elem");
         I::int_lower_elem(lhs, rhs, out_dtype)
     }
     fn int_lower_equal(
@@ -188,6 +217,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         rhs: IntTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("int_lower_equal");
         I::int_lower_equal(lhs, rhs, out_dtype)
     }
     fn int_lower_equal_elem(
@@ -195,60 +225,79 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("int_lower_equal_elem");
         I::int_lower_equal_elem(lhs, rhs, out_dtype)
     }
     fn int_add(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_add");
         I::int_add(lhs, rhs)
     }
     fn int_add_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
+        crate::route::inner_op("int_add_scalar");
         I::int_add_scalar(lhs, rhs)
     }
     fn int_powi(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_powi");
         I::int_powi(lhs, rhs)
     }
     fn int_powi_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
+        crate::route::inner_op("int_powi_scalar");
         I::int_powi_scalar(lhs, rhs)
     }
     fn int_powi_scalar_impl(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
+        crate::route::inner_op("int_powi_scalar_impl");
         I::int_powi_scalar_impl(lhs, rhs)
     }
     fn int_clamp_min(tensor: IntTensor<Self>, min: Scalar) -> IntTensor<Self> {
+        crate::route::inner_op("int_clamp_min");
         I::int_clamp_min(tensor, min)
     }
     fn int_clamp_max(tensor: IntTensor<Self>, max: Scalar) -> IntTensor<Self> {
+        crate::route::inner_op("int_clamp_max");
         I::int_clamp_max(tensor, max)
     }
     fn int_clamp(tensor: IntTensor<Self>, min: Scalar, max: Scalar) -> IntTensor<Self> {
+        crate::route::inner_op("int_clamp");
         I::int_clamp(tensor, min, max)
     }
     fn int_sub(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_sub");
         I::int_sub(lhs, rhs)
     }
     fn int_sub_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
+        crate::route::inner_op("int_sub_scalar");
         I::int_sub_scalar(lhs, rhs)
     }
     fn int_mul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_mul");
         I::int_mul(lhs, rhs)
     }
     fn int_mul_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
+        crate::route::inner_op("int_mul_scalar");
         I::int_mul_scalar(lhs, rhs)
     }
     fn int_div(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_div");
         I::int_div(lhs, rhs)
     }
     fn int_div_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
+        crate::route::inner_op("int_div_scalar");
         I::int_div_scalar(lhs, rhs)
     }
     fn int_remainder(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_remainder");
         I::int_remainder(lhs, rhs)
     }
     fn int_remainder_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
+        crate::route::inner_op("int_remainder_scalar");
         I::int_remainder_scalar(lhs, rhs)
     }
     fn int_matmul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_matmul");
         I::int_matmul(lhs, rhs)
     }
     fn int_neg(tensor: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_neg");
         I::int_neg(tensor)
     }
     fn int_zeros(
@@ -256,6 +305,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         device: &Device<Self>,
         dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_zeros");
         I::int_zeros(shape, device, dtype)
     }
     fn int_ones(
@@ -263,6 +313,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         device: &Device<Self>,
         dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_ones");
         I::int_ones(shape, device, dtype)
     }
     fn int_full(
@@ -271,84 +322,109 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         device: &Device<Self>,
         dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_full");
         I::int_full(shape, fill_value, device, dtype)
     }
     fn int_sum(tensor: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_sum");
         I::int_sum(tensor)
     }
     fn int_sum_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+        crate::route::inner_op("int_sum_dim");
         I::int_sum_dim(tensor, dim)
     }
     fn int_prod(tensor: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_prod");
         I::int_prod(tensor)
     }
     fn int_prod_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+        crate::route::inner_op("int_prod_dim");
         I::int_prod_dim(tensor, dim)
     }
     fn int_mean(tensor: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_mean");
         I::int_mean(tensor)
     }
     fn int_mean_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+        crate::route::inner_op("int_mean_dim");
         I::int_mean_dim(tensor, dim)
     }
     fn int_cumsum(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+        crate::route::inner_op("int_cumsum");
         I::int_cumsum(tensor, dim)
     }
     fn int_cumprod(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+        crate::route::inner_op("int_cumprod");
         I::int_cumprod(tensor, dim)
     }
     fn int_cummin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+        crate::route::inner_op("int_cummin");
         I::int_cummin(tensor, dim)
     }
     fn int_cummax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+        crate::route::inner_op("int_cummax");
         I::int_cummax(tensor, dim)
     }
     fn int_argmax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+        crate::route::inner_op("int_argmax");
         I::int_argmax(tensor, dim)
     }
     fn int_argtopk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
+        crate::route::inner_op("int_argtopk");
         I::int_argtopk(tensor, dim, k)
     }
     fn int_topk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
+        crate::route::inner_op("int_topk");
         I::int_topk(tensor, dim, k)
     }
     fn int_argmin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+        crate::route::inner_op("int_argmin");
         I::int_argmin(tensor, dim)
     }
     fn int_max(tensor: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_max");
         I::int_max(tensor)
     }
     fn int_max_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+        crate::route::inner_op("int_max_dim");
         I::int_max_dim(tensor, dim)
     }
     fn int_max_dim_with_indices(
         tensor: IntTensor<Self>,
         dim: usize,
     ) -> (IntTensor<Self>, IntTensor<Self>) {
+        crate::route::inner_op("int_max_dim_with_indices");
         I::int_max_dim_with_indices(tensor, dim)
     }
     fn int_max_abs(tensor: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_max_abs");
         I::int_max_abs(tensor)
     }
     fn int_max_abs_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+        crate::route::inner_op("int_max_abs_dim");
         I::int_max_abs_dim(tensor, dim)
     }
     fn int_min(tensor: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_min");
         I::int_min(tensor)
     }
     fn int_min_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
+        crate::route::inner_op("int_min_dim");
         I::int_min_dim(tensor, dim)
     }
     fn int_min_dim_with_indices(
         tensor: IntTensor<Self>,
         dim: usize,
     ) -> (IntTensor<Self>, IntTensor<Self>) {
+        crate::route::inner_op("int_min_dim_with_indices");
         I::int_min_dim_with_indices(tensor, dim)
     }
     fn int_abs(tensor: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_abs");
         I::int_abs(tensor)
     }
     fn int_transpose(tensor: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_transpose");
         I::int_transpose(tensor)
     }
     fn int_swap_dims(
@@ -356,12 +432,15 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         dim1: usize,
         dim2: usize,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_swap_dims");
         I::int_swap_dims(tensor, dim1, dim2)
     }
     fn int_permute(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
+        crate::route::inner_op("int_permute");
         I::int_permute(tensor, axes)
     }
     fn int_flip(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
+        crate::route::inner_op("int_flip");
         I::int_flip(tensor, axes)
     }
     fn int_random(
@@ -370,6 +449,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         device: &Device<Self>,
         dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_random");
         I::int_random(shape, distribution, device, dtype)
     }
     fn int_arange_step(
@@ -378,6 +458,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         device: &Device<Self>,
         dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_arange_step");
         I::int_arange_step(range, step, device, dtype)
     }
     fn int_arange(
@@ -385,9 +466,11 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         device: &Device<Self>,
         dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_arange");
         I::int_arange(range, device, dtype)
     }
     fn int_any(tensor: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+        crate::route::inner_op("int_any");
         I::int_any(tensor, out_dtype)
     }
     fn int_any_dim(
@@ -395,9 +478,11 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("int_any_dim");
         I::int_any_dim(tensor, dim, out_dtype)
     }
     fn int_all(tensor: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+        crate::route::inner_op("int_all");
         I::int_all(tensor, out_dtype)
     }
     fn int_all_dim(
@@ -405,12 +490,15 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("int_all_dim");
         I::int_all_dim(tensor, dim, out_dtype)
     }
     fn int_sign(tensor: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("int_sign");
         I::int_sign(tensor)
     }
     fn int_expand(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
+        crate::route::inner_op("int_expand");
         I::int_expand(tensor, shape)
     }
     fn int_sort(
@@ -418,6 +506,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         dim: usize,
         descending: bool,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_sort");
         I::int_sort(tensor, dim, descending)
     }
     fn int_sort_with_indices(
@@ -425,6 +514,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         dim: usize,
         descending: bool,
     ) -> (IntTensor<Self>, IntTensor<Self>) {
+        crate::route::inner_op("int_sort_with_indices");
         I::int_sort_with_indices(tensor, dim, descending)
     }
     fn int_argsort(
@@ -432,48 +522,61 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         dim: usize,
         descending: bool,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_argsort");
         I::int_argsort(tensor, dim, descending)
     }
     fn bitwise_and(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("bitwise_and");
         I::bitwise_and(lhs, rhs)
     }
     fn bitwise_and_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
+        crate::route::inner_op("bitwise_and_scalar");
         I::bitwise_and_scalar(lhs, rhs)
     }
     fn bitwise_or(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("bitwise_or");
         I::bitwise_or(lhs, rhs)
     }
     fn bitwise_or_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
+        crate::route::inner_op("bitwise_or_scalar");
         I::bitwise_or_scalar(lhs, rhs)
     }
     fn bitwise_xor(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("bitwise_xor");
         I::bitwise_xor(lhs, rhs)
     }
     fn bitwise_xor_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
+        crate::route::inner_op("bitwise_xor_scalar");
         I::bitwise_xor_scalar(lhs, rhs)
     }
     fn bitwise_not(tensor: IntTensor<Self>) -> IntTensor<Self> {
+        crate::route::inner_op("bitwise_not");
         I::bitwise_not(tensor)
     }
     fn bitwise_left_shift(
         lhs: IntTensor<Self>,
         rhs: IntTensor<Self>,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("bitwise_left_shift");
         I::bitwise_left_shift(lhs, rhs)
     }
     fn bitwise_left_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
+        crate::route::inner_op("bitwise_left_shift_scalar");
         I::bitwise_left_shift_scalar(lhs, rhs)
     }
     fn bitwise_right_shift(
         lhs: IntTensor<Self>,
         rhs: IntTensor<Self>,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("bitwise_right_shift");
         I::bitwise_right_shift(lhs, rhs)
     }
     fn bitwise_right_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
+        crate::route::inner_op("bitwise_right_shift_scalar");
         I::bitwise_right_shift_scalar(lhs, rhs)
     }
     fn int_cast(tensor: IntTensor<Self>, dtype: IntDType) -> IntTensor<Self> {
+        crate::route::inner_op("int_cast");
         I::int_cast(tensor, dtype)
     }
     fn int_unfold(
@@ -482,6 +585,7 @@ impl<I: Backend> IntTensorOps<Self> for Stoke<I> {
         size: usize,
         step: usize,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("int_unfold");
         I::int_unfold(tensor, dim, size, step)
     }
 }

@@ -9,6 +9,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         weights: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("embedding");
         lift_float::<I>(I::embedding(lower_float::<I>(weights), indices))
     }
     fn embedding_backward(
@@ -16,6 +17,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("embedding_backward");
         lift_float::<
             I,
         >(
@@ -37,6 +39,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("linear_x_backward");
         lift_float::<
             I,
         >(I::linear_x_backward(lower_float::<I>(weight), lower_float::<I>(output_grad)))
@@ -45,11 +48,13 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         x: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("linear_weight_backward");
         lift_float::<
             I,
         >(I::linear_weight_backward(lower_float::<I>(x), lower_float::<I>(output_grad)))
     }
     fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::route::inner_op("linear_bias_backward");
         lift_float::<I>(I::linear_bias_backward(lower_float::<I>(output_grad)))
     }
     fn conv1d(
@@ -58,6 +63,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<1>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv1d");
         lift_float::<
             I,
         >(
@@ -75,6 +81,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<1>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv1d_x_backward");
         lift_float::<
             I,
         >(
@@ -92,6 +99,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<1>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv1d_weight_backward");
         lift_float::<
             I,
         >(
@@ -108,6 +116,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv1d_bias_backward");
         lift_float::<
             I,
         >(
@@ -124,6 +133,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv2d");
         lift_float::<
             I,
         >(
@@ -141,6 +151,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv2d_x_backward");
         lift_float::<
             I,
         >(
@@ -158,6 +169,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv2d_weight_backward");
         lift_float::<
             I,
         >(
@@ -174,6 +186,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv2d_bias_backward");
         lift_float::<
             I,
         >(
@@ -192,6 +205,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         bias: Option<FloatTensor<Self>>,
         options: DeformConvOptions<2>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("deform_conv2d");
         lift_float::<
             I,
         >(
@@ -214,6 +228,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         options: DeformConvOptions<2>,
     ) -> DeformConv2dBackward<Self> {
+        crate::route::inner_op("deform_conv2d_backward");
         Lift::<
             I,
         >::lift(
@@ -234,6 +249,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<3>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv3d");
         lift_float::<
             I,
         >(
@@ -251,6 +267,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<3>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv3d_x_backward");
         lift_float::<
             I,
         >(
@@ -268,6 +285,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<3>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv3d_weight_backward");
         lift_float::<
             I,
         >(
@@ -284,6 +302,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv3d_bias_backward");
         lift_float::<
             I,
         >(
@@ -300,6 +319,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv_transpose1d");
         lift_float::<
             I,
         >(
@@ -316,6 +336,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv_transpose1d_x_backward");
         lift_float::<
             I,
         >(
@@ -332,6 +353,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv_transpose1d_weight_backward");
         lift_float::<
             I,
         >(
@@ -348,6 +370,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv_transpose1d_bias_backward");
         lift_float::<
             I,
         >(
@@ -364,6 +387,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv_transpose2d");
         lift_float::<
             I,
         >(
@@ -380,6 +404,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv_transpose2d_x_backward");
         lift_float::<
             I,
         >(
@@ -396,6 +421,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv_transpose2d_weight_backward");
         lift_float::<
             I,
         >(
@@ -412,6 +438,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv_transpose2d_bias_backward");
         lift_float::<
             I,
         >(
@@ -428,6 +455,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv_transpose3d");
         lift_float::<
             I,
         >(
@@ -444,6 +472,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv_transpose3d_x_backward");
         lift_float::<
             I,
         >(
@@ -460,6 +489,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv_transpose3d_weight_backward");
         lift_float::<
             I,
         >(
@@ -476,6 +506,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("conv_transpose3d_bias_backward");
         lift_float::<
             I,
         >(
@@ -491,6 +522,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         kernel_size: [usize; 2],
         options: UnfoldOptions,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("unfold4d");
         lift_float::<I>(I::unfold4d(lower_float::<I>(x), kernel_size, options))
     }
     fn avg_pool1d(
@@ -501,6 +533,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("avg_pool1d");
         lift_float::<
             I,
         >(
@@ -523,6 +556,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("avg_pool1d_backward");
         lift_float::<
             I,
         >(
@@ -545,6 +579,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("avg_pool2d");
         lift_float::<
             I,
         >(
@@ -567,6 +602,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("avg_pool2d_backward");
         lift_float::<
             I,
         >(
@@ -585,12 +621,14 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         x: FloatTensor<Self>,
         output_size: [usize; 2],
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("adaptive_avg_pool2d");
         lift_float::<I>(I::adaptive_avg_pool2d(lower_float::<I>(x), output_size))
     }
     fn adaptive_avg_pool2d_backward(
         x: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("adaptive_avg_pool2d_backward");
         lift_float::<
             I,
         >(I::adaptive_avg_pool2d_backward(lower_float::<I>(x), lower_float::<I>(grad)))
@@ -599,12 +637,14 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         x: FloatTensor<Self>,
         output_size: usize,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("adaptive_avg_pool1d");
         lift_float::<I>(I::adaptive_avg_pool1d(lower_float::<I>(x), output_size))
     }
     fn adaptive_avg_pool1d_backward(
         x: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("adaptive_avg_pool1d_backward");
         lift_float::<
             I,
         >(I::adaptive_avg_pool1d_backward(lower_float::<I>(x), lower_float::<I>(grad)))
@@ -617,6 +657,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         dilation: usize,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("max_pool1d");
         lift_float::<
             I,
         >(
@@ -638,6 +679,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         dilation: usize,
         ceil_mode: bool,
     ) -> MaxPool1dWithIndices<Self> {
+        crate::route::inner_op("max_pool1d_with_indices");
         Lift::<
             I,
         >::lift(
@@ -662,6 +704,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> MaxPool1dBackward<Self> {
+        crate::route::inner_op("max_pool1d_with_indices_backward");
         Lift::<
             I,
         >::lift(
@@ -685,6 +728,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         dilation: [usize; 2],
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("max_pool2d");
         lift_float::<
             I,
         >(
@@ -706,6 +750,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         dilation: [usize; 2],
         ceil_mode: bool,
     ) -> MaxPool2dWithIndices<Self> {
+        crate::route::inner_op("max_pool2d_with_indices");
         Lift::<
             I,
         >::lift(
@@ -730,6 +775,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> MaxPool2dBackward<Self> {
+        crate::route::inner_op("max_pool2d_with_indices_backward");
         Lift::<
             I,
         >::lift(
@@ -750,6 +796,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_size: [usize; 2],
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("interpolate");
         lift_float::<I>(I::interpolate(lower_float::<I>(x), output_size, options))
     }
     fn interpolate_backward(
@@ -758,6 +805,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         output_size: [usize; 2],
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("interpolate_backward");
         lift_float::<
             I,
         >(
@@ -785,6 +833,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         beta: Option<FloatTensor<Self>>,
         epsilon: f64,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("layer_norm");
         lift_float::<
             I,
         >(
@@ -803,6 +852,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         target_lengths: IntTensor<Self>,
         blank: usize,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("ctc_loss");
         lift_float::<
             I,
         >(
@@ -816,6 +866,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         )
     }
     fn has_ctc_loss_backward() -> bool {
+        crate::route::inner_op("has_ctc_loss_backward");
         I::has_ctc_loss_backward()
     }
     fn ctc_loss_backward(
@@ -826,6 +877,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         grad_loss: FloatTensor<Self>,
         blank: usize,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("ctc_loss_backward");
         lift_float::<
             I,
         >(
@@ -844,6 +896,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         dim: usize,
         n: Option<usize>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        crate::route::inner_op("rfft");
         {
             let (t0, t1) = I::rfft(lower_float::<I>(signal), dim, n);
             (lift_float::<I>(t0), lift_float::<I>(t1))
@@ -855,6 +908,7 @@ impl<I: Backend> ModuleOps<Self> for Stoke<I> {
         dim: usize,
         n: Option<usize>,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("irfft");
         lift_float::<
             I,
         >(I::irfft(lower_float::<I>(spectrum_re), lower_float::<I>(spectrum_im), dim, n))

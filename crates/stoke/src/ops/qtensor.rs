@@ -6,6 +6,7 @@ use super::prelude::*;
 #[rustfmt::skip]
 impl<I: Backend> QTensorOps<Self> for Stoke<I> {
     fn q_from_data(data: TensorData, device: &Device<Self>) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_from_data");
         I::q_from_data(data, device)
     }
     fn quantize(
@@ -13,53 +14,65 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         scheme: &QuantScheme,
         qparams: QuantizationParametersPrimitive<Self>,
     ) -> QuantizedTensor<Self> {
+        crate::route::inner_op("quantize");
         I::quantize(lower_float::<I>(tensor), scheme, Lower::<I>::lower(qparams))
     }
     fn quantize_dynamic(
         tensor: FloatTensor<Self>,
         scheme: &QuantScheme,
     ) -> QuantizedTensor<Self> {
+        crate::route::inner_op("quantize_dynamic");
         I::quantize_dynamic(lower_float::<I>(tensor), scheme)
     }
     fn dequantize(
         tensor: QuantizedTensor<Self>,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
+        crate::route::inner_op("dequantize");
         lift_float::<I>(I::dequantize(tensor, dtype))
     }
     fn q_device(tensor: &QuantizedTensor<Self>) -> Device<Self> {
+        crate::route::inner_op("q_device");
         I::q_device(tensor)
     }
     fn q_to_device(
         tensor: QuantizedTensor<Self>,
         device: &Device<Self>,
     ) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_to_device");
         I::q_to_device(tensor, device)
     }
     fn q_reshape(tensor: QuantizedTensor<Self>, shape: Shape) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_reshape");
         I::q_reshape(tensor, shape)
     }
     fn q_into_data(
         tensor: QuantizedTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+        crate::route::inner_op("q_into_data");
         I::q_into_data(tensor)
     }
     fn q_detach(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_detach");
         I::q_detach(tensor)
     }
     fn q_set_require_grad(
         tensor: QuantizedTensor<Self>,
         require_grad: bool,
     ) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_set_require_grad");
         I::q_set_require_grad(tensor, require_grad)
     }
     fn q_is_require_grad(tensor: &QuantizedTensor<Self>) -> bool {
+        crate::route::inner_op("q_is_require_grad");
         I::q_is_require_grad(tensor)
     }
     fn q_expand(tensor: QuantizedTensor<Self>, shape: Shape) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_expand");
         I::q_expand(tensor, shape)
     }
     fn q_transpose(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_transpose");
         I::q_transpose(tensor)
     }
     fn q_swap_dims(
@@ -67,15 +80,18 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         dim1: usize,
         dim2: usize,
     ) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_swap_dims");
         I::q_swap_dims(tensor, dim1, dim2)
     }
     fn q_permute(
         tensor: QuantizedTensor<Self>,
         axes: &[usize],
     ) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_permute");
         I::q_permute(tensor, axes)
     }
     fn q_flip(tensor: QuantizedTensor<Self>, axes: &[usize]) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_flip");
         I::q_flip(tensor, axes)
     }
     fn q_select(
@@ -83,12 +99,14 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         dim: usize,
         indices: IntTensor<Self>,
     ) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_select");
         I::q_select(tensor, dim, indices)
     }
     fn q_slice(
         tensor: QuantizedTensor<Self>,
         slices: &[Slice],
     ) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_slice");
         I::q_slice(tensor, slices)
     }
     fn q_gather(
@@ -96,6 +114,7 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         tensor: QuantizedTensor<Self>,
         indices: IntTensor<Self>,
     ) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_gather");
         I::q_gather(dim, tensor, indices)
     }
     fn q_repeat_dim(
@@ -103,21 +122,26 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         dim: usize,
         times: usize,
     ) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_repeat_dim");
         I::q_repeat_dim(tensor, dim, times)
     }
     fn q_add(
         lhs: QuantizedTensor<Self>,
         rhs: QuantizedTensor<Self>,
     ) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_add");
         Lift::<I>::lift(I::q_add(lhs, rhs))
     }
     fn q_add_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_add_scalar");
         Lift::<I>::lift(I::q_add_scalar(lhs, rhs))
     }
     fn q_clamp_min(tensor: QuantizedTensor<Self>, min: Scalar) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_clamp_min");
         Lift::<I>::lift(I::q_clamp_min(tensor, min))
     }
     fn q_clamp_max(tensor: QuantizedTensor<Self>, max: Scalar) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_clamp_max");
         Lift::<I>::lift(I::q_clamp_max(tensor, max))
     }
     fn q_clamp(
@@ -125,135 +149,172 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         min: Scalar,
         max: Scalar,
     ) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_clamp");
         Lift::<I>::lift(I::q_clamp(tensor, min, max))
     }
     fn q_sub(
         lhs: QuantizedTensor<Self>,
         rhs: QuantizedTensor<Self>,
     ) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_sub");
         Lift::<I>::lift(I::q_sub(lhs, rhs))
     }
     fn q_sub_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_sub_scalar");
         Lift::<I>::lift(I::q_sub_scalar(lhs, rhs))
     }
     fn q_mul(
         lhs: QuantizedTensor<Self>,
         rhs: QuantizedTensor<Self>,
     ) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_mul");
         Lift::<I>::lift(I::q_mul(lhs, rhs))
     }
     fn q_mul_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_mul_scalar");
         Lift::<I>::lift(I::q_mul_scalar(lhs, rhs))
     }
     fn q_div(
         lhs: QuantizedTensor<Self>,
         rhs: QuantizedTensor<Self>,
     ) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_div");
         Lift::<I>::lift(I::q_div(lhs, rhs))
     }
     fn q_div_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_div_scalar");
         Lift::<I>::lift(I::q_div_scalar(lhs, rhs))
     }
     fn q_matmul(
         lhs: TensorPrimitive<Self>,
         rhs: TensorPrimitive<Self>,
     ) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_matmul");
         Lift::<I>::lift(I::q_matmul(Lower::<I>::lower(lhs), Lower::<I>::lower(rhs)))
     }
     fn q_neg(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_neg");
         Lift::<I>::lift(I::q_neg(tensor))
     }
     fn q_recip(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_recip");
         Lift::<I>::lift(I::q_recip(tensor))
     }
     fn q_sum(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_sum");
         Lift::<I>::lift(I::q_sum(tensor))
     }
     fn q_sum_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_sum_dim");
         Lift::<I>::lift(I::q_sum_dim(tensor, dim))
     }
     fn q_prod(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_prod");
         Lift::<I>::lift(I::q_prod(tensor))
     }
     fn q_prod_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_prod_dim");
         Lift::<I>::lift(I::q_prod_dim(tensor, dim))
     }
     fn q_mean(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_mean");
         Lift::<I>::lift(I::q_mean(tensor))
     }
     fn q_mean_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_mean_dim");
         Lift::<I>::lift(I::q_mean_dim(tensor, dim))
     }
     fn q_cumsum(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_cumsum");
         Lift::<I>::lift(I::q_cumsum(tensor, dim))
     }
     fn q_cumprod(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_cumprod");
         Lift::<I>::lift(I::q_cumprod(tensor, dim))
     }
     fn q_cummin(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_cummin");
         Lift::<I>::lift(I::q_cummin(tensor, dim))
     }
     fn q_cummax(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_cummax");
         Lift::<I>::lift(I::q_cummax(tensor, dim))
     }
     fn q_exp(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_exp");
         Lift::<I>::lift(I::q_exp(tensor))
     }
     fn q_log(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_log");
         Lift::<I>::lift(I::q_log(tensor))
     }
     fn q_log1p(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_log1p");
         Lift::<I>::lift(I::q_log1p(tensor))
     }
     fn q_powf(
         lhs: QuantizedTensor<Self>,
         rhs: QuantizedTensor<Self>,
     ) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_powf");
         Lift::<I>::lift(I::q_powf(lhs, rhs))
     }
     fn q_powi(
         lhs: QuantizedTensor<Self>,
         rhs: IntTensor<Self>,
     ) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_powi");
         Lift::<I>::lift(I::q_powi(lhs, rhs))
     }
     fn q_powi_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_powi_scalar");
         Lift::<I>::lift(I::q_powi_scalar(lhs, rhs))
     }
     fn q_powf_scalar(
         tensor: QuantizedTensor<Self>,
         value: Scalar,
     ) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_powf_scalar");
         Lift::<I>::lift(I::q_powf_scalar(tensor, value))
     }
     fn q_sqrt(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_sqrt");
         Lift::<I>::lift(I::q_sqrt(tensor))
     }
     fn q_abs(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_abs");
         I::q_abs(tensor)
     }
     fn q_cos(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_cos");
         Lift::<I>::lift(I::q_cos(tensor))
     }
     fn q_sin(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_sin");
         Lift::<I>::lift(I::q_sin(tensor))
     }
     fn q_tan(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_tan");
         Lift::<I>::lift(I::q_tan(tensor))
     }
     fn q_cosh(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_cosh");
         Lift::<I>::lift(I::q_cosh(tensor))
     }
     fn q_sinh(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_sinh");
         Lift::<I>::lift(I::q_sinh(tensor))
     }
     fn q_tanh(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_tanh");
         Lift::<I>::lift(I::q_tanh(tensor))
     }
     fn q_erf(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
+        crate::route::inner_op("q_erf");
         Lift::<I>::lift(I::q_erf(tensor))
     }
     fn q_cat(tensors: Vec<QuantizedTensor<Self>>, dim: usize) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_cat");
         I::q_cat(tensors, dim)
     }
     fn q_argmax(
@@ -261,6 +322,7 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         dim: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("q_argmax");
         I::q_argmax(tensor, dim, out_dtype)
     }
     fn q_argtopk(
@@ -269,6 +331,7 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         k: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("q_argtopk");
         I::q_argtopk(tensor, dim, k, out_dtype)
     }
     fn q_topk(
@@ -276,6 +339,7 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         dim: usize,
         k: usize,
     ) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_topk");
         I::q_topk(tensor, dim, k)
     }
     fn q_argmin(
@@ -283,12 +347,15 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         dim: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("q_argmin");
         I::q_argmin(tensor, dim, out_dtype)
     }
     fn q_max(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_max");
         I::q_max(tensor)
     }
     fn q_max_dim(tensor: QuantizedTensor<Self>, dim: usize) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_max_dim");
         I::q_max_dim(tensor, dim)
     }
     fn q_max_dim_with_indices(
@@ -296,12 +363,15 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         dim: usize,
         out_dtype: IntDType,
     ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
+        crate::route::inner_op("q_max_dim_with_indices");
         I::q_max_dim_with_indices(tensor, dim, out_dtype)
     }
     fn q_min(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_min");
         I::q_min(tensor)
     }
     fn q_min_dim(tensor: QuantizedTensor<Self>, dim: usize) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_min_dim");
         I::q_min_dim(tensor, dim)
     }
     fn q_min_dim_with_indices(
@@ -309,18 +379,22 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         dim: usize,
         out_dtype: IntDType,
     ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
+        crate::route::inner_op("q_min_dim_with_indices");
         I::q_min_dim_with_indices(tensor, dim, out_dtype)
     }
     fn q_max_abs(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_max_abs");
         I::q_max_abs(tensor)
     }
     fn q_max_abs_dim(
         tensor: QuantizedTensor<Self>,
         dim: usize,
     ) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_max_abs_dim");
         I::q_max_abs_dim(tensor, dim)
     }
     fn q_any(tensor: QuantizedTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+        crate::route::inner_op("q_any");
         I::q_any(tensor, out_dtype)
     }
     fn q_any_dim(
@@ -328,9 +402,11 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("q_any_dim");
         I::q_any_dim(tensor, dim, out_dtype)
     }
     fn q_all(tensor: QuantizedTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+        crate::route::inner_op("q_all");
         I::q_all(tensor, out_dtype)
     }
     fn q_all_dim(
@@ -338,6 +414,7 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        crate::route::inner_op("q_all_dim");
         I::q_all_dim(tensor, dim, out_dtype)
     }
     fn q_sort(
@@ -345,6 +422,7 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         dim: usize,
         descending: bool,
     ) -> QuantizedTensor<Self> {
+        crate::route::inner_op("q_sort");
         I::q_sort(tensor, dim, descending)
     }
     fn q_sort_with_indices(
@@ -353,6 +431,7 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         descending: bool,
         out_dtype: IntDType,
     ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
+        crate::route::inner_op("q_sort_with_indices");
         I::q_sort_with_indices(tensor, dim, descending, out_dtype)
     }
     fn q_argsort(
@@ -361,6 +440,7 @@ impl<I: Backend> QTensorOps<Self> for Stoke<I> {
         descending: bool,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
+        crate::route::inner_op("q_argsort");
         I::q_argsort(tensor, dim, descending, out_dtype)
     }
 }

@@ -8,6 +8,7 @@ impl<I: Backend> TransactionOps<Self> for Stoke<I> {
     fn tr_execute(
         transaction: TransactionPrimitive<Self>,
     ) -> impl Future<Output = Result<TransactionPrimitiveData, ExecutionError>> + Send {
+        crate::route::inner_op("tr_execute");
         I::tr_execute(Lower::<I>::lower(transaction))
     }
 }

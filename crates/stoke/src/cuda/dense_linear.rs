@@ -1,0 +1,83 @@
+//! `linear` on a pinned bf16 weight through the dense bf16 GEMM (`kernels/bf16_gemm.cu`), for
+//! decode-sized inputs (up to 32 rows).
+
+use super::bridge::{DeviceTensor, KernelInput, ResidentTensor, runtime_for};
+use crate::tensor::{StokeData, StokeTensor};
+use burn_backend::{Backend, DType, Shape, TensorMetadata};
+use stoke_cuda::bf16::{Bf16Gemm, bf16_gemm};
+use stoke_cuda::kernels::bf16_gemm::{Epilogue, MAX_ROWS, check_shape};
+use stoke_cuda::{DevicePtr, DevicePtrMut};
+
+/// `epilogue(x @ W)` on the dense kernel when `weight` is a pinned ([`ResidentTensor`]) bf16
+/// `[k, n]` weight the kernel takes (`k` and `n` multiples of 8, 16-byte aligned), `x` is bf16
+/// `[.., k]` with 1 to 32 rows, and Stoke's runtime runs on the device; `None` otherwise (the
+/// caller's reference path). `Residual` adds `residual` (bf16, shaped like the output), `SwiGlu`
+/// returns `silu(g) * u` of the interleaved gate/up columns (`[.., n / 2]`).
+pub(crate) fn try_dense_linear_with<I: Backend>(
+    x: &StokeTensor<I>,
+    weight: &StokeTensor<I>,
+    epilogue: Epilogue,
+    residual: Option<&StokeTensor<I>>,
+) -> Option<StokeTensor<I>> {
+    let rw = weight.downcast_ref::<ResidentTensor<I>>()?;
+    let w_shape = rw.shape();
+    let &[k, n] = w_shape.as_slice() else {
+        return None;
+    };
+    if rw.dtype() != DType::BF16 || x.dtype() != DType::BF16 {
+        return None;
+    }
+    let shape = x.shape();
+    let dims = shape.as_slice();
+    if dims.last() != Some(&k) || k == 0 {
+        return None;
+    }
+    let m = shape.num_elements() / k;
+    if m == 0 || m > MAX_ROWS as usize || k > u32::MAX as usize || n > u32::MAX as usize {
+        return None;
+    }
+    if check_shape(m as u32, k as u32, n as u32, epilogue).is_err() || !rw.ptr().is_multiple_of(16)
+    {
+        tracing::debug!(
+            "stoke linear: bf16 weight [{k}, {n}] at {:#x} not one the dense kernel takes",
+            rw.ptr()
+        );
+        return None;
+    }
+    let mut out_dims = dims.to_vec();
+    *out_dims.last_mut().unwrap() = n;
+    if !super::residual_fits(epilogue, residual, &out_dims) {
+        return None;
+    }
+    let device = super::float_device(x);
+    let rt = runtime_for::<I>(&device)?;
+    let x_in = KernelInput::resolve(&rt, x, &device);
+    let res_in = residual
+        .filter(|_| epilogue == Epilogue::Residual)
+        .map(|r| KernelInput::resolve(&rt, r, &device));
+    if !x_in.ptr.is_multiple_of(4) || res_in.as_ref().is_some_and(|r| !r.ptr.is_multiple_of(4)) {
+        return None;
+    }
+    *out_dims.last_mut().unwrap() = epilogue.out_cols(n);
+    let out = DeviceTensor::<I>::alloc(&rt, Shape::from(out_dims), DType::BF16, device);
+    let call = Bf16Gemm {
+        x: DevicePtr::new(x_in.ptr),
+        m: m as u32,
+        k: k as u32,
+        n: n as u32,
+        w: DevicePtr::new(rw.ptr()),
+        out: DevicePtrMut::new(out.ptr()),
+        epilogue,
+        residual: res_in
+            .as_ref()
+            .map_or(DevicePtr::NULL, |r| DevicePtr::new(r.ptr)),
+    };
+    // SAFETY: x and the residual are pinned (or Stoke-owned) until the kernel is done, the
+    // weight is pinned for the life of its tensor (released after Stoke's queued work), out is
+    // a Stoke buffer of m * out_cols bf16.
+    if let Err(e) = unsafe { bf16_gemm(&rt, &call) } {
+        panic!("stoke linear (bf16): {e}");
+    }
+    drop((x_in, res_in));
+    Some(StokeTensor::owned(out))
+}

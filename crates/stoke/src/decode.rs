@@ -1,0 +1,667 @@
+//! The decode step's fused ops: a decoder (the KV cache of every layer, the step's token ids and
+//! positions, the sampling state) owned by the backend, and the ops of one step that use it.
+//!
+//! Model code calls [`decode_embed`], [`decode_attention`] and [`decode_sample`] between its
+//! projections and norms, and runs the step through [`decode_step`]. On any backend the
+//! [`RefDecoder`] runs them as plain Burn compositions (host-side ids and positions, the cache
+//! as Burn tensors, sampling on the host with the device sampler's algorithm); `Stoke<Cuda>`
+//! keeps everything in its own device memory and replays the step as a CUDA graph
+//! (`cuda::decoder`).
+
+use crate::fused::{FusedOps, rms_norm_reference};
+use burn::tensor::{Bool, Int, Tensor, TensorData, TensorPrimitive, module};
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, DType, TensorMetadata};
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+/// Format of the cache decode attention reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvCacheFormat {
+    /// The BF16 cache itself.
+    #[default]
+    Bf16,
+    /// An FP8 E4M3 copy (one scale per row) of Hadamard-rotated rows.
+    Fp8,
+    /// An INT4 copy (one scale per row) of Hadamard-rotated rows.
+    Int4,
+}
+
+impl std::str::FromStr for KvCacheFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" => Ok(Self::Bf16),
+            "fp8" => Ok(Self::Fp8),
+            "int4" => Ok(Self::Int4),
+            other => Err(format!(
+                "unknown KV cache format {other:?} (bf16, fp8, int4)"
+            )),
+        }
+    }
+}
+
+/// How the next token is picked ([`stoke_formats::sample`] is the algorithm).
+pub type Sampling = stoke_formats::sample::SamplingParams;
+
+/// What a decoder is built for.
+#[derive(Clone, Debug)]
+pub struct DecodeSpec {
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub hidden: usize,
+    pub vocab: usize,
+    /// Sequences decoded together.
+    pub batch: usize,
+    /// Positions per sequence (prompt and generated tokens).
+    pub capacity: usize,
+    /// RoPE angles: `[positions, head_dim / 2, 2]` (cos, sin), `positions >= capacity`.
+    pub rope: Arc<Vec<f32>>,
+    pub kv_format: KvCacheFormat,
+    /// Hadamard block of the FP8/INT4 rows (0: no rotation).
+    pub rotate_block: usize,
+    pub sampling: Sampling,
+    pub rms_norm_eps: f64,
+    /// Run every step as it is queued, without CUDA graphs (for debugging).
+    pub eager: bool,
+    /// Keep a copy of each sampling's logits for [`decode_last_logits`] (tests, benchmarks).
+    pub keep_logits: bool,
+}
+
+/// Why a decoder cannot be made or a step cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("{what}: expected {expected}, got {got}")]
+    Shape {
+        what: &'static str,
+        expected: String,
+        got: String,
+    },
+    #[error(
+        "context overflow: a sequence needs position {needed}, the decoder holds {capacity} per sequence"
+    )]
+    ContextOverflow { needed: usize, capacity: usize },
+    #[error("stoke: {0}")]
+    Cuda(#[from] stoke_cuda::Error),
+}
+
+fn shape_err(what: &'static str, expected: impl ToString, got: impl ToString) -> DecodeError {
+    DecodeError::Shape {
+        what,
+        expected: expected.to_string(),
+        got: got.to_string(),
+    }
+}
+
+impl DecodeSpec {
+    /// Checks the sizes against each other.
+    pub fn validate(&self) -> Result<(), DecodeError> {
+        let d = self.head_dim;
+        if d == 0 || !d.is_multiple_of(2) {
+            return Err(shape_err("decoder head_dim", "even and non-zero", d));
+        }
+        if self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
+            return Err(shape_err(
+                "decoder heads",
+                "a multiple of the kv heads",
+                format!("{} over {} kv heads", self.heads, self.kv_heads),
+            ));
+        }
+        if self.batch == 0 {
+            return Err(shape_err("decoder batch", "at least 1", 0));
+        }
+        let positions = self.rope.len() / d.max(1);
+        if !self.rope.len().is_multiple_of(d) || positions < self.capacity {
+            return Err(shape_err(
+                "decoder RoPE table",
+                format!("[>= {}, {}, 2] values", self.capacity, d / 2),
+                format!("{} values", self.rope.len()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Positions the RoPE table holds.
+    pub fn rope_positions(&self) -> usize {
+        self.rope.len() / self.head_dim
+    }
+}
+
+/// The decoder of any backend: Burn tensors for the cache, ids and positions on the host.
+#[derive(Debug)]
+pub struct RefDecoder<B: Backend> {
+    pub spec: DecodeSpec,
+    keys: Vec<Tensor<B, 4>>,
+    values: Vec<Tensor<B, 4>>,
+    /// Where each sequence's current token goes (the tokens before it are in the cache).
+    pos: Vec<usize>,
+    ids: Vec<u32>,
+    presence: Vec<Vec<u32>>,
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+    pending: VecDeque<Vec<u32>>,
+    in_step: bool,
+    last_logits: Option<Vec<f32>>,
+    device: B::Device,
+}
+
+/// Checks ids given to [`decode_force_ids`]: one per sequence, each in the vocabulary.
+pub(crate) fn check_forced(ids: &[u32], batch: usize, vocab: usize) -> Result<(), DecodeError> {
+    if ids.len() != batch {
+        return Err(shape_err(
+            "forced ids",
+            format!("{batch} (one per sequence)"),
+            ids.len(),
+        ));
+    }
+    if let Some(t) = ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(shape_err(
+            "forced id",
+            format!("below the vocabulary size {vocab}"),
+            t,
+        ));
+    }
+    Ok(())
+}
+
+/// The state `prompts` start a decoder of `rows` sequences in, checked against its batch and
+/// capacity: each row's next position (the prompt's length; 0 past the prompts) and the
+/// presence words of the tokens the repetition penalty sees (`rows x ceil(vocab / 32)`).
+pub(crate) fn prompt_state(
+    prompts: &[Vec<u32>],
+    spec: &DecodeSpec,
+    rows: usize,
+) -> Result<(Vec<usize>, Vec<u32>), DecodeError> {
+    if prompts.len() > spec.batch {
+        return Err(shape_err(
+            "prompts for the decoder",
+            format!("at most its batch {}", spec.batch),
+            prompts.len(),
+        ));
+    }
+    let words = words(spec.vocab);
+    let mut pos = vec![0; rows];
+    let mut presence = vec![0u32; rows * words];
+    for (i, p) in prompts.iter().enumerate() {
+        if p.len() >= spec.capacity {
+            return Err(DecodeError::ContextOverflow {
+                needed: p.len() + 1,
+                capacity: spec.capacity,
+            });
+        }
+        pos[i] = p.len();
+        for &t in p.iter().filter(|&&t| (t as usize) < spec.vocab) {
+            presence[i * words + t as usize / 32] |= 1 << (t % 32);
+        }
+    }
+    Ok((pos, presence))
+}
+
+fn words(vocab: usize) -> usize {
+    vocab.div_ceil(32)
+}
+
+impl<B: Backend> RefDecoder<B> {
+    pub fn new(spec: DecodeSpec, dtype: DType, device: &B::Device) -> Result<Self, DecodeError> {
+        spec.validate()?;
+        let (b, kvh, cap, d) = (spec.batch, spec.kv_heads, spec.capacity, spec.head_dim);
+        let z = || Tensor::<B, 4>::zeros([b, kvh, cap, d], device).cast(dtype);
+        let half = d / 2;
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for pair in spec.rope[..cap * d].chunks(2) {
+            cos.push(pair[0]);
+            sin.push(pair[1]);
+        }
+        Ok(Self {
+            keys: (0..spec.layers).map(|_| z()).collect(),
+            values: (0..spec.layers).map(|_| z()).collect(),
+            pos: vec![0; b],
+            ids: vec![0; b],
+            presence: vec![vec![0; words(spec.vocab)]; b],
+            cos: Tensor::from_data(TensorData::new(cos, [cap, half]), device),
+            sin: Tensor::from_data(TensorData::new(sin, [cap, half]), device),
+            pending: VecDeque::new(),
+            in_step: false,
+            last_logits: None,
+            device: device.clone(),
+            spec,
+        })
+    }
+
+    /// Replaces the ids the next step reads (one per sequence; see [`decode_force_ids`]).
+    pub fn force_ids(&mut self, ids: &[u32]) -> Result<(), DecodeError> {
+        check_forced(ids, self.ids.len(), self.spec.vocab)?;
+        self.ids.copy_from_slice(ids);
+        for (r, &t) in ids.iter().enumerate() {
+            self.presence[r][t as usize / 32] |= 1 << (t % 32);
+        }
+        Ok(())
+    }
+
+    /// The largest position a sequence's current token goes to.
+    pub fn max_position(&self) -> usize {
+        self.pos.iter().max().copied().unwrap_or(0)
+    }
+
+    /// Marks the ops that follow as inside a step (sampling then advances positions).
+    pub fn set_in_step(&mut self, in_step: bool) {
+        self.in_step = in_step;
+    }
+
+    /// The simulated mirror format applied to rows `[.., d]` (quantized and back, rotated and
+    /// back), so attention sees what the kernels' FP8/INT4 copy holds.
+    fn through_format(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        use stoke_formats::kv;
+        if self.spec.kv_format == KvCacheFormat::Bf16 {
+            return x;
+        }
+        let (dims, dtype) = (x.dims(), x.dtype());
+        let d = dims[3];
+        let mut v = x.into_data().convert::<f32>().to_vec::<f32>().expect("f32");
+        let block = self.spec.rotate_block;
+        let rotate = |v: &mut Vec<f32>| {
+            if block > 0 {
+                kv::hadamard(v, d, block).expect("rotation block divides head_dim");
+            }
+        };
+        rotate(&mut v);
+        let mut v = match self.spec.kv_format {
+            KvCacheFormat::Int4 => {
+                let (q, s) = kv::quantize_int4(&v, d, kv::Int4Order::Natural).expect("head_dim");
+                kv::dequantize_int4(&q, &s, d, kv::Int4Order::Natural)
+            }
+            _ => {
+                let (q, s) = kv::quantize_fp8(&v, d).expect("head_dim");
+                kv::dequantize_fp8(&q, &s, d)
+            }
+        };
+        rotate(&mut v);
+        Tensor::<B, 4>::from_data(TensorData::new(v, dims), &self.device).cast(dtype)
+    }
+
+    fn begin(&mut self, prompts: &[Vec<u32>]) -> Result<(), DecodeError> {
+        let (pos, presence) = prompt_state(prompts, &self.spec, self.pos.len())?;
+        self.pos = pos;
+        let words = words(self.spec.vocab);
+        for (row, w) in self.presence.iter_mut().zip(presence.chunks(words)) {
+            row.copy_from_slice(w);
+        }
+        Ok(())
+    }
+
+    fn fill(&mut self, layer: usize, k: Tensor<B, 4>, v: Tensor<B, 4>) {
+        let [b, kvh, s, d] = k.dims();
+        let s = s.min(self.spec.capacity);
+        let rows = [0..b, 0..kvh, 0..s, 0..d];
+        let (k, v) = (
+            self.through_format(k.slice(rows.clone())),
+            self.through_format(v.slice(rows.clone())),
+        );
+        self.keys[layer] = self.keys[layer].clone().slice_assign(rows.clone(), k);
+        self.values[layer] = self.values[layer].clone().slice_assign(rows, v);
+    }
+
+    fn embed(
+        &self,
+        table: Tensor<B, 2>,
+        gamma: Tensor<B, 1>,
+        eps: f64,
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let b = self.ids.len();
+        let ids: Vec<i64> = self.ids.iter().map(|&t| t as i64).collect();
+        let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [b]), &self.device);
+        let hidden = table.dims()[1];
+        let x = table.select(0, ids).reshape([b, 1, hidden]);
+        let normed = rms_norm_reference::<B>(float(x.clone()), float(gamma), eps);
+        (x, tensor(normed))
+    }
+
+    fn attention(&mut self, layer: usize, qkv: Tensor<B, 3>) -> Tensor<B, 3> {
+        let (h, kvh, d) = (self.spec.heads, self.spec.kv_heads, self.spec.head_dim);
+        let b = self.spec.batch;
+        let half = d / 2;
+        let qkv = qkv.reshape([b, h + 2 * kvh, d]);
+        let positions: Vec<i64> = self.pos.iter().map(|&p| p as i64).collect();
+        let positions =
+            Tensor::<B, 1, Int>::from_data(TensorData::new(positions, [b]), &self.device);
+        let dtype = qkv.dtype();
+        let angle = |t: &Tensor<B, 2>| t.clone().select(0, positions.clone()).reshape([b, 1, half]);
+        let (cos, sin) = (angle(&self.cos), angle(&self.sin));
+        // RoPE in f32, rounded once (as the kernel does).
+        let rope = |x: Tensor<B, 3>| {
+            let x = x.cast(DType::F32);
+            let x1 = x.clone().narrow(2, 0, half);
+            let x2 = x.narrow(2, half, half);
+            Tensor::cat(
+                vec![
+                    x1.clone() * cos.clone() - x2.clone() * sin.clone(),
+                    x2 * cos.clone() + x1 * sin.clone(),
+                ],
+                2,
+            )
+            .cast(dtype)
+        };
+        let q = rope(qkv.clone().narrow(1, 0, h));
+        let k = rope(qkv.clone().narrow(1, h, kvh));
+        let v = qkv.narrow(1, h + kvh, kvh);
+        for i in 0..b {
+            let p = self.pos[i];
+            #[allow(clippy::single_range_in_vec_init)]
+            let (ki, vi) = (
+                k.clone().slice([i..i + 1]).reshape([1, kvh, 1, d]),
+                v.clone().slice([i..i + 1]).reshape([1, kvh, 1, d]),
+            );
+            let (ki, vi) = (self.through_format(ki), self.through_format(vi));
+            let rows = [i..i + 1, 0..kvh, p..p + 1, 0..d];
+            self.keys[layer] = self.keys[layer].clone().slice_assign(rows.clone(), ki);
+            self.values[layer] = self.values[layer].clone().slice_assign(rows, vi);
+        }
+        // Keys in whole blocks of 256 (masked past each sequence's position), so a backend that
+        // compiles per shape (burn-cuda) sees a new shape every 256 steps, not every step.
+        let keys = (self.max_position() + 1)
+            .next_multiple_of(256)
+            .min(self.spec.capacity);
+        let hidden: Vec<bool> = self
+            .pos
+            .iter()
+            .flat_map(|&p| (0..keys).map(move |j| j > p))
+            .collect();
+        let mask =
+            Tensor::<B, 4, Bool>::from_data(TensorData::new(hidden, [b, 1, 1, keys]), &self.device)
+                .expand([b, h, 1, keys]);
+        let expand = |t: &Tensor<B, 4>| {
+            t.clone()
+                .slice([0..b, 0..kvh, 0..keys, 0..d])
+                .reshape([b, kvh, 1, keys, d])
+                .expand([b, kvh, h / kvh, keys, d])
+                .reshape([b, h, keys, d])
+        };
+        let (kk, vv) = (expand(&self.keys[layer]), expand(&self.values[layer]));
+        let q = q.reshape([b, h, 1, d]);
+        let out = module::attention(q, kk, vv, Some(mask), None, Default::default());
+        out.reshape([b, 1, h * d])
+    }
+
+    fn sample(&mut self, logits: Tensor<B, 3>) {
+        let [rows, _, vocab] = logits.dims();
+        let host = logits
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .expect("f32 logits");
+        let advance = self.in_step;
+        for r in 0..rows.min(self.spec.batch) {
+            let counter = if advance { self.pos[r] as u32 } else { 0 };
+            let id = stoke_formats::sample::sample_row(
+                &host[r * vocab..(r + 1) * vocab],
+                Some(&self.presence[r]),
+                &self.spec.sampling,
+                counter,
+                r as u32,
+            );
+            self.ids[r] = id;
+            if (id as usize) < self.spec.vocab {
+                self.presence[r][id as usize / 32] |= 1 << (id % 32);
+            }
+            if advance {
+                self.pos[r] += 1;
+            }
+        }
+        self.pending.push_back(self.ids.clone());
+        if self.spec.keep_logits {
+            self.last_logits = Some(host[..rows.min(self.spec.batch) * vocab].to_vec());
+        }
+    }
+}
+
+/// The decode-step ops of the reference decoder, for `impl FusedOps` blocks whose decoder is
+/// [`RefDecoder`].
+#[macro_export]
+#[doc(hidden)]
+macro_rules! reference_decoder_ops {
+    () => {
+        type Decoder = $crate::decode::RefDecoder<Self>;
+
+        fn decoder_new(
+            spec: $crate::decode::DecodeSpec,
+            dtype: $crate::burn_backend::DType,
+            device: &Self::Device,
+        ) -> Result<Self::Decoder, $crate::decode::DecodeError> {
+            $crate::decode::RefDecoder::new(spec, dtype, device)
+        }
+
+        fn decoder_begin(
+            dec: &mut Self::Decoder,
+            prompts: &[Vec<u32>],
+        ) -> Result<(), $crate::decode::DecodeError> {
+            $crate::decode::ref_ops::begin(dec, prompts)
+        }
+
+        fn decoder_fill(
+            dec: &mut Self::Decoder,
+            layer: usize,
+            k: $crate::burn_backend::tensor::FloatTensor<Self>,
+            v: $crate::burn_backend::tensor::FloatTensor<Self>,
+        ) {
+            $crate::decode::ref_ops::fill(dec, layer, k, v)
+        }
+
+        fn decode_embed(
+            dec: &Self::Decoder,
+            table: $crate::burn_backend::tensor::FloatTensor<Self>,
+            gamma: $crate::burn_backend::tensor::FloatTensor<Self>,
+            eps: f64,
+        ) -> (
+            $crate::burn_backend::tensor::FloatTensor<Self>,
+            $crate::burn_backend::tensor::FloatTensor<Self>,
+        ) {
+            $crate::decode::ref_ops::embed(dec, table, gamma, eps)
+        }
+
+        fn decode_attention(
+            dec: &mut Self::Decoder,
+            layer: usize,
+            qkv: $crate::burn_backend::tensor::FloatTensor<Self>,
+        ) -> $crate::burn_backend::tensor::FloatTensor<Self> {
+            $crate::decode::ref_ops::attention(dec, layer, qkv)
+        }
+
+        fn decode_sample(
+            dec: &mut Self::Decoder,
+            logits: $crate::burn_backend::tensor::FloatTensor<Self>,
+        ) {
+            $crate::decode::ref_ops::sample(dec, logits)
+        }
+
+        fn decode_step(
+            dec: &mut Self::Decoder,
+            body: &mut dyn FnMut(&mut Self::Decoder),
+        ) -> Result<(), $crate::decode::DecodeError> {
+            $crate::decode::ref_ops::step(dec, body)
+        }
+
+        fn decode_take_ids(dec: &mut Self::Decoder) -> Option<Vec<u32>> {
+            $crate::decode::ref_ops::take_ids(dec)
+        }
+
+        fn decode_last_logits(dec: &mut Self::Decoder) -> Option<Vec<f32>> {
+            $crate::decode::ref_ops::last_logits(dec)
+        }
+
+        fn decode_force_ids(
+            dec: &mut Self::Decoder,
+            ids: &[u32],
+        ) -> Result<(), $crate::decode::DecodeError> {
+            dec.force_ids(ids)
+        }
+    };
+}
+
+/// The reference decoder's op bodies (what [`reference_decoder_ops`] expands to call).
+#[doc(hidden)]
+pub mod ref_ops {
+    use super::*;
+
+    pub fn begin<B: Backend>(
+        dec: &mut RefDecoder<B>,
+        prompts: &[Vec<u32>],
+    ) -> Result<(), DecodeError> {
+        dec.begin(prompts)
+    }
+
+    pub fn fill<B: Backend>(
+        dec: &mut RefDecoder<B>,
+        layer: usize,
+        k: FloatTensor<B>,
+        v: FloatTensor<B>,
+    ) {
+        dec.fill(layer, tensor(k), tensor(v))
+    }
+
+    pub fn embed<B: Backend>(
+        dec: &RefDecoder<B>,
+        table: FloatTensor<B>,
+        gamma: FloatTensor<B>,
+        eps: f64,
+    ) -> (FloatTensor<B>, FloatTensor<B>) {
+        let (x, n) = dec.embed(tensor(table), tensor(gamma), eps);
+        (float(x), float(n))
+    }
+
+    pub fn attention<B: Backend>(
+        dec: &mut RefDecoder<B>,
+        layer: usize,
+        qkv: FloatTensor<B>,
+    ) -> FloatTensor<B> {
+        float(dec.attention(layer, tensor(qkv)))
+    }
+
+    pub fn sample<B: Backend>(dec: &mut RefDecoder<B>, logits: FloatTensor<B>) {
+        let dims = logits.shape();
+        let vocab = *dims.as_slice().last().expect("rank >= 1");
+        let rows = dims.num_elements() / vocab.max(1);
+        let l = tensor::<B, 1>(B::float_reshape(logits, [rows * vocab].into()))
+            .reshape([rows, 1, vocab]);
+        dec.sample(l)
+    }
+
+    pub fn step<B: Backend>(
+        dec: &mut RefDecoder<B>,
+        body: &mut dyn FnMut(&mut RefDecoder<B>),
+    ) -> Result<(), DecodeError> {
+        let needed = dec.max_position() + 1;
+        if needed > dec.spec.capacity {
+            return Err(DecodeError::ContextOverflow {
+                needed,
+                capacity: dec.spec.capacity,
+            });
+        }
+        dec.in_step = true;
+        body(dec);
+        dec.in_step = false;
+        Ok(())
+    }
+
+    pub fn take_ids<B: Backend>(dec: &mut RefDecoder<B>) -> Option<Vec<u32>> {
+        dec.pending.pop_front()
+    }
+
+    pub fn last_logits<B: Backend>(dec: &mut RefDecoder<B>) -> Option<Vec<f32>> {
+        dec.last_logits.clone()
+    }
+}
+
+pub(crate) fn float<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+pub(crate) fn tensor<B: Backend, const D: usize>(p: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+
+/// Makes a decoder for `spec` on `device` (cache values in `dtype` on the reference path).
+pub fn decoder<B: FusedOps>(
+    spec: DecodeSpec,
+    dtype: DType,
+    device: &B::Device,
+) -> Result<B::Decoder, DecodeError> {
+    B::decoder_new(spec, dtype, device)
+}
+
+/// Sets the decoder's sequences to `prompts` (their keys and values are written with
+/// [`decoder_fill`]): each sequence's next position and the tokens the repetition penalty sees.
+pub fn decoder_begin<B: FusedOps>(
+    dec: &mut B::Decoder,
+    prompts: &[Vec<u32>],
+) -> Result<(), DecodeError> {
+    B::decoder_begin(dec, prompts)
+}
+
+/// Writes layer `layer`'s prompt keys and values `[batch, kv_heads, seq, head_dim]` (RoPE
+/// applied) into the decoder's cache at positions `0 .. seq`.
+pub fn decoder_fill<B: FusedOps>(
+    dec: &mut B::Decoder,
+    layer: usize,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+) {
+    B::decoder_fill(dec, layer, float(k), float(v))
+}
+
+/// The step's input: the embedding rows of the decoder's current token ids, and their RMSNorm
+/// with `gamma`: `(x, normed)`, each `[batch, 1, hidden]`.
+pub fn decode_embed<B: FusedOps>(
+    dec: &B::Decoder,
+    table: Tensor<B, 2>,
+    gamma: Tensor<B, 1>,
+    eps: f64,
+) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    let (x, n) = B::decode_embed(dec, float(table), float(gamma), eps);
+    (tensor(x), tensor(n))
+}
+
+/// RoPE on a q|k|v projection's output `[batch, 1, (heads + 2 kv_heads) head_dim]` at each
+/// sequence's position, the append of k and v to layer `layer`'s cache, and attention over
+/// the sequence's keys: `[batch, 1, heads head_dim]`.
+pub fn decode_attention<B: FusedOps>(
+    dec: &mut B::Decoder,
+    layer: usize,
+    qkv: Tensor<B, 3>,
+) -> Tensor<B, 3> {
+    tensor(B::decode_attention(dec, layer, float(qkv)))
+}
+
+/// Picks each sequence's next token from `logits [batch, 1, vocab]` into the decoder (inside
+/// a step, each sequence's position advances by one).
+pub fn decode_sample<B: FusedOps>(dec: &mut B::Decoder, logits: Tensor<B, 3>) {
+    B::decode_sample(dec, float(logits))
+}
+
+/// Runs one decode step: `body` is the model's decode forward over the decoder.
+pub fn decode_step<B: FusedOps>(
+    dec: &mut B::Decoder,
+    body: &mut dyn FnMut(&mut B::Decoder),
+) -> Result<(), DecodeError> {
+    B::decode_step(dec, body)
+}
+
+/// The token ids of the oldest sampling whose ids were not taken yet (one per sequence), or
+/// `None` when there is none. Waits only for that sampling.
+pub fn decode_take_ids<B: FusedOps>(dec: &mut B::Decoder) -> Option<Vec<u32>> {
+    B::decode_take_ids(dec)
+}
+
+/// The logits of the latest sampling (`[batch, vocab]` f32, real sequences only) when the
+/// decoder keeps them ([`DecodeSpec::keep_logits`]); waits for the queued work.
+pub fn decode_last_logits<B: FusedOps>(dec: &mut B::Decoder) -> Option<Vec<f32>> {
+    B::decode_last_logits(dec)
+}
+
+/// Makes the next step read `ids` (one per sequence) instead of the sampled ones: teacher
+/// forcing, to evaluate a model on given text through the decode step (the sampled tokens still
+/// count for the repetition penalty). Call it between steps, after taking the ids.
+pub fn decode_force_ids<B: FusedOps>(dec: &mut B::Decoder, ids: &[u32]) -> Result<(), DecodeError> {
+    B::decode_force_ids(dec, ids)
+}
