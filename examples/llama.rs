@@ -1,6 +1,8 @@
 //! The bundled Llama example: loads a Llama-family model, GGUF or Hugging Face directory (the
 //! default SmolLM2-135M-Instruct GGUF is fetched on first use), streams a completion and reports load time, prefill and decode
-//! speed. CPU by default; `--device cuda` runs on `Stoke<Cuda>`.
+//! speed. `--device auto` (the default) runs on `Stoke<Cuda>` where there is a Hopper GPU: GGUF Q4
+//! projections stay packed (W4A16 kernels) and every decode step replays as a CUDA graph on
+//! Stoke's stream; on another GPU on plain burn-cuda; else on the CPU.
 //!
 //! cargo run --release -p stoke-llama --example llama -- --prompt "Once upon a time"
 
@@ -14,6 +16,9 @@ use stoke_llama::generate::{self, SamplingConfig};
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
 enum Device {
+    /// CUDA when a driver and a GPU are present (Stoke on Hopper, plain burn-cuda on other
+    /// GPUs), the CPU otherwise.
+    Auto,
     /// The CPU (burn-ndarray).
     Cpu,
     /// GPU 0 through CUDA.
@@ -72,7 +77,7 @@ struct Args {
     #[arg(long)]
     stop: Vec<String>,
     /// Where to run.
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
     /// On CUDA: Stoke (default) or plain burn-cuda.
     #[arg(long, value_enum, default_value_t = Backend::Stoke)]
@@ -91,10 +96,19 @@ struct Args {
     #[arg(long, default_value_t = 6)]
     windows: usize,
     /// Keep GGUF Q4_0/Q4_1 projections in Stoke's packed INT4 format (loaded without
-    /// re-quantization) instead of dequantizing them at load. On the CPU this runs on
-    /// `Stoke<NdArray>`, which dequantizes each packed weight once where it is used.
+    /// re-quantization) instead of dequantizing them at load. The default with Stoke on CUDA;
+    /// on the CPU this runs on `Stoke<NdArray>`, which dequantizes each packed weight once
+    /// where it is used.
     #[arg(long)]
     int4: bool,
+    /// With Stoke on CUDA: dequantize GGUF Q4_0/Q4_1 projections to `--dtype` at load instead
+    /// of keeping them packed.
+    #[arg(long, conflicts_with = "int4")]
+    dense: bool,
+    /// Run each decode step as it is queued instead of replaying it as a CUDA graph (for
+    /// debugging).
+    #[arg(long)]
+    eager: bool,
     /// Quantize every attention and MLP projection to INT4 after loading: round-to-nearest, or
     /// GPTQ calibrated on `--calib`. On `--device cuda` with Stoke the weights stay packed and
     /// decode runs the W4A16 kernels; elsewhere the dequantized values are used (simulated).
@@ -126,11 +140,14 @@ struct Args {
     /// Fold each RMSNorm gain into the projections it feeds before quantizing.
     #[arg(long)]
     fold_gains: bool,
-    /// Quantize the output head too (RTN; kept in `--dtype` by default).
+    /// Quantize the output head to INT4 too (RTN; alone when there is no `--quantize`): a
+    /// decode step with the W4A16 head. Kept in `--dtype` by default.
     #[arg(long)]
     quantize_lm_head: bool,
-    /// With `--perplexity`: store the KV cache in this format (simulated: each K/V row is
-    /// quantized and dequantized once, when written), to measure the format's quality cost.
+    /// The KV cache format decode attention reads: bf16, or an FP8/INT4 copy of
+    /// Hadamard-rotated rows (Stoke's kernels on CUDA; simulated elsewhere). With
+    /// `--perplexity`: each K/V row is quantized and dequantized once, when written (simulated
+    /// on every backend), to measure the format's quality cost.
     #[arg(long, value_enum)]
     kv_cache: Option<KvArg>,
     /// With `--kv-cache`: rotate K/V rows by normalized Hadamard blocks of this size first
@@ -141,6 +158,8 @@ struct Args {
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
 enum KvArg {
+    /// The bf16 cache itself.
+    Bf16,
     /// Signed INT4, one amax/7 scale per token and kv head.
     Int4,
     /// FP8 E4M3, one amax/448 scale per token and kv head.
@@ -173,13 +192,45 @@ fn main() {
     }
 }
 
-fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+/// The device `--device auto` picks, and the backend with it: Stoke's runtime opens only on a
+/// Hopper GPU with a driver and NVRTC (without touching burn-cuda, which would fail with no
+/// driver); another GPU runs plain burn-cuda; no driver, no GPU or no NVRTC: the CPU.
+fn pick_device(args: &mut Args) {
+    use stoke::cuda::Unavailable;
+    if args.device != Device::Auto {
+        return;
+    }
+    let status = stoke::cuda::runtime_status::<burn_cuda::Cuda>(&Default::default());
+    let (device, reason) = match &status {
+        Ok(_) => (Device::Cuda, None),
+        Err(e @ (Unavailable::Arch { .. } | Unavailable::Disabled)) => {
+            if args.backend == Backend::Stoke {
+                args.backend = Backend::Burn;
+            }
+            (Device::Cuda, Some(e.to_string()))
+        }
+        Err(e) => (Device::Cpu, Some(e.to_string())),
+    };
+    args.device = device;
+    let chosen = match (device, args.backend) {
+        (Device::Cuda, Backend::Stoke) => "CUDA GPU 0, Stoke<Cuda>",
+        (Device::Cuda, Backend::Burn) => "CUDA GPU 0, plain burn-cuda",
+        _ => "CPU, burn-ndarray",
+    };
+    match reason {
+        None => eprintln!("device: {chosen}"),
+        Some(r) => eprintln!("device: {chosen} ({r})"),
+    }
+}
+
+fn run(mut args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    pick_device(&mut args);
     let model = match &args.model {
         Some(p) => p.clone(),
         None => stoke_llama::fetch::default_model(|m| eprintln!("{m}"))?,
     };
     let dtype = match (args.dtype, args.device) {
-        (Some(Precision::F32), _) | (None, Device::Cpu) => DType::F32,
+        (Some(Precision::F32), _) | (None, Device::Cpu | Device::Auto) => DType::F32,
         (Some(Precision::Bf16), _) | (None, Device::Cuda) => DType::BF16,
         (Some(Precision::F16), _) => DType::F16,
     };
@@ -190,7 +241,7 @@ fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             dtype,
             Default::default(),
         ),
-        (Device::Cpu, _) => {
+        (Device::Cpu | Device::Auto, _) => {
             generate_on::<burn_ndarray::NdArray<f32>>(&args, &model, dtype, Default::default())
         }
         (Device::Cuda, Backend::Stoke) => {
@@ -209,7 +260,9 @@ fn generate_on<B: FusedOps>(
     device: B::Device,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let t0 = Instant::now();
-    let mut loaded = if args.int4 {
+    let packed =
+        args.int4 || (args.device == Device::Cuda && args.backend == Backend::Stoke && !args.dense);
+    let mut loaded = if packed && !path.is_dir() {
         stoke_llama::load::load_gguf_packed::<B>(path, &device, dtype, args.context)?
     } else {
         stoke_llama::load::load::<B>(path, &device, dtype, args.context)?
@@ -286,6 +339,14 @@ fn generate_on<B: FusedOps>(
             report.projections, method, report.groups, report.seconds
         );
     }
+    if args.quantize_lm_head && args.quantize.is_none() {
+        let scale_type = match args.scale_type {
+            ScaleArg::Bf16 => stoke_formats::int4::ScaleType::Bf16,
+            ScaleArg::F16 => stoke_formats::int4::ScaleType::F16,
+        };
+        loaded.model = stoke_llama::quant::quantize_lm_head(loaded.model, args.group, scale_type)?;
+        eprintln!("quantized the output head to INT4 (RTN)");
+    }
     loaded.model = loaded.model.pinned();
     B::sync(&device)?;
     let load = t0.elapsed();
@@ -306,12 +367,15 @@ fn generate_on<B: FusedOps>(
             args.context,
             args.windows,
             dtype,
-            args.kv_cache.map(|f| stoke_llama::model::CacheQuant {
-                format: match f {
-                    KvArg::Int4 => stoke_llama::model::CacheFormat::Int4,
-                    KvArg::Fp8 => stoke_llama::model::CacheFormat::Fp8,
-                },
-                rotate_block: args.kv_rotate,
+            args.kv_cache.and_then(|f| {
+                Some(stoke_llama::model::CacheQuant {
+                    format: match f {
+                        KvArg::Bf16 => return None,
+                        KvArg::Int4 => stoke_llama::model::CacheFormat::Int4,
+                        KvArg::Fp8 => stoke_llama::model::CacheFormat::Fp8,
+                    },
+                    rotate_block: args.kv_rotate,
+                })
             }),
             &device,
         )?;
@@ -335,6 +399,12 @@ fn generate_on<B: FusedOps>(
         max_new_tokens: args.max_tokens,
         stop_strings: args.stop.clone(),
         eos_token_ids: loaded.config.eos_token_ids.clone(),
+        kv_cache: match args.kv_cache {
+            None | Some(KvArg::Bf16) => stoke::KvCacheFormat::Bf16,
+            Some(KvArg::Fp8) => stoke::KvCacheFormat::Fp8,
+            Some(KvArg::Int4) => stoke::KvCacheFormat::Int4,
+        },
+        eager: args.eager,
     };
     let prompts: Vec<String> = args
         .prompt
@@ -378,7 +448,7 @@ fn generate_on<B: FusedOps>(
         }
     }
     eprintln!(
-        "load {:.2} s | prefill {} tokens in {:.1} ms ({:.1} tokens/s) | decode {} tokens in {:.1} ms ({:.1} tokens/s, {} steps of {} sequences)",
+        "load {:.2} s | prefill {} tokens, first token after {:.1} ms ({:.1} tokens/s) | decode {} tokens in {:.1} ms ({:.1} tokens/s, {} steps of {} sequences)",
         load.as_secs_f64(),
         t.prefill_tokens,
         t.prefill.as_secs_f64() * 1e3,

@@ -1,9 +1,14 @@
 //! Text generation: batched prompts, greedy or sampled decoding (temperature, top-k, top-p,
 //! repetition penalty, seed), stop on EOS or stop strings, streaming of decoded text.
+//!
+//! The prompts are prefilled as one batch into a decoder (`stoke::decoder`), which samples each
+//! sequence's first token; every further token comes from one decode step (the model's
+//! `decode_forward`, replayed as a CUDA graph on `Stoke<Cuda>`). The host queues step `t + 1`
+//! before it takes the ids of step `t`, so the GPU never waits for the host: stop conditions
+//! are seen one step late, and the extra step's tokens are dropped.
 
-use crate::model::{KvCache, Llama};
-use burn::tensor::{DType, Int, Tensor, TensorData};
-use rand::{Rng, SeedableRng, rngs::StdRng};
+use crate::model::Llama;
+use burn::tensor::DType;
 use std::time::{Duration, Instant};
 use stoke::FusedOps;
 use tokenizers::Tokenizer;
@@ -20,6 +25,23 @@ pub struct SamplingConfig {
     pub max_new_tokens: usize,
     pub stop_strings: Vec<String>,
     pub eos_token_ids: Vec<u32>,
+    /// The format of the KV cache decode attention reads.
+    pub kv_cache: stoke::KvCacheFormat,
+    /// Run each decode step as it is queued, without CUDA graphs.
+    pub eager: bool,
+}
+
+impl SamplingConfig {
+    /// The decoder's sampling parameters.
+    pub fn sampling(&self) -> stoke::Sampling {
+        stoke::Sampling {
+            temperature: self.temperature,
+            top_k: self.top_k.unwrap_or(0) as u32,
+            top_p: self.top_p.unwrap_or(1.0),
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+        }
+    }
 }
 
 impl Default for SamplingConfig {
@@ -33,6 +55,8 @@ impl Default for SamplingConfig {
             max_new_tokens: 64,
             stop_strings: vec![],
             eos_token_ids: vec![],
+            kv_cache: stoke::KvCacheFormat::Bf16,
+            eager: false,
         }
     }
 }
@@ -55,6 +79,7 @@ pub struct Output {
 
 #[derive(Clone, Debug, Default)]
 pub struct Timings {
+    /// From the start of the prefill to the first tokens on the host (time to first token).
     pub prefill: Duration,
     pub prefill_tokens: usize,
     pub decode: Duration,
@@ -86,65 +111,8 @@ pub enum GenerateError {
         max_new: usize,
         context: usize,
     },
-}
-
-/// Picks the next token from `logits` (one sequence), given the tokens so far.
-pub fn sample(logits: &mut [f32], history: &[u32], cfg: &SamplingConfig, rng: &mut StdRng) -> u32 {
-    if cfg.repetition_penalty != 1.0 {
-        for &t in history {
-            let l = &mut logits[t as usize];
-            *l = if *l > 0.0 {
-                *l / cfg.repetition_penalty
-            } else {
-                *l * cfg.repetition_penalty
-            };
-        }
-    }
-    let argmax = || {
-        logits
-            .iter()
-            .enumerate()
-            .fold(
-                (0, f32::NEG_INFINITY),
-                |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-            )
-            .0 as u32
-    };
-    if cfg.temperature <= 0.0 {
-        return argmax();
-    }
-    let mut idx: Vec<usize> = (0..logits.len()).collect();
-    idx.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-    if let Some(k) = cfg.top_k {
-        idx.truncate(k.max(1));
-    }
-    let max = logits[idx[0]];
-    let mut probs: Vec<f64> = idx
-        .iter()
-        .map(|&i| (((logits[i] - max) / cfg.temperature) as f64).exp())
-        .collect();
-    let total: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|p| *p /= total);
-    if let Some(p) = cfg.top_p {
-        let mut acc = 0.0;
-        let keep = probs.iter().position(|&q| {
-            acc += q;
-            acc >= p as f64
-        });
-        let keep = keep.map_or(probs.len(), |k| k + 1);
-        probs.truncate(keep);
-        idx.truncate(keep);
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|q| *q /= total);
-    }
-    let mut r = rng.random::<f64>();
-    for (i, p) in idx.iter().zip(&probs) {
-        if r < *p {
-            return *i as u32;
-        }
-        r -= p;
-    }
-    idx[probs.len() - 1] as u32
+    #[error("decoder: {0}")]
+    Decode(#[from] stoke::DecodeError),
 }
 
 /// Wraps a user message in the ChatML template (`<|im_start|>user ... <|im_start|>assistant`).
@@ -188,11 +156,8 @@ pub fn generate<B: FusedOps>(
         }
     }
     let b = prompts.len();
-    let longest = encoded.iter().map(Vec::len).max().unwrap_or(0);
-    let mut cache = KvCache::<B>::for_model(model, b, context, dtype, device);
-    let mut rngs: Vec<StdRng> = (0..b)
-        .map(|i| StdRng::seed_from_u64(cfg.seed.wrapping_add(i as u64)))
-        .collect();
+    let spec = model.decode_spec(b, context, cfg.kv_cache, cfg.sampling(), cfg.eager);
+    let mut dec = stoke::decoder::<B>(spec, dtype, device)?;
     let mut generated: Vec<Vec<u32>> = vec![vec![]; b];
     let mut emitted: Vec<usize> = vec![0; b];
     let mut done: Vec<Option<StopReason>> = vec![None; b];
@@ -201,41 +166,34 @@ pub fn generate<B: FusedOps>(
         ..Default::default()
     };
 
-    // Prefill: all prompts at once, padded to the longest, each with its own length.
-    let mut flat = Vec::with_capacity(b * longest);
-    for e in &encoded {
-        flat.extend(e.iter().map(|&t| t as i64));
-        flat.extend(std::iter::repeat_n(0i64, longest - e.len()));
-    }
-    let mut tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(flat, [b, longest]), device);
-    let mut new_lens: Vec<usize> = encoded.iter().map(Vec::len).collect();
+    let t0 = Instant::now();
+    model.prefill(&encoded, &mut dec)?;
     let mut step = 0;
+    let mut decode_start = t0;
     loop {
-        let t0 = Instant::now();
-        let logits = model.forward(tokens, &new_lens, &mut cache, true);
-        let host = logits
-            .into_data()
-            .convert::<f32>()
-            .to_vec::<f32>()
-            .expect("f32 logits");
+        // Queue the next step before waiting for this one's ids (it reads them on the device);
+        // the first token is taken as soon as the prefill has it, before the first step (which
+        // also warms up: loads and tunes kernels, captures the step).
+        let more = step + 1 < cfg.max_new_tokens;
+        if more && step > 0 {
+            stoke::decode_step::<B>(&mut dec, &mut |d| model.decode_forward(d))?;
+        }
+        let ids = stoke::decode_take_ids::<B>(&mut dec).expect("a sampling was queued");
         if step == 0 {
             timings.prefill = t0.elapsed();
+            decode_start = Instant::now();
+            if more {
+                stoke::decode_step::<B>(&mut dec, &mut |d| model.decode_forward(d))?;
+            }
         } else {
-            timings.decode += t0.elapsed();
             timings.decode_steps += 1;
             timings.decode_tokens += done.iter().filter(|d| d.is_none()).count();
         }
-        let vocab = host.len() / b;
-        let mut next = Vec::with_capacity(b);
         for i in 0..b {
             if done[i].is_some() {
-                next.push(0i64);
                 continue;
             }
-            let mut row = host[i * vocab..(i + 1) * vocab].to_vec();
-            let history: Vec<u32> = encoded[i].iter().chain(&generated[i]).copied().collect();
-            let t = sample(&mut row, &history, cfg, &mut rngs[i]);
-            next.push(t as i64);
+            let t = ids[i];
             if cfg.eos_token_ids.contains(&t) {
                 done[i] = Some(StopReason::Eos);
             } else {
@@ -279,12 +237,15 @@ pub fn generate<B: FusedOps>(
             }
         }
         step += 1;
-        if done.iter().all(Option::is_some) {
+        if done.iter().all(Option::is_some) || !more {
+            // The step queued past the end (if any) is taken so the decoder is idle.
+            if more {
+                let _ = stoke::decode_take_ids::<B>(&mut dec);
+            }
             break;
         }
-        tokens = Tensor::from_data(TensorData::new(next, [b, 1]), device);
-        new_lens = done.iter().map(|d| usize::from(d.is_none())).collect();
     }
+    timings.decode = decode_start.elapsed();
     let outputs = (0..b)
         .map(|i| {
             let text = tokenizer.decode(&generated[i], false).unwrap_or_default();

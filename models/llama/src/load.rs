@@ -141,16 +141,20 @@ impl Weight {
 }
 
 /// Builds the model from `get(weight)` (values in the Hugging Face layout, shape already
-/// checked), with a progress bar over the tensors.
-/// `packed(weight)` may supply a projection's `[in, out]` weight tensor itself (a packed INT4
-/// weight); otherwise `get` gives its values.
+/// checked), with a progress bar over the tensors. q, k and v become one q|k|v projection
+/// (columns side by side), gate and up one projection with interleaved columns (for the SwiGLU
+/// epilogue). `packed(weight)` may supply a projection in Stoke's packed INT4 format (GGUF Q4
+/// groups as they are); when every part of a projection is packed and `keep` takes the
+/// combined weight (backends that keep packed weights), it stays packed; otherwise `get` gives
+/// the values.
 fn build<B: Backend>(
     cfg: &LlamaConfig,
     device: &B::Device,
     dtype: DType,
     max_positions: usize,
     get: impl Fn(Weight) -> Result<Vec<f32>, LoadError>,
-    packed: impl Fn(Weight) -> Result<Option<Tensor<B, 2>>, LoadError>,
+    packed: impl Fn(Weight) -> Result<Option<PackedInt4>, LoadError>,
+    keep: impl Fn(PackedInt4) -> Option<Tensor<B, 2>>,
 ) -> Result<Llama<B>, LoadError> {
     let (hid, h, kvh, d, inter) = (
         cfg.hidden_size,
@@ -168,25 +172,6 @@ fn build<B: Backend>(
         bar.inc(1);
         get(w)
     };
-    let project = |w: Weight,
-                   out: usize,
-                   inp: usize,
-                   linear: &dyn Fn(Vec<f32>, usize, usize) -> Linear<B>|
-     -> Result<Linear<B>, LoadError> {
-        if let Some(weight) = packed(w)? {
-            bar.inc(1);
-            return Ok(Linear {
-                weight: Param::from_tensor(weight),
-                bias: None,
-            });
-        }
-        Ok(linear(get(w)?, out, inp))
-    };
-    let vector = |v: Vec<f32>| {
-        Param::from_tensor(
-            Tensor::<B, 1>::from_data(TensorData::new(v.clone(), [v.len()]), device).cast(dtype),
-        )
-    };
     // Burn's Linear wants `[in, out]`; the sources give `[out, in]`.
     let linear = |w: Vec<f32>, out: usize, inp: usize| -> Linear<B> {
         let mut t = vec![0f32; w.len()];
@@ -201,7 +186,60 @@ fn build<B: Backend>(
             bias: None,
         }
     };
-
+    #[derive(Clone, Copy)]
+    enum Combine {
+        /// Output columns side by side.
+        Concat,
+        /// Output columns interleaved (two parts).
+        Interleave,
+    }
+    // One projection of the parts `ws` (each `[out_i, inp]` in the source layout).
+    let project =
+        |ws: &[(Weight, usize)], inp: usize, combine: Combine| -> Result<Linear<B>, LoadError> {
+            let mut parts = Vec::with_capacity(ws.len());
+            for &(w, _) in ws {
+                match packed(w)? {
+                    Some(p) => parts.push(p),
+                    None => break,
+                }
+            }
+            if parts.len() == ws.len() {
+                let refs: Vec<&PackedInt4> = parts.iter().collect();
+                let combined = match (combine, refs.as_slice()) {
+                    (_, [one]) => Ok((*one).clone()),
+                    (Combine::Interleave, [a, b]) => PackedInt4::interleave_columns(a, b),
+                    _ => PackedInt4::concat_columns(&refs),
+                };
+                if let Some(t) = combined.ok().and_then(&keep) {
+                    bar.inc(ws.len() as u64);
+                    return Ok(Linear {
+                        weight: Param::from_tensor(t),
+                        bias: None,
+                    });
+                }
+            }
+            let values: Vec<Vec<f32>> =
+                ws.iter().map(|&(w, _)| get(w)).collect::<Result<_, _>>()?;
+            let out: usize = ws.iter().map(|&(_, o)| o).sum();
+            let rows: Vec<f32> = match combine {
+                Combine::Concat => values.concat(),
+                Combine::Interleave => {
+                    let n = ws[0].1;
+                    (0..2 * n)
+                        .flat_map(|r| {
+                            let v = &values[r % 2];
+                            v[(r / 2) * inp..(r / 2 + 1) * inp].iter().copied()
+                        })
+                        .collect()
+                }
+            };
+            Ok(linear(rows, out, inp))
+        };
+    let vector = |v: Vec<f32>| {
+        Param::from_tensor(
+            Tensor::<B, 1>::from_data(TensorData::new(v.clone(), [v.len()]), device).cast(dtype),
+        )
+    };
     let embed = get(Weight::Embed)?;
     // Tied head: a transposed copy of the embedding made once here, so each step's logits
     // matmul reads a contiguous [hidden, vocab] weight instead of transposing the embedding.
@@ -220,19 +258,28 @@ fn build<B: Backend>(
         layers.push(Block {
             attn_norm: vector(get(Weight::AttnNorm(l))?),
             attn: Attention {
-                q_proj: project(Weight::Q(l), h * d, hid, &linear)?,
-                k_proj: project(Weight::K(l), kvh * d, hid, &linear)?,
-                v_proj: project(Weight::V(l), kvh * d, hid, &linear)?,
-                o_proj: project(Weight::O(l), hid, h * d, &linear)?,
+                qkv_proj: project(
+                    &[
+                        (Weight::Q(l), h * d),
+                        (Weight::K(l), kvh * d),
+                        (Weight::V(l), kvh * d),
+                    ],
+                    hid,
+                    Combine::Concat,
+                )?,
+                o_proj: project(&[(Weight::O(l), hid)], h * d, Combine::Concat)?,
                 n_heads: h,
                 n_kv_heads: kvh,
                 head_dim: d,
             },
             mlp_norm: vector(get(Weight::MlpNorm(l))?),
             mlp: Mlp {
-                gate_proj: project(Weight::Gate(l), inter, hid, &linear)?,
-                up_proj: project(Weight::Up(l), inter, hid, &linear)?,
-                down_proj: project(Weight::Down(l), hid, inter, &linear)?,
+                gate_up_proj: project(
+                    &[(Weight::Gate(l), inter), (Weight::Up(l), inter)],
+                    hid,
+                    Combine::Interleave,
+                )?,
+                down_proj: project(&[(Weight::Down(l), hid)], inter, Combine::Concat)?,
             },
         });
     }
@@ -329,7 +376,7 @@ fn load_gguf_with<B: Backend>(
             None => v,
         })
     };
-    let packed = |w: Weight| -> Result<Option<Tensor<B, 2>>, LoadError> {
+    let packed = |w: Weight| -> Result<Option<PackedInt4>, LoadError> {
         let (t, shape) = tensor(w)?;
         let asymmetric = match t.ggml_type {
             GgmlType::Q4_0 => false,
@@ -347,9 +394,10 @@ fn load_gguf_with<B: Backend>(
                 .expect("a permutation of the columns"),
             None => p,
         };
-        Ok(keep_packed(p, dtype, device))
+        Ok(Some(p))
     };
-    let model = build::<B>(&cfg, device, dtype, max_positions, get, packed)?;
+    let keep = |p: PackedInt4| keep_packed(p, dtype, device);
+    let model = build::<B>(&cfg, device, dtype, max_positions, get, packed, keep)?;
     Ok(Loaded {
         config: cfg,
         model,
@@ -503,6 +551,7 @@ pub fn load_hf_dir<B: Backend>(
             })
         },
         |_| Ok(None),
+        |_| None,
     )?;
     Ok(Loaded {
         config: cfg,

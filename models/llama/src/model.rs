@@ -9,7 +9,7 @@ use crate::config::LlamaConfig;
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, Int, Tensor, TensorData, activation, module};
+use burn::tensor::{Bool, Int, Tensor, TensorData, module};
 use stoke::FusedOps;
 
 /// Rotary position embedding tables (rotate-half form), `[max_positions, head_dim / 2]`.
@@ -36,6 +36,19 @@ impl<B: Backend> Rope<B> {
             cos: Tensor::from_data(TensorData::new(cos, [max_positions, half]), device),
             sin: Tensor::from_data(TensorData::new(sin, [max_positions, half]), device),
         }
+    }
+
+    /// The angles as `[positions, head_dim / 2, 2]` (cos, sin) f32 values (for a decoder).
+    pub fn table(&self) -> Vec<f32> {
+        let host = |t: &Tensor<B, 2>| {
+            t.clone()
+                .into_data()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .expect("f32 table")
+        };
+        let (cos, sin) = (host(&self.cos), host(&self.sin));
+        cos.iter().zip(&sin).flat_map(|(&c, &s)| [c, s]).collect()
     }
 
     /// Rotates `x: [batch, heads, seq, head_dim]` by the angles of `positions: [batch, seq]`.
@@ -221,22 +234,23 @@ impl<B: Backend> KvCache<B> {
 
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {
-    pub q_proj: Linear<B>,
-    pub k_proj: Linear<B>,
-    pub v_proj: Linear<B>,
+    /// q, k and v side by side: `[hidden, (heads + 2 kv_heads) head_dim]` (concatenated at load).
+    pub qkv_proj: Linear<B>,
     pub o_proj: Linear<B>,
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
 }
 
-impl<B: Backend> Attention<B> {
+impl<B: FusedOps> Attention<B> {
     /// `x: [batch, seq, hidden]`; writes the new keys/values at each sequence's `starts[b]`
-    /// and attends over `mask` (`true` = hidden) of shape `[batch, 1, seq, keys]`.
+    /// and attends over `mask` (`true` = hidden) of shape `[batch, 1, seq, keys]`. Returns
+    /// `residual + o_proj(attention)`.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: Tensor<B, 3>,
+        residual: Tensor<B, 3>,
         rope: &Rope<B>,
         positions: Tensor<B, 2, Int>,
         cache: (&mut Tensor<B, 4>, &mut Tensor<B, 4>),
@@ -248,21 +262,14 @@ impl<B: Backend> Attention<B> {
         let [b, s, _] = x.dims();
         observe(Site::Qkv, &x);
         let (h, kvh, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let q = self
-            .q_proj
-            .forward(x.clone())
-            .reshape([b, s, h, d])
-            .swap_dims(1, 2);
-        let k = self
-            .k_proj
-            .forward(x.clone())
-            .reshape([b, s, kvh, d])
-            .swap_dims(1, 2);
-        let v = self
-            .v_proj
-            .forward(x)
-            .reshape([b, s, kvh, d])
-            .swap_dims(1, 2);
+        let qkv = self.qkv_proj.forward(x);
+        let split = |from: usize, heads: usize| {
+            qkv.clone()
+                .narrow(2, from * d, heads * d)
+                .reshape([b, s, heads, d])
+                .swap_dims(1, 2)
+        };
+        let (q, k, v) = (split(0, h), split(h, kvh), split(h + kvh, kvh));
         let q = rope.apply(q, positions.clone());
         let k = rope.apply(k, positions);
         let (k, v) = match quantize {
@@ -293,27 +300,30 @@ impl<B: Backend> Attention<B> {
         let out = module::attention(q, k, v, Some(mask), None, Default::default());
         let out = out.swap_dims(1, 2).reshape([b, s, h * d]);
         observe(Site::O, &out);
-        self.o_proj.forward(out)
+        stoke::linear_residual(out, &self.o_proj, residual)
     }
 }
 
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
-    pub gate_proj: Linear<B>,
-    pub up_proj: Linear<B>,
+    /// gate and up with their columns interleaved (gate `j` at `2j`, up `j` at `2j + 1`):
+    /// `[hidden, 2 intermediate]`, interleaved at load.
+    pub gate_up_proj: Linear<B>,
     pub down_proj: Linear<B>,
 }
 
-impl<B: Backend> Mlp<B> {
+impl<B: FusedOps> Mlp<B> {
+    /// Returns `residual + down(silu(gate(x)) * up(x))`.
     fn forward(
         &self,
         x: Tensor<B, 3>,
+        residual: Tensor<B, 3>,
         observe: &mut dyn FnMut(Site, &Tensor<B, 3>),
     ) -> Tensor<B, 3> {
         observe(Site::GateUp, &x);
-        let h = activation::silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x);
+        let h = stoke::linear_swiglu(x, &self.gate_up_proj);
         observe(Site::Down, &h);
-        self.down_proj.forward(h)
+        stoke::linear_residual(h, &self.down_proj, residual)
     }
 }
 
@@ -356,18 +366,26 @@ pub struct Llama<B: Backend> {
 }
 
 impl<B: FusedOps> Llama<B> {
-    /// With `B = Stoke<Cuda>`, pins every weight (its device pointer resolved once, for Stoke's
-    /// kernels); any other backend gets the model back unchanged.
+    /// Every weight made ready for the backend's kernels once (`Stoke<Cuda>` resolves each
+    /// weight's device pointer; other backends get the model back unchanged).
     pub fn pinned(self) -> Self {
-        use std::any::Any;
-        let boxed: Box<dyn Any> = Box::new(self);
-        match boxed.downcast::<Llama<stoke::Stoke<burn_cuda::Cuda>>>() {
-            Ok(m) => {
-                let pinned: Box<dyn Any> = Box::new(stoke::cuda::pin_module(*m));
-                *pinned.downcast().expect("same type")
+        use burn::module::ModuleMapper;
+        struct Prepare;
+        impl<B: FusedOps> ModuleMapper<B> for Prepare {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<B, D>>,
+            ) -> Param<Tensor<B, D>> {
+                let (id, tensor, mapper) = param.consume();
+                let t = B::prepare_weight(tensor.into_primitive().tensor());
+                Param::from_mapped_value(
+                    id,
+                    Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(t)),
+                    mapper,
+                )
             }
-            Err(other) => *other.downcast().expect("same type"),
         }
+        self.map(&mut Prepare)
     }
 
     /// Runs `tokens: [batch, seq]` (row `b` holding `new_lens[b]` real tokens, the rest padding),
@@ -432,10 +450,10 @@ impl<B: FusedOps> Llama<B> {
                 .reshape([b, s, embed.dims()[1]]);
         let mut normed =
             stoke::rms_norm(x.clone(), self.layers[0].attn_norm.val(), self.rms_norm_eps);
-        let n_layers = self.layers.len();
         for (l, layer) in self.layers.iter().enumerate() {
-            let attn = layer.attn.forward(
+            let h = layer.attn.forward(
                 normed,
+                x,
                 &self.rope,
                 positions.clone(),
                 (&mut cache.keys[l], &mut cache.values[l]),
@@ -444,16 +462,9 @@ impl<B: FusedOps> Llama<B> {
                 mask.clone(),
                 &mut |site, x| observe(l, site, x),
             );
-            let (h, n) = stoke::residual_rms_norm(attn, x, layer.mlp_norm.val(), self.rms_norm_eps);
-            let mlp = layer.mlp.forward(n, &mut |site, x| observe(l, site, x));
-            let next_gamma = if l + 1 < n_layers {
-                self.layers[l + 1].attn_norm.val()
-            } else {
-                self.norm.val()
-            };
-            let (sum, n) = stoke::residual_rms_norm(mlp, h, next_gamma, self.rms_norm_eps);
-            x = sum;
-            normed = n;
+            let n = stoke::rms_norm(h.clone(), layer.mlp_norm.val(), self.rms_norm_eps);
+            x = layer.mlp.forward(n, h, &mut |site, x| observe(l, site, x));
+            normed = stoke::rms_norm(x.clone(), self.next_gamma(l), self.rms_norm_eps);
         }
         for (len, n) in cache.lens.iter_mut().zip(new_lens) {
             *len += n;
@@ -471,5 +482,102 @@ impl<B: FusedOps> Llama<B> {
             normed
         };
         self.lm_head.forward(normed)
+    }
+
+    /// The RMSNorm gain after layer `l`: the next layer's attention norm, or the final norm.
+    fn next_gamma(&self, l: usize) -> Tensor<B, 1> {
+        match self.layers.get(l + 1) {
+            Some(next) => next.attn_norm.val(),
+            None => self.norm.val(),
+        }
+    }
+
+    /// What a decoder for this model needs: `batch` sequences of up to `capacity` positions.
+    /// The RoPE table is read from the model's own (one copy to the host).
+    pub fn decode_spec(
+        &self,
+        batch: usize,
+        capacity: usize,
+        kv_format: stoke::KvCacheFormat,
+        sampling: stoke::Sampling,
+        eager: bool,
+    ) -> stoke::DecodeSpec {
+        let a = &self.layers[0].attn;
+        let [vocab, hidden] = self.embed_tokens.dims();
+        stoke::DecodeSpec {
+            layers: self.layers.len(),
+            heads: a.n_heads,
+            kv_heads: a.n_kv_heads,
+            head_dim: a.head_dim,
+            hidden,
+            vocab,
+            batch,
+            capacity,
+            rope: std::sync::Arc::new(self.rope.table()),
+            kv_format,
+            rotate_block: if kv_format == stoke::KvCacheFormat::Bf16 {
+                0
+            } else {
+                a.head_dim
+            },
+            sampling,
+            rms_norm_eps: self.rms_norm_eps,
+            eager,
+            keep_logits: false,
+        }
+    }
+
+    /// One decode step's forward over `dec`: the embedding of its current ids, every layer
+    /// (q|k|v projection, RoPE + cache append + attention, o projection with the residual,
+    /// SwiGLU MLP with the residual), the head, and the next ids sampled into `dec`. Run it
+    /// through [`stoke::decode_step`] (which replays it as a CUDA graph on `Stoke<Cuda>`).
+    pub fn decode_forward(&self, dec: &mut B::Decoder) {
+        let eps = self.rms_norm_eps;
+        let (mut x, mut normed) = stoke::decode_embed::<B>(
+            dec,
+            self.embed_tokens.val(),
+            self.layers[0].attn_norm.val(),
+            eps,
+        );
+        for (l, layer) in self.layers.iter().enumerate() {
+            let qkv = layer.attn.qkv_proj.forward(normed);
+            let attn = stoke::decode_attention::<B>(dec, l, qkv);
+            let h = stoke::linear_residual(attn, &layer.attn.o_proj, x);
+            let n = stoke::rms_norm(h.clone(), layer.mlp_norm.val(), eps);
+            let g = stoke::linear_swiglu(n, &layer.mlp.gate_up_proj);
+            x = stoke::linear_residual(g, &layer.mlp.down_proj, h);
+            normed = stoke::rms_norm(x.clone(), self.next_gamma(l), eps);
+        }
+        let logits = self.lm_head.forward(normed);
+        stoke::decode_sample::<B>(dec, logits);
+    }
+
+    /// Prefill of `prompts` (token ids, one sequence each) into `dec`: the prompts run as one
+    /// padded batch on today's path, their keys and values are written into the decoder's cache
+    /// in bulk, and the first token of each is sampled into the decoder.
+    pub fn prefill(
+        &self,
+        prompts: &[Vec<u32>],
+        dec: &mut B::Decoder,
+    ) -> Result<(), stoke::DecodeError> {
+        let b = prompts.len();
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let device = self.embed_tokens.device();
+        let mut flat = Vec::with_capacity(b * longest);
+        for p in prompts {
+            flat.extend(p.iter().map(|&t| t as i64));
+            flat.extend(std::iter::repeat_n(0i64, longest - p.len()));
+        }
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(flat, [b, longest]), &device);
+        let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+        let dtype = self.embed_tokens.val().dtype();
+        let mut cache = KvCache::<B>::for_model(self, b, longest, dtype, &device);
+        let logits = self.forward(tokens, &lens, &mut cache, true);
+        stoke::decoder_begin::<B>(dec, prompts)?;
+        for (l, (k, v)) in cache.keys.into_iter().zip(cache.values).enumerate() {
+            stoke::decoder_fill::<B>(dec, l, k, v);
+        }
+        stoke::decode_sample::<B>(dec, logits);
+        Ok(())
     }
 }

@@ -210,6 +210,28 @@ fn packed_param<B: FusedOps>(
     Param::from_tensor(t)
 }
 
+/// The output head alone RTN-quantized to INT4 (group `group`, or the largest power of two
+/// below it that divides the hidden size), kept packed where the backend keeps packed weights:
+/// the INT4 head of a decode step whose projections are already INT4 (a GGUF's Q4 groups).
+pub fn quantize_lm_head<B: FusedOps>(
+    mut model: Llama<B>,
+    group: usize,
+    scale_type: ScaleType,
+) -> Result<Llama<B>, QuantError> {
+    let w = model.lm_head.weight.val();
+    let [k, _] = w.dims();
+    let (device, dtype) = (w.device(), w.dtype());
+    let layer = model.layers.len();
+    let packed =
+        rtn_burn(w, group_for(k, group), scale_type).map_err(|source| QuantError::Int4 {
+            layer,
+            proj: "lm_head",
+            source,
+        })?;
+    model.lm_head.weight = packed_param::<B>(packed, dtype, &device);
+    Ok(model)
+}
+
 /// What [`quantize`] did, per projection.
 #[derive(Clone, Debug)]
 pub struct QuantReport {
@@ -299,21 +321,18 @@ pub fn quantize<B: FusedOps>(
         };
         let p = |s: Site| prepared[s.index()].as_ref();
         let a = &mut layer.attn;
-        one(&mut a.q_proj, l, "q_proj", p(Site::Qkv), &mut groups)?;
-        one(&mut a.k_proj, l, "k_proj", p(Site::Qkv), &mut groups)?;
-        one(&mut a.v_proj, l, "v_proj", p(Site::Qkv), &mut groups)?;
+        one(&mut a.qkv_proj, l, "qkv_proj", p(Site::Qkv), &mut groups)?;
         one(&mut a.o_proj, l, "o_proj", p(Site::O), &mut groups)?;
         let m = &mut layer.mlp;
         one(
-            &mut m.gate_proj,
+            &mut m.gate_up_proj,
             l,
-            "gate_proj",
+            "gate_up_proj",
             p(Site::GateUp),
             &mut groups,
         )?;
-        one(&mut m.up_proj, l, "up_proj", p(Site::GateUp), &mut groups)?;
         one(&mut m.down_proj, l, "down_proj", p(Site::Down), &mut groups)?;
-        projections += 7;
+        projections += 4;
     }
     if cfg.include_lm_head {
         // The head's input is the final norm's output; RTN only (no calibration site for it).
@@ -332,7 +351,7 @@ pub fn quantize<B: FusedOps>(
 }
 
 /// Folds each block's RMSNorm gains into the projections they feed (attention norm into
-/// q/k/v, MLP norm into gate/up) and sets those gains to ones. Exact in real arithmetic; the
+/// q|k|v, MLP norm into gate|up) and sets those gains to ones. Exact in real arithmetic; the
 /// final norm is kept.
 pub fn fold_norm_gains<B: FusedOps>(mut model: Llama<B>) -> Llama<B> {
     fn scale_rows<B: FusedOps>(lin: &mut Linear<B>, gamma: &Tensor<B, 1>) {
@@ -344,18 +363,10 @@ pub fn fold_norm_gains<B: FusedOps>(mut model: Llama<B>) -> Llama<B> {
     }
     for layer in &mut model.layers {
         let g = layer.attn_norm.val();
-        for lin in [
-            &mut layer.attn.q_proj,
-            &mut layer.attn.k_proj,
-            &mut layer.attn.v_proj,
-        ] {
-            scale_rows(lin, &g);
-        }
+        scale_rows(&mut layer.attn.qkv_proj, &g);
         layer.attn_norm = Param::from_tensor(g.ones_like());
         let g = layer.mlp_norm.val();
-        for lin in [&mut layer.mlp.gate_proj, &mut layer.mlp.up_proj] {
-            scale_rows(lin, &g);
-        }
+        scale_rows(&mut layer.mlp.gate_up_proj, &g);
         layer.mlp_norm = Param::from_tensor(g.ones_like());
     }
     model

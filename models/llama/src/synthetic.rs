@@ -192,7 +192,7 @@ fn gguf_writer(t: &Tiny, w: &Weights) -> Writer {
             "llama.attention.layer_norm_rms_epsilon",
             Value::F32(t.eps as f32),
         )
-        .meta("llama.context_length", Value::U32(256))
+        .meta("llama.context_length", Value::U32(4096))
         .meta("tokenizer.ggml.model", Value::String("gpt2".into()))
         .meta("tokenizer.ggml.pre", Value::String("default".into()))
         .meta(
@@ -255,7 +255,7 @@ pub fn write_hf_dir(
         "vocab_size": t.vocab, "hidden_size": t.hidden, "intermediate_size": t.inter,
         "num_hidden_layers": t.layers, "num_attention_heads": t.heads, "num_key_value_heads": t.kv_heads,
         "head_dim": t.head_dim, "rope_theta": t.theta, "rms_norm_eps": t.eps,
-        "max_position_embeddings": 256, "tie_word_embeddings": w.head.is_none(),
+        "max_position_embeddings": 4096, "tie_word_embeddings": w.head.is_none(),
         "bos_token_id": 298, "eos_token_id": 299,
     });
     std::fs::write(
@@ -359,4 +359,107 @@ pub fn q4_1_bytes(w: &[f64], cols: usize) -> Vec<u8> {
     }
     assert_eq!(w.len() % cols, 0);
     out
+}
+
+/// A Llama of `cfg`'s shapes with random packed INT4 projections (group `group`, bf16 scales,
+/// random nibbles and small scales written straight into the packed layout, so an 8B or 70B
+/// shape builds in seconds), a bf16 random embedding, an untied head (bf16, or packed INT4 with
+/// `int4_head`), unit norms: for speed
+/// measurements at real model sizes without a download (its outputs mean nothing). On backends
+/// that keep no packed weights the projections are their dequantized values.
+pub fn random_int4_model<B: stoke::FusedOps>(
+    cfg: &crate::config::LlamaConfig,
+    group: usize,
+    int4_head: bool,
+    max_positions: usize,
+    seed: u64,
+    device: &B::Device,
+) -> crate::model::Llama<B> {
+    use crate::model::{Attention, Block, Llama, Mlp, Rope};
+    use burn::module::Param;
+    use burn::nn::Linear;
+    use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+    use stoke_formats::int4::{PackedInt4, ScaleType};
+    let state = std::cell::Cell::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let next = || {
+        // xorshift64*: fast enough for billions of nibbles.
+        let mut x = state.get();
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        state.set(x);
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    };
+    let packed = |k: usize, n: usize| -> Linear<B> {
+        let words: Vec<u32> = (0..k * n / 8).map(|_| next() as u32).collect();
+        let scales: Vec<u16> = (0..k / group * n)
+            .map(|_| ScaleType::Bf16.from_f32(0.002 + (next() % 1000) as f32 * 2e-6))
+            .collect();
+        let p = PackedInt4 {
+            k,
+            n,
+            group,
+            scale_type: ScaleType::Bf16,
+            scales,
+            offsets: None,
+            words,
+        };
+        let weight = match B::packed_int4_weight(p.clone(), DType::BF16, device) {
+            Some(t) => Tensor::from_primitive(TensorPrimitive::Float(t)),
+            None => Tensor::<B, 2>::from_data(TensorData::new(p.dequantize(), [k, n]), device)
+                .cast(DType::BF16),
+        };
+        Linear {
+            weight: Param::from_tensor(weight),
+            bias: None,
+        }
+    };
+    let (hid, h, kvh, d, inter) = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+    );
+    let ones = |n: usize| Param::from_tensor(Tensor::<B, 1>::ones([n], device).cast(DType::BF16));
+    let layers = (0..cfg.num_hidden_layers)
+        .map(|_| Block {
+            attn_norm: ones(hid),
+            attn: Attention {
+                qkv_proj: packed(hid, (h + 2 * kvh) * d),
+                o_proj: packed(h * d, hid),
+                n_heads: h,
+                n_kv_heads: kvh,
+                head_dim: d,
+            },
+            mlp_norm: ones(hid),
+            mlp: Mlp {
+                gate_up_proj: packed(hid, 2 * inter),
+                down_proj: packed(inter, hid),
+            },
+        })
+        .collect();
+    let dense = |rows: usize, cols: usize| -> Tensor<B, 2> {
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.04)
+            .collect();
+        Tensor::<B, 2>::from_data(TensorData::new(v, [rows, cols]), device).cast(DType::BF16)
+    };
+    let embed = dense(cfg.vocab_size, hid);
+    let lm_head = if int4_head {
+        packed(hid, cfg.vocab_size)
+    } else {
+        Linear {
+            weight: Param::from_tensor(dense(hid, cfg.vocab_size)),
+            bias: None,
+        }
+    };
+    Llama {
+        embed_tokens: Param::from_tensor(embed),
+        layers,
+        norm: ones(hid),
+        lm_head,
+        rope: Rope::new(cfg, max_positions, device),
+        rms_norm_eps: cfg.rms_norm_eps,
+    }
 }

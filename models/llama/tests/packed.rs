@@ -34,8 +34,9 @@ fn q4_1_loaded_packed_matches_q4_1_dequantized_exactly() {
         .unwrap()
         .model;
     for lin in [
-        &packed.layers[0].attn.q_proj,
-        &packed.layers[1].attn.k_proj,
+        &packed.layers[0].attn.qkv_proj,
+        &packed.layers[1].attn.o_proj,
+        &packed.layers[1].mlp.gate_up_proj,
         &packed.layers[1].mlp.down_proj,
     ] {
         let TensorPrimitive::Float(p) = lin.weight.val().into_primitive() else {

@@ -110,7 +110,7 @@ fn rtn_on_stoke_keeps_weights_packed_with_the_simulated_values() {
     };
     let (packed, report) = quantize(model::<Packed>(3), &cfg, None).unwrap();
     let (simulated, _) = quantize(model::<Plain>(3), &cfg, None).unwrap();
-    assert_eq!(report.projections, 7 * SHAPES.layers);
+    assert_eq!(report.projections, 4 * SHAPES.layers);
     assert_eq!(report.groups, vec![(128, 32), (192, 32)]);
     let TensorPrimitive::Float(p) = packed.layers[1].mlp.down_proj.weight.val().into_primitive()
     else {
@@ -261,4 +261,40 @@ fn rtn_in_burn_ops_equals_the_reference_packer() {
         let got = rtn_burn(t, group, st).unwrap();
         assert_eq!(got, want, "group {group} {st:?}");
     }
+}
+
+#[test]
+fn the_head_alone_is_quantized_or_a_typed_error() {
+    // PACKABLE's vocabulary (300) is not a multiple of 64: the packed layout refuses it.
+    let e =
+        stoke_llama::quant::quantize_lm_head(model::<Packed>(5), 64, ScaleType::Bf16).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            QuantError::Int4 {
+                proj: "lm_head",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let shapes = Tiny {
+        vocab: 320,
+        ..SHAPES
+    };
+    let path = std::env::temp_dir().join(format!("stoke-quant-head-{}.gguf", std::process::id()));
+    std::fs::write(&path, gguf(&shapes, &weights(&shapes, true, 6))).unwrap();
+    let m = load_gguf::<Packed>(&path, &Default::default(), DType::F32, 64)
+        .unwrap()
+        .model;
+    let _ = std::fs::remove_file(&path);
+    let q = stoke_llama::quant::quantize_lm_head(m, 64, ScaleType::Bf16).unwrap();
+    let TensorPrimitive::Float(p) = q.lm_head.weight.val().into_primitive() else {
+        panic!("float weight")
+    };
+    assert!(
+        p.downcast_ref::<stoke::packed::PackedWeight<Plain>>()
+            .is_some(),
+        "the head stays packed"
+    );
 }

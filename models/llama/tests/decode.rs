@@ -1,0 +1,186 @@
+//! The decode step (prefill into a decoder, then `decode_forward` steps through the fused
+//! decode ops' reference bodies) against the model's plain forward with a Burn KV cache, on the
+//! CPU: the same logits every step, for sequences of different lengths in one batch, on
+//! NdArray and on `Stoke<NdArray>`; and the decoder's typed errors.
+
+use burn::tensor::{DType, Int, Tensor, TensorData};
+use stoke::{FusedOps, KvCacheFormat, Sampling};
+use stoke_llama::load::load_gguf;
+use stoke_llama::model::{KvCache, Llama};
+use stoke_llama::synthetic::{PACKABLE, gguf, weights};
+
+fn model<B: FusedOps>(capacity: usize) -> Llama<B> {
+    let dir = std::env::temp_dir().join(format!("stoke-decode-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // One file per call: tests run in parallel and the loader maps the file.
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = dir.join(format!("packable-{n}.gguf"));
+    std::fs::write(&path, gguf(&PACKABLE, &weights(&PACKABLE, true, 11))).unwrap();
+    load_gguf::<B>(&path, &Default::default(), DType::F32, capacity)
+        .unwrap()
+        .model
+        .pinned()
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    vec![vec![5, 77, 12, 200, 3, 9, 41], vec![8, 150, 23], vec![99]]
+}
+
+/// Greedy ids and logits of each sampling through the decoder (prefill, then `steps` steps).
+fn decoded<B: FusedOps>(
+    m: &Llama<B>,
+    steps: usize,
+    kv: KvCacheFormat,
+) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
+    let p = prompts();
+    let mut spec = m.decode_spec(p.len(), 32, kv, Sampling::GREEDY, false);
+    spec.keep_logits = true;
+    let mut dec = stoke::decoder::<B>(spec, DType::F32, &Default::default()).unwrap();
+    m.prefill(&p, &mut dec).unwrap();
+    let mut ids = vec![stoke::decode_take_ids::<B>(&mut dec).unwrap()];
+    let mut logits = vec![stoke::decode_last_logits::<B>(&mut dec).unwrap()];
+    for _ in 0..steps {
+        stoke::decode_step::<B>(&mut dec, &mut |d| m.decode_forward(d)).unwrap();
+        ids.push(stoke::decode_take_ids::<B>(&mut dec).unwrap());
+        logits.push(stoke::decode_last_logits::<B>(&mut dec).unwrap());
+    }
+    (ids, logits)
+}
+
+/// The same tokens through `Llama::forward` and a Burn cache: each step's last-token logits.
+fn forwarded<B: FusedOps>(m: &Llama<B>, ids: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let p = prompts();
+    let (b, device) = (p.len(), Default::default());
+    let mut cache = KvCache::<B>::for_model(m, b, 32, DType::F32, &device);
+    let longest = p.iter().map(Vec::len).max().unwrap();
+    let mut flat = vec![];
+    for q in &p {
+        flat.extend(q.iter().map(|&t| t as i64));
+        flat.extend(std::iter::repeat_n(0, longest - q.len()));
+    }
+    let lens: Vec<usize> = p.iter().map(Vec::len).collect();
+    let host = |t: Tensor<B, 3>| t.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+    let t = Tensor::<B, 2, Int>::from_data(TensorData::new(flat, [b, longest]), &device);
+    let mut out = vec![host(m.forward(t, &lens, &mut cache, true))];
+    for step in &ids[..ids.len() - 1] {
+        let t = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(step.iter().map(|&x| x as i64).collect::<Vec<_>>(), [b, 1]),
+            &device,
+        );
+        out.push(host(m.forward(t, &vec![1; b], &mut cache, true)));
+    }
+    out
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f32::max)
+}
+
+fn argmax_rows(logits: &[f32], vocab: usize) -> Vec<u32> {
+    logits
+        .chunks(vocab)
+        .map(|r| {
+            r.iter()
+                .enumerate()
+                .fold(
+                    (0, f32::NEG_INFINITY),
+                    |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+                )
+                .0 as u32
+        })
+        .collect()
+}
+
+#[test]
+fn decode_step_equals_the_forward_with_a_burn_cache() {
+    type B = burn_ndarray::NdArray<f32>;
+    let m = model::<B>(64);
+    let (ids, logits) = decoded(&m, 8, KvCacheFormat::Bf16);
+    let want = forwarded(&m, &ids);
+    assert_eq!(logits.len(), want.len());
+    let d = max_diff(&logits, &want);
+    assert!(
+        d < 1e-4,
+        "decode-step logits differ from the forward's by {d}"
+    );
+    for (step, (l, i)) in logits.iter().zip(&ids).enumerate() {
+        assert_eq!(
+            &argmax_rows(l, PACKABLE.vocab),
+            i,
+            "greedy ids of sampling {step}"
+        );
+    }
+}
+
+#[test]
+fn decode_step_on_stoke_ndarray_equals_ndarray() {
+    type P = burn_ndarray::NdArray<f32>;
+    type S = stoke::Stoke<burn_ndarray::NdArray<f32>>;
+    let (ids_p, logits_p) = decoded(&model::<P>(64), 6, KvCacheFormat::Bf16);
+    let (ids_s, logits_s) = decoded(&model::<S>(64), 6, KvCacheFormat::Bf16);
+    assert_eq!(ids_p, ids_s);
+    assert!(max_diff(&logits_p, &logits_s) < 1e-5);
+}
+
+#[test]
+fn simulated_cache_formats_stay_close_to_bf16() {
+    type B = burn_ndarray::NdArray<f32>;
+    let m = model::<B>(64);
+    let (_, exact) = decoded(&m, 4, KvCacheFormat::Bf16);
+    for kv in [KvCacheFormat::Fp8, KvCacheFormat::Int4] {
+        let (_, l) = decoded(&m, 4, kv);
+        // The prefill attends to exact keys; the first step reads the cache format (later
+        // steps may follow other tokens).
+        assert_eq!(l[0], exact[0]);
+        let scale = exact[1].iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = max_diff(&l[1..2], &exact[1..2]);
+        assert!(d > 0.0, "{kv:?}: the format changed nothing");
+        assert!(d < 0.25 * scale, "{kv:?}: {d} against logits up to {scale}");
+    }
+}
+
+#[test]
+fn decoder_errors_are_typed() {
+    type B = burn_ndarray::NdArray<f32>;
+    let m = model::<B>(64);
+    let spec = m.decode_spec(2, 16, KvCacheFormat::Bf16, Sampling::GREEDY, false);
+    let mut dec = stoke::decoder::<B>(spec.clone(), DType::F32, &Default::default()).unwrap();
+    // More prompts than the decoder's batch.
+    let e = stoke::decoder_begin::<B>(&mut dec, &[vec![1], vec![2], vec![3]]).unwrap_err();
+    assert!(matches!(e, stoke::DecodeError::Shape { .. }), "{e}");
+    // A prompt that fills the context.
+    let e = stoke::decoder_begin::<B>(&mut dec, &[vec![1; 16]]).unwrap_err();
+    assert!(
+        matches!(e, stoke::DecodeError::ContextOverflow { .. }),
+        "{e}"
+    );
+    // Stepping past the context.
+    stoke::decoder_begin::<B>(&mut dec, &[vec![1; 15], vec![2]]).unwrap();
+    stoke::decode_step::<B>(&mut dec, &mut |d| m.decode_forward(d)).unwrap();
+    let e = stoke::decode_step::<B>(&mut dec, &mut |d| m.decode_forward(d)).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            stoke::DecodeError::ContextOverflow {
+                needed: 17,
+                capacity: 16
+            }
+        ),
+        "{e}"
+    );
+    // Forced ids: one per sequence, inside the vocabulary.
+    let e = stoke::decode_force_ids::<B>(&mut dec, &[1]).unwrap_err();
+    assert!(matches!(e, stoke::DecodeError::Shape { .. }), "{e}");
+    let e = stoke::decode_force_ids::<B>(&mut dec, &[1, PACKABLE.vocab as u32]).unwrap_err();
+    assert!(matches!(e, stoke::DecodeError::Shape { .. }), "{e}");
+    stoke::decode_force_ids::<B>(&mut dec, &[1, 2]).unwrap();
+    // A RoPE table shorter than the capacity.
+    let mut bad = spec;
+    bad.capacity = 1 << 20;
+    let e = stoke::decoder::<B>(bad, DType::F32, &Default::default()).unwrap_err();
+    assert!(matches!(e, stoke::DecodeError::Shape { .. }), "{e}");
+}
