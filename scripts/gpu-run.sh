@@ -14,6 +14,8 @@
 #          (e.g. int4_gemm_swap: int4-profile launches the batched kernels first). With
 #          NCU_PEER='SHAPE BATCH CTX' it then profiles PyTorch SDPA's kernels at that point
 #          (OUTDIR/ncu-attention-peer.txt; NCU_PEER_KERNELS=REGEX, default flash|fmha|attn|sdpa|cudnn)
+#   decode: the decode-step tests, then the step benchmark (SmolLM2, 8B/70B-shaped models), then
+#          the PyTorch decode-step and transformers peers (STOKE_NO_PEERS=1 skips them)
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
 #   STOKE_BENCH_ONLY=1 skips the int4 / attention test (run it first with `test NAME`).
 #   llama: the SmolLM2 prefill/decode baseline alone (needs the model in STOKE_MODEL_CACHE)
@@ -105,6 +107,9 @@ fi
 .bundle/stoke-gpu --out "$out" --commit "$commit" "$what" "$@" 2>&1 | tee "$out/stoke-gpu.log" || status=1
 if [ "$what" = int4 ]; then
   python3 scripts/peers/int4_torch.py "$out/torch-int4.json" 2>&1 | tee "$out/torch-int4.log" || status=1
+fi
+if [ "$what" = decode ] && [ -z "${STOKE_NO_PEERS:-}" ]; then
+  python3 scripts/peers/decode_torch.py "$out/torch-decode.json" 2>&1 | tee "$out/torch-decode.log" || status=1
 fi
 if [ "$what" = attention ]; then
   python3 scripts/peers/attention_torch.py "$out/torch-attention.json" 2>&1 | tee "$out/torch-attention.log" || status=1

@@ -46,6 +46,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::int4::int4_linear_epilogues_match_reference,
     ),
     (
+        "bf16_gemm_matches_reference",
+        crate::dense::bf16_gemm_matches_reference,
+    ),
+    (
         "rms_norm_then_int4_gemm_matches_synchronized",
         crate::pairs::rms_norm_then_int4_gemm_matches_synchronized,
     ),
@@ -60,6 +64,18 @@ pub const CASES: &[(&str, Case)] = &[
     (
         "decode_attention_matches_reference",
         crate::attention::decode_attention_matches_reference,
+    ),
+    (
+        "decode_step_matches_reference",
+        crate::decode::decode_step_matches_reference,
+    ),
+    (
+        "smollm2_graphed_text_matches_burn_cuda",
+        crate::decode::smollm2_graphed_text_matches_burn_cuda,
+    ),
+    (
+        "sample_matches_reference",
+        crate::sample::sample_matches_reference,
     ),
 ];
 

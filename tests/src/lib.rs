@@ -17,10 +17,13 @@
 
 pub mod attention;
 pub mod bench;
+pub mod decode;
+pub mod dense;
 pub mod gpu;
 pub mod int4;
 pub mod llama;
 pub mod pairs;
+pub mod sample;
 pub mod suite;
 
 use std::sync::Arc;

@@ -26,9 +26,37 @@ pub fn greedy<B: FusedOps>(
 ) -> Result<String, String> {
     let device = Default::default();
     let l = load_gguf::<B>(path, &device, dtype, 256).map_err(|e| e.to_string())?;
+    greedy_on(&l, dtype, &device, prompt, max_tokens, false)
+}
+
+/// [`greedy`] with GGUF Q4 projections kept packed (Stoke's W4A16 kernels on `Stoke<Cuda>`;
+/// dequantized at load elsewhere) and the weights pinned, as the main job runs.
+pub fn greedy_packed<B: FusedOps>(
+    path: &Path,
+    prompt: &str,
+    max_tokens: usize,
+    eager: bool,
+) -> Result<String, String> {
+    let device = Default::default();
+    let mut l = stoke_llama::load::load_gguf_packed::<B>(path, &device, DType::BF16, 256)
+        .map_err(|e| e.to_string())?;
+    l.model = l.model.pinned();
+    greedy_on(&l, DType::BF16, &device, prompt, max_tokens, eager)
+}
+
+/// Greedy generation on a loaded model (context 256).
+fn greedy_on<B: FusedOps>(
+    l: &stoke_llama::load::Loaded<B>,
+    dtype: DType,
+    device: &B::Device,
+    prompt: &str,
+    max_tokens: usize,
+    eager: bool,
+) -> Result<String, String> {
     let cfg = SamplingConfig {
         max_new_tokens: max_tokens,
         eos_token_ids: l.config.eos_token_ids.clone(),
+        eager,
         ..Default::default()
     };
     let (out, _) = generate(
@@ -38,7 +66,7 @@ pub fn greedy<B: FusedOps>(
         &cfg,
         256,
         dtype,
-        &device,
+        device,
         |_, _| {},
     )
     .map_err(|e| e.to_string())?;

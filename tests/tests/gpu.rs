@@ -25,8 +25,12 @@ gpu_tests!(
     int4_gemm_matches_dequantized_reference,
     int4_tuned_plan_matches_reference,
     int4_linear_epilogues_match_reference,
+    bf16_gemm_matches_reference,
     rms_norm_then_int4_gemm_matches_synchronized,
     smollm2_int4_decode_matches_dequantized,
     smollm2_rtn_int4_decode_warpgroup_matches_simulated,
     decode_attention_matches_reference,
+    decode_step_matches_reference,
+    smollm2_graphed_text_matches_burn_cuda,
+    sample_matches_reference,
 );

@@ -32,6 +32,9 @@ enum Command {
     Int4,
     /// Decode attention: its GPU test, then its benchmark beside the same run's copy rate.
     Attention,
+    /// The whole decode step: its GPU tests, then the step benchmark (SmolLM2, 8B- and
+    /// 70B-shaped models) with each point's kernel sum.
+    Decode,
     /// A decode step's RMSNorm then the W4A16 GEMM it feeds: the ordering test, then the
     /// pairs' benchmark beside each kernel alone.
     Pairs,
@@ -211,6 +214,15 @@ fn main() -> ExitCode {
             &["decode_attention_matches_reference"],
             "attention",
             stoke_tests::attention::bench,
+        ),
+        Command::Decode => run_kernel(
+            &cli,
+            &[
+                "decode_step_matches_reference",
+                "smollm2_graphed_text_matches_burn_cuda",
+            ],
+            "decode",
+            stoke_tests::decode::bench,
         ),
         Command::Pairs => run_kernel(
             &cli,

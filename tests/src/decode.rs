@@ -1,0 +1,508 @@
+//! The decode step on `Stoke<Cuda>` (graphed and eager) against the reference decoder on plain
+//! burn-cuda, and the decode-step benchmark.
+
+use crate::{PlainCuda, StokeCuda};
+use burn::tensor::DType;
+use serde_json::{Value, json};
+use std::path::Path;
+use stoke::{FusedOps, KvCacheFormat, Sampling};
+use stoke_llama::load::load_gguf_packed;
+use stoke_llama::model::Llama;
+use stoke_llama::synthetic::{Tiny, gguf_q4_1, weights};
+
+/// A random-weight model with SmolLM2-135M's layer shapes (fewer layers), packable as Q4_1.
+pub const SMOL_SHAPES: Tiny = Tiny {
+    vocab: 512,
+    hidden: 576,
+    inter: 1536,
+    layers: 6,
+    heads: 9,
+    kv_heads: 3,
+    head_dim: 64,
+    theta: 100000.0,
+    eps: 1e-5,
+};
+
+/// What one run of `steps` decode steps gave: the ids of every sampling (prefill first) and,
+/// with `keep_logits`, the logits of each.
+pub struct Run {
+    pub ids: Vec<Vec<u32>>,
+    pub logits: Vec<Vec<f32>>,
+    pub stats: Option<stoke::cuda::decoder::DecodeStats>,
+}
+
+/// Prefill of `prompts`, then `steps` decode steps whose inputs are `forced[step]` (one id
+/// per sequence: teacher forcing, so every path sees the same tokens) or, without it, the greedy
+/// ids taken one step late as generation does.
+#[allow(clippy::too_many_arguments)]
+pub fn run<B: FusedOps>(
+    model: &Llama<B>,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    capacity: usize,
+    kv: KvCacheFormat,
+    eager: bool,
+    forced: Option<&[Vec<u32>]>,
+    stats: impl Fn(&B::Decoder) -> Option<stoke::cuda::decoder::DecodeStats>,
+) -> Result<Run, String> {
+    let device = model.embed_tokens.device();
+    let mut spec = model.decode_spec(prompts.len(), capacity, kv, Sampling::GREEDY, eager);
+    spec.keep_logits = true;
+    let mut dec = stoke::decoder::<B>(spec, DType::BF16, &device).map_err(|e| e.to_string())?;
+    model
+        .prefill(prompts, &mut dec)
+        .map_err(|e| e.to_string())?;
+    let mut out = Run {
+        ids: Vec::new(),
+        logits: Vec::new(),
+        stats: None,
+    };
+    let err = |e: stoke::DecodeError| e.to_string();
+    match forced {
+        Some(forced) => {
+            out.ids
+                .push(stoke::decode_take_ids::<B>(&mut dec).ok_or("no ids queued")?);
+            out.logits
+                .push(stoke::decode_last_logits::<B>(&mut dec).unwrap_or_default());
+            for ids in forced.iter().take(steps) {
+                stoke::decode_force_ids::<B>(&mut dec, ids).map_err(err)?;
+                stoke::decode_step::<B>(&mut dec, &mut |d| model.decode_forward(d)).map_err(err)?;
+                out.ids
+                    .push(stoke::decode_take_ids::<B>(&mut dec).ok_or("no ids queued")?);
+                out.logits
+                    .push(stoke::decode_last_logits::<B>(&mut dec).unwrap_or_default());
+            }
+        }
+        None => {
+            out.logits
+                .push(stoke::decode_last_logits::<B>(&mut dec).unwrap_or_default());
+            for step in 0..=steps {
+                if step < steps {
+                    stoke::decode_step::<B>(&mut dec, &mut |d| model.decode_forward(d))
+                        .map_err(|e| format!("step {step}: {e}"))?;
+                }
+                out.ids
+                    .push(stoke::decode_take_ids::<B>(&mut dec).ok_or("no ids queued")?);
+                if step < steps {
+                    out.logits
+                        .push(stoke::decode_last_logits::<B>(&mut dec).unwrap_or_default());
+                }
+            }
+        }
+    }
+    out.stats = stats(&dec);
+    Ok(out)
+}
+
+fn stoke_stats(
+    dec: &<StokeCuda as FusedOps>::Decoder,
+) -> Option<stoke::cuda::decoder::DecodeStats> {
+    dec.stats()
+}
+
+fn no_stats<B: FusedOps>(_: &B::Decoder) -> Option<stoke::cuda::decoder::DecodeStats> {
+    None
+}
+
+/// Largest |a - b| over the largest |b| of each row (logits of one sampling).
+fn rel_err(a: &[f32], b: &[f32], vocab: usize) -> f64 {
+    a.chunks(vocab)
+        .zip(b.chunks(vocab))
+        .map(|(x, y)| {
+            let scale = y
+                .iter()
+                .fold(0f64, |m, v| m.max(f64::from(v.abs())))
+                .max(1e-6);
+            let d = x
+                .iter()
+                .zip(y)
+                .fold(0f64, |m, (p, q)| m.max(f64::from((p - q).abs())));
+            if d.is_finite() {
+                d / scale
+            } else {
+                f64::INFINITY
+            }
+        })
+        .fold(0f64, f64::max)
+}
+
+/// Prompts of different lengths (so the rows sit at different positions), token ids below
+/// `vocab`.
+fn prompts(batch: usize, base: usize, vocab: usize) -> Vec<Vec<u32>> {
+    (0..batch)
+        .map(|b| {
+            (0..base + 7 * b)
+                .map(|i| ((i * 31 + b * 17 + 3) % (vocab - 1) + 1) as u32)
+                .collect()
+        })
+        .collect()
+}
+
+fn load<B: FusedOps>(path: &Path, capacity: usize) -> Result<Llama<B>, String> {
+    let device = Default::default();
+    Ok(load_gguf_packed::<B>(path, &device, DType::BF16, capacity)
+        .map_err(|e| e.to_string())?
+        .model
+        .pinned())
+}
+
+/// Compares graphed, eager and reference runs of one model, teacher-forced with the same
+/// tokens; returns the report.
+fn compare(
+    path: &Path,
+    vocab: usize,
+    batch: usize,
+    base: usize,
+    steps: usize,
+    kv: KvCacheFormat,
+    tol: f64,
+) -> Result<Value, String> {
+    let capacity = 512;
+    let p = prompts(batch, base, vocab);
+    let forced: Vec<Vec<u32>> = (0..steps)
+        .map(|s| {
+            (0..batch)
+                .map(|b| ((s * 13 + b * 7 + 5) % (vocab - 1) + 1) as u32)
+                .collect()
+        })
+        .collect();
+    let f = Some(forced.as_slice());
+    let stoke_model = load::<StokeCuda>(path, capacity)?;
+    let graphed = run(&stoke_model, &p, steps, capacity, kv, false, f, stoke_stats)?;
+    let eager = run(&stoke_model, &p, steps, capacity, kv, true, f, stoke_stats)?;
+    // Greedy, ids taken one step late as generation takes them.
+    let free = run(
+        &stoke_model,
+        &p,
+        steps,
+        capacity,
+        kv,
+        false,
+        None,
+        stoke_stats,
+    )?;
+    drop(stoke_model);
+    let plain = load::<PlainCuda>(path, capacity)?;
+    let reference = run(
+        &plain,
+        &p,
+        steps,
+        capacity,
+        kv,
+        false,
+        f,
+        no_stats::<PlainCuda>,
+    )?;
+    let what = format!("batch {batch}, {kv:?} cache");
+    for st in [graphed.stats, free.stats] {
+        let st = st.ok_or(format!("{what}: the reference decoder ran on Stoke"))?;
+        if st.host_syncs_in_steps != 0 || st.crossings_in_steps != 0 {
+            return Err(format!("{what}: steps synchronized or crossed: {st:?}"));
+        }
+        if st.replays + st.eager_steps != steps as u64 || st.captures == 0 || st.eager_steps != 1 {
+            return Err(format!(
+                "{what}: expected one warm-up step and replays after it: {st:?}"
+            ));
+        }
+    }
+    // Consecutive replays must differ (positions advance on the device).
+    let advancing = free.logits.windows(2).filter(|w| w[0] != w[1]).count();
+    if advancing + 1 < free.logits.len() {
+        return Err(format!(
+            "{what}: {advancing} of {steps} steps changed the logits"
+        ));
+    }
+    let worst = |a: &Run, b: &Run| {
+        a.logits
+            .iter()
+            .zip(&b.logits)
+            .map(|(x, y)| rel_err(x, y, vocab))
+            .fold(0f64, f64::max)
+    };
+    if graphed.logits.len() != steps + 1 || reference.logits.len() != steps + 1 {
+        return Err(format!("{what}: missing logits"));
+    }
+    let (vs_eager, vs_burn) = (worst(&graphed, &eager), worst(&graphed, &reference));
+    if !(vs_eager < 1e-2) {
+        return Err(format!(
+            "{what}: graphed vs eager logits differ by {vs_eager:.3e}"
+        ));
+    }
+    if !(vs_burn < tol) {
+        return Err(format!(
+            "{what}: logits differ from burn-cuda's by {vs_burn:.3e} (tolerance {tol:.0e})"
+        ));
+    }
+    let greedy_agree = |a: &Run, b: &Run| {
+        a.ids
+            .iter()
+            .zip(&b.ids)
+            .map(|(x, y)| x.iter().zip(y).filter(|(p, q)| p == q).count())
+            .sum::<usize>()
+    };
+    Ok(json!({
+        "batch": batch, "kv_cache": format!("{kv:?}"), "steps": steps,
+        "max_rel_err_vs_burn_cuda": vs_burn, "max_rel_err_graphed_vs_eager": vs_eager,
+        "argmax_equal_to_burn_cuda": greedy_agree(&graphed, &reference),
+        "argmax_total": (steps + 1) * batch,
+        "stats": format!("{:?}", graphed.stats),
+    }))
+}
+
+/// The graphed decode step equals the eager Stoke step and the reference decoder on plain
+/// burn-cuda, step by step (teacher-forced, so all see the same tokens): 64 steps on a
+/// SmolLM2-shaped random Q4_1 model at batch 1, 3 (padded to 4), 8 and 32 with prompts that
+/// cross the 256-key attention bucket, FP8 and INT4 caches against their simulation, and
+/// SmolLM2 itself at batch 1 and 8; a greedy run shows zero host synchronizations and
+/// crossings in its captured and replayed steps, and logits that change every step.
+pub fn decode_step_matches_reference() -> Result<Value, String> {
+    let cfg = SMOL_SHAPES;
+    let path = std::env::temp_dir().join(format!("stoke-decode-{}.gguf", std::process::id()));
+    std::fs::write(&path, gguf_q4_1(&cfg, &weights(&cfg, true, 7))).map_err(|e| e.to_string())?;
+    let mut cases = Vec::new();
+    for batch in [1, 3, 8, 32] {
+        cases.push(compare(
+            &path,
+            cfg.vocab,
+            batch,
+            220,
+            64,
+            KvCacheFormat::Bf16,
+            5e-2,
+        )?);
+    }
+    for kv in [KvCacheFormat::Fp8, KvCacheFormat::Int4] {
+        cases.push(compare(&path, cfg.vocab, 8, 220, 64, kv, 2e-1)?);
+    }
+    let _ = std::fs::remove_file(&path);
+    let smol = crate::llama::model_path()?;
+    let vocab = 49152;
+    for batch in [1, 8] {
+        cases.push(compare(
+            &smol,
+            vocab,
+            batch,
+            30,
+            64,
+            KvCacheFormat::Bf16,
+            5e-2,
+        )?);
+    }
+    Ok(json!({ "cases": cases }))
+}
+
+/// Greedy text of the main job's default prompt on `Stoke<Cuda>`: the graphed decode equals
+/// the eager one over 64 tokens and starts with the reference continuation; where plain
+/// burn-cuda's bf16 text (its weights the dequantized values rounded to bf16, where Stoke's
+/// kernels use the exact Q4_1 values) departs from it is reported.
+pub fn smollm2_graphed_text_matches_burn_cuda() -> Result<Value, String> {
+    use crate::llama::{EXPECTED_CONTINUATION, greedy_packed};
+    let path = crate::llama::model_path()?;
+    let prompt = "Once upon a time";
+    let graphed = greedy_packed::<StokeCuda>(&path, prompt, 64, false)?;
+    let eager = greedy_packed::<StokeCuda>(&path, prompt, 64, true)?;
+    let plain = greedy_packed::<PlainCuda>(&path, prompt, 64, false)?;
+    if graphed != eager {
+        return Err(format!("graphed {graphed:?} vs eager {eager:?}"));
+    }
+    if !graphed.starts_with(EXPECTED_CONTINUATION) {
+        return Err(format!(
+            "{graphed:?} does not start with {EXPECTED_CONTINUATION:?}"
+        ));
+    }
+    let common = graphed
+        .chars()
+        .zip(plain.chars())
+        .take_while(|(a, b)| a == b)
+        .count();
+    Ok(json!({
+        "text": graphed, "burn_cuda_bf16_text": plain,
+        "chars_equal_to_burn_cuda_bf16": common, "chars": graphed.chars().count(),
+    }))
+}
+
+/// Time of `steps` graphed decode steps of `batch` sequences that start at position `ctx`
+/// (their earlier keys are the cache's zeros: the time does not depend on the values), taken
+/// the way generation takes them (the ids of step t read after step t + 1 is queued). Also one
+/// eager step with every launch timed alone: the sum of the step's kernel times.
+fn time_steps(
+    model: &Llama<StokeCuda>,
+    batch: usize,
+    ctx: usize,
+    kv: KvCacheFormat,
+    steps: usize,
+) -> Result<Value, String> {
+    let rt = crate::gpu()?;
+    let device = Default::default();
+    let capacity = ctx + steps + 16;
+    let spec = model.decode_spec(batch, capacity, kv, Sampling::GREEDY, false);
+    let mut dec =
+        stoke::decoder::<StokeCuda>(spec, DType::BF16, &device).map_err(|e| e.to_string())?;
+    let prompts = vec![vec![1u32; ctx]; batch];
+    stoke::decoder_begin::<StokeCuda>(&mut dec, &prompts).map_err(|e| e.to_string())?;
+    let step = |dec: &mut <StokeCuda as FusedOps>::Decoder| {
+        stoke::decode_step::<StokeCuda>(dec, &mut |d| model.decode_forward(d))
+            .map_err(|e| e.to_string())
+    };
+    // Warm-up (eager) and the capture.
+    for _ in 0..3 {
+        step(&mut dec)?;
+        stoke::decode_take_ids::<StokeCuda>(&mut dec);
+    }
+    // The kernels of one step, each timed alone.
+    let warm = dec.stats();
+    rt.start_profile();
+    // An eager step outside the graph: the same launches the graph holds.
+    eager_step(model, &mut dec)?;
+    let launches = rt.take_profile().map_err(|e| e.to_string())?;
+    let kernel_us: f64 = launches.iter().map(|(_, ms)| f64::from(*ms) * 1e3).sum();
+    let mut by_kernel: std::collections::BTreeMap<&str, (usize, f64)> = Default::default();
+    for (name, ms) in &launches {
+        let e = by_kernel.entry(name).or_default();
+        e.0 += 1;
+        e.1 += f64::from(*ms) * 1e3;
+    }
+    let t0 = std::time::Instant::now();
+    for i in 0..steps {
+        step(&mut dec)?;
+        if i > 0 {
+            stoke::decode_take_ids::<StokeCuda>(&mut dec);
+        }
+    }
+    stoke::decode_take_ids::<StokeCuda>(&mut dec);
+    let us = t0.elapsed().as_secs_f64() * 1e6 / steps as f64;
+    let st = dec.stats();
+    Ok(json!({
+        "batch": batch, "context": ctx, "kv_cache": format!("{kv:?}"),
+        "us_per_step": us, "tokens_per_s": batch as f64 * 1e6 / us,
+        "kernel_sum_us": kernel_us, "step_over_kernel_sum": us / kernel_us,
+        "launches_per_step": launches.len(),
+        "kernels": by_kernel.iter().map(|(k, (n, us))| json!({"entry": k, "launches": n, "us": us})).collect::<Vec<_>>(),
+        "stats_after_warmup": format!("{warm:?}"), "stats": format!("{st:?}"),
+        "graph_arena_bytes": dec.graph_bytes(),
+    }))
+}
+
+/// One decode step queued eagerly on a warmed decoder (its graph untouched), for profiling.
+fn eager_step(
+    model: &Llama<StokeCuda>,
+    dec: &mut <StokeCuda as FusedOps>::Decoder,
+) -> Result<(), String> {
+    dec.set_eager(true);
+    let r = stoke::decode_step::<StokeCuda>(dec, &mut |d| model.decode_forward(d));
+    dec.set_eager(false);
+    r.map_err(|e| e.to_string())?;
+    stoke::decode_take_ids::<StokeCuda>(dec);
+    Ok(())
+}
+
+fn smol_bench(path: &Path, packed: bool) -> Result<Value, String> {
+    let device = Default::default();
+    let l = if packed {
+        load_gguf_packed::<StokeCuda>(path, &device, DType::BF16, 2048)
+    } else {
+        stoke_llama::load::load_gguf::<StokeCuda>(path, &device, DType::BF16, 2048)
+    }
+    .map_err(|e| e.to_string())?;
+    let model = l.model.pinned();
+    let mut points = Vec::new();
+    for batch in [1, 8, 32] {
+        points.push(time_steps(&model, batch, 1024, KvCacheFormat::Bf16, 200)?);
+    }
+    Ok(json!(points))
+}
+
+fn llama_config(
+    layers: usize,
+    hidden: usize,
+    inter: usize,
+    heads: usize,
+    vocab: usize,
+) -> stoke_llama::config::LlamaConfig {
+    stoke_llama::config::LlamaConfig {
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: inter,
+        num_hidden_layers: layers,
+        num_attention_heads: heads,
+        num_key_value_heads: 8,
+        head_dim: 128,
+        rope_theta: 500000.0,
+        rope_scaling: Some(stoke_llama::config::Llama3RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        }),
+        rms_norm_eps: 1e-5,
+        max_position_embeddings: 131072,
+        tie_word_embeddings: false,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+    }
+}
+
+/// The decode-step benchmark: SmolLM2 (packed Q4_1 and bf16) at batch 1, 8, 32, context 1024;
+/// a Llama-3.1-8B-shaped model with random INT4 weights (batch 1 and 8 at context 1024, 32 at
+/// 4096; BF16 and INT4 caches), with a bf16 head and with an INT4 head; 70B-shaped layers (4
+/// and 8 layers: the difference is the time of 4 layers). Each point also gives its launches
+/// timed one by one (an event pair around each, so each runs alone in stream order; the events
+/// add a few µs per launch).
+pub fn bench(copy_gbps: f64) -> Value {
+    let mut out = json!({ "copy_gbps": copy_gbps });
+    let report = |r: Result<Value, String>| r.unwrap_or_else(|e| json!({ "error": e }));
+    // STOKE_DECODE_SECTIONS (comma-separated: smollm2, 8b, 8b_int4_head, 70b) runs a part.
+    let sections = std::env::var("STOKE_DECODE_SECTIONS")
+        .unwrap_or_else(|_| "smollm2,8b,8b_int4_head,70b".into());
+    let on = |s: &str| sections.split(',').any(|x| x.trim() == s);
+    match crate::llama::model_path() {
+        _ if !on("smollm2") => {}
+        Ok(path) => {
+            out["smollm2_q4_1"] = report(smol_bench(&path, true));
+            out["smollm2_bf16"] = report(smol_bench(&path, false));
+        }
+        Err(e) => out["smollm2"] = json!({ "error": e }),
+    }
+    let device = Default::default();
+    for (key, int4_head) in [("llama_8b_int4", false), ("llama_8b_int4_head", true)] {
+        if !on(if int4_head { "8b_int4_head" } else { "8b" }) {
+            continue;
+        }
+        let cfg = llama_config(32, 4096, 14336, 32, 128256);
+        let model = stoke_llama::synthetic::random_int4_model::<StokeCuda>(
+            &cfg, 128, int4_head, 4300, 1, &device,
+        )
+        .pinned();
+        let mut points = Vec::new();
+        for (batch, ctx) in [(1, 1024), (8, 1024), (32, 4096)] {
+            for kv in [KvCacheFormat::Bf16, KvCacheFormat::Int4] {
+                points.push(report(time_steps(&model, batch, ctx, kv, 50)));
+            }
+        }
+        out[key] = json!(points);
+    }
+    if !on("70b") {
+        return out;
+    }
+    let mut layers70 = Vec::new();
+    for layers in [4, 8] {
+        let cfg = llama_config(layers, 8192, 28672, 64, 1024);
+        let model = stoke_llama::synthetic::random_int4_model::<StokeCuda>(
+            &cfg, 128, false, 4300, 2, &device,
+        )
+        .pinned();
+        let mut points = Vec::new();
+        for (batch, ctx) in [(1, 1024), (8, 1024), (32, 4096)] {
+            points.push(report(time_steps(
+                &model,
+                batch,
+                ctx,
+                KvCacheFormat::Bf16,
+                50,
+            )));
+        }
+        layers70.push(json!({ "layers": layers, "points": points }));
+    }
+    out["llama_70b_layers"] = json!(layers70);
+    out
+}
