@@ -141,8 +141,10 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
+    /// The element count, saturating at `u64::MAX` (a parsed file's tensors never overflow:
+    /// [`Gguf::parse`] rejects dims whose product does).
     pub fn num_elements(&self) -> u64 {
-        self.dims.iter().product()
+        self.dims.iter().fold(1u64, |a, &d| a.saturating_mul(d))
     }
 
     /// The shape in row-major (PyTorch/Burn) order: `dims` reversed.
@@ -193,7 +195,26 @@ pub enum GgufError {
     MissingTensor { file: String, tensor: String },
     #[error("{file}: alignment {alignment} is not a power of two")]
     Alignment { file: String, alignment: u64 },
+    #[error("{file}: metadata `{key}` appears twice")]
+    DuplicateKey { file: String, key: String },
+    #[error("{file}: tensor `{tensor}` appears twice in the tensor directory")]
+    DuplicateTensor { file: String, tensor: String },
+    #[error("{file}: metadata `{key}` nests arrays deeper than {MAX_ARRAY_DEPTH} levels")]
+    Nesting { file: String, key: String },
+    #[error(
+        "{file}: tensor `{tensor}` offset {offset} is not a multiple of the alignment {alignment}"
+    )]
+    Misaligned {
+        file: String,
+        tensor: String,
+        offset: u64,
+        alignment: u64,
+    },
 }
+
+/// How deep metadata arrays may nest (an array of arrays is depth 2). ggml writes no nested
+/// arrays; the bound keeps a file of nested array headers from exhausting the stack.
+pub const MAX_ARRAY_DEPTH: usize = 4;
 
 /// A parsed GGUF file borrowing its bytes.
 #[derive(Debug)]
@@ -256,7 +277,7 @@ impl<'a> Reader<'a> {
             what: what(),
         })
     }
-    fn value(&mut self, ty: u32, key: &str) -> Result<Value, GgufError> {
+    fn value(&mut self, ty: u32, key: &str, depth: usize) -> Result<Value, GgufError> {
         let what = || format!("metadata `{key}`");
         Ok(match ty {
             0 => Value::U8(self.take(1, &what)?[0]),
@@ -269,11 +290,26 @@ impl<'a> Reader<'a> {
             7 => Value::Bool(self.take(1, &what)?[0] != 0),
             8 => Value::String(self.string(&what)?),
             9 => {
+                if depth >= MAX_ARRAY_DEPTH {
+                    return Err(GgufError::Nesting {
+                        file: self.file.to_string(),
+                        key: key.to_string(),
+                    });
+                }
                 let elem_ty = self.u32(&what)?;
+                if elem_ty > 12 {
+                    return Err(GgufError::ValueType {
+                        file: self.file.to_string(),
+                        key: key.to_string(),
+                        ty: elem_ty,
+                    });
+                }
+                // `len` bounds the count by the bytes left, and every element takes at least
+                // one byte, so the capacity is backed by the file.
                 let n = self.len(&what)?;
-                let mut v = Vec::with_capacity(n.min(1 << 20));
+                let mut v = Vec::with_capacity(n.min(1 << 16));
                 for _ in 0..n {
-                    v.push(self.value(elem_ty, key)?);
+                    v.push(self.value(elem_ty, key, depth + 1)?);
                 }
                 Value::Array(v)
             }
@@ -320,12 +356,25 @@ impl<'a> Gguf<'a> {
         for i in 0..n_kv {
             let key = r.string(&|| format!("metadata key #{i}"))?;
             let ty = r.u32(&|| format!("the type of metadata `{key}`"))?;
-            let v = r.value(ty, &key)?;
+            let v = r.value(ty, &key, 0)?;
+            if metadata.contains_key(&key) {
+                return Err(GgufError::DuplicateKey {
+                    file: file.into(),
+                    key,
+                });
+            }
             metadata.insert(key, v);
         }
-        let mut tensors = Vec::new();
+        let mut tensors: Vec<TensorInfo> = Vec::new();
+        let mut names = std::collections::BTreeSet::new();
         for i in 0..n_tensors {
             let name = r.string(&|| format!("tensor name #{i}"))?;
+            if !names.insert(name.clone()) {
+                return Err(GgufError::DuplicateTensor {
+                    file: file.into(),
+                    tensor: name,
+                });
+            }
             let what = || format!("tensor `{name}`'s directory entry");
             let rank = r.u32(&what)?;
             if rank > 4 {
@@ -357,7 +406,20 @@ impl<'a> Gguf<'a> {
                 alignment,
             });
         }
-        let data_start = r.pos.div_ceil(alignment as usize) * alignment as usize;
+        // Past the end of the file when the alignment exceeds it; then every tensor with data
+        // fails its bounds check.
+        let data_start = usize::try_from(alignment)
+            .ok()
+            .and_then(|a| r.pos.div_ceil(a).checked_mul(a))
+            .unwrap_or(usize::MAX);
+        if let Some(t) = tensors.iter().find(|t| t.offset % alignment != 0) {
+            return Err(GgufError::Misaligned {
+                file: file.into(),
+                tensor: t.name.clone(),
+                offset: t.offset,
+                alignment,
+            });
+        }
         let g = Gguf {
             file: file.into(),
             version,
@@ -394,7 +456,9 @@ impl<'a> Gguf<'a> {
                 t.dims[0]
             )));
         }
-        let bytes = (n / per_block as u64) * block_bytes as u64;
+        let bytes = (n / per_block as u64)
+            .checked_mul(block_bytes as u64)
+            .ok_or_else(|| ty_err(format!("dims {:?} overflow as bytes", t.dims)))?;
         let start = (self.data_start as u64).checked_add(t.offset);
         let end = start.and_then(|s| s.checked_add(bytes));
         match (start, end) {
@@ -402,8 +466,10 @@ impl<'a> Gguf<'a> {
             _ => Err(GgufError::TensorBounds {
                 file: self.file.clone(),
                 tensor: t.name.clone(),
-                start: self.data_start as u64 + t.offset,
-                end: (self.data_start as u64 + t.offset).saturating_add(bytes),
+                start: (self.data_start as u64).saturating_add(t.offset),
+                end: (self.data_start as u64)
+                    .saturating_add(t.offset)
+                    .saturating_add(bytes),
                 len: self.bytes.len(),
             }),
         }
@@ -427,7 +493,9 @@ impl<'a> Gguf<'a> {
     /// The tensor's values as f32, in row-major order of [`TensorInfo::shape`].
     pub fn dequantize(&self, t: &TensorInfo) -> Result<Vec<f32>, GgufError> {
         let raw = self.raw(t)?;
-        let mut out = Vec::with_capacity(t.num_elements() as usize);
+        // Sized by the bytes the file holds, not by the dims (which `raw` checked against them).
+        let (per_block, block_bytes) = t.ggml_type.block().unwrap_or((1, 1));
+        let mut out = Vec::with_capacity(raw.len() / block_bytes * per_block);
         dequantize_into(t.ggml_type, raw, &mut out);
         Ok(out)
     }
@@ -735,6 +803,79 @@ mod tests {
             g.tensor("nope").unwrap_err().to_string(),
             "f.gguf: no tensor named `nope`"
         );
+    }
+
+    /// The byte position of tensor `name`'s directory entry fields (dims, then type, then
+    /// offset) in `bytes`, found after the name.
+    fn entry_pos(bytes: &[u8], name: &str) -> usize {
+        let pat: Vec<u8> = (name.len() as u64)
+            .to_le_bytes()
+            .into_iter()
+            .chain(name.bytes())
+            .collect();
+        bytes.windows(pat.len()).position(|w| w == pat).unwrap() + pat.len()
+    }
+
+    #[test]
+    fn absurd_dims_and_offsets_are_typed_errors() {
+        // dims whose element count fits u64 but whose byte size does not (once wrapped to a
+        // zero-byte range that passed the bounds check, then allocated 2^62 floats).
+        let bytes = Writer::default()
+            .tensor("huge", &[1 << 62], GgmlType::F32, vec![])
+            .to_bytes();
+        match Gguf::parse("f.gguf", &bytes) {
+            Err(e @ GgufError::TensorType { .. }) => assert!(e.to_string().contains("`huge`")),
+            other => panic!("{other:?}"),
+        }
+        // An offset near u64::MAX (once overflowed while building the error).
+        let mut bytes = Writer::default()
+            .tensor("far", &[4], GgmlType::F32, vec![0; 16])
+            .to_bytes();
+        let at = entry_pos(&bytes, "far") + 4 + 8 + 4;
+        bytes[at..at + 8].copy_from_slice(&(u64::MAX - 31).to_le_bytes());
+        assert!(matches!(
+            Gguf::parse("f.gguf", &bytes),
+            Err(GgufError::TensorBounds { .. })
+        ));
+        // An offset off the alignment.
+        bytes[at..at + 8].copy_from_slice(&4u64.to_le_bytes());
+        assert!(matches!(
+            Gguf::parse("f.gguf", &bytes),
+            Err(GgufError::Misaligned { offset: 4, .. })
+        ));
+    }
+
+    #[test]
+    fn duplicates_and_deep_nesting_are_typed_errors() {
+        let bytes = Writer::default()
+            .meta("k", Value::U8(1))
+            .meta("k", Value::U8(2))
+            .to_bytes();
+        assert!(matches!(
+            Gguf::parse("f.gguf", &bytes),
+            Err(GgufError::DuplicateKey { .. })
+        ));
+        let bytes = Writer::default()
+            .tensor("t", &[1], GgmlType::F32, vec![0; 4])
+            .tensor("t", &[1], GgmlType::F32, vec![0; 4])
+            .to_bytes();
+        assert!(matches!(
+            Gguf::parse("f.gguf", &bytes),
+            Err(GgufError::DuplicateTensor { .. })
+        ));
+        let mut v = Value::U8(0);
+        for _ in 0..MAX_ARRAY_DEPTH {
+            v = Value::Array(vec![v]);
+        }
+        let ok = Writer::default().meta("deep", v.clone()).to_bytes();
+        assert!(Gguf::parse("f.gguf", &ok).is_ok());
+        let bytes = Writer::default()
+            .meta("deep", Value::Array(vec![v]))
+            .to_bytes();
+        assert!(matches!(
+            Gguf::parse("f.gguf", &bytes),
+            Err(GgufError::Nesting { .. })
+        ));
     }
 
     #[test]
