@@ -456,6 +456,13 @@ impl<'a> Gguf<'a> {
                 t.dims[0]
             )));
         }
+        // A rank-0 tensor of a block type: one element, no whole block (once read as zero bytes
+        // and zero values for a one-element shape).
+        if n % per_block as u64 != 0 {
+            return Err(ty_err(format!(
+                "{n} elements are not a whole number of blocks of {per_block}"
+            )));
+        }
         let bytes = (n / per_block as u64)
             .checked_mul(block_bytes as u64)
             .ok_or_else(|| ty_err(format!("dims {:?} overflow as bytes", t.dims)))?;
@@ -836,6 +843,14 @@ mod tests {
         assert!(matches!(
             Gguf::parse("f.gguf", &bytes),
             Err(GgufError::TensorBounds { .. })
+        ));
+        // A scalar of a block type.
+        let bytes = Writer::default()
+            .tensor("scalar", &[], GgmlType::Q4_0, vec![])
+            .to_bytes();
+        assert!(matches!(
+            Gguf::parse("f.gguf", &bytes),
+            Err(GgufError::TensorType { .. })
         ));
         // An offset off the alignment.
         bytes[at..at + 8].copy_from_slice(&4u64.to_le_bytes());
