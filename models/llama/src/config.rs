@@ -42,6 +42,21 @@ pub enum ConfigError {
     },
     #[error("{file}: {what}")]
     Inconsistent { file: String, what: String },
+    #[error("{file}: `{key}` {problem}")]
+    Value {
+        file: String,
+        key: String,
+        problem: String,
+    },
+}
+
+/// A token id read from `key`: an integer below 2^32.
+fn token_id(file: &str, key: &str, v: u64) -> Result<u32, ConfigError> {
+    u32::try_from(v).map_err(|_| ConfigError::Value {
+        file: file.into(),
+        key: key.into(),
+        problem: format!("= {v} is not a token id (ids are below 2^32)"),
+    })
 }
 
 impl LlamaConfig {
@@ -105,10 +120,14 @@ impl LlamaConfig {
             }),
             _ => None,
         };
-        let eos = g
-            .metadata
-            .get("tokenizer.ggml.eos_token_id")
-            .and_then(Value::as_u64);
+        let token = |key: &str| -> Result<Option<u32>, ConfigError> {
+            g.metadata
+                .get(key)
+                .and_then(Value::as_u64)
+                .map(|v| token_id(&file, key, v))
+                .transpose()
+        };
+        let eos = token("tokenizer.ggml.eos_token_id")?;
         let cfg = LlamaConfig {
             vocab_size,
             hidden_size,
@@ -122,12 +141,8 @@ impl LlamaConfig {
             rms_norm_eps: float("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
             max_position_embeddings: int("llama.context_length").unwrap_or(4096),
             tie_word_embeddings: !g.tensors.iter().any(|t| t.name == "output.weight"),
-            bos_token_id: g
-                .metadata
-                .get("tokenizer.ggml.bos_token_id")
-                .and_then(Value::as_u64)
-                .map(|v| v as u32),
-            eos_token_ids: eos.into_iter().map(|v| v as u32).collect(),
+            bos_token_id: token("tokenizer.ggml.bos_token_id")?,
+            eos_token_ids: eos.into_iter().collect(),
         };
         cfg.validate(&file)?;
         Ok(cfg)
@@ -196,8 +211,11 @@ impl LlamaConfig {
             rms_norm_eps: j["rms_norm_eps"].as_f64().unwrap_or(1e-5),
             max_position_embeddings: int("max_position_embeddings").unwrap_or(4096),
             tie_word_embeddings: j["tie_word_embeddings"].as_bool().unwrap_or(false),
-            bos_token_id: j["bos_token_id"].as_u64().map(|v| v as u32),
-            eos_token_ids: token_ids(&j["eos_token_id"]),
+            bos_token_id: j["bos_token_id"]
+                .as_u64()
+                .map(|v| token_id(file, "bos_token_id", v))
+                .transpose()?,
+            eos_token_ids: token_ids(file, "eos_token_id", &j["eos_token_id"])?,
         };
         cfg.validate(file)?;
         Ok(cfg)
@@ -213,6 +231,70 @@ impl LlamaConfig {
         };
         if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
             return bad("head counts must be positive".into());
+        }
+        for (key, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("head_dim", self.head_dim),
+        ] {
+            if v == 0 {
+                return bad(format!("{key} must be positive"));
+            }
+        }
+        // Every weight's element count must be a usize: the loader multiplies these.
+        let elements = |a: usize, b: usize| a.checked_mul(b).filter(|&n| n <= isize::MAX as usize);
+        for (what, a, b) in [
+            (
+                "attention heads x head_dim",
+                self.num_attention_heads,
+                self.head_dim,
+            ),
+            (
+                "key/value heads x head_dim",
+                self.num_key_value_heads,
+                self.head_dim,
+            ),
+            (
+                "vocab_size x hidden_size",
+                self.vocab_size,
+                self.hidden_size,
+            ),
+            (
+                "intermediate_size x hidden_size",
+                self.intermediate_size,
+                self.hidden_size,
+            ),
+            (
+                "attention heads x head_dim x hidden_size",
+                self.num_attention_heads.saturating_mul(self.head_dim),
+                self.hidden_size,
+            ),
+        ] {
+            if elements(a, b).is_none() {
+                return bad(format!("{what} ({a} x {b}) overflows"));
+            }
+        }
+        let finite = |key: &str, v: f64, min_exclusive: bool| {
+            if !v.is_finite() || v < 0.0 || (min_exclusive && v == 0.0) {
+                bad(format!(
+                    "{key} = {v} must be finite and {}",
+                    if min_exclusive {
+                        "positive"
+                    } else {
+                        "non-negative"
+                    }
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        finite("rope_theta", self.rope_theta, true)?;
+        finite("rms_norm_eps", self.rms_norm_eps, false)?;
+        if let Some(s) = &self.rope_scaling {
+            finite("rope_scaling.factor", s.factor, true)?;
+            finite("rope_scaling.low_freq_factor", s.low_freq_factor, true)?;
+            finite("rope_scaling.high_freq_factor", s.high_freq_factor, true)?;
         }
         if !self
             .num_attention_heads
@@ -233,14 +315,21 @@ impl LlamaConfig {
     }
 }
 
-/// A token id field that may be one integer or a list of them.
-pub fn token_ids(v: &serde_json::Value) -> Vec<u32> {
+/// A token id field `key` of `file` that may be absent (null), one integer or a list of them;
+/// anything else (a negative or fractional number, an id of 2^32 or more, a string) is an error.
+pub fn token_ids(file: &str, key: &str, v: &serde_json::Value) -> Result<Vec<u32>, ConfigError> {
+    let one = |x: &serde_json::Value| {
+        x.as_u64()
+            .ok_or_else(|| ConfigError::Value {
+                file: file.into(),
+                key: key.into(),
+                problem: format!("holds {x}, not a token id"),
+            })
+            .and_then(|v| token_id(file, key, v))
+    };
     match v {
-        serde_json::Value::Array(a) => a
-            .iter()
-            .filter_map(|x| x.as_u64())
-            .map(|x| x as u32)
-            .collect(),
-        other => other.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        serde_json::Value::Null => Ok(Vec::new()),
+        serde_json::Value::Array(a) => a.iter().map(one).collect(),
+        other => Ok(vec![one(other)?]),
     }
 }

@@ -58,6 +58,12 @@ pub enum LoadError {
         tensor: String,
         dtype: String,
     },
+    #[error("{file}: safetensors header entry `{tensor}`: {problem}")]
+    SafetensorsEntry {
+        file: String,
+        tensor: String,
+        problem: String,
+    },
 }
 
 /// A loaded model with its configuration and tokenizer.
@@ -163,7 +169,9 @@ fn build<B: Backend>(
         cfg.head_dim,
         cfg.intermediate_size,
     );
-    let total = 3 + 9 * cfg.num_hidden_layers as u64;
+    let total = (cfg.num_hidden_layers as u64)
+        .saturating_mul(9)
+        .saturating_add(3);
     let bar = indicatif::ProgressBar::new(total).with_style(
         indicatif::ProgressStyle::with_template("loading {bar:40} {pos}/{len} tensors {elapsed}")
             .expect("valid template"),
@@ -253,7 +261,9 @@ fn build<B: Backend>(
         Tensor::<B, 2>::from_data(TensorData::new(embed, [cfg.vocab_size, hid]), device)
             .cast(dtype),
     );
-    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+    // Grown layer by layer: each is backed by tensors the file holds, whatever the
+    // configuration's layer count says.
+    let mut layers = Vec::new();
     for l in 0..cfg.num_hidden_layers {
         layers.push(Block {
             attn_norm: vector(get(Weight::AttnNorm(l))?),
@@ -421,13 +431,225 @@ pub fn load<B: Backend>(
 
 fn read_json(path: &Path) -> Result<serde_json::Value, LoadError> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
+    let bytes = std::fs::read(path).map_err(|source| LoadError::Io {
         file: file.clone(),
         source,
     })?;
-    serde_json::from_str(&text).map_err(|e| LoadError::Json {
-        file,
+    parse_json(&file, &bytes)
+}
+
+/// Parses the JSON document `bytes` (the contents of `file`).
+pub fn parse_json(file: &str, bytes: &[u8]) -> Result<serde_json::Value, LoadError> {
+    serde_json::from_slice(bytes).map_err(|e| LoadError::Json {
+        file: file.into(),
         what: format!("invalid JSON: {e}"),
+    })
+}
+
+/// Reads a Hugging Face `config.json` (`bytes`, the contents of `file`).
+pub fn config_from_json(file: &str, bytes: &[u8]) -> Result<LlamaConfig, LoadError> {
+    Ok(LlamaConfig::from_hf_json(file, &parse_json(file, bytes)?)?)
+}
+
+/// The `weight_map` of a `model.safetensors.index.json` (`index`, read from `file`): tensor
+/// name -> shard file name. Shard names must be plain file names in the model directory.
+pub fn shard_index(
+    file: &str,
+    index: &serde_json::Value,
+) -> Result<BTreeMap<String, String>, LoadError> {
+    let json = |what: String| LoadError::Json {
+        file: file.into(),
+        what,
+    };
+    let map = index["weight_map"]
+        .as_object()
+        .ok_or_else(|| json("no `weight_map` object".into()))?;
+    if map.is_empty() {
+        return Err(json("`weight_map` is empty".into()));
+    }
+    let mut shard_of = BTreeMap::new();
+    for (k, v) in map {
+        let f = v
+            .as_str()
+            .ok_or_else(|| json(format!("`weight_map.{k}` is not a file name")))?;
+        let plain = !f.is_empty()
+            && f != "."
+            && f != ".."
+            && !f.contains(['/', '\\'])
+            && !Path::new(f).is_absolute();
+        if !plain {
+            return Err(json(format!(
+                "`weight_map.{k}` = {f:?} is not a file name in the model directory"
+            )));
+        }
+        shard_of.insert(k.clone(), f.to_string());
+    }
+    Ok(shard_of)
+}
+
+/// Checks the header of the safetensors file `bytes` (the contents of `file`) and returns its
+/// tensor views. Every entry is checked before the `safetensors` crate sees the file, so a bad
+/// entry's error names it: a dtype the format does not know, a shape whose size overflows, data
+/// offsets that are reversed, disagree with the shape, leave gaps, overlap or run past the file.
+pub fn read_safetensors<'a>(
+    file: &str,
+    bytes: &'a [u8],
+) -> Result<safetensors::SafeTensors<'a>, LoadError> {
+    let whole = |reason: String| LoadError::Safetensors {
+        file: file.into(),
+        reason,
+    };
+    let Some((n, rest)) = bytes.split_first_chunk::<8>() else {
+        return Err(whole(format!(
+            "{} bytes, shorter than the 8-byte header length",
+            bytes.len()
+        )));
+    };
+    let n = u64::from_le_bytes(*n);
+    let Some(header) = usize::try_from(n).ok().and_then(|n| rest.get(..n)) else {
+        return Err(whole(format!(
+            "header length {n} exceeds the {} bytes after it",
+            rest.len()
+        )));
+    };
+    let data_len = (rest.len() - header.len()) as u64;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header)
+        .map_err(|e| whole(format!("header is not a JSON object: {e}")))?;
+    let mut spans = Vec::with_capacity(header.len());
+    for (name, info) in &header {
+        let entry = |problem: String| LoadError::SafetensorsEntry {
+            file: file.into(),
+            tensor: name.clone(),
+            problem,
+        };
+        if name == "__metadata__" {
+            let strings = info
+                .as_object()
+                .is_some_and(|m| m.values().all(serde_json::Value::is_string));
+            if !strings {
+                return Err(entry("not an object of strings".into()));
+            }
+            continue;
+        }
+        let dtype: safetensors::Dtype =
+            serde_json::from_value(info["dtype"].clone()).map_err(|_| {
+                entry(format!(
+                    "dtype {} is not a safetensors dtype",
+                    info["dtype"]
+                ))
+            })?;
+        let shape = info["shape"]
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .map(serde_json::Value::as_u64)
+                    .collect::<Option<Vec<_>>>()
+            })
+            .ok_or_else(|| entry(format!("shape {} is not a list of sizes", info["shape"])))?;
+        let offsets = info["data_offsets"]
+            .as_array()
+            .filter(|a| a.len() == 2)
+            .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)))
+            .ok_or_else(|| {
+                entry(format!(
+                    "data_offsets {} is not [start, end]",
+                    info["data_offsets"]
+                ))
+            })?;
+        let bits = shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .and_then(|n| n.checked_mul(dtype.bitsize() as u64))
+            .filter(|&b| usize::try_from(b / 8).is_ok())
+            .ok_or_else(|| entry(format!("shape {shape:?} of {dtype:?} overflows")))?;
+        if bits % 8 != 0 {
+            return Err(entry(format!(
+                "shape {shape:?} of {dtype:?} is not a whole number of bytes"
+            )));
+        }
+        let (start, end) = offsets;
+        if start > end || end > data_len {
+            return Err(entry(format!(
+                "data_offsets [{start}, {end}) do not lie in the {data_len} data bytes"
+            )));
+        }
+        if end - start != bits / 8 {
+            return Err(entry(format!(
+                "data_offsets [{start}, {end}) hold {} bytes, shape {shape:?} of {dtype:?} needs {}",
+                end - start,
+                bits / 8
+            )));
+        }
+        spans.push((start, end, name));
+    }
+    spans.sort();
+    let mut at = 0;
+    for &(start, end, name) in &spans {
+        if start != at {
+            return Err(LoadError::SafetensorsEntry {
+                file: file.into(),
+                tensor: name.clone(),
+                problem: format!(
+                    "data_offsets [{start}, {end}) {} the data before it (ending at {at})",
+                    if start < at {
+                        "overlap"
+                    } else {
+                        "leave a gap after"
+                    }
+                ),
+            });
+        }
+        at = end;
+    }
+    if at != data_len {
+        return Err(whole(format!(
+            "the tensors' data ends at {at}, the file's data section at {data_len}"
+        )));
+    }
+    safetensors::SafeTensors::deserialize(bytes).map_err(|e| whole(e.to_string()))
+}
+
+/// The values of tensor `name` of the safetensors file `st` (read from `file`) as f32, after
+/// checking that its shape is `shape` and its dtype F32, F16 or BF16.
+pub fn safetensors_values(
+    file: &str,
+    st: &safetensors::SafeTensors,
+    name: &str,
+    shape: &[usize],
+) -> Result<Vec<f32>, LoadError> {
+    let view = st.tensor(name).map_err(|_| LoadError::MissingTensor {
+        file: file.into(),
+        tensor: name.into(),
+    })?;
+    if view.shape() != shape {
+        return Err(LoadError::Shape {
+            file: file.into(),
+            tensor: name.into(),
+            expected: shape.to_vec(),
+            actual: view.shape().to_vec(),
+        });
+    }
+    let data = view.data();
+    Ok(match view.dtype() {
+        safetensors::Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        safetensors::Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        safetensors::Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        other => {
+            return Err(LoadError::Dtype {
+                file: file.into(),
+                tensor: name.into(),
+                dtype: format!("{other:?}"),
+            });
+        }
     })
 }
 
@@ -445,36 +667,29 @@ pub fn load_hf_dir<B: Backend>(
     )?;
     let gen_path = dir.join("generation_config.json");
     if gen_path.exists() {
-        let eos = crate::config::token_ids(&read_json(&gen_path)?["eos_token_id"]);
+        let eos = crate::config::token_ids(
+            &gen_path.display().to_string(),
+            "eos_token_id",
+            &read_json(&gen_path)?["eos_token_id"],
+        )?;
         if !eos.is_empty() {
             cfg.eos_token_ids = eos;
         }
     }
     let tok_path = dir.join("tokenizer.json");
-    let tokenizer =
-        tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| TokenizerError::Build {
-            file: tok_path.display().to_string(),
-            reason: e.to_string(),
-        })?;
+    let tok_file = tok_path.display().to_string();
+    let tok_bytes = std::fs::read(&tok_path).map_err(|source| LoadError::Io {
+        file: tok_file.clone(),
+        source,
+    })?;
+    let tokenizer = tokenizer::from_json(&tok_file, &tok_bytes)?;
 
     // The shards: one file, or the files the index's weight map names.
     let index_path = dir.join("model.safetensors.index.json");
     let mut shard_of: BTreeMap<String, String> = BTreeMap::new();
     let shards: Vec<String> = if index_path.exists() {
-        let index = read_json(&index_path)?;
-        let map = index["weight_map"]
-            .as_object()
-            .ok_or_else(|| LoadError::Json {
-                file: index_path.display().to_string(),
-                what: "no `weight_map` object".into(),
-            })?;
-        for (k, v) in map {
-            let f = v.as_str().ok_or_else(|| LoadError::Json {
-                file: index_path.display().to_string(),
-                what: format!("`weight_map.{k}` is not a file name"),
-            })?;
-            shard_of.insert(k.clone(), f.to_string());
-        }
+        let index_file = index_path.display().to_string();
+        shard_of = shard_index(&index_file, &read_json(&index_path)?)?;
         let mut files: Vec<String> = shard_of.values().cloned().collect();
         files.sort();
         files.dedup();
@@ -490,12 +705,7 @@ pub fn load_hf_dir<B: Backend>(
         .iter()
         .map(|(name, m)| {
             let file = dir.join(name).display().to_string();
-            safetensors::SafeTensors::deserialize(m)
-                .map(|st| (name.clone(), st))
-                .map_err(|e| LoadError::Safetensors {
-                    file,
-                    reason: e.to_string(),
-                })
+            read_safetensors(&file, m).map(|st| (name.clone(), st))
         })
         .collect::<Result<_, _>>()?;
     let model = build::<B>(
@@ -505,50 +715,24 @@ pub fn load_hf_dir<B: Backend>(
         max_positions,
         |w| {
             let (name, shape) = (w.hf_name(), w.shape(&cfg));
-            let shard = shard_of
-                .get(&name)
-                .cloned()
-                .unwrap_or_else(|| shards[0].clone());
-            let file = dir.join(&shard).display().to_string();
-            let st = &parsed
-                .iter()
-                .find(|(n, _)| *n == shard)
-                .expect("every shard was parsed")
-                .1;
-            let view = st.tensor(&name).map_err(|_| LoadError::MissingTensor {
-                file: file.clone(),
-                tensor: name.clone(),
-            })?;
-            if view.shape() != shape.as_slice() {
-                return Err(LoadError::Shape {
-                    file,
-                    tensor: name,
-                    expected: shape,
-                    actual: view.shape().to_vec(),
-                });
-            }
-            let data = view.data();
-            Ok(match view.dtype() {
-                safetensors::Dtype::F32 => data
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                    .collect(),
-                safetensors::Dtype::F16 => data
-                    .chunks_exact(2)
-                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
-                safetensors::Dtype::BF16 => data
-                    .chunks_exact(2)
-                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
-                other => {
-                    return Err(LoadError::Dtype {
-                        file,
+            // With an index, a tensor it does not list is missing (not looked for in a shard).
+            let shard = match shard_of.get(&name) {
+                Some(s) => s.as_str(),
+                None if index_path.exists() => {
+                    return Err(LoadError::MissingTensor {
+                        file: index_path.display().to_string(),
                         tensor: name,
-                        dtype: format!("{other:?}"),
                     });
                 }
-            })
+                None => shards[0].as_str(),
+            };
+            let file = dir.join(shard).display().to_string();
+            let st = &parsed
+                .iter()
+                .find(|(n, _)| n == shard)
+                .expect("every shard was parsed")
+                .1;
+            safetensors_values(&file, st, &name, &shape)
         },
         |_| Ok(None),
         |_| None,

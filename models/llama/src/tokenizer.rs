@@ -27,6 +27,52 @@ pub enum TokenizerError {
     PreTokenizer { file: String, found: String },
     #[error("{file}: building the tokenizer: {reason}")]
     Build { file: String, reason: String },
+    #[error("{file}: metadata `{key}` has {got} entries, `{other}` has {want}")]
+    Length {
+        file: String,
+        key: String,
+        got: usize,
+        other: String,
+        want: usize,
+    },
+}
+
+/// Runs `f` (a call into the `tokenizers` crate on `file`'s contents); a panic inside it becomes
+/// [`TokenizerError::Build`] instead of unwinding through the loader.
+fn guard<T>(
+    file: &str,
+    f: impl FnOnce() -> Result<T, String> + std::panic::UnwindSafe,
+) -> Result<T, TokenizerError> {
+    let build = |reason| TokenizerError::Build {
+        file: file.into(),
+        reason,
+    };
+    match std::panic::catch_unwind(f) {
+        Ok(r) => r.map_err(build),
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(build(format!("the tokenizers crate panicked: {msg}")))
+        }
+    }
+}
+
+/// Loads a Hugging Face `tokenizer.json` (`bytes`, the contents of `file`).
+///
+/// The JSON is parsed before the `tokenizers` crate sees it: its decoder deserializer (0.22)
+/// panics (`expect("Helper")`) on a syntax error inside the `decoder` entry.
+pub fn from_json(file: &str, bytes: &[u8]) -> Result<Tokenizer, TokenizerError> {
+    let json: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| TokenizerError::Build {
+            file: file.into(),
+            reason: format!("invalid JSON: {e}"),
+        })?;
+    guard(file, || {
+        serde_json::from_value::<Tokenizer>(json).map_err(|e| e.to_string())
+    })
 }
 
 /// Builds the tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata.
@@ -61,14 +107,25 @@ pub fn from_gguf(g: &Gguf) -> Result<Tokenizer, TokenizerError> {
     };
     let tokens = strings("tokenizer.ggml.tokens")?;
     let merges = strings("tokenizer.ggml.merges")?;
-    let types: Vec<u64> = match g
-        .metadata
-        .get("tokenizer.ggml.token_type")
-        .and_then(Value::as_array)
-    {
-        Some(a) => a.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
+    if u32::try_from(tokens.len()).is_err() {
+        return Err(missing("tokenizer.ggml.tokens", "fewer than 2^32 tokens"));
+    }
+    let types: Vec<u64> = match g.metadata.get("tokenizer.ggml.token_type") {
+        Some(v) => v
+            .as_array()
+            .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| missing("tokenizer.ggml.token_type", "an array of integers"))?,
         None => vec![1; tokens.len()],
     };
+    if types.len() != tokens.len() {
+        return Err(TokenizerError::Length {
+            file: file(),
+            key: "tokenizer.ggml.token_type".into(),
+            got: types.len(),
+            other: "tokenizer.ggml.tokens".into(),
+            want: tokens.len(),
+        });
+    }
     let vocab: ahash::AHashMap<String, u32> = tokens
         .iter()
         .enumerate()
@@ -83,13 +140,12 @@ pub fn from_gguf(g: &Gguf) -> Result<Tokenizer, TokenizerError> {
             Ok((a.to_string(), b.to_string()))
         })
         .collect::<Result<_, TokenizerError>>()?;
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .build()
-        .map_err(|e| TokenizerError::Build {
-            file: file(),
-            reason: e.to_string(),
-        })?;
+    let bpe = guard(&g.file, || {
+        BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| e.to_string())
+    })?;
     let mut tok = Tokenizer::new(bpe);
     let pre = g
         .metadata
@@ -115,6 +171,8 @@ pub fn from_gguf(g: &Gguf) -> Result<Tokenizer, TokenizerError> {
         .filter(|(_, t)| **t == 3)
         .map(|(s, _)| AddedToken::from(s.clone(), true))
         .collect();
-    tok.add_special_tokens(&specials);
-    Ok(tok)
+    guard(&g.file, move || {
+        tok.add_special_tokens(&specials);
+        Ok(tok)
+    })
 }
