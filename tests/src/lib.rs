@@ -22,6 +22,7 @@ pub mod dense;
 pub mod gpu;
 pub mod int4;
 pub mod llama;
+pub mod loader_fuzz;
 pub mod pairs;
 pub mod sample;
 pub mod suite;
