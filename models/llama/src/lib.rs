@@ -7,8 +7,10 @@ pub mod fetch;
 pub mod generate;
 pub mod load;
 pub mod model;
+pub mod packed_file;
 pub mod quant;
 pub mod synthetic;
 pub mod tokenizer;
+pub mod train;
 
 pub use config::LlamaConfig;

@@ -64,6 +64,8 @@ pub enum LoadError {
         tensor: String,
         problem: String,
     },
+    #[error(transparent)]
+    Packed(#[from] crate::packed_file::PackedFileError),
 }
 
 /// A loaded model with its configuration and tokenizer.
@@ -415,14 +417,23 @@ fn load_gguf_with<B: Backend>(
     })
 }
 
-/// Loads `path`: a Hugging Face model directory, or else a GGUF file.
+/// Loads `path`: a Hugging Face model directory, a Stoke packed model (`.safetensors`, see
+/// `crate::packed_file`; projections dequantized here, `packed_file::load` keeps them packed),
+/// or else a GGUF file.
 pub fn load<B: Backend>(
     path: &Path,
     device: &B::Device,
     dtype: DType,
     max_positions: usize,
 ) -> Result<Loaded<B>, LoadError> {
-    if path.is_dir() {
+    if crate::packed_file::is_packed_file(path) {
+        Ok(crate::packed_file::load_dequantized(
+            path,
+            device,
+            dtype,
+            max_positions,
+        )?)
+    } else if path.is_dir() {
         load_hf_dir(path, device, dtype, max_positions)
     } else {
         load_gguf(path, device, dtype, max_positions)

@@ -242,14 +242,54 @@ pub struct QuantReport {
     pub seconds: f64,
 }
 
+/// The packed INT4 weights [`quantize_packed`] made: per layer q|k|v, o, gate|up (interleaved
+/// columns) and down, in the model's own fused layout; the head when it was quantized.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedProjections {
+    pub layers: Vec<[PackedInt4; 4]>,
+    pub lm_head: Option<PackedInt4>,
+}
+
 /// Quantizes every attention and MLP projection of `model` (and the head when
 /// `cfg.include_lm_head`) with `cfg.method`. GPTQ needs `calibration` from [`calibrate`] on the
 /// same model.
 pub fn quantize<B: FusedOps>(
-    mut model: Llama<B>,
+    model: Llama<B>,
     cfg: &QuantizeConfig,
     calibration: Option<&Calibration<B>>,
 ) -> Result<(Llama<B>, QuantReport), QuantError> {
+    let (packed, report) = quantize_packed(&model, cfg, calibration)?;
+    Ok((apply_packed(model, &packed), report))
+}
+
+/// The projections of `model` with their weights replaced by `packed` (see
+/// [`PackedProjections`]): kept packed where the backend keeps packed weights (`Stoke<I>`),
+/// else their dequantized values in each weight's dtype.
+pub fn apply_packed<B: FusedOps>(mut model: Llama<B>, packed: &PackedProjections) -> Llama<B> {
+    let put = |lin: &mut Linear<B>, p: &PackedInt4| {
+        let w = lin.weight.val();
+        let (device, dtype) = (w.device(), w.dtype());
+        lin.weight = packed_param::<B>(p.clone(), dtype, &device);
+    };
+    for (layer, [qkv, o, gate_up, down]) in model.layers.iter_mut().zip(&packed.layers) {
+        put(&mut layer.attn.qkv_proj, qkv);
+        put(&mut layer.attn.o_proj, o);
+        put(&mut layer.mlp.gate_up_proj, gate_up);
+        put(&mut layer.mlp.down_proj, down);
+    }
+    if let Some(head) = &packed.lm_head {
+        put(&mut model.lm_head, head);
+    }
+    model
+}
+
+/// [`quantize`]'s packed weights, the model left as it is (to save them, see
+/// `crate::packed_file`).
+pub fn quantize_packed<B: FusedOps>(
+    model: &Llama<B>,
+    cfg: &QuantizeConfig,
+    calibration: Option<&Calibration<B>>,
+) -> Result<(PackedProjections, QuantReport), QuantError> {
     let t0 = Instant::now();
     if let Method::Gptq { .. } = cfg.method {
         let c = calibration.ok_or(QuantError::NoCalibration)?;
@@ -262,37 +302,35 @@ pub fn quantize<B: FusedOps>(
     }
     let mut groups = Vec::new();
     let mut projections = 0;
-    let one = |lin: &mut Linear<B>,
+    let one = |lin: &Linear<B>,
                layer: usize,
                proj: &'static str,
                prepared: Option<&PreparedHessian>,
                groups: &mut Vec<(usize, usize)>|
-     -> Result<(), QuantError> {
+     -> Result<PackedInt4, QuantError> {
         let w = lin.weight.val();
         let [k, n] = w.dims();
-        let (device, dtype) = (w.device(), w.dtype());
         let group = group_for(k, cfg.group);
         if !groups.contains(&(k, group)) {
             groups.push((k, group));
         }
-        let packed = match prepared {
+        match prepared {
             None => rtn_burn(w, group, cfg.scale_type).map_err(|source| QuantError::Int4 {
                 layer,
                 proj,
                 source,
-            })?,
+            }),
             Some(p) => quantize_gptq_prepared(&host_f32(w), k, n, p, group, cfg.scale_type)
                 .map_err(|source| QuantError::Gptq {
                     layer,
                     proj,
                     source,
-                })?,
-        };
-        lin.weight = packed_param::<B>(packed, dtype, &device);
-        Ok(())
+                }),
+        }
     };
     let n_layers = model.layers.len();
-    for (l, layer) in model.layers.iter_mut().enumerate() {
+    let mut layers = Vec::with_capacity(n_layers);
+    for (l, layer) in model.layers.iter().enumerate() {
         // One prepared Hessian per input site, shared by the projections reading it.
         let prepared: [Option<PreparedHessian>; 4] = match cfg.method {
             Method::Rtn => [None, None, None, None],
@@ -320,27 +358,30 @@ pub fn quantize<B: FusedOps>(
             }
         };
         let p = |s: Site| prepared[s.index()].as_ref();
-        let a = &mut layer.attn;
-        one(&mut a.qkv_proj, l, "qkv_proj", p(Site::Qkv), &mut groups)?;
-        one(&mut a.o_proj, l, "o_proj", p(Site::O), &mut groups)?;
-        let m = &mut layer.mlp;
-        one(
-            &mut m.gate_up_proj,
-            l,
-            "gate_up_proj",
-            p(Site::GateUp),
-            &mut groups,
-        )?;
-        one(&mut m.down_proj, l, "down_proj", p(Site::Down), &mut groups)?;
+        let (a, m) = (&layer.attn, &layer.mlp);
+        layers.push([
+            one(&a.qkv_proj, l, "qkv_proj", p(Site::Qkv), &mut groups)?,
+            one(&a.o_proj, l, "o_proj", p(Site::O), &mut groups)?,
+            one(
+                &m.gate_up_proj,
+                l,
+                "gate_up_proj",
+                p(Site::GateUp),
+                &mut groups,
+            )?,
+            one(&m.down_proj, l, "down_proj", p(Site::Down), &mut groups)?,
+        ]);
         projections += 4;
     }
-    if cfg.include_lm_head {
+    let lm_head = if cfg.include_lm_head {
         // The head's input is the final norm's output; RTN only (no calibration site for it).
-        one(&mut model.lm_head, n_layers, "lm_head", None, &mut groups)?;
         projections += 1;
-    }
+        Some(one(&model.lm_head, n_layers, "lm_head", None, &mut groups)?)
+    } else {
+        None
+    };
     Ok((
-        model,
+        PackedProjections { layers, lm_head },
         QuantReport {
             layers: n_layers,
             projections,
