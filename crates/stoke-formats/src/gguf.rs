@@ -845,11 +845,11 @@ mod tests {
             Err(GgufError::TensorBounds { .. })
         ));
         // A scalar of a block type.
-        let bytes = Writer::default()
+        let scalar = Writer::default()
             .tensor("scalar", &[], GgmlType::Q4_0, vec![])
             .to_bytes();
         assert!(matches!(
-            Gguf::parse("f.gguf", &bytes),
+            Gguf::parse("f.gguf", &scalar),
             Err(GgufError::TensorType { .. })
         ));
         // An offset off the alignment.
