@@ -858,10 +858,10 @@ fn apply_json_edits(mut v: Json, edits: &[JsonEdit]) -> Json {
                             m.remove(&last.replace("~1", "/").replace("~0", "~"));
                         }
                         Some(Json::Array(a)) => {
-                            if let Ok(i) = last.parse::<usize>() {
-                                if i < a.len() {
-                                    a.remove(i);
-                                }
+                            if let Ok(i) = last.parse::<usize>()
+                                && i < a.len()
+                            {
+                                a.remove(i);
                             }
                         }
                         _ => {}
