@@ -96,4 +96,10 @@ fn known_bad_files_are_typed_errors() {
     // tokenizer.json with a syntax error inside `decoder` (the tokenizers crate panics there).
     let e = tokenizer::from_json("t.json", br#"{"decoder": {"type": "ByteLevel",}}"#).unwrap_err();
     named(e.to_string(), "t.json", "invalid JSON");
+    // A BPE merge shorter than the continuing-subword prefix (the tokenizers crate panics there;
+    // found by the long run).
+    let t = br#"{"model": {"type": "BPE", "continuing_subword_prefix": "@@",
+        "vocab": {"a": 0, "b": 1}, "merges": ["a b"]}}"#;
+    let e = tokenizer::from_json("t.json", t).unwrap_err();
+    named(e.to_string(), "t.json", "model.merges[0]");
 }

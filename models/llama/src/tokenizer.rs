@@ -70,6 +70,28 @@ pub fn from_json(file: &str, bytes: &[u8]) -> Result<Tokenizer, TokenizerError> 
             file: file.into(),
             reason: format!("invalid JSON: {e}"),
         })?;
+    // The BPE builder (0.22) slices the prefix's length off each merge's second part: a shorter
+    // part, or one that would be cut inside a character, panics there.
+    let model = &json["model"];
+    if let (Some(prefix), Some(merges)) = (
+        model["continuing_subword_prefix"].as_str(),
+        model["merges"].as_array(),
+    ) {
+        for (i, m) in merges.iter().enumerate() {
+            let second = match m {
+                serde_json::Value::String(s) => s.split_once(' ').map(|(_, b)| b),
+                serde_json::Value::Array(a) => a.get(1).and_then(serde_json::Value::as_str),
+                _ => None,
+            };
+            if second.is_some_and(|b| !b.is_char_boundary(prefix.len())) {
+                return Err(TokenizerError::Metadata {
+                    file: file.into(),
+                    key: format!("model.merges[{i}]"),
+                    expected: "a second part that starts with model.continuing_subword_prefix",
+                });
+            }
+        }
+    }
     guard(file, || {
         serde_json::from_value::<Tokenizer>(json).map_err(|e| e.to_string())
     })
