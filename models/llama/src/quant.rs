@@ -26,7 +26,7 @@ use burn::nn::Linear;
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use std::time::Instant;
 use stoke::FusedOps;
-use stoke_formats::gptq::{GptqError, PreparedHessian, prepare_hessian, quantize_gptq_prepared};
+use stoke_formats::gptq::{GptqError, prepare_hessian, quantize_gptq_prepared};
 use stoke_formats::int4::{Int4Error, PackedInt4, ScaleType};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -283,6 +283,47 @@ pub fn apply_packed<B: FusedOps>(mut model: Llama<B>, packed: &PackedProjections
     model
 }
 
+/// One projection's GPTQ inputs on the host: its input Hessian and weight `[k, n]`.
+struct GptqJob {
+    h: Vec<f64>,
+    w: Vec<f32>,
+    k: usize,
+    n: usize,
+    group: usize,
+}
+
+/// The four projections of layer `l` (q|k|v, o, gate|up, down), each with its own input site's
+/// Hessian.
+fn solve_gptq_layer(
+    l: usize,
+    job: &[GptqJob],
+    damp: f64,
+    act_order: bool,
+    scale_type: ScaleType,
+) -> Result<[PackedInt4; 4], QuantError> {
+    const PROJ: [&str; 4] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"];
+    const SITE: [&str; 4] = ["qkv input", "o input", "gate/up input", "down input"];
+    let mut out = Vec::with_capacity(4);
+    for (i, j) in job.iter().enumerate() {
+        let prepared =
+            prepare_hessian(&j.h, j.k, damp, act_order).map_err(|source| QuantError::Gptq {
+                layer: l,
+                proj: SITE[i],
+                source,
+            })?;
+        out.push(
+            quantize_gptq_prepared(&j.w, j.k, j.n, &prepared, j.group, scale_type).map_err(
+                |source| QuantError::Gptq {
+                    layer: l,
+                    proj: PROJ[i],
+                    source,
+                },
+            )?,
+        );
+    }
+    Ok(out.try_into().expect("four projections"))
+}
+
 /// [`quantize`]'s packed weights, the model left as it is (to save them, see
 /// `crate::packed_file`).
 pub fn quantize_packed<B: FusedOps>(
@@ -301,82 +342,102 @@ pub fn quantize_packed<B: FusedOps>(
         }
     }
     let mut groups = Vec::new();
-    let mut projections = 0;
-    let one = |lin: &Linear<B>,
+    // Round to nearest, on the model's backend.
+    let rtn = |lin: &Linear<B>,
                layer: usize,
                proj: &'static str,
-               prepared: Option<&PreparedHessian>,
                groups: &mut Vec<(usize, usize)>|
      -> Result<PackedInt4, QuantError> {
         let w = lin.weight.val();
-        let [k, n] = w.dims();
+        let k = w.dims()[0];
         let group = group_for(k, cfg.group);
         if !groups.contains(&(k, group)) {
             groups.push((k, group));
         }
-        match prepared {
-            None => rtn_burn(w, group, cfg.scale_type).map_err(|source| QuantError::Int4 {
-                layer,
-                proj,
-                source,
-            }),
-            Some(p) => quantize_gptq_prepared(&host_f32(w), k, n, p, group, cfg.scale_type)
-                .map_err(|source| QuantError::Gptq {
-                    layer,
-                    proj,
-                    source,
-                }),
-        }
+        rtn_burn(w, group, cfg.scale_type).map_err(|source| QuantError::Int4 {
+            layer,
+            proj,
+            source,
+        })
     };
     let n_layers = model.layers.len();
     let mut layers = Vec::with_capacity(n_layers);
-    for (l, layer) in model.layers.iter().enumerate() {
-        // One prepared Hessian per input site, shared by the projections reading it.
-        let prepared: [Option<PreparedHessian>; 4] = match cfg.method {
-            Method::Rtn => [None, None, None, None],
-            Method::Gptq { damp, act_order } => {
-                let c = calibration.expect("checked above");
-                let mut out: [Option<PreparedHessian>; 4] = [None, None, None, None];
-                for site in Site::ALL {
-                    let h = c.hessians[l][site.index()]
-                        .clone()
-                        .ok_or(QuantError::NoCalibration)?;
-                    let k = h.dims()[0];
-                    let h64: Vec<f64> = host_f32(h).into_iter().map(f64::from).collect();
-                    let name =
-                        ["qkv input", "o input", "gate/up input", "down input"][site.index()];
-                    out[site.index()] =
-                        Some(prepare_hessian(&h64, k, damp, act_order).map_err(|source| {
-                            QuantError::Gptq {
-                                layer: l,
-                                proj: name,
-                                source,
-                            }
-                        })?);
-                }
-                out
+    match cfg.method {
+        Method::Rtn => {
+            for (l, layer) in model.layers.iter().enumerate() {
+                let (a, m) = (&layer.attn, &layer.mlp);
+                layers.push([
+                    rtn(&a.qkv_proj, l, "qkv_proj", &mut groups)?,
+                    rtn(&a.o_proj, l, "o_proj", &mut groups)?,
+                    rtn(&m.gate_up_proj, l, "gate_up_proj", &mut groups)?,
+                    rtn(&m.down_proj, l, "down_proj", &mut groups)?,
+                ]);
             }
-        };
-        let p = |s: Site| prepared[s.index()].as_ref();
-        let (a, m) = (&layer.attn, &layer.mlp);
-        layers.push([
-            one(&a.qkv_proj, l, "qkv_proj", p(Site::Qkv), &mut groups)?,
-            one(&a.o_proj, l, "o_proj", p(Site::O), &mut groups)?,
-            one(
-                &m.gate_up_proj,
-                l,
-                "gate_up_proj",
-                p(Site::GateUp),
-                &mut groups,
-            )?,
-            one(&m.down_proj, l, "down_proj", p(Site::Down), &mut groups)?,
-        ]);
-        projections += 4;
+        }
+        Method::Gptq { damp, act_order } => {
+            // The host solves run on every core, a chunk of layers at a time: this thread reads
+            // a chunk's weights and Hessians from the device, then one thread per layer solves
+            // its four projections.
+            let c = calibration.expect("checked above");
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let mut l0 = 0;
+            while l0 < n_layers {
+                let chunk = l0..(l0 + threads).min(n_layers);
+                let mut jobs = Vec::with_capacity(chunk.len());
+                for l in chunk.clone() {
+                    let layer = &model.layers[l];
+                    let mut job: Vec<GptqJob> = Vec::with_capacity(4);
+                    let lins = [
+                        &layer.attn.qkv_proj,
+                        &layer.attn.o_proj,
+                        &layer.mlp.gate_up_proj,
+                        &layer.mlp.down_proj,
+                    ];
+                    for (site, lin) in Site::ALL.into_iter().zip(lins) {
+                        let h = c.hessians[l][site.index()]
+                            .clone()
+                            .ok_or(QuantError::NoCalibration)?;
+                        let w = lin.weight.val();
+                        let [k, n] = w.dims();
+                        let group = group_for(k, cfg.group);
+                        if !groups.contains(&(k, group)) {
+                            groups.push((k, group));
+                        }
+                        job.push(GptqJob {
+                            h: host_f32(h).into_iter().map(f64::from).collect(),
+                            w: host_f32(w),
+                            k,
+                            n,
+                            group,
+                        });
+                    }
+                    jobs.push((l, job));
+                }
+                let solved: Vec<Result<[PackedInt4; 4], QuantError>> = std::thread::scope(|s| {
+                    let handles: Vec<_> = jobs
+                        .iter()
+                        .map(|(l, job)| {
+                            s.spawn(move || {
+                                solve_gptq_layer(*l, job, damp, act_order, cfg.scale_type)
+                            })
+                        })
+                        .collect();
+                    handles
+                        .into_iter()
+                        .map(|h| h.join().expect("a GPTQ thread panicked"))
+                        .collect()
+                });
+                for r in solved {
+                    layers.push(r?);
+                }
+                l0 = chunk.end;
+            }
+        }
     }
+    let projections = 4 * n_layers;
     let lm_head = if cfg.include_lm_head {
         // The head's input is the final norm's output; RTN only (no calibration site for it).
-        projections += 1;
-        Some(one(&model.lm_head, n_layers, "lm_head", None, &mut groups)?)
+        Some(rtn(&model.lm_head, n_layers, "lm_head", &mut groups)?)
     } else {
         None
     };
@@ -384,7 +445,7 @@ pub fn quantize_packed<B: FusedOps>(
         PackedProjections { layers, lm_head },
         QuantReport {
             layers: n_layers,
-            projections,
+            projections: projections + usize::from(cfg.include_lm_head),
             groups,
             seconds: t0.elapsed().as_secs_f64(),
         },
