@@ -155,6 +155,12 @@ struct Args {
     prompt: String,
     #[arg(long, default_value_t = 48)]
     max_tokens: usize,
+    /// Exit with status 2 unless held-out perplexity fell with fine-tuning, quantization raised
+    /// it by at most the increase measured on the base model (x 1.1 + 1 point), and the served
+    /// logits are within the kernel tolerance (relative L2 distance from the f32 dequantized
+    /// model at most 0.005 above the bf16 reference path's).
+    #[arg(long)]
+    check: bool,
 }
 
 /// What `--device auto` resolves to.
@@ -640,6 +646,21 @@ where
     let ids = &eval_ids[..32.min(eval_ids.len())];
     let a = logits(&served_model, ids, sz.dtype, &device);
     let b = logits(&reference, ids, sz.dtype, &device);
+    drop(reference);
+    let f32_ref = file.build::<T>(&device, DType::F32, max_positions, |_, _, _| None);
+    let c = logits(&f32_ref, ids, DType::F32, &device);
+    drop(f32_ref);
+    let rel = |x: &[f32], y: &[f32]| {
+        let num: f64 = x
+            .iter()
+            .zip(y)
+            .map(|(p, q)| (*p as f64 - *q as f64).powi(2))
+            .sum();
+        let den: f64 = y.iter().map(|q| (*q as f64).powi(2)).sum();
+        (num / den.max(1e-30)).sqrt()
+    };
+    let (rel_served, rel_reference) = (rel(&a, &c), rel(&b, &c));
+    let logits_ok = rel_served <= rel_reference + 0.005;
     let vocab = config.vocab_size;
     let max_diff = a
         .iter()
@@ -663,12 +684,25 @@ where
         .count();
     stage("logit_check_s", t);
     eprintln!(
-        "logits of {} tokens, {} vs {} (same file dequantized): max |diff| {max_diff:.4} (max |logit| {max_ref:.2}), argmax agrees at {agree}/{}",
+        "logits of {} tokens, {} vs {} (same file dequantized): max |diff| {max_diff:.4} (max |logit| {max_ref:.2}), argmax agrees at {agree}/{}; relative L2 distance from the f32 dequantized model {rel_served:.5} (the {:?} reference path: {rel_reference:.5})",
         ids.len(),
         names[1],
         names[2],
-        ids.len()
+        ids.len(),
+        sz.dtype
     );
+    let base_increase = base_quant["perplexity"]
+        .as_f64()
+        .map(|p| p / p_base.perplexity - 1.0);
+    let increase = p_quant.perplexity / p_tuned.perplexity - 1.0;
+    let checks = json!({
+        "perplexity_fell_with_finetuning": p_tuned.perplexity < p_base.perplexity,
+        "quantization_increase": increase,
+        "base_quantization_increase": base_increase,
+        "quantization_increase_within_base": base_increase.map(|b| increase <= 1.1 * b + 0.01),
+        "logits_within_kernel_tolerance": logits_ok,
+    });
+    eprintln!("checks: {checks}");
 
     if let Some(path) = &args.json {
         let summary = json!({
@@ -728,7 +762,10 @@ where
                 "max_abs_diff": max_diff,
                 "max_abs_logit": max_ref,
                 "argmax_agree": agree,
+                "relative_l2_served_vs_f32_dequantized": rel_served,
+                "relative_l2_reference_vs_f32_dequantized": rel_reference,
             },
+            "checks": checks,
             "generation": {
                 "prompt": args.prompt,
                 "text": outputs[0].text,
@@ -740,6 +777,20 @@ where
         std::fs::write(path, serde_json::to_string_pretty(&summary)? + "\n")
             .map_err(|e| format!("{}: {e}", path.display()))?;
         eprintln!("wrote {}", path.display());
+    }
+    if args.check {
+        let failed: Vec<&String> = checks
+            .as_object()
+            .expect("an object")
+            .iter()
+            .filter(|(_, v)| v.as_bool() == Some(false))
+            .map(|(k, _)| k)
+            .collect();
+        if !failed.is_empty() {
+            eprintln!("check failed: {failed:?}");
+            std::process::exit(2);
+        }
+        eprintln!("checks passed");
     }
     Ok(())
 }
