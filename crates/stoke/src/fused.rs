@@ -200,12 +200,14 @@ impl<I: Backend> FusedOps for Stoke<I> {
     ) -> FloatTensor<Self> {
         use stoke_cuda::kernels::int4_gemm::Epilogue;
         crate::cuda::try_linear::<I>(&x, &weight, Epilogue::Residual, Some(&residual))
+            .or_else(|| crate::cpu::try_linear::<I>(&x, &weight, Epilogue::Residual, Some(&residual)))
             .unwrap_or_else(|| Self::float_add(Self::linear(x, weight, None), residual))
     }
 
     fn linear_swiglu(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
         use stoke_cuda::kernels::int4_gemm::Epilogue;
         crate::cuda::try_linear::<I>(&x, &weight, Epilogue::SwiGlu, None)
+            .or_else(|| crate::cpu::try_linear::<I>(&x, &weight, Epilogue::SwiGlu, None))
             .unwrap_or_else(|| swiglu_reference::<Self>(Self::linear(x, weight, None)))
     }
 

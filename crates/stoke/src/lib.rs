@@ -18,6 +18,7 @@
 //! on the CPU, so model code is written once.
 
 mod backend;
+pub mod cpu;
 pub mod cuda;
 pub mod decode;
 pub mod fused;

@@ -20,6 +20,8 @@ pub struct PackedWeight<I: Backend> {
     /// The packed weight in device memory, uploaded at the first kernel call (`None`: the
     /// upload failed, and was logged).
     pub(crate) gpu: OnceLock<Option<Arc<stoke_cuda::int4::DeviceInt4>>>,
+    /// The CPU kernel's layout of the same nibbles, made at the first CPU call.
+    pub(crate) cpu: OnceLock<Arc<crate::cpu::int4::CpuInt4>>,
 }
 
 impl<I: Backend> PackedWeight<I> {
@@ -30,6 +32,7 @@ impl<I: Backend> PackedWeight<I> {
             device,
             materialized: OnceLock::new(),
             gpu: OnceLock::new(),
+            cpu: OnceLock::new(),
         }
     }
 }

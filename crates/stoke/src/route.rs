@@ -17,7 +17,9 @@ pub(crate) fn linear<I: Backend>(
     bias: Option<StokeTensor<I>>,
 ) -> StokeTensor<I> {
     use stoke_cuda::kernels::int4_gemm::Epilogue;
-    if let Some(y) = cuda::try_linear::<I>(&x, &weight, Epilogue::Plain, None) {
+    if let Some(y) = cuda::try_linear::<I>(&x, &weight, Epilogue::Plain, None)
+        .or_else(|| crate::cpu::try_linear::<I>(&x, &weight, Epilogue::Plain, None))
+    {
         return match bias {
             None => y,
             Some(b) => {

@@ -121,7 +121,9 @@ fn rtn_on_stoke_keeps_weights_packed_with_the_simulated_values() {
             .is_some()
     );
     let seqs = sequences(2, 10, 9);
-    assert_eq!(logits(&packed, &seqs), logits(&simulated, &seqs));
+    // The CPU kernel sums the packed nibbles in another order than the simulated matmul.
+    let (a, b) = (logits(&packed, &seqs), logits(&simulated, &seqs));
+    assert!(relative_error(&a, &b) < 1e-5);
 }
 
 #[test]
