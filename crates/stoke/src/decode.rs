@@ -133,8 +133,10 @@ impl DecodeSpec {
 #[derive(Debug)]
 pub struct RefDecoder<B: Backend> {
     pub spec: DecodeSpec,
-    keys: Vec<Tensor<B, 4>>,
-    values: Vec<Tensor<B, 4>>,
+    /// Each layer's cache `[batch, kv_heads, capacity, head_dim]`; `None` only while a row is
+    /// written (see [`assign_rows`]).
+    keys: Vec<Option<Tensor<B, 4>>>,
+    values: Vec<Option<Tensor<B, 4>>>,
     /// Where each sequence's current token goes (the tokens before it are in the cache).
     pos: Vec<usize>,
     ids: Vec<u32>,
@@ -199,6 +201,18 @@ pub(crate) fn prompt_state(
     Ok((pos, presence))
 }
 
+/// `slot[rows] = value`, with the cache tensor moved out of `slot` rather than cloned: held
+/// once, it is updated in place (a backend with copy-on-write storage, NdArray, would otherwise
+/// copy the whole layer cache for each row written).
+fn assign_rows<B: Backend>(
+    slot: &mut Option<Tensor<B, 4>>,
+    rows: [std::ops::Range<usize>; 4],
+    value: Tensor<B, 4>,
+) {
+    let cache = slot.take().expect("the cache is in place between writes");
+    *slot = Some(cache.slice_assign(rows, value));
+}
+
 fn words(vocab: usize) -> usize {
     vocab.div_ceil(32)
 }
@@ -207,7 +221,7 @@ impl<B: Backend> RefDecoder<B> {
     pub fn new(spec: DecodeSpec, dtype: DType, device: &B::Device) -> Result<Self, DecodeError> {
         spec.validate()?;
         let (b, kvh, cap, d) = (spec.batch, spec.kv_heads, spec.capacity, spec.head_dim);
-        let z = || Tensor::<B, 4>::zeros([b, kvh, cap, d], device).cast(dtype);
+        let z = || Some(Tensor::<B, 4>::zeros([b, kvh, cap, d], device).cast(dtype));
         let half = d / 2;
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
         for pair in spec.rope[..cap * d].chunks(2) {
@@ -299,8 +313,8 @@ impl<B: Backend> RefDecoder<B> {
             self.through_format(k.slice(rows.clone())),
             self.through_format(v.slice(rows.clone())),
         );
-        self.keys[layer] = self.keys[layer].clone().slice_assign(rows.clone(), k);
-        self.values[layer] = self.values[layer].clone().slice_assign(rows, v);
+        assign_rows(&mut self.keys[layer], rows.clone(), k);
+        assign_rows(&mut self.values[layer], rows, v);
     }
 
     fn embed(
@@ -355,8 +369,8 @@ impl<B: Backend> RefDecoder<B> {
             );
             let (ki, vi) = (self.through_format(ki), self.through_format(vi));
             let rows = [i..i + 1, 0..kvh, p..p + 1, 0..d];
-            self.keys[layer] = self.keys[layer].clone().slice_assign(rows.clone(), ki);
-            self.values[layer] = self.values[layer].clone().slice_assign(rows, vi);
+            assign_rows(&mut self.keys[layer], rows.clone(), ki);
+            assign_rows(&mut self.values[layer], rows, vi);
         }
         // Keys in whole blocks of 256 (masked past each sequence's position), so a backend that
         // compiles per shape (burn-cuda) sees a new shape every 256 steps, not every step.
@@ -368,18 +382,19 @@ impl<B: Backend> RefDecoder<B> {
             .iter()
             .flat_map(|&p| (0..keys).map(move |j| j > p))
             .collect();
+        // Grouped-query attention without repeating the cache: the `h / kvh` query heads of a
+        // kv head are its query rows (one position each), so keys and values are read as they
+        // lie, `[b, kvh, keys, d]`.
+        let g = h / kvh;
         let mask =
             Tensor::<B, 4, Bool>::from_data(TensorData::new(hidden, [b, 1, 1, keys]), &self.device)
-                .expand([b, h, 1, keys]);
-        let expand = |t: &Tensor<B, 4>| {
-            t.clone()
-                .slice([0..b, 0..kvh, 0..keys, 0..d])
-                .reshape([b, kvh, 1, keys, d])
-                .expand([b, kvh, h / kvh, keys, d])
-                .reshape([b, h, keys, d])
+                .expand([b, kvh, g, keys]);
+        let window = |t: &Option<Tensor<B, 4>>| {
+            let t = t.as_ref().expect("the cache is in place between writes");
+            t.clone().slice([0..b, 0..kvh, 0..keys, 0..d])
         };
-        let (kk, vv) = (expand(&self.keys[layer]), expand(&self.values[layer]));
-        let q = q.reshape([b, h, 1, d]);
+        let (kk, vv) = (window(&self.keys[layer]), window(&self.values[layer]));
+        let q = q.reshape([b, kvh, g, d]);
         let out = module::attention(q, kk, vv, Some(mask), None, Default::default());
         out.reshape([b, 1, h * d])
     }
