@@ -19,7 +19,8 @@ enum Device {
     /// CUDA when a driver and a GPU are present (Stoke on Hopper, plain burn-cuda on other
     /// GPUs), the CPU otherwise.
     Auto,
-    /// The CPU (burn-ndarray).
+    /// The CPU: `Stoke<NdArray>` (Stoke's CPU kernels for the projections, packed INT4 weights
+    /// read in place), or plain burn-ndarray with `--backend burn`.
     Cpu,
     /// GPU 0 through CUDA.
     Cuda,
@@ -27,9 +28,10 @@ enum Device {
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
 enum Backend {
-    /// Stoke<Cuda>: Stoke's kernels where they apply, burn-cuda for the rest.
+    /// Stoke<Cuda> / Stoke<NdArray>: Stoke's kernels where they apply, the inner backend for
+    /// the rest.
     Stoke,
-    /// Plain burn-cuda, for comparison.
+    /// Plain burn-cuda (burn-ndarray on the CPU), for comparison.
     Burn,
 }
 
@@ -41,7 +43,7 @@ enum Precision {
 }
 
 /// Generate text with a Llama-family model on Burn, accelerated by Stoke on Hopper GPUs.
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Clone)]
 #[command(version, about, long_about = None)]
 struct Args {
     /// A llama-architecture GGUF file, a Hugging Face model directory (config.json, safetensors,
@@ -80,7 +82,8 @@ struct Args {
     /// Where to run.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
-    /// On CUDA: Stoke (default) or plain burn-cuda.
+    /// Stoke (default: its kernels where they apply) or the plain inner backend (burn-cuda on
+    /// CUDA, burn-ndarray on the CPU).
     #[arg(long, value_enum, default_value_t = Backend::Stoke)]
     backend: Backend,
     /// Weight and activation precision (default: f32 on the CPU, bf16 on CUDA).
@@ -97,13 +100,12 @@ struct Args {
     #[arg(long, default_value_t = 6)]
     windows: usize,
     /// Keep GGUF Q4_0/Q4_1 projections in Stoke's packed INT4 format (loaded without
-    /// re-quantization) instead of dequantizing them at load. The default with Stoke on CUDA;
-    /// on the CPU this runs on `Stoke<NdArray>`, which dequantizes each packed weight once
-    /// where it is used.
+    /// re-quantization) instead of dequantizing them at load. The default with Stoke (on CUDA
+    /// and on the CPU); with `--backend burn` on the CPU it runs on `Stoke<NdArray>`.
     #[arg(long)]
     int4: bool,
-    /// With Stoke on CUDA: dequantize GGUF Q4_0/Q4_1 projections to `--dtype` at load instead
-    /// of keeping them packed.
+    /// With Stoke: dequantize GGUF Q4_0/Q4_1 projections to `--dtype` at load instead of
+    /// keeping them packed.
     #[arg(long, conflicts_with = "int4")]
     dense: bool,
     /// Run each decode step as it is queued instead of replaying it as a CUDA graph (for
@@ -155,6 +157,40 @@ struct Args {
     /// (32, 64 or 128, dividing head_dim).
     #[arg(long)]
     kv_rotate: Option<usize>,
+    /// Benchmark instead of generating, shaped like llama-bench: prefill tokens/s at each
+    /// `--bench-prompts` length and decode tokens/s at each `--bench-batches` size (median of
+    /// `--bench-reps` runs after a warm-up, with min, max and standard deviation).
+    #[arg(long)]
+    bench: bool,
+    /// Prompt lengths of the prefill points (`pp`).
+    #[arg(long, value_delimiter = ',', default_value = "128,512,2048")]
+    bench_prompts: Vec<usize>,
+    /// Batch sizes of the decode points (`tg`).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    bench_batches: Vec<usize>,
+    /// Decode steps timed per decode point.
+    #[arg(long, default_value_t = 128)]
+    bench_tokens: usize,
+    /// Timed repetitions per point.
+    #[arg(long, default_value_t = 5)]
+    bench_reps: usize,
+    /// With `--bench`: write the points as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// With `--bench`: draw tokens/s against batch size (decode) and prompt length (prefill) as
+    /// an SVG.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// With `--bench`: run the same points on the plain inner backend too (burn-cuda, or
+    /// burn-ndarray on the CPU), beside Stoke.
+    #[arg(long, value_enum)]
+    compare: Option<CompareArg>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum CompareArg {
+    /// The plain inner backend.
+    Burn,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
@@ -216,7 +252,8 @@ fn pick_device(args: &mut Args) {
     let chosen = match (device, args.backend) {
         (Device::Cuda, Backend::Stoke) => "CUDA GPU 0, Stoke<Cuda>",
         (Device::Cuda, Backend::Burn) => "CUDA GPU 0, plain burn-cuda",
-        _ => "CPU, burn-ndarray",
+        (_, Backend::Stoke) => "CPU, Stoke<NdArray>",
+        (_, Backend::Burn) => "CPU, burn-ndarray",
     };
     match reason {
         None => eprintln!("device: {chosen}"),
@@ -235,23 +272,62 @@ fn run(mut args: Args) -> Result<(), Box<dyn std::error::Error>> {
         (Some(Precision::Bf16), _) | (None, Device::Cuda) => DType::BF16,
         (Some(Precision::F16), _) => DType::F16,
     };
+    if args.bench {
+        // The rope table and the decoder must hold the longest prompt and the decode points.
+        let longest = args.bench_prompts.iter().max().copied().unwrap_or(0) + 1;
+        args.context = args
+            .context
+            .max(longest)
+            .max(BENCH_DECODE_PROMPT + args.bench_tokens + 2);
+    }
+    let mut runs = Vec::new();
+    runs.extend(dispatch(&args, &model, dtype)?);
+    if args.bench && args.compare.is_some() && args.backend == Backend::Stoke {
+        let mut plain = args.clone();
+        plain.backend = Backend::Burn;
+        plain.int4 = false;
+        runs.extend(dispatch(&plain, &model, dtype)?);
+    }
+    if args.bench {
+        report_bench(&args, &model, dtype, &runs)?;
+    }
+    Ok(())
+}
+
+/// The backend `args` names, on its device.
+fn dispatch(
+    args: &Args,
+    model: &Path,
+    dtype: DType,
+) -> Result<Option<BenchRun>, Box<dyn std::error::Error>> {
     match (args.device, args.backend) {
-        (Device::Cpu, _) if args.int4 => generate_on::<stoke::Stoke<burn_ndarray::NdArray<f32>>>(
-            &args,
-            &model,
-            dtype,
-            Default::default(),
-        ),
+        (Device::Cpu | Device::Auto, _) if args.int4 || args.backend == Backend::Stoke => {
+            generate_on::<stoke::Stoke<burn_ndarray::NdArray<f32>>>(
+                args,
+                model,
+                dtype,
+                Default::default(),
+            )
+        }
         (Device::Cpu | Device::Auto, _) => {
-            generate_on::<burn_ndarray::NdArray<f32>>(&args, &model, dtype, Default::default())
+            generate_on::<burn_ndarray::NdArray<f32>>(args, model, dtype, Default::default())
         }
         (Device::Cuda, Backend::Stoke) => {
-            generate_on::<stoke::Stoke<burn_cuda::Cuda>>(&args, &model, dtype, Default::default())
+            generate_on::<stoke::Stoke<burn_cuda::Cuda>>(args, model, dtype, Default::default())
         }
         (Device::Cuda, Backend::Burn) => {
-            generate_on::<burn_cuda::Cuda>(&args, &model, dtype, Default::default())
+            generate_on::<burn_cuda::Cuda>(args, model, dtype, Default::default())
         }
     }
+}
+
+/// Prompt tokens before the timed decode steps of `--bench`.
+const BENCH_DECODE_PROMPT: usize = 16;
+
+/// One backend's `--bench` points.
+struct BenchRun {
+    backend: String,
+    points: Vec<stoke_llama::bench::Point>,
 }
 
 fn generate_on<B: FusedOps>(
@@ -259,10 +335,9 @@ fn generate_on<B: FusedOps>(
     path: &Path,
     dtype: DType,
     device: B::Device,
-) -> Result<(), Box<dyn std::error::Error>> {
+) -> Result<Option<BenchRun>, Box<dyn std::error::Error>> {
     let t0 = Instant::now();
-    let packed =
-        args.int4 || (args.device == Device::Cuda && args.backend == Backend::Stoke && !args.dense);
+    let packed = args.int4 || (args.backend == Backend::Stoke && !args.dense);
     let mut loaded = if stoke_llama::packed_file::is_packed_file(path) {
         // A Stoke packed model (`finetune_serve` writes one): INT4 projections stay packed
         // where the backend keeps packed weights, whatever `--dense` says.
@@ -362,6 +437,31 @@ fn generate_on<B: FusedOps>(
         load.as_secs_f64(),
         dtype
     );
+    if args.bench {
+        let cfg = stoke_llama::bench::BenchConfig {
+            prompt_lens: args.bench_prompts.clone(),
+            batches: args.bench_batches.clone(),
+            decode_tokens: args.bench_tokens,
+            decode_prompt: BENCH_DECODE_PROMPT,
+            reps: args.bench_reps,
+            kv_cache: kv_format(args),
+            eager: args.eager,
+            seed: args.seed,
+        };
+        let backend = B::name(&device);
+        let bar = indicatif::ProgressBar::new(1).with_style(
+            indicatif::ProgressStyle::with_template("{prefix} {bar:30} {pos}/{len} runs {msg}")
+                .expect("a valid template"),
+        );
+        bar.set_prefix(backend.clone());
+        let points = stoke_llama::bench::run(&loaded.model, &cfg, dtype, &device, |name, done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+            bar.set_message(name.to_string());
+        })?;
+        bar.finish_and_clear();
+        return Ok(Some(BenchRun { backend, points }));
+    }
     if let Some(file) = &args.perplexity {
         let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
         let t1 = Instant::now();
@@ -393,7 +493,7 @@ fn generate_on<B: FusedOps>(
             args.context,
             t1.elapsed().as_secs_f64()
         );
-        return Ok(());
+        return Ok(None);
     }
     let cfg = SamplingConfig {
         temperature: args.temperature,
@@ -404,11 +504,7 @@ fn generate_on<B: FusedOps>(
         max_new_tokens: args.max_tokens,
         stop_strings: args.stop.clone(),
         eos_token_ids: loaded.config.eos_token_ids.clone(),
-        kv_cache: match args.kv_cache {
-            None | Some(KvArg::Bf16) => stoke::KvCacheFormat::Bf16,
-            Some(KvArg::Fp8) => stoke::KvCacheFormat::Fp8,
-            Some(KvArg::Int4) => stoke::KvCacheFormat::Int4,
-        },
+        kv_cache: kv_format(args),
         eager: args.eager,
     };
     let prompts: Vec<String> = args
@@ -464,5 +560,164 @@ fn generate_on<B: FusedOps>(
         t.decode_steps,
         prompts.len(),
     );
+    Ok(None)
+}
+
+fn kv_format(args: &Args) -> stoke::KvCacheFormat {
+    match args.kv_cache {
+        None | Some(KvArg::Bf16) => stoke::KvCacheFormat::Bf16,
+        Some(KvArg::Fp8) => stoke::KvCacheFormat::Fp8,
+        Some(KvArg::Int4) => stoke::KvCacheFormat::Int4,
+    }
+}
+
+/// The machine the benchmark ran on: the GPU Stoke opened, or the CPU's model and threads.
+fn host_description(args: &Args) -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cpu = format!("{cpu}, {threads} threads");
+    if args.device == Device::Cuda {
+        match stoke::cuda::runtime_status::<burn_cuda::Cuda>(&Default::default()) {
+            Ok(rt) => format!("{rt:?}; {cpu}"),
+            Err(e) => format!("CUDA GPU 0 ({e}); {cpu}"),
+        }
+    } else {
+        cpu
+    }
+}
+
+/// Prints the `--bench` table and writes `--json` and `--plot`.
+fn report_bench(
+    args: &Args,
+    model: &Path,
+    dtype: DType,
+    runs: &[BenchRun],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let name = model
+        .file_name()
+        .map_or_else(|| model.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let host = host_description(args);
+    println!("{name} on {host} ({dtype:?}, KV cache {:?})", kv_format(args));
+    println!(
+        "| {:<26} | {:<12} | {:>5} | {:>12} | {:>10} | {:>21} |",
+        "backend", "test", "batch", "t/s (median)", "± stddev", "min .. max"
+    );
+    println!("|{:-<28}|{:-<14}|{:->7}|{:->14}|{:->12}|{:->23}|", "", "", "", "", "", "");
+    for run in runs {
+        for p in &run.points {
+            println!(
+                "| {:<26} | {:<12} | {:>5} | {:>12.1} | {:>10.1} | {:>21} |",
+                run.backend,
+                p.test,
+                p.batch,
+                p.median,
+                p.stddev,
+                format!("{:.1} .. {:.1}", p.min, p.max)
+            );
+        }
+    }
+    if let Some(file) = &args.json {
+        let unix_time = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let json = serde_json::json!({
+            "model": name,
+            "host": host,
+            "dtype": format!("{dtype:?}"),
+            "kv_cache": format!("{:?}", kv_format(args)),
+            "decode_prompt_tokens": BENCH_DECODE_PROMPT,
+            "reps": args.bench_reps,
+            "unix_time": unix_time,
+            "runs": runs.iter().map(|r| serde_json::json!({
+                "backend": r.backend,
+                "points": r.points,
+            })).collect::<Vec<_>>(),
+        });
+        std::fs::write(file, serde_json::to_string_pretty(&json)? + "\n")
+            .map_err(|e| format!("{}: {e}", file.display()))?;
+        eprintln!("wrote {}", file.display());
+    }
+    if let Some(file) = &args.plot {
+        plot_bench(file, &format!("{name} on {host}"), runs)
+            .map_err(|e| format!("{}: {e}", file.display()))?;
+        eprintln!("wrote {}", file.display());
+    }
+    Ok(())
+}
+
+/// Decode tokens/s against batch size and prefill tokens/s against prompt length, a line per
+/// backend, each point the median with its min..max range.
+fn plot_bench(
+    file: &Path,
+    title: &str,
+    runs: &[BenchRun],
+) -> Result<(), Box<dyn std::error::Error>> {
+    use plotters::prelude::*;
+    use stoke_llama::bench::{Kind, Point};
+    let root = SVGBackend::new(file, (1100, 460)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = root.titled(title, ("sans-serif", 16))?;
+    let (left, right) = root.split_horizontally(550);
+    for (area, kind) in [(left, Kind::Decode), (right, Kind::Prefill)] {
+        let x_of = |p: &Point| match kind {
+            Kind::Decode => p.batch as f64,
+            Kind::Prefill => p.prompt as f64,
+        };
+        let all: Vec<&Point> = runs
+            .iter()
+            .flat_map(|r| r.points.iter().filter(|p| p.kind == kind))
+            .collect();
+        if all.is_empty() {
+            continue;
+        }
+        let xmin = all.iter().map(|p| x_of(p)).fold(f64::INFINITY, f64::min);
+        let xmax = all.iter().map(|p| x_of(p)).fold(0.0, f64::max);
+        let ymax = all.iter().map(|p| p.max).fold(0.0, f64::max) * 1.15;
+        let (caption, xdesc) = match kind {
+            Kind::Decode => ("decode", "batch size (sequences)"),
+            Kind::Prefill => ("prefill", "prompt length (tokens)"),
+        };
+        let mut chart = ChartBuilder::on(&area)
+            .caption(format!("{caption} tokens/s"), ("sans-serif", 15))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d((xmin / 1.5..xmax * 1.5).log_scale(), 0f64..ymax.max(1.0))?;
+        chart
+            .configure_mesh()
+            .x_desc(xdesc)
+            .y_desc("tokens/s")
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .draw()?;
+        for (i, run) in runs.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            let pts: Vec<&Point> = run.points.iter().filter(|p| p.kind == kind).collect();
+            let line: Vec<(f64, f64)> = pts.iter().map(|p| (x_of(p), p.median)).collect();
+            chart
+                .draw_series(LineSeries::new(line.clone(), color.stroke_width(2)))?
+                .label(run.backend.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+            chart.draw_series(line.iter().map(|&(x, y)| Circle::new((x, y), 4, color.filled())))?;
+            chart.draw_series(
+                pts.iter()
+                    .map(|p| PathElement::new(vec![(x_of(p), p.min), (x_of(p), p.max)], color)),
+            )?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()?;
+    }
+    root.present()?;
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! Llama-family models for Stoke: configuration and tokenizer from GGUF metadata (the model,
 //! its loaders and generation follow in this crate).
 
+pub mod bench;
 pub mod config;
 pub mod eval;
 pub mod fetch;
