@@ -454,11 +454,12 @@ fn generate_on<B: FusedOps>(
                 .expect("a valid template"),
         );
         bar.set_prefix(backend.clone());
-        let points = stoke_llama::bench::run(&loaded.model, &cfg, dtype, &device, |name, done, total| {
-            bar.set_length(total as u64);
-            bar.set_position(done as u64);
-            bar.set_message(name.to_string());
-        })?;
+        let points =
+            stoke_llama::bench::run(&loaded.model, &cfg, dtype, &device, |name, done, total| {
+                bar.set_length(total as u64);
+                bar.set_position(done as u64);
+                bar.set_message(name.to_string());
+            })?;
         bar.finish_and_clear();
         return Ok(Some(BenchRun { backend, points }));
     }
@@ -601,16 +602,23 @@ fn report_bench(
     dtype: DType,
     runs: &[BenchRun],
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let name = model
-        .file_name()
-        .map_or_else(|| model.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let name = model.file_name().map_or_else(
+        || model.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
     let host = host_description(args);
-    println!("{name} on {host} ({dtype:?}, KV cache {:?})", kv_format(args));
+    println!(
+        "{name} on {host} ({dtype:?}, KV cache {:?})",
+        kv_format(args)
+    );
     println!(
         "| {:<26} | {:<12} | {:>5} | {:>12} | {:>10} | {:>21} |",
         "backend", "test", "batch", "t/s (median)", "± stddev", "min .. max"
     );
-    println!("|{:-<28}|{:-<14}|{:->7}|{:->14}|{:->12}|{:->23}|", "", "", "", "", "", "");
+    println!(
+        "|{:-<28}|{:-<14}|{:->7}|{:->14}|{:->12}|{:->23}|",
+        "", "", "", "", "", ""
+    );
     for run in runs {
         for p in &run.points {
             println!(
@@ -705,7 +713,10 @@ fn plot_bench(
                 .draw_series(LineSeries::new(line.clone(), color.stroke_width(2)))?
                 .label(run.backend.as_str())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
-            chart.draw_series(line.iter().map(|&(x, y)| Circle::new((x, y), 4, color.filled())))?;
+            chart.draw_series(
+                line.iter()
+                    .map(|&(x, y)| Circle::new((x, y), 4, color.filled())),
+            )?;
             chart.draw_series(
                 pts.iter()
                     .map(|p| PathElement::new(vec![(x_of(p), p.min), (x_of(p), p.max)], color)),

@@ -200,7 +200,9 @@ impl<I: Backend> FusedOps for Stoke<I> {
     ) -> FloatTensor<Self> {
         use stoke_cuda::kernels::int4_gemm::Epilogue;
         crate::cuda::try_linear::<I>(&x, &weight, Epilogue::Residual, Some(&residual))
-            .or_else(|| crate::cpu::try_linear::<I>(&x, &weight, Epilogue::Residual, Some(&residual)))
+            .or_else(|| {
+                crate::cpu::try_linear::<I>(&x, &weight, Epilogue::Residual, Some(&residual))
+            })
             .unwrap_or_else(|| Self::float_add(Self::linear(x, weight, None), residual))
     }
 

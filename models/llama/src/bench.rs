@@ -73,7 +73,14 @@ pub struct Point {
 }
 
 impl Point {
-    fn new(test: String, kind: Kind, batch: usize, prompt: usize, tokens: usize, s: Vec<f64>) -> Self {
+    fn new(
+        test: String,
+        kind: Kind,
+        batch: usize,
+        prompt: usize,
+        tokens: usize,
+        s: Vec<f64>,
+    ) -> Self {
         let mut sorted = s.clone();
         sorted.sort_by(f64::total_cmp);
         let n = sorted.len();
@@ -112,7 +119,8 @@ pub fn run<B: FusedOps>(
 ) -> Result<Vec<Point>, GenerateError> {
     let vocab = model.embed_tokens.dims()[0] as u32;
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
-    let mut prompt = |len: usize| -> Vec<u32> { (0..len).map(|_| rng.random_range(0..vocab)).collect() };
+    let mut prompt =
+        |len: usize| -> Vec<u32> { (0..len).map(|_| rng.random_range(0..vocab)).collect() };
     let total = (cfg.prompt_lens.len() + cfg.batches.len()) * (cfg.reps + 1);
     let mut done = 0;
     let mut points = Vec::new();

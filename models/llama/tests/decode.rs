@@ -124,12 +124,12 @@ fn decode_step_on_stoke_ndarray_equals_ndarray() {
     let (ids_s, logits_s) = decoded(&model::<S>(64), 6, KvCacheFormat::Bf16);
     assert_eq!(ids_p, ids_s);
     // Stoke's CPU kernels sum the projections in another order than burn-ndarray's matmul.
-    let scale = logits_p
-        .iter()
-        .flatten()
-        .fold(0f32, |a, v| a.max(v.abs()));
+    let scale = logits_p.iter().flatten().fold(0f32, |a, v| a.max(v.abs()));
     let d = max_diff(&logits_p, &logits_s);
-    assert!(d <= 1e-5 * scale.max(1.0), "max |diff| {d} against logits up to {scale}");
+    assert!(
+        d <= 1e-5 * scale.max(1.0),
+        "max |diff| {d} against logits up to {scale}"
+    );
 }
 
 #[test]

@@ -35,10 +35,19 @@ fn q4_1_loaded_packed_matches_q4_1_dequantized() {
         .unwrap()
         .model;
     for (lin, plain) in [
-        (&packed.layers[0].attn.qkv_proj, &dense.layers[0].attn.qkv_proj),
+        (
+            &packed.layers[0].attn.qkv_proj,
+            &dense.layers[0].attn.qkv_proj,
+        ),
         (&packed.layers[1].attn.o_proj, &dense.layers[1].attn.o_proj),
-        (&packed.layers[1].mlp.gate_up_proj, &dense.layers[1].mlp.gate_up_proj),
-        (&packed.layers[1].mlp.down_proj, &dense.layers[1].mlp.down_proj),
+        (
+            &packed.layers[1].mlp.gate_up_proj,
+            &dense.layers[1].mlp.gate_up_proj,
+        ),
+        (
+            &packed.layers[1].mlp.down_proj,
+            &dense.layers[1].mlp.down_proj,
+        ),
     ] {
         assert_eq!(
             lin.weight.val().into_data().to_vec::<f32>().unwrap(),
@@ -56,6 +65,12 @@ fn q4_1_loaded_packed_matches_q4_1_dequantized() {
     }
     let (a, b) = (logits(&packed), logits(&dense));
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let diff = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-    assert!(diff <= 1e-5 * scale, "max |diff| {diff} against logits up to {scale}");
+    let diff = a
+        .iter()
+        .zip(&b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(
+        diff <= 1e-5 * scale,
+        "max |diff| {diff} against logits up to {scale}"
+    );
 }

@@ -109,7 +109,11 @@ pub(crate) fn try_linear<I: Backend>(
                 .collect()
         }
     };
-    *dims.last_mut().unwrap() = if epilogue == Epilogue::SwiGlu { n / 2 } else { n };
+    *dims.last_mut().unwrap() = if epilogue == Epilogue::SwiGlu {
+        n / 2
+    } else {
+        n
+    };
     let device = I::float_device(xi);
     Some(StokeTensor::Inner(I::float_from_data(
         TensorData::new(y, dims),
