@@ -66,7 +66,8 @@ pub(crate) fn try_linear<I: Backend>(
     };
     let (y, mut dims, n) = with_f32::<I, _>(xi, |xs, dims| {
         let k = *dims.last()?;
-        if k == 0 {
+        // Empty inputs go to the reference path (which handles them) rather than the kernels.
+        if k == 0 || xs.is_empty() {
             return None;
         }
         let rows = xs.len() / k;
