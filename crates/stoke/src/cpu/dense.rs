@@ -28,15 +28,7 @@ pub fn matmul(x: &[f32], rows: usize, w: &[f32], k: usize, n: usize) -> Vec<f32>
                 c0: b * BLOCK,
             })
         });
-    let mut y = vec![0f32; rows * n];
-    for (b, chunk) in blocked.chunks_exact(rows * BLOCK).enumerate() {
-        let c0 = b * BLOCK;
-        let cols = (n - c0).min(BLOCK);
-        for r in 0..rows {
-            y[r * n + c0..][..cols].copy_from_slice(&chunk[r * BLOCK..][..cols]);
-        }
-    }
-    y
+    super::unblock(&blocked, rows, n, BLOCK)
 }
 
 /// One column block for every input row, compiled for the SIMD level pulp found.
@@ -127,15 +119,12 @@ fn edge(
 
 #[cfg(test)]
 mod tests {
+    use crate::cpu::tests::lcg;
+
     #[test]
     fn matches_f64_reference() {
         let mut seed = 11u64;
-        let mut next = || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        };
+        let mut next = || lcg(&mut seed);
         for &(rows, k, n) in &[(1, 8, 64), (5, 33, 100), (4, 576, 192), (2, 7, 3)] {
             let x: Vec<f32> = (0..rows * k).map(|_| next()).collect();
             let w: Vec<f32> = (0..k * n).map(|_| next()).collect();

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use stoke_formats::int4::PackedInt4;
 
 /// Columns per block: one 16-byte load holds a row pair's nibbles for all of them.
-pub(crate) const BLOCK: usize = 16;
+const BLOCK: usize = 16;
 /// Input rows sharing one decode of the nibbles.
 const ROWS: usize = 4;
 
@@ -109,7 +109,7 @@ impl CpuInt4 {
                     group,
                 })
             });
-        unblock(&blocked, rows, n)
+        super::unblock(&blocked, rows, n, BLOCK)
     }
 }
 
@@ -207,28 +207,11 @@ fn block<const R: usize>(
     }
 }
 
-/// `[n / 16][rows][16]` to `[rows, n]`.
-pub(crate) fn unblock(blocked: &[f32], rows: usize, n: usize) -> Vec<f32> {
-    let mut y = vec![0f32; rows * n];
-    for (b, chunk) in blocked.chunks_exact(rows * BLOCK).enumerate() {
-        for r in 0..rows {
-            y[r * n + b * BLOCK..][..BLOCK].copy_from_slice(&chunk[r * BLOCK..][..BLOCK]);
-        }
-    }
-    y
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::tests::lcg;
     use stoke_formats::int4::{ScaleType, quantize_rtn};
-
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
 
     /// The kernel against x times the dequantized weight in f64, symmetric and with offsets,
     /// for every row count the kernel splits into.

@@ -37,6 +37,20 @@ fn with_f32<I: Backend, T>(
     }
 }
 
+/// A kernel's output laid out `[blocks][rows][block]` (each task's columns contiguous) as
+/// `[rows, n]`; the last block may be partial.
+fn unblock(blocked: &[f32], rows: usize, n: usize, block: usize) -> Vec<f32> {
+    let mut y = vec![0f32; rows * n];
+    for (b, chunk) in blocked.chunks_exact(rows * block).enumerate() {
+        let c0 = b * block;
+        let cols = (n - c0).min(block);
+        for r in 0..rows {
+            y[r * n + c0..][..cols].copy_from_slice(&chunk[r * block..][..cols]);
+        }
+    }
+    y
+}
+
 /// Whether the CPU kernels run (`STOKE_DISABLE` turns them off with the GPU ones).
 fn enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -120,4 +134,15 @@ pub(crate) fn try_linear<I: Backend>(
         TensorData::new(y, dims),
         &device,
     )))
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    /// Uniform values in [-1, 1) from a seeded LCG, for the kernels' tests.
+    pub(crate) fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
 }
