@@ -163,28 +163,15 @@ struct Args {
     check: bool,
 }
 
-/// What `--device auto` resolves to.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Picked {
-    StokeCuda,
-    BurnCuda,
-    Cpu,
-}
+// What `--device auto` resolves to.
+use stoke_llama::device::AutoDevice as Picked;
 
 fn pick(device: Device) -> Picked {
-    use stoke::cuda::Unavailable;
     match device {
         Device::Cpu => Picked::Cpu,
         Device::Cuda => Picked::StokeCuda,
         Device::Auto => {
-            let status = stoke::cuda::runtime_status::<burn_cuda::Cuda>(&Default::default());
-            let (picked, reason) = match &status {
-                Ok(_) => (Picked::StokeCuda, None),
-                Err(e @ (Unavailable::Arch { .. } | Unavailable::Disabled)) => {
-                    (Picked::BurnCuda, Some(e.to_string()))
-                }
-                Err(e) => (Picked::Cpu, Some(e.to_string())),
-            };
+            let (picked, reason) = stoke_llama::device::auto_device();
             let chosen = match picked {
                 Picked::StokeCuda => {
                     "CUDA GPU 0: training on Autodiff<Cuda>, serving on Stoke<Cuda>"

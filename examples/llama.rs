@@ -229,24 +229,21 @@ fn main() {
     }
 }
 
-/// The device `--device auto` picks, and the backend with it: Stoke's runtime opens only on a
-/// Hopper GPU with a driver and NVRTC (without touching burn-cuda, which would fail with no
-/// driver); another GPU runs plain burn-cuda; no driver, no GPU or no NVRTC: the CPU.
+/// The device `--device auto` picks (`stoke_llama::device::auto_device`), and the backend with
+/// it: plain burn-cuda on a GPU Stoke does not run on.
 fn pick_device(args: &mut Args) {
-    use stoke::cuda::Unavailable;
+    use stoke_llama::device::AutoDevice;
     if args.device != Device::Auto {
         return;
     }
-    let status = stoke::cuda::runtime_status::<burn_cuda::Cuda>(&Default::default());
-    let (device, reason) = match &status {
-        Ok(_) => (Device::Cuda, None),
-        Err(e @ (Unavailable::Arch { .. } | Unavailable::Disabled)) => {
-            if args.backend == Backend::Stoke {
-                args.backend = Backend::Burn;
-            }
-            (Device::Cuda, Some(e.to_string()))
+    let (picked, reason) = stoke_llama::device::auto_device();
+    let device = match picked {
+        AutoDevice::StokeCuda => Device::Cuda,
+        AutoDevice::BurnCuda => {
+            args.backend = Backend::Burn;
+            Device::Cuda
         }
-        Err(e) => (Device::Cpu, Some(e.to_string())),
+        AutoDevice::Cpu => Device::Cpu,
     };
     args.device = device;
     let chosen = match (device, args.backend) {

@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod config;
+pub mod device;
 pub mod eval;
 pub mod fetch;
 pub mod generate;
