@@ -45,10 +45,36 @@ pub fn run<B: FusedOps>(
     forced: Option<&[Vec<u32>]>,
     stats: impl Fn(&B::Decoder) -> Option<stoke::cuda::decoder::DecodeStats>,
 ) -> Result<Run, String> {
+    run_as(
+        model,
+        prompts,
+        steps,
+        capacity,
+        kv,
+        eager,
+        forced,
+        stats,
+        DType::BF16,
+    )
+}
+
+/// [`run`] with the decoder's activations in `dtype`.
+#[allow(clippy::too_many_arguments)]
+pub fn run_as<B: FusedOps>(
+    model: &Llama<B>,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    capacity: usize,
+    kv: KvCacheFormat,
+    eager: bool,
+    forced: Option<&[Vec<u32>]>,
+    stats: impl Fn(&B::Decoder) -> Option<stoke::cuda::decoder::DecodeStats>,
+    dtype: DType,
+) -> Result<Run, String> {
     let device = model.embed_tokens.device();
     let mut spec = model.decode_spec(prompts.len(), capacity, kv, Sampling::GREEDY, eager);
     spec.keep_logits = true;
-    let mut dec = stoke::decoder::<B>(spec, DType::BF16, &device).map_err(|e| e.to_string())?;
+    let mut dec = stoke::decoder::<B>(spec, dtype, &device).map_err(|e| e.to_string())?;
     model
         .prefill(prompts, &mut dec)
         .map_err(|e| e.to_string())?;
@@ -139,8 +165,12 @@ fn prompts(batch: usize, base: usize, vocab: usize) -> Vec<Vec<u32>> {
 }
 
 fn load<B: FusedOps>(path: &Path, capacity: usize) -> Result<Llama<B>, String> {
+    load_as::<B>(path, capacity, DType::BF16)
+}
+
+fn load_as<B: FusedOps>(path: &Path, capacity: usize, dtype: DType) -> Result<Llama<B>, String> {
     let device = Default::default();
-    Ok(load_gguf_packed::<B>(path, &device, DType::BF16, capacity)
+    Ok(load_gguf_packed::<B>(path, &device, dtype, capacity)
         .map_err(|e| e.to_string())?
         .model
         .pinned())
@@ -193,6 +223,23 @@ fn compare(
         f,
         no_stats::<PlainCuda>,
     )?;
+    drop(plain);
+    // The same reference in f32: the yardstick both bf16 paths are measured against (a random
+    // deep model amplifies bf16 rounding; Stoke's kernels also read the exact Q4_1 values
+    // where burn-cuda's bf16 weights are rounded).
+    let plain32 = load_as::<PlainCuda>(path, capacity, DType::F32)?;
+    let exact = run_as(
+        &plain32,
+        &p,
+        steps,
+        capacity,
+        kv,
+        false,
+        f,
+        no_stats::<PlainCuda>,
+        DType::F32,
+    )?;
+    drop(plain32);
     let what = format!("batch {batch}, {kv:?} cache");
     for st in [graphed.stats, free.stats] {
         let st = st.ok_or(format!("{what}: the reference decoder ran on Stoke"))?;
@@ -212,25 +259,51 @@ fn compare(
             "{what}: {advancing} of {steps} steps changed the logits"
         ));
     }
-    let worst = |a: &Run, b: &Run| {
+    for r in [&graphed, &reference, &exact] {
+        if r.logits.len() != steps + 1 {
+            return Err(format!("{what}: missing logits"));
+        }
+    }
+    let per_step = |a: &Run, b: &Run| -> Vec<f64> {
         a.logits
             .iter()
             .zip(&b.logits)
             .map(|(x, y)| rel_err(x, y, vocab))
-            .fold(0f64, f64::max)
+            .collect()
     };
-    if graphed.logits.len() != steps + 1 || reference.logits.len() != steps + 1 {
-        return Err(format!("{what}: missing logits"));
-    }
-    let (vs_eager, vs_burn) = (worst(&graphed, &eager), worst(&graphed, &reference));
+    let max = |v: &[f64]| v.iter().copied().fold(0f64, f64::max);
+    let vs_eager = max(&per_step(&graphed, &eager));
+    let (stoke_vs_exact, bf16_vs_exact) =
+        (per_step(&graphed, &exact), per_step(&reference, &exact));
+    let (vs_exact, noise) = (max(&stoke_vs_exact), max(&bf16_vs_exact));
+    let vs_burn = max(&per_step(&graphed, &reference));
+    let round3 = |v: &[f64]| {
+        v.iter()
+            .map(|e| (e * 1e3).round() / 1e3)
+            .collect::<Vec<_>>()
+    };
+    let report = json!({
+        "batch": batch, "kv_cache": format!("{kv:?}"), "steps": steps,
+        "max_rel_err_vs_f32_reference": vs_exact,
+        "max_rel_err_burn_cuda_bf16_vs_f32_reference": noise,
+        "max_rel_err_vs_burn_cuda_bf16": vs_burn,
+        "max_rel_err_graphed_vs_eager": vs_eager,
+        "rel_err_vs_f32_per_step": round3(&stoke_vs_exact),
+        "burn_cuda_bf16_rel_err_vs_f32_per_step": round3(&bf16_vs_exact),
+        "stats": format!("{:?}", graphed.stats),
+    });
     if !(vs_eager < 1e-2) {
         return Err(format!(
             "{what}: graphed vs eager logits differ by {vs_eager:.3e}"
         ));
     }
-    if !(vs_burn < tol) {
+    // Stoke's bf16 step may stray from the f32 reference by at most `tol`, or by 1.5x as much
+    // as burn-cuda's own bf16 run of the same reference does.
+    let bound = tol.max(1.5 * noise);
+    if !(vs_exact <= bound) {
         return Err(format!(
-            "{what}: logits differ from burn-cuda's by {vs_burn:.3e} (tolerance {tol:.0e})"
+            "{what}: logits differ from the f32 reference by {vs_exact:.3e} (bound {bound:.3e}; \
+             burn-cuda bf16 {noise:.3e}); per step {report}"
         ));
     }
     let greedy_agree = |a: &Run, b: &Run| {
@@ -240,17 +313,15 @@ fn compare(
             .map(|(x, y)| x.iter().zip(y).filter(|(p, q)| p == q).count())
             .sum::<usize>()
     };
-    Ok(json!({
-        "batch": batch, "kv_cache": format!("{kv:?}"), "steps": steps,
-        "max_rel_err_vs_burn_cuda": vs_burn, "max_rel_err_graphed_vs_eager": vs_eager,
-        "argmax_equal_to_burn_cuda": greedy_agree(&graphed, &reference),
-        "argmax_total": (steps + 1) * batch,
-        "stats": format!("{:?}", graphed.stats),
-    }))
+    let mut report = report;
+    report["argmax_equal_to_f32_reference"] = json!(greedy_agree(&graphed, &exact));
+    report["argmax_total"] = json!((steps + 1) * batch);
+    Ok(report)
 }
 
-/// The graphed decode step equals the eager Stoke step and the reference decoder on plain
-/// burn-cuda, step by step (teacher-forced, so all see the same tokens): 64 steps on a
+/// The graphed decode step equals the eager Stoke step and stays as close to the reference
+/// decoder run in f32 on plain burn-cuda as that decoder's own bf16 run does (or within the
+/// case's tolerance), step by step (teacher-forced, so all see the same tokens): 64 steps on a
 /// SmolLM2-shaped random Q4_1 model at batch 1, 3 (padded to 4), 8 and 32 with prompts that
 /// cross the 256-key attention bucket, FP8 and INT4 caches against their simulation, and
 /// SmolLM2 itself at batch 1 and 8; a greedy run shows zero host synchronizations and
@@ -259,6 +330,7 @@ pub fn decode_step_matches_reference() -> Result<Value, String> {
     let cfg = SMOL_SHAPES;
     let path = std::env::temp_dir().join(format!("stoke-decode-{}.gguf", std::process::id()));
     std::fs::write(&path, gguf_q4_1(&cfg, &weights(&cfg, true, 7))).map_err(|e| e.to_string())?;
+    // Every case runs; the failures are reported together.
     let mut cases = Vec::new();
     for batch in [1, 3, 8, 32] {
         cases.push(compare(
@@ -269,25 +341,38 @@ pub fn decode_step_matches_reference() -> Result<Value, String> {
             64,
             KvCacheFormat::Bf16,
             5e-2,
-        )?);
+        ));
     }
     for kv in [KvCacheFormat::Fp8, KvCacheFormat::Int4] {
-        cases.push(compare(&path, cfg.vocab, 8, 220, 64, kv, 2e-1)?);
+        cases.push(compare(&path, cfg.vocab, 8, 220, 64, kv, 2e-1));
     }
     let _ = std::fs::remove_file(&path);
     let smol = crate::llama::model_path()?;
-    let vocab = 49152;
     for batch in [1, 8] {
         cases.push(compare(
             &smol,
-            vocab,
+            49152,
             batch,
             30,
             64,
             KvCacheFormat::Bf16,
             5e-2,
-        )?);
+        ));
     }
+    let failed: Vec<&String> = cases.iter().filter_map(|c| c.as_ref().err()).collect();
+    if !failed.is_empty() {
+        let all = failed
+            .iter()
+            .map(|e| e.as_str())
+            .collect::<Vec<_>>()
+            .join("\n");
+        return Err(format!(
+            "{} of {} cases failed:\n{all}",
+            failed.len(),
+            cases.len()
+        ));
+    }
+    let cases: Vec<Value> = cases.into_iter().map(Result::unwrap).collect();
     Ok(json!({ "cases": cases }))
 }
 

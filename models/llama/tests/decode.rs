@@ -33,6 +33,16 @@ fn decoded<B: FusedOps>(
     steps: usize,
     kv: KvCacheFormat,
 ) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
+    decoded_forced(m, steps, kv, None)
+}
+
+/// As [`decoded`], with step `s` reading `forced[s]` instead of the greedy ids.
+fn decoded_forced<B: FusedOps>(
+    m: &Llama<B>,
+    steps: usize,
+    kv: KvCacheFormat,
+    forced: Option<&[Vec<u32>]>,
+) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
     let p = prompts();
     let mut spec = m.decode_spec(p.len(), 32, kv, Sampling::GREEDY, false);
     spec.keep_logits = true;
@@ -40,7 +50,10 @@ fn decoded<B: FusedOps>(
     m.prefill(&p, &mut dec).unwrap();
     let mut ids = vec![stoke::decode_take_ids::<B>(&mut dec).unwrap()];
     let mut logits = vec![stoke::decode_last_logits::<B>(&mut dec).unwrap()];
-    for _ in 0..steps {
+    for s in 0..steps {
+        if let Some(f) = forced {
+            stoke::decode_force_ids::<B>(&mut dec, &f[s]).unwrap();
+        }
         stoke::decode_step::<B>(&mut dec, &mut |d| m.decode_forward(d)).unwrap();
         ids.push(stoke::decode_take_ids::<B>(&mut dec).unwrap());
         logits.push(stoke::decode_last_logits::<B>(&mut dec).unwrap());
@@ -114,6 +127,25 @@ fn decode_step_equals_the_forward_with_a_burn_cache() {
             "greedy ids of sampling {step}"
         );
     }
+}
+
+#[test]
+fn forced_decode_steps_equal_the_forward_on_the_forced_tokens() {
+    type B = burn_ndarray::NdArray<f32>;
+    let m = model::<B>(64);
+    let forced: Vec<Vec<u32>> = (0..6u32)
+        .map(|s| (0..3u32).map(|b| (s * 13 + b * 7 + 5) % 250 + 1).collect())
+        .collect();
+    let (_, logits) = decoded_forced(&m, forced.len(), KvCacheFormat::Bf16, Some(&forced));
+    // `forwarded` feeds ids[s] to step s and ignores the last entry.
+    let mut inputs = forced.clone();
+    inputs.push(vec![0; 3]);
+    let want = forwarded(&m, &inputs);
+    let d = max_diff(&logits, &want);
+    assert!(
+        d < 1e-4,
+        "forced decode logits differ from the forward's by {d}"
+    );
 }
 
 #[test]
