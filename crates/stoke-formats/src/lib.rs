@@ -2,6 +2,7 @@
 //! the specification that kernels are tested against, written for clarity in f64.
 
 pub mod bf16;
+pub mod fp8;
 pub mod gguf;
 pub mod gptq;
 pub mod int4;
