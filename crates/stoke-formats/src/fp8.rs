@@ -649,7 +649,7 @@ mod tests {
         let mut ds = DelayedScale::new(2, 4.0, 1.0).unwrap();
         let (h, q, s) = swiglu_epilogue_reference(&[0.0, 2.0, 3.0, -1.0], 2, &mut ds);
         let silu = |g: f64| g / (1.0 + (-g).exp());
-        assert_eq!(h, [0.0, silu(2.0) * -1.0]);
+        assert_eq!(h, [0.0, -silu(2.0)]);
         assert_eq!(s, 4.0 / E4M3_MAX);
         assert_eq!(q.saturated, 0);
         assert_eq!(q.codes.len(), 2);
