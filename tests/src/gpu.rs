@@ -77,6 +77,10 @@ pub const CASES: &[(&str, Case)] = &[
         "sample_matches_reference",
         crate::sample::sample_matches_reference,
     ),
+    (
+        "fp8_gemm_matches_reference",
+        crate::fp8::fp8_gemm_matches_reference,
+    ),
 ];
 
 /// Runs one case, catching panics, or skips it without a usable GPU.

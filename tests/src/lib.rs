@@ -19,6 +19,7 @@ pub mod attention;
 pub mod bench;
 pub mod decode;
 pub mod dense;
+pub mod fp8;
 pub mod gpu;
 pub mod int4;
 pub mod llama;

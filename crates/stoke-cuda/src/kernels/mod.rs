@@ -4,6 +4,7 @@
 pub mod bf16_gemm;
 pub mod decode_attention;
 pub mod embed;
+pub mod fp8_gemm;
 pub mod int4_gemm;
 pub mod mma_rate;
 pub mod read_rate;
@@ -140,6 +141,9 @@ fn bf16_gemm_entries() -> Vec<&'static str> {
 fn embed_entries() -> Vec<&'static str> {
     embed::ENTRY_POINTS.to_vec()
 }
+fn fp8_gemm_entries() -> Vec<&'static str> {
+    fp8_gemm::ENTRY_POINTS.to_vec()
+}
 fn sample_entries() -> Vec<&'static str> {
     sample::ENTRY_POINTS.to_vec()
 }
@@ -185,6 +189,11 @@ pub const EMBED: KernelSource = KernelSource {
     source: embed::SOURCE,
     entries: embed_entries,
 };
+pub const FP8_GEMM: KernelSource = KernelSource {
+    file: "fp8_gemm.cu",
+    source: fp8_gemm::SOURCE,
+    entries: fp8_gemm_entries,
+};
 pub const SAMPLE: KernelSource = KernelSource {
     file: "sample.cu",
     source: sample::SOURCE,
@@ -213,6 +222,7 @@ pub const ALL: &[KernelSource] = &[
     EMBED,
     BF16_GEMM,
     SAMPLE,
+    FP8_GEMM,
 ];
 
 /// The kernels only the benchmarks load (`kernels/bench/`); the precompile check builds them too.

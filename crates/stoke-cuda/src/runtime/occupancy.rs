@@ -156,6 +156,63 @@ impl Runtime {
         Ok(map)
     }
 
+    /// A 2-D tensor map of a row-major byte matrix (`[rows, cols]` u8: FP8 codes) for the
+    /// copy engine: boxes of `box_rows` rows x `box_cols` bytes with the 128-byte swizzle,
+    /// elements past the matrix read as zeros. `ptr` must be 16-byte aligned, `cols` a
+    /// multiple of 16 and `box_cols` at most 128.
+    pub fn u8_tensor_map_2d(
+        &self,
+        ptr: u64,
+        rows: u32,
+        cols: u32,
+        box_rows: u32,
+        box_cols: u32,
+    ) -> Result<TensorMap> {
+        if !ptr.is_multiple_of(16)
+            || cols == 0
+            || rows == 0
+            || !cols.is_multiple_of(16)
+            || box_cols == 0
+            || box_cols > 128
+            || !box_cols.is_multiple_of(16)
+            || box_rows == 0
+            || box_rows > 256
+        {
+            return Err(Error::Shape(crate::ShapeError::new(
+                "FP8 tensor map",
+                "a 16-byte aligned address, a positive row pitch that is a multiple of 16 bytes \
+                 and boxes of 1-256 rows and at most 128 bytes, a multiple of 16",
+                format!("[{rows}, {cols}] at {ptr:#x}, box {box_rows} x {box_cols}"),
+            )));
+        }
+        self.bind()?;
+        let mut map = TensorMap([0; 16]);
+        let dims: [u64; 2] = [u64::from(cols), u64::from(rows)];
+        let strides: [u64; 1] = [u64::from(cols)];
+        let boxes: [u32; 2] = [box_cols, box_rows];
+        let elem: [u32; 2] = [1, 1];
+        // SAFETY: as in `bf16_tensor_map`.
+        unsafe {
+            sys::cuTensorMapEncodeTiled(
+                (&mut map as *mut TensorMap).cast::<sys::CUtensorMap>(),
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                2,
+                ptr as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                elem.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        }
+        .result()
+        .call("cuTensorMapEncodeTiled")?;
+        Ok(map)
+    }
+
     /// The device's L2 cache size in bytes.
     pub fn l2_bytes(&self) -> Result<usize> {
         let b = self

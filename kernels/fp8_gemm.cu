@@ -1,0 +1,188 @@
+// FP8 (E4M3) prefill GEMM on Hopper: y[M, N] = (A[M, K] W[N, K]^T) * a_scale[row] * w_scale[col],
+// f32 accumulation, bf16 out (entry fp8_gemm_plain). stoke_formats::fp8 is its specification
+// (gemm_reference) and docs/PERFORMANCE.md its measurements.
+//
+// One persistent CTA per SM (grid = min(SMs, tiles)) walks the 128 x 128 output tiles in a
+// rasterized order: tiles go down M inside a band of RASTER tile columns, so the band's weight
+// tiles stay in L2 while every row block streams past them. The CTA is three warpgroups:
+// - warpgroup 0 is the producer: one thread issues the copy engine's loads (two 2-D tensor maps,
+//   128-byte swizzle, rows past M and k past K read as zeros) of each k-block (128 k) of A and W
+//   into a ring of STAGES stages, each completing on its stage's "full" mbarrier, after the
+//   stage's "empty" mbarrier says both consumers are done with it;
+// - warpgroups 1 and 2 are consumers of rows 0-63 and 64-127 of the tile: per k-block, four
+//   wgmma.m64n128k32 from shared memory into a block accumulator, then the block is added to
+//   the tile's f32 accumulator (the tensor core's FP8 sums keep fewer bits than f32; adding
+//   every 128 k keeps long K exact to f32 rounding), the stage released, and at the tile's end
+//   the epilogue restores both scales and writes bf16.
+// setmaxnreg gives the producer 40 registers and the consumers 232.
+//
+// The algorithm's parameters:
+//   BM, BN, BK  128 x 128 output tile, 128 k per stage (one 128-byte swizzle row of FP8).
+//   STAGES      k-blocks in flight: 5 (32 KB each).
+//   RASTER      tile columns per band of the persistent order: 8 (8 x 128 columns of weights,
+//               K bytes each, stay in L2 while the band's row blocks pass).
+
+#include "ptx.cuh"
+
+constexpr int BM = 128, BN = 128, BK = 128;
+constexpr int STAGES = 5;
+constexpr u32 RASTER = 8;
+constexpr u32 A_STAGE = BM * BK;  // bytes
+constexpr u32 W_STAGE = BN * BK;
+constexpr u32 STAGE_BYTES = A_STAGE + W_STAGE;
+// [A 0 .. A S-1][W 0 .. W S-1][full S][empty S] from a 1024-byte aligned base.
+constexpr u32 SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
+
+struct Fp8GemmParams {
+    TensorMap a_map;        // A [M, K] u8 (E4M3), box 128 k x 128 rows
+    TensorMap w_map;        // W [N, K] u8 (E4M3), box 128 k x 128 rows
+    const float* a_scale;   // [M] per row, or [1] when a_scale_stride is 0
+    const float* w_scale;   // [N] per output channel
+    u16* out;               // [M, N] bf16, row pitch ldo elements
+    u32 m, n, k;
+    u32 ldo;
+    u32 a_scale_stride;     // 1: per row; 0: one scale
+    u32 pad;
+};
+static_assert(sizeof(Fp8GemmParams) == 320, "Fp8GemmParams layout (64-byte aligned maps)");
+
+// The copy engine's copy of the 2-D box at (x = k, y = row) of `map` to shared `dst`.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 x, u32 y, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(bar)
+        : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row atoms 1024 bytes apart
+// (stride byte offset), leading byte offset unused (1).
+__device__ __forceinline__ u64 desc_sw128(u32 addr) {
+    return u64((addr & 0x3ffffu) >> 4) | (u64(1) << 16) | (u64(1024 >> 4) << 32) | (u64(1) << 62);
+}
+
+// d (+)= A B^T for one k32 slice: 64 rows of A and 128 rows of W, both E4M3 in shared memory.
+__device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], u64 a, u64 b, u32 scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(scale_d));
+}
+
+// Tile t of the persistent order: (row block, column block).
+__device__ __forceinline__ void tile_coords(u32 t, u32 tiles_m, u32 tiles_n, u32& tm, u32& tn) {
+    const u32 band = t / (RASTER * tiles_m);
+    const u32 first = band * RASTER;
+    const u32 width = min(RASTER, tiles_n - first);
+    const u32 in_band = t - band * RASTER * tiles_m;
+    tm = in_band / width;
+    tn = first + in_band % width;
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_plain(const __grid_constant__ Fp8GemmParams p) {
+    extern __shared__ __align__(1024) u8 smem_raw[];
+    const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const u32 a_smem = base, w_smem = base + STAGES * A_STAGE;
+    const u32 full = base + STAGES * STAGE_BYTES, empty = full + STAGES * 8;
+    const u32 wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+    const u32 tiles_m = (p.m + BM - 1) / BM, tiles_n = (p.n + BN - 1) / BN;
+    const u32 tiles = tiles_m * tiles_n, kblocks = (p.k + BK - 1) / BK;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, 2);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (tid != 0) return;
+        u32 stage = 0, phase = 0;
+        for (u32 t = blockIdx.x; t < tiles; t += gridDim.x) {
+            u32 tm, tn;
+            tile_coords(t, tiles_m, tiles_n, tm, tn);
+            for (u32 kb = 0; kb < kblocks; ++kb) {
+                mbar_wait(empty + 8 * stage, phase ^ 1);
+                const u32 bar = full + 8 * stage;
+                mbar_expect_tx(bar, STAGE_BYTES);
+                tma_load_2d(a_smem + stage * A_STAGE, &p.a_map, kb * BK, tm * BM, bar);
+                tma_load_2d(w_smem + stage * W_STAGE, &p.w_map, kb * BK, tn * BN, bar);
+                if (++stage == STAGES) {
+                    stage = 0;
+                    phase ^= 1;
+                }
+            }
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const u32 half = wg - 1;  // rows 64 half .. 64 half + 63 of the tile
+    const u32 warp = tid / 32, lane = tid % 32;
+    u32 stage = 0, phase = 0;
+    float acc[64], blk[64];
+    for (u32 t = blockIdx.x; t < tiles; t += gridDim.x) {
+        u32 tm, tn;
+        tile_coords(t, tiles_m, tiles_n, tm, tn);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+        for (u32 kb = 0; kb < kblocks; ++kb) {
+            mbar_wait(full + 8 * stage, phase);
+            const u32 a = a_smem + stage * A_STAGE + half * 64 * BK;
+            const u32 w = w_smem + stage * W_STAGE;
+            wg_fence();
+#pragma unroll
+            for (int j = 0; j < BK / 32; ++j) {
+                wgmma_e4m3_n128(blk, desc_sw128(a + 32 * j), desc_sw128(w + 32 * j), j > 0);
+            }
+            wg_commit();
+            wg_wait_all();
+            if (tid == 0) mbar_arrive(empty + 8 * stage);
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[i] += blk[i];
+            if (++stage == STAGES) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+        // acc[4 j + e]: row 16 warp + lane / 4 (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2.
+        const u32 row0 = tm * BM + half * 64 + warp * 16 + lane / 4;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32 row = row0 + 8 * h;
+            if (row >= p.m) continue;
+            const float sa = p.a_scale[row * p.a_scale_stride];
+            u16* out = p.out + u64(row) * p.ldo;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const u32 col = tn * BN + 8 * j + 2 * (lane % 4);
+                if (col + 1 < p.n) {
+                    const float y0 = acc[4 * j + 2 * h] * sa * p.w_scale[col];
+                    const float y1 = acc[4 * j + 2 * h + 1] * sa * p.w_scale[col + 1];
+                    *reinterpret_cast<u32*>(out + col) = pack_bf16x2(y0, y1);
+                } else if (col < p.n) {
+                    out[col] = to_bf16(acc[4 * j + 2 * h] * sa * p.w_scale[col]);
+                }
+            }
+        }
+    }
+}

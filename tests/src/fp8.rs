@@ -1,0 +1,196 @@
+//! The FP8 prefill GEMM (`kernels/fp8_gemm.cu`) on the GPU: against the f64 reference over the
+//! same E4M3 codes and scales (`stoke_formats::fp8::gemm_reference`), poisoned outputs, awkward
+//! shapes, and its speed at the Llama projection shapes.
+
+use crate::int4::{put_f32, try_get_bf16};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use stoke_cuda::kernels::FP8_GEMM;
+use stoke_cuda::kernels::fp8_gemm::{Fp8Gemm, fp8_gemm, grid};
+use stoke_cuda::{DeviceBuffer, Runtime};
+use stoke_formats::fp8::{Fp8Weight, e4m3_to_f32, quantize_rows};
+
+/// `(m, n, k, per_row_scales, rows_checked)`: one row; rows, columns and k that end inside a
+/// tile (k a multiple of 16 only); per-tensor activation scale; a 8B-shaped call (rows
+/// checked: a spread sample); the 8B down projection's long k.
+const CASES: &[(usize, usize, usize, bool, usize)] = &[
+    (1, 128, 128, true, 1),
+    (3, 200, 336, true, 3),
+    (130, 264, 4096, true, 130),
+    (300, 1024, 1040, false, 300),
+    (2048, 4096, 4096, true, 24),
+    (77, 4096, 14336, true, 12),
+];
+/// Allowed error of an element: `|got - want| <= |want| 2^-8 + TOL_L1 sum_i |a_i w_i|` (bf16
+/// rounding of the output, and the tensor core's FP8 sums within a 128-k block, which keep
+/// fewer bits than f32).
+const TOL_L1: f64 = 1.0 / 1024.0;
+
+fn put_u8(rt: &Arc<Runtime>, v: &[u8]) -> DeviceBuffer {
+    let b = rt.alloc(v.len().max(16)).unwrap();
+    unsafe { rt.copy_htod(b.ptr(), v) }.unwrap();
+    b
+}
+
+/// Activations with a few outlier columns (as after an RMSNorm of a real model).
+fn activations(rng: &mut StdRng, m: usize, k: usize) -> Vec<f32> {
+    (0..m * k)
+        .map(|i| {
+            let v: f32 = rng.random_range(-2.0..2.0);
+            if i % k % 97 == 5 { v * 30.0 } else { v }
+        })
+        .collect()
+}
+
+pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
+    let rt = crate::gpu()?;
+    let seed = crate::seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut cases = Vec::new();
+    let mut worst = 0f64;
+    for &(m, n, k, per_row, checked) in CASES {
+        let x = activations(&mut rng, m, k);
+        let w: Vec<f32> = (0..n * k)
+            .map(|_| rng.random_range(-1.0f32..1.0) / (k as f32).sqrt())
+            .collect();
+        let wq = Fp8Weight::quantize(&w, n, k, None).map_err(|e| e.to_string())?;
+        let (codes, scales) = if per_row {
+            quantize_rows(&x, m, k).map_err(|e| e.to_string())?
+        } else {
+            // One scale for the tensor.
+            let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let s = stoke_formats::fp8::scale_for(amax);
+            let q = stoke_formats::fp8::quantize_with_scale(&x, s);
+            (q.codes, vec![s])
+        };
+        let ldo = n + 8;
+        let (ab, wb) = (put_u8(&rt, &codes), put_u8(&rt, &wq.codes));
+        let (sa, sw) = (put_f32(&rt, &scales), put_f32(&rt, &wq.scales));
+        let out = rt.alloc(m * ldo * 2).map_err(|e| e.to_string())?;
+        unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.map_err(|e| e.to_string())?;
+        let call = Fp8Gemm {
+            a: ab.as_ptr(),
+            w: wb.as_ptr(),
+            a_scale: sa.as_ptr(),
+            a_scale_per_row: per_row,
+            w_scale: sw.as_ptr(),
+            out: out.as_mut_ptr(),
+            m: m as u32,
+            n: n as u32,
+            k: k as u32,
+            ldo: ldo as u32,
+        };
+        let what = format!("seed {seed}: m {m} n {n} k {k} per-row scales {per_row}");
+        unsafe { fp8_gemm(&rt, &call) }.map_err(|e| format!("{what}: {e}"))?;
+        let got = try_get_bf16(&out).map_err(|e| format!("{what}: {e}"))?;
+        // The rows checked: all, or a spread that includes the first and the last.
+        let rows: Vec<usize> = if checked >= m {
+            (0..m).collect()
+        } else {
+            (0..checked).map(|i| i * (m - 1) / (checked - 1)).collect()
+        };
+        let e = |c: u8| f64::from(e4m3_to_f32(c));
+        let wv: Vec<f64> = wq.codes.iter().map(|&c| e(c)).collect();
+        let mut case_worst = 0f64;
+        for &r in &rows {
+            let sa = f64::from(scales[if per_row { r } else { 0 }]);
+            let a: Vec<f64> = codes[r * k..(r + 1) * k].iter().map(|&c| e(c)).collect();
+            for j in 0..ldo {
+                let g = got[r * ldo + j];
+                if j >= n {
+                    if !g.is_nan() {
+                        return Err(format!("{what}: padding column {j} of row {r} was written"));
+                    }
+                    continue;
+                }
+                let sw = f64::from(wq.scales[j]);
+                let (mut dot, mut l1) = (0f64, 0f64);
+                for (x, y) in a.iter().zip(&wv[j * k..(j + 1) * k]) {
+                    dot += x * y;
+                    l1 += (x * y).abs();
+                }
+                let (want, l1) = (dot * sa * sw, l1 * sa * sw);
+                let bound = want.abs() / 256.0 + TOL_L1 * l1 + 1e-30;
+                let ratio = (g - want).abs() / bound;
+                if !(ratio <= 1.0) {
+                    return Err(format!(
+                        "{what}: out[{r}][{j}] = {g}, reference {want} (bound {bound:.3e})"
+                    ));
+                }
+                case_worst = case_worst.max(ratio);
+            }
+        }
+        worst = worst.max(case_worst);
+        cases.push(json!({"m": m, "n": n, "k": k, "per_row_scales": per_row,
+            "rows_checked": rows.len(), "worst_error_over_bound": case_worst,
+            "grid": grid(m as u32, n as u32, rt.sm_count)}));
+    }
+    Ok(
+        json!({"seed": seed, "tol_l1": TOL_L1, "worst_error_over_bound": worst, "cases": cases,
+        "bench": bench()}),
+    )
+}
+
+/// `(name, k, n)`: the Llama 3.1 8B / 70B projection shapes (q|k|v fused, gate|up fused).
+const BENCH_SHAPES: &[(&str, usize, usize)] = &[
+    ("8b_qkv", 4096, 6144),
+    ("8b_o", 4096, 4096),
+    ("8b_gate_up", 4096, 28672),
+    ("8b_down", 14336, 4096),
+    ("70b_qkv", 8192, 10240),
+    ("70b_gate_up", 8192, 57344),
+    ("70b_down", 28672, 8192),
+];
+const BENCH_ROWS: &[usize] = &[512, 2048, 8192];
+
+/// TFLOP/s of the kernel at each shape, beside the same-run tensor-core rate probe.
+pub fn bench() -> Value {
+    let rt = crate::gpu().expect("GPU");
+    let mut rng = StdRng::seed_from_u64(12);
+    let mut rows = Vec::new();
+    for &(name, k, n) in BENCH_SHAPES {
+        let w: Vec<u8> = (0..n * k)
+            .map(|_| rng.random_range(0x20u8..0x50) | (rng.random::<u8>() & 0x80))
+            .collect();
+        let wb = put_u8(&rt, &w);
+        let sw = put_f32(&rt, &vec![1e-2; n]);
+        for &m in BENCH_ROWS {
+            let a: Vec<u8> = (0..m * k)
+                .map(|_| rng.random_range(0x20u8..0x50) | (rng.random::<u8>() & 0x80))
+                .collect();
+            let ab = put_u8(&rt, &a);
+            let sa = put_f32(&rt, &vec![1e-2; m]);
+            let out = rt.alloc(m * n * 2).unwrap();
+            let call = Fp8Gemm {
+                a: ab.as_ptr(),
+                w: wb.as_ptr(),
+                a_scale: sa.as_ptr(),
+                a_scale_per_row: true,
+                w_scale: sw.as_ptr(),
+                out: out.as_mut_ptr(),
+                m: m as u32,
+                n: n as u32,
+                k: k as u32,
+                ldo: n as u32,
+            };
+            let flop = 2.0 * (m * n * k) as f64;
+            let iters = (2e13 / flop).clamp(5.0, 500.0) as usize;
+            let timing = crate::bench::time_calls(&rt, 3, iters, |_| {
+                unsafe { fp8_gemm(&rt, &call) }.unwrap()
+            });
+            let tflops = flop / timing.us / 1e6;
+            println!(
+                "fp8 {name:<12} m {m:5}: {:9.2} us {tflops:7.1} TFLOP/s",
+                timing.us
+            );
+            rows.push(
+                json!({"shape": name, "m": m, "n": n, "k": k, "us": timing.us,
+                "tflops": tflops, "grid": grid(m as u32, n as u32, rt.sm_count)}),
+            );
+        }
+    }
+    let kernels = crate::bench::kernel_reports(&rt, FP8_GEMM.file);
+    json!({ "runs": rows, "kernels": kernels })
+}
