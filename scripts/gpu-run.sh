@@ -14,6 +14,8 @@
 #          (e.g. int4_gemm_swap: int4-profile launches the batched kernels first). With
 #          NCU_PEER='SHAPE BATCH CTX' it then profiles PyTorch SDPA's kernels at that point
 #          (OUTDIR/ncu-attention-peer.txt; NCU_PEER_KERNELS=REGEX, default flash|fmha|attn|sdpa|cudnn)
+#   test fp8_gemm_matches_reference: the FP8 prefill GEMM's test and benchmark, then its
+#          PyTorch peers (cuBLAS FP8 rowwise _scaled_mm, bf16 matmul; STOKE_NO_PEERS=1 skips them)
 #   decode: the decode-step tests, then the step benchmark (SmolLM2, 8B/70B-shaped models), then
 #          the PyTorch decode-step and transformers peers (STOKE_NO_PEERS=1 skips them)
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
@@ -110,6 +112,9 @@ if [ "$what" = int4 ]; then
 fi
 if [ "$what" = decode ] && [ -z "${STOKE_NO_PEERS:-}" ]; then
   python3 scripts/peers/decode_torch.py "$out/torch-decode.json" 2>&1 | tee "$out/torch-decode.log" || status=1
+fi
+if [ "$what" = test ] && [[ " $* " == *" fp8_gemm_matches_reference "* ]] && [ -z "${STOKE_NO_PEERS:-}" ]; then
+  python3 scripts/peers/fp8_torch.py "$out/torch-fp8.json" 2>&1 | tee "$out/torch-fp8.log" || status=1
 fi
 if [ "$what" = attention ]; then
   python3 scripts/peers/attention_torch.py "$out/torch-attention.json" 2>&1 | tee "$out/torch-attention.log" || status=1
