@@ -280,6 +280,10 @@ fn run(mut args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut runs = Vec::new();
     runs.extend(dispatch(&args, &model, dtype)?);
     if args.bench && args.compare.is_some() && args.backend == Backend::Stoke {
+        // Stoke's points are reported (and written) before the comparison starts: the plain
+        // backend can take minutes for the same points.
+        report_bench(&args, &model, dtype, &runs)?;
+        eprintln!("the same points on the plain inner backend (--compare burn):");
         let mut plain = args.clone();
         plain.backend = Backend::Burn;
         plain.int4 = false;
