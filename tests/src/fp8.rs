@@ -2,15 +2,16 @@
 //! same E4M3 codes and scales (`stoke_formats::fp8::gemm_reference`), poisoned outputs, awkward
 //! shapes, and its speed at the Llama projection shapes.
 
-use crate::int4::{put_f32, try_get_bf16};
+use crate::int4::{put_f32, put_u16, try_get_bf16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::kernels::FP8_GEMM;
 use stoke_cuda::kernels::fp8_gemm::{Fp8Gemm, fp8_gemm, grid};
+use stoke_cuda::kernels::fp8_quant::{Fp8RowsParams, quantize_rows as quantize_rows_gpu};
 use stoke_cuda::{DeviceBuffer, Runtime};
-use stoke_formats::fp8::{Fp8Weight, e4m3_to_f32, quantize_rows};
+use stoke_formats::fp8::{Fp8Weight, e4m3_to_f32, quantize_rows, quantize_rows_fused};
 
 /// `(m, n, k, per_row_scales, rows_checked)`: one row; rows, columns and k that end inside a
 /// tile (k a multiple of 16 only); per-tensor activation scale; a 8B-shaped call (rows
@@ -193,4 +194,99 @@ pub fn bench() -> Value {
     }
     let kernels = crate::bench::kernel_reports(&rt, FP8_GEMM.file);
     json!({ "runs": rows, "kernels": kernels })
+}
+
+/// `(rows, k, ldx)` of the row-quantization test: one row, a row pitch wider than k, the 8B and
+/// 405B hidden sizes and the 8B intermediate size.
+const ROW_CASES: &[(usize, usize, usize)] = &[
+    (1, 576, 576),
+    (7, 4096, 4104),
+    (300, 4096, 4096),
+    (33, 14336, 14336),
+    (5, 16384, 16384),
+];
+
+/// `kernels/fp8_quant.cu` against `quantize_rows_fused`: codes bit for bit, scales within f32
+/// summation order, with and without the RMSNorm factor; a zero row gets scale 1.
+pub fn fp8_rows_match_reference() -> Result<Value, String> {
+    let rt = crate::gpu()?;
+    let seed = crate::seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut cases = Vec::new();
+    for &(rows, k, ldx) in ROW_CASES {
+        let mut x: Vec<f32> = activations(&mut rng, rows, ldx);
+        if rows > 2 {
+            x[ldx..2 * ldx].iter_mut().for_each(|v| *v = 0.0);
+        }
+        let bits: Vec<u16> = x
+            .iter()
+            .map(|&v| stoke_formats::bf16::from_f32(v))
+            .collect();
+        let xs: Vec<f32> = bits
+            .iter()
+            .map(|&b| stoke_formats::bf16::to_f32(b))
+            .collect();
+        let dense: Vec<f32> = (0..rows)
+            .flat_map(|r| xs[r * ldx..r * ldx + k].to_vec())
+            .collect();
+        let xb = put_u16(&rt, &bits);
+        for normalize in [false, true] {
+            let (want_codes, want_scales) =
+                quantize_rows_fused(&dense, rows, k, 1e-5, normalize).map_err(|e| e.to_string())?;
+            let codes = rt.alloc(rows * k).map_err(|e| e.to_string())?;
+            let scales = rt.alloc(rows * 4).map_err(|e| e.to_string())?;
+            unsafe {
+                rt.fill_bytes(codes.ptr(), 0xFF, codes.bytes())
+                    .map_err(|e| e.to_string())?;
+                rt.fill_bytes(scales.ptr(), 0xFF, scales.bytes())
+                    .map_err(|e| e.to_string())?;
+            }
+            let p = Fp8RowsParams {
+                x: xb.as_ptr(),
+                codes: codes.as_mut_ptr(),
+                scales: scales.as_mut_ptr(),
+                rows: rows as u32,
+                k: k as u32,
+                ldx: ldx as u32,
+                eps: 1e-5,
+                normalize: u32::from(normalize),
+                pad: 0,
+            };
+            let what = format!("seed {seed}: rows {rows} k {k} pitch {ldx} normalize {normalize}");
+            unsafe { quantize_rows_gpu(&rt, &p) }.map_err(|e| format!("{what}: {e}"))?;
+            let mut got = vec![0u8; rows * k];
+            let mut sb = vec![0u8; rows * 4];
+            unsafe {
+                rt.copy_dtoh(&mut got, codes.ptr())
+                    .map_err(|e| e.to_string())?;
+                rt.copy_dtoh(&mut sb, scales.ptr())
+                    .map_err(|e| e.to_string())?;
+            }
+            if let Some(i) = got.iter().zip(&want_codes).position(|(a, b)| a != b) {
+                return Err(format!(
+                    "{what}: code {i} (row {}, col {}) is {:#04x}, reference {:#04x} (x {})",
+                    i / k,
+                    i % k,
+                    got[i],
+                    want_codes[i],
+                    dense[i]
+                ));
+            }
+            let mut worst = 0f64;
+            for (r, c) in sb.chunks_exact(4).enumerate() {
+                let g = f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                let w = f64::from(want_scales[r]);
+                let rel = (g - w).abs() / w.abs();
+                if !(rel <= 1e-5) {
+                    return Err(format!("{what}: scale of row {r} is {g}, reference {w}"));
+                }
+                worst = worst.max(rel);
+            }
+            cases.push(
+                json!({"rows": rows, "k": k, "ldx": ldx, "normalize": normalize,
+                "codes_equal": true, "max_scale_rel_err": worst}),
+            );
+        }
+    }
+    Ok(json!({"seed": seed, "cases": cases}))
 }

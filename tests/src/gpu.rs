@@ -78,6 +78,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::sample::sample_matches_reference,
     ),
     (
+        "fp8_rows_match_reference",
+        crate::fp8::fp8_rows_match_reference,
+    ),
+    (
         "fp8_gemm_matches_reference",
         crate::fp8::fp8_gemm_matches_reference,
     ),

@@ -125,6 +125,44 @@ pub fn quantize_rows(x: &[f32], rows: usize, k: usize) -> Result<(Vec<u8>, Vec<f
     Ok((codes, scales))
 }
 
+/// The rows the FP8 GEMM reads, as `kernels/fp8_quant.cu` makes them from bf16 rows (given
+/// here as their f32 values): `code = e4m3(x * (448 / amax))` in f32 (so the codes match the
+/// kernel's bit for bit) and `scale = amax / 448`; with `normalize`, the row is an RMSNorm input
+/// and the scale also carries its row factor `rsqrt(mean(x^2) + eps)` (the normalized row has
+/// the same codes; the gain is folded into the weights). An all-zero row: zero codes, scale 1.
+pub fn quantize_rows_fused(
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    eps: f32,
+    normalize: bool,
+) -> Result<(Vec<u8>, Vec<f32>), Fp8Error> {
+    check_len("activations", x.len(), rows * k)?;
+    check_finite("activations", x)?;
+    let mut codes = vec![0u8; rows * k];
+    let mut scales = vec![0f32; rows];
+    for r in 0..rows {
+        let row = &x[r * k..(r + 1) * k];
+        let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let inv = if amax > 0.0 { E4M3_MAX / amax } else { 1.0 };
+        let ss: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        let factor = if normalize {
+            1.0 / (ss / k as f64 + f64::from(eps)).sqrt()
+        } else {
+            1.0
+        };
+        scales[r] = if amax > 0.0 {
+            (f64::from(amax) * factor / f64::from(E4M3_MAX)) as f32
+        } else {
+            1.0
+        };
+        for (c, &v) in codes[r * k..(r + 1) * k].iter_mut().zip(row) {
+            *c = f32_to_e4m3(v * inv);
+        }
+    }
+    Ok((codes, scales))
+}
+
 /// What quantizing with a given per-tensor scale did.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Quantized {
@@ -590,6 +628,34 @@ mod tests {
             ds.quantize(&[2.0]);
         }
         assert_eq!(ds.scale(), 2.0 / E4M3_MAX);
+    }
+
+    #[test]
+    fn fused_rows_carry_the_rms_factor_in_the_scale() {
+        let mut g = Lcg(5);
+        let (rows, k, eps) = (3, 64, 1e-5f32);
+        let mut x = g.vec(rows * k, 3.0);
+        x[k..2 * k].iter_mut().for_each(|v| *v = 0.0);
+        let (codes, scales) = quantize_rows_fused(&x, rows, k, eps, true).unwrap();
+        let (plain_codes, plain_scales) = quantize_rows_fused(&x, rows, k, eps, false).unwrap();
+        assert_eq!(codes, plain_codes);
+        assert_eq!((scales[1], plain_scales[1]), (1.0, 1.0));
+        assert!(codes[k..2 * k].iter().all(|&c| c == 0));
+        for r in [0, 2] {
+            let row = &x[r * k..(r + 1) * k];
+            let ss: f64 = row.iter().map(|&v| f64::from(v).powi(2)).sum();
+            let factor = 1.0 / (ss / k as f64 + f64::from(eps)).sqrt();
+            // Dequantized codes times the scale: the normalized row within an E4M3 step.
+            for (i, &v) in row.iter().enumerate() {
+                let got = f64::from(e4m3_to_f32(codes[r * k + i])) * f64::from(scales[r]);
+                let want = f64::from(v) * factor;
+                assert!(
+                    (got - want).abs() <= want.abs() / 16.0 + 1e-3 * factor,
+                    "{r} {i}"
+                );
+            }
+            assert!((f64::from(plain_scales[r]) * factor - f64::from(scales[r])).abs() < 1e-6);
+        }
     }
 
     #[test]

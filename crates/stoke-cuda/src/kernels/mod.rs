@@ -5,6 +5,7 @@ pub mod bf16_gemm;
 pub mod decode_attention;
 pub mod embed;
 pub mod fp8_gemm;
+pub mod fp8_quant;
 pub mod int4_gemm;
 pub mod mma_rate;
 pub mod read_rate;
@@ -144,6 +145,9 @@ fn embed_entries() -> Vec<&'static str> {
 fn fp8_gemm_entries() -> Vec<&'static str> {
     fp8_gemm::ENTRY_POINTS.to_vec()
 }
+fn fp8_quant_entries() -> Vec<&'static str> {
+    fp8_quant::ENTRY_POINTS.to_vec()
+}
 fn sample_entries() -> Vec<&'static str> {
     sample::ENTRY_POINTS.to_vec()
 }
@@ -194,6 +198,11 @@ pub const FP8_GEMM: KernelSource = KernelSource {
     source: fp8_gemm::SOURCE,
     entries: fp8_gemm_entries,
 };
+pub const FP8_QUANT: KernelSource = KernelSource {
+    file: "fp8_quant.cu",
+    source: fp8_quant::SOURCE,
+    entries: fp8_quant_entries,
+};
 pub const SAMPLE: KernelSource = KernelSource {
     file: "sample.cu",
     source: sample::SOURCE,
@@ -223,6 +232,7 @@ pub const ALL: &[KernelSource] = &[
     BF16_GEMM,
     SAMPLE,
     FP8_GEMM,
+    FP8_QUANT,
 ];
 
 /// The kernels only the benchmarks load (`kernels/bench/`); the precompile check builds them too.
