@@ -11,7 +11,7 @@ use stoke_cuda::kernels::FP8_GEMM;
 use stoke_cuda::kernels::fp8_gemm::{Fp8Gemm, fp8_gemm, grid};
 use stoke_cuda::kernels::fp8_quant::{Fp8RowsParams, quantize_rows as quantize_rows_gpu};
 use stoke_cuda::{DeviceBuffer, Runtime};
-use stoke_formats::fp8::{Fp8Weight, e4m3_to_f32, quantize_rows, quantize_rows_fused};
+use stoke_formats::fp8::{Fp8Weight, e4m3_to_f32, quantize_rows_fused};
 
 /// `(m, n, k, per_row_scales, rows_checked)`: one row; rows, columns and k that end inside a
 /// tile (k a multiple of 16 only); per-tensor activation scale; a 8B-shaped call (rows
@@ -58,7 +58,7 @@ pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
             .collect();
         let wq = Fp8Weight::quantize(&w, n, k, None).map_err(|e| e.to_string())?;
         let (codes, scales) = if per_row {
-            quantize_rows(&x, m, k).map_err(|e| e.to_string())?
+            quantize_rows_fused(&x, m, k, 0.0, false).map_err(|e| e.to_string())?
         } else {
             // One scale for the tensor.
             let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));

@@ -3,8 +3,9 @@
 //! The prefill GEMM computes `acc[r][j] = sum_i A[r][i] W[j][i]` on E4M3 codes and restores the
 //! scales after accumulation: `y[r][j] = acc[r][j] * a_scale(r) * w_scale[j]`. Weights carry one
 //! scale per output channel (quantized once, at load, after the preceding RMSNorm's gain is
-//! folded into their columns); activations carry one scale per row, or one delayed per-tensor
-//! scale per request group ([`DelayedScale`]). Prompts of different lengths run packed, row
+//! folded into their columns); activations carry one scale per row ([`quantize_rows_fused`],
+//! which also carries RMSNorm's row factor), or one delayed per-tensor scale per request group
+//! ([`DelayedScale`]). Prompts of different lengths run packed, row
 //! after row, described by [`Packed`]. Everything here is the specification the kernels are
 //! tested against: plain loops, f64 sums over the exact quantized values.
 
@@ -106,23 +107,6 @@ impl Fp8Weight {
         }
         out
     }
-}
-
-/// Activation rows `[rows, k]` in E4M3 with one scale per row (the per-token scaling).
-pub fn quantize_rows(x: &[f32], rows: usize, k: usize) -> Result<(Vec<u8>, Vec<f32>), Fp8Error> {
-    check_len("activations", x.len(), rows * k)?;
-    check_finite("activations", x)?;
-    let mut codes = vec![0u8; rows * k];
-    let mut scales = vec![0f32; rows];
-    for r in 0..rows {
-        let row = &x[r * k..(r + 1) * k];
-        let s = scale_for(row.iter().fold(0f32, |m, v| m.max(v.abs())));
-        scales[r] = s;
-        for (c, &v) in codes[r * k..(r + 1) * k].iter_mut().zip(row) {
-            *c = f32_to_e4m3(v / s);
-        }
-    }
-    Ok((codes, scales))
 }
 
 /// The rows the FP8 GEMM reads, as `kernels/fp8_quant.cu` makes them from bf16 rows (given
@@ -553,7 +537,7 @@ mod tests {
         let w = g.vec(n * k, 0.5);
         let x = g.vec(rows * k, 20.0);
         let wq = Fp8Weight::quantize(&w, n, k, None).unwrap();
-        let (codes, scales) = quantize_rows(&x, rows, k).unwrap();
+        let (codes, scales) = quantize_rows_fused(&x, rows, k, 0.0, false).unwrap();
         let y = gemm_reference(&codes, &scales, rows, &wq);
         let e = |c: u8| e4m3_to_f32(c) as f64;
         for r in 0..rows {

@@ -123,37 +123,19 @@ impl Runtime {
                 format!("[{rows}, {cols}] at {ptr:#x}, box {box_rows} x {box_cols} x {box_blocks}"),
             )));
         }
-        self.bind()?;
-        let mut map = TensorMap([0; 16]);
-        let dims: [u64; 3] = [
+        let dims = [
             u64::from(box_cols),
             u64::from(rows),
             u64::from(cols / box_cols),
         ];
-        let strides: [u64; 2] = [u64::from(cols) * 2, u64::from(box_cols) * 2];
-        let boxes: [u32; 3] = [box_cols, box_rows, box_blocks];
-        let elem: [u32; 3] = [1, 1, 1];
-        // SAFETY: `map` is 64-byte aligned and 128 bytes (the driver's CUtensorMap); the arrays
-        // have the rank's lengths (strides: rank - 1) and outlive the call.
-        unsafe {
-            sys::cuTensorMapEncodeTiled(
-                (&mut map as *mut TensorMap).cast::<sys::CUtensorMap>(),
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                3,
-                ptr as *mut std::ffi::c_void,
-                dims.as_ptr(),
-                strides.as_ptr(),
-                boxes.as_ptr(),
-                elem.as_ptr(),
-                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-            )
-        }
-        .result()
-        .call("cuTensorMapEncodeTiled")?;
-        Ok(map)
+        let strides = [u64::from(cols) * 2, u64::from(box_cols) * 2];
+        self.encode_tiled(
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            ptr,
+            &dims,
+            &strides,
+            &[box_cols, box_rows, box_blocks],
+        )
     }
 
     /// A 2-D tensor map of a row-major byte matrix (`[rows, cols]` u8: FP8 codes) for the
@@ -185,18 +167,36 @@ impl Runtime {
                 format!("[{rows}, {cols}] at {ptr:#x}, box {box_rows} x {box_cols}"),
             )));
         }
+        self.encode_tiled(
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            ptr,
+            &[u64::from(cols), u64::from(rows)],
+            &[u64::from(cols)],
+            &[box_cols, box_rows],
+        )
+    }
+
+    /// A tiled tensor map of `dims` (innermost first) with byte `strides` of the outer
+    /// dimensions, boxes `boxes`, the 128-byte swizzle, zeros past the tensor.
+    fn encode_tiled(
+        &self,
+        dtype: sys::CUtensorMapDataType,
+        ptr: u64,
+        dims: &[u64],
+        strides: &[u64],
+        boxes: &[u32],
+    ) -> Result<TensorMap> {
+        debug_assert!(strides.len() + 1 == dims.len() && boxes.len() == dims.len());
         self.bind()?;
         let mut map = TensorMap([0; 16]);
-        let dims: [u64; 2] = [u64::from(cols), u64::from(rows)];
-        let strides: [u64; 1] = [u64::from(cols)];
-        let boxes: [u32; 2] = [box_cols, box_rows];
-        let elem: [u32; 2] = [1, 1];
-        // SAFETY: as in `bf16_tensor_map`.
+        let elem = [1u32; 5];
+        // SAFETY: `map` is 64-byte aligned and 128 bytes (the driver's CUtensorMap); the slices
+        // have the rank's lengths (strides: rank - 1) and outlive the call.
         unsafe {
             sys::cuTensorMapEncodeTiled(
                 (&mut map as *mut TensorMap).cast::<sys::CUtensorMap>(),
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
-                2,
+                dtype,
+                dims.len() as u32,
                 ptr as *mut std::ffi::c_void,
                 dims.as_ptr(),
                 strides.as_ptr(),
