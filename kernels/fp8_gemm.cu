@@ -1,6 +1,14 @@
 // FP8 (E4M3) prefill GEMM on Hopper: y[M, N] = (A[M, K] W[N, K]^T) * a_scale[row] * w_scale[col],
-// f32 accumulation, bf16 out (entry fp8_gemm_plain). stoke_formats::fp8 is its specification
-// (gemm_reference) and docs/PERFORMANCE.md its measurements.
+// f32 accumulation, then one of the epilogues (stoke_formats::fp8 holds each one's reference):
+//   fp8_gemm_plain      out = bf16(y)
+//   fp8_gemm_residual   out = bf16(y + residual) (the O and down projections; the next RMSNorm's
+//                       statistics come with the row quantization that follows, which reads
+//                       the row anyway)
+//   fp8_gemm_swiglu     columns 2j / 2j + 1 are gate j / up j: h = silu(gate) up, written as
+//                       the E4M3 input of the down projection with a delayed per-tensor scale
+//                       (out_scale, set from earlier invocations); the invocation's max |h|
+//                       goes to *amax (f32 bits, atomicMax) and the values beyond the scale's
+//                       range (written as +-448) are counted in *saturated.
 //
 // One persistent CTA per SM (grid = min(SMs, tiles)) walks the 128 x 128 output tiles in a
 // rasterized order: tiles go down M inside a band of RASTER tile columns, so the band's weight
@@ -33,18 +41,25 @@ constexpr u32 STAGE_BYTES = A_STAGE + W_STAGE;
 // [A 0 .. A S-1][W 0 .. W S-1][full S][empty S] from a 1024-byte aligned base.
 constexpr u32 SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
 
+enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
+
 struct Fp8GemmParams {
     TensorMap a_map;        // A [M, K] u8 (E4M3), box 128 k x 128 rows
     TensorMap w_map;        // W [N, K] u8 (E4M3), box 128 k x 128 rows
     const float* a_scale;   // [M] per row, or [1] when a_scale_stride is 0
     const float* w_scale;   // [N] per output channel
-    u16* out;               // [M, N] bf16, row pitch ldo elements
+    u16* out;               // plain, residual: [M, ldo] bf16
+    const u16* residual;    // residual: [M, ldr] bf16
+    u8* codes;              // swiglu: [M, ldo] E4M3 (N / 2 columns)
+    const float* out_scale; // swiglu: [1] the delayed scale
+    u32* amax;              // swiglu: [1] max |h| as f32 bits (atomicMax; start from 0)
+    u32* saturated;         // swiglu: [1] count (atomicAdd)
     u32 m, n, k;
     u32 ldo;
+    u32 ldr;
     u32 a_scale_stride;     // 1: per row; 0: one scale
-    u32 pad;
 };
-static_assert(sizeof(Fp8GemmParams) == 320, "Fp8GemmParams layout (64-byte aligned maps)");
+static_assert(sizeof(Fp8GemmParams) == 384, "Fp8GemmParams layout (64-byte aligned maps)");
 
 // The copy engine's copy of the 2-D box at (x = k, y = row) of `map` to shared `dst`.
 __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 x, u32 y, u32 bar) {
@@ -52,6 +67,13 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 x
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
         "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(bar)
         : "memory");
+}
+
+// The E4M3 code of x (nearest, ties to even, saturating), in the low byte.
+__device__ __forceinline__ u16 e4m3x2_lo(float x) {
+    u16 r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
+    return r & 0xff;
 }
 
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
@@ -95,7 +117,8 @@ __device__ __forceinline__ void tile_coords(u32 t, u32 tiles_m, u32 tiles_n, u32
     tn = first + in_band % width;
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_plain(const __grid_constant__ Fp8GemmParams p) {
+template <int EPI>
+__device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
     extern __shared__ __align__(1024) u8 smem_raw[];
     const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const u32 a_smem = base, w_smem = base + STAGES * A_STAGE;
@@ -166,23 +189,67 @@ extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_plain(const __grid
         }
         // acc[4 j + e]: row 16 warp + lane / 4 (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2.
         const u32 row0 = tm * BM + half * 64 + warp * 16 + lane / 4;
+        float amax = 0.0f;
+        u32 saturated = 0;
+        const float out_scale = EPI == EPI_SWIGLU ? *p.out_scale : 1.0f;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const u32 row = row0 + 8 * h;
             if (row >= p.m) continue;
             const float sa = p.a_scale[row * p.a_scale_stride];
-            u16* out = p.out + u64(row) * p.ldo;
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
                 const u32 col = tn * BN + 8 * j + 2 * (lane % 4);
+                if (col >= p.n) continue;
+                const float y0 = acc[4 * j + 2 * h] * sa * p.w_scale[col];
+                if (EPI == EPI_SWIGLU) {
+                    // n is even: the pair is whole.
+                    const float up = acc[4 * j + 2 * h + 1] * sa * p.w_scale[col + 1];
+                    const float hv = y0 / (1.0f + expf(-y0)) * up;
+                    if (fabsf(hv) < __int_as_float(0x7f800000)) amax = fmaxf(amax, fabsf(hv));
+                    float q = __fdiv_rn(hv, out_scale);
+                    if (!(fabsf(q) <= 448.0f)) {
+                        ++saturated;
+                        q = hv < 0.0f ? -448.0f : 448.0f;
+                    }
+                    p.codes[u64(row) * p.ldo + col / 2] = u8(e4m3x2_lo(q));
+                    continue;
+                }
+                float r0 = 0.0f, r1 = 0.0f;
+                if (EPI == EPI_RESIDUAL) {
+                    const u16* res = p.residual + u64(row) * p.ldr + col;
+                    r0 = bf16_lo(u32(res[0]));
+                    if (col + 1 < p.n) r1 = bf16_lo(u32(res[1]));
+                }
+                u16* out = p.out + u64(row) * p.ldo;
                 if (col + 1 < p.n) {
-                    const float y0 = acc[4 * j + 2 * h] * sa * p.w_scale[col];
                     const float y1 = acc[4 * j + 2 * h + 1] * sa * p.w_scale[col + 1];
-                    *reinterpret_cast<u32*>(out + col) = pack_bf16x2(y0, y1);
-                } else if (col < p.n) {
-                    out[col] = to_bf16(acc[4 * j + 2 * h] * sa * p.w_scale[col]);
+                    *reinterpret_cast<u32*>(out + col) = pack_bf16x2(y0 + r0, y1 + r1);
+                } else {
+                    out[col] = to_bf16(y0 + r0);
                 }
             }
         }
+        if (EPI == EPI_SWIGLU) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                saturated += __shfl_xor_sync(0xffffffffu, saturated, o);
+            }
+            if (lane == 0) {
+                atomicMax(p.amax, __float_as_uint(amax));
+                if (saturated) atomicAdd(p.saturated, saturated);
+            }
+        }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_plain(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_PLAIN>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_residual(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_RESIDUAL>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_swiglu(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_SWIGLU>(p);
 }

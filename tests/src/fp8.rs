@@ -8,21 +8,35 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::kernels::FP8_GEMM;
-use stoke_cuda::kernels::fp8_gemm::{Fp8Gemm, fp8_gemm, grid};
+use stoke_cuda::kernels::fp8_gemm::{Fp8Epilogue, Fp8Gemm, fp8_gemm, grid};
 use stoke_cuda::kernels::fp8_quant::{Fp8RowsParams, quantize_rows as quantize_rows_gpu};
 use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::fp8::{Fp8Weight, e4m3_to_f32, quantize_rows_fused};
 
-/// `(m, n, k, per_row_scales, rows_checked)`: one row; rows, columns and k that end inside a
-/// tile (k a multiple of 16 only); per-tensor activation scale; a 8B-shaped call (rows
-/// checked: a spread sample); the 8B down projection's long k.
-const CASES: &[(usize, usize, usize, bool, usize)] = &[
-    (1, 128, 128, true, 1),
-    (3, 200, 336, true, 3),
-    (130, 264, 4096, true, 130),
-    (300, 1024, 1040, false, 300),
-    (2048, 4096, 4096, true, 24),
-    (77, 4096, 14336, true, 12),
+/// What a test case's epilogue is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Epi {
+    Plain,
+    Residual,
+    /// Delayed scale at this fraction of the true max |h| (below 1: some values saturate).
+    SwiGlu(f32),
+}
+
+/// `(m, n, k, per_row_scales, rows_checked, epilogue)`: one row; rows, columns and k that end
+/// inside a tile (k a multiple of 16 only); per-tensor activation scale; a 8B-shaped call (rows
+/// checked: a spread sample); the 8B down projection's long k; the residual and SwiGLU
+/// epilogues (one with a scale that saturates).
+const CASES: &[(usize, usize, usize, bool, usize, Epi)] = &[
+    (1, 128, 128, true, 1, Epi::Plain),
+    (3, 200, 336, true, 3, Epi::Plain),
+    (130, 264, 4096, true, 130, Epi::Plain),
+    (300, 1024, 1040, false, 300, Epi::Plain),
+    (2048, 4096, 4096, true, 24, Epi::Plain),
+    (77, 4096, 14336, true, 12, Epi::Plain),
+    (130, 264, 1040, true, 130, Epi::Residual),
+    (1, 256, 128, true, 1, Epi::SwiGlu(1.5)),
+    (77, 528, 4096, true, 77, Epi::SwiGlu(1.0)),
+    (200, 1032, 2048, true, 200, Epi::SwiGlu(0.5)),
 ];
 /// Allowed error of an element: `|got - want| <= |want| 2^-8 + TOL_L1 sum_i |a_i w_i|` (bf16
 /// rounding of the output, and the tensor core's FP8 sums within a 128-k block, which keep
@@ -35,6 +49,12 @@ fn put_u8(rt: &Arc<Runtime>, v: &[u8]) -> DeviceBuffer {
     b
 }
 
+fn get_u32(buf: &DeviceBuffer) -> Result<u32, String> {
+    let mut b = [0u8; 4];
+    unsafe { buf.runtime().copy_dtoh(&mut b, buf.ptr()) }.map_err(|e| e.to_string())?;
+    Ok(u32::from_le_bytes(b))
+}
+
 /// Activations with a few outlier columns (as after an RMSNorm of a real model).
 fn activations(rng: &mut StdRng, m: usize, k: usize) -> Vec<f32> {
     (0..m * k)
@@ -45,13 +65,39 @@ fn activations(rng: &mut StdRng, m: usize, k: usize) -> Vec<f32> {
         .collect()
 }
 
+/// The f64 GEMM output of row `r` and each element's sum of |a_i w_i| (both scales applied).
+fn reference_row(
+    codes: &[u8],
+    a_scale: f32,
+    r: usize,
+    wq: &Fp8Weight,
+    wv: &[f64],
+) -> (Vec<f64>, Vec<f64>) {
+    let k = wq.k;
+    let a: Vec<f64> = codes[r * k..(r + 1) * k]
+        .iter()
+        .map(|&c| f64::from(e4m3_to_f32(c)))
+        .collect();
+    (0..wq.n)
+        .map(|j| {
+            let s = f64::from(a_scale) * f64::from(wq.scales[j]);
+            let (mut dot, mut l1) = (0f64, 0f64);
+            for (x, y) in a.iter().zip(&wv[j * k..(j + 1) * k]) {
+                dot += x * y;
+                l1 += (x * y).abs();
+            }
+            (dot * s, l1 * s)
+        })
+        .unzip()
+}
+
 pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
     let rt = crate::gpu()?;
     let seed = crate::seed();
     let mut rng = StdRng::seed_from_u64(seed);
     let mut cases = Vec::new();
     let mut worst = 0f64;
-    for &(m, n, k, per_row, checked) in CASES {
+    for &(m, n, k, per_row, checked, epi) in CASES {
         let x = activations(&mut rng, m, k);
         let w: Vec<f32> = (0..n * k)
             .map(|_| rng.random_range(-1.0f32..1.0) / (k as f32).sqrt())
@@ -66,66 +112,182 @@ pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
             let q = stoke_formats::fp8::quantize_with_scale(&x, s);
             (q.codes, vec![s])
         };
-        let ldo = n + 8;
-        let (ab, wb) = (put_u8(&rt, &codes), put_u8(&rt, &wq.codes));
-        let (sa, sw) = (put_f32(&rt, &scales), put_f32(&rt, &wq.scales));
-        let out = rt.alloc(m * ldo * 2).map_err(|e| e.to_string())?;
-        unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.map_err(|e| e.to_string())?;
-        let call = Fp8Gemm {
-            a: ab.as_ptr(),
-            w: wb.as_ptr(),
-            a_scale: sa.as_ptr(),
-            a_scale_per_row: per_row,
-            w_scale: sw.as_ptr(),
-            out: out.as_mut_ptr(),
-            m: m as u32,
-            n: n as u32,
-            k: k as u32,
-            ldo: ldo as u32,
-        };
-        let what = format!("seed {seed}: m {m} n {n} k {k} per-row scales {per_row}");
-        unsafe { fp8_gemm(&rt, &call) }.map_err(|e| format!("{what}: {e}"))?;
-        let got = try_get_bf16(&out).map_err(|e| format!("{what}: {e}"))?;
+        let a_scale = |r: usize| scales[if per_row { r } else { 0 }];
+        let wv: Vec<f64> = wq
+            .codes
+            .iter()
+            .map(|&c| f64::from(e4m3_to_f32(c)))
+            .collect();
         // The rows checked: all, or a spread that includes the first and the last.
         let rows: Vec<usize> = if checked >= m {
             (0..m).collect()
         } else {
             (0..checked).map(|i| i * (m - 1) / (checked - 1)).collect()
         };
-        let e = |c: u8| f64::from(e4m3_to_f32(c));
-        let wv: Vec<f64> = wq.codes.iter().map(|&c| e(c)).collect();
+        let refs: Vec<(Vec<f64>, Vec<f64>)> = rows
+            .iter()
+            .map(|&r| reference_row(&codes, a_scale(r), r, &wq, &wv))
+            .collect();
+        let (ab, wb) = (put_u8(&rt, &codes), put_u8(&rt, &wq.codes));
+        let (sa, sw) = (put_f32(&rt, &scales), put_f32(&rt, &wq.scales));
+        let what = format!("seed {seed}: m {m} n {n} k {k} per-row scales {per_row} {epi:?}");
+        let mut call = Fp8Gemm {
+            a: ab.as_ptr(),
+            w: wb.as_ptr(),
+            a_scale: sa.as_ptr(),
+            a_scale_per_row: per_row,
+            w_scale: sw.as_ptr(),
+            epilogue: Fp8Epilogue::Plain {
+                out: stoke_cuda::DevicePtrMut::NULL,
+            },
+            m: m as u32,
+            n: n as u32,
+            k: k as u32,
+            ldo: 0,
+        };
         let mut case_worst = 0f64;
-        for &r in &rows {
-            let sa = f64::from(scales[if per_row { r } else { 0 }]);
-            let a: Vec<f64> = codes[r * k..(r + 1) * k].iter().map(|&c| e(c)).collect();
-            for j in 0..ldo {
-                let g = got[r * ldo + j];
-                if j >= n {
-                    if !g.is_nan() {
-                        return Err(format!("{what}: padding column {j} of row {r} was written"));
+        let mut detail = json!({});
+        if let Epi::SwiGlu(fraction) = epi {
+            let inter = n / 2;
+            let ldo = inter + 16;
+            // The SwiGLU of every checked row in f64, and its largest |h|.
+            let h: Vec<Vec<f64>> = refs
+                .iter()
+                .map(|(y, _)| {
+                    (0..inter)
+                        .map(|j| y[2 * j] / (1.0 + (-y[2 * j]).exp()) * y[2 * j + 1])
+                        .collect()
+                })
+                .collect();
+            let amax_checked = h.iter().flatten().fold(0f64, |a, v| a.max(v.abs()));
+            let scale = stoke_formats::fp8::scale_for(amax_checked as f32 * fraction);
+            let out = rt.alloc(m * ldo).map_err(|e| e.to_string())?;
+            let sb = put_f32(&rt, &[scale]);
+            let (amax_b, sat_b) = (rt.alloc(4).unwrap(), rt.alloc(4).unwrap());
+            unsafe {
+                rt.fill_bytes(out.ptr(), 0xFF, out.bytes())
+                    .map_err(|e| e.to_string())?;
+                rt.fill_bytes(amax_b.ptr(), 0, 4)
+                    .map_err(|e| e.to_string())?;
+                rt.fill_bytes(sat_b.ptr(), 0, 4)
+                    .map_err(|e| e.to_string())?;
+            }
+            call.ldo = ldo as u32;
+            call.epilogue = Fp8Epilogue::SwiGlu {
+                codes: out.as_mut_ptr(),
+                scale: sb.as_ptr(),
+                amax: amax_b.as_mut_ptr(),
+                saturated: sat_b.as_mut_ptr(),
+            };
+            unsafe { fp8_gemm(&rt, &call) }.map_err(|e| format!("{what}: {e}"))?;
+            let mut got = vec![0u8; m * ldo];
+            unsafe { rt.copy_dtoh(&mut got, out.ptr()) }.map_err(|e| e.to_string())?;
+            let (amax, sat) = (f32::from_bits(get_u32(&amax_b)?), get_u32(&sat_b)?);
+            let s = f64::from(scale);
+            let (mut want_sat, mut ambiguous) = (0u32, 0u32);
+            for (ri, &r) in rows.iter().enumerate() {
+                for j in 0..ldo {
+                    let c = got[r * ldo + j];
+                    if j >= inter {
+                        if c != 0xFF {
+                            return Err(format!("{what}: padding code {j} of row {r} was written"));
+                        }
+                        continue;
                     }
-                    continue;
+                    let hv = h[ri][j];
+                    let (g, u) = (refs[ri].0[2 * j], refs[ri].0[2 * j + 1]);
+                    // How far the GEMM's own error (TOL_L1 of each sum) can move h: silu's
+                    // slope is at most 1.1.
+                    let dh = (1.1 * u.abs() + (g / (1.0 + (-g).exp())).abs())
+                        * TOL_L1
+                        * (refs[ri].1[2 * j] + refs[ri].1[2 * j + 1]);
+                    let q = hv / s;
+                    if q.abs() > 448.0 {
+                        want_sat += 1;
+                    }
+                    if (q.abs() - 448.0).abs() < 1e-2 * 448.0 {
+                        ambiguous += 1;
+                    }
+                    let want = q.clamp(-448.0, 448.0) * s;
+                    let deq = f64::from(e4m3_to_f32(c)) * s;
+                    // One E4M3 rounding (half a step: 2^-4 relative, 2^-10 x scale below the
+                    // normal range) plus what the GEMM's sums may carry into h.
+                    let bound = want.abs() / 16.0 + s / 1024.0 + dh;
+                    let ratio = (deq - want).abs() / bound;
+                    if !(ratio <= 1.0) {
+                        return Err(format!(
+                            "{what}: code [{r}][{j}] = {c:#04x} ({deq}), reference h {hv} (bound {bound:.3e})"
+                        ));
+                    }
+                    case_worst = case_worst.max(ratio);
                 }
-                let sw = f64::from(wq.scales[j]);
-                let (mut dot, mut l1) = (0f64, 0f64);
-                for (x, y) in a.iter().zip(&wv[j * k..(j + 1) * k]) {
-                    dot += x * y;
-                    l1 += (x * y).abs();
-                }
-                let (want, l1) = (dot * sa * sw, l1 * sa * sw);
-                let bound = want.abs() / 256.0 + TOL_L1 * l1 + 1e-30;
-                let ratio = (g - want).abs() / bound;
-                if !(ratio <= 1.0) {
+            }
+            if rows.len() == m {
+                if sat.abs_diff(want_sat) > ambiguous {
                     return Err(format!(
-                        "{what}: out[{r}][{j}] = {g}, reference {want} (bound {bound:.3e})"
+                        "{what}: {sat} saturated, reference {want_sat} (+- {ambiguous})"
                     ));
                 }
-                case_worst = case_worst.max(ratio);
+                let rel = (f64::from(amax) - amax_checked).abs() / amax_checked;
+                if !(rel <= 1e-2) {
+                    return Err(format!("{what}: amax {amax}, reference {amax_checked}"));
+                }
+            }
+            detail = json!({"scale": scale, "saturated": sat, "reference_saturated": want_sat,
+                "amax": amax, "reference_amax": amax_checked});
+        } else {
+            let ldo = n + 8;
+            let out = rt.alloc(m * ldo * 2).map_err(|e| e.to_string())?;
+            unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.map_err(|e| e.to_string())?;
+            let residual: Vec<u16> = (0..m * n)
+                .map(|_| stoke_formats::bf16::from_f32(rng.random_range(-3.0f32..3.0)))
+                .collect();
+            let rb = put_u16(&rt, &residual);
+            call.ldo = ldo as u32;
+            call.epilogue = match epi {
+                Epi::Residual => Fp8Epilogue::Residual {
+                    out: out.as_mut_ptr(),
+                    residual: rb.as_ptr(),
+                    ldr: n as u32,
+                },
+                _ => Fp8Epilogue::Plain {
+                    out: out.as_mut_ptr(),
+                },
+            };
+            unsafe { fp8_gemm(&rt, &call) }.map_err(|e| format!("{what}: {e}"))?;
+            let got = try_get_bf16(&out).map_err(|e| format!("{what}: {e}"))?;
+            for (ri, &r) in rows.iter().enumerate() {
+                for j in 0..ldo {
+                    let g = got[r * ldo + j];
+                    if j >= n {
+                        if !g.is_nan() {
+                            return Err(format!(
+                                "{what}: padding column {j} of row {r} was written"
+                            ));
+                        }
+                        continue;
+                    }
+                    let res = if epi == Epi::Residual {
+                        f64::from(stoke_formats::bf16::to_f32(residual[r * n + j]))
+                    } else {
+                        0.0
+                    };
+                    let (want, l1) = (refs[ri].0[j] + res, refs[ri].1[j]);
+                    let bound = want.abs() / 256.0 + TOL_L1 * l1 + 1e-30;
+                    let ratio = (g - want).abs() / bound;
+                    if !(ratio <= 1.0) {
+                        return Err(format!(
+                            "{what}: out[{r}][{j}] = {g}, reference {want} (bound {bound:.3e})"
+                        ));
+                    }
+                    case_worst = case_worst.max(ratio);
+                }
             }
         }
         worst = worst.max(case_worst);
         cases.push(json!({"m": m, "n": n, "k": k, "per_row_scales": per_row,
-            "rows_checked": rows.len(), "worst_error_over_bound": case_worst,
+            "epilogue": format!("{epi:?}"), "rows_checked": rows.len(),
+            "worst_error_over_bound": case_worst, "detail": detail,
             "grid": grid(m as u32, n as u32, rt.sm_count)}));
     }
     Ok(
@@ -170,7 +332,9 @@ pub fn bench() -> Value {
                 a_scale: sa.as_ptr(),
                 a_scale_per_row: true,
                 w_scale: sw.as_ptr(),
-                out: out.as_mut_ptr(),
+                epilogue: Fp8Epilogue::Plain {
+                    out: out.as_mut_ptr(),
+                },
                 m: m as u32,
                 n: n as u32,
                 k: k as u32,

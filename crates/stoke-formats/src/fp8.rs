@@ -440,8 +440,9 @@ pub fn rms_factor(ss: f64, n: usize, eps: f64) -> f64 {
 }
 
 /// The gate|up epilogue: `h = silu(gate) * up` from the restored output `y`
-/// (`[rows, 2 inter]`, gate columns first), then the E4M3 input of the down projection with
-/// the group's delayed scale. Returns (h, quantized h, the scale used).
+/// (`[rows, 2 inter]`, gate and up columns interleaved: column `2 j` is gate `j`, `2 j + 1` is
+/// up `j`, as the fused weight's rows are laid out at load), then the E4M3 input of the down
+/// projection with the group's delayed scale. Returns (h, quantized h, the scale used).
 pub fn swiglu_epilogue_reference(
     y: &[f64],
     inter: usize,
@@ -451,8 +452,8 @@ pub fn swiglu_epilogue_reference(
     let mut h = vec![0f64; rows * inter];
     for r in 0..rows {
         for j in 0..inter {
-            let g = y[r * 2 * inter + j];
-            let u = y[r * 2 * inter + inter + j];
+            let g = y[r * 2 * inter + 2 * j];
+            let u = y[r * 2 * inter + 2 * j + 1];
             h[r * inter + j] = g / (1.0 + (-g).exp()) * u;
         }
     }
@@ -697,7 +698,7 @@ mod tests {
         assert_eq!(ss, [8.0, 16.0]);
         assert!((rms_factor(8.0, 2, 0.0) - 0.5).abs() < 1e-12);
         let mut ds = DelayedScale::new(2, 4.0, 1.0).unwrap();
-        let (h, q, s) = swiglu_epilogue_reference(&[0.0, 2.0, 3.0, -1.0], 2, &mut ds);
+        let (h, q, s) = swiglu_epilogue_reference(&[0.0, 3.0, 2.0, -1.0], 2, &mut ds);
         let silu = |g: f64| g / (1.0 + (-g).exp());
         assert_eq!(h, [0.0, -silu(2.0)]);
         assert_eq!(s, 4.0 / E4M3_MAX);

@@ -1,12 +1,12 @@
 //! The FP8 prefill GEMM: params mirror and launch of kernels/fp8_gemm.cu
-//! (`y = (A W^T) * a_scale[row] * w_scale[col]`, E4M3 operands, bf16 out;
-//! `stoke_formats::fp8::gemm_reference` is its specification).
+//! (`y = (A W^T) * a_scale[row] * w_scale[col]`, E4M3 operands, then bf16 out, bf16 out plus a
+//! residual, or SwiGLU to E4M3 with a delayed scale; `stoke_formats::fp8` holds the references).
 
 use super::{EntryPoint, FP8_GEMM, KernelParams};
 use crate::{DevicePtr, DevicePtrMut, LaunchShape, Result, Runtime, ShapeError, TensorMap};
 use half::bf16;
 
-/// `struct Fp8GemmParams` of kernels/fp8_gemm.cu (320 bytes; the `.cu` file asserts it).
+/// `struct Fp8GemmParams` of kernels/fp8_gemm.cu (384 bytes; the `.cu` file asserts it).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct Fp8GemmParams {
@@ -18,14 +18,24 @@ pub struct Fp8GemmParams {
     pub a_scale: DevicePtr<f32>,
     /// `[n]` per-output-channel scales.
     pub w_scale: DevicePtr<f32>,
-    /// `[m, ldo]` bf16.
+    /// Plain, residual: `[m, ldo]` bf16.
     pub out: DevicePtrMut<bf16>,
+    /// Residual: `[m, ldr]` bf16.
+    pub residual: DevicePtr<bf16>,
+    /// SwiGLU: `[m, ldo]` E4M3 (`n / 2` columns).
+    pub codes: DevicePtrMut<u8>,
+    /// SwiGLU: `[1]` the delayed scale.
+    pub out_scale: DevicePtr<f32>,
+    /// SwiGLU: `[1]` max |h| as f32 bits (atomicMax).
+    pub amax: DevicePtrMut<u32>,
+    /// SwiGLU: `[1]` saturated values (atomicAdd).
+    pub saturated: DevicePtrMut<u32>,
     pub m: u32,
     pub n: u32,
     pub k: u32,
     pub ldo: u32,
+    pub ldr: u32,
     pub a_scale_stride: u32,
-    pub pad: u32,
 }
 
 // SAFETY: the layout is the `.cu` struct's (asserted below); pointers of the kernel's types.
@@ -35,7 +45,7 @@ unsafe impl KernelParams for Fp8GemmParams {}
 pub const SOURCE: &str = include_str!("../../../../kernels/fp8_gemm.cu");
 
 /// Every `extern "C"` entry point in [`SOURCE`].
-pub const ENTRY_POINTS: &[&str] = &["fp8_gemm_plain"];
+pub const ENTRY_POINTS: &[&str] = &["fp8_gemm_plain", "fp8_gemm_residual", "fp8_gemm_swiglu"];
 
 /// The kernel's tile (`BM` x `BN`), k per stage (`BK`), stages, and its shared memory.
 const BM: u32 = 128;
@@ -44,6 +54,28 @@ const BK: u32 = 128;
 const STAGES: u32 = 5;
 const SMEM_BYTES: u32 = STAGES * (BM + BN) * BK + 2 * STAGES * 8 + 1024;
 const THREADS: u32 = 384;
+
+/// What the kernel does with `y`.
+#[derive(Clone, Copy, Debug)]
+pub enum Fp8Epilogue {
+    /// `out = bf16(y)`.
+    Plain { out: DevicePtrMut<bf16> },
+    /// `out = bf16(y + residual)`, `residual` `[m, ldr]`.
+    Residual {
+        out: DevicePtrMut<bf16>,
+        residual: DevicePtr<bf16>,
+        ldr: u32,
+    },
+    /// Columns `2 j`, `2 j + 1` are gate and up `j`: `codes = e4m3(silu(gate) up / scale)`
+    /// with the delayed `scale` (`[1]` on the device), `amax` (`[1]`, f32 bits, start from 0)
+    /// and `saturated` (`[1]`) accumulated.
+    SwiGlu {
+        codes: DevicePtrMut<u8>,
+        scale: DevicePtr<f32>,
+        amax: DevicePtrMut<u32>,
+        saturated: DevicePtrMut<u32>,
+    },
+}
 
 /// The operands of one call.
 #[derive(Clone, Copy, Debug)]
@@ -56,17 +88,19 @@ pub struct Fp8Gemm {
     /// Whether `a_scale` holds one scale per row (else one for the tensor).
     pub a_scale_per_row: bool,
     pub w_scale: DevicePtr<f32>,
-    pub out: DevicePtrMut<bf16>,
+    pub epilogue: Fp8Epilogue,
     pub m: u32,
     pub n: u32,
     pub k: u32,
-    /// Row pitch of `out` in elements (at least `n`, even).
+    /// Row pitch of the output in elements: at least `n` and even (SwiGLU: at least `n / 2`).
     pub ldo: u32,
 }
 
 /// Checks a call's shape: `m`, `n` positive, `k` a positive multiple of 16 (the copy engine's
-/// row pitch), `ldo >= n` and even (the epilogue's paired stores).
-pub fn check_shape(m: u32, n: u32, k: u32, ldo: u32) -> std::result::Result<(), ShapeError> {
+/// row pitch); bf16 outputs: `ldo >= n` and even (the epilogue's paired stores), a residual
+/// pitch of at least `n`; SwiGLU: `n` even and `ldo >= n / 2`.
+pub fn check_shape(g: &Fp8Gemm) -> std::result::Result<(), ShapeError> {
+    let (m, n, k, ldo) = (g.m, g.n, g.k, g.ldo);
     if m == 0 || n == 0 {
         return Err(ShapeError::new(
             "FP8 GEMM rows and columns",
@@ -81,12 +115,34 @@ pub fn check_shape(m: u32, n: u32, k: u32, ldo: u32) -> std::result::Result<(), 
             k.to_string(),
         ));
     }
-    if ldo < n || !ldo.is_multiple_of(2) {
-        return Err(ShapeError::new(
-            "FP8 GEMM output row pitch",
-            format!("an even count of at least n = {n}"),
-            ldo.to_string(),
-        ));
+    match g.epilogue {
+        Fp8Epilogue::SwiGlu { .. } => {
+            if !n.is_multiple_of(2) || ldo < n / 2 {
+                return Err(ShapeError::new(
+                    "FP8 GEMM SwiGLU columns and output pitch",
+                    "an even n (gate and up interleaved) and a pitch of at least n / 2",
+                    format!("n {n}, pitch {ldo}"),
+                ));
+            }
+        }
+        Fp8Epilogue::Plain { .. } | Fp8Epilogue::Residual { .. } => {
+            if ldo < n || !ldo.is_multiple_of(2) {
+                return Err(ShapeError::new(
+                    "FP8 GEMM output row pitch",
+                    format!("an even count of at least n = {n}"),
+                    ldo.to_string(),
+                ));
+            }
+            if let Fp8Epilogue::Residual { ldr, .. } = g.epilogue
+                && ldr < n
+            {
+                return Err(ShapeError::new(
+                    "FP8 GEMM residual row pitch",
+                    format!("at least n = {n}"),
+                    ldr.to_string(),
+                ));
+            }
+        }
     }
     Ok(())
 }
@@ -96,29 +152,50 @@ pub fn grid(m: u32, n: u32, sm_count: u32) -> u32 {
     (m.div_ceil(BM) * n.div_ceil(BN)).min(sm_count).max(1)
 }
 
-/// Queues `out = (A W^T) * a_scale * w_scale`.
+/// Queues the GEMM and its epilogue.
 ///
 /// # Safety
 /// The pointers must be valid device memory of the documented sizes until the kernel is done.
 pub unsafe fn fp8_gemm(rt: &Runtime, g: &Fp8Gemm) -> Result<()> {
-    check_shape(g.m, g.n, g.k, g.ldo)?;
-    let p = Fp8GemmParams {
+    check_shape(g)?;
+    let mut p = Fp8GemmParams {
         a_map: rt.u8_tensor_map_2d(g.a.addr(), g.m, g.k, BM, BK)?,
         w_map: rt.u8_tensor_map_2d(g.w.addr(), g.n, g.k, BN, BK)?,
         a_scale: g.a_scale,
         w_scale: g.w_scale,
-        out: g.out,
+        out: DevicePtrMut::NULL,
+        residual: DevicePtr::NULL,
+        codes: DevicePtrMut::NULL,
+        out_scale: DevicePtr::NULL,
+        amax: DevicePtrMut::NULL,
+        saturated: DevicePtrMut::NULL,
         m: g.m,
         n: g.n,
         k: g.k,
         ldo: g.ldo,
+        ldr: 0,
         a_scale_stride: u32::from(g.a_scale_per_row),
-        pad: 0,
     };
-    let k = rt.kernel(EntryPoint::<Fp8GemmParams>::new(
-        &FP8_GEMM,
-        "fp8_gemm_plain",
-    ))?;
+    let entry = match g.epilogue {
+        Fp8Epilogue::Plain { out } => {
+            p.out = out;
+            "fp8_gemm_plain"
+        }
+        Fp8Epilogue::Residual { out, residual, ldr } => {
+            (p.out, p.residual, p.ldr) = (out, residual, ldr);
+            "fp8_gemm_residual"
+        }
+        Fp8Epilogue::SwiGlu {
+            codes,
+            scale,
+            amax,
+            saturated,
+        } => {
+            (p.codes, p.out_scale, p.amax, p.saturated) = (codes, scale, amax, saturated);
+            "fp8_gemm_swiglu"
+        }
+    };
+    let k = rt.kernel(EntryPoint::<Fp8GemmParams>::new(&FP8_GEMM, entry))?;
     let shape = LaunchShape {
         grid: (grid(g.m, g.n, rt.sm_count), 1, 1),
         block: (THREADS, 1, 1),
@@ -134,13 +211,14 @@ mod tests {
 
     #[test]
     fn params_layout_matches_the_kernel() {
-        assert_eq!(std::mem::size_of::<Fp8GemmParams>(), 320);
+        assert_eq!(std::mem::size_of::<Fp8GemmParams>(), 384);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, w_map), 128);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, a_scale), 256);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, out), 272);
-        assert_eq!(std::mem::offset_of!(Fp8GemmParams, m), 280);
-        assert_eq!(std::mem::offset_of!(Fp8GemmParams, pad), 300);
-        assert!(SOURCE.contains("static_assert(sizeof(Fp8GemmParams) == 320"));
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, saturated), 312);
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, m), 320);
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, a_scale_stride), 340);
+        assert!(SOURCE.contains("static_assert(sizeof(Fp8GemmParams) == 384"));
         for (name, v) in [("BM", BM), ("BN", BN), ("BK", BK)] {
             assert!(SOURCE.contains(&format!("{name} = {v}")), "{name}");
         }
@@ -149,15 +227,45 @@ mod tests {
 
     #[test]
     fn shapes_are_checked_and_the_grid_is_persistent() {
-        assert!(check_shape(1, 8, 16, 8).is_ok());
+        let call = |m, n, k, ldo, epilogue| Fp8Gemm {
+            a: DevicePtr::NULL,
+            w: DevicePtr::NULL,
+            a_scale: DevicePtr::NULL,
+            a_scale_per_row: true,
+            w_scale: DevicePtr::NULL,
+            epilogue,
+            m,
+            n,
+            k,
+            ldo,
+        };
+        let plain = Fp8Epilogue::Plain {
+            out: DevicePtrMut::NULL,
+        };
+        let swiglu = Fp8Epilogue::SwiGlu {
+            codes: DevicePtrMut::NULL,
+            scale: DevicePtr::NULL,
+            amax: DevicePtrMut::NULL,
+            saturated: DevicePtrMut::NULL,
+        };
+        let what = |g: Fp8Gemm| check_shape(&g).unwrap_err().what;
+        assert!(check_shape(&call(1, 8, 16, 8, plain)).is_ok());
+        assert_eq!(what(call(0, 8, 16, 8, plain)), "FP8 GEMM rows and columns");
+        assert_eq!(what(call(4, 8, 24, 8, plain)), "FP8 GEMM k");
+        assert_eq!(what(call(4, 8, 32, 7, plain)), "FP8 GEMM output row pitch");
+        assert!(check_shape(&call(4, 8, 32, 4, swiglu)).is_ok());
         assert_eq!(
-            check_shape(0, 8, 16, 8).unwrap_err().what,
-            "FP8 GEMM rows and columns"
+            what(call(4, 7, 32, 8, swiglu)),
+            "FP8 GEMM SwiGLU columns and output pitch"
         );
-        assert_eq!(check_shape(4, 8, 24, 8).unwrap_err().what, "FP8 GEMM k");
+        let residual = Fp8Epilogue::Residual {
+            out: DevicePtrMut::NULL,
+            residual: DevicePtr::NULL,
+            ldr: 4,
+        };
         assert_eq!(
-            check_shape(4, 8, 32, 7).unwrap_err().what,
-            "FP8 GEMM output row pitch"
+            what(call(4, 8, 32, 8, residual)),
+            "FP8 GEMM residual row pitch"
         );
         assert_eq!(grid(1, 1, 132), 1);
         assert_eq!(grid(2048, 4096, 132), 132);
