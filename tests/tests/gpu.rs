@@ -33,4 +33,6 @@ gpu_tests!(
     decode_step_matches_reference,
     smollm2_graphed_text_matches_burn_cuda,
     sample_matches_reference,
+    fp8_rows_match_reference,
+    fp8_gemm_matches_reference,
 );
