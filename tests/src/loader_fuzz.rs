@@ -659,7 +659,7 @@ fn put_value(b: &mut Built, v: &Value) {
         Value::Bool(x) => b.bytes.push(*x as u8),
         Value::String(s) => put_str(b, s.as_bytes()),
         Value::Array(items) => {
-            b.u32(items.first().map_or(4, value_type));
+            b.u32(items.first().map_or(4, Value::type_code));
             b.u64(items.len() as u64);
             for i in items {
                 put_value(b, i);
@@ -676,24 +676,6 @@ fn put_str(b: &mut Built, s: &[u8]) {
     b.raw_str(s);
 }
 
-fn value_type(v: &Value) -> u32 {
-    match v {
-        Value::U8(_) => 0,
-        Value::I8(_) => 1,
-        Value::U16(_) => 2,
-        Value::I16(_) => 3,
-        Value::U32(_) => 4,
-        Value::I32(_) => 5,
-        Value::F32(_) => 6,
-        Value::Bool(_) => 7,
-        Value::String(_) => 8,
-        Value::Array(_) => 9,
-        Value::U64(_) => 10,
-        Value::I64(_) => 11,
-        Value::F64(_) => 12,
-    }
-}
-
 /// GGUF v3 bytes with every field recorded (the same layout as `gguf::Writer`).
 fn build_gguf(meta: &[(String, Value)], tensors: &[(String, Vec<u64>, u32, Vec<u8>)]) -> Built {
     const ALIGN: usize = 32;
@@ -704,7 +686,7 @@ fn build_gguf(meta: &[(String, Value)], tensors: &[(String, Vec<u64>, u32, Vec<u
     b.u64(meta.len() as u64);
     for (k, v) in meta {
         put_str(&mut b, k.as_bytes());
-        b.u32(value_type(v));
+        b.u32(v.type_code());
         put_value(&mut b, v);
     }
     let mut offset = 0u64;

@@ -31,6 +31,27 @@ pub enum Value {
 }
 
 impl Value {
+    /// The GGUF value-type id written before a value of this kind.
+    pub fn type_code(&self) -> u32 {
+        match self {
+            Value::U8(_) => 0,
+            Value::I8(_) => 1,
+            Value::U16(_) => 2,
+            Value::I16(_) => 3,
+            Value::U32(_) => 4,
+            Value::I32(_) => 5,
+            Value::F32(_) => 6,
+            Value::Bool(_) => 7,
+            Value::String(_) => 8,
+            Value::Array(_) => 9,
+            Value::U64(_) => 10,
+            Value::I64(_) => 11,
+            Value::F64(_) => 12,
+        }
+    }
+}
+
+impl Value {
     /// The value as an unsigned integer, if it is a non-negative integer of any width.
     pub fn as_u64(&self) -> Option<u64> {
         match *self {
@@ -619,7 +640,7 @@ impl Writer {
                 out.extend(s.as_bytes());
             }
             Value::Array(items) => {
-                let ty = items.first().map_or(4, Self::type_of);
+                let ty = items.first().map_or(4, Value::type_code);
                 out.extend(ty.to_le_bytes());
                 out.extend((items.len() as u64).to_le_bytes());
                 for i in items {
@@ -632,24 +653,6 @@ impl Writer {
         }
     }
 
-    fn type_of(v: &Value) -> u32 {
-        match v {
-            Value::U8(_) => 0,
-            Value::I8(_) => 1,
-            Value::U16(_) => 2,
-            Value::I16(_) => 3,
-            Value::U32(_) => 4,
-            Value::I32(_) => 5,
-            Value::F32(_) => 6,
-            Value::Bool(_) => 7,
-            Value::String(_) => 8,
-            Value::Array(_) => 9,
-            Value::U64(_) => 10,
-            Value::I64(_) => 11,
-            Value::F64(_) => 12,
-        }
-    }
-
     pub fn to_bytes(&self) -> Vec<u8> {
         const ALIGN: usize = 32;
         let mut out = b"GGUF".to_vec();
@@ -658,7 +661,7 @@ impl Writer {
         out.extend((self.metadata.len() as u64).to_le_bytes());
         for (k, v) in &self.metadata {
             Self::put_value(&mut out, &Value::String(k.clone()));
-            out.extend(Self::type_of(v).to_le_bytes());
+            out.extend(v.type_code().to_le_bytes());
             Self::put_value(&mut out, v);
         }
         let mut offset = 0u64;
