@@ -61,31 +61,6 @@ struct Fp8GemmParams {
 };
 static_assert(sizeof(Fp8GemmParams) == 384, "Fp8GemmParams layout (64-byte aligned maps)");
 
-// The copy engine's copy of the 2-D box at (x = k, y = row) of `map` to shared `dst`.
-__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 x, u32 y, u32 bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
-        "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(bar)
-        : "memory");
-}
-
-// The E4M3 code of x (nearest, ties to even, saturating), in the low byte.
-__device__ __forceinline__ u16 e4m3x2_lo(float x) {
-    u16 r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
-    return r & 0xff;
-}
-
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row atoms 1024 bytes apart
-// (stride byte offset), leading byte offset unused (1).
-__device__ __forceinline__ u64 desc_sw128(u32 addr) {
-    return u64((addr & 0x3ffffu) >> 4) | (u64(1) << 16) | (u64(1024 >> 4) << 32) | (u64(1) << 62);
-}
-
 // d (+)= A B^T for one k32 slice: 64 rows of A and 128 rows of W, both E4M3 in shared memory.
 __device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], u64 a, u64 b, u32 scale_d) {
     asm volatile(
@@ -175,7 +150,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
             wg_fence();
 #pragma unroll
             for (int j = 0; j < BK / 32; ++j) {
-                wgmma_e4m3_n128(blk, desc_sw128(a + 32 * j), desc_sw128(w + 32 * j), j > 0);
+                wgmma_e4m3_n128(blk, smem_desc_sw128(a + 32 * j), smem_desc_sw128(w + 32 * j), j > 0);
             }
             wg_commit();
             wg_wait_all();
@@ -212,7 +187,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                         ++saturated;
                         q = hv < 0.0f ? -448.0f : 448.0f;
                     }
-                    p.codes[u64(row) * p.ldo + col / 2] = u8(e4m3x2_lo(q));
+                    p.codes[u64(row) * p.ldo + col / 2] = u8(e4m3x2(q, 0.0f));
                     continue;
                 }
                 float r0 = 0.0f, r1 = 0.0f;

@@ -27,13 +27,6 @@ struct Fp8RowsParams {
 };
 static_assert(sizeof(Fp8RowsParams) == 48, "Fp8RowsParams layout");
 
-// Two E4M3 codes of (lo, hi), lo in the low byte.
-__device__ __forceinline__ u16 e4m3x2(float lo, float hi) {
-    u16 r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3_bf16(const Fp8RowsParams p) {
     __shared__ float red[2][THREADS / 32];
     for (u32 row = blockIdx.x; row < p.rows; row += gridDim.x) {

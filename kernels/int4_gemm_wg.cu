@@ -68,13 +68,6 @@ struct WgSmem {
     static constexpr u32 BYTES = (RING > RED ? RING : RED) + 1024;  // + alignment slack
 };
 
-// Shared-memory matrix descriptor of x at shared address `addr`: K-major, 128-byte swizzle
-// (the copy engine's layout: 8-row atoms of 128-byte rows, 1024 bytes apart: stride byte
-// offset), leading byte offset unused (1). k-tile i of a step starts 32 i bytes into the rows.
-__device__ __forceinline__ u64 wg_x_desc(u32 addr) {
-    return u64((addr & 0x3ffffu) >> 4) | (u64(1) << 16) | (u64(1024 >> 4) << 32) | (u64(1) << 62);
-}
-
 // d (+)= A x B for one k-tile: A the 64 x 16 bf16 quad of each warp, B the descriptor's x tile;
 // scale_d 0 overwrites d.
 template <int N>
@@ -271,7 +264,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     u32 a[2][4][4];
     for (u32 bt = 0; bt < batches; ++bt) {
         const u32 ws0 = wbuf + (bt & 1) * L::W_BUF;
-        const u64 xdesc = wg_x_desc(xbuf + (bt & 1) * L::X_BUF);
+        const u64 xdesc = smem_desc_sw128(xbuf + (bt & 1) * L::X_BUF);
         // Drained once per batch: the x buffer the next copy overwrites was read by the last one.
         wg_wait_all();
         if (bt > 0) fold(part[1]);  // the previous batch's last unit

@@ -47,6 +47,14 @@ __device__ __forceinline__ u16 to_bf16(float f) {
     return r;
 }
 
+// Two E4M3 codes (nearest, ties to even, saturating to +-448; NaN stays NaN) of (lo, hi), lo
+// in the low byte.
+__device__ __forceinline__ u16 e4m3x2(float lo, float hi) {
+    u16 r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 // ---- global memory ----------------------------------------------------------------------------
 
 // 16 bytes read once: no L1 allocation, the L2 policy `policy` (createpolicy; evict-first for
@@ -160,6 +168,14 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b
 }
 
 
+// Shared-memory matrix descriptor of a wgmma operand at shared address `addr`: K-major,
+// 128-byte swizzle (the copy engine's layout: 8-row atoms of 128-byte rows, 1024 bytes apart:
+// the stride byte offset), leading byte offset unused (1). A k-slice 32 bytes further along
+// the rows starts at addr + 32.
+__device__ __forceinline__ u64 smem_desc_sw128(u32 addr) {
+    return u64((addr & 0x3ffffu) >> 4) | (u64(1) << 16) | (u64(1024 >> 4) << 32) | (u64(1) << 62);
+}
+
 // Warpgroup MMA ordering: fence before the first wgmma that reads registers written since,
 // commit the issued wgmma as a group, wait until at most N groups are pending.
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -226,6 +242,10 @@ __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
 __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
+// One plain arrival.
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
 // Waits until the phase of parity `parity` has completed.
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     asm volatile(
@@ -247,5 +267,13 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 b
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
         "l"(reinterpret_cast<u64>(map)), "r"(0), "r"(0), "r"(block), "r"(bar)
+        : "memory");
+}
+
+// The copy engine's copy of the 2-D box at (x, y) of `map` to shared `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 x, u32 y, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(bar)
         : "memory");
 }
