@@ -9,6 +9,7 @@
 //! after row, described by [`Packed`]. Everything here is the specification the kernels are
 //! tested against: plain loops, f64 sums over the exact quantized values.
 
+use crate::kv::row_amax;
 pub use crate::kv::{E4M3_MAX, e4m3_to_f32, f32_to_e4m3};
 
 /// Errors of the FP8 operands.
@@ -83,7 +84,7 @@ impl Fp8Weight {
             for (i, r) in row.iter_mut().enumerate() {
                 *r = w[j * k + i] * gain.map_or(1.0, |g| g[i]);
             }
-            let s = scale_for(row.iter().fold(0f32, |m, v| m.max(v.abs())));
+            let s = scale_for(row_amax(&row));
             scales[j] = s;
             for (c, &v) in codes[j * k..(j + 1) * k].iter_mut().zip(&row) {
                 *c = f32_to_e4m3(v / s);
@@ -127,7 +128,7 @@ pub fn quantize_rows_fused(
     let mut scales = vec![0f32; rows];
     for r in 0..rows {
         let row = &x[r * k..(r + 1) * k];
-        let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let amax = row_amax(row);
         let inv = if amax > 0.0 { E4M3_MAX / amax } else { 1.0 };
         let ss: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
         let factor = if normalize {

@@ -124,7 +124,7 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
 }
 
 /// Per-row amax, the basis of every row scale.
-fn row_amax(row: &[f32]) -> f32 {
+pub(crate) fn row_amax(row: &[f32]) -> f32 {
     row.iter().fold(0f32, |m, v| m.max(v.abs()))
 }
 
