@@ -33,7 +33,7 @@ pub struct Run {
 
 /// Prefill of `prompts`, then `steps` decode steps whose inputs are `forced[step]` (one id
 /// per sequence: teacher forcing, so every path sees the same tokens) or, without it, the greedy
-/// ids taken one step late as generation does.
+/// ids taken one step late as generation does. The decoder computes in the model's dtype.
 #[allow(clippy::too_many_arguments)]
 pub fn run<B: FusedOps>(
     model: &Llama<B>,
@@ -45,32 +45,7 @@ pub fn run<B: FusedOps>(
     forced: Option<&[Vec<u32>]>,
     stats: impl Fn(&B::Decoder) -> Option<stoke::cuda::decoder::DecodeStats>,
 ) -> Result<Run, String> {
-    run_as(
-        model,
-        prompts,
-        steps,
-        capacity,
-        kv,
-        eager,
-        forced,
-        stats,
-        DType::BF16,
-    )
-}
-
-/// [`run`] with the decoder's activations in `dtype`.
-#[allow(clippy::too_many_arguments)]
-pub fn run_as<B: FusedOps>(
-    model: &Llama<B>,
-    prompts: &[Vec<u32>],
-    steps: usize,
-    capacity: usize,
-    kv: KvCacheFormat,
-    eager: bool,
-    forced: Option<&[Vec<u32>]>,
-    stats: impl Fn(&B::Decoder) -> Option<stoke::cuda::decoder::DecodeStats>,
-    dtype: DType,
-) -> Result<Run, String> {
+    let dtype = model.embed_tokens.val().dtype();
     let device = model.embed_tokens.device();
     let mut spec = model.decode_spec(prompts.len(), capacity, kv, Sampling::GREEDY, eager);
     spec.keep_logits = true;
@@ -228,7 +203,7 @@ fn compare(
     // deep model amplifies bf16 rounding; Stoke's kernels also read the exact Q4_1 values
     // where burn-cuda's bf16 weights are rounded).
     let plain32 = load_as::<PlainCuda>(path, capacity, DType::F32)?;
-    let exact = run_as(
+    let exact = run(
         &plain32,
         &p,
         steps,
@@ -237,7 +212,6 @@ fn compare(
         false,
         f,
         no_stats::<PlainCuda>,
-        DType::F32,
     )?;
     drop(plain32);
     let what = format!("batch {batch}, {kv:?} cache");
