@@ -185,6 +185,17 @@ struct Args {
     /// burn-ndarray on the CPU), beside Stoke.
     #[arg(long, value_enum)]
     compare: Option<CompareArg>,
+    /// Prefill precision on `Stoke<Cuda>` for packed INT4 projections with more than 64 rows:
+    /// fp8 (E4M3 copies of the weights and per-row E4M3 activations on the FP8 GEMM) or bf16
+    /// (the inner backend's matmul on the dequantized weights).
+    #[arg(long, value_enum, default_value_t = PrefillArg::Fp8)]
+    prefill: PrefillArg,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum PrefillArg {
+    Fp8,
+    Bf16,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
@@ -260,6 +271,7 @@ fn pick_device(args: &mut Args) {
 
 fn run(mut args: Args) -> Result<(), Box<dyn std::error::Error>> {
     pick_device(&mut args);
+    stoke::cuda::fp8_linear::set_fp8_prefill(args.prefill == PrefillArg::Fp8);
     let model = match &args.model {
         Some(p) => p.clone(),
         None => stoke_llama::fetch::default_model(|m| eprintln!("{m}"))?,
@@ -487,13 +499,14 @@ fn generate_on<B: FusedOps>(
             &device,
         )?;
         println!(
-            "perplexity {:.3} (mean NLL {:.5}) over {} tokens in {} windows of {} ({:.1} s)",
+            "perplexity {:.3} (mean NLL {:.5}) over {} tokens in {} windows of {} ({:.1} s; {} FP8 GEMM calls)",
             p.perplexity,
             p.mean_nll,
             p.predicted_tokens,
             p.windows,
             args.context,
-            t1.elapsed().as_secs_f64()
+            t1.elapsed().as_secs_f64(),
+            stoke::cuda::fp8_linear::kernel_calls()
         );
         return Ok(None);
     }
@@ -642,6 +655,7 @@ fn report_bench(
             "host": host,
             "dtype": format!("{dtype:?}"),
             "kv_cache": format!("{:?}", kv_format(args)),
+            "prefill": format!("{:?}", args.prefill),
             "decode_prompt_tokens": BENCH_DECODE_PROMPT,
             "reps": args.bench_reps,
             "unix_time": unix_time,

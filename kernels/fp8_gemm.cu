@@ -9,6 +9,8 @@
 //                       (out_scale, set from earlier invocations); the invocation's max |h|
 //                       goes to *amax (f32 bits, atomicMax) and the values beyond the scale's
 //                       range (written as +-448) are counted in *saturated.
+//   fp8_gemm_swiglu_bf16  the same h written as bf16 ([M, ldo], N / 2 columns): the model's
+//                       prefill until the down projection reads the E4M3 h directly.
 //
 // One persistent CTA per SM (grid = min(SMs, tiles)) walks the 128 x 128 output tiles in a
 // rasterized order: tiles go down M inside a band of RASTER tile columns, so the band's weight
@@ -41,14 +43,14 @@ constexpr u32 STAGE_BYTES = A_STAGE + W_STAGE;
 // [A 0 .. A S-1][W 0 .. W S-1][full S][empty S] from a 1024-byte aligned base.
 constexpr u32 SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
 
-enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
+enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2, EPI_SWIGLU_BF16 = 3 };
 
 struct Fp8GemmParams {
     TensorMap a_map;        // A [M, K] u8 (E4M3), box 128 k x 128 rows
     TensorMap w_map;        // W [N, K] u8 (E4M3), box 128 k x 128 rows
     const float* a_scale;   // [M] per row, or [1] when a_scale_stride is 0
     const float* w_scale;   // [N] per output channel
-    u16* out;               // plain, residual: [M, ldo] bf16
+    u16* out;               // plain, residual: [M, ldo] bf16; swiglu_bf16: [M, ldo] (N / 2 columns)
     const u16* residual;    // residual: [M, ldr] bf16
     u8* codes;              // swiglu: [M, ldo] E4M3 (N / 2 columns)
     const float* out_scale; // swiglu: [1] the delayed scale
@@ -190,6 +192,11 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                     p.codes[u64(row) * p.ldo + col / 2] = u8(e4m3x2(q, 0.0f));
                     continue;
                 }
+                if (EPI == EPI_SWIGLU_BF16) {
+                    const float up = acc[4 * j + 2 * h + 1] * sa * p.w_scale[col + 1];
+                    p.out[u64(row) * p.ldo + col / 2] = to_bf16(y0 / (1.0f + expf(-y0)) * up);
+                    continue;
+                }
                 float r0 = 0.0f, r1 = 0.0f;
                 if (EPI == EPI_RESIDUAL) {
                     const u16* res = p.residual + u64(row) * p.ldr + col;
@@ -227,4 +234,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_residual(const __g
 }
 extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_swiglu(const __grid_constant__ Fp8GemmParams p) {
     fp8_gemm<EPI_SWIGLU>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_swiglu_bf16(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_SWIGLU_BF16>(p);
 }

@@ -20,12 +20,14 @@ enum Epi {
     Residual,
     /// Delayed scale at this fraction of the true max |h| (below 1: some values saturate).
     SwiGlu(f32),
+    /// `silu(gate) up` as bf16.
+    SwiGluBf16,
 }
 
 /// `(m, n, k, per_row_scales, rows_checked, epilogue)`: one row; rows, columns and k that end
 /// inside a tile (k a multiple of 16 only); per-tensor activation scale; a 8B-shaped call (rows
 /// checked: a spread sample); the 8B down projection's long k; the residual and SwiGLU
-/// epilogues (one with a scale that saturates).
+/// epilogues (one with a scale that saturates; one to bf16).
 const CASES: &[(usize, usize, usize, bool, usize, Epi)] = &[
     (1, 128, 128, true, 1, Epi::Plain),
     (3, 200, 336, true, 3, Epi::Plain),
@@ -37,6 +39,7 @@ const CASES: &[(usize, usize, usize, bool, usize, Epi)] = &[
     (1, 256, 128, true, 1, Epi::SwiGlu(1.5)),
     (77, 528, 4096, true, 77, Epi::SwiGlu(1.0)),
     (200, 1032, 2048, true, 200, Epi::SwiGlu(0.5)),
+    (130, 1032, 576, true, 130, Epi::SwiGluBf16),
 ];
 /// Allowed error of an element: `|got - want| <= |want| 2^-8 + TOL_L1 sum_i |a_i w_i|` (bf16
 /// rounding of the output, and the tensor core's FP8 sums within a 128-k block, which keep
@@ -89,6 +92,12 @@ fn reference_row(
             (dot * s, l1 * s)
         })
         .unzip()
+}
+
+/// How far the GEMM's own error (`TOL_L1` of each sum, `l1_gate` and `l1_up` the sums' L1
+/// norms) can move `h = silu(gate) up`: silu's slope is at most 1.1.
+fn h_error(gate: f64, up: f64, l1_gate: f64, l1_up: f64) -> f64 {
+    (1.1 * up.abs() + (gate / (1.0 + (-gate).exp())).abs()) * TOL_L1 * (l1_gate + l1_up)
 }
 
 pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
@@ -196,11 +205,7 @@ pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
                     }
                     let hv = h[ri][j];
                     let (g, u) = (refs[ri].0[2 * j], refs[ri].0[2 * j + 1]);
-                    // How far the GEMM's own error (TOL_L1 of each sum) can move h: silu's
-                    // slope is at most 1.1.
-                    let dh = (1.1 * u.abs() + (g / (1.0 + (-g).exp())).abs())
-                        * TOL_L1
-                        * (refs[ri].1[2 * j] + refs[ri].1[2 * j + 1]);
+                    let dh = h_error(g, u, refs[ri].1[2 * j], refs[ri].1[2 * j + 1]);
                     let q = hv / s;
                     if q.abs() > 448.0 {
                         want_sat += 1;
@@ -236,7 +241,8 @@ pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
             detail = json!({"scale": scale, "saturated": sat, "reference_saturated": want_sat,
                 "amax": amax, "reference_amax": amax_checked});
         } else {
-            let ldo = n + 8;
+            let cols = if epi == Epi::SwiGluBf16 { n / 2 } else { n };
+            let ldo = cols + 8;
             let out = rt.alloc(m * ldo * 2).map_err(|e| e.to_string())?;
             unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.map_err(|e| e.to_string())?;
             let residual: Vec<u16> = (0..m * n)
@@ -250,6 +256,9 @@ pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
                     residual: rb.as_ptr(),
                     ldr: n as u32,
                 },
+                Epi::SwiGluBf16 => Fp8Epilogue::SwiGluBf16 {
+                    out: out.as_mut_ptr(),
+                },
                 _ => Fp8Epilogue::Plain {
                     out: out.as_mut_ptr(),
                 },
@@ -259,7 +268,7 @@ pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
             for (ri, &r) in rows.iter().enumerate() {
                 for j in 0..ldo {
                     let g = got[r * ldo + j];
-                    if j >= n {
+                    if j >= cols {
                         if !g.is_nan() {
                             return Err(format!(
                                 "{what}: padding column {j} of row {r} was written"
@@ -272,8 +281,17 @@ pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
                     } else {
                         0.0
                     };
-                    let (want, l1) = (refs[ri].0[j] + res, refs[ri].1[j]);
-                    let bound = want.abs() / 256.0 + TOL_L1 * l1 + 1e-30;
+                    let (want, dy) = if epi == Epi::SwiGluBf16 {
+                        let (y, l1) = (&refs[ri].0, &refs[ri].1);
+                        let (g, u) = (y[2 * j], y[2 * j + 1]);
+                        (
+                            g / (1.0 + (-g).exp()) * u,
+                            h_error(g, u, l1[2 * j], l1[2 * j + 1]),
+                        )
+                    } else {
+                        (refs[ri].0[j] + res, TOL_L1 * refs[ri].1[j])
+                    };
+                    let bound = want.abs() / 256.0 + dy + 1e-30;
                     let ratio = (g - want).abs() / bound;
                     if !(ratio <= 1.0) {
                         return Err(format!(

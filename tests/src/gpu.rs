@@ -85,6 +85,10 @@ pub const CASES: &[(&str, Case)] = &[
         "fp8_gemm_matches_reference",
         crate::fp8::fp8_gemm_matches_reference,
     ),
+    (
+        "smollm2_fp8_prefill_matches_bf16",
+        crate::llama::fp8_prefill_matches_bf16,
+    ),
 ];
 
 /// Runs one case, catching panics, or skips it without a usable GPU.

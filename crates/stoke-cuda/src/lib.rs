@@ -14,6 +14,7 @@
 
 pub mod bf16;
 pub mod compile;
+pub mod fp8;
 pub mod int4;
 pub mod kernels;
 pub mod kv;

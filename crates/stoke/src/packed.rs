@@ -1,7 +1,8 @@
 //! Weights in Stoke's packed INT4 format (`stoke_formats::int4`) behind a float tensor.
 //!
 //! `linear` hands these to the W4A16 kernels (`cuda::int4_linear`) for bf16 activations of up
-//! to 64 rows; every other use, and every backend or GPU where those kernels don't run, sees the
+//! to 64 rows and to the FP8 GEMM (`cuda::fp8_linear`, an E4M3 copy made once) for more; every
+//! other use, and every backend or GPU where those kernels don't run, sees the
 //! dequantized values (`d * q + m`, computed in f32 exactly as the format's reference does),
 //! materialized once and cached (prefill-sized inputs use a dense GEMM on them).
 
@@ -20,6 +21,9 @@ pub struct PackedWeight<I: Backend> {
     /// The packed weight in device memory, uploaded at the first kernel call (`None`: the
     /// upload failed, and was logged).
     pub(crate) gpu: OnceLock<Option<Arc<stoke_cuda::int4::DeviceInt4>>>,
+    /// The E4M3 copy the FP8 prefill GEMM reads, made at its first call (`None`: it could not
+    /// be made, and that was logged).
+    pub(crate) fp8: OnceLock<Option<Arc<stoke_cuda::fp8::DeviceFp8Weight>>>,
     /// The CPU kernel's layout of the same nibbles, made at the first CPU call.
     pub(crate) cpu: OnceLock<Arc<crate::cpu::int4::CpuInt4>>,
 }
@@ -32,6 +36,7 @@ impl<I: Backend> PackedWeight<I> {
             device,
             materialized: OnceLock::new(),
             gpu: OnceLock::new(),
+            fp8: OnceLock::new(),
             cpu: OnceLock::new(),
         }
     }

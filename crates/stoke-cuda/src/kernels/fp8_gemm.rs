@@ -45,7 +45,12 @@ unsafe impl KernelParams for Fp8GemmParams {}
 pub const SOURCE: &str = include_str!("../../../../kernels/fp8_gemm.cu");
 
 /// Every `extern "C"` entry point in [`SOURCE`].
-pub const ENTRY_POINTS: &[&str] = &["fp8_gemm_plain", "fp8_gemm_residual", "fp8_gemm_swiglu"];
+pub const ENTRY_POINTS: &[&str] = &[
+    "fp8_gemm_plain",
+    "fp8_gemm_residual",
+    "fp8_gemm_swiglu",
+    "fp8_gemm_swiglu_bf16",
+];
 
 /// The kernel's tile (`BM` x `BN`), k per stage (`BK`), stages, and its shared memory.
 const BM: u32 = 128;
@@ -75,6 +80,8 @@ pub enum Fp8Epilogue {
         amax: DevicePtrMut<u32>,
         saturated: DevicePtrMut<u32>,
     },
+    /// The same `silu(gate) up` written as bf16 (`[m, ldo]`, `n / 2` columns).
+    SwiGluBf16 { out: DevicePtrMut<bf16> },
 }
 
 /// The operands of one call.
@@ -116,7 +123,7 @@ pub fn check_shape(g: &Fp8Gemm) -> std::result::Result<(), ShapeError> {
         ));
     }
     match g.epilogue {
-        Fp8Epilogue::SwiGlu { .. } => {
+        Fp8Epilogue::SwiGlu { .. } | Fp8Epilogue::SwiGluBf16 { .. } => {
             if !n.is_multiple_of(2) || ldo < n / 2 {
                 return Err(ShapeError::new(
                     "FP8 GEMM SwiGLU columns and output pitch",
@@ -193,6 +200,10 @@ pub unsafe fn fp8_gemm(rt: &Runtime, g: &Fp8Gemm) -> Result<()> {
         } => {
             (p.codes, p.out_scale, p.amax, p.saturated) = (codes, scale, amax, saturated);
             "fp8_gemm_swiglu"
+        }
+        Fp8Epilogue::SwiGluBf16 { out } => {
+            p.out = out;
+            "fp8_gemm_swiglu_bf16"
         }
     };
     let k = rt.kernel(EntryPoint::<Fp8GemmParams>::new(&FP8_GEMM, entry))?;

@@ -20,6 +20,7 @@
 mod bridge;
 pub mod decoder;
 pub(crate) mod dense_linear;
+pub mod fp8_linear;
 pub mod int4_linear;
 pub(crate) mod rms_norm;
 
@@ -29,8 +30,9 @@ pub use bridge::{
 pub(crate) use bridge::{float_device, float_into_data, memory_cleanup, sync_device};
 pub use stoke_cuda::Unavailable;
 
-/// `epilogue(x @ W)` on Stoke's GEMMs: the W4A16 kernels for a packed INT4 weight, the dense
-/// bf16 kernel for a pinned bf16 weight; `None` where neither applies (the caller's reference
+/// `epilogue(x @ W)` on Stoke's GEMMs: the W4A16 kernels for a packed INT4 weight (decode
+/// rows), the FP8 GEMM on its E4M3 copy (prefill rows), the dense bf16 kernel for a pinned bf16
+/// weight; `None` where neither applies (the caller's reference
 /// path). `Residual` adds `residual`, `SwiGlu` returns `silu(g) * u` of interleaved columns.
 pub(crate) fn try_linear<I: burn_backend::Backend>(
     x: &crate::tensor::StokeTensor<I>,
@@ -39,6 +41,7 @@ pub(crate) fn try_linear<I: burn_backend::Backend>(
     residual: Option<&crate::tensor::StokeTensor<I>>,
 ) -> Option<crate::tensor::StokeTensor<I>> {
     int4_linear::try_linear_with(x, weight, epilogue, residual)
+        .or_else(|| fp8_linear::try_fp8_linear_with(x, weight, epilogue, residual))
         .or_else(|| dense_linear::try_dense_linear_with(x, weight, epilogue, residual))
 }
 

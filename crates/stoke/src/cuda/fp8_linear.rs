@@ -1,0 +1,174 @@
+//! `linear` for prefill-sized inputs on a packed INT4 weight through the FP8 GEMM
+//! (`stoke_cuda::fp8`): the weight's dequantized values are quantized once to E4M3 with one
+//! scale per output channel (`stoke_formats::fp8::Fp8Weight`) and kept beside the packed copy;
+//! each call quantizes its bf16 rows to E4M3 with one scale per row and runs the persistent
+//! wgmma GEMM with the residual or SwiGLU epilogue on chip.
+
+use super::bridge::{DeviceTensor, KernelInput, runtime_for};
+use crate::packed::PackedWeight;
+use crate::tensor::StokeTensor;
+use burn_backend::{Backend, DType, Shape, TensorMetadata};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use stoke_cuda::fp8::{DeviceFp8Weight, Fp8LinearEpilogue, fp8_linear};
+use stoke_cuda::kernels::int4_gemm::Epilogue;
+use stoke_cuda::{DevicePtr, DevicePtrMut};
+use stoke_formats::fp8::Fp8Weight;
+use stoke_formats::int4::PackedInt4;
+
+static ENABLED: AtomicBool = AtomicBool::new(true);
+static KERNEL_CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// Whether prefill-sized `linear` calls on packed weights run in FP8 (the default) or as bf16
+/// GEMMs on the dequantized weight (the inner backend's matmul).
+pub fn set_fp8_prefill(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+/// See [`set_fp8_prefill`].
+pub fn fp8_prefill() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// How many `linear` calls have run on the FP8 GEMM in this process.
+pub fn kernel_calls() -> u64 {
+    KERNEL_CALLS.load(Ordering::Relaxed)
+}
+
+/// The weight `[n, k]` E4M3 copy of a packed `[k, n]` weight: its dequantized values
+/// (`d q + m` in f32, the values every other path sees) transposed and quantized per channel.
+fn fp8_copy(packed: &PackedInt4) -> Result<Fp8Weight, String> {
+    let (k, n) = (packed.k, packed.n);
+    let w = packed.dequantize();
+    let mut t = vec![0f32; n * k];
+    for (i, row) in w.chunks_exact(n).enumerate() {
+        for (j, &v) in row.iter().enumerate() {
+            t[j * k + i] = v;
+        }
+    }
+    Fp8Weight::quantize(&t, n, k, None).map_err(|e| e.to_string())
+}
+
+/// `epilogue(x @ W)` on the FP8 GEMM when FP8 prefill is on, `weight` is a [`PackedWeight`]
+/// (`k` a multiple of 16, `n` even), `x` is bf16 `[.., k]` with more rows than the W4A16
+/// kernels take, and Stoke's runtime runs on the device; `None` otherwise.
+pub(crate) fn try_fp8_linear_with<I: Backend>(
+    x: &StokeTensor<I>,
+    weight: &StokeTensor<I>,
+    epilogue: Epilogue,
+    residual: Option<&StokeTensor<I>>,
+) -> Option<StokeTensor<I>> {
+    if !fp8_prefill() {
+        return None;
+    }
+    let pw = weight.downcast_ref::<PackedWeight<I>>()?;
+    let shape = x.shape();
+    let dims = shape.as_slice();
+    let (k, n) = (pw.packed.k, pw.packed.n);
+    if x.dtype() != DType::BF16 || dims.last() != Some(&k) {
+        return None;
+    }
+    let m = shape.num_elements() / k.max(1);
+    if m <= super::int4_linear::MAX_KERNEL_ROWS
+        || !k.is_multiple_of(16)
+        || !n.is_multiple_of(2)
+        || m > u32::MAX as usize
+        || n > u32::MAX as usize
+    {
+        return None;
+    }
+    let mut out_dims = dims.to_vec();
+    *out_dims.last_mut().unwrap() = n;
+    if !super::residual_fits(epilogue, residual, &out_dims) {
+        return None;
+    }
+    let device = super::float_device(x);
+    let rt = runtime_for::<I>(&device)?;
+    let fw = pw
+        .fp8
+        .get_or_init(|| {
+            let t = std::time::Instant::now();
+            let up = fp8_copy(&pw.packed)
+                .and_then(|w| DeviceFp8Weight::upload(&rt, &w).map_err(|e| e.to_string()));
+            match up {
+                Ok(w) => {
+                    tracing::debug!(
+                        "stoke linear: FP8 copy of [{k}, {n}] made in {:.1} ms",
+                        t.elapsed().as_secs_f64() * 1e3
+                    );
+                    Some(Arc::new(w))
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "stoke linear: no FP8 copy of [{k}, {n}] ({e}); bf16 prefill instead"
+                    );
+                    None
+                }
+            }
+        })
+        .clone()?;
+    let x_in = KernelInput::resolve(&rt, x, &device);
+    let res_in = residual
+        .filter(|_| epilogue == Epilogue::Residual)
+        .map(|r| KernelInput::resolve(&rt, r, &device));
+    if !x_in.ptr.is_multiple_of(16) {
+        return None;
+    }
+    let fe = match (&res_in, epilogue) {
+        (Some(r), Epilogue::Residual) => Fp8LinearEpilogue::Residual(DevicePtr::new(r.ptr)),
+        (_, Epilogue::SwiGlu) => Fp8LinearEpilogue::SwiGlu,
+        _ => Fp8LinearEpilogue::Plain,
+    };
+    *out_dims.last_mut().unwrap() = fe.out_cols(n as u32) as usize;
+    let out = DeviceTensor::<I>::alloc(&rt, Shape::from(out_dims), DType::BF16, device);
+    // SAFETY: x and the residual are pinned (or Stoke-owned) until the kernels are done, out
+    // is a Stoke buffer of m * out_cols bf16, the weight's buffers are held by `fw`.
+    let done = unsafe {
+        fp8_linear(
+            &rt,
+            &fw,
+            DevicePtr::new(x_in.ptr),
+            m as u32,
+            DevicePtrMut::new(out.ptr()),
+            fe,
+        )
+    };
+    if let Err(e) = done {
+        panic!("stoke linear (FP8): {e}");
+    }
+    drop((x_in, res_in));
+    KERNEL_CALLS.fetch_add(1, Ordering::Relaxed);
+    Some(StokeTensor::owned(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use stoke_formats::int4::{ScaleType, quantize_rtn};
+    use stoke_formats::kv::E4M3_MAX;
+
+    #[test]
+    fn fp8_copy_is_the_transposed_dequantized_weight() {
+        let (k, n) = (64, 128);
+        let w: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 7919) % 263) as f32 / 131.0 - 1.0)
+            .collect();
+        let packed = quantize_rtn(&w, k, n, 32, ScaleType::Bf16).unwrap();
+        let deq = packed.dequantize();
+        let f = super::fp8_copy(&packed).unwrap();
+        assert_eq!((f.n, f.k), (n, k));
+        let back = f.dequantize();
+        for j in 0..n {
+            let amax = (0..k).map(|i| deq[i * n + j].abs()).fold(0f32, f32::max);
+            assert!((f.scales[j] - amax / E4M3_MAX).abs() <= 1e-7 * amax);
+            for i in 0..k {
+                let (want, got) = (deq[i * n + j], back[j * k + i]);
+                // One E4M3 rounding: half a step, 2^-4 of the value (2^-10 of the scale below
+                // the normal range).
+                assert!(
+                    (got - want).abs() <= want.abs() / 16.0 + f.scales[j] / 1024.0,
+                    "[{i}][{j}]: {got} vs {want}"
+                );
+            }
+        }
+    }
+}
