@@ -16,11 +16,13 @@ use stoke_cuda::{DevicePtr, DevicePtrMut};
 use stoke_formats::fp8::Fp8Weight;
 use stoke_formats::int4::PackedInt4;
 
-static ENABLED: AtomicBool = AtomicBool::new(true);
+static ENABLED: AtomicBool = AtomicBool::new(false);
 static KERNEL_CALLS: AtomicU64 = AtomicU64::new(0);
 
-/// Whether prefill-sized `linear` calls on packed weights run in FP8 (the default) or as bf16
-/// GEMMs on the dequantized weight (the inner backend's matmul).
+/// Whether prefill-sized `linear` calls on packed weights run in FP8 or as bf16 GEMMs on the
+/// dequantized weight (the inner backend's matmul; the default). Off by default: on SmolLM2
+/// FP8 prefill raises perplexity by 3.4% over bf16 (`results/h200-fp8-prefill-161f49b.json`),
+/// about half of it the E4M3 rounding of the already-INT4 weights.
 pub fn set_fp8_prefill(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
 }
@@ -49,7 +51,7 @@ fn fp8_copy(packed: &PackedInt4) -> Result<Fp8Weight, String> {
     Fp8Weight::quantize(&t, n, k, None).map_err(|e| e.to_string())
 }
 
-/// `epilogue(x @ W)` on the FP8 GEMM when FP8 prefill is on, `weight` is a [`PackedWeight`]
+/// `epilogue(x @ W)` on the FP8 GEMM when FP8 prefill is on ([`set_fp8_prefill`]), `weight` is a [`PackedWeight`]
 /// (`k` a multiple of 16, `n` even), `x` is bf16 `[.., k]` with more rows than the W4A16
 /// kernels take, and Stoke's runtime runs on the device; `None` otherwise.
 pub(crate) fn try_fp8_linear_with<I: Backend>(
