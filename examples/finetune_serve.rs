@@ -659,15 +659,7 @@ where
         .map(|(x, y)| (x - y).abs())
         .fold(0f32, f32::max);
     let max_ref = b.iter().map(|v| v.abs()).fold(0f32, f32::max);
-    let argmax = |v: &[f32]| {
-        v.iter()
-            .enumerate()
-            .fold(
-                (0, f32::NEG_INFINITY),
-                |m, (i, &x)| if x > m.1 { (i, x) } else { m },
-            )
-            .0
-    };
+    let argmax = stoke_formats::sample::argmax;
     let agree = a
         .chunks(vocab)
         .zip(b.chunks(vocab))

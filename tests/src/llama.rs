@@ -392,15 +392,7 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
     stoke::cuda::fp8_linear::set_fp8_prefill(was);
     let f32 = prefill(&plain32.model, &ids, (batch, len), DType::F32, &device);
     // Mean NLL of the next token and top-1 agreement with f32, per model.
-    let argmax = |v: &[f32]| {
-        v.iter()
-            .enumerate()
-            .fold(
-                (0, f32::NEG_INFINITY),
-                |m, (i, &x)| if x > m.1 { (i, x) } else { m },
-            )
-            .0
-    };
+    let argmax = stoke_formats::sample::argmax;
     let judge = |logits: &[f32]| {
         let (mut nll, mut agree) = (0f64, 0usize);
         for (r, row) in logits.chunks(vocab).enumerate() {

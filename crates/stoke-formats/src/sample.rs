@@ -181,7 +181,7 @@ pub fn penalized(logits: &[f32], presence: Option<&[u32]>, penalty: f32) -> Vec<
 }
 
 /// Index of the largest value, the lowest on ties (0 for an empty or all-`-inf` row).
-fn argmax(v: &[f32]) -> u32 {
+pub fn argmax(v: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in v.iter().enumerate() {
         if x > v[best] {
