@@ -3,7 +3,7 @@
 
 use super::bridge::{DeviceTensor, KernelInput, ResidentTensor, runtime_for};
 use crate::tensor::{StokeData, StokeTensor};
-use burn_backend::{Backend, DType, Shape, TensorMetadata};
+use burn_backend::{Backend, DType, TensorMetadata};
 use stoke_cuda::bf16::{Bf16Gemm, bf16_gemm};
 use stoke_cuda::kernels::bf16_gemm::{Epilogue, MAX_ROWS, check_shape};
 use stoke_cuda::{DevicePtr, DevicePtrMut};
@@ -44,9 +44,7 @@ pub(crate) fn try_dense_linear_with<I: Backend>(
         );
         return None;
     }
-    let mut out_dims = dims.to_vec();
-    *out_dims.last_mut().unwrap() = n;
-    if !super::residual_fits(epilogue, residual, &out_dims) {
+    if !super::residual_fits(epilogue, residual, dims, n) {
         return None;
     }
     let device = super::float_device(x);
@@ -58,8 +56,8 @@ pub(crate) fn try_dense_linear_with<I: Backend>(
     if !x_in.ptr.is_multiple_of(4) || res_in.as_ref().is_some_and(|r| !r.ptr.is_multiple_of(4)) {
         return None;
     }
-    *out_dims.last_mut().unwrap() = epilogue.out_cols(n);
-    let out = DeviceTensor::<I>::alloc(&rt, Shape::from(out_dims), DType::BF16, device);
+    let out_shape = super::with_cols(dims, epilogue.out_cols(n));
+    let out = DeviceTensor::<I>::alloc(&rt, out_shape, DType::BF16, device);
     let call = Bf16Gemm {
         x: DevicePtr::new(x_in.ptr),
         m: m as u32,

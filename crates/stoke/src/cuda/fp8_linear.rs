@@ -7,7 +7,7 @@
 use super::bridge::{DeviceTensor, KernelInput, runtime_for};
 use crate::packed::PackedWeight;
 use crate::tensor::StokeTensor;
-use burn_backend::{Backend, DType, Shape, TensorMetadata};
+use burn_backend::{Backend, DType, TensorMetadata};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use stoke_cuda::fp8::{DeviceFp8Weight, Fp8LinearEpilogue, fp8_linear};
@@ -79,9 +79,7 @@ pub(crate) fn try_fp8_linear_with<I: Backend>(
     {
         return None;
     }
-    let mut out_dims = dims.to_vec();
-    *out_dims.last_mut().unwrap() = n;
-    if !super::residual_fits(epilogue, residual, &out_dims) {
+    if !super::residual_fits(epilogue, residual, dims, n) {
         return None;
     }
     let device = super::float_device(x);
@@ -121,8 +119,8 @@ pub(crate) fn try_fp8_linear_with<I: Backend>(
         (_, Epilogue::SwiGlu) => Fp8LinearEpilogue::SwiGlu,
         _ => Fp8LinearEpilogue::Plain,
     };
-    *out_dims.last_mut().unwrap() = fe.out_cols(n as u32) as usize;
-    let out = DeviceTensor::<I>::alloc(&rt, Shape::from(out_dims), DType::BF16, device);
+    let out_shape = super::with_cols(dims, fe.out_cols(n as u32) as usize);
+    let out = DeviceTensor::<I>::alloc(&rt, out_shape, DType::BF16, device);
     // SAFETY: x and the residual are pinned (or Stoke-owned) until the kernels are done, out
     // is a Stoke buffer of m * out_cols bf16, the weight's buffers are held by `fw`.
     let done = unsafe {

@@ -3,7 +3,7 @@
 use super::bridge::{DeviceTensor, KernelInput, runtime_for};
 use crate::packed::PackedWeight;
 use crate::tensor::StokeTensor;
-use burn_backend::{Backend, DType, Shape, TensorMetadata};
+use burn_backend::{Backend, DType, TensorMetadata};
 use std::sync::Arc;
 use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
 use stoke_cuda::kernels::int4_gemm::Epilogue;
@@ -48,9 +48,7 @@ pub(crate) fn try_linear_with<I: Backend>(
     if m == 0 || m > MAX_KERNEL_ROWS {
         return None;
     }
-    let mut out_dims = dims.to_vec();
-    *out_dims.last_mut().unwrap() = n;
-    if !super::residual_fits(epilogue, residual, &out_dims)
+    if !super::residual_fits(epilogue, residual, dims, n)
         || (epilogue == Epilogue::SwiGlu && n % 2 != 0)
     {
         return None;
@@ -80,8 +78,8 @@ pub(crate) fn try_linear_with<I: Backend>(
     let res_in = residual
         .filter(|_| epilogue == Epilogue::Residual)
         .map(|r| KernelInput::resolve(&rt, r, &device));
-    *out_dims.last_mut().unwrap() = epilogue.out_cols(n);
-    let out = DeviceTensor::<I>::alloc(&rt, Shape::from(out_dims), DType::BF16, device);
+    let out_shape = super::with_cols(dims, epilogue.out_cols(n));
+    let out = DeviceTensor::<I>::alloc(&rt, out_shape, DType::BF16, device);
     let call = Int4Gemm {
         x: DevicePtr::new(x_in.ptr),
         m: m as u32,

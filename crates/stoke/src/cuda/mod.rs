@@ -45,17 +45,27 @@ pub(crate) fn try_linear<I: burn_backend::Backend>(
         .or_else(|| dense_linear::try_dense_linear_with(x, weight, epilogue, residual))
 }
 
-/// Whether a GEMM's epilogue inputs fit its output `[.., n]` (`out_dims`): the `Residual`
-/// epilogue needs a bf16 residual of exactly that shape.
+/// `dims` (an input's `[.., k]`) with the last dimension set to `cols`: a GEMM output's shape.
+pub(crate) fn with_cols(dims: &[usize], cols: usize) -> burn_backend::Shape {
+    let mut out = dims.to_vec();
+    if let Some(last) = out.last_mut() {
+        *last = cols;
+    }
+    burn_backend::Shape::from(out)
+}
+
+/// Whether a GEMM's epilogue inputs fit its output `[.., n]` (`dims` with the last dimension
+/// `n`): the `Residual` epilogue needs a bf16 residual of exactly that shape.
 pub(crate) fn residual_fits<I: burn_backend::Backend>(
     epilogue: stoke_cuda::kernels::int4_gemm::Epilogue,
     residual: Option<&crate::tensor::StokeTensor<I>>,
-    out_dims: &[usize],
+    dims: &[usize],
+    n: usize,
 ) -> bool {
     use burn_backend::TensorMetadata;
     match (epilogue, residual) {
         (stoke_cuda::kernels::int4_gemm::Epilogue::Residual, Some(r)) => {
-            r.dtype() == burn_backend::DType::BF16 && r.shape().as_slice() == out_dims
+            r.dtype() == burn_backend::DType::BF16 && r.shape() == with_cols(dims, n)
         }
         (stoke_cuda::kernels::int4_gemm::Epilogue::Residual, None) => false,
         _ => true,
