@@ -205,29 +205,70 @@ impl PackedInt4 {
 
     /// The same weight with its columns reordered: new column `c` is old column `from[c]`.
     pub fn permute_columns(&self, from: &[usize]) -> Result<Self, Int4Error> {
-        let (k, n, groups) = (self.k, self.n, self.k / self.group);
-        if from.len() != n {
+        if from.len() != self.n {
             return Err(Int4Error::Len {
                 what: "column permutation",
-                expected: n,
+                expected: self.n,
                 actual: from.len(),
             });
         }
+        self.select_columns(from)
+    }
+
+    /// The weight of columns `from` (new column `c` is old column `from[c]`; `from.len()` a
+    /// multiple of 64): a column-parallel shard, or a reordering.
+    pub fn select_columns(&self, from: &[usize]) -> Result<Self, Int4Error> {
+        let (k, n, groups, m) = (self.k, self.n, self.k / self.group, from.len());
+        if let Some(&c) = from.iter().find(|&&c| c >= n) {
+            return Err(Int4Error::Len {
+                what: "column selection (a column index)",
+                expected: n,
+                actual: c + 1,
+            });
+        }
         let q = self.unpack_q();
-        let permute = |v: &[u16]| -> Vec<u16> {
-            (0..groups * n)
-                .map(|i| v[(i / n) * n + from[i % n]])
+        let select = |v: &[u16]| -> Vec<u16> {
+            (0..groups * m)
+                .map(|i| v[(i / m) * n + from[i % m]])
                 .collect()
         };
-        let q2: Vec<u8> = (0..k * n).map(|i| q[(i / n) * n + from[i % n]]).collect();
+        let q2: Vec<u8> = (0..k * m).map(|i| q[(i / m) * n + from[i % m]]).collect();
         PackedInt4::pack(
             &q2,
             k,
-            n,
+            m,
             self.group,
             self.scale_type,
-            permute(&self.scales),
-            self.offsets.as_deref().map(permute),
+            select(&self.scales),
+            self.offsets.as_deref().map(select),
+        )
+    }
+
+    /// The weight of input rows `rows` (a row-parallel shard): the range must start and end on
+    /// group boundaries.
+    pub fn select_rows(&self, rows: std::ops::Range<usize>) -> Result<Self, Int4Error> {
+        let (n, g) = (self.n, self.group);
+        if !rows.start.is_multiple_of(g)
+            || !rows.end.is_multiple_of(g)
+            || rows.end > self.k
+            || rows.is_empty()
+        {
+            return Err(Int4Error::Group {
+                group: g,
+                k: rows.len(),
+            });
+        }
+        let q = self.unpack_q();
+        let groups = rows.start / g..rows.end / g;
+        let part = |v: &[u16]| v[groups.start * n..groups.end * n].to_vec();
+        PackedInt4::pack(
+            &q[rows.start * n..rows.end * n],
+            rows.len(),
+            n,
+            g,
+            self.scale_type,
+            part(&self.scales),
+            self.offsets.as_deref().map(part),
         )
     }
 
@@ -446,6 +487,33 @@ pub fn from_gguf_q4(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn selected_rows_and_columns_dequantize_to_the_slices() {
+        use super::*;
+        let (k, n) = (128, 192);
+        let q: Vec<u8> = (0..k * n).map(|i| ((i * 11 + 3) % 16) as u8).collect();
+        let sc = |seed: usize| -> Vec<u16> {
+            (0..k / 32 * n)
+                .map(|i| ScaleType::Bf16.from_f32(0.01 * (1 + (i + seed) % 7) as f32))
+                .collect()
+        };
+        let w = PackedInt4::pack(&q, k, n, 32, ScaleType::Bf16, sc(0), Some(sc(4))).unwrap();
+        let d = w.dequantize();
+        let cols: Vec<usize> = (0..64).map(|c| (c * 5 + 17) % n).collect();
+        let wc = w.select_columns(&cols).unwrap();
+        let dc = wc.dequantize();
+        for r in 0..k {
+            for (j, &c) in cols.iter().enumerate() {
+                assert_eq!(dc[r * 64 + j], d[r * n + c]);
+            }
+        }
+        let wr = w.select_rows(32..96).unwrap();
+        assert_eq!(wr.dequantize(), d[32 * n..96 * n].to_vec());
+        assert!(w.select_rows(16..96).is_err());
+        assert!(w.select_columns(&[n; 64]).is_err());
+        assert!(w.select_columns(&cols[..32]).is_err());
+    }
+
     #[test]
     fn interleaved_columns_dequantize_to_the_two_weights() {
         use super::*;

@@ -9,3 +9,4 @@ pub mod int4;
 pub mod kv;
 pub mod reference;
 pub mod sample;
+pub mod shard;
