@@ -2,7 +2,7 @@
 //! (`stoke_cuda::fp8`): the weight's dequantized values are quantized once to E4M3 with one
 //! scale per output channel (`stoke_formats::fp8::Fp8Weight`) and kept beside the packed copy;
 //! each call quantizes its bf16 rows to E4M3 with one scale per row and runs the persistent
-//! wgmma GEMM with the residual or SwiGLU epilogue on chip.
+//! wgmma GEMM with the residual or SwiGLU epilogue on chip. Opt-in ([`set_fp8_prefill`]).
 
 use super::bridge::{DeviceTensor, KernelInput, runtime_for};
 use crate::packed::PackedWeight;
@@ -51,9 +51,9 @@ fn fp8_copy(packed: &PackedInt4) -> Result<Fp8Weight, String> {
     Fp8Weight::quantize(&t, n, k, None).map_err(|e| e.to_string())
 }
 
-/// `epilogue(x @ W)` on the FP8 GEMM when FP8 prefill is on ([`set_fp8_prefill`]), `weight` is a [`PackedWeight`]
-/// (`k` a multiple of 16, `n` even), `x` is bf16 `[.., k]` with more rows than the W4A16
-/// kernels take, and Stoke's runtime runs on the device; `None` otherwise.
+/// `epilogue(x @ W)` on the FP8 GEMM when FP8 prefill is on ([`set_fp8_prefill`]), `weight`
+/// is a [`PackedWeight`] (`k` a multiple of 16, `n` even), `x` is bf16 `[.., k]` with more rows
+/// than the W4A16 kernels take, and Stoke's runtime runs on the device; `None` otherwise.
 pub(crate) fn try_fp8_linear_with<I: Backend>(
     x: &StokeTensor<I>,
     weight: &StokeTensor<I>,

@@ -31,9 +31,9 @@ pub(crate) use bridge::{float_device, float_into_data, memory_cleanup, sync_devi
 pub use stoke_cuda::Unavailable;
 
 /// `epilogue(x @ W)` on Stoke's GEMMs: the W4A16 kernels for a packed INT4 weight (decode
-/// rows), the FP8 GEMM on its E4M3 copy (prefill rows, when FP8 prefill is on), the dense bf16 kernel for a pinned bf16
-/// weight; `None` where neither applies (the caller's reference
-/// path). `Residual` adds `residual`, `SwiGlu` returns `silu(g) * u` of interleaved columns.
+/// rows), the FP8 GEMM on its E4M3 copy (prefill rows, when FP8 prefill is on), the dense bf16
+/// kernel for a pinned bf16 weight; `None` where none applies (the caller's reference path).
+/// `Residual` adds `residual`, `SwiGlu` returns `silu(g) * u` of interleaved columns.
 pub(crate) fn try_linear<I: burn_backend::Backend>(
     x: &crate::tensor::StokeTensor<I>,
     weight: &crate::tensor::StokeTensor<I>,
