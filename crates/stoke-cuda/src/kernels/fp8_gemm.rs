@@ -1,6 +1,7 @@
 //! The FP8 prefill GEMM: params mirror and launch of kernels/fp8_gemm.cu
 //! (`y = (A W^T) * a_scale[row] * w_scale[col]`, E4M3 operands, then bf16 out, bf16 out plus a
-//! residual, or SwiGLU to E4M3 with a delayed scale; `stoke_formats::fp8` holds the references).
+//! residual, SwiGLU to E4M3 with a delayed scale, or SwiGLU to bf16; `stoke_formats::fp8` holds
+//! the references).
 
 use super::{EntryPoint, FP8_GEMM, KernelParams};
 use crate::{DevicePtr, DevicePtrMut, LaunchShape, Result, Runtime, ShapeError, TensorMap};
