@@ -14,14 +14,7 @@ use stoke_formats::bf16;
 use stoke_formats::kv::{self, Int4Order};
 use stoke_formats::reference::relative_error;
 
-use crate::int4::{get_bf16, put_u16};
-
-fn put_u32(rt: &Arc<Runtime>, v: &[u32]) -> DeviceBuffer {
-    let b = rt.alloc(v.len().max(1) * 4).unwrap();
-    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    unsafe { rt.copy_htod(b.ptr(), &bytes) }.unwrap();
-    b
-}
+use crate::int4::{get_bf16, put_u16, put_u32};
 
 fn get_bytes(buf: &DeviceBuffer) -> Vec<u8> {
     let mut bytes = vec![0u8; buf.bytes()];

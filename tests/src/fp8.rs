@@ -2,15 +2,14 @@
 //! same E4M3 codes and scales (`stoke_formats::fp8::gemm_reference`), poisoned outputs, awkward
 //! shapes, and its speed at the Llama projection shapes.
 
-use crate::int4::{put_f32, put_u16, try_get_bf16};
+use crate::int4::{put_f32, put_u8, put_u16, try_get_bf16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
-use std::sync::Arc;
+use stoke_cuda::DeviceBuffer;
 use stoke_cuda::kernels::FP8_GEMM;
 use stoke_cuda::kernels::fp8_gemm::{Fp8Epilogue, Fp8Gemm, fp8_gemm, grid};
 use stoke_cuda::kernels::fp8_quant::{Fp8RowsParams, quantize_rows as quantize_rows_gpu};
-use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::fp8::{Fp8Weight, e4m3_to_f32, quantize_rows_fused};
 
 /// What a test case's epilogue is.
@@ -45,12 +44,6 @@ const CASES: &[(usize, usize, usize, bool, usize, Epi)] = &[
 /// rounding of the output, and the tensor core's FP8 sums within a 128-k block, which keep
 /// fewer bits than f32).
 const TOL_L1: f64 = 1.0 / 1024.0;
-
-fn put_u8(rt: &Arc<Runtime>, v: &[u8]) -> DeviceBuffer {
-    let b = rt.alloc(v.len().max(16)).unwrap();
-    unsafe { rt.copy_htod(b.ptr(), v) }.unwrap();
-    b
-}
 
 fn get_u32(buf: &DeviceBuffer) -> Result<u32, String> {
     let mut b = [0u8; 4];

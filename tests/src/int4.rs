@@ -64,18 +64,29 @@ pub(crate) fn random_bf16(rng: &mut StdRng, len: usize) -> Vec<u16> {
         .collect()
 }
 
-pub(crate) fn put_u16(rt: &Arc<Runtime>, v: &[u16]) -> DeviceBuffer {
-    let b = rt.alloc(v.len() * 2).unwrap();
-    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+/// `v` as little-endian bytes (`le` of each value) in a new device buffer of at least one
+/// value.
+fn put<T: Copy, const N: usize>(rt: &Arc<Runtime>, v: &[T], le: fn(T) -> [u8; N]) -> DeviceBuffer {
+    let b = rt.alloc(v.len().max(1) * N).unwrap();
+    let bytes: Vec<u8> = v.iter().flat_map(|&x| le(x)).collect();
     unsafe { rt.copy_htod(b.ptr(), &bytes) }.unwrap();
     b
 }
 
+pub(crate) fn put_u8(rt: &Arc<Runtime>, v: &[u8]) -> DeviceBuffer {
+    put(rt, v, |x| [x])
+}
+
+pub(crate) fn put_u16(rt: &Arc<Runtime>, v: &[u16]) -> DeviceBuffer {
+    put(rt, v, u16::to_le_bytes)
+}
+
+pub(crate) fn put_u32(rt: &Arc<Runtime>, v: &[u32]) -> DeviceBuffer {
+    put(rt, v, u32::to_le_bytes)
+}
+
 pub(crate) fn put_f32(rt: &Arc<Runtime>, v: &[f32]) -> DeviceBuffer {
-    let b = rt.alloc(v.len() * 4).unwrap();
-    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    unsafe { rt.copy_htod(b.ptr(), &bytes) }.unwrap();
-    b
+    put(rt, v, f32::to_le_bytes)
 }
 
 pub(crate) fn get_bf16(buf: &DeviceBuffer) -> Vec<f64> {

@@ -12,6 +12,8 @@ use stoke_cuda::{DeviceBuffer, DevicePtrMut, Runtime};
 use stoke_formats::bf16;
 use stoke_formats::sample as reference;
 
+use crate::int4::put_u32;
+
 const VOCABS: &[u32] = &[49152, 128256];
 const ROWS: &[u32] = &[1, 3, 8, 32];
 /// Launches per configuration and shape; each advances the counters by one.
@@ -28,13 +30,6 @@ const CONFIGS: &[(&str, f32, u32, f32)] = &[
     ("top_k_top_p", 0.7, 100, 0.8),
 ];
 const PENALTIES: &[f32] = &[1.0, 1.3];
-
-fn put_u32(rt: &Arc<Runtime>, v: &[u32]) -> DeviceBuffer {
-    let b = rt.alloc(v.len().max(1) * 4).unwrap();
-    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    unsafe { rt.copy_htod(b.ptr(), &bytes) }.unwrap();
-    b
-}
 
 fn get_u32(buf: &DeviceBuffer) -> Result<Vec<u32>, String> {
     let mut bytes = vec![0u8; buf.bytes()];
