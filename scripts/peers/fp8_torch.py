@@ -6,40 +6,20 @@ projection shapes (q|k|v and gate|up fused), M in {512, 2048, 8192}.
 
 usage: fp8_torch.py OUT.json
 
-Timing: CUDA events around batches of calls (>= ~20 ms per batch), median of 5 batches.
+Timing: int4_torch.timed (CUDA events around batches of 5-500 calls, about 20 ms each,
+median of 5 batches).
 """
 import json
-import statistics
 import sys
 
 import torch
+
+from int4_torch import timed
 
 SHAPES = [("8b_qkv", 4096, 6144), ("8b_o", 4096, 4096), ("8b_gate_up", 4096, 28672),
           ("8b_down", 14336, 4096), ("70b_qkv", 8192, 10240), ("70b_gate_up", 8192, 57344),
           ("70b_down", 28672, 8192)]
 ROWS = [512, 2048, 8192]
-
-
-def timed(fn):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    fn()
-    e.record()
-    e.synchronize()
-    one = max(s.elapsed_time(e), 1e-3)
-    calls = int(min(500, max(5, 20.0 / one)))
-    out = []
-    for _ in range(5):
-        s.record()
-        for _ in range(calls):
-            fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e) * 1e3 / calls)
-    return statistics.median(out)
 
 
 def main():
@@ -57,13 +37,13 @@ def main():
             flop = 2.0 * m * n * k
             row = {"shape": name, "m": m, "n": n, "k": k}
             try:
-                us = timed(lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw,
-                                                    out_dtype=torch.bfloat16))
+                us = timed(lambda _: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw,
+                                                      out_dtype=torch.bfloat16), 1, 5, 500)
                 row["scaled_mm_rowwise_us"] = us
                 row["scaled_mm_rowwise_tflops"] = flop / us / 1e6
             except Exception as e:  # noqa: BLE001 - reported in the JSON
                 row["scaled_mm_rowwise_error"] = str(e)
-            us = timed(lambda: a @ w.t())
+            us = timed(lambda _: a @ w.t(), 1, 5, 500)
             row["bf16_us"] = us
             row["bf16_tflops"] = flop / us / 1e6
             print(json.dumps(row), flush=True)
