@@ -10,3 +10,15 @@ pub mod kv;
 pub mod reference;
 pub mod sample;
 pub mod shard;
+
+/// `[rows, cols]` row-major to `[cols, rows]` (Burn's `[k, n]` Linear layout to the kernels'
+/// `[n, k]` and back).
+pub fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0f32; v.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = v[r * cols + c];
+        }
+    }
+    t
+}

@@ -237,17 +237,6 @@ fn host_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
         .expect("f32 values")
 }
 
-/// `[rows, cols]` row-major to `[cols, rows]`.
-fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut t = vec![0f32; v.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            t[c * rows + r] = v[r * cols + c];
-        }
-    }
-    t
-}
-
 impl PackedModel {
     /// A packed model of `model`'s embedding, norms and head (dense, in `dense`) and the packed
     /// projections `packed` (from `crate::quant::quantize_packed` on that model). `tied`: the
@@ -716,7 +705,10 @@ impl PackedModel {
         let (vocab, hid) = (c.vocab_size, c.hidden_size);
         let lm_head = match &self.head {
             Head::Tied => Linear {
-                weight: Param::from_tensor(tensor(transpose(&embed, vocab, hid), [hid, vocab])),
+                weight: Param::from_tensor(tensor(
+                    stoke_formats::transpose(&embed, vocab, hid),
+                    [hid, vocab],
+                )),
                 bias: None,
             },
             Head::Dense(d) => Linear {

@@ -41,13 +41,7 @@ pub fn kernel_calls() -> u64 {
 /// (`d q + m` in f32, the values every other path sees) transposed and quantized per channel.
 fn fp8_copy(packed: &PackedInt4) -> Result<Fp8Weight, String> {
     let (k, n) = (packed.k, packed.n);
-    let w = packed.dequantize();
-    let mut t = vec![0f32; n * k];
-    for (i, row) in w.chunks_exact(n).enumerate() {
-        for (j, &v) in row.iter().enumerate() {
-            t[j * k + i] = v;
-        }
-    }
+    let t = stoke_formats::transpose(&packed.dequantize(), k, n);
     Fp8Weight::quantize(&t, n, k, None).map_err(|e| e.to_string())
 }
 
