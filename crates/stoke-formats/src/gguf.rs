@@ -49,9 +49,7 @@ impl Value {
             Value::F64(_) => 12,
         }
     }
-}
 
-impl Value {
     /// The value as an unsigned integer, if it is a non-negative integer of any width.
     pub fn as_u64(&self) -> Option<u64> {
         match *self {
