@@ -117,7 +117,6 @@ __host__ __device__ constexpr int row_bytes() {
     return FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
 }
 
-#define NEG_INF __int_as_float(0xff800000)
 constexpr int MAX_GROUP = 8;
 
 struct KvCache {

@@ -372,12 +372,6 @@ __device__ __forceinline__ void load_tile_fast(const u8* kp, const u8* vp, const
     r.ks[1][1] = ldg_cache(vsp + 16 * ti + 8);
 }
 
-__device__ __forceinline__ float exp2_approx(float x) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
-
 // FP8: the lane's half value row as exact f16 codes (the E4M3 values) in `tile`, in dim order.
 // The row scales go to the probabilities instead. (INT4 values skip the tile: int4_key_pairs.
 // An offset left in the INT4 codes and taken off the output once, 1032 times the sum of P,

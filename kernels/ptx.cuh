@@ -108,6 +108,24 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
                  : "memory");
 }
 
+// The same, each 8x8 matrix transposed (a row-major [k][n] tile as an mma B operand).
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// -infinity as an f32 bit pattern (no CUDA header needed).
+#define NEG_INF __int_as_float(0xff800000)
+
+// 2^x, ex2.approx (flushes subnormals; 2^-inf = 0).
+__device__ __forceinline__ float exp2_approx(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
 // ---- cp.async ---------------------------------------------------------------------------------
 
 // Copies `bytes` (16, or 0: zero fill) from src to shared dst; 16-byte aligned src.

@@ -16,6 +16,8 @@
 #          (OUTDIR/ncu-attention-peer.txt; NCU_PEER_KERNELS=REGEX, default flash|fmha|attn|sdpa|cudnn)
 #   test fp8_gemm_matches_reference: the FP8 prefill GEMM's test and benchmark, then its
 #          PyTorch peers (cuBLAS FP8 rowwise _scaled_mm, bf16 matmul; STOKE_NO_PEERS=1 skips them)
+#   prefill-attention: the prefill-attention test and benchmark (single prompts, the packed mix),
+#          then the PyTorch SDPA peers (flash, cuDNN, efficient; varlen_attn where present)
 #   decode: the decode-step tests, then the step benchmark (SmolLM2, 8B/70B-shaped models), then
 #          the PyTorch decode-step and transformers peers (STOKE_NO_PEERS=1 skips them)
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
@@ -115,6 +117,9 @@ if [ "$what" = decode ] && [ -z "${STOKE_NO_PEERS:-}" ]; then
 fi
 if [ "$what" = test ] && [[ " $* " == *" fp8_gemm_matches_reference "* ]] && [ -z "${STOKE_NO_PEERS:-}" ]; then
   python3 scripts/peers/fp8_torch.py "$out/torch-fp8.json" 2>&1 | tee "$out/torch-fp8.log" || status=1
+fi
+if [ "$what" = prefill-attention ] && [ -z "${STOKE_NO_PEERS:-}" ]; then
+  python3 scripts/peers/prefill_attention_torch.py "$out/torch-prefill-attention.json" 2>&1 | tee "$out/torch-prefill-attention.log" || status=1
 fi
 if [ "$what" = attention ]; then
   python3 scripts/peers/attention_torch.py "$out/torch-attention.json" 2>&1 | tee "$out/torch-attention.log" || status=1

@@ -6,7 +6,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::Arc;
-use stoke_cuda::kernels::DECODE_ATTENTION;
+use stoke_cuda::kernels::prefill_attention::PrefillSeq;
+use stoke_cuda::kernels::{DECODE_ATTENTION, PREFILL_ATTENTION};
 use stoke_cuda::kernels::decode_attention::KvFormat;
 use stoke_cuda::kv::DeviceKvCache;
 use stoke_cuda::{DeviceBuffer, Runtime};
@@ -14,7 +15,7 @@ use stoke_formats::bf16;
 use stoke_formats::kv::{self, Int4Order};
 use stoke_formats::reference::relative_error;
 
-use crate::int4::{get_bf16, put_u16, put_u32};
+use crate::int4::{get_bf16, put_u8, put_u16, put_u32};
 
 fn get_bytes(buf: &DeviceBuffer) -> Vec<u8> {
     let mut bytes = vec![0u8; buf.bytes()];
@@ -727,4 +728,231 @@ pub fn profile_launches(shape: &str, batch: u32, ctx: u32, formats: &[String]) {
         rt.synchronize().unwrap();
         println!("profiled {shape} b {batch} ctx {ctx} {}", format.name());
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill attention (kernels/prefill_attention.cu)
+// ---------------------------------------------------------------------------------------------
+
+/// One packed prefill case: `(rows, pos0)` per sequence (the sequence's cache holds `pos0`
+/// earlier tokens, then its `rows` new ones).
+struct PrefillCase {
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    seqs: Vec<(usize, usize)>,
+}
+
+/// The packed descriptors of `seqs` in slots `slot_of` (rows one sequence after another).
+fn packed(seqs: &[(usize, usize)], slot_of: &[u32]) -> Vec<PrefillSeq> {
+    let mut first = 0u32;
+    seqs.iter()
+        .zip(slot_of)
+        .map(|(&(rows, pos0), &slot)| {
+            let s = PrefillSeq {
+                first,
+                rows: rows as u32,
+                slot,
+                pos0: pos0 as u32,
+            };
+            first += rows as u32;
+            s
+        })
+        .collect()
+}
+
+/// Prefill attention against the f64 reference (each row: decode attention over the keys up to
+/// its own position), on caches filled through the append kernel: single-row sequences, rows
+/// not a multiple of the 64-row tile, chunks appended after earlier tokens (past 8k), GQA 1 /
+/// 3 / 4 / 8, head sizes 64 and 128, the BF16 cache and the main cache of an INT4 one. Poisoned
+/// outputs: every row must be written.
+pub fn prefill_attention_matches_reference() -> Result<Value, String> {
+    let rt = crate::gpu()?;
+    rt.set_poison_allocations(true);
+    let seed = crate::seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let cases = [
+        PrefillCase {
+            heads: 9,
+            kv_heads: 3,
+            d: 64,
+            seqs: vec![(1, 0), (300, 0), (64, 0), (65, 0), (17, 8200), (1, 5000)],
+        },
+        PrefillCase {
+            heads: 32,
+            kv_heads: 8,
+            d: 128,
+            seqs: vec![(130, 0), (1, 0), (100, 1000), (63, 1)],
+        },
+        PrefillCase {
+            heads: 8,
+            kv_heads: 8,
+            d: 128,
+            seqs: vec![(129, 0)],
+        },
+        PrefillCase {
+            heads: 64,
+            kv_heads: 8,
+            d: 64,
+            seqs: vec![(33, 7), (2, 0)],
+        },
+    ];
+    let mut report = Vec::new();
+    let mut worst = 0f64;
+    for c in &cases {
+        for format in [KvFormat::Bf16, KvFormat::Int4] {
+            let lens: Vec<usize> = c.seqs.iter().map(|(r, p)| r + p).collect();
+            let case = Case {
+                heads: c.heads,
+                kv_heads: c.kv_heads,
+                d: c.d,
+                lens,
+                outliers: 0,
+                outlier: 1.0,
+                splits: None,
+            };
+            let block = if format == KvFormat::Bf16 { 0 } else { c.d as u32 };
+            let f = fill(&rt, &mut rng, &case, format, block);
+            let seqs = packed(&c.seqs, &f.slot_of);
+            let rows: usize = c.seqs.iter().map(|s| s.0).sum();
+            let width = c.heads * c.d;
+            let q = bf16s(&mut rng, rows * width, 1.0);
+            let (qb, sb) = (
+                put_u16(&rt, &to_bf16(&q)),
+                put_u8(&rt, &PrefillSeq::bytes(&seqs)),
+            );
+            let out = rt.alloc(rows * width * 2).unwrap();
+            unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.unwrap();
+            unsafe {
+                f.cache.prefill_attend(
+                    &rt,
+                    qb.as_ptr(),
+                    c.heads as u32,
+                    &seqs,
+                    sb.as_ptr(),
+                    rows as u32,
+                    out.as_mut_ptr(),
+                )
+            }
+            .map_err(|e| e.to_string())?;
+            let got = get_bf16(&out);
+            let what = format!(
+                "seed {seed}: {} cache, {} heads / {} kv heads, d {}, (rows, pos0) {:?}",
+                format.name(),
+                c.heads,
+                c.kv_heads,
+                c.d,
+                c.seqs
+            );
+            if got.iter().any(|x| !x.is_finite()) {
+                return Err(format!(
+                    "{what}: unwritten (poisoned) or non-finite outputs"
+                ));
+            }
+            let mut errs = Vec::new();
+            for (b, s) in seqs.iter().enumerate() {
+                let kvw = c.kv_heads * c.d;
+                let (mut want, mut have) = (Vec::new(), Vec::new());
+                for i in 0..s.rows as usize {
+                    let r = s.first as usize + i;
+                    let keys = s.pos0 as usize + i + 1;
+                    want.extend(kv::decode_attention(
+                        &q[r * width..(r + 1) * width],
+                        &f.k[b][..keys * kvw],
+                        &f.v[b][..keys * kvw],
+                        c.heads,
+                        c.kv_heads,
+                        c.d,
+                    ));
+                    have.extend_from_slice(&got[r * width..(r + 1) * width]);
+                }
+                let e = relative_error(&have, &want);
+                worst = worst.max(e);
+                errs.push(e);
+                if !(e < KERNEL_TOLERANCE) {
+                    return Err(format!(
+                        "{what}: sequence {b} {s:?}: relative error {e:.3e} against the f64 reference"
+                    ));
+                }
+            }
+            report.push(json!({"format": format.name(), "heads": c.heads, "kv_heads": c.kv_heads, "d": c.d,
+                "seqs_rows_pos0": c.seqs, "rel_err": errs}));
+        }
+    }
+    rt.set_poison_allocations(false);
+    Ok(json!({"seed": seed, "tolerance": KERNEL_TOLERANCE, "max_rel_err": worst, "cases": report}))
+}
+
+/// Prefill attention shapes `(name, heads, kv_heads, head_dim)`.
+const PREFILL_SHAPES: &[(&str, u32, u32, u32)] = &[
+    ("8b", 32, 8, 128),
+    ("70b", 64, 8, 128),
+    ("smollm2", 9, 3, 64),
+];
+/// Single-prompt lengths, and the packed mix (one 2048-token prompt with seven of 128).
+const PREFILL_LENGTHS: &[usize] = &[512, 1024, 2048, 4096, 8192];
+const PREFILL_MIX: &[usize] = &[2048, 128, 128, 128, 128, 128, 128, 128];
+
+/// Times prefill attention of fresh prompts of `lens` (packed, each in its own slot): µs and
+/// TFLOP/s (4 heads d per (row, key attended) pair, causal pairs only).
+fn time_prefill(rt: &Arc<Runtime>, rng: &mut StdRng, (heads, kvh, d): (u32, u32, u32), lens: &[usize]) -> (f64, f64) {
+    let cap = *lens.iter().max().unwrap() as u32;
+    let n = lens.len() as u32;
+    let cache = DeviceKvCache::new(rt, KvFormat::Bf16, (n, kvh, cap, d), 0).unwrap();
+    let rows: usize = lens.iter().sum();
+    let seqs = packed(
+        &lens.iter().map(|&l| (l, 0)).collect::<Vec<_>>(),
+        &(0..n).collect::<Vec<_>>(),
+    );
+    // The cache's K and V are random: filled in place, every value a finite bf16.
+    let kv_vals = (n * kvh * cap * d) as usize;
+    for buf in [&cache.k, &cache.v] {
+        let vals = to_bf16(&bf16s(rng, kv_vals, 1.0));
+        let bytes: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+        unsafe { rt.copy_htod(buf.ptr(), &bytes) }.unwrap();
+    }
+    let q = put_u16(rt, &to_bf16(&bf16s(rng, rows * (heads * d) as usize, 1.0)));
+    let sb = put_u8(rt, &PrefillSeq::bytes(&seqs));
+    let out = rt.alloc(rows * (heads * d) as usize * 2).unwrap();
+    let t = crate::bench::time_calls(rt, 5, 20, |_| {
+        unsafe {
+            cache.prefill_attend(
+                rt,
+                q.as_ptr(),
+                heads,
+                &seqs,
+                sb.as_ptr(),
+                rows as u32,
+                out.as_mut_ptr(),
+            )
+        }
+        .unwrap()
+    });
+    let pairs: f64 = lens.iter().map(|&l| (l * (l + 1) / 2) as f64).sum();
+    let flops = 4.0 * (heads * d) as f64 * pairs;
+    (t.us, flops / t.us / 1e6)
+}
+
+/// Prefill attention for each shape: single prompts of 512 ... 8192 tokens, and the packed mix
+/// (one 2048-token prompt with seven of 128) beside the same mix padded to 8 x 2048.
+pub fn prefill_bench(_copy_gbps: f64) -> Value {
+    let rt = crate::gpu().expect("GPU");
+    let mut rng = StdRng::seed_from_u64(21);
+    let mut runs = Vec::new();
+    for &(name, heads, kvh, d) in PREFILL_SHAPES {
+        for &s in PREFILL_LENGTHS {
+            let (us, tflops) = time_prefill(&rt, &mut rng, (heads, kvh, d), &[s]);
+            println!("prefill attention {name:<8} S {s:5}: {us:9.1} us {tflops:6.1} TFLOP/s");
+            runs.push(json!({"shape": name, "heads": heads, "kv_heads": kvh, "d": d, "lens": [s], "us": us, "tflops": tflops}));
+        }
+        let (us, tflops) = time_prefill(&rt, &mut rng, (heads, kvh, d), PREFILL_MIX);
+        let (pad_us, _) = time_prefill(&rt, &mut rng, (heads, kvh, d), &[2048; 8]);
+        println!(
+            "prefill attention {name:<8} mix 2048 + 7 x 128: {us:9.1} us {tflops:6.1} TFLOP/s (8 x 2048 padded: {pad_us:.1} us)"
+        );
+        runs.push(json!({"shape": name, "heads": heads, "kv_heads": kvh, "d": d, "lens": PREFILL_MIX, "us": us, "tflops": tflops,
+            "padded_8x2048_us": pad_us}));
+    }
+    let regs = crate::bench::kernel_reports(&rt, PREFILL_ATTENTION.file);
+    json!({"runs": runs, "kernels": regs})
 }

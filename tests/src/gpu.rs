@@ -66,6 +66,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::attention::decode_attention_matches_reference,
     ),
     (
+        "prefill_attention_matches_reference",
+        crate::attention::prefill_attention_matches_reference,
+    ),
+    (
         "decode_step_matches_reference",
         crate::decode::decode_step_matches_reference,
     ),

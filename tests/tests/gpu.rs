@@ -30,6 +30,7 @@ gpu_tests!(
     smollm2_int4_decode_matches_dequantized,
     smollm2_rtn_int4_decode_warpgroup_matches_simulated,
     decode_attention_matches_reference,
+    prefill_attention_matches_reference,
     decode_step_matches_reference,
     smollm2_graphed_text_matches_burn_cuda,
     sample_matches_reference,

@@ -10,6 +10,7 @@ use crate::kernels::decode_attention::{
     attn_cluster_entry, attn_entry, attn_entry_point, check_shape, forced_split,
     rope_append_entry_point, split_plan,
 };
+use crate::kernels::prefill_attention::{self, PrefillAttnParams, PrefillSeq};
 use crate::{DeviceBuffer, DevicePtr, DevicePtrMut, Error, Kernel, LaunchShape, Result, Runtime};
 use half::bf16;
 use std::sync::Arc;
@@ -373,6 +374,46 @@ impl DeviceKvCache {
     /// sequences of at most `max_len` keys (1: no partials to merge).
     pub fn splits(&self, rt: &Runtime, batch: u32, max_len: u32) -> Result<u32> {
         Ok(self.attn_plan(rt, batch, max_len, None)?.2)
+    }
+
+    /// Queues causal prefill attention of packed sequences over the BF16 main cache: `seqs`
+    /// (host copy) and `seqs_dev` (the same descriptors on the device) say which rows of
+    /// `q [rows, heads, d]` belong to which slot and from which position; row `i` of a
+    /// sequence attends to positions `0 ..= pos0 + i` of its slot (the keys must already be
+    /// appended, as [`Self::rope_append`] does). Writes `out [rows, heads, d]` bf16.
+    ///
+    /// # Safety
+    /// The pointers must be valid device memory of those sizes until the kernel finishes and
+    /// `seqs_dev` must hold `seqs`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn prefill_attend(
+        &self,
+        rt: &Arc<Runtime>,
+        q: DevicePtr<bf16>,
+        heads: u32,
+        seqs: &[PrefillSeq],
+        seqs_dev: DevicePtr<PrefillSeq>,
+        rows: u32,
+        out: DevicePtrMut<bf16>,
+    ) -> Result<()> {
+        prefill_attention::check_shape(heads, self.kv_heads, self.d).map_err(Error::Shape)?;
+        prefill_attention::check_seqs(seqs, rows, self.slots, self.cap).map_err(Error::Shape)?;
+        let p = PrefillAttnParams {
+            q,
+            k: self.k.as_ptr(),
+            v: self.v.as_ptr(),
+            out,
+            seqs: seqs_dev,
+            n_seqs: seqs.len() as u32,
+            heads,
+            kv_heads: self.kv_heads,
+            cap: self.cap,
+            scale_log2: std::f32::consts::LOG2_E / (self.d as f32).sqrt(),
+            pad: 0,
+        };
+        // SAFETY: the caller's guarantees; the cache buffers are owned by self and hold
+        // slots x kv_heads x cap x d bf16.
+        unsafe { prefill_attention::prefill_attention(rt, &p, seqs, self.d) }
     }
 
     /// Bytes decode attention reads for `keys` cached tokens (K and V rows, scales included).

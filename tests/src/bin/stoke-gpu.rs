@@ -32,6 +32,8 @@ enum Command {
     Int4,
     /// Decode attention: its GPU test, then its benchmark beside the same run's copy rate.
     Attention,
+    /// Prefill attention: its GPU test, then its benchmark (single prompts and a packed mix).
+    PrefillAttention,
     /// The whole decode step: its GPU tests, then the step benchmark (SmolLM2, 8B- and
     /// 70B-shaped models) with each point's kernel sum.
     Decode,
@@ -214,6 +216,12 @@ fn main() -> ExitCode {
             &["decode_attention_matches_reference"],
             "attention",
             stoke_tests::attention::bench,
+        ),
+        Command::PrefillAttention => run_kernel(
+            &cli,
+            &["prefill_attention_matches_reference"],
+            "prefill-attention",
+            stoke_tests::attention::prefill_bench,
         ),
         Command::Decode => run_kernel(
             &cli,

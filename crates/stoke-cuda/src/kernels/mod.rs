@@ -8,6 +8,7 @@ pub mod fp8_gemm;
 pub mod fp8_quant;
 pub mod int4_gemm;
 pub mod mma_rate;
+pub mod prefill_attention;
 pub mod read_rate;
 pub mod rms_norm;
 pub mod sample;
@@ -148,6 +149,9 @@ fn fp8_gemm_entries() -> Vec<&'static str> {
 fn fp8_quant_entries() -> Vec<&'static str> {
     fp8_quant::ENTRY_POINTS.to_vec()
 }
+fn prefill_attention_entries() -> Vec<&'static str> {
+    prefill_attention::ENTRY_POINTS.to_vec()
+}
 fn sample_entries() -> Vec<&'static str> {
     sample::ENTRY_POINTS.to_vec()
 }
@@ -203,6 +207,11 @@ pub const FP8_QUANT: KernelSource = KernelSource {
     source: fp8_quant::SOURCE,
     entries: fp8_quant_entries,
 };
+pub const PREFILL_ATTENTION: KernelSource = KernelSource {
+    file: "prefill_attention.cu",
+    source: prefill_attention::SOURCE,
+    entries: prefill_attention_entries,
+};
 pub const SAMPLE: KernelSource = KernelSource {
     file: "sample.cu",
     source: sample::SOURCE,
@@ -233,6 +242,7 @@ pub const ALL: &[KernelSource] = &[
     SAMPLE,
     FP8_GEMM,
     FP8_QUANT,
+    PREFILL_ATTENTION,
 ];
 
 /// The kernels only the benchmarks load (`kernels/bench/`); the precompile check builds them too.
