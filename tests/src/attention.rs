@@ -6,9 +6,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::Arc;
+use stoke_cuda::kernels::decode_attention::KvFormat;
 use stoke_cuda::kernels::prefill_attention::PrefillSeq;
 use stoke_cuda::kernels::{DECODE_ATTENTION, PREFILL_ATTENTION};
-use stoke_cuda::kernels::decode_attention::KvFormat;
 use stoke_cuda::kv::DeviceKvCache;
 use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::bf16;
@@ -811,7 +811,11 @@ pub fn prefill_attention_matches_reference() -> Result<Value, String> {
                 outlier: 1.0,
                 splits: None,
             };
-            let block = if format == KvFormat::Bf16 { 0 } else { c.d as u32 };
+            let block = if format == KvFormat::Bf16 {
+                0
+            } else {
+                c.d as u32
+            };
             let f = fill(&rt, &mut rng, &case, format, block);
             let seqs = packed(&c.seqs, &f.slot_of);
             let rows: usize = c.seqs.iter().map(|s| s.0).sum();
@@ -875,8 +879,10 @@ pub fn prefill_attention_matches_reference() -> Result<Value, String> {
                     ));
                 }
             }
-            report.push(json!({"format": format.name(), "heads": c.heads, "kv_heads": c.kv_heads, "d": c.d,
-                "seqs_rows_pos0": c.seqs, "rel_err": errs}));
+            report.push(
+                json!({"format": format.name(), "heads": c.heads, "kv_heads": c.kv_heads, "d": c.d,
+                "seqs_rows_pos0": c.seqs, "rel_err": errs}),
+            );
         }
     }
     rt.set_poison_allocations(false);
@@ -895,7 +901,12 @@ const PREFILL_MIX: &[usize] = &[2048, 128, 128, 128, 128, 128, 128, 128];
 
 /// Times prefill attention of fresh prompts of `lens` (packed, each in its own slot): µs and
 /// TFLOP/s (4 heads d per (row, key attended) pair, causal pairs only).
-fn time_prefill(rt: &Arc<Runtime>, rng: &mut StdRng, (heads, kvh, d): (u32, u32, u32), lens: &[usize]) -> (f64, f64) {
+fn time_prefill(
+    rt: &Arc<Runtime>,
+    rng: &mut StdRng,
+    (heads, kvh, d): (u32, u32, u32),
+    lens: &[usize],
+) -> (f64, f64) {
     let cap = *lens.iter().max().unwrap() as u32;
     let n = lens.len() as u32;
     let cache = DeviceKvCache::new(rt, KvFormat::Bf16, (n, kvh, cap, d), 0).unwrap();
