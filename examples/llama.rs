@@ -165,6 +165,11 @@ struct Args {
     /// Prompt lengths of the prefill points (`pp`).
     #[arg(long, value_delimiter = ',', default_value = "128,512,2048")]
     bench_prompts: Vec<usize>,
+    /// Packed prefill points: prompt mixes run as one packed batch, each written like
+    /// `2048+7x128` (one prompt of 2048 tokens and seven of 128).
+    #[arg(long, value_delimiter = ',', default_value = "2048+7x128,8x368",
+          value_parser = stoke_llama::bench::parse_mix)]
+    bench_mixes: Vec<Vec<usize>>,
     /// Batch sizes of the decode points (`tg`).
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     bench_batches: Vec<usize>,
@@ -283,7 +288,14 @@ fn run(mut args: Args) -> Result<(), Box<dyn std::error::Error>> {
     };
     if args.bench {
         // The rope table and the decoder must hold the longest prompt and the decode points.
-        let longest = args.bench_prompts.iter().max().copied().unwrap_or(0) + 1;
+        let longest = args
+            .bench_prompts
+            .iter()
+            .chain(args.bench_mixes.iter().flatten())
+            .max()
+            .copied()
+            .unwrap_or(0)
+            + 1;
         args.context = args
             .context
             .max(longest)
@@ -453,6 +465,7 @@ fn generate_on<B: FusedOps>(
     if args.bench {
         let cfg = stoke_llama::bench::BenchConfig {
             prompt_lens: args.bench_prompts.clone(),
+            prefill_mixes: args.bench_mixes.clone(),
             batches: args.bench_batches.clone(),
             decode_tokens: args.bench_tokens,
             decode_prompt: BENCH_DECODE_PROMPT,
@@ -694,9 +707,11 @@ fn plot_bench(
             Kind::Decode => p.batch as f64,
             Kind::Prefill => p.prompt as f64,
         };
+        // Prefill against prompt length: the single-prompt points (mixes are in the table).
+        let shown = |p: &&Point| p.kind == kind && (kind == Kind::Decode || p.batch == 1);
         let all: Vec<&Point> = runs
             .iter()
-            .flat_map(|r| r.points.iter().filter(|p| p.kind == kind))
+            .flat_map(|r| r.points.iter().filter(shown))
             .collect();
         if all.is_empty() {
             continue;
@@ -722,7 +737,7 @@ fn plot_bench(
             .draw()?;
         for (i, run) in runs.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
-            let pts: Vec<&Point> = run.points.iter().filter(|p| p.kind == kind).collect();
+            let pts: Vec<&Point> = run.points.iter().filter(shown).collect();
             let line: Vec<(f64, f64)> = pts.iter().map(|p| (x_of(p), p.median)).collect();
             chart
                 .draw_series(LineSeries::new(line.clone(), color.stroke_width(2)))?

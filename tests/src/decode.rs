@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 use std::path::Path;
 use stoke::{FusedOps, KvCacheFormat, Sampling};
 use stoke_llama::load::load_gguf_packed;
-use stoke_llama::model::Llama;
+use stoke_llama::model::{Llama, PREFILL_CHUNK};
 use stoke_llama::synthetic::{Tiny, gguf_q4_1, weights};
 
 /// A random-weight model with SmolLM2-135M's layer shapes (fewer layers), packable as Q4_1.
@@ -31,13 +31,13 @@ pub struct Run {
     pub stats: Option<stoke::cuda::decoder::DecodeStats>,
 }
 
-/// Prefill of `prompts`, then `steps` decode steps whose inputs are `forced[step]` (one id
+/// Prefill of `prompts` (packed, in chunks of at most `chunk` tokens), then `steps` decode steps whose inputs are `forced[step]` (one id
 /// per sequence: teacher forcing, so every path sees the same tokens) or, without it, the greedy
 /// ids taken one step late as generation does. The decoder computes in the model's dtype.
 #[allow(clippy::too_many_arguments)]
 pub fn run<B: FusedOps>(
     model: &Llama<B>,
-    prompts: &[Vec<u32>],
+    (prompts, chunk): (&[Vec<u32>], usize),
     steps: usize,
     capacity: usize,
     kv: KvCacheFormat,
@@ -51,7 +51,7 @@ pub fn run<B: FusedOps>(
     spec.keep_logits = true;
     let mut dec = stoke::decoder::<B>(spec, dtype, &device).map_err(|e| e.to_string())?;
     model
-        .prefill(prompts, &mut dec)
+        .prefill_chunked(prompts, &mut dec, chunk)
         .map_err(|e| e.to_string())?;
     let mut out = Run {
         ids: Vec::new(),
@@ -156,14 +156,14 @@ fn load_as<B: FusedOps>(path: &Path, capacity: usize, dtype: DType) -> Result<Ll
 fn compare(
     path: &Path,
     vocab: usize,
-    batch: usize,
-    base: usize,
+    (p, chunk): (Vec<Vec<u32>>, usize),
     steps: usize,
     kv: KvCacheFormat,
     tol: f64,
 ) -> Result<Value, String> {
     let capacity = 512;
-    let p = prompts(batch, base, vocab);
+    let batch = p.len();
+    let p = (p.as_slice(), chunk);
     let forced: Vec<Vec<u32>> = (0..steps)
         .map(|s| {
             (0..batch)
@@ -173,12 +173,12 @@ fn compare(
         .collect();
     let f = Some(forced.as_slice());
     let stoke_model = load::<StokeCuda>(path, capacity)?;
-    let graphed = run(&stoke_model, &p, steps, capacity, kv, false, f, stoke_stats)?;
-    let eager = run(&stoke_model, &p, steps, capacity, kv, true, f, stoke_stats)?;
+    let graphed = run(&stoke_model, p, steps, capacity, kv, false, f, stoke_stats)?;
+    let eager = run(&stoke_model, p, steps, capacity, kv, true, f, stoke_stats)?;
     // Greedy, ids taken one step late as generation takes them.
     let free = run(
         &stoke_model,
-        &p,
+        p,
         steps,
         capacity,
         kv,
@@ -190,7 +190,7 @@ fn compare(
     let plain = load::<PlainCuda>(path, capacity)?;
     let reference = run(
         &plain,
-        &p,
+        p,
         steps,
         capacity,
         kv,
@@ -205,7 +205,7 @@ fn compare(
     let plain32 = load_as::<PlainCuda>(path, capacity, DType::F32)?;
     let exact = run(
         &plain32,
-        &p,
+        p,
         steps,
         capacity,
         kv,
@@ -214,7 +214,7 @@ fn compare(
         no_stats::<PlainCuda>,
     )?;
     drop(plain32);
-    let what = format!("batch {batch}, {kv:?} cache");
+    let what = format!("batch {batch}, {kv:?} cache, prefill chunks of {chunk}");
     for st in [graphed.stats, free.stats] {
         let st = st.ok_or(format!("{what}: the reference decoder ran on Stoke"))?;
         if st.host_syncs_in_steps != 0 || st.crossings_in_steps != 0 {
@@ -257,7 +257,7 @@ fn compare(
             .collect::<Vec<_>>()
     };
     let report = json!({
-        "batch": batch, "kv_cache": format!("{kv:?}"), "steps": steps,
+        "batch": batch, "kv_cache": format!("{kv:?}"), "prefill_chunk": chunk, "steps": steps,
         "max_rel_err_vs_f32_reference": vs_exact,
         "max_rel_err_burn_cuda_bf16_vs_f32_reference": noise,
         "max_rel_err_vs_burn_cuda_bf16": vs_burn,
@@ -306,33 +306,38 @@ pub fn decode_step_matches_reference() -> Result<Value, String> {
     std::fs::write(&path, gguf_q4_1(&cfg, &weights(&cfg, true, 7))).map_err(|e| e.to_string())?;
     // Every case runs; the failures are reported together.
     let mut cases = Vec::new();
+    let whole = |p| (p, PREFILL_CHUNK);
     for batch in [1, 3, 8, 32] {
         cases.push(compare(
             &path,
             cfg.vocab,
-            batch,
-            220,
+            whole(prompts(batch, 220, cfg.vocab)),
             64,
             KvCacheFormat::Bf16,
             5e-2,
         ));
     }
     for kv in [KvCacheFormat::Fp8, KvCacheFormat::Int4] {
-        cases.push(compare(&path, cfg.vocab, 8, 220, 64, kv, 2e-1));
+        let p = whole(prompts(8, 220, cfg.vocab));
+        cases.push(compare(&path, cfg.vocab, p, 64, kv, 2e-1));
     }
-    let _ = std::fs::remove_file(&path);
     let smol = crate::llama::model_path()?;
     for batch in [1, 8] {
         cases.push(compare(
             &smol,
             49152,
-            batch,
-            30,
+            whole(prompts(batch, 30, 49152)),
             64,
             KvCacheFormat::Bf16,
             5e-2,
         ));
     }
+    let _ = std::fs::remove_file(&path);
+    all_passed(cases)
+}
+
+/// The cases' reports, or every failure's message.
+fn all_passed(cases: Vec<Result<Value, String>>) -> Result<Value, String> {
     let failed: Vec<&String> = cases.iter().filter_map(|c| c.as_ref().err()).collect();
     if !failed.is_empty() {
         let all = failed
@@ -348,6 +353,50 @@ pub fn decode_step_matches_reference() -> Result<Value, String> {
     }
     let cases: Vec<Value> = cases.into_iter().map(Result::unwrap).collect();
     Ok(json!({ "cases": cases }))
+}
+
+/// Packed prefill on `Stoke<Cuda>` (the q|k|v rows of all prompts in one batch, RoPE and the
+/// cache write in one launch, the prefill attention kernel over the cache) against the
+/// reference decoder's prefill on plain burn-cuda, then 16 teacher-forced decode steps that
+/// read what it cached: prompts of 300, 1, 65, 128, 7 and 200 tokens whole, and in chunks of
+/// 100 and 37 tokens (prompts split across chunks, later chunks attending to earlier ones),
+/// on the SmolLM2-shaped random model with BF16 and INT4 caches.
+pub fn packed_prefill_matches_reference() -> Result<Value, String> {
+    let cfg = SMOL_SHAPES;
+    let path = std::env::temp_dir().join(format!("stoke-packed-{}.gguf", std::process::id()));
+    std::fs::write(&path, gguf_q4_1(&cfg, &weights(&cfg, true, 9))).map_err(|e| e.to_string())?;
+    let lens = [300, 1, 65, 128, 7, 200];
+    let p: Vec<Vec<u32>> = lens
+        .iter()
+        .enumerate()
+        .map(|(b, &n)| {
+            (0..n)
+                .map(|i| ((i * 29 + b * 11 + 5) % (cfg.vocab - 1) + 1) as u32)
+                .collect()
+        })
+        .collect();
+    let mut cases = Vec::new();
+    for chunk in [PREFILL_CHUNK, 100, 37] {
+        let c = compare(
+            &path,
+            cfg.vocab,
+            (p.clone(), chunk),
+            16,
+            KvCacheFormat::Bf16,
+            5e-2,
+        );
+        cases.push(c);
+    }
+    cases.push(compare(
+        &path,
+        cfg.vocab,
+        (p, 100),
+        16,
+        KvCacheFormat::Int4,
+        2e-1,
+    ));
+    let _ = std::fs::remove_file(&path);
+    all_passed(cases)
 }
 
 /// Greedy text of the main job's default prompt on `Stoke<Cuda>`: the graphed decode equals

@@ -95,6 +95,82 @@ fn shape_err(what: &'static str, expected: impl ToString, got: impl ToString) ->
     }
 }
 
+/// One sequence's part of a packed prefill: `rows` consecutive rows of the packed batch that go
+/// to the decoder's sequence `slot` at positions `pos0 .. pos0 + rows` (`pos0 > 0`: the
+/// positions before it are already in the cache, from an earlier chunk).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackedSeq {
+    pub slot: usize,
+    pub pos0: usize,
+    pub rows: usize,
+}
+
+/// Packs prompts of `lens` tokens (sequence `i` in slot `i`, from position 0) into chunks of
+/// at most `chunk` rows, without padding: a chunk holds whole prompts and the pieces of the ones
+/// that do not fit, which continue in the next chunk. Empty prompts get no rows.
+pub fn pack_prompts(lens: &[usize], chunk: usize) -> Vec<Vec<PackedSeq>> {
+    let chunk = chunk.max(1);
+    let mut chunks = Vec::new();
+    let (mut current, mut used) = (Vec::new(), 0);
+    for (slot, &len) in lens.iter().enumerate() {
+        let mut pos0 = 0;
+        while pos0 < len {
+            let rows = (len - pos0).min(chunk - used);
+            current.push(PackedSeq { slot, pos0, rows });
+            (pos0, used) = (pos0 + rows, used + rows);
+            if used == chunk {
+                chunks.push(std::mem::take(&mut current));
+                used = 0;
+            }
+        }
+    }
+    if !current.is_empty() {
+        chunks.push(current);
+    }
+    chunks
+}
+
+/// Checks a packed prefill's layout against the decoder and the `rows` of its input: every
+/// sequence non-empty, in its own slot below the batch, inside the capacity, and the rows
+/// adding up.
+pub(crate) fn check_packed(
+    seqs: &[PackedSeq],
+    spec: &DecodeSpec,
+    rows: usize,
+) -> Result<(), DecodeError> {
+    let total: usize = seqs.iter().map(|s| s.rows).sum();
+    if total != rows {
+        return Err(shape_err(
+            "packed prefill rows",
+            format!("{total} (the sequences' rows)"),
+            rows,
+        ));
+    }
+    for (i, s) in seqs.iter().enumerate() {
+        if s.rows == 0 || s.slot >= spec.batch {
+            return Err(shape_err(
+                "packed prefill sequence",
+                format!("at least one row, slot below the batch {}", spec.batch),
+                format!("sequence {i}: {s:?}"),
+            ));
+        }
+        if s.pos0 + s.rows > spec.capacity {
+            return Err(DecodeError::ContextOverflow {
+                needed: s.pos0 + s.rows,
+                capacity: spec.capacity,
+            });
+        }
+        if seqs[..i].iter().any(|o| o.slot == s.slot) {
+            return Err(shape_err(
+                "packed prefill sequence",
+                "one part per slot",
+                format!("sequence {i}: slot {} twice", s.slot),
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl DecodeSpec {
     /// Checks the sizes against each other.
     pub fn validate(&self) -> Result<(), DecodeError> {
@@ -217,6 +293,24 @@ fn words(vocab: usize) -> usize {
     vocab.div_ceil(32)
 }
 
+/// Rotate-half RoPE of `x [rows, heads, d]` by per-row angles `[rows, 1, d / 2]`, in f32 and
+/// rounded once to `x`'s dtype (as the kernels do).
+fn rope_rows<B: Backend>(x: Tensor<B, 3>, cos: &Tensor<B, 3>, sin: &Tensor<B, 3>) -> Tensor<B, 3> {
+    let dtype = x.dtype();
+    let half = x.dims()[2] / 2;
+    let x = x.cast(DType::F32);
+    let x1 = x.clone().narrow(2, 0, half);
+    let x2 = x.narrow(2, half, half);
+    Tensor::cat(
+        vec![
+            x1.clone() * cos.clone() - x2.clone() * sin.clone(),
+            x2 * cos.clone() + x1 * sin.clone(),
+        ],
+        2,
+    )
+    .cast(dtype)
+}
+
 impl<B: Backend> RefDecoder<B> {
     pub fn new(spec: DecodeSpec, dtype: DType, device: &B::Device) -> Result<Self, DecodeError> {
         spec.validate()?;
@@ -305,18 +399,6 @@ impl<B: Backend> RefDecoder<B> {
         Ok(())
     }
 
-    fn fill(&mut self, layer: usize, k: Tensor<B, 4>, v: Tensor<B, 4>) {
-        let [b, kvh, s, d] = k.dims();
-        let s = s.min(self.spec.capacity);
-        let rows = [0..b, 0..kvh, 0..s, 0..d];
-        let (k, v) = (
-            self.through_format(k.slice(rows.clone())),
-            self.through_format(v.slice(rows.clone())),
-        );
-        assign_rows(&mut self.keys[layer], rows.clone(), k);
-        assign_rows(&mut self.values[layer], rows, v);
-    }
-
     fn embed(
         &self,
         table: Tensor<B, 2>,
@@ -332,33 +414,24 @@ impl<B: Backend> RefDecoder<B> {
         (x, tensor(normed))
     }
 
+    /// RoPE angles `(cos, sin)` of `positions`, each `[positions, 1, head_dim / 2]`.
+    fn angles(&self, positions: impl IntoIterator<Item = usize>) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let positions: Vec<i64> = positions.into_iter().map(|p| p as i64).collect();
+        let n = positions.len();
+        let positions =
+            Tensor::<B, 1, Int>::from_data(TensorData::new(positions, [n]), &self.device);
+        let half = self.spec.head_dim / 2;
+        let angle = |t: &Tensor<B, 2>| t.clone().select(0, positions.clone()).reshape([n, 1, half]);
+        (angle(&self.cos), angle(&self.sin))
+    }
+
     fn attention(&mut self, layer: usize, qkv: Tensor<B, 3>) -> Tensor<B, 3> {
         let (h, kvh, d) = (self.spec.heads, self.spec.kv_heads, self.spec.head_dim);
         let b = self.spec.batch;
-        let half = d / 2;
         let qkv = qkv.reshape([b, h + 2 * kvh, d]);
-        let positions: Vec<i64> = self.pos.iter().map(|&p| p as i64).collect();
-        let positions =
-            Tensor::<B, 1, Int>::from_data(TensorData::new(positions, [b]), &self.device);
-        let dtype = qkv.dtype();
-        let angle = |t: &Tensor<B, 2>| t.clone().select(0, positions.clone()).reshape([b, 1, half]);
-        let (cos, sin) = (angle(&self.cos), angle(&self.sin));
-        // RoPE in f32, rounded once (as the kernel does).
-        let rope = |x: Tensor<B, 3>| {
-            let x = x.cast(DType::F32);
-            let x1 = x.clone().narrow(2, 0, half);
-            let x2 = x.narrow(2, half, half);
-            Tensor::cat(
-                vec![
-                    x1.clone() * cos.clone() - x2.clone() * sin.clone(),
-                    x2 * cos.clone() + x1 * sin.clone(),
-                ],
-                2,
-            )
-            .cast(dtype)
-        };
-        let q = rope(qkv.clone().narrow(1, 0, h));
-        let k = rope(qkv.clone().narrow(1, h, kvh));
+        let (cos, sin) = self.angles(self.pos.clone());
+        let q = rope_rows(qkv.clone().narrow(1, 0, h), &cos, &sin);
+        let k = rope_rows(qkv.clone().narrow(1, h, kvh), &cos, &sin);
         let v = qkv.narrow(1, h + kvh, kvh);
         for i in 0..b {
             let p = self.pos[i];
@@ -397,6 +470,82 @@ impl<B: Backend> RefDecoder<B> {
         let q = q.reshape([b, kvh, g, d]);
         let out = module::attention(q, kk, vv, Some(mask), None, Default::default());
         out.reshape([b, 1, h * d])
+    }
+
+    /// Packed prefill attention (see [`prefill_attention`]): per sequence, RoPE at its
+    /// positions, its keys and values written to its slot (through the mirror format), and
+    /// causal attention over its earlier cached keys and its own exact ones.
+    fn prefill_attention(
+        &mut self,
+        layer: usize,
+        qkv: Tensor<B, 3>,
+        seqs: &[PackedSeq],
+    ) -> Result<Tensor<B, 3>, DecodeError> {
+        let (h, kvh, d) = (self.spec.heads, self.spec.kv_heads, self.spec.head_dim);
+        let g = h / kvh;
+        let lead = qkv.dims();
+        let rows = lead[0] * lead[1];
+        if lead[2] != (h + 2 * kvh) * d {
+            return Err(shape_err(
+                "packed prefill q|k|v",
+                format!("rows of {}", (h + 2 * kvh) * d),
+                format!("{lead:?}"),
+            ));
+        }
+        check_packed(seqs, &self.spec, rows)?;
+        let qkv = qkv.reshape([rows, h + 2 * kvh, d]);
+        let mut outs = Vec::with_capacity(seqs.len());
+        let mut first = 0;
+        for s in seqs {
+            let (r, p0) = (s.rows, s.pos0);
+            let x = qkv.clone().narrow(0, first, r);
+            first += r;
+            let (cos, sin) = self.angles(p0..p0 + r);
+            let q = rope_rows(x.clone().narrow(1, 0, h), &cos, &sin);
+            // [r, kvh, d] -> [1, kvh, r, d], the cache's layout.
+            let heads_first = |t: Tensor<B, 3>| t.reshape([1, r, kvh, d]).swap_dims(1, 2);
+            let k = heads_first(rope_rows(x.clone().narrow(1, h, kvh), &cos, &sin));
+            let v = heads_first(x.narrow(1, h + kvh, kvh));
+            let earlier = |t: &Option<Tensor<B, 4>>, new: Tensor<B, 4>| {
+                if p0 == 0 {
+                    return new;
+                }
+                let t = t.as_ref().expect("the cache is in place between writes");
+                let t = t.clone().slice([s.slot..s.slot + 1, 0..kvh, 0..p0, 0..d]);
+                Tensor::cat(vec![t, new], 2)
+            };
+            let (kk, vv) = (
+                earlier(&self.keys[layer], k.clone()),
+                earlier(&self.values[layer], v.clone()),
+            );
+            let rows_at = [s.slot..s.slot + 1, 0..kvh, p0..p0 + r, 0..d];
+            let (kq, vq) = (self.through_format(k), self.through_format(v));
+            assign_rows(&mut self.keys[layer], rows_at.clone(), kq);
+            assign_rows(&mut self.values[layer], rows_at, vq);
+            // The g query heads of a kv head as its query rows: [1, kvh, g r, d], row
+            // (j, i) at position p0 + i sees keys 0 ..= p0 + i.
+            let keys = p0 + r;
+            let q = q
+                .reshape([r, kvh, g, d])
+                .permute([1, 2, 0, 3])
+                .reshape([1, kvh, g * r, d]);
+            let hidden: Vec<bool> = (0..g)
+                .flat_map(|_| 0..r)
+                .flat_map(|i| (0..keys).map(move |j| j > p0 + i))
+                .collect();
+            let mask = Tensor::<B, 4, Bool>::from_data(
+                TensorData::new(hidden, [1, 1, g * r, keys]),
+                &self.device,
+            )
+            .expand([1, kvh, g * r, keys]);
+            let out = module::attention(q, kk, vv, Some(mask), None, Default::default());
+            outs.push(
+                out.reshape([kvh, g, r, d])
+                    .permute([2, 0, 1, 3])
+                    .reshape([r, h * d]),
+            );
+        }
+        Ok(Tensor::cat(outs, 0).reshape([lead[0], lead[1], h * d]))
     }
 
     fn sample(&mut self, logits: Tensor<B, 3>) {
@@ -454,13 +603,13 @@ macro_rules! reference_decoder_ops {
             $crate::decode::ref_ops::begin(dec, prompts)
         }
 
-        fn decoder_fill(
+        fn prefill_attention(
             dec: &mut Self::Decoder,
             layer: usize,
-            k: $crate::burn_backend::tensor::FloatTensor<Self>,
-            v: $crate::burn_backend::tensor::FloatTensor<Self>,
-        ) {
-            $crate::decode::ref_ops::fill(dec, layer, k, v)
+            qkv: $crate::burn_backend::tensor::FloatTensor<Self>,
+            seqs: &[$crate::decode::PackedSeq],
+        ) -> Result<$crate::burn_backend::tensor::FloatTensor<Self>, $crate::decode::DecodeError> {
+            $crate::decode::ref_ops::prefill_attention(dec, layer, qkv, seqs)
         }
 
         fn decode_embed(
@@ -526,13 +675,13 @@ pub mod ref_ops {
         dec.begin(prompts)
     }
 
-    pub fn fill<B: Backend>(
+    pub fn prefill_attention<B: Backend>(
         dec: &mut RefDecoder<B>,
         layer: usize,
-        k: FloatTensor<B>,
-        v: FloatTensor<B>,
-    ) {
-        dec.fill(layer, tensor(k), tensor(v))
+        qkv: FloatTensor<B>,
+        seqs: &[PackedSeq],
+    ) -> Result<FloatTensor<B>, DecodeError> {
+        dec.prefill_attention(layer, tensor(qkv), seqs).map(float)
     }
 
     pub fn embed<B: Backend>(
@@ -605,8 +754,9 @@ pub fn decoder<B: FusedOps>(
     B::decoder_new(spec, dtype, device)
 }
 
-/// Sets the decoder's sequences to `prompts` (their keys and values are written with
-/// [`decoder_fill`]): each sequence's next position and the tokens the repetition penalty sees.
+/// Sets the decoder's sequences to `prompts` (their keys and values are written by
+/// [`prefill_attention`]): each sequence's next position and the tokens the repetition penalty
+/// sees.
 pub fn decoder_begin<B: FusedOps>(
     dec: &mut B::Decoder,
     prompts: &[Vec<u32>],
@@ -614,15 +764,19 @@ pub fn decoder_begin<B: FusedOps>(
     B::decoder_begin(dec, prompts)
 }
 
-/// Writes layer `layer`'s prompt keys and values `[batch, kv_heads, seq, head_dim]` (RoPE
-/// applied) into the decoder's cache at positions `0 .. seq`.
-pub fn decoder_fill<B: FusedOps>(
+/// Attention of a packed prefill in layer `layer`: `qkv [1, rows, (heads + 2 kv_heads)
+/// head_dim]` holds the q|k|v projections of the sequences of `seqs`, one after another
+/// ([`pack_prompts`] makes the layout). Each sequence's rows are rotated (RoPE at positions
+/// `pos0 ..`), its keys and values written into its slot of the decoder's cache, and each row
+/// attends causally to its sequence's positions `0 ..= pos0 + i`. Returns `[1, rows, heads
+/// head_dim]`.
+pub fn prefill_attention<B: FusedOps>(
     dec: &mut B::Decoder,
     layer: usize,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-) {
-    B::decoder_fill(dec, layer, float(k), float(v))
+    qkv: Tensor<B, 3>,
+    seqs: &[PackedSeq],
+) -> Result<Tensor<B, 3>, DecodeError> {
+    B::prefill_attention(dec, layer, float(qkv), seqs).map(tensor)
 }
 
 /// The step's input: the embedding rows of the decoder's current token ids, and their RMSNorm
@@ -679,4 +833,50 @@ pub fn decode_last_logits<B: FusedOps>(dec: &mut B::Decoder) -> Option<Vec<f32>>
 /// count for the repetition penalty). Call it between steps, after taking the ids.
 pub fn decode_force_ids<B: FusedOps>(dec: &mut B::Decoder, ids: &[u32]) -> Result<(), DecodeError> {
     B::decode_force_ids(dec, ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq(slot: usize, pos0: usize, rows: usize) -> PackedSeq {
+        PackedSeq { slot, pos0, rows }
+    }
+
+    #[test]
+    fn prompts_pack_into_chunks_without_padding() {
+        assert_eq!(
+            pack_prompts(&[7, 3, 1], 4),
+            vec![
+                vec![seq(0, 0, 4)],
+                vec![seq(0, 4, 3), seq(1, 0, 1)],
+                vec![seq(1, 1, 2), seq(2, 0, 1)],
+            ]
+        );
+        assert_eq!(
+            pack_prompts(&[7, 3, 1], 8192),
+            vec![vec![seq(0, 0, 7), seq(1, 0, 3), seq(2, 0, 1)]]
+        );
+        assert_eq!(
+            pack_prompts(&[2, 0, 2], 2),
+            vec![vec![seq(0, 0, 2)], vec![seq(2, 0, 2)]]
+        );
+        assert!(pack_prompts(&[], 16).is_empty());
+        // Every token once, in order, for awkward sizes.
+        for chunk in 1..9 {
+            let lens = [5, 1, 9, 2];
+            let chunks = pack_prompts(&lens, chunk);
+            assert!(
+                chunks
+                    .iter()
+                    .all(|c| c.iter().map(|s| s.rows).sum::<usize>() <= chunk)
+            );
+            let mut next = [0; 4];
+            for s in chunks.iter().flatten() {
+                assert_eq!(s.pos0, next[s.slot]);
+                next[s.slot] += s.rows;
+            }
+            assert_eq!(next, lens);
+        }
+    }
 }

@@ -83,13 +83,14 @@ pub trait FusedOps: Backend {
         prompts: &[Vec<u32>],
     ) -> Result<(), crate::decode::DecodeError>;
 
-    /// Writes a layer's prompt keys and values `[batch, kv_heads, seq, head_dim]`.
-    fn decoder_fill(
+    /// RoPE, cache write and causal attention of a packed prefill
+    /// (`crate::decode::prefill_attention`).
+    fn prefill_attention(
         dec: &mut Self::Decoder,
         layer: usize,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-    );
+        qkv: FloatTensor<Self>,
+        seqs: &[crate::decode::PackedSeq],
+    ) -> Result<FloatTensor<Self>, crate::decode::DecodeError>;
 
     /// Embedding of the current ids and its RMSNorm: `(x, normed)`, `[batch, 1, hidden]`.
     fn decode_embed(

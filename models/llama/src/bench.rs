@@ -1,10 +1,12 @@
 //! A llama-bench-shaped benchmark of a loaded model: prefill tokens/s at prompt lengths
-//! (`pp128`, `pp512`, ...) and decode tokens/s at batch sizes (`tg128` at batch 1, 8, 32), each
-//! the median of repetitions with their spread, on whatever backend the model is loaded on.
+//! (`pp128`, `pp512`, ...) and of packed mixes of prompts (`pp2048+7x128`: one prompt of 2048
+//! tokens and seven of 128 in one packed prefill), and decode tokens/s at batch sizes (`tg128`
+//! at batch 1, 8, 32), each the median of repetitions with their spread, on whatever backend
+//! the model is loaded on.
 //!
 //! Prompts are random token ids from a seeded generator (the same ids for every backend, so
-//! two backends compare on the same work). A prefill point times `Llama::prefill` of one
-//! prompt up to its first sampled token on the host. A decode point prefills `batch` prompts
+//! two backends compare on the same work). A prefill point times `Llama::prefill` of its
+//! prompts up to their first sampled tokens on the host. A decode point prefills `batch` prompts
 //! of `decode_prompt` tokens, runs one warm-up step (on `Stoke<Cuda>` the step's capture), and
 //! times `decode_tokens` steps up to the last step's ids on the host.
 
@@ -19,6 +21,8 @@ use stoke::FusedOps;
 pub struct BenchConfig {
     /// Prompt lengths of the prefill points.
     pub prompt_lens: Vec<usize>,
+    /// Prompt lengths of the packed prefill points, one list per point.
+    pub prefill_mixes: Vec<Vec<usize>>,
     /// Batch sizes of the decode points.
     pub batches: Vec<usize>,
     /// Steps timed at each decode point.
@@ -36,6 +40,7 @@ impl Default for BenchConfig {
     fn default() -> Self {
         Self {
             prompt_lens: vec![128, 512, 2048],
+            prefill_mixes: default_mixes(),
             batches: vec![1, 8, 32],
             decode_tokens: 128,
             decode_prompt: 16,
@@ -45,6 +50,50 @@ impl Default for BenchConfig {
             seed: 1,
         }
     }
+}
+
+/// One long prompt with seven short ones, and the same tokens as eight equal prompts: packed
+/// prefill should run both at the same rate.
+pub fn default_mixes() -> Vec<Vec<usize>> {
+    let mut long_short = vec![2048];
+    long_short.extend([128; 7]);
+    vec![long_short, vec![368; 8]]
+}
+
+/// A mix's name: runs of equal lengths as `countxlen`, joined by `+` (`2048+7x128`).
+pub fn mix_name(lens: &[usize]) -> String {
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < lens.len() {
+        let n = lens[i..].iter().take_while(|&&l| l == lens[i]).count();
+        parts.push(if n == 1 {
+            lens[i].to_string()
+        } else {
+            format!("{n}x{}", lens[i])
+        });
+        i += n;
+    }
+    parts.join("+")
+}
+
+/// Parses a mix name back into its lengths (`2048+7x128`).
+pub fn parse_mix(s: &str) -> Result<Vec<usize>, String> {
+    let mut lens = Vec::new();
+    for part in s.split('+') {
+        let (n, len) = match part.split_once('x') {
+            Some((n, len)) => (n.trim().parse::<usize>(), len.trim().parse::<usize>()),
+            None => (Ok(1), part.trim().parse::<usize>()),
+        };
+        match (n, len) {
+            (Ok(n), Ok(len)) if n > 0 && len > 0 => lens.extend(std::iter::repeat_n(len, n)),
+            _ => {
+                return Err(format!(
+                    "prompt mix {s:?}: expected lengths like 2048+7x128, got {part:?}"
+                ));
+            }
+        }
+    }
+    Ok(lens)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -61,9 +110,11 @@ pub struct Point {
     pub test: String,
     pub kind: Kind,
     pub batch: usize,
-    /// Prompt tokens per sequence (prefill), or tokens before the timed steps (decode).
+    /// Prompt tokens per sequence (prefill; a mix's longest prompt), or tokens before the
+    /// timed steps (decode).
     pub prompt: usize,
-    /// Tokens per sequence the point produces: the prompt (prefill) or the decode steps.
+    /// Tokens the point produces: the prompt (prefill; a mix's prompts together) or the decode
+    /// steps per sequence.
     pub tokens: usize,
     pub tokens_per_s: Vec<f64>,
     pub median: f64,
@@ -121,7 +172,8 @@ pub fn run<B: FusedOps>(
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
     let mut prompt =
         |len: usize| -> Vec<u32> { (0..len).map(|_| rng.random_range(0..vocab)).collect() };
-    let total = (cfg.prompt_lens.len() + cfg.batches.len()) * (cfg.reps + 1);
+    let points = cfg.prompt_lens.len() + cfg.prefill_mixes.len() + cfg.batches.len();
+    let total = points * (cfg.reps + 1);
     let mut done = 0;
     let mut points = Vec::new();
     let sampling = stoke::Sampling::GREEDY;
@@ -143,6 +195,34 @@ pub fn run<B: FusedOps>(
             }
         }
         points.push(Point::new(name, Kind::Prefill, 1, len, len, samples));
+    }
+    for lens in &cfg.prefill_mixes {
+        let name = format!("pp{}", mix_name(lens));
+        let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| prompt(n)).collect();
+        let tokens: usize = lens.iter().sum();
+        let longest = lens.iter().max().copied().unwrap_or(0);
+        let spec = model.decode_spec(lens.len(), longest + 1, cfg.kv_cache, sampling, cfg.eager);
+        let mut dec = stoke::decoder::<B>(spec, dtype, device)?;
+        let mut samples = Vec::with_capacity(cfg.reps);
+        for rep in 0..=cfg.reps {
+            progress(&name, done, total);
+            done += 1;
+            let t = Instant::now();
+            model.prefill(&prompts, &mut dec)?;
+            stoke::decode_take_ids::<B>(&mut dec).expect("the prefill sampled");
+            let s = t.elapsed().as_secs_f64();
+            if rep > 0 {
+                samples.push(tokens as f64 / s);
+            }
+        }
+        points.push(Point::new(
+            name,
+            Kind::Prefill,
+            lens.len(),
+            longest,
+            tokens,
+            samples,
+        ));
     }
     for &batch in &cfg.batches {
         let name = format!("tg{} b{batch}", cfg.decode_tokens);
@@ -184,4 +264,25 @@ pub fn run<B: FusedOps>(
     }
     progress("", done, total);
     Ok(points)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mix_names_round_trip() {
+        let mixes = default_mixes();
+        assert_eq!(mix_name(&mixes[0]), "2048+7x128");
+        assert_eq!(mix_name(&mixes[1]), "8x368");
+        assert_eq!(
+            mixes[0].iter().sum::<usize>(),
+            mixes[1].iter().sum::<usize>()
+        );
+        for m in mixes.iter().chain([&vec![5, 5, 1, 5]]) {
+            assert_eq!(&parse_mix(&mix_name(m)).unwrap(), m);
+        }
+        assert!(parse_mix("2048+0x128").is_err());
+        assert!(parse_mix("12+ab").is_err());
+    }
 }

@@ -354,6 +354,10 @@ pub struct Block<B: Backend> {
     pub mlp: Mlp<B>,
 }
 
+/// Tokens one packed prefill forward runs at most ([`Llama::prefill`]); longer prompts, and
+/// batches of prompts with more tokens, run in chunks of this many.
+pub const PREFILL_CHUNK: usize = 8192;
+
 #[derive(Module, Debug)]
 pub struct Llama<B: Backend> {
     pub embed_tokens: Param<Tensor<B, 2>>,
@@ -527,56 +531,111 @@ impl<B: FusedOps> Llama<B> {
         }
     }
 
-    /// One decode step's forward over `dec`: the embedding of its current ids, every layer
-    /// (q|k|v projection, RoPE + cache append + attention, o projection with the residual,
-    /// SwiGLU MLP with the residual), the head, and the next ids sampled into `dec`. Run it
-    /// through [`stoke::decode_step`] (which replays it as a CUDA graph on `Stoke<Cuda>`).
-    pub fn decode_forward(&self, dec: &mut B::Decoder) {
+    /// Every layer over `x` and its normed copy `normed` (`[batch, rows, hidden]`), with
+    /// `attend(layer, qkv)` as the attention (RoPE, cache write, attention) between the q|k|v
+    /// and o projections: q|k|v projection, attention, o projection with the residual, SwiGLU
+    /// MLP with the residual. Returns the last layer's output normed with the final gain.
+    fn layers_forward<E>(
+        &self,
+        mut x: Tensor<B, 3>,
+        mut normed: Tensor<B, 3>,
+        mut attend: impl FnMut(usize, Tensor<B, 3>) -> Result<Tensor<B, 3>, E>,
+    ) -> Result<Tensor<B, 3>, E> {
         let eps = self.rms_norm_eps;
-        let (mut x, mut normed) = stoke::decode_embed::<B>(
-            dec,
-            self.embed_tokens.val(),
-            self.layers[0].attn_norm.val(),
-            eps,
-        );
         for (l, layer) in self.layers.iter().enumerate() {
             let qkv = layer.attn.qkv_proj.forward(normed);
-            let attn = stoke::decode_attention::<B>(dec, l, qkv);
+            let attn = attend(l, qkv)?;
             let h = stoke::linear_residual(attn, &layer.attn.o_proj, x);
             let n = stoke::rms_norm(h.clone(), layer.mlp_norm.val(), eps);
             let g = stoke::linear_swiglu(n, &layer.mlp.gate_up_proj);
             x = stoke::linear_residual(g, &layer.mlp.down_proj, h);
             normed = stoke::rms_norm(x.clone(), self.next_gamma(l), eps);
         }
+        Ok(normed)
+    }
+
+    /// One decode step's forward over `dec`: the embedding of its current ids, every layer
+    /// (q|k|v projection, RoPE + cache append + attention, o projection with the residual,
+    /// SwiGLU MLP with the residual), the head, and the next ids sampled into `dec`. Run it
+    /// through [`stoke::decode_step`] (which replays it as a CUDA graph on `Stoke<Cuda>`).
+    pub fn decode_forward(&self, dec: &mut B::Decoder) {
+        let (x, normed) = stoke::decode_embed::<B>(
+            dec,
+            self.embed_tokens.val(),
+            self.layers[0].attn_norm.val(),
+            self.rms_norm_eps,
+        );
+        let normed = self
+            .layers_forward(x, normed, |l, qkv| {
+                Ok::<_, std::convert::Infallible>(stoke::decode_attention::<B>(dec, l, qkv))
+            })
+            .unwrap_or_else(|never| match never {});
         let logits = self.lm_head.forward(normed);
         stoke::decode_sample::<B>(dec, logits);
     }
 
-    /// Prefill of `prompts` (token ids, one sequence each) into `dec`: the prompts run as one
-    /// padded batch on today's path, their keys and values are written into the decoder's cache
-    /// in bulk, and the first token of each is sampled into the decoder.
+    /// Prefill of `prompts` (token ids, one sequence each, in the decoder's sequences `0 ..`):
+    /// the prompts run packed, one after another without padding, in chunks of at most
+    /// [`PREFILL_CHUNK`] tokens (a longer prompt continues in the next chunk, attending to what
+    /// the earlier ones cached); each layer writes its keys and values straight into the
+    /// decoder's cache ([`stoke::prefill_attention`]); the head runs on each prompt's last token
+    /// only, and the first generated token of each is sampled into the decoder.
     pub fn prefill(
         &self,
         prompts: &[Vec<u32>],
         dec: &mut B::Decoder,
     ) -> Result<(), stoke::DecodeError> {
-        let b = prompts.len();
-        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        let device = self.embed_tokens.device();
-        let mut flat = Vec::with_capacity(b * longest);
-        for p in prompts {
-            flat.extend(p.iter().map(|&t| t as i64));
-            flat.extend(std::iter::repeat_n(0i64, longest - p.len()));
+        self.prefill_chunked(prompts, dec, PREFILL_CHUNK)
+    }
+
+    /// [`Llama::prefill`] in chunks of at most `chunk` tokens.
+    pub fn prefill_chunked(
+        &self,
+        prompts: &[Vec<u32>],
+        dec: &mut B::Decoder,
+        chunk: usize,
+    ) -> Result<(), stoke::DecodeError> {
+        if let Some(i) = prompts.iter().position(Vec::is_empty) {
+            return Err(stoke::DecodeError::Shape {
+                what: "prompt",
+                expected: "at least one token".into(),
+                got: format!("prompt {i} is empty"),
+            });
         }
-        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(flat, [b, longest]), &device);
-        let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
-        let dtype = self.embed_tokens.val().dtype();
-        let mut cache = KvCache::<B>::for_model(self, b, longest, dtype, &device);
-        let logits = self.forward(tokens, &lens, &mut cache, true);
         stoke::decoder_begin::<B>(dec, prompts)?;
-        for (l, (k, v)) in cache.keys.into_iter().zip(cache.values).enumerate() {
-            stoke::decoder_fill::<B>(dec, l, k, v);
+        let device = self.embed_tokens.device();
+        let embed = self.embed_tokens.val();
+        let hidden = embed.dims()[1];
+        let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+        // Each prompt's last row after the final norm, as its chunk produces it.
+        let mut last: Vec<Option<Tensor<B, 3>>> = vec![None; prompts.len()];
+        for seqs in stoke::pack_prompts(&lens, chunk) {
+            let ids: Vec<i64> = seqs
+                .iter()
+                .flat_map(|s| &prompts[s.slot][s.pos0..s.pos0 + s.rows])
+                .map(|&t| t as i64)
+                .collect();
+            let rows = ids.len();
+            let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [rows]), &device);
+            let x = embed.clone().select(0, ids).reshape([1, rows, hidden]);
+            let normed =
+                stoke::rms_norm(x.clone(), self.layers[0].attn_norm.val(), self.rms_norm_eps);
+            let normed = self.layers_forward(x, normed, |l, qkv| {
+                stoke::prefill_attention::<B>(dec, l, qkv, &seqs)
+            })?;
+            let mut end = 0;
+            for s in &seqs {
+                end += s.rows;
+                if s.pos0 + s.rows == lens[s.slot] {
+                    last[s.slot] = Some(normed.clone().narrow(1, end - 1, 1));
+                }
+            }
         }
+        let last: Vec<Tensor<B, 3>> = last
+            .into_iter()
+            .map(|r| r.expect("every prompt ends in a chunk"))
+            .collect();
+        let logits = self.lm_head.forward(Tensor::cat(last, 0));
         stoke::decode_sample::<B>(dec, logits);
         Ok(())
     }

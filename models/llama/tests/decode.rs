@@ -6,7 +6,7 @@
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use stoke::{FusedOps, KvCacheFormat, Sampling};
 use stoke_llama::load::load_gguf;
-use stoke_llama::model::{KvCache, Llama};
+use stoke_llama::model::{KvCache, Llama, PREFILL_CHUNK};
 use stoke_llama::synthetic::{PACKABLE, gguf, weights};
 
 fn model<B: FusedOps>(capacity: usize) -> Llama<B> {
@@ -33,7 +33,7 @@ fn decoded<B: FusedOps>(
     steps: usize,
     kv: KvCacheFormat,
 ) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
-    decoded_forced(m, steps, kv, None)
+    decoded_forced(m, steps, kv, None, PREFILL_CHUNK)
 }
 
 /// As [`decoded`], with step `s` reading `forced[s]` instead of the greedy ids.
@@ -42,12 +42,13 @@ fn decoded_forced<B: FusedOps>(
     steps: usize,
     kv: KvCacheFormat,
     forced: Option<&[Vec<u32>]>,
+    chunk: usize,
 ) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
     let p = prompts();
     let mut spec = m.decode_spec(p.len(), 32, kv, Sampling::GREEDY, false);
     spec.keep_logits = true;
     let mut dec = stoke::decoder::<B>(spec, DType::F32, &Default::default()).unwrap();
-    m.prefill(&p, &mut dec).unwrap();
+    m.prefill_chunked(&p, &mut dec, chunk).unwrap();
     let mut ids = vec![stoke::decode_take_ids::<B>(&mut dec).unwrap()];
     let mut logits = vec![stoke::decode_last_logits::<B>(&mut dec).unwrap()];
     for s in 0..steps {
@@ -130,13 +131,36 @@ fn decode_step_equals_the_forward_with_a_burn_cache() {
 }
 
 #[test]
+fn chunked_prefill_equals_the_forward() {
+    type B = burn_ndarray::NdArray<f32>;
+    let m = model::<B>(64);
+    // Prompts of 7, 3 and 1 tokens in chunks that split them (1 row: every token its own
+    // chunk; 4: a chunk holding the end of one prompt and the start of the next).
+    for chunk in [1, 2, 4, 5, 11] {
+        let (ids, logits) = decoded_forced(&m, 4, KvCacheFormat::Bf16, None, chunk);
+        let want = forwarded(&m, &ids);
+        let d = max_diff(&logits, &want);
+        assert!(
+            d < 1e-4,
+            "chunks of {chunk}: logits differ from the forward's by {d}"
+        );
+    }
+}
+
+#[test]
 fn forced_decode_steps_equal_the_forward_on_the_forced_tokens() {
     type B = burn_ndarray::NdArray<f32>;
     let m = model::<B>(64);
     let forced: Vec<Vec<u32>> = (0..6u32)
         .map(|s| (0..3u32).map(|b| (s * 13 + b * 7 + 5) % 250 + 1).collect())
         .collect();
-    let (_, logits) = decoded_forced(&m, forced.len(), KvCacheFormat::Bf16, Some(&forced));
+    let (_, logits) = decoded_forced(
+        &m,
+        forced.len(),
+        KvCacheFormat::Bf16,
+        Some(&forced),
+        PREFILL_CHUNK,
+    );
     // `forwarded` feeds ids[s] to step s and ignores the last entry.
     let mut inputs = forced.clone();
     inputs.push(vec![0; 3]);
@@ -216,6 +240,29 @@ fn decoder_errors_are_typed() {
     let e = stoke::decode_force_ids::<B>(&mut dec, &[1, PACKABLE.vocab as u32]).unwrap_err();
     assert!(matches!(e, stoke::DecodeError::Shape { .. }), "{e}");
     stoke::decode_force_ids::<B>(&mut dec, &[1, 2]).unwrap();
+    // An empty prompt, and packed layouts that do not fit the decoder or the rows.
+    let e = m.prefill(&[vec![3], vec![]], &mut dec).unwrap_err();
+    assert!(matches!(e, stoke::DecodeError::Shape { .. }), "{e}");
+    let width = (spec.heads + 2 * spec.kv_heads) * spec.head_dim;
+    let qkv = |rows: usize| Tensor::<B, 3>::zeros([1, rows, width], &Default::default());
+    let seq = |slot, pos0, rows| stoke::PackedSeq { slot, pos0, rows };
+    for (seqs, rows) in [
+        (vec![seq(0, 0, 3)], 4),
+        (vec![seq(2, 0, 1)], 1),
+        (vec![seq(0, 0, 1), seq(0, 1, 1)], 2),
+        (vec![seq(1, 0, 0)], 0),
+    ] {
+        let e = stoke::prefill_attention::<B>(&mut dec, 0, qkv(rows), &seqs).unwrap_err();
+        assert!(
+            matches!(e, stoke::DecodeError::Shape { .. }),
+            "{seqs:?}: {e}"
+        );
+    }
+    let e = stoke::prefill_attention::<B>(&mut dec, 0, qkv(2), &[seq(1, 15, 2)]).unwrap_err();
+    assert!(
+        matches!(e, stoke::DecodeError::ContextOverflow { .. }),
+        "{e}"
+    );
     // A RoPE table shorter than the capacity.
     let mut bad = spec;
     bad.capacity = 1 << 20;

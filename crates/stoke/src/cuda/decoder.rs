@@ -24,12 +24,13 @@
 
 use super::bridge::{DeviceTensor, KernelInput, runtime_for};
 use crate::backend::Stoke;
-use crate::decode::{DecodeError, DecodeSpec, KvCacheFormat, RefDecoder};
-use crate::tensor::{StokeTensor, lift_float, lower_float};
+use crate::decode::{DecodeError, DecodeSpec, KvCacheFormat, PackedSeq, RefDecoder};
+use crate::tensor::StokeTensor;
 use burn_backend::{Backend, DType, Shape, TensorMetadata};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use stoke_cuda::kernels::decode_attention::KvFormat;
+use stoke_cuda::kernels::prefill_attention::PrefillSeq;
 use stoke_cuda::kv::DeviceKvCache;
 use stoke_cuda::{CudaEvent, CudaGraph};
 use stoke_cuda::{DeviceBuffer, DevicePtr, DevicePtrMut, GraphArena, PinnedHost, Runtime};
@@ -96,6 +97,8 @@ pub struct GpuDecoder {
     /// The latest sampling's logits as they came (`keep_logits`), and how many rows they hold.
     logits: Option<(DeviceBuffer, usize)>,
     logits_bf16: bool,
+    /// The latest packed prefill's layout on the device.
+    packed: Option<PackedLayout>,
     pub stats: DecodeStats,
 }
 
@@ -237,6 +240,7 @@ impl GpuDecoder {
                 None
             },
             logits_bf16: false,
+            packed: None,
             stats: DecodeStats::default(),
             caches,
             rows,
@@ -328,77 +332,108 @@ pub(crate) fn decoder_begin<I: Backend>(
     }
 }
 
-/// Prompt keys and values `[batch, kv_heads, seq, d]` (burn-cuda tensors from the prefill)
-/// appended in one launch per tensor pair: row `(b, s)` to slot `b`, position `s`.
-pub(crate) fn decoder_fill<I: Backend>(
+/// The device tables of a packed prefill's layout: per row its slot, position and a scratch
+/// length (the append kernel's), and the kernel's sequence descriptors. Every layer of a prefill
+/// chunk uses the same layout, so it is uploaded once per chunk.
+struct PackedLayout {
+    seqs: Vec<PackedSeq>,
+    kernel_seqs: Vec<PrefillSeq>,
+    seqs_dev: DeviceBuffer,
+    slot_of: DeviceBuffer,
+    pos: DeviceBuffer,
+    len: DeviceBuffer,
+}
+
+impl PackedLayout {
+    fn new(rt: &Arc<Runtime>, seqs: &[PackedSeq]) -> stoke_cuda::Result<Self> {
+        let (mut slot_of, mut pos, mut kernel_seqs) = (Vec::new(), Vec::new(), Vec::new());
+        for s in seqs {
+            kernel_seqs.push(PrefillSeq {
+                first: slot_of.len() as u32,
+                rows: s.rows as u32,
+                slot: s.slot as u32,
+                pos0: s.pos0 as u32,
+            });
+            slot_of.extend(std::iter::repeat_n(s.slot as u32, s.rows));
+            pos.extend((s.pos0..s.pos0 + s.rows).map(|p| p as u32));
+        }
+        Ok(Self {
+            seqs_dev: upload(rt, &PrefillSeq::bytes(&kernel_seqs))?,
+            len: upload(rt, &u32_bytes(&pos))?,
+            slot_of: upload(rt, &u32_bytes(&slot_of))?,
+            pos: upload(rt, &u32_bytes(&pos))?,
+            seqs: seqs.to_vec(),
+            kernel_seqs,
+        })
+    }
+}
+
+/// Packed prefill attention on the kernels: RoPE and the append of every row's k and v to its
+/// slot (main cache and mirror) in one launch, then causal attention over the BF16 cache.
+pub(crate) fn prefill_attention<I: Backend>(
     dec: &mut StokeDecoder<I>,
     layer: usize,
-    k: StokeTensor<I>,
-    v: StokeTensor<I>,
-) {
+    qkv: StokeTensor<I>,
+    seqs: &[PackedSeq],
+) -> Result<StokeTensor<I>, DecodeError> {
     let g = match dec {
         StokeDecoder::Gpu(g) => g,
-        StokeDecoder::Reference(r) => return crate::decode::ref_ops::fill(r, layer, k, v),
+        StokeDecoder::Reference(r) => {
+            return crate::decode::ref_ops::prefill_attention(r, layer, qkv, seqs);
+        }
     };
-    let dims = k.shape();
-    let [b, kvh, s, d] = [dims[0], dims[1], dims[2], dims[3]];
-    if b > g.rows || kvh != g.spec.kv_heads || d != g.spec.head_dim || k.dtype() != DType::BF16 {
-        fatal(
-            "prompt keys",
-            format!(
-                "{:?} {:?} for a decoder of {} rows",
-                dims,
-                k.dtype(),
-                g.rows
-            ),
-        );
+    let (h, kvh, d) = (g.spec.heads, g.spec.kv_heads, g.spec.head_dim);
+    let width = (h + 2 * kvh) * d;
+    let dims = qkv.shape();
+    let lead = &dims.as_slice()[..dims.num_dims() - 1];
+    if dims.as_slice().last() != Some(&width) || qkv.dtype() != DType::BF16 {
+        return Err(DecodeError::Shape {
+            what: "packed prefill q|k|v",
+            expected: format!("bf16 rows of {width}"),
+            got: format!("{:?} {:?}", dims, qkv.dtype()),
+        });
     }
-    let s = s.min(g.spec.capacity);
-    // [b, kvh, s, d] -> [b, s, kvh, d]: one row per (sequence, position).
-    let rows_of = |t: StokeTensor<I>| {
-        let t = I::float_slice(
-            lower_float(t),
-            &[
-                burn_backend::Slice::from(0..b),
-                burn_backend::Slice::from(0..kvh),
-                burn_backend::Slice::from(0..s),
-                burn_backend::Slice::from(0..d),
-            ],
-        );
-        lift_float::<I>(I::float_swap_dims(t, 1, 2))
-    };
-    let (k, v) = (rows_of(k), rows_of(v));
-    let device = super::float_device(&k);
+    let rows = dims.num_elements() / width;
+    crate::decode::check_packed(seqs, &g.spec, rows)?;
     let rt = g.rt.clone();
-    let slots: Vec<u32> = (0..b * s).map(|r| (r / s) as u32).collect();
-    let pos: Vec<u32> = (0..b * s).map(|r| (r % s) as u32).collect();
-    let (slots, pos) = match (
-        upload(&rt, &u32_bytes(&slots)),
-        upload(&rt, &u32_bytes(&pos)),
-    ) {
-        (Ok(a), Ok(b)) => (a, b),
-        (Err(e), _) | (_, Err(e)) => fatal("uploading prompt positions", e),
-    };
-    let (ki, vi) = (
-        KernelInput::resolve(&rt, &k, &device),
-        KernelInput::resolve(&rt, &v, &device),
-    );
-    // SAFETY: k and v hold b * s rows of kvh * d bf16 (pinned until the kernel is done), every
-    // slot < rows and position < capacity.
-    let r = unsafe {
-        g.caches[layer].append(
-            &rt,
-            DevicePtr::new(ki.ptr),
-            DevicePtr::new(vi.ptr),
-            slots.as_ptr(),
-            pos.as_ptr(),
-            (b * s) as u32,
-        )
-    };
-    if let Err(e) = r {
-        fatal("appending prompt keys", e);
+    if g.packed.as_ref().is_none_or(|l| l.seqs != seqs) {
+        g.packed = Some(PackedLayout::new(&rt, seqs)?);
     }
-    drop((ki, vi));
+    let l = g.packed.as_ref().expect("set above");
+    let device = super::float_device(&qkv);
+    let x = KernelInput::resolve(&rt, &qkv, &device);
+    let q = rt.alloc(rows * h * d * 2)?;
+    let mut out_dims = lead.to_vec();
+    out_dims.push(h * d);
+    let out = DeviceTensor::<I>::alloc(&rt, Shape::from(out_dims), DType::BF16, device);
+    let cache = &g.caches[layer];
+    // SAFETY: x holds `rows` rows of q|k|v bf16, q and out `rows x h x d` bf16; the layout's
+    // tables hold `rows` entries and its descriptors, checked against the decoder's slots and
+    // capacity (the RoPE table covers the capacity).
+    unsafe {
+        cache.rope_append(
+            &rt,
+            DevicePtr::new(x.ptr),
+            h as u32,
+            (g.rope.as_ptr(), g.spec.rope_positions() as u32),
+            l.slot_of.as_ptr(),
+            l.pos.as_ptr(),
+            l.len.as_mut_ptr(),
+            rows as u32,
+            q.as_mut_ptr(),
+        )?;
+        cache.prefill_attend(
+            &rt,
+            q.as_ptr(),
+            h as u32,
+            &l.kernel_seqs,
+            l.seqs_dev.as_ptr(),
+            rows as u32,
+            DevicePtrMut::new(out.ptr()),
+        )?;
+    }
+    drop((x, q));
+    Ok(StokeTensor::owned(out))
 }
 
 pub(crate) fn decode_embed<I: Backend>(
@@ -781,13 +816,13 @@ macro_rules! stoke_decoder_ops {
             crate::cuda::decoder::decoder_begin(dec, prompts)
         }
 
-        fn decoder_fill(
+        fn prefill_attention(
             dec: &mut Self::Decoder,
             layer: usize,
-            k: FloatTensor<Self>,
-            v: FloatTensor<Self>,
-        ) {
-            crate::cuda::decoder::decoder_fill(dec, layer, k, v)
+            qkv: FloatTensor<Self>,
+            seqs: &[crate::decode::PackedSeq],
+        ) -> Result<FloatTensor<Self>, crate::decode::DecodeError> {
+            crate::cuda::decoder::prefill_attention(dec, layer, qkv, seqs)
         }
 
         fn decode_embed(
