@@ -463,13 +463,7 @@ fn time_steps(
     // An eager step outside the graph: the same launches the graph holds.
     eager_step(model, &mut dec)?;
     let launches = rt.take_profile().map_err(|e| e.to_string())?;
-    let kernel_us: f64 = launches.iter().map(|(_, ms)| f64::from(*ms) * 1e3).sum();
-    let mut by_kernel: std::collections::BTreeMap<&str, (usize, f64)> = Default::default();
-    for (name, ms) in &launches {
-        let e = by_kernel.entry(name).or_default();
-        e.0 += 1;
-        e.1 += f64::from(*ms) * 1e3;
-    }
+    let (kernel_us, kernels) = kernel_table(&launches);
     let t0 = std::time::Instant::now();
     for i in 0..steps {
         step(&mut dec)?;
@@ -485,9 +479,124 @@ fn time_steps(
         "us_per_step": us, "tokens_per_s": batch as f64 * 1e6 / us,
         "kernel_sum_us": kernel_us, "step_over_kernel_sum": us / kernel_us,
         "launches_per_step": launches.len(),
-        "kernels": by_kernel.iter().map(|(k, (n, us))| json!({"entry": k, "launches": n, "us": us})).collect::<Vec<_>>(),
+        "kernels": kernels,
         "stats_after_warmup": format!("{warm:?}"), "stats": format!("{st:?}"),
         "graph_arena_bytes": dec.graph_bytes(),
+    }))
+}
+
+/// Launches timed one by one (`Runtime::take_profile`): their sum in µs, and per entry point
+/// its launches and µs.
+fn kernel_table(launches: &[(&str, f32)]) -> (f64, Vec<Value>) {
+    let mut by_kernel: std::collections::BTreeMap<&str, (usize, f64)> = Default::default();
+    for (name, ms) in launches {
+        let e = by_kernel.entry(name).or_default();
+        e.0 += 1;
+        e.1 += f64::from(*ms) * 1e3;
+    }
+    let sum = by_kernel.values().map(|(_, us)| us).sum();
+    let table = by_kernel
+        .iter()
+        .map(|(k, (n, us))| json!({"entry": k, "launches": n, "us": us}))
+        .collect();
+    (sum, table)
+}
+
+/// The packed prefill benchmark on a Llama-3.1-8B-shaped model with random INT4 weights (32
+/// layers, bf16 head): one prompt of 512, 2048 and 8192 tokens, and the packed mixes
+/// 2048+7x128 and 8x368 (the same 2944 tokens as eight equal prompts), with the projections
+/// on the inner backend's matmul over the dequantized weights (`bf16`) and on the FP8 GEMM
+/// (`fp8`). Each point: the median of 3 timed prefills after a warm-up, from the call to the
+/// first tokens on the host (time to first token), tokens/s, the effective TFLOP/s (projections,
+/// causal attention pairs, the head on the last rows), and one more prefill with Stoke's
+/// launches timed one by one (the rest of the time is burn-cuda's: embedding, matmuls,
+/// dequantization).
+pub fn prefill_bench(_copy_gbps: f64) -> Value {
+    let report = |r: Result<Value, String>| r.unwrap_or_else(|e| json!({ "error": e }));
+    let device = Default::default();
+    let cfg = llama_config(32, 4096, 14336, 32, 128256);
+    let model =
+        stoke_llama::synthetic::random_int4_model::<StokeCuda>(&cfg, 128, false, 8200, 3, &device)
+            .pinned();
+    let mut mixes: Vec<Vec<usize>> = vec![vec![512], vec![2048], vec![8192]];
+    mixes.extend(stoke_llama::bench::default_mixes());
+    let mut out = json!({ "model": "llama-3.1-8b-shaped, random INT4 (group 128), bf16 head" });
+    for fp8 in [false, true] {
+        stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
+        let points: Vec<Value> = mixes
+            .iter()
+            .map(|lens| report(time_prefill(&model, &cfg, lens)))
+            .collect();
+        out[if fp8 { "fp8" } else { "bf16" }] = json!(points);
+    }
+    stoke::cuda::fp8_linear::set_fp8_prefill(false);
+    out
+}
+
+/// Times the packed prefill of prompts of `lens` tokens (see [`prefill_bench`]).
+fn time_prefill(
+    model: &Llama<StokeCuda>,
+    cfg: &stoke_llama::config::LlamaConfig,
+    lens: &[usize],
+) -> Result<Value, String> {
+    let rt = crate::gpu()?;
+    let vocab = cfg.vocab_size;
+    let prompts: Vec<Vec<u32>> = lens
+        .iter()
+        .enumerate()
+        .map(|(b, &n)| {
+            (0..n)
+                .map(|i| ((i * 7919 + b * 104729) % (vocab - 1) + 1) as u32)
+                .collect()
+        })
+        .collect();
+    let longest = lens.iter().copied().max().unwrap_or(0);
+    let spec = model.decode_spec(
+        lens.len(),
+        longest + 1,
+        KvCacheFormat::Bf16,
+        Sampling::GREEDY,
+        false,
+    );
+    let mut dec = stoke::decoder::<StokeCuda>(spec, DType::BF16, &Default::default())
+        .map_err(|e| e.to_string())?;
+    let mut prefill = || -> Result<f64, String> {
+        let t = std::time::Instant::now();
+        model
+            .prefill(&prompts, &mut dec)
+            .map_err(|e| e.to_string())?;
+        stoke::decode_take_ids::<StokeCuda>(&mut dec).ok_or("the prefill sampled nothing")?;
+        Ok(t.elapsed().as_secs_f64() * 1e3)
+    };
+    prefill()?;
+    let mut ms: Vec<f64> = (0..3).map(|_| prefill()).collect::<Result<_, _>>()?;
+    ms.sort_by(f64::total_cmp);
+    rt.start_profile();
+    prefill()?;
+    let launches = rt.take_profile().map_err(|e| e.to_string())?;
+    let (kernel_us, kernels) = kernel_table(&launches);
+    let (median, tokens) = (ms[1], lens.iter().sum::<usize>());
+    // Multiply-adds: the projections per token, attention's QK and PV over causal pairs, the
+    // head on each prompt's last row.
+    let (h, kvh, d) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    );
+    let (hid, inter) = (cfg.hidden_size, cfg.intermediate_size);
+    let per_token =
+        cfg.num_hidden_layers * (hid * (h + 2 * kvh) * d + h * d * hid + 3 * hid * inter);
+    let pairs: usize = lens.iter().map(|&n| n * (n + 1) / 2).sum();
+    let flops = 2.0
+        * (tokens as f64 * per_token as f64
+            + (cfg.num_hidden_layers * 2 * h * d) as f64 * pairs as f64
+            + (lens.len() * hid * vocab) as f64);
+    Ok(json!({
+        "prompts": stoke_llama::bench::mix_name(lens), "tokens": tokens,
+        "ms": median, "ms_runs": ms, "tokens_per_s": tokens as f64 / median * 1e3,
+        "effective_tflops": flops / (median * 1e-3) / 1e12,
+        "stoke_kernel_sum_ms": kernel_us / 1e3, "stoke_launches": launches.len(),
+        "kernels": kernels,
     }))
 }
 

@@ -34,6 +34,9 @@ enum Command {
     Attention,
     /// Prefill attention: its GPU test, then its benchmark (single prompts and a packed mix).
     PrefillAttention,
+    /// The packed prefill: its GPU tests (prefill attention, the model's packed prefill), then
+    /// the 8B-shaped prefill benchmark (single prompts, packed mixes; bf16 and FP8 projections).
+    Prefill,
     /// The whole decode step: its GPU tests, then the step benchmark (SmolLM2, 8B- and
     /// 70B-shaped models) with each point's kernel sum.
     Decode,
@@ -222,6 +225,15 @@ fn main() -> ExitCode {
             &["prefill_attention_matches_reference"],
             "prefill-attention",
             stoke_tests::attention::prefill_bench,
+        ),
+        Command::Prefill => run_kernel(
+            &cli,
+            &[
+                "prefill_attention_matches_reference",
+                "packed_prefill_matches_reference",
+            ],
+            "prefill",
+            stoke_tests::decode::prefill_bench,
         ),
         Command::Decode => run_kernel(
             &cli,
