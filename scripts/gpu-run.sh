@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, with .bundle/ from scripts/gpu-bundle.sh:
 # every GPU test, then the benchmarks, then the PyTorch peers, writing JSON into OUTDIR.
-# Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama|int4|attention|pairs|sanitize [TOOL...]|int4-profile [SHAPE...]|attention-profile [SHAPE...]]
+# Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama|int4|attention|prefill|pairs|sanitize [TOOL...]|int4-profile [SHAPE...]|attention-profile [SHAPE...]]
 #   int4:  the W4A16 GEMM test and benchmark, then its PyTorch peers
 #   attention: the decode-attention test and benchmark, then the PyTorch SDPA peer
 #   pairs: a decode step's RMSNorm then the W4A16 GEMM it feeds (ordering test, then the pairs
@@ -18,6 +18,9 @@
 #          PyTorch peers (cuBLAS FP8 rowwise _scaled_mm, bf16 matmul; STOKE_NO_PEERS=1 skips them)
 #   prefill-attention: the prefill-attention test and benchmark (single prompts, the packed mix),
 #          then the PyTorch SDPA peers (flash, cuDNN, efficient; varlen_attn where present)
+#   prefill: the packed-prefill tests (prefill attention, the model's packed prefill against the
+#          reference decoder), the 8B-shaped prefill benchmark, then the transformers peer
+#          (padded batches; STOKE_NO_PEERS=1 skips it)
 #   decode: the decode-step tests, then the step benchmark (SmolLM2, 8B/70B-shaped models), then
 #          the PyTorch decode-step and transformers peers (STOKE_NO_PEERS=1 skips them)
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
@@ -117,6 +120,9 @@ if [ "$what" = decode ] && [ -z "${STOKE_NO_PEERS:-}" ]; then
 fi
 if [ "$what" = test ] && [[ " $* " == *" fp8_gemm_matches_reference "* ]] && [ -z "${STOKE_NO_PEERS:-}" ]; then
   python3 scripts/peers/fp8_torch.py "$out/torch-fp8.json" 2>&1 | tee "$out/torch-fp8.log" || status=1
+fi
+if [ "$what" = prefill ] && [ -z "${STOKE_NO_PEERS:-}" ]; then
+  python3 scripts/peers/prefill_torch.py "$out/torch-prefill.json" 2>&1 | tee "$out/torch-prefill.log" || status=1
 fi
 if [ "$what" = prefill-attention ] && [ -z "${STOKE_NO_PEERS:-}" ]; then
   python3 scripts/peers/prefill_attention_torch.py "$out/torch-prefill-attention.json" 2>&1 | tee "$out/torch-prefill-attention.log" || status=1

@@ -12,8 +12,10 @@ usage: prefill_attention_torch.py OUT.json
 Timing as in int4_torch.py (a CUDA graph of a batch of calls, median of 5). TFLOP/s count 4 x
 heads x d per causal (query, key) pair, as the Stoke benchmark does.
 """
+import inspect
 import json
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -40,10 +42,13 @@ def sdpa_point(name, heads, kvh, d, batch, s, backend):
     bname, b = backend
     with sdpa_kernel([b]):
         try:
-            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            with warnings.catch_warnings():
+                # A backend without enable_gqa support warns and refuses: K/V repeated instead.
+                warnings.simplefilter("error", UserWarning)
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             fn = lambda i: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             how = "enable_gqa"
-        except RuntimeError:
+        except (RuntimeError, UserWarning):
             kr, vr = k.repeat_interleave(heads // kvh, 1), v.repeat_interleave(heads // kvh, 1)
             try:
                 F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
@@ -67,10 +72,16 @@ def varlen_point(heads, kvh, d, lens):
     k = torch.randn(t, kvh, d, dtype=torch.bfloat16, device=dev)
     v = torch.randn(t, kvh, d, dtype=torch.bfloat16, device=dev)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
+    # Causal masking is `is_causal=True` in torch 2.10 and `window_size=(-1, 0)` (no keys to
+    # the right) from 2.11; GQA without repeated K/V is `enable_gqa` from 2.12.
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     try:
-        if kvh != heads:
+        if kvh != heads and "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        elif kvh != heads:
             k, v = k.repeat_interleave(heads // kvh, 1), v.repeat_interleave(heads // kvh, 1)
-        fn = lambda i: varlen_attn(q, k, v, cu, cu, max(lens), max(lens), is_causal=True)
+        fn = lambda i: varlen_attn(q, k, v, cu, cu, max(lens), max(lens), **kw)
         fn(0)
         gus, eager = timed_graph(fn, 1)
     except Exception as e:  # noqa: BLE001 - record why this peer did not run
