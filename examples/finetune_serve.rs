@@ -381,6 +381,7 @@ where
             sz.eval_windows,
             dtype,
             None,
+            None,
             &device,
         )?;
         T::sync(&device)?;
@@ -616,6 +617,7 @@ where
         sz.eval_window,
         sz.eval_windows,
         sz.dtype,
+        None,
         None,
         &device,
     )?;

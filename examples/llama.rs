@@ -195,6 +195,30 @@ struct Args {
     /// weights and per-row E4M3 activations on Stoke's FP8 GEMM; +3.4% perplexity on SmolLM2).
     #[arg(long, value_enum, default_value_t = PrefillArg::Bf16)]
     prefill: PrefillArg,
+    /// With `--perplexity`: simulate an FP8 scaling recipe on any backend (the projections'
+    /// weights and inputs rounded through E4M3 with the recipe's scales; use with `--dense`, as
+    /// the rounded weights are dense).
+    #[arg(long, value_enum)]
+    fp8_sim: Option<Fp8SimArg>,
+    /// With `--fp8-sim`: round both, or the weights or the inputs alone.
+    #[arg(long, value_enum, default_value_t = Fp8SimPart::Both)]
+    fp8_sim_part: Fp8SimPart,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum Fp8SimArg {
+    /// One scale per output channel (weights) and per row (inputs): the FP8 GEMM today.
+    Rows,
+    /// One scale per 128 values along K: per (128-input block, output channel) for weights,
+    /// per (row, 128-input block) for inputs.
+    G128,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum Fp8SimPart {
+    Both,
+    Weights,
+    Activations,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
@@ -491,6 +515,17 @@ fn generate_on<B: FusedOps>(
     }
     if let Some(file) = &args.perplexity {
         let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
+        let fp8_sim = args.fp8_sim.map(|recipe| stoke_llama::quant::Fp8Sim {
+            group: match recipe {
+                Fp8SimArg::Rows => None,
+                Fp8SimArg::G128 => Some(128),
+            },
+            weights: args.fp8_sim_part != Fp8SimPart::Activations,
+            activations: args.fp8_sim_part != Fp8SimPart::Weights,
+        });
+        if let Some(sim) = fp8_sim {
+            loaded.model = sim.apply_to_weights(loaded.model);
+        }
         let t1 = Instant::now();
         let p = stoke_llama::eval::perplexity(
             &loaded.model,
@@ -509,6 +544,7 @@ fn generate_on<B: FusedOps>(
                     rotate_block: args.kv_rotate,
                 })
             }),
+            fp8_sim,
             &device,
         )?;
         println!(

@@ -56,6 +56,18 @@ pub fn scale_for(amax: f32) -> f32 {
     }
 }
 
+/// Rounds `x` through E4M3 in place, one scale ([`scale_for`] of its amax) per run of `group`
+/// consecutive values (the last run may be shorter): the values an FP8 GEMM would multiply, to
+/// measure a scaling recipe's quality on any backend.
+pub fn round_trip(x: &mut [f32], group: usize) {
+    for run in x.chunks_mut(group.max(1)) {
+        let s = scale_for(row_amax(run));
+        for v in run.iter_mut() {
+            *v = e4m3_to_f32(f32_to_e4m3(*v / s)) * s;
+        }
+    }
+}
+
 /// A weight `[n, k]` (output channels by inputs, row-major) in E4M3 with one f32 scale per
 /// output channel: `W[j][i] ~= e4m3(codes[j k + i]) * scales[j]`.
 #[derive(Clone, Debug, PartialEq)]
@@ -466,6 +478,25 @@ pub fn swiglu_epilogue_reference(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn round_trip_scales_each_group() {
+        // Two groups of very different size: each keeps its own relative precision (E4M3's
+        // 3 mantissa bits: within 1/16 of the value), an all-zero group stays zero.
+        let mut x = vec![1000.0, -3.0, 0.5, 7.0, 1e-3, -2e-3, 5e-4, 1e-3, 0.0, 0.0];
+        let orig = x.clone();
+        round_trip(&mut x, 4);
+        for (a, b) in x.iter().zip(&orig) {
+            assert!((a - b).abs() <= b.abs() / 16.0 + 1e-9, "{a} vs {b}");
+        }
+        assert_eq!(x[0], 1000.0 / 448.0 * 448.0);
+        assert_eq!(&x[8..], &[0.0, 0.0]);
+        // One group over all: the small values lose everything below the 1000 scale's grid.
+        let mut y = orig.clone();
+        round_trip(&mut y, 10);
+        assert_eq!(y[4], 0.0);
+        assert!(x[4] != 0.0);
+    }
 
     struct Lcg(u64);
     impl Lcg {

@@ -3,6 +3,7 @@
 //! causal forward per window, and report `exp(mean NLL)` over every predicted token.
 
 use crate::model::{CacheQuant, KvCache, Llama};
+use crate::quant::Fp8Sim;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use stoke::FusedOps;
 use tokenizers::Tokenizer;
@@ -15,8 +16,9 @@ pub struct Perplexity {
     pub windows: usize,
 }
 
-/// Perplexity of `model` on `text` (with the KV cache stored in `cache_quant`'s format when
-/// given); `Err` if the text has fewer than `windows * window` tokens.
+/// Perplexity of `model` on `text` (with the KV cache stored in `cache_quant`'s format, and the
+/// projections' inputs rounded as `fp8` says, when given); `Err` if the text has fewer than
+/// `windows * window` tokens.
 #[allow(clippy::too_many_arguments)]
 pub fn perplexity<B: FusedOps>(
     model: &Llama<B>,
@@ -26,6 +28,7 @@ pub fn perplexity<B: FusedOps>(
     windows: usize,
     dtype: DType,
     cache_quant: Option<CacheQuant>,
+    fp8: Option<Fp8Sim>,
     device: &B::Device,
 ) -> Result<Perplexity, String> {
     let ids = tokenizer
@@ -54,7 +57,14 @@ pub fn perplexity<B: FusedOps>(
             ),
             device,
         );
-        let logits = model.forward(tokens, &[window], &mut cache, false);
+        let logits = match fp8 {
+            Some(sim) => {
+                model.forward_with_inputs(tokens, &[window], &mut cache, false, &mut |_, _, x| {
+                    sim.apply_to_input(x)
+                })
+            }
+            None => model.forward(tokens, &[window], &mut cache, false),
+        };
         let host = logits
             .into_data()
             .convert::<f32>()

@@ -6,7 +6,9 @@
 //!   Q4_0/Q4_1), q/k rows un-permuted from llama.cpp's order to the rotate-half layout,
 //!   tokenizer from the metadata.
 //! - Hugging Face: `config.json`, `model.safetensors` or the shards listed in
-//!   `model.safetensors.index.json` (F32/F16/BF16), `tokenizer.json`, and
+//!   `model.safetensors.index.json` (F32/F16/BF16, and FP8 E4M3 checkpoints: a weight's codes
+//!   with its `weight_scale`, one per tensor or per output channel, or its `weight_scale_inv`,
+//!   one per block of `quantization_config.weight_block_size`), `tokenizer.json`, and
 //!   `generation_config.json` when present (its `eos_token_id` wins).
 
 use crate::config::{ConfigError, LlamaConfig};
@@ -52,11 +54,20 @@ pub enum LoadError {
     Safetensors { file: String, reason: String },
     #[error("{file}: tensor `{tensor}` is missing")]
     MissingTensor { file: String, tensor: String },
-    #[error("{file}: tensor `{tensor}` has dtype {dtype}; F32, F16 and BF16 are supported")]
+    #[error(
+        "{file}: tensor `{tensor}` has dtype {dtype}; F32, F16 and BF16 are supported, and \
+         F8_E4M3 for a weight with its `weight_scale` or `weight_scale_inv`"
+    )]
     Dtype {
         file: String,
         tensor: String,
         dtype: String,
+    },
+    #[error("{file}: FP8 weight `{tensor}`: {problem}")]
+    Fp8Scale {
+        file: String,
+        tensor: String,
+        problem: String,
     },
     #[error("{file}: safetensors header entry `{tensor}`: {problem}")]
     SafetensorsEntry {
@@ -640,6 +651,15 @@ pub fn safetensors_values(
             actual: view.shape().to_vec(),
         });
     }
+    float_values(file, name, &view)
+}
+
+/// A float tensor's values as f32 (F32, F16 or BF16).
+fn float_values(
+    file: &str,
+    name: &str,
+    view: &safetensors::tensor::TensorView,
+) -> Result<Vec<f32>, LoadError> {
     let data = view.data();
     Ok(match view.dtype() {
         safetensors::Dtype::F32 => data
@@ -664,6 +684,70 @@ pub fn safetensors_values(
     })
 }
 
+/// How an FP8 weight's scale tensor applies, from its shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Scales {
+    /// One scale (`[]` or `[1]`).
+    Tensor,
+    /// One per output channel (`[out]` or `[out, 1]`).
+    Channel,
+    /// One per block of `[rows, cols]` (`[ceil(out / rows), ceil(in / cols)]`).
+    Block([usize; 2]),
+}
+
+impl Fp8Scales {
+    /// The layout of a scale tensor of `scale_shape` for a weight `[out, inp]`; blocks are
+    /// `block` (the checkpoint's `weight_block_size`) or, without it, the power of two that
+    /// gives the scale's shape.
+    pub fn of(
+        scale_shape: &[usize],
+        [out, inp]: [usize; 2],
+        block: Option<[usize; 2]>,
+    ) -> Result<Self, String> {
+        match scale_shape {
+            [] | [1] => return Ok(Self::Tensor),
+            [n] | [n, 1] if *n == out => return Ok(Self::Channel),
+            _ => {}
+        }
+        let [a, b] = scale_shape else {
+            return Err(format!(
+                "scale shape {scale_shape:?} is none of [], [1], [{out}], [{out}, 1] or a block grid"
+            ));
+        };
+        let [bo, bi] = block.unwrap_or([
+            out.div_ceil((*a).max(1)).next_power_of_two(),
+            inp.div_ceil((*b).max(1)).next_power_of_two(),
+        ]);
+        if bo == 0 || bi == 0 || out.div_ceil(bo) != *a || inp.div_ceil(bi) != *b {
+            return Err(format!(
+                "scale shape {scale_shape:?} is no grid of [{bo}, {bi}] blocks over [{out}, {inp}]"
+            ));
+        }
+        Ok(Self::Block([bo, bi]))
+    }
+
+    /// The f32 values `e4m3(code) * scale` of a weight `[out, inp]` whose scales are `scales`.
+    pub fn dequantize(self, codes: &[u8], [out, inp]: [usize; 2], scales: &[f32]) -> Vec<f32> {
+        use stoke_formats::fp8::e4m3_to_f32;
+        let cols = match self {
+            Self::Block([_, bi]) => inp.div_ceil(bi),
+            _ => 0,
+        };
+        let mut v = Vec::with_capacity(out * inp);
+        for r in 0..out {
+            for c in 0..inp {
+                let s = match self {
+                    Self::Tensor => scales[0],
+                    Self::Channel => scales[r],
+                    Self::Block([bo, bi]) => scales[(r / bo) * cols + c / bi],
+                };
+                v.push(e4m3_to_f32(codes[r * inp + c]) * s);
+            }
+        }
+        v
+    }
+}
+
 /// Loads a Hugging Face Llama model directory (see the module docs) onto `device`.
 pub fn load_hf_dir<B: Backend>(
     dir: &Path,
@@ -672,10 +756,8 @@ pub fn load_hf_dir<B: Backend>(
     max_positions: usize,
 ) -> Result<Loaded<B>, LoadError> {
     let config_path = dir.join("config.json");
-    let mut cfg = LlamaConfig::from_hf_json(
-        &config_path.display().to_string(),
-        &read_json(&config_path)?,
-    )?;
+    let config_json = read_json(&config_path)?;
+    let mut cfg = LlamaConfig::from_hf_json(&config_path.display().to_string(), &config_json)?;
     let gen_path = dir.join("generation_config.json");
     if gen_path.exists() {
         let eos = crate::config::token_ids(
@@ -719,6 +801,30 @@ pub fn load_hf_dir<B: Backend>(
             read_safetensors(&file, m).map(|st| (name.clone(), st))
         })
         .collect::<Result<_, _>>()?;
+    // The shard that holds `name`, and its parsed file.
+    let locate = |name: &str| -> Result<(String, &safetensors::SafeTensors), LoadError> {
+        // With an index, a tensor it does not list is missing (not looked for in a shard).
+        let shard = match shard_of.get(name) {
+            Some(s) => s.as_str(),
+            None if index_path.exists() => {
+                return Err(LoadError::MissingTensor {
+                    file: index_path.display().to_string(),
+                    tensor: name.into(),
+                });
+            }
+            None => shards[0].as_str(),
+        };
+        let st = &parsed
+            .iter()
+            .find(|(n, _)| n == shard)
+            .expect("every shard was parsed")
+            .1;
+        Ok((dir.join(shard).display().to_string(), st))
+    };
+    // FP8 checkpoints with block scales name their block size.
+    let block = config_json["quantization_config"]["weight_block_size"]
+        .as_array()
+        .and_then(|b| Some([b.first()?.as_u64()? as usize, b.get(1)?.as_u64()? as usize]));
     let model = build::<B>(
         &cfg,
         device,
@@ -726,24 +832,42 @@ pub fn load_hf_dir<B: Backend>(
         max_positions,
         |w| {
             let (name, shape) = (w.hf_name(), w.shape(&cfg));
-            // With an index, a tensor it does not list is missing (not looked for in a shard).
-            let shard = match shard_of.get(&name) {
-                Some(s) => s.as_str(),
-                None if index_path.exists() => {
-                    return Err(LoadError::MissingTensor {
-                        file: index_path.display().to_string(),
-                        tensor: name,
-                    });
-                }
-                None => shards[0].as_str(),
+            let (file, st) = locate(&name)?;
+            let view = st.tensor(&name).map_err(|_| LoadError::MissingTensor {
+                file: file.clone(),
+                tensor: name.clone(),
+            })?;
+            if view.dtype() != safetensors::Dtype::F8_E4M3 || shape.len() != 2 {
+                return safetensors_values(&file, st, &name, &shape);
+            }
+            if view.shape() != shape {
+                return Err(LoadError::Shape {
+                    file,
+                    tensor: name,
+                    expected: shape,
+                    actual: view.shape().to_vec(),
+                });
+            }
+            let fp8_err = |problem: String| LoadError::Fp8Scale {
+                file: file.clone(),
+                tensor: name.clone(),
+                problem,
             };
-            let file = dir.join(shard).display().to_string();
-            let st = &parsed
-                .iter()
-                .find(|(n, _)| n == shard)
-                .expect("every shard was parsed")
-                .1;
-            safetensors_values(&file, st, &name, &shape)
+            let scale_name = [format!("{name}_scale"), format!("{name}_scale_inv")]
+                .into_iter()
+                .find(|n| locate(n).is_ok_and(|(_, st)| st.tensor(n).is_ok()))
+                .ok_or_else(|| {
+                    fp8_err(format!("no `{name}_scale` or `{name}_scale_inv` tensor"))
+                })?;
+            let (scale_file, sst) = locate(&scale_name)?;
+            let sview = sst.tensor(&scale_name).expect("found above");
+            let scales = float_values(&scale_file, &scale_name, &sview)?;
+            let dims = [shape[0], shape[1]];
+            let layout = Fp8Scales::of(sview.shape(), dims, block).map_err(&fp8_err)?;
+            if let Some(bad) = scales.iter().find(|s| !s.is_finite() || **s < 0.0) {
+                return Err(fp8_err(format!("`{scale_name}` holds the scale {bad}")));
+            }
+            Ok(layout.dequantize(view.data(), dims, &scales))
         },
         |_| Ok(None),
         |_| None,
@@ -753,4 +877,44 @@ pub fn load_hf_dir<B: Backend>(
         model,
         tokenizer,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Fp8Scales;
+
+    #[test]
+    fn fp8_scale_layouts_follow_their_shapes() {
+        let w = [4096, 14336];
+        assert_eq!(Fp8Scales::of(&[], w, None), Ok(Fp8Scales::Tensor));
+        assert_eq!(Fp8Scales::of(&[1], w, None), Ok(Fp8Scales::Tensor));
+        assert_eq!(Fp8Scales::of(&[4096], w, None), Ok(Fp8Scales::Channel));
+        assert_eq!(Fp8Scales::of(&[4096, 1], w, None), Ok(Fp8Scales::Channel));
+        assert_eq!(
+            Fp8Scales::of(&[32, 112], w, None),
+            Ok(Fp8Scales::Block([128, 128]))
+        );
+        assert_eq!(
+            Fp8Scales::of(&[32, 112], w, Some([128, 128])),
+            Ok(Fp8Scales::Block([128, 128]))
+        );
+        // A size that is no multiple of the block: the last block is partial.
+        assert_eq!(
+            Fp8Scales::of(&[8, 1], [1000, 100], Some([128, 128])),
+            Ok(Fp8Scales::Block([128, 128]))
+        );
+        assert!(Fp8Scales::of(&[32, 112], w, Some([64, 128])).is_err());
+        assert!(Fp8Scales::of(&[4095], w, None).is_err());
+        assert!(Fp8Scales::of(&[2, 2, 2], w, None).is_err());
+    }
+
+    #[test]
+    fn fp8_values_are_codes_times_their_scale() {
+        // 0x38 is 1.0 and 0x40 is 2.0 in E4M3.
+        let codes = [0x38, 0x40, 0x38, 0x40, 0x38, 0x40];
+        let v = Fp8Scales::Channel.dequantize(&codes, [2, 3], &[0.5, 3.0]);
+        assert_eq!(v, vec![0.5, 1.0, 0.5, 6.0, 3.0, 6.0]);
+        let v = Fp8Scales::Block([1, 2]).dequantize(&codes, [2, 3], &[1.0, 10.0, 2.0, 20.0]);
+        assert_eq!(v, vec![1.0, 2.0, 10.0, 4.0, 2.0, 40.0]);
+    }
 }

@@ -257,10 +257,10 @@ impl<B: FusedOps> Attention<B> {
         quantize: Option<CacheQuant>,
         starts: &[usize],
         mask: Tensor<B, 4, Bool>,
-        observe: &mut dyn FnMut(Site, &Tensor<B, 3>),
+        input: &mut dyn FnMut(Site, Tensor<B, 3>) -> Tensor<B, 3>,
     ) -> Tensor<B, 3> {
         let [b, s, _] = x.dims();
-        observe(Site::Qkv, &x);
+        let x = input(Site::Qkv, x);
         let (h, kvh, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let qkv = self.qkv_proj.forward(x);
         let split = |from: usize, heads: usize| {
@@ -299,7 +299,7 @@ impl<B: FusedOps> Attention<B> {
         let mask = mask.expand([b, h, s, keys]);
         let out = module::attention(q, k, v, Some(mask), None, Default::default());
         let out = out.swap_dims(1, 2).reshape([b, s, h * d]);
-        observe(Site::O, &out);
+        let out = input(Site::O, out);
         stoke::linear_residual(out, &self.o_proj, residual)
     }
 }
@@ -318,11 +318,11 @@ impl<B: FusedOps> Mlp<B> {
         &self,
         x: Tensor<B, 3>,
         residual: Tensor<B, 3>,
-        observe: &mut dyn FnMut(Site, &Tensor<B, 3>),
+        input: &mut dyn FnMut(Site, Tensor<B, 3>) -> Tensor<B, 3>,
     ) -> Tensor<B, 3> {
-        observe(Site::GateUp, &x);
+        let x = input(Site::GateUp, x);
         let h = stoke::linear_swiglu(x, &self.gate_up_proj);
-        observe(Site::Down, &h);
+        let h = input(Site::Down, h);
         stoke::linear_residual(h, &self.down_proj, residual)
     }
 }
@@ -403,7 +403,7 @@ impl<B: FusedOps> Llama<B> {
         cache: &mut KvCache<B>,
         last_only: bool,
     ) -> Tensor<B, 3> {
-        self.forward_observed(tokens, new_lens, cache, last_only, &mut |_, _, _| {})
+        self.forward_with_inputs(tokens, new_lens, cache, last_only, &mut |_, _, x| x)
     }
 
     /// [`Llama::forward`], calling `observe(layer, site, input)` with the input of every
@@ -415,6 +415,23 @@ impl<B: FusedOps> Llama<B> {
         cache: &mut KvCache<B>,
         last_only: bool,
         observe: &mut dyn FnMut(usize, Site, &Tensor<B, 3>),
+    ) -> Tensor<B, 3> {
+        self.forward_with_inputs(tokens, new_lens, cache, last_only, &mut |l, site, x| {
+            observe(l, site, &x);
+            x
+        })
+    }
+
+    /// [`Llama::forward`] with every projection's input passed through `input(layer, site, x)`
+    /// first (to observe it, or to simulate a format it would be quantized to:
+    /// `crate::quant::Fp8Sim`).
+    pub fn forward_with_inputs(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        new_lens: &[usize],
+        cache: &mut KvCache<B>,
+        last_only: bool,
+        input: &mut dyn FnMut(usize, Site, Tensor<B, 3>) -> Tensor<B, 3>,
     ) -> Tensor<B, 3> {
         let [b, s] = tokens.dims();
         assert_eq!(new_lens.len(), b, "one length per sequence");
@@ -464,10 +481,10 @@ impl<B: FusedOps> Llama<B> {
                 cache.quantize,
                 &starts,
                 mask.clone(),
-                &mut |site, x| observe(l, site, x),
+                &mut |site, x| input(l, site, x),
             );
             let n = stoke::rms_norm(h.clone(), layer.mlp_norm.val(), self.rms_norm_eps);
-            x = layer.mlp.forward(n, h, &mut |site, x| observe(l, site, x));
+            x = layer.mlp.forward(n, h, &mut |site, x| input(l, site, x));
             normed = stoke::rms_norm(x.clone(), self.next_gamma(l), self.rms_norm_eps);
         }
         for (len, n) in cache.lens.iter_mut().zip(new_lens) {

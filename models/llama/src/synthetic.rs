@@ -248,9 +248,109 @@ pub fn write_hf_dir(
     dir: &std::path::Path,
     shards: usize,
 ) -> std::io::Result<()> {
+    write_hf_dir_as(t, w, dir, shards, None)
+}
+
+/// [`write_hf_dir`] with the projections (q, k, v, o, gate, up, down) as an FP8 checkpoint
+/// holds them: E4M3 codes with one scale per tensor or per output channel (`weight_scale`,
+/// `[]` / `[out, 1]`) or per block (`weight_scale_inv`, with `quantization_config.
+/// weight_block_size` in `config.json`), each scale the amax of what it covers over 448.
+/// Returns the weights as the files hold them (the projections' dequantized values).
+pub fn write_hf_dir_fp8(
+    t: &Tiny,
+    w: &Weights,
+    dir: &std::path::Path,
+    shards: usize,
+    scales: crate::load::Fp8Scales,
+) -> std::io::Result<Weights> {
+    write_hf_dir_as(t, w, dir, shards, Some(scales))?;
+    let round = |v: &[f64], [out, inp]: [usize; 2]| {
+        let (codes, s) = fp8_codes(v, [out, inp], scales);
+        let s: Vec<f32> = s.iter().map(|&x| x as f32).collect();
+        scales
+            .dequantize(&codes, [out, inp], &s)
+            .into_iter()
+            .map(f64::from)
+            .collect::<Vec<f64>>()
+    };
+    let (h, q, kv, i) = (
+        t.hidden,
+        t.heads * t.head_dim,
+        t.kv_heads * t.head_dim,
+        t.inter,
+    );
+    let dims = [
+        [0, 0],
+        [q, h],
+        [kv, h],
+        [kv, h],
+        [h, q],
+        [0, 0],
+        [i, h],
+        [i, h],
+        [h, i],
+    ];
+    Ok(Weights {
+        embed: w.embed.clone(),
+        head: w.head.clone(),
+        norm: w.norm.clone(),
+        layers: w
+            .layers
+            .iter()
+            .map(|lw| {
+                std::array::from_fn(|j| match j {
+                    0 | 5 => lw[j].clone(),
+                    _ => round(&lw[j], dims[j]),
+                })
+            })
+            .collect(),
+    })
+}
+
+/// E4M3 codes of a weight `[out, inp]` and its scales in the `layout` (row-major over the
+/// blocks), each the amax of what it covers over 448.
+fn fp8_codes(
+    w: &[f64],
+    [out, inp]: [usize; 2],
+    layout: crate::load::Fp8Scales,
+) -> (Vec<u8>, Vec<f64>) {
+    use crate::load::Fp8Scales;
+    let [bo, bi] = match layout {
+        Fp8Scales::Tensor => [out, inp],
+        Fp8Scales::Channel => [1, inp],
+        Fp8Scales::Block(b) => b,
+    };
+    let cols = inp.div_ceil(bi);
+    let mut amax = vec![0f64; out.div_ceil(bo) * cols];
+    for r in 0..out {
+        for c in 0..inp {
+            let a = &mut amax[(r / bo) * cols + c / bi];
+            *a = a.max(w[r * inp + c].abs());
+        }
+    }
+    let scales: Vec<f64> = amax
+        .iter()
+        .map(|&a| f64::from(stoke_formats::fp8::scale_for(a as f32)))
+        .collect();
+    let codes = (0..out * inp)
+        .map(|x| {
+            let s = scales[(x / inp / bo) * cols + (x % inp) / bi];
+            stoke_formats::fp8::f32_to_e4m3((w[x] / s) as f32)
+        })
+        .collect();
+    (codes, scales)
+}
+
+fn write_hf_dir_as(
+    t: &Tiny,
+    w: &Weights,
+    dir: &std::path::Path,
+    shards: usize,
+    fp8: Option<crate::load::Fp8Scales>,
+) -> std::io::Result<()> {
     use safetensors::tensor::{Dtype, TensorView};
     std::fs::create_dir_all(dir)?;
-    let config = serde_json::json!({
+    let mut config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": t.vocab, "hidden_size": t.hidden, "intermediate_size": t.inter,
         "num_hidden_layers": t.layers, "num_attention_heads": t.heads, "num_key_value_heads": t.kv_heads,
@@ -258,6 +358,10 @@ pub fn write_hf_dir(
         "max_position_embeddings": 4096, "tie_word_embeddings": w.head.is_none(),
         "bos_token_id": 298, "eos_token_id": 299,
     });
+    if let Some(crate::load::Fp8Scales::Block(b)) = fp8 {
+        config["quantization_config"] =
+            serde_json::json!({ "quant_method": "fp8", "weight_block_size": b });
+    }
     std::fs::write(
         dir.join("config.json"),
         serde_json::to_string_pretty(&config)?,
@@ -273,31 +377,63 @@ pub fn write_hf_dir(
         .map_err(|e| std::io::Error::other(e.to_string()))?;
 
     let (h, d) = (t.hidden, t.head_dim);
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = vec![
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = vec![
         (
             "model.embed_tokens.weight".into(),
+            Dtype::F32,
             vec![t.vocab, h],
             f32_bytes(&w.embed),
         ),
-        ("model.norm.weight".into(), vec![h], f32_bytes(&w.norm)),
+        (
+            "model.norm.weight".into(),
+            Dtype::F32,
+            vec![h],
+            f32_bytes(&w.norm),
+        ),
     ];
     if let Some(head) = &w.head {
-        tensors.push(("lm_head.weight".into(), vec![t.vocab, h], f32_bytes(head)));
+        tensors.push((
+            "lm_head.weight".into(),
+            Dtype::F32,
+            vec![t.vocab, h],
+            f32_bytes(head),
+        ));
     }
     for (l, lw) in w.layers.iter().enumerate() {
         let p = |s: &str| format!("model.layers.{l}.{s}.weight");
         let (q, kv) = (t.heads * d, t.kv_heads * d);
-        tensors.extend([
-            (p("input_layernorm"), vec![h], f32_bytes(&lw[0])),
-            (p("self_attn.q_proj"), vec![q, h], f32_bytes(&lw[1])),
-            (p("self_attn.k_proj"), vec![kv, h], f32_bytes(&lw[2])),
-            (p("self_attn.v_proj"), vec![kv, h], f32_bytes(&lw[3])),
-            (p("self_attn.o_proj"), vec![h, q], f32_bytes(&lw[4])),
-            (p("post_attention_layernorm"), vec![h], f32_bytes(&lw[5])),
-            (p("mlp.gate_proj"), vec![t.inter, h], f32_bytes(&lw[6])),
-            (p("mlp.up_proj"), vec![t.inter, h], f32_bytes(&lw[7])),
-            (p("mlp.down_proj"), vec![h, t.inter], f32_bytes(&lw[8])),
-        ]);
+        let norm = |name: &str, v: &[f64]| (p(name), Dtype::F32, vec![h], f32_bytes(v));
+        tensors.push(norm("input_layernorm", &lw[0]));
+        tensors.push(norm("post_attention_layernorm", &lw[5]));
+        for (name, j, out, inp) in [
+            ("self_attn.q_proj", 1, q, h),
+            ("self_attn.k_proj", 2, kv, h),
+            ("self_attn.v_proj", 3, kv, h),
+            ("self_attn.o_proj", 4, h, q),
+            ("mlp.gate_proj", 6, t.inter, h),
+            ("mlp.up_proj", 7, t.inter, h),
+            ("mlp.down_proj", 8, h, t.inter),
+        ] {
+            let Some(layout) = fp8 else {
+                tensors.push((p(name), Dtype::F32, vec![out, inp], f32_bytes(&lw[j])));
+                continue;
+            };
+            let (codes, scales) = fp8_codes(&lw[j], [out, inp], layout);
+            let (suffix, shape) = match layout {
+                crate::load::Fp8Scales::Tensor => ("_scale", vec![]),
+                crate::load::Fp8Scales::Channel => ("_scale", vec![out, 1]),
+                crate::load::Fp8Scales::Block([bo, bi]) => {
+                    ("_scale_inv", vec![out.div_ceil(bo), inp.div_ceil(bi)])
+                }
+            };
+            tensors.push((
+                format!("{}{suffix}", p(name)),
+                Dtype::F32,
+                shape,
+                f32_bytes(&scales),
+            ));
+            tensors.push((p(name), Dtype::F8_E4M3, vec![out, inp], codes));
+        }
     }
     let shards = shards.max(1);
     let mut weight_map = serde_json::Map::new();
@@ -311,11 +447,11 @@ pub fn write_hf_dir(
             .iter()
             .enumerate()
             .filter(|(i, _)| i % shards == s)
-            .map(|(_, (name, shape, data))| {
+            .map(|(_, (name, dtype, shape, data))| {
                 weight_map.insert(name.clone(), serde_json::Value::String(file.clone()));
                 (
                     name.clone(),
-                    TensorView::new(Dtype::F32, shape.clone(), data).expect("consistent view"),
+                    TensorView::new(*dtype, shape.clone(), data).expect("consistent view"),
                 )
             })
             .collect();

@@ -140,3 +140,65 @@ fn bad_directories_get_typed_errors() {
         "{e}"
     );
 }
+
+#[test]
+fn fp8_checkpoints_load_their_dequantized_values() {
+    use stoke_llama::load::Fp8Scales;
+    use stoke_llama::synthetic::write_hf_dir_fp8;
+    let w = weights(&TINY, false, 41);
+    for (i, (layout, shards)) in [
+        (Fp8Scales::Tensor, 1),
+        (Fp8Scales::Channel, 2),
+        (Fp8Scales::Block([16, 8]), 3),
+        (Fp8Scales::Block([128, 128]), 1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let dir = tmp(&format!("fp8-{i}"));
+        let held = write_hf_dir_fp8(&TINY, &w, &dir, shards, layout).unwrap();
+        assert_ne!(held.layers[0][1], w.layers[0][1], "{layout:?}: E4M3 rounds");
+        let plain = tmp(&format!("fp8-plain-{i}"));
+        write_hf_dir(&TINY, &held, &plain, 1).unwrap();
+        let a = load_hf_dir::<B>(&dir, &Default::default(), DType::F32, 32).unwrap();
+        let b = load_hf_dir::<B>(&plain, &Default::default(), DType::F32, 32).unwrap();
+        assert_eq!(
+            logits(&a.model),
+            logits(&b.model),
+            "{layout:?}, {shards} shards"
+        );
+    }
+
+    // A weight whose scale tensor is not in the checkpoint.
+    let dir = tmp("fp8-no-scale");
+    write_hf_dir_fp8(&TINY, &w, &dir, 2, Fp8Scales::Channel).unwrap();
+    let path = dir.join("model.safetensors.index.json");
+    let mut index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let name = "model.layers.1.mlp.up_proj.weight";
+    let map = index["weight_map"].as_object_mut().unwrap();
+    assert!(map.remove(&format!("{name}_scale")).is_some());
+    std::fs::write(&path, index.to_string()).unwrap();
+    let e = load_err(&dir);
+    assert!(
+        matches!(e, LoadError::Fp8Scale { .. }) && e.to_string().contains(name),
+        "{e}"
+    );
+
+    // Block scales whose grid does not match the block size the configuration names.
+    let dir = tmp("fp8-bad-block");
+    write_hf_dir_fp8(&TINY, &w, &dir, 1, Fp8Scales::Block([16, 8])).unwrap();
+    let cfg = std::fs::read_to_string(dir.join("config.json"))
+        .unwrap()
+        .replace(
+            "\"weight_block_size\": [\n      16,\n      8\n    ]",
+            "\"weight_block_size\": [32, 8]",
+        );
+    assert!(cfg.contains("[32, 8]"), "{cfg}");
+    std::fs::write(dir.join("config.json"), cfg).unwrap();
+    let e = load_err(&dir);
+    assert!(
+        matches!(e, LoadError::Fp8Scale { .. }) && e.to_string().contains("blocks"),
+        "{e}"
+    );
+}
