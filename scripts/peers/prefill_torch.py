@@ -56,8 +56,11 @@ def main():
         max_position_embeddings=131072, tie_word_embeddings=False, attn_implementation="sdpa",
     )
     torch.manual_seed(0)
+    # Built in bf16 on the GPU directly (16 GB; an f32 model first would need 32 GB more).
+    torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        model = LlamaForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
     report = {"peer": "transformers LlamaForCausalLM, 8B shapes, random bf16, SDPA, padded batches",
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "points": []}
     import transformers
