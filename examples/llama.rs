@@ -190,9 +190,10 @@ struct Args {
     /// burn-ndarray on the CPU), beside Stoke.
     #[arg(long, value_enum)]
     compare: Option<CompareArg>,
-    /// Prefill precision on `Stoke<Cuda>` for packed INT4 projections with more than 64 rows:
-    /// bf16 (the inner backend's matmul on the dequantized weights) or fp8 (E4M3 copies of the
-    /// weights and per-row E4M3 activations on Stoke's FP8 GEMM; +3.4% perplexity on SmolLM2).
+    /// Prefill precision on `Stoke<Cuda>` for projections (packed INT4 or bf16) with more than
+    /// 64 rows: bf16 (the inner backend's matmul, on a packed weight's dequantized values) or fp8
+    /// (E4M3 copies of the weights and per-row E4M3 activations on Stoke's FP8 GEMM; +3.4%
+    /// perplexity on SmolLM2).
     #[arg(long, value_enum, default_value_t = PrefillArg::Bf16)]
     prefill: PrefillArg,
     /// With `--perplexity`: simulate an FP8 scaling recipe on any backend (the projections'

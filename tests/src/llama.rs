@@ -336,9 +336,9 @@ fn kernels_vs_dequantized(
     Ok(report)
 }
 
-/// SmolLM2's packed model prefilling 4 windows of 256 tokens of the evaluation text in one
-/// batch (1,024 rows per projection) with FP8 prefill (the FP8 GEMM on E4M3 copies of the
-/// dequantized weights) and with bf16 prefill (burn-cuda's matmul on the dequantized weights),
+/// SmolLM2's packed model, and the same weights dense (pinned bf16), prefilling 4 windows of
+/// 256 tokens of the evaluation text in one batch (1,024 rows per projection) with FP8 prefill
+/// (the FP8 GEMM on E4M3 copies of the weights) and with bf16 prefill (burn-cuda's matmul),
 /// judged by the same weights dequantized into plain burn-cuda in f32: passes when the FP8 GEMM
 /// ran, FP8's perplexity is within 5% of bf16's, and its top-1 agreement with f32 is at most
 /// 0.15 below bf16's. These bounds catch a broken integration (a wrong scale, layout or
@@ -382,13 +382,22 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
             .to_vec::<f32>()
             .expect("f32 logits")
     }
+    // The same weights dense (pinned bf16): their FP8 copies come from the bf16 values.
+    let dense = load_gguf::<crate::StokeCuda>(&path, &device, DType::BF16, len)
+        .map_err(|e| e.to_string())?
+        .model
+        .pinned();
     let was = stoke::cuda::fp8_linear::fp8_prefill();
-    stoke::cuda::fp8_linear::set_fp8_prefill(true);
-    let calls0 = stoke::cuda::fp8_linear::kernel_calls();
-    let fp8 = prefill(&packed.model, &ids, (batch, len), DType::BF16, &device);
-    let fp8_calls = stoke::cuda::fp8_linear::kernel_calls() - calls0;
-    stoke::cuda::fp8_linear::set_fp8_prefill(false);
-    let bf16 = prefill(&packed.model, &ids, (batch, len), DType::BF16, &device);
+    let run = |m: &Llama<crate::StokeCuda>, fp8: bool| {
+        stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
+        let calls0 = stoke::cuda::fp8_linear::kernel_calls();
+        let logits = prefill(m, &ids, (batch, len), DType::BF16, &device);
+        (logits, stoke::cuda::fp8_linear::kernel_calls() - calls0)
+    };
+    let (fp8, fp8_calls) = run(&packed.model, true);
+    let (bf16, _) = run(&packed.model, false);
+    let (fp8_dense, fp8_dense_calls) = run(&dense, true);
+    let (bf16_dense, _) = run(&dense, false);
     stoke::cuda::fp8_linear::set_fp8_prefill(was);
     let f32 = prefill(&plain32.model, &ids, (batch, len), DType::F32, &device);
     // Mean NLL of the next token and top-1 agreement with f32, per model.
@@ -405,14 +414,21 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
         ((nll / rows).exp(), agree as f64 / rows)
     };
     let ((p8, a8), (p16, a16), (p32, _)) = (judge(&fp8), judge(&bf16), judge(&f32));
+    let ((d8, da8), (d16, da16)) = (judge(&fp8_dense), judge(&bf16_dense));
     let report = json!({"batch": batch, "len": len, "fp8_gemm_calls": fp8_calls,
         "perplexity": {"fp8": p8, "bf16": p16, "f32": p32},
         "fp8_over_bf16": p8 / p16 - 1.0,
-        "top1_agreement_with_f32": {"fp8": a8, "bf16": a16}});
-    if fp8_calls == 0 {
+        "top1_agreement_with_f32": {"fp8": a8, "bf16": a16},
+        "dense": {"fp8_gemm_calls": fp8_dense_calls,
+            "perplexity": {"fp8": d8, "bf16": d16}, "fp8_over_bf16": d8 / d16 - 1.0,
+            "top1_agreement_with_f32": {"fp8": da8, "bf16": da16}}});
+    if fp8_calls == 0 || fp8_dense_calls == 0 {
         return Err(format!("the FP8 GEMM never ran: {report}"));
     }
-    if !((p8 / p16 - 1.0).abs() <= 0.05) || !(a8 >= a16 - 0.15) {
+    let strays = |p8: f64, p16: f64, a8: f64, a16: f64| {
+        !((p8 / p16 - 1.0).abs() <= 0.05) || !(a8 >= a16 - 0.15)
+    };
+    if strays(p8, p16, a8, a16) || strays(d8, d16, da8, da16) {
         return Err(format!("FP8 prefill strays from bf16: {report}"));
     }
     Ok(report)

@@ -244,6 +244,9 @@ pub struct ResidentTensor<I: Backend> {
     tensor: I::FloatTensorPrimitive,
     device: I::Device,
     pin: Pin,
+    /// Its E4M3 copy for the FP8 prefill GEMM, made at first use (`None` inside: it could not
+    /// be made).
+    pub(crate) fp8: std::sync::OnceLock<Option<Arc<stoke_cuda::fp8::DeviceFp8Weight>>>,
 }
 
 impl<I: Backend> std::fmt::Debug for ResidentTensor<I> {
@@ -291,6 +294,7 @@ pub fn pin_tensor<I: Backend>(t: StokeTensor<I>) -> StokeTensor<I> {
         tensor: inner,
         device,
         pin,
+        fp8: std::sync::OnceLock::new(),
     })
 }
 

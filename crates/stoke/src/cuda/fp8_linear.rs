@@ -1,12 +1,13 @@
-//! `linear` for prefill-sized inputs on a packed INT4 weight through the FP8 GEMM
-//! (`stoke_cuda::fp8`): the weight's dequantized values are quantized once to E4M3 with one
-//! scale per output channel (`stoke_formats::fp8::Fp8Weight`) and kept beside the packed copy;
-//! each call quantizes its bf16 rows to E4M3 with one scale per row and runs the persistent
-//! wgmma GEMM with the residual or SwiGLU epilogue on chip. Opt-in ([`set_fp8_prefill`]).
+//! `linear` for prefill-sized inputs through the FP8 GEMM (`stoke_cuda::fp8`), on a packed INT4
+//! weight or a pinned dense bf16 one: the weight's values (a packed weight's dequantized ones)
+//! are quantized once to E4M3 with one scale per output channel
+//! (`stoke_formats::fp8::Fp8Weight`) and kept beside the weight; each call quantizes its bf16
+//! rows to E4M3 with one scale per row and runs the persistent wgmma GEMM with the residual or
+//! SwiGLU epilogue on chip. Opt-in ([`set_fp8_prefill`]).
 
-use super::bridge::{DeviceTensor, KernelInput, runtime_for};
+use super::bridge::{DeviceTensor, KernelInput, ResidentTensor, runtime_for};
 use crate::packed::PackedWeight;
-use crate::tensor::StokeTensor;
+use crate::tensor::{StokeData, StokeTensor};
 use burn_backend::{Backend, DType, TensorMetadata};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,8 +20,8 @@ use stoke_formats::int4::PackedInt4;
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static KERNEL_CALLS: AtomicU64 = AtomicU64::new(0);
 
-/// Whether prefill-sized `linear` calls on packed weights run in FP8 or as bf16 GEMMs on the
-/// dequantized weight (the inner backend's matmul; the default). Off by default: on SmolLM2
+/// Whether prefill-sized `linear` calls on packed or pinned bf16 weights run in FP8 or as bf16
+/// GEMMs (the inner backend's matmul, on a packed weight's dequantized values; the default). Off by default: on SmolLM2
 /// FP8 prefill raises perplexity by 3.4% over bf16 (`results/h200-fp8-prefill-161f49b.json`),
 /// about half of it the E4M3 rounding of the already-INT4 weights.
 pub fn set_fp8_prefill(on: bool) {
@@ -40,14 +41,35 @@ pub fn kernel_calls() -> u64 {
 /// The weight `[n, k]` E4M3 copy of a packed `[k, n]` weight: its dequantized values
 /// (`d q + m` in f32, the values every other path sees) transposed and quantized per channel.
 fn fp8_copy(packed: &PackedInt4) -> Result<Fp8Weight, String> {
-    let (k, n) = (packed.k, packed.n);
-    let t = stoke_formats::transpose(&packed.dequantize(), k, n);
+    fp8_of_values(&packed.dequantize(), packed.k, packed.n)
+}
+
+/// The `[n, k]` E4M3 copy of a weight `[k, n]` given as f32 values.
+fn fp8_of_values(w: &[f32], k: usize, n: usize) -> Result<Fp8Weight, String> {
+    let t = stoke_formats::transpose(w, k, n);
     Fp8Weight::quantize(&t, n, k, None).map_err(|e| e.to_string())
 }
 
+/// The values of a pinned bf16 weight `[k, n]`, read from the device.
+fn resident_values<I: Backend>(
+    rt: &stoke_cuda::Runtime,
+    w: &ResidentTensor<I>,
+    k: usize,
+    n: usize,
+) -> Result<Vec<f32>, String> {
+    let mut bytes = vec![0u8; k * n * 2];
+    // SAFETY: the pinned weight holds k x n bf16 and lives as long as `w`.
+    unsafe { rt.copy_dtoh(&mut bytes, w.ptr()) }.map_err(|e| e.to_string())?;
+    Ok(bytes
+        .chunks_exact(2)
+        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+        .collect())
+}
+
 /// `epilogue(x @ W)` on the FP8 GEMM when FP8 prefill is on ([`set_fp8_prefill`]), `weight`
-/// is a [`PackedWeight`] (`k` a multiple of 16, `n` even), `x` is bf16 `[.., k]` with more rows
-/// than the W4A16 kernels take, and Stoke's runtime runs on the device; `None` otherwise.
+/// is a [`PackedWeight`] or a pinned bf16 weight `[k, n]` (`k` a multiple of 16, `n` even), `x`
+/// is bf16 `[.., k]` with more rows than the W4A16 kernels take, and Stoke's runtime runs on
+/// the device; `None` otherwise.
 pub(crate) fn try_fp8_linear_with<I: Backend>(
     x: &StokeTensor<I>,
     weight: &StokeTensor<I>,
@@ -57,10 +79,20 @@ pub(crate) fn try_fp8_linear_with<I: Backend>(
     if !fp8_prefill() {
         return None;
     }
-    let pw = weight.downcast_ref::<PackedWeight<I>>()?;
+    let packed = weight.downcast_ref::<PackedWeight<I>>();
+    let resident = weight
+        .downcast_ref::<ResidentTensor<I>>()
+        .filter(|r| r.dtype() == DType::BF16);
+    let (k, n, slot) = match (packed, resident) {
+        (Some(pw), _) => (pw.packed.k, pw.packed.n, &pw.fp8),
+        (None, Some(rw)) => match rw.shape().as_slice() {
+            &[k, n] => (k, n, &rw.fp8),
+            _ => return None,
+        },
+        (None, None) => return None,
+    };
     let shape = x.shape();
     let dims = shape.as_slice();
-    let (k, n) = (pw.packed.k, pw.packed.n);
     if x.dtype() != DType::BF16 || dims.last() != Some(&k) {
         return None;
     }
@@ -78,12 +110,17 @@ pub(crate) fn try_fp8_linear_with<I: Backend>(
     }
     let device = super::float_device(x);
     let rt = runtime_for::<I>(&device)?;
-    let fw = pw
-        .fp8
+    let fw = slot
         .get_or_init(|| {
             let t = std::time::Instant::now();
-            let up = fp8_copy(&pw.packed)
-                .and_then(|w| DeviceFp8Weight::upload(&rt, &w).map_err(|e| e.to_string()));
+            let copy = match (packed, resident) {
+                (Some(pw), _) => fp8_copy(&pw.packed),
+                (None, Some(rw)) => {
+                    resident_values(&rt, rw, k, n).and_then(|w| fp8_of_values(&w, k, n))
+                }
+                (None, None) => unreachable!("matched above"),
+            };
+            let up = copy.and_then(|w| DeviceFp8Weight::upload(&rt, &w).map_err(|e| e.to_string()));
             match up {
                 Ok(w) => {
                     tracing::debug!(
