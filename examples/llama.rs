@@ -388,14 +388,17 @@ fn generate_on<B: FusedOps>(
 ) -> Result<Option<BenchRun>, Box<dyn std::error::Error>> {
     let t0 = Instant::now();
     let packed = args.int4 || (args.backend == Backend::Stoke && !args.dense);
+    // RoPE positions: the context, and for `--perplexity` one more, so that a window runs
+    // through the decoder's prefill (which keeps a position for the token after it).
+    let positions = args.context + usize::from(args.perplexity.is_some());
     let mut loaded = if stoke_llama::packed_file::is_packed_file(path) {
         // A Stoke packed model (`finetune_serve` writes one): INT4 projections stay packed
         // where the backend keeps packed weights, whatever `--dense` says.
-        stoke_llama::packed_file::load::<B>(path, &device, dtype, args.context)?
+        stoke_llama::packed_file::load::<B>(path, &device, dtype, positions)?
     } else if packed && !path.is_dir() {
-        stoke_llama::load::load_gguf_packed::<B>(path, &device, dtype, args.context)?
+        stoke_llama::load::load_gguf_packed::<B>(path, &device, dtype, positions)?
     } else {
-        stoke_llama::load::load::<B>(path, &device, dtype, args.context)?
+        stoke_llama::load::load::<B>(path, &device, dtype, positions)?
     };
     if args.fold_gains {
         loaded.model = stoke_llama::quant::fold_norm_gains(loaded.model);
@@ -549,12 +552,17 @@ fn generate_on<B: FusedOps>(
             &device,
         )?;
         println!(
-            "perplexity {:.3} (mean NLL {:.5}) over {} tokens in {} windows of {} ({:.1} s; {} FP8 GEMM calls)",
+            "perplexity {:.3} (mean NLL {:.5}) over {} tokens in {} windows of {} through {} ({:.1} s; {} FP8 GEMM calls)",
             p.perplexity,
             p.mean_nll,
             p.predicted_tokens,
             p.windows,
             args.context,
+            if p.through_prefill {
+                "the packed prefill"
+            } else {
+                "Llama::forward"
+            },
             t1.elapsed().as_secs_f64(),
             stoke::cuda::fp8_linear::kernel_calls()
         );

@@ -14,11 +14,15 @@ pub struct Perplexity {
     pub mean_nll: f64,
     pub predicted_tokens: usize,
     pub windows: usize,
+    /// Whether the windows ran through the decoder's packed prefill (else `Llama::forward`).
+    pub through_prefill: bool,
 }
 
-/// Perplexity of `model` on `text` (with the KV cache stored in `cache_quant`'s format, and the
-/// projections' inputs rounded as `fp8` says, when given); `Err` if the text has fewer than
-/// `windows * window` tokens.
+/// Perplexity of `model` on `text`; `Err` if the text has fewer than `windows * window` tokens.
+/// Each window runs through the model's packed prefill into a decoder ([`Llama::prefill_logits`],
+/// what serving runs) when the model's RoPE table holds `window + 1` positions, else through
+/// [`Llama::forward`]; with the KV cache stored in `cache_quant`'s format or the projections'
+/// inputs rounded as `fp8` says (simulations), through [`Llama::forward`].
 #[allow(clippy::too_many_arguments)]
 pub fn perplexity<B: FusedOps>(
     model: &Llama<B>,
@@ -46,24 +50,48 @@ pub fn perplexity<B: FusedOps>(
     }
     let mut nll = 0.0f64;
     let mut count = 0usize;
+    // Without a simulated format, through the prefill that serves (the decoder's packed
+    // prefill: Stoke's attention and cache on `Stoke<Cuda>`), where the model's RoPE table
+    // covers a window and the position after it.
+    let mut decoder = match (cache_quant, fp8) {
+        (None, None) => {
+            let spec = model.decode_spec(
+                1,
+                window + 1,
+                stoke::KvCacheFormat::Bf16,
+                stoke::Sampling::GREEDY,
+                false,
+            );
+            stoke::decoder::<B>(spec, dtype, device).ok()
+        }
+        _ => None,
+    };
     for w in 0..windows {
         let chunk = &ids[w * window..(w + 1) * window];
-        let mut cache = KvCache::for_model(model, 1, window, dtype, device);
-        cache.quantize = cache_quant;
-        let tokens = Tensor::<B, 2, Int>::from_data(
-            TensorData::new(
-                chunk.iter().map(|&t| t as i64).collect::<Vec<_>>(),
-                [1, window],
-            ),
-            device,
-        );
-        let logits = match fp8 {
-            Some(sim) => {
-                model.forward_with_inputs(tokens, &[window], &mut cache, false, &mut |_, _, x| {
-                    sim.apply_to_input(x)
-                })
+        let logits = if let Some(dec) = decoder.as_mut() {
+            model
+                .prefill_logits(chunk, dec, crate::model::PREFILL_CHUNK)
+                .map_err(|e| e.to_string())?
+        } else {
+            let mut cache = KvCache::for_model(model, 1, window, dtype, device);
+            cache.quantize = cache_quant;
+            let tokens = Tensor::<B, 2, Int>::from_data(
+                TensorData::new(
+                    chunk.iter().map(|&t| t as i64).collect::<Vec<_>>(),
+                    [1, window],
+                ),
+                device,
+            );
+            match fp8 {
+                Some(sim) => model.forward_with_inputs(
+                    tokens,
+                    &[window],
+                    &mut cache,
+                    false,
+                    &mut |_, _, x| sim.apply_to_input(x),
+                ),
+                None => model.forward(tokens, &[window], &mut cache, false),
             }
-            None => model.forward(tokens, &[window], &mut cache, false),
         };
         let host = logits
             .into_data()
@@ -90,5 +118,6 @@ pub fn perplexity<B: FusedOps>(
         mean_nll,
         predicted_tokens: count,
         windows,
+        through_prefill: decoder.is_some(),
     })
 }

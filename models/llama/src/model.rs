@@ -612,6 +612,53 @@ impl<B: FusedOps> Llama<B> {
         dec: &mut B::Decoder,
         chunk: usize,
     ) -> Result<(), stoke::DecodeError> {
+        let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+        // Each prompt's last row after the final norm, as its chunk produces it.
+        let mut last: Vec<Option<Tensor<B, 3>>> = vec![None; prompts.len()];
+        self.prefill_rows(prompts, dec, chunk, |seqs, normed| {
+            let mut end = 0;
+            for s in seqs {
+                end += s.rows;
+                if s.pos0 + s.rows == lens[s.slot] {
+                    last[s.slot] = Some(normed.clone().narrow(1, end - 1, 1));
+                }
+            }
+        })?;
+        let last: Vec<Tensor<B, 3>> = last
+            .into_iter()
+            .map(|r| r.expect("every prompt ends in a chunk"))
+            .collect();
+        let logits = self.lm_head.forward(Tensor::cat(last, 0));
+        stoke::decode_sample::<B>(dec, logits);
+        Ok(())
+    }
+
+    /// The logits of every position of `prompt` (`[1, len, vocab]`) through the prefill
+    /// [`Llama::prefill`] runs (in chunks of at most `chunk` tokens), as the decoder's sequence
+    /// 0; nothing is sampled. Perplexity through the path that serves
+    /// (`crate::eval::perplexity`).
+    pub fn prefill_logits(
+        &self,
+        prompt: &[u32],
+        dec: &mut B::Decoder,
+        chunk: usize,
+    ) -> Result<Tensor<B, 3>, stoke::DecodeError> {
+        let mut rows = Vec::new();
+        self.prefill_rows(&[prompt.to_vec()], dec, chunk, |_, normed| {
+            rows.push(normed)
+        })?;
+        Ok(self.lm_head.forward(Tensor::cat(rows, 1)))
+    }
+
+    /// The packed prefill of `prompts` into `dec` (see [`Llama::prefill`]): `chunk_done(seqs,
+    /// normed)` gets each chunk's layout and its rows after the final norm, `[1, rows, hidden]`.
+    fn prefill_rows(
+        &self,
+        prompts: &[Vec<u32>],
+        dec: &mut B::Decoder,
+        chunk: usize,
+        mut chunk_done: impl FnMut(&[stoke::PackedSeq], Tensor<B, 3>),
+    ) -> Result<(), stoke::DecodeError> {
         if let Some(i) = prompts.iter().position(Vec::is_empty) {
             return Err(stoke::DecodeError::Shape {
                 what: "prompt",
@@ -624,8 +671,6 @@ impl<B: FusedOps> Llama<B> {
         let embed = self.embed_tokens.val();
         let hidden = embed.dims()[1];
         let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
-        // Each prompt's last row after the final norm, as its chunk produces it.
-        let mut last: Vec<Option<Tensor<B, 3>>> = vec![None; prompts.len()];
         for seqs in stoke::pack_prompts(&lens, chunk) {
             let ids: Vec<i64> = seqs
                 .iter()
@@ -640,20 +685,8 @@ impl<B: FusedOps> Llama<B> {
             let normed = self.layers_forward(x, normed, |l, qkv| {
                 stoke::prefill_attention::<B>(dec, l, qkv, &seqs)
             })?;
-            let mut end = 0;
-            for s in &seqs {
-                end += s.rows;
-                if s.pos0 + s.rows == lens[s.slot] {
-                    last[s.slot] = Some(normed.clone().narrow(1, end - 1, 1));
-                }
-            }
+            chunk_done(&seqs, normed);
         }
-        let last: Vec<Tensor<B, 3>> = last
-            .into_iter()
-            .map(|r| r.expect("every prompt ends in a chunk"))
-            .collect();
-        let logits = self.lm_head.forward(Tensor::cat(last, 0));
-        stoke::decode_sample::<B>(dec, logits);
         Ok(())
     }
 }

@@ -269,3 +269,39 @@ fn decoder_errors_are_typed() {
     let e = stoke::decoder::<B>(bad, DType::F32, &Default::default()).unwrap_err();
     assert!(matches!(e, stoke::DecodeError::Shape { .. }), "{e}");
 }
+
+#[test]
+fn perplexity_through_the_packed_prefill_equals_the_forward() {
+    type B = burn_ndarray::NdArray<f32>;
+    let dir = std::env::temp_dir().join(format!("stoke-ppl-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("packable.gguf");
+    std::fs::write(&path, gguf(&PACKABLE, &weights(&PACKABLE, true, 13))).unwrap();
+    let text = "the quick brown fox jumps over the lazy dog; ".repeat(8);
+    let window = 40;
+    // A RoPE table of window + 1 positions: the decoder's prefill; of window: the forward.
+    let ppl = |positions: usize| {
+        let l = load_gguf::<B>(&path, &Default::default(), DType::F32, positions).unwrap();
+        let m = l.model.pinned();
+        stoke_llama::eval::perplexity(
+            &m,
+            &l.tokenizer,
+            &text,
+            window,
+            3,
+            DType::F32,
+            None,
+            None,
+            &Default::default(),
+        )
+        .unwrap()
+    };
+    let (prefill, forward) = (ppl(window + 1), ppl(window));
+    assert!(prefill.through_prefill && !forward.through_prefill);
+    assert_eq!(prefill.predicted_tokens, forward.predicted_tokens);
+    assert!(
+        (prefill.mean_nll - forward.mean_nll).abs() < 1e-5,
+        "{prefill:?} vs {forward:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
