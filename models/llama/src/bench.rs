@@ -177,27 +177,10 @@ pub fn run<B: FusedOps>(
     let mut done = 0;
     let mut points = Vec::new();
     let sampling = stoke::Sampling::GREEDY;
-    for &len in &cfg.prompt_lens {
-        let name = format!("pp{len}");
-        let ids = prompt(len);
-        let spec = model.decode_spec(1, len + 1, cfg.kv_cache, sampling, cfg.eager);
-        let mut dec = stoke::decoder::<B>(spec, dtype, device)?;
-        let mut samples = Vec::with_capacity(cfg.reps);
-        for rep in 0..=cfg.reps {
-            progress(&name, done, total);
-            done += 1;
-            let t = Instant::now();
-            model.prefill(std::slice::from_ref(&ids), &mut dec)?;
-            stoke::decode_take_ids::<B>(&mut dec).expect("the prefill sampled");
-            let s = t.elapsed().as_secs_f64();
-            if rep > 0 {
-                samples.push(len as f64 / s);
-            }
-        }
-        points.push(Point::new(name, Kind::Prefill, 1, len, len, samples));
-    }
-    for lens in &cfg.prefill_mixes {
-        let name = format!("pp{}", mix_name(lens));
+    // One prompt per `prompt_lens` point, then the packed mixes: each one packed prefill.
+    let singles = cfg.prompt_lens.iter().map(|&len| vec![len]);
+    for lens in singles.chain(cfg.prefill_mixes.iter().cloned()) {
+        let name = format!("pp{}", mix_name(&lens));
         let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| prompt(n)).collect();
         let tokens: usize = lens.iter().sum();
         let longest = lens.iter().max().copied().unwrap_or(0);
