@@ -3,8 +3,10 @@
 //! by whole KV-head groups, so each rank attends over its own heads with no exchange; gate|up by
 //! interleaved gate/up pairs, so SwiGLU stays local), o and down by input rows (each rank's
 //! product is a partial sum). One all-reduce (a sum) after o and one after down restore the full
-//! rows; norms are replicated. Shapes that do not split evenly, or whose shards would break the
-//! packed format's 64-column tiles or the scale groups, are a typed error.
+//! rows; norms are replicated. The LM head splits by vocabulary (whole 64-column tiles, as evenly
+//! as they go); each rank's logits are a slice of the row, gathered for sampling (greedy: each
+//! rank's best token and logit, [`gather_argmax`]). Shapes that do not split evenly, or whose
+//! shards would break the packed format's 64-column tiles or the scale groups, are a typed error.
 
 use crate::int4::{Int4Error, PackedInt4};
 
@@ -134,6 +136,54 @@ pub fn shard_layer(
             })
         })
         .collect()
+}
+
+/// Each rank's vocabulary range of the LM head `[hidden, vocab]`: whole 64-column tiles, the
+/// first `tiles % ranks` ranks one tile more (a vocabulary need not split evenly: 128256 is
+/// 2004 tiles, 250.5 per rank on 8 GPUs); the last range ends at `vocab`.
+pub fn head_ranges(vocab: usize, ranks: usize) -> Result<Vec<std::ops::Range<usize>>, ShardError> {
+    let tiles = vocab.div_ceil(64);
+    if ranks == 0 || tiles < ranks {
+        return Err(ShardError::Uneven {
+            what: "LM head tiles of 64 tokens",
+            count: tiles,
+            ranks,
+        });
+    }
+    let (per, extra) = (tiles / ranks, tiles % ranks);
+    let mut start = 0;
+    Ok((0..ranks)
+        .map(|r| {
+            let end = (start + 64 * (per + usize::from(r < extra))).min(vocab);
+            let range = start..end;
+            start = end;
+            range
+        })
+        .collect())
+}
+
+/// The LM head's shards, one vocabulary range per rank ([`head_ranges`]).
+pub fn shard_head(head: &PackedInt4, ranks: usize) -> Result<Vec<PackedInt4>, ShardError> {
+    head_ranges(head.n, ranks)?
+        .into_iter()
+        .map(|r| Ok(head.select_columns(&r.collect::<Vec<_>>())?))
+        .collect()
+}
+
+/// The greedy token of a row from each rank's best `(token in its range, logit)`: the highest
+/// logit, the lowest token on a tie (as an argmax over the whole row picks).
+pub fn gather_argmax(
+    ranges: &[std::ops::Range<usize>],
+    best: &[(usize, f32)],
+) -> Option<(usize, f32)> {
+    ranges
+        .iter()
+        .zip(best)
+        .map(|(r, &(t, v))| (r.start + t, v))
+        .fold(None, |acc: Option<(usize, f32)>, (t, v)| match acc {
+            Some((bt, bv)) if bv > v || (bv == v && bt < t) => Some((bt, bv)),
+            _ => Some((t, v)),
+        })
 }
 
 #[cfg(test)]
@@ -347,5 +397,58 @@ mod tests {
         ));
         let msg = shard_layer(refs, h, 8).unwrap_err().to_string();
         assert!(msg.contains("KV heads") && msg.contains('8'), "{msg}");
+    }
+
+    #[test]
+    fn head_shards_cover_the_vocabulary_and_gather_the_argmax() {
+        // Real vocabularies: 128256 (2004 tiles) on 8 ranks is 251 or 250 tiles each.
+        for (vocab, ranks) in [(128256, 8), (128256, 2), (49152, 4), (320, 3)] {
+            let r = head_ranges(vocab, ranks).unwrap();
+            assert_eq!(r.len(), ranks);
+            assert_eq!((r[0].start, r[ranks - 1].end), (0, vocab));
+            assert!(r.windows(2).all(|w| w[0].end == w[1].start));
+            assert!(r[..ranks - 1].iter().all(|x| x.len() % 64 == 0));
+            let sizes: Vec<usize> = r.iter().map(|x| x.len().div_ceil(64)).collect();
+            assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1);
+        }
+        assert!(head_ranges(128, 3).is_err());
+        assert!(head_ranges(128, 0).is_err());
+
+        // A packed head split by vocabulary: each rank's logits are the full logits' slice,
+        // and the gathered greedy token is the full row's argmax.
+        let (hidden, vocab, ranks) = (64, 320, 3);
+        let mut rng = Lcg(29);
+        let w = rng.vec(hidden * vocab, 0.5);
+        let head =
+            crate::int4::quantize_rtn(&w, hidden, vocab, 32, crate::int4::ScaleType::Bf16).unwrap();
+        let x: Vec<f64> = rng.vec(hidden, 1.0).iter().map(|&v| f64::from(v)).collect();
+        let full = matmul(&x, &head);
+        let shards = shard_head(&head, ranks).unwrap();
+        let ranges = head_ranges(vocab, ranks).unwrap();
+        let mut best = Vec::new();
+        for (s, r) in shards.iter().zip(&ranges) {
+            let part = matmul(&x, s);
+            assert_eq!(part.len(), r.len());
+            for (j, v) in part.iter().enumerate() {
+                assert!((v - full[r.start + j]).abs() < 1e-9);
+            }
+            let b = part
+                .iter()
+                .enumerate()
+                .fold(
+                    (0, f64::NEG_INFINITY),
+                    |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+                );
+            best.push((b.0, b.1 as f32));
+        }
+        let want =
+            full.iter().enumerate().fold(
+                (0, f64::NEG_INFINITY),
+                |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+            );
+        assert_eq!(gather_argmax(&ranges, &best).unwrap().0, want.0);
+        // Ties go to the lower token, whichever rank holds it.
+        let tie = gather_argmax(&ranges, &[(5, 1.0), (0, 2.0), (3, 2.0)]).unwrap();
+        assert_eq!(tie, (ranges[1].start, 2.0));
     }
 }
