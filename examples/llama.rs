@@ -302,6 +302,14 @@ fn pick_device(args: &mut Args) {
 fn run(mut args: Args) -> Result<(), Box<dyn std::error::Error>> {
     pick_device(&mut args);
     stoke::cuda::fp8_linear::set_fp8_prefill(args.prefill == PrefillArg::Fp8);
+    if args.prefill == PrefillArg::Fp8
+        && (args.device != Device::Cuda || args.backend != Backend::Stoke)
+    {
+        eprintln!(
+            "--prefill fp8: Stoke's FP8 GEMM runs on Stoke<Cuda> only; this run prefills in the \
+             model's precision"
+        );
+    }
     let model = match &args.model {
         Some(p) => p.clone(),
         None => stoke_llama::fetch::default_model(|m| eprintln!("{m}"))?,
