@@ -215,7 +215,7 @@ pub fn copy_bandwidth(rt: &Arc<Runtime>) -> f64 {
 }
 
 /// The tensor cores' rate for mma.sync.m16n8k16 (bf16 in, f32 accumulation), the W4A16
-/// kernels' instruction, timed like the kernels ([`time_calls`]): TFLOP/s with 8 independent
+/// kernels' instruction, timed like the kernels (`time_calls`): TFLOP/s with 8 independent
 /// accumulators per warp and 4 CTAs of 4 warps per SM (`c8`), and the ns per mma of one
 /// dependent chain with one warp per SM sub-partition (`c1`, the instruction's latency).
 pub fn mma_rate(rt: &Arc<Runtime>) -> Value {

@@ -136,10 +136,10 @@ fn launch_json(l: &Launch) -> Value {
 }
 
 /// The kernels against the f64 reference on fresh random data, outputs poisoned before each
-/// call, for every row count of [`ROWS`] and the epilogues of each of [`SHAPES`]; every call
+/// call, for every row count of `ROWS` and the epilogues of each of `SHAPES`; every call
 /// run twice (bitwise the same: the split-K sum is deterministic), one per shape also from a
 /// CUDA graph captured into an arena (bitwise the same as the eager call). Then the Burn-level
-/// route ([`route_matches_burn_cuda`]) and the benchmark ([`bench`]).
+/// route ([`route_matches_burn_cuda`]) and the benchmark ([`bench()`]).
 pub fn bf16_gemm_matches_reference() -> Result<Value, String> {
     let rt = crate::gpu()?;
     let seed = crate::seed();

@@ -3,7 +3,7 @@
 //! files (`config.json`, `generation_config.json`, `model.safetensors.index.json`) and the
 //! tokenizer loaders (`tokenizer.json`, GGUF-embedded vocabularies).
 //!
-//! Inputs come from [proptest] strategies: a valid file built programmatically from random parts
+//! Inputs come from [proptest](mod@proptest) strategies: a valid file built programmatically from random parts
 //! (recording where its counts, lengths, offsets, dims, type ids and strings lie), then mutated
 //! (truncation, byte flips, inserted and deleted runs, a recorded field overwritten with an
 //! extreme value, a string byte made non-UTF-8; JSON files also get edits of their value tree),

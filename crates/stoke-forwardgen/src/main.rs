@@ -6,7 +6,7 @@
 //! resolved, so a Burn upgrade regenerates the forwarding instead of hand-editing 400 bodies.
 //!
 //! Types decide the conversions. `FloatTensor<Self>` is Stoke's own primitive
-//! ([`StokeTensor`]): arguments are lowered to the inner primitive (materialized if Stoke owns
+//! (`stoke::StokeTensor`): arguments are lowered to the inner primitive (materialized if Stoke owns
 //! the data) and results lifted back. Int, bool and quantized primitives are the inner backend's
 //! own types and pass through untouched. Structs that carry float tensors
 //! (`MaxPool2dWithIndices<B>`, `TransactionPrimitive<B>`, ...) go through the `Lower`/`Lift`

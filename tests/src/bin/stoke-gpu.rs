@@ -25,7 +25,7 @@ enum Command {
     Test { names: Vec<String> },
     /// Run the benchmarks.
     Bench,
-    /// SmolLM2 prefill and decode speed through burn-cuda and Stoke<Cuda> (the model comes from
+    /// SmolLM2 prefill and decode speed through burn-cuda and `Stoke<Cuda>` (the model comes from
     /// the model cache: STOKE_MODEL_CACHE).
     Llama,
     /// The W4A16 GEMM: its GPU test, then its benchmark beside the same run's copy rate.

@@ -88,9 +88,9 @@ impl Runtime {
     /// (each grid dimension a multiple of the cluster's; at most 8 CTAs, the portable size).
     /// `None`: an ordinary launch.
     ///
-    /// A kernel with [`Kernel::pdl`] is launched programmatically (it may start while the
+    /// A kernel with [`KernelInfo::pdl`] is launched programmatically (it may start while the
     /// previous kernel runs), except a clustered launch right after an early-triggering kernel
-    /// ([`Kernel::early_trigger`]) of c CTAs whose clusters, c more, would not all be resident
+    /// ([`KernelInfo::early_trigger`]) of c CTAs whose clusters, c more, would not all be resident
     /// at once. Started early, such a grid finds a CTA slot taken on the SMs the previous
     /// kernel's CTAs still hold (one slot per CTA for the RMSNorm kernels at decode sizes:
     /// each uses fewer registers than one GEMM CTA), which costs at most one cluster each; when
