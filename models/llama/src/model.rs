@@ -2,8 +2,10 @@
 //! attention -> MLP -> block -> model.
 //!
 //! Written so that `Stoke<B>` routes its hot ops: projections are `burn::nn::Linear`
-//! (`ModuleOps::linear`), norms are `stoke::rms_norm` / `stoke::residual_rms_norm`, attention goes
-//! through `burn::tensor::module::attention` (`ModuleOps::attention`) and nothing else.
+//! (`ModuleOps::linear`), norms are `stoke::rms_norm` / `stoke::residual_rms_norm`. Attention is
+//! the decoder's fused ops in serving (`stoke::prefill_attention` in [`Llama::prefill`],
+//! `stoke::decode_attention` in [`Llama::decode_forward`]) and `burn::tensor::module::attention`
+//! (`ModuleOps::attention`) in [`Llama::forward`] (simulated formats, calibration, training).
 
 use crate::config::LlamaConfig;
 use burn::module::{Module, Param};
