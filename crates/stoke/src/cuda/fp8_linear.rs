@@ -21,9 +21,10 @@ static ENABLED: AtomicBool = AtomicBool::new(false);
 static KERNEL_CALLS: AtomicU64 = AtomicU64::new(0);
 
 /// Whether prefill-sized `linear` calls on packed or pinned bf16 weights run in FP8 or as bf16
-/// GEMMs (the inner backend's matmul, on a packed weight's dequantized values; the default). Off by default: on SmolLM2
-/// FP8 prefill raises perplexity by 3.4% over bf16 (`results/h200-fp8-prefill-161f49b.json`),
-/// about half of it the E4M3 rounding of the already-INT4 weights.
+/// GEMMs (the inner backend's matmul, on a packed weight's dequantized values; the default).
+/// Off by default: on SmolLM2 FP8 prefill raises perplexity by 3.4% over bf16
+/// (`results/h200-fp8-prefill-161f49b.json`), about half of it the E4M3 rounding of the
+/// already-INT4 weights.
 pub fn set_fp8_prefill(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
 }
@@ -48,6 +49,13 @@ fn fp8_copy(packed: &PackedInt4) -> Result<Fp8Weight, String> {
 fn fp8_of_values(w: &[f32], k: usize, n: usize) -> Result<Fp8Weight, String> {
     let t = stoke_formats::transpose(w, k, n);
     Fp8Weight::quantize(&t, n, k, None).map_err(|e| e.to_string())
+}
+
+/// A weight the FP8 GEMM takes: a packed INT4 one, or a pinned bf16 `[k, n]` one.
+#[derive(Clone, Copy)]
+enum Source<'a, I: Backend> {
+    Packed(&'a PackedWeight<I>),
+    Resident(&'a ResidentTensor<I>),
 }
 
 /// The values of a pinned bf16 weight `[k, n]`, read from the device.
@@ -79,17 +87,21 @@ pub(crate) fn try_fp8_linear_with<I: Backend>(
     if !fp8_prefill() {
         return None;
     }
-    let packed = weight.downcast_ref::<PackedWeight<I>>();
-    let resident = weight
-        .downcast_ref::<ResidentTensor<I>>()
-        .filter(|r| r.dtype() == DType::BF16);
-    let (k, n, slot) = match (packed, resident) {
-        (Some(pw), _) => (pw.packed.k, pw.packed.n, &pw.fp8),
-        (None, Some(rw)) => match rw.shape().as_slice() {
+    // The weight's shape and the slot its E4M3 copy is kept in.
+    let source = match weight.downcast_ref::<PackedWeight<I>>() {
+        Some(pw) => Source::Packed(pw),
+        None => Source::Resident(
+            weight
+                .downcast_ref::<ResidentTensor<I>>()
+                .filter(|r| r.dtype() == DType::BF16)?,
+        ),
+    };
+    let (k, n, slot) = match source {
+        Source::Packed(pw) => (pw.packed.k, pw.packed.n, &pw.fp8),
+        Source::Resident(rw) => match rw.shape().as_slice() {
             &[k, n] => (k, n, &rw.fp8),
             _ => return None,
         },
-        (None, None) => return None,
     };
     let shape = x.shape();
     let dims = shape.as_slice();
@@ -113,12 +125,11 @@ pub(crate) fn try_fp8_linear_with<I: Backend>(
     let fw = slot
         .get_or_init(|| {
             let t = std::time::Instant::now();
-            let copy = match (packed, resident) {
-                (Some(pw), _) => fp8_copy(&pw.packed),
-                (None, Some(rw)) => {
+            let copy = match source {
+                Source::Packed(pw) => fp8_copy(&pw.packed),
+                Source::Resident(rw) => {
                     resident_values(&rt, rw, k, n).and_then(|w| fp8_of_values(&w, k, n))
                 }
-                (None, None) => unreachable!("matched above"),
             };
             let up = copy.and_then(|w| DeviceFp8Weight::upload(&rt, &w).map_err(|e| e.to_string()));
             match up {
