@@ -46,6 +46,7 @@ pub const PACKABLE: Tiny = Tiny {
 };
 
 /// Weights in the Hugging Face layout (`[out, in]` row-major), f64.
+#[derive(Clone)]
 pub struct Weights {
     pub embed: Vec<f64>,
     pub head: Option<Vec<f64>>,
@@ -248,7 +249,7 @@ pub fn write_hf_dir(
     dir: &std::path::Path,
     shards: usize,
 ) -> std::io::Result<()> {
-    write_hf_dir_as(t, w, dir, shards, None)
+    write_hf_dir_as(t, w, dir, shards, None).map(|_| ())
 }
 
 /// [`write_hf_dir`] with the projections (q, k, v, o, gate, up, down) as an FP8 checkpoint
@@ -263,48 +264,7 @@ pub fn write_hf_dir_fp8(
     shards: usize,
     scales: crate::load::Fp8Scales,
 ) -> std::io::Result<Weights> {
-    write_hf_dir_as(t, w, dir, shards, Some(scales))?;
-    let round = |v: &[f64], [out, inp]: [usize; 2]| {
-        let (codes, s) = fp8_codes(v, [out, inp], scales);
-        let s: Vec<f32> = s.iter().map(|&x| x as f32).collect();
-        scales
-            .dequantize(&codes, [out, inp], &s)
-            .into_iter()
-            .map(f64::from)
-            .collect::<Vec<f64>>()
-    };
-    let (h, q, kv, i) = (
-        t.hidden,
-        t.heads * t.head_dim,
-        t.kv_heads * t.head_dim,
-        t.inter,
-    );
-    let dims = [
-        [0, 0],
-        [q, h],
-        [kv, h],
-        [kv, h],
-        [h, q],
-        [0, 0],
-        [i, h],
-        [i, h],
-        [h, i],
-    ];
-    Ok(Weights {
-        embed: w.embed.clone(),
-        head: w.head.clone(),
-        norm: w.norm.clone(),
-        layers: w
-            .layers
-            .iter()
-            .map(|lw| {
-                std::array::from_fn(|j| match j {
-                    0 | 5 => lw[j].clone(),
-                    _ => round(&lw[j], dims[j]),
-                })
-            })
-            .collect(),
-    })
+    write_hf_dir_as(t, w, dir, shards, Some(scales))
 }
 
 /// E4M3 codes of a weight `[out, inp]` and its scales in the `layout` (row-major over the
@@ -341,13 +301,15 @@ fn fp8_codes(
     (codes, scales)
 }
 
+/// The directory of [`write_hf_dir`], the projections in FP8 with `fp8`; returns the weights as
+/// the files hold them.
 fn write_hf_dir_as(
     t: &Tiny,
     w: &Weights,
     dir: &std::path::Path,
     shards: usize,
     fp8: Option<crate::load::Fp8Scales>,
-) -> std::io::Result<()> {
+) -> std::io::Result<Weights> {
     use safetensors::tensor::{Dtype, TensorView};
     std::fs::create_dir_all(dir)?;
     let mut config = serde_json::json!({
@@ -399,6 +361,7 @@ fn write_hf_dir_as(
             f32_bytes(head),
         ));
     }
+    let mut held = w.clone();
     for (l, lw) in w.layers.iter().enumerate() {
         let p = |s: &str| format!("model.layers.{l}.{s}.weight");
         let (q, kv) = (t.heads * d, t.kv_heads * d);
@@ -419,6 +382,12 @@ fn write_hf_dir_as(
                 continue;
             };
             let (codes, scales) = fp8_codes(&lw[j], [out, inp], layout);
+            let s32: Vec<f32> = scales.iter().map(|&x| x as f32).collect();
+            held.layers[l][j] = layout
+                .dequantize(&codes, [out, inp], &s32)
+                .into_iter()
+                .map(f64::from)
+                .collect();
             let (suffix, shape) = match layout {
                 crate::load::Fp8Scales::Tensor => ("_scale", vec![]),
                 crate::load::Fp8Scales::Channel => ("_scale", vec![out, 1]),
@@ -466,7 +435,7 @@ fn write_hf_dir_as(
             serde_json::to_string_pretty(&index)?,
         )?;
     }
-    Ok(())
+    Ok(held)
 }
 
 /// GGUF Q4_1 blocks of an `[rows, cols]` f64 matrix (`cols` a multiple of 32): per block of 32,
