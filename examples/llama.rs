@@ -196,23 +196,11 @@ struct Args {
     /// perplexity on SmolLM2).
     #[arg(long, value_enum, default_value_t = PrefillArg::Bf16)]
     prefill: PrefillArg,
-    /// With `--perplexity`: simulate an FP8 scaling recipe on any backend (the projections'
-    /// weights and inputs rounded through E4M3 with the recipe's scales; use with `--dense`, as
-    /// the rounded weights are dense).
+    /// With `--perplexity`: simulate FP8 prefill on any backend, the projections' weights (per
+    /// output channel) and/or inputs (per row) rounded through E4M3 as the FP8 GEMM scales
+    /// them (the rounded weights are dense).
     #[arg(long, value_enum)]
-    fp8_sim: Option<Fp8SimArg>,
-    /// With `--fp8-sim`: round both, or the weights or the inputs alone.
-    #[arg(long, value_enum, default_value_t = Fp8SimPart::Both)]
-    fp8_sim_part: Fp8SimPart,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
-enum Fp8SimArg {
-    /// One scale per output channel (weights) and per row (inputs): the FP8 GEMM today.
-    Rows,
-    /// One scale per 128 values along K: per (128-input block, output channel) for weights,
-    /// per (row, 128-input block) for inputs.
-    G128,
+    fp8_sim: Option<Fp8SimPart>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
@@ -527,13 +515,9 @@ fn generate_on<B: FusedOps>(
     }
     if let Some(file) = &args.perplexity {
         let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
-        let fp8_sim = args.fp8_sim.map(|recipe| stoke_llama::quant::Fp8Sim {
-            group: match recipe {
-                Fp8SimArg::Rows => None,
-                Fp8SimArg::G128 => Some(128),
-            },
-            weights: args.fp8_sim_part != Fp8SimPart::Activations,
-            activations: args.fp8_sim_part != Fp8SimPart::Weights,
+        let fp8_sim = args.fp8_sim.map(|part| stoke_llama::quant::Fp8Sim {
+            weights: part != Fp8SimPart::Activations,
+            activations: part != Fp8SimPart::Weights,
         });
         if let Some(sim) = fp8_sim {
             loaded.model = sim.apply_to_weights(loaded.model);

@@ -56,15 +56,12 @@ pub fn scale_for(amax: f32) -> f32 {
     }
 }
 
-/// Rounds `x` through E4M3 in place, one scale ([`scale_for`] of its amax) per run of `group`
-/// consecutive values (the last run may be shorter): the values an FP8 GEMM would multiply, to
-/// measure a scaling recipe's quality on any backend.
-pub fn round_trip(x: &mut [f32], group: usize) {
-    for run in x.chunks_mut(group.max(1)) {
-        let s = scale_for(row_amax(run));
-        for v in run.iter_mut() {
-            *v = e4m3_to_f32(f32_to_e4m3(*v / s)) * s;
-        }
+/// Rounds `x` (one row or output channel) through E4M3 in place with one scale, [`scale_for`]
+/// of its amax: the values the FP8 GEMM multiplies, to measure their quality on any backend.
+pub fn round_trip(x: &mut [f32]) {
+    let s = scale_for(row_amax(x));
+    for v in x.iter_mut() {
+        *v = e4m3_to_f32(f32_to_e4m3(*v / s)) * s;
     }
 }
 
@@ -485,7 +482,7 @@ mod tests {
         // 3 mantissa bits: within 1/16 of the value), an all-zero group stays zero.
         let mut x = vec![1000.0, -3.0, 0.5, 7.0, 1e-3, -2e-3, 5e-4, 1e-3, 0.0, 0.0];
         let orig = x.clone();
-        round_trip(&mut x, 4);
+        x.chunks_mut(4).for_each(round_trip);
         for (a, b) in x.iter().zip(&orig) {
             assert!((a - b).abs() <= b.abs() / 16.0 + 1e-9, "{a} vs {b}");
         }
@@ -493,7 +490,7 @@ mod tests {
         assert_eq!(&x[8..], &[0.0, 0.0]);
         // One group over all: the small values lose everything below the 1000 scale's grid.
         let mut y = orig.clone();
-        round_trip(&mut y, 10);
+        round_trip(&mut y);
         assert_eq!(y[4], 0.0);
         assert!(x[4] != 0.0);
     }

@@ -490,13 +490,11 @@ pub fn simulate_rtn<B: FusedOps>(
     quantize(model, &cfg, None).map(|(m, _)| m)
 }
 
-/// A simulated FP8 prefill recipe, to measure its quality on any backend: the projections'
-/// weights and/or inputs rounded through E4M3 ([`stoke_formats::fp8::round_trip`]) with one
-/// scale per `group` values along K, or (`group: None`) one per output channel for a weight
-/// and one per row for an input, as the FP8 GEMM scales today.
+/// Simulated FP8 prefill, to measure its quality on any backend: the projections' weights
+/// and/or inputs rounded through E4M3 ([`stoke_formats::fp8::round_trip`]) with one scale per
+/// output channel for a weight and one per row for an input, as the FP8 GEMM scales them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fp8Sim {
-    pub group: Option<usize>,
     pub weights: bool,
     pub activations: bool,
 }
@@ -508,15 +506,12 @@ impl Fp8Sim {
         if !self.weights {
             return model;
         }
-        let group = self.group;
         let round = |lin: &mut Linear<B>| {
             let w = lin.weight.val();
             let ([k, n], device, dtype) = (w.dims(), w.device(), w.dtype());
             // [k, n] -> [n, k]: each output channel's inputs in a row.
             let mut t = stoke_formats::transpose(&host_f32(w.cast(DType::F32)), k, n);
-            for row in t.chunks_mut(k) {
-                stoke_formats::fp8::round_trip(row, group.unwrap_or(k));
-            }
+            t.chunks_mut(k).for_each(stoke_formats::fp8::round_trip);
             let w = stoke_formats::transpose(&t, n, k);
             lin.weight = Param::from_tensor(
                 Tensor::<B, 2>::from_data(TensorData::new(w, [k, n]), &device).cast(dtype),
@@ -531,8 +526,8 @@ impl Fp8Sim {
         model
     }
 
-    /// A projection input `[batch, rows, k]` rounded (per row, or per group of `group` values of
-    /// a row), when the recipe rounds activations; else `x` itself.
+    /// A projection input `[batch, rows, k]` rounded per row, when the recipe rounds
+    /// activations; else `x` itself.
     pub fn apply_to_input<B: FusedOps>(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         if !self.activations {
             return x;
@@ -544,9 +539,7 @@ impl Fp8Sim {
             .into_data()
             .to_vec::<f32>()
             .expect("f32 values");
-        for row in v.chunks_mut(k) {
-            stoke_formats::fp8::round_trip(row, self.group.unwrap_or(k));
-        }
+        v.chunks_mut(k).for_each(stoke_formats::fp8::round_trip);
         Tensor::<B, 3>::from_data(TensorData::new(v, dims), &device).cast(dtype)
     }
 }
