@@ -31,9 +31,9 @@ pub struct Run {
     pub stats: Option<stoke::cuda::decoder::DecodeStats>,
 }
 
-/// Prefill of `prompts` (packed, in chunks of at most `chunk` tokens), then `steps` decode steps whose inputs are `forced[step]` (one id
-/// per sequence: teacher forcing, so every path sees the same tokens) or, without it, the greedy
-/// ids taken one step late as generation does. The decoder computes in the model's dtype.
+/// Prefill of `prompts` (packed, in chunks of at most `chunk` tokens), then `steps` decode
+/// steps whose inputs are `forced[step]` (one id per sequence: teacher forcing, so every path
+/// sees the same tokens) or, without it, the greedy ids taken one step late as generation does. The decoder computes in the model's dtype.
 #[allow(clippy::too_many_arguments)]
 pub fn run<B: FusedOps>(
     model: &Llama<B>,
@@ -321,6 +321,7 @@ pub fn decode_step_matches_reference() -> Result<Value, String> {
         let p = whole(prompts(8, 220, cfg.vocab));
         cases.push(compare(&path, cfg.vocab, p, 64, kv, 2e-1));
     }
+    let _ = std::fs::remove_file(&path);
     let smol = crate::llama::model_path()?;
     for batch in [1, 8] {
         cases.push(compare(
@@ -332,7 +333,6 @@ pub fn decode_step_matches_reference() -> Result<Value, String> {
             5e-2,
         ));
     }
-    let _ = std::fs::remove_file(&path);
     all_passed(cases)
 }
 
