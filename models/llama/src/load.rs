@@ -853,14 +853,17 @@ pub fn load_hf_dir<B: Backend>(
                 tensor: name.clone(),
                 problem,
             };
-            let scale_name = [format!("{name}_scale"), format!("{name}_scale_inv")]
-                .into_iter()
-                .find(|n| locate(n).is_ok_and(|(_, st)| st.tensor(n).is_ok()))
-                .ok_or_else(|| {
-                    fp8_err(format!("no `{name}_scale` or `{name}_scale_inv` tensor"))
-                })?;
-            let (scale_file, sst) = locate(&scale_name)?;
-            let sview = sst.tensor(&scale_name).expect("found above");
+            let (scale_name, scale_file, sview) =
+                [format!("{name}_scale"), format!("{name}_scale_inv")]
+                    .into_iter()
+                    .find_map(|n| {
+                        let (f, st) = locate(&n).ok()?;
+                        let view = st.tensor(&n).ok()?;
+                        Some((n, f, view))
+                    })
+                    .ok_or_else(|| {
+                        fp8_err(format!("no `{name}_scale` or `{name}_scale_inv` tensor"))
+                    })?;
             let scales = float_values(&scale_file, &scale_name, &sview)?;
             let dims = [shape[0], shape[1]];
             let layout = Fp8Scales::of(sview.shape(), dims, block).map_err(&fp8_err)?;
