@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, with .bundle/ from scripts/gpu-bundle.sh:
 # every GPU test, then the benchmarks, then the PyTorch peers, writing JSON into OUTDIR.
-# Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama|int4|attention|prefill|pairs|sanitize [TOOL...]|int4-profile [SHAPE...]|attention-profile [SHAPE...]]
+# Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama|int4|attention|prefill|pairs|sanitize [TOOL...]|int4-profile [SHAPE...]|fp8-profile [SHAPE...]|attention-profile [SHAPE...]]
 #   int4:  the W4A16 GEMM test and benchmark, then its PyTorch peers
 #   attention: the decode-attention test and benchmark, then the PyTorch SDPA peer
 #   pairs: a decode step's RMSNorm then the W4A16 GEMM it feeds (ordering test, then the pairs
 #          timed beside each kernel alone)
 #   int4-profile: Nsight Compute reports (OUTDIR/ncu-int4-profile.txt) of the W4A16 kernels on
 #          the named benchmark shapes at one row, every kernel family and word order
+#   fp8-profile [--m M] [SHAPE...]: the same for the FP8 prefill GEMM (plain epilogue, M rows,
+#          default 2048; shapes as in its benchmark, e.g. 8b_o 8b_down; default all)
 #   attention-profile [SHAPE --batch B --ctx C --formats int4]: the same for decode attention
 #          (OUTDIR/ncu-attention-profile.txt), the named formats (default all; two launches
 #          each, so NCU_LAUNCHES=6 covers three). NCU_KERNELS=REGEX picks the kernels profiled
@@ -58,9 +60,14 @@ trap pack_cache EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$out/gpu.txt"
 commit=$(cat .bundle/COMMIT)
 status=0
-if [ "$what" = int4-profile ] || [ "$what" = attention-profile ]; then
+if [ "$what" = int4-profile ] || [ "$what" = attention-profile ] || [ "$what" = fp8-profile ]; then
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  kernels=${NCU_KERNELS:-$([ "$what" = int4-profile ] && echo int4_gemm || echo decode_attn)}
+  case $what in
+    int4-profile) default_kernels=int4_gemm ;;
+    fp8-profile) default_kernels=fp8_gemm ;;
+    *) default_kernels=decode_attn ;;
+  esac
+  kernels=${NCU_KERNELS:-$default_kernels}
   "$ncu" --target-processes all -k regex:$kernels --launch-count "${NCU_LAUNCHES:-200}" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
       --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \

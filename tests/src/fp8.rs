@@ -6,10 +6,11 @@ use crate::int4::{put_f32, put_u8, put_u16, try_get_bf16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
-use stoke_cuda::DeviceBuffer;
+use std::sync::Arc;
 use stoke_cuda::kernels::FP8_GEMM;
 use stoke_cuda::kernels::fp8_gemm::{Fp8Epilogue, Fp8Gemm, fp8_gemm, grid};
 use stoke_cuda::kernels::fp8_quant::{Fp8RowsParams, quantize_rows as quantize_rows_gpu};
+use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::fp8::{Fp8Weight, e4m3_to_f32, quantize_rows_fused};
 
 /// What a test case's epilogue is.
@@ -319,38 +320,59 @@ const BENCH_SHAPES: &[(&str, usize, usize)] = &[
 ];
 const BENCH_ROWS: &[usize] = &[512, 2048, 8192];
 
+/// Random E4M3 codes of moderate magnitude (exponents 4 .. 9, either sign).
+fn random_codes(rng: &mut StdRng, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|_| rng.random_range(0x20u8..0x50) | (rng.random::<u8>() & 0x80))
+        .collect()
+}
+
+/// The device buffers of one benchmark point: random operands, scales 0.01, a bf16 output.
+struct Point {
+    a: DeviceBuffer,
+    sa: DeviceBuffer,
+    out: DeviceBuffer,
+}
+
+impl Point {
+    fn new(rt: &Arc<Runtime>, rng: &mut StdRng, m: usize, n: usize, k: usize) -> Self {
+        Self {
+            a: put_u8(rt, &random_codes(rng, m * k)),
+            sa: put_f32(rt, &vec![1e-2; m]),
+            out: rt.alloc(m * n * 2).unwrap(),
+        }
+    }
+
+    /// The plain-epilogue call of this point on weight `w` (`[n, k]` codes, scales `sw`).
+    fn call(&self, w: &DeviceBuffer, sw: &DeviceBuffer, m: usize, n: usize, k: usize) -> Fp8Gemm {
+        Fp8Gemm {
+            a: self.a.as_ptr(),
+            w: w.as_ptr(),
+            a_scale: self.sa.as_ptr(),
+            a_scale_per_row: true,
+            w_scale: sw.as_ptr(),
+            epilogue: Fp8Epilogue::Plain {
+                out: self.out.as_mut_ptr(),
+            },
+            m: m as u32,
+            n: n as u32,
+            k: k as u32,
+            ldo: n as u32,
+        }
+    }
+}
+
 /// TFLOP/s of the kernel at each shape, beside the same-run tensor-core rate probe.
 pub fn bench() -> Value {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(12);
     let mut rows = Vec::new();
     for &(name, k, n) in BENCH_SHAPES {
-        let w: Vec<u8> = (0..n * k)
-            .map(|_| rng.random_range(0x20u8..0x50) | (rng.random::<u8>() & 0x80))
-            .collect();
-        let wb = put_u8(&rt, &w);
+        let wb = put_u8(&rt, &random_codes(&mut rng, n * k));
         let sw = put_f32(&rt, &vec![1e-2; n]);
         for &m in BENCH_ROWS {
-            let a: Vec<u8> = (0..m * k)
-                .map(|_| rng.random_range(0x20u8..0x50) | (rng.random::<u8>() & 0x80))
-                .collect();
-            let ab = put_u8(&rt, &a);
-            let sa = put_f32(&rt, &vec![1e-2; m]);
-            let out = rt.alloc(m * n * 2).unwrap();
-            let call = Fp8Gemm {
-                a: ab.as_ptr(),
-                w: wb.as_ptr(),
-                a_scale: sa.as_ptr(),
-                a_scale_per_row: true,
-                w_scale: sw.as_ptr(),
-                epilogue: Fp8Epilogue::Plain {
-                    out: out.as_mut_ptr(),
-                },
-                m: m as u32,
-                n: n as u32,
-                k: k as u32,
-                ldo: n as u32,
-            };
+            let point = Point::new(&rt, &mut rng, m, n, k);
+            let call = point.call(&wb, &sw, m, n, k);
             let flop = 2.0 * (m * n * k) as f64;
             let iters = (2e13 / flop).clamp(5.0, 500.0) as usize;
             let timing = crate::bench::time_calls(&rt, 3, iters, |_| {
@@ -369,6 +391,27 @@ pub fn bench() -> Value {
     }
     let kernels = crate::bench::kernel_reports(&rt, FP8_GEMM.file);
     json!({ "runs": rows, "kernels": kernels })
+}
+
+/// Two plain-epilogue launches at each named benchmark shape (all when none is named) with
+/// `m` rows, for a profiler such as `ncu`.
+pub fn profile_launches(shapes: &[&str], m: usize) {
+    let rt = crate::gpu().expect("GPU");
+    let mut rng = StdRng::seed_from_u64(7);
+    let picked = BENCH_SHAPES
+        .iter()
+        .filter(|s| shapes.is_empty() || shapes.contains(&s.0));
+    for &(name, k, n) in picked {
+        let wb = put_u8(&rt, &random_codes(&mut rng, n * k));
+        let sw = put_f32(&rt, &vec![1e-2; n]);
+        let point = Point::new(&rt, &mut rng, m, n, k);
+        let call = point.call(&wb, &sw, m, n, k);
+        for _ in 0..2 {
+            unsafe { fp8_gemm(&rt, &call) }.unwrap();
+        }
+        rt.synchronize().unwrap();
+        println!("profiled fp8 {name} m {m}");
+    }
 }
 
 /// `(rows, k, ldx)` of the row-quantization test: one row, a row pitch wider than k, the 8B and

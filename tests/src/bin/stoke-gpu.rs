@@ -51,6 +51,14 @@ enum Command {
         /// Benchmark shape names (e.g. 70b_gate_up 8b_down).
         shapes: Vec<String>,
     },
+    /// Two FP8 GEMM launches per benchmark shape for a profiler such as `ncu`.
+    Fp8Profile {
+        /// Rows of the activation.
+        #[arg(long, default_value_t = 2048)]
+        m: usize,
+        /// Benchmark shape names (e.g. 8b_o 8b_down); all when none is named.
+        shapes: Vec<String>,
+    },
     /// A few decode-attention launches (every format) for a profiler.
     AttentionProfile {
         /// Benchmark shape name (8b or 70b).
@@ -253,6 +261,11 @@ fn main() -> ExitCode {
         Command::Int4Profile { m, shapes } => {
             let names: Vec<&str> = shapes.iter().map(String::as_str).collect();
             stoke_tests::int4::profile_launches(&names, *m);
+            true
+        }
+        Command::Fp8Profile { m, shapes } => {
+            let names: Vec<&str> = shapes.iter().map(String::as_str).collect();
+            stoke_tests::fp8::profile_launches(&names, *m);
             true
         }
         Command::AttentionProfile {
