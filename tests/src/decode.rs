@@ -105,8 +105,16 @@ fn no_stats<B: FusedOps>(_: &B::Decoder) -> Option<stoke::cuda::decoder::DecodeS
     None
 }
 
-/// Largest |a - b| over the largest |b| of each row (logits of one sampling).
+/// Largest |a - b| over the largest |b| of each row (logits of one sampling); infinite when
+/// the lengths differ, a side is empty or not a whole number of rows, or any value is not
+/// finite (so NaN logits, or none, can never pass).
 fn rel_err(a: &[f32], b: &[f32], vocab: usize) -> f64 {
+    if a.len() != b.len() || a.is_empty() || vocab == 0 || !a.len().is_multiple_of(vocab) {
+        return f64::INFINITY;
+    }
+    if a.iter().chain(b).any(|v| !v.is_finite()) {
+        return f64::INFINITY;
+    }
     a.chunks(vocab)
         .zip(b.chunks(vocab))
         .map(|(x, y)| {
@@ -118,11 +126,7 @@ fn rel_err(a: &[f32], b: &[f32], vocab: usize) -> f64 {
                 .iter()
                 .zip(y)
                 .fold(0f64, |m, (p, q)| m.max(f64::from((p - q).abs())));
-            if d.is_finite() {
-                d / scale
-            } else {
-                f64::INFINITY
-            }
+            d / scale
         })
         .fold(0f64, f64::max)
 }
@@ -360,7 +364,7 @@ fn all_passed(cases: Vec<Result<Value, String>>) -> Result<Value, String> {
 /// reference decoder's prefill on plain burn-cuda, then 16 teacher-forced decode steps that
 /// read what it cached: prompts of 300, 1, 65, 128, 7 and 200 tokens whole, and in chunks of
 /// 100 and 37 tokens (prompts split across chunks, later chunks attending to earlier ones),
-/// on the SmolLM2-shaped random model with BF16 and INT4 caches.
+/// on the SmolLM2-shaped random model with BF16 and INT4 caches, and on a head_dim 128 model.
 pub fn packed_prefill_matches_reference() -> Result<Value, String> {
     let cfg = SMOL_SHAPES;
     let path = std::env::temp_dir().join(format!("stoke-packed-{}.gguf", std::process::id()));
@@ -390,10 +394,31 @@ pub fn packed_prefill_matches_reference() -> Result<Value, String> {
     cases.push(compare(
         &path,
         cfg.vocab,
-        (p, 100),
+        (p.clone(), 100),
         16,
         KvCacheFormat::Int4,
         2e-1,
+    ));
+    let _ = std::fs::remove_file(&path);
+    // head_dim 128 (Llama 3's), the prefill kernel's other instantiation, in chunks of 37.
+    let wide = Tiny {
+        hidden: 512,
+        inter: 1024,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 128,
+        ..cfg
+    };
+    std::fs::write(&path, gguf_q4_1(&wide, &weights(&wide, true, 10)))
+        .map_err(|e| e.to_string())?;
+    cases.push(compare(
+        &path,
+        wide.vocab,
+        (p, 37),
+        16,
+        KvCacheFormat::Bf16,
+        5e-2,
     ));
     let _ = std::fs::remove_file(&path);
     all_passed(cases)

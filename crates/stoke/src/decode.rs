@@ -213,6 +213,10 @@ pub struct RefDecoder<B: Backend> {
     /// written (see [`assign_rows`]).
     keys: Vec<Option<Tensor<B, 4>>>,
     values: Vec<Option<Tensor<B, 4>>>,
+    /// With an FP8/INT4 mirror: the exact cache beside it (`keys` / `values` then hold the
+    /// mirror's values), which prefill attention reads as the kernels' does; empty for BF16.
+    exact_keys: Vec<Option<Tensor<B, 4>>>,
+    exact_values: Vec<Option<Tensor<B, 4>>>,
     /// Where each sequence's current token goes (the tokens before it are in the cache).
     pos: Vec<usize>,
     ids: Vec<u32>,
@@ -322,9 +326,16 @@ impl<B: Backend> RefDecoder<B> {
             cos.push(pair[0]);
             sin.push(pair[1]);
         }
+        let exact = if spec.kv_format == KvCacheFormat::Bf16 {
+            0
+        } else {
+            spec.layers
+        };
         Ok(Self {
             keys: (0..spec.layers).map(|_| z()).collect(),
             values: (0..spec.layers).map(|_| z()).collect(),
+            exact_keys: (0..exact).map(|_| z()).collect(),
+            exact_values: (0..exact).map(|_| z()).collect(),
             pos: vec![0; b],
             ids: vec![0; b],
             presence: vec![vec![0; words(spec.vocab)]; b],
@@ -356,6 +367,24 @@ impl<B: Backend> RefDecoder<B> {
     /// Marks the ops that follow as inside a step (sampling then advances positions).
     pub fn set_in_step(&mut self, in_step: bool) {
         self.in_step = in_step;
+    }
+
+    /// Writes keys and values `[1, kvh, n, d]` at `rows` of `layer`'s cache: the exact values,
+    /// and what the mirror holds of them.
+    fn store(
+        &mut self,
+        layer: usize,
+        rows: [std::ops::Range<usize>; 4],
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+    ) {
+        if !self.exact_keys.is_empty() {
+            assign_rows(&mut self.exact_keys[layer], rows.clone(), k.clone());
+            assign_rows(&mut self.exact_values[layer], rows.clone(), v.clone());
+        }
+        let (kq, vq) = (self.through_format(k), self.through_format(v));
+        assign_rows(&mut self.keys[layer], rows.clone(), kq);
+        assign_rows(&mut self.values[layer], rows, vq);
     }
 
     /// The simulated mirror format applied to rows `[.., d]` (quantized and back, rotated and
@@ -440,10 +469,7 @@ impl<B: Backend> RefDecoder<B> {
                 k.clone().slice([i..i + 1]).reshape([1, kvh, 1, d]),
                 v.clone().slice([i..i + 1]).reshape([1, kvh, 1, d]),
             );
-            let (ki, vi) = (self.through_format(ki), self.through_format(vi));
-            let rows = [i..i + 1, 0..kvh, p..p + 1, 0..d];
-            assign_rows(&mut self.keys[layer], rows.clone(), ki);
-            assign_rows(&mut self.values[layer], rows, vi);
+            self.store(layer, [i..i + 1, 0..kvh, p..p + 1, 0..d], ki, vi);
         }
         // Keys in whole blocks of 256 (masked past each sequence's position), so a backend that
         // compiles per shape (burn-cuda) sees a new shape every 256 steps, not every step.
@@ -473,8 +499,8 @@ impl<B: Backend> RefDecoder<B> {
     }
 
     /// Packed prefill attention (see [`prefill_attention`]): per sequence, RoPE at its
-    /// positions, its keys and values written to its slot (through the mirror format), and
-    /// causal attention over its earlier cached keys and its own exact ones.
+    /// positions, its keys and values written to its slot (exact, and through the mirror
+    /// format), and causal attention over its earlier exact cached keys and its own.
     fn prefill_attention(
         &mut self,
         layer: usize,
@@ -514,14 +540,14 @@ impl<B: Backend> RefDecoder<B> {
                 let t = t.clone().slice([s.slot..s.slot + 1, 0..kvh, 0..p0, 0..d]);
                 Tensor::cat(vec![t, new], 2)
             };
-            let (kk, vv) = (
-                earlier(&self.keys[layer], k.clone()),
-                earlier(&self.values[layer], v.clone()),
-            );
-            let rows_at = [s.slot..s.slot + 1, 0..kvh, p0..p0 + r, 0..d];
-            let (kq, vq) = (self.through_format(k), self.through_format(v));
-            assign_rows(&mut self.keys[layer], rows_at.clone(), kq);
-            assign_rows(&mut self.values[layer], rows_at, vq);
+            // Earlier chunks' keys from the exact cache, as the kernel reads them.
+            let (ek, ev) = if self.exact_keys.is_empty() {
+                (&self.keys[layer], &self.values[layer])
+            } else {
+                (&self.exact_keys[layer], &self.exact_values[layer])
+            };
+            let (kk, vv) = (earlier(ek, k.clone()), earlier(ev, v.clone()));
+            self.store(layer, [s.slot..s.slot + 1, 0..kvh, p0..p0 + r, 0..d], k, v);
             // The g query heads of a kv head as its query rows: [1, kvh, g r, d], row
             // (j, i) at position p0 + i sees keys 0 ..= p0 + i.
             let keys = p0 + r;

@@ -148,6 +148,25 @@ fn chunked_prefill_equals_the_forward() {
 }
 
 #[test]
+fn chunked_prefill_reads_earlier_chunks_exact_with_a_quantized_mirror() {
+    // Prefill attention reads the exact cache (the FP8/INT4 mirror serves decode steps), so a
+    // prompt's prefill logits do not depend on where the chunks split it.
+    type B = burn_ndarray::NdArray<f32>;
+    let m = model::<B>(64);
+    for kv in [KvCacheFormat::Int4, KvCacheFormat::Fp8] {
+        let (_, whole) = decoded_forced(&m, 0, kv, None, PREFILL_CHUNK);
+        for chunk in [1, 4] {
+            let (_, split) = decoded_forced(&m, 0, kv, None, chunk);
+            let d = max_diff(&split, &whole);
+            assert!(
+                d < 1e-4,
+                "{kv:?} chunks of {chunk}: prefill logits moved by {d}"
+            );
+        }
+    }
+}
+
+#[test]
 fn forced_decode_steps_equal_the_forward_on_the_forced_tokens() {
     type B = burn_ndarray::NdArray<f32>;
     let m = model::<B>(64);
