@@ -201,6 +201,10 @@ struct Args {
     /// them (the rounded weights are dense).
     #[arg(long, value_enum)]
     fp8_sim: Option<Fp8SimPart>,
+    /// With `--fp8-sim both|activations`: the down projection's input rounded with one delayed
+    /// scale per layer (the amax history of earlier windows) instead of one per row.
+    #[arg(long, requires = "fp8_sim")]
+    fp8_delayed_down: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
@@ -518,6 +522,7 @@ fn generate_on<B: FusedOps>(
         let fp8_sim = args.fp8_sim.map(|part| stoke_llama::quant::Fp8Sim {
             weights: part != Fp8SimPart::Activations,
             activations: part != Fp8SimPart::Weights,
+            delayed_down: args.fp8_delayed_down,
         });
         if let Some(sim) = fp8_sim {
             loaded.model = sim.apply_to_weights(loaded.model);
@@ -558,6 +563,12 @@ fn generate_on<B: FusedOps>(
             t1.elapsed().as_secs_f64(),
             stoke::cuda::fp8_linear::kernel_calls()
         );
+        if args.fp8_delayed_down {
+            println!(
+                "delayed FP8 scales of the down projections' inputs saturated {} values",
+                p.fp8_saturated
+            );
+        }
         return Ok(None);
     }
     let cfg = SamplingConfig {

@@ -16,6 +16,8 @@ pub struct Perplexity {
     pub windows: usize,
     /// Whether the windows ran through the decoder's packed prefill (else `Llama::forward`).
     pub through_prefill: bool,
+    /// Values a simulated delayed FP8 scale saturated ([`Fp8Sim::delayed_down`]).
+    pub fp8_saturated: u64,
 }
 
 /// Perplexity of `model` on `text`; `Err` if the text has fewer than `windows * window` tokens.
@@ -66,6 +68,7 @@ pub fn perplexity<B: FusedOps>(
         }
         _ => None,
     };
+    let mut sim = fp8.map(|f| f.run(model.layers.len()));
     for w in 0..windows {
         let chunk = &ids[w * window..(w + 1) * window];
         let logits = if let Some(dec) = decoder.as_mut() {
@@ -82,13 +85,13 @@ pub fn perplexity<B: FusedOps>(
                 ),
                 device,
             );
-            match fp8 {
+            match sim.as_mut() {
                 Some(sim) => model.forward_with_inputs(
                     tokens,
                     &[window],
                     &mut cache,
                     false,
-                    &mut |_, _, x| sim.apply_to_input(x),
+                    &mut |l, site, x| sim.input(l, site, x),
                 ),
                 None => model.forward(tokens, &[window], &mut cache, false),
             }
@@ -119,5 +122,6 @@ pub fn perplexity<B: FusedOps>(
         predicted_tokens: count,
         windows,
         through_prefill: decoder.is_some(),
+        fp8_saturated: sim.map_or(0, |s| s.saturated()),
     })
 }

@@ -26,6 +26,7 @@ use burn::nn::Linear;
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use std::time::Instant;
 use stoke::FusedOps;
+use stoke_formats::fp8::DelayedScale;
 use stoke_formats::gptq::{GptqError, prepare_hessian, quantize_gptq_prepared};
 use stoke_formats::int4::{Int4Error, PackedInt4, ScaleType};
 
@@ -497,7 +498,16 @@ pub fn simulate_rtn<B: FusedOps>(
 pub struct Fp8Sim {
     pub weights: bool,
     pub activations: bool,
+    /// With `activations`: the down projection's input (the SwiGLU output) scaled as the
+    /// gate|up GEMM's FP8 epilogue would write it, one delayed scale per tensor per layer
+    /// ([`DelayedScale`], history [`DELAYED_HISTORY`], no margin) instead of one per row. A
+    /// layer's first invocation has no history: it runs as the per-row path does (the bf16
+    /// SwiGLU output quantized per row) and records its amax, so no calibration is needed.
+    pub delayed_down: bool,
 }
+
+/// Amax history slots of a simulated delayed scale.
+pub const DELAYED_HISTORY: usize = 16;
 
 impl Fp8Sim {
     /// Every projection weight of `model` (q|k|v, o, gate|up, down; the head is kept) replaced
@@ -526,10 +536,35 @@ impl Fp8Sim {
         model
     }
 
-    /// A projection input `[batch, rows, k]` rounded per row, when the recipe rounds
-    /// activations; else `x` itself.
-    pub fn apply_to_input<B: FusedOps>(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        if !self.activations {
+    /// The state of one simulated run over a model of `layers` layers.
+    pub fn run(self, layers: usize) -> Fp8SimRun {
+        Fp8SimRun {
+            sim: self,
+            down: (0..layers)
+                .map(|_| DelayedScale::new(DELAYED_HISTORY, 1.0, 1.0).expect("valid constants"))
+                .collect(),
+        }
+    }
+}
+
+/// A simulation's state across invocations (the delayed scales of the down projections'
+/// inputs): pass every projection input through [`Fp8SimRun::input`].
+#[derive(Clone, Debug)]
+pub struct Fp8SimRun {
+    sim: Fp8Sim,
+    down: Vec<DelayedScale>,
+}
+
+impl Fp8SimRun {
+    /// Projection input `x` (`[batch, rows, k]`) of `site` in `layer`, rounded as the recipe
+    /// says; `x` itself when it rounds no activations.
+    pub fn input<B: FusedOps>(
+        &mut self,
+        layer: usize,
+        site: Site,
+        x: Tensor<B, 3>,
+    ) -> Tensor<B, 3> {
+        if !self.sim.activations {
             return x;
         }
         let (dims, device, dtype) = (x.dims(), x.device(), x.dtype());
@@ -539,7 +574,24 @@ impl Fp8Sim {
             .into_data()
             .to_vec::<f32>()
             .expect("f32 values");
-        v.chunks_mut(k).for_each(stoke_formats::fp8::round_trip);
+        let scale = &mut self.down[layer];
+        if self.sim.delayed_down && site == Site::Down && scale.invocations > 0 {
+            let (q, s) = scale.quantize(&v);
+            for (o, &c) in v.iter_mut().zip(&q.codes) {
+                *o = stoke_formats::fp8::e4m3_to_f32(c) * s;
+            }
+        } else {
+            if site == Site::Down {
+                let amax = v.iter().fold(0f32, |m, x| m.max(x.abs()));
+                scale.record(amax, 0);
+            }
+            v.chunks_mut(k).for_each(stoke_formats::fp8::round_trip);
+        }
         Tensor::<B, 3>::from_data(TensorData::new(v, dims), &device).cast(dtype)
+    }
+
+    /// Values the delayed scales saturated, over every layer and invocation.
+    pub fn saturated(&self) -> u64 {
+        self.down.iter().map(|d| d.saturated).sum()
     }
 }
