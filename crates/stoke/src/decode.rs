@@ -546,27 +546,45 @@ impl<B: Backend> RefDecoder<B> {
             } else {
                 (&self.exact_keys[layer], &self.exact_values[layer])
             };
-            let (kk, vv) = (earlier(ek, k.clone()), earlier(ev, v.clone()));
+            // Query rows padded to a multiple of 64 and keys to one of 256 (zeros, masked), so a
+            // backend that compiles per shape (burn-cuda) sees few shapes across pieces.
+            let (rp, keys) = (r.next_multiple_of(64), (p0 + r).next_multiple_of(256));
+            let device = self.device.clone();
+            let pad = |t: Tensor<B, 4>, len: usize| {
+                let [a, b, n, e] = t.dims();
+                if n == len {
+                    return t;
+                }
+                let z = Tensor::<B, 4>::zeros([a, b, len - n, e], &device).cast(t.dtype());
+                Tensor::cat(vec![t, z], 2)
+            };
+            let (kk, vv) = (
+                pad(earlier(ek, k.clone()), keys),
+                pad(earlier(ev, v.clone()), keys),
+            );
             self.store(layer, [s.slot..s.slot + 1, 0..kvh, p0..p0 + r, 0..d], k, v);
-            // The g query heads of a kv head as its query rows: [1, kvh, g r, d], row
-            // (j, i) at position p0 + i sees keys 0 ..= p0 + i.
-            let keys = p0 + r;
-            let q = q
-                .reshape([r, kvh, g, d])
+            // The g query heads of a kv head as its query rows: [1, kvh, g rp, d], row
+            // (j, i) at position p0 + i sees keys 0 ..= p0 + i (a padding row: key 0).
+            let q = pad(q.reshape([1, 1, r, h * d]), rp)
+                .reshape([rp, kvh, g, d])
                 .permute([1, 2, 0, 3])
-                .reshape([1, kvh, g * r, d]);
+                .reshape([1, kvh, g * rp, d]);
             let hidden: Vec<bool> = (0..g)
-                .flat_map(|_| 0..r)
-                .flat_map(|i| (0..keys).map(move |j| j > p0 + i))
+                .flat_map(|_| 0..rp)
+                .flat_map(|i| {
+                    let last = if i < r { p0 + i } else { 0 };
+                    (0..keys).map(move |j| j > last)
+                })
                 .collect();
             let mask = Tensor::<B, 4, Bool>::from_data(
-                TensorData::new(hidden, [1, 1, g * r, keys]),
+                TensorData::new(hidden, [1, 1, g * rp, keys]),
                 &self.device,
             )
-            .expand([1, kvh, g * r, keys]);
+            .expand([1, kvh, g * rp, keys]);
             let out = module::attention(q, kk, vv, Some(mask), None, Default::default());
             outs.push(
-                out.reshape([kvh, g, r, d])
+                out.reshape([kvh, g, rp, d])
+                    .narrow(2, 0, r)
                     .permute([2, 0, 1, 3])
                     .reshape([r, h * d]),
             );
