@@ -11,6 +11,10 @@
 //                       range (written as +-448) are counted in *saturated.
 //   fp8_gemm_swiglu_bf16  the same h written as bf16 ([M, ldo], N / 2 columns): the model's
 //                       prefill until the down projection reads the E4M3 h directly.
+// The same mainloop on bf16 operands (bf16_tc_gemm_plain / _residual / _swiglu_bf16): A [M, K]
+// and W [N, K] bf16, loaded as bytes (a 128-byte k-block is 64 bf16), wgmma.m64n128k16.bf16
+// accumulating straight into the tile's f32 accumulator (the tensor core's bf16 sums are f32),
+// no scales.
 //
 // One persistent CTA per SM (grid = min(SMs, tiles)) walks the 128 x 128 output tiles in a
 // rasterized order: tiles go down M inside a band of RASTER tile columns, so the band's weight
@@ -84,6 +88,28 @@ __device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], u64 a, u64 b, u3
         : "l"(a), "l"(b), "r"(scale_d));
 }
 
+// d (+)= A B^T for one k16 slice: 64 rows of A and 128 rows of W, both bf16 (K-major) in
+// shared memory.
+__device__ __forceinline__ void wgmma_bf16_n128(float (&d)[64], u64 a, u64 b, u32 scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(scale_d));
+}
+
 // Tile t of the persistent order: (row block, column block).
 __device__ __forceinline__ void tile_coords(u32 t, u32 tiles_m, u32 tiles_n, u32& tm, u32& tn) {
     const u32 band = t / (RASTER * tiles_m);
@@ -94,7 +120,13 @@ __device__ __forceinline__ void tile_coords(u32 t, u32 tiles_m, u32 tiles_n, u32
     tn = first + in_band % width;
 }
 
-template <int EPI>
+// Column col's weight scale (bf16 operands have none).
+template <bool BF16>
+__device__ __forceinline__ float w_scale_of(const Fp8GemmParams& p, u32 col) {
+    return BF16 ? 1.0f : p.w_scale[col];
+}
+
+template <int EPI, bool BF16>
 __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
     extern __shared__ __align__(1024) u8 smem_raw[];
     const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -102,7 +134,9 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
     const u32 full = base + STAGES * STAGE_BYTES, empty = full + STAGES * 8;
     const u32 wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     const u32 tiles_m = (p.m + BM - 1) / BM, tiles_n = (p.n + BN - 1) / BN;
-    const u32 tiles = tiles_m * tiles_n, kblocks = (p.k + BK - 1) / BK;
+    // k-blocks of BK bytes: BK E4M3 values, or BK / 2 bf16 ones.
+    const u32 kbytes = BF16 ? 2 * p.k : p.k;
+    const u32 tiles = tiles_m * tiles_n, kblocks = (kbytes + BK - 1) / BK;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -150,15 +184,23 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
             const u32 a = a_smem + stage * A_STAGE + half * 64 * BK;
             const u32 w = w_smem + stage * W_STAGE;
             wg_fence();
+            // Four wgmma of 32 bytes of k each (k32 E4M3, k16 bf16).
 #pragma unroll
             for (int j = 0; j < BK / 32; ++j) {
-                wgmma_e4m3_n128(blk, smem_desc_sw128(a + 32 * j), smem_desc_sw128(w + 32 * j), j > 0);
+                const u64 da = smem_desc_sw128(a + 32 * j), dw = smem_desc_sw128(w + 32 * j);
+                if (BF16) {
+                    wgmma_bf16_n128(acc, da, dw, kb > 0 || j > 0);
+                } else {
+                    wgmma_e4m3_n128(blk, da, dw, j > 0);
+                }
             }
             wg_commit();
             wg_wait_all();
             if (tid == 0) mbar_arrive(empty + 8 * stage);
+            if (!BF16) {
 #pragma unroll
-            for (int i = 0; i < 64; ++i) acc[i] += blk[i];
+                for (int i = 0; i < 64; ++i) acc[i] += blk[i];
+            }
             if (++stage == STAGES) {
                 stage = 0;
                 phase ^= 1;
@@ -173,15 +215,15 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
         for (int h = 0; h < 2; ++h) {
             const u32 row = row0 + 8 * h;
             if (row >= p.m) continue;
-            const float sa = p.a_scale[row * p.a_scale_stride];
+            const float sa = BF16 ? 1.0f : p.a_scale[row * p.a_scale_stride];
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
                 const u32 col = tn * BN + 8 * j + 2 * (lane % 4);
                 if (col >= p.n) continue;
-                const float y0 = acc[4 * j + 2 * h] * sa * p.w_scale[col];
+                const float y0 = acc[4 * j + 2 * h] * sa * w_scale_of<BF16>(p, col);
                 if (EPI == EPI_SWIGLU) {
                     // n is even: the pair is whole.
-                    const float up = acc[4 * j + 2 * h + 1] * sa * p.w_scale[col + 1];
+                    const float up = acc[4 * j + 2 * h + 1] * sa * w_scale_of<BF16>(p, col + 1);
                     const float hv = y0 / (1.0f + expf(-y0)) * up;
                     if (fabsf(hv) < __int_as_float(0x7f800000)) amax = fmaxf(amax, fabsf(hv));
                     float q = __fdiv_rn(hv, out_scale);
@@ -193,7 +235,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                     continue;
                 }
                 if (EPI == EPI_SWIGLU_BF16) {
-                    const float up = acc[4 * j + 2 * h + 1] * sa * p.w_scale[col + 1];
+                    const float up = acc[4 * j + 2 * h + 1] * sa * w_scale_of<BF16>(p, col + 1);
                     p.out[u64(row) * p.ldo + col / 2] = to_bf16(y0 / (1.0f + expf(-y0)) * up);
                     continue;
                 }
@@ -205,7 +247,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                 }
                 u16* out = p.out + u64(row) * p.ldo;
                 if (col + 1 < p.n) {
-                    const float y1 = acc[4 * j + 2 * h + 1] * sa * p.w_scale[col + 1];
+                    const float y1 = acc[4 * j + 2 * h + 1] * sa * w_scale_of<BF16>(p, col + 1);
                     *reinterpret_cast<u32*>(out + col) = pack_bf16x2(y0 + r0, y1 + r1);
                 } else {
                     out[col] = to_bf16(y0 + r0);
@@ -227,14 +269,23 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_plain(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_PLAIN>(p);
+    fp8_gemm<EPI_PLAIN, false>(p);
 }
 extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_residual(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_RESIDUAL>(p);
+    fp8_gemm<EPI_RESIDUAL, false>(p);
 }
 extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_swiglu(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_SWIGLU>(p);
+    fp8_gemm<EPI_SWIGLU, false>(p);
 }
 extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_swiglu_bf16(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_SWIGLU_BF16>(p);
+    fp8_gemm<EPI_SWIGLU_BF16, false>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_plain(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_PLAIN, true>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_residual(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_RESIDUAL, true>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_swiglu_bf16(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_SWIGLU_BF16, true>(p);
 }

@@ -8,7 +8,9 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::kernels::FP8_GEMM;
-use stoke_cuda::kernels::fp8_gemm::{Fp8Epilogue, Fp8Gemm, fp8_gemm, grid};
+use stoke_cuda::kernels::fp8_gemm::{
+    Bf16TcGemm, Fp8Epilogue, Fp8Gemm, bf16_tc_gemm, fp8_gemm, grid,
+};
 use stoke_cuda::kernels::fp8_quant::{Fp8RowsParams, quantize_rows as quantize_rows_gpu};
 use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::fp8::{Fp8Weight, e4m3_to_f32, quantize_rows_fused};
@@ -320,6 +322,140 @@ const BENCH_SHAPES: &[(&str, usize, usize)] = &[
 ];
 const BENCH_ROWS: &[usize] = &[512, 2048, 8192];
 
+/// `(m, n, k, rows_checked, epilogue)` of the bf16 instantiation: one row; k ending inside a
+/// k-block (344 bf16 = 5.4 blocks of 64); an 8B-shaped call and the 8B down projection's long
+/// k (a spread of rows checked); the residual and SwiGLU-to-bf16 epilogues.
+const BF16_CASES: &[(usize, usize, usize, usize, Epi)] = &[
+    (1, 128, 64, 1, Epi::Plain),
+    (3, 200, 344, 3, Epi::Plain),
+    (130, 264, 4096, 130, Epi::Plain),
+    (2048, 4096, 4096, 24, Epi::Plain),
+    (77, 4096, 14336, 12, Epi::Plain),
+    (130, 264, 1040, 130, Epi::Residual),
+    (130, 1032, 576, 130, Epi::SwiGluBf16),
+];
+
+/// The persistent GEMM on bf16 operands (`bf16_tc_gemm`) against an f64 reference of the same
+/// bf16 values, each epilogue, outputs poisoned (NaN) first and the padding columns checked
+/// untouched. Bound per element: `|want| 2^-8` (the output's bf16 rounding) plus `2^-16` of
+/// the sum of |a_i w_i| (f32 accumulation).
+pub fn bf16_tc_gemm_matches_reference() -> Result<Value, String> {
+    let rt = crate::gpu()?;
+    let seed = crate::seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let to_f64 = |v: &[u16]| -> Vec<f64> {
+        v.iter()
+            .map(|&b| f64::from(stoke_formats::bf16::to_f32(b)))
+            .collect()
+    };
+    let tol = 1.0 / 65536.0;
+    let (mut cases, mut worst) = (Vec::new(), 0f64);
+    for &(m, n, k, checked, epi) in BF16_CASES {
+        let a16: Vec<u16> = activations(&mut rng, m, k)
+            .iter()
+            .map(|&v| stoke_formats::bf16::from_f32(v))
+            .collect();
+        let w16: Vec<u16> = (0..n * k)
+            .map(|_| {
+                stoke_formats::bf16::from_f32(rng.random_range(-1.0f32..1.0) / (k as f32).sqrt())
+            })
+            .collect();
+        let (a, w) = (to_f64(&a16), to_f64(&w16));
+        let rows: Vec<usize> = if checked >= m {
+            (0..m).collect()
+        } else {
+            (0..checked).map(|i| i * (m - 1) / (checked - 1)).collect()
+        };
+        let what = format!("seed {seed}: bf16 m {m} n {n} k {k} {epi:?}");
+        let cols = if epi == Epi::SwiGluBf16 { n / 2 } else { n };
+        let ldo = cols + 8;
+        let out = rt.alloc(m * ldo * 2).map_err(|e| e.to_string())?;
+        unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.map_err(|e| e.to_string())?;
+        let residual: Vec<u16> = (0..m * n)
+            .map(|_| stoke_formats::bf16::from_f32(rng.random_range(-3.0f32..3.0)))
+            .collect();
+        let (ab, wb, rb) = (
+            put_u16(&rt, &a16),
+            put_u16(&rt, &w16),
+            put_u16(&rt, &residual),
+        );
+        let epilogue = match epi {
+            Epi::Residual => Fp8Epilogue::Residual {
+                out: out.as_mut_ptr(),
+                residual: rb.as_ptr(),
+                ldr: n as u32,
+            },
+            Epi::SwiGluBf16 => Fp8Epilogue::SwiGluBf16 {
+                out: out.as_mut_ptr(),
+            },
+            _ => Fp8Epilogue::Plain {
+                out: out.as_mut_ptr(),
+            },
+        };
+        let call = Bf16TcGemm {
+            a: ab.as_ptr(),
+            w: wb.as_ptr(),
+            epilogue,
+            m: m as u32,
+            n: n as u32,
+            k: k as u32,
+            ldo: ldo as u32,
+        };
+        unsafe { bf16_tc_gemm(&rt, &call) }.map_err(|e| format!("{what}: {e}"))?;
+        let got = try_get_bf16(&out).map_err(|e| format!("{what}: {e}"))?;
+        let mut case_worst = 0f64;
+        for &r in &rows {
+            // Row r's f64 outputs and the sums of |a_i w_i|.
+            let (y, l1): (Vec<f64>, Vec<f64>) = (0..n)
+                .map(|j| {
+                    let (ar, wj) = (&a[r * k..(r + 1) * k], &w[j * k..(j + 1) * k]);
+                    ar.iter().zip(wj).fold((0f64, 0f64), |(d, l), (x, v)| {
+                        (d + x * v, l + (x * v).abs())
+                    })
+                })
+                .unzip();
+            for j in 0..ldo {
+                let g = got[r * ldo + j];
+                if j >= cols {
+                    if !g.is_nan() {
+                        return Err(format!("{what}: padding column {j} of row {r} was written"));
+                    }
+                    continue;
+                }
+                let (want, dy) = match epi {
+                    Epi::SwiGluBf16 => {
+                        let (gt, up) = (y[2 * j], y[2 * j + 1]);
+                        let silu = gt / (1.0 + (-gt).exp());
+                        (
+                            silu * up,
+                            (1.1 * up.abs() + silu.abs()) * tol * (l1[2 * j] + l1[2 * j + 1]),
+                        )
+                    }
+                    Epi::Residual => (
+                        y[j] + f64::from(stoke_formats::bf16::to_f32(residual[r * n + j])),
+                        tol * l1[j],
+                    ),
+                    _ => (y[j], tol * l1[j]),
+                };
+                let bound = want.abs() / 256.0 + dy + 1e-30;
+                let ratio = (g - want).abs() / bound;
+                if !(ratio <= 1.0) {
+                    return Err(format!(
+                        "{what}: out[{r}][{j}] = {g}, reference {want} (bound {bound:.3e})"
+                    ));
+                }
+                case_worst = case_worst.max(ratio);
+            }
+        }
+        worst = worst.max(case_worst);
+        cases.push(
+            json!({"m": m, "n": n, "k": k, "epilogue": format!("{epi:?}"),
+            "rows_checked": rows.len(), "worst_error_over_bound": case_worst}),
+        );
+    }
+    Ok(json!({"seed": seed, "tol_l1": tol, "worst_error_over_bound": worst, "cases": cases}))
+}
+
 /// Random E4M3 codes of moderate magnitude (exponents 4 .. 9, either sign).
 fn random_codes(rng: &mut StdRng, len: usize) -> Vec<u8> {
     (0..len)
@@ -362,14 +498,15 @@ impl Point {
     }
 }
 
-/// TFLOP/s of the kernel at each shape, beside the same-run tensor-core rate probe.
+/// TFLOP/s of the kernel at each shape, and of its bf16 instantiation on the same shapes.
 pub fn bench() -> Value {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(12);
-    let mut rows = Vec::new();
+    let (mut rows, mut bf16_rows) = (Vec::new(), Vec::new());
     for &(name, k, n) in BENCH_SHAPES {
         let wb = put_u8(&rt, &random_codes(&mut rng, n * k));
         let sw = put_f32(&rt, &vec![1e-2; n]);
+        let w16 = put_u16(&rt, &crate::int4::random_bf16(&mut rng, n * k));
         for &m in BENCH_ROWS {
             let point = Point::new(&rt, &mut rng, m, n, k);
             let call = point.call(&wb, &sw, m, n, k);
@@ -387,10 +524,35 @@ pub fn bench() -> Value {
                 json!({"shape": name, "m": m, "n": n, "k": k, "us": timing.us,
                 "tflops": tflops, "grid": grid(m as u32, n as u32, rt.sm_count)}),
             );
+            // The same call on bf16 operands.
+            let a16 = put_u16(&rt, &crate::int4::random_bf16(&mut rng, m * k));
+            let call = Bf16TcGemm {
+                a: a16.as_ptr(),
+                w: w16.as_ptr(),
+                epilogue: Fp8Epilogue::Plain {
+                    out: point.out.as_mut_ptr(),
+                },
+                m: m as u32,
+                n: n as u32,
+                k: k as u32,
+                ldo: n as u32,
+            };
+            let timing = crate::bench::time_calls(&rt, 3, iters, |_| {
+                unsafe { bf16_tc_gemm(&rt, &call) }.unwrap()
+            });
+            let tflops = flop / timing.us / 1e6;
+            println!(
+                "bf16 {name:<12} m {m:5}: {:9.2} us {tflops:7.1} TFLOP/s",
+                timing.us
+            );
+            bf16_rows.push(
+                json!({"shape": name, "m": m, "n": n, "k": k, "us": timing.us,
+                "tflops": tflops}),
+            );
         }
     }
     let kernels = crate::bench::kernel_reports(&rt, FP8_GEMM.file);
-    json!({ "runs": rows, "kernels": kernels })
+    json!({ "runs": rows, "bf16_runs": bf16_rows, "kernels": kernels })
 }
 
 /// Two plain-epilogue launches at each named benchmark shape (all when none is named) with

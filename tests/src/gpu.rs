@@ -94,6 +94,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::fp8::fp8_gemm_matches_reference,
     ),
     (
+        "bf16_tc_gemm_matches_reference",
+        crate::fp8::bf16_tc_gemm_matches_reference,
+    ),
+    (
         "smollm2_fp8_prefill_matches_bf16",
         crate::llama::fp8_prefill_matches_bf16,
     ),

@@ -51,6 +51,9 @@ pub const ENTRY_POINTS: &[&str] = &[
     "fp8_gemm_residual",
     "fp8_gemm_swiglu",
     "fp8_gemm_swiglu_bf16",
+    "bf16_tc_gemm_plain",
+    "bf16_tc_gemm_residual",
+    "bf16_tc_gemm_swiglu_bf16",
 ];
 
 /// The kernel's tile (`BM` x `BN`), k per stage (`BK`), stages, and its shared memory.
@@ -108,26 +111,37 @@ pub struct Fp8Gemm {
 /// row pitch); bf16 outputs: `ldo >= n` and even (the epilogue's paired stores), a residual
 /// pitch of at least `n`; SwiGLU: `n` even and `ldo >= n / 2`.
 pub fn check_shape(g: &Fp8Gemm) -> std::result::Result<(), ShapeError> {
-    let (m, n, k, ldo) = (g.m, g.n, g.k, g.ldo);
+    check_call("FP8 GEMM", g.m, g.n, (g.k, 16), g.ldo, g.epilogue)
+}
+
+/// [`check_shape`] for `what`, with `k` a positive multiple of `k_multiple`.
+fn check_call(
+    what: &str,
+    m: u32,
+    n: u32,
+    (k, k_multiple): (u32, u32),
+    ldo: u32,
+    epilogue: Fp8Epilogue,
+) -> std::result::Result<(), ShapeError> {
     if m == 0 || n == 0 {
         return Err(ShapeError::new(
-            "FP8 GEMM rows and columns",
+            format!("{what} rows and columns"),
             "positive",
             format!("m {m}, n {n}"),
         ));
     }
-    if k == 0 || !k.is_multiple_of(16) {
+    if k == 0 || !k.is_multiple_of(k_multiple) {
         return Err(ShapeError::new(
-            "FP8 GEMM k",
-            "a positive multiple of 16",
+            format!("{what} k"),
+            format!("a positive multiple of {k_multiple}"),
             k.to_string(),
         ));
     }
-    match g.epilogue {
+    match epilogue {
         Fp8Epilogue::SwiGlu { .. } | Fp8Epilogue::SwiGluBf16 { .. } => {
             if !n.is_multiple_of(2) || ldo < n / 2 {
                 return Err(ShapeError::new(
-                    "FP8 GEMM SwiGLU columns and output pitch",
+                    format!("{what} SwiGLU columns and output pitch"),
                     "an even n (gate and up interleaved) and a pitch of at least n / 2",
                     format!("n {n}, pitch {ldo}"),
                 ));
@@ -136,16 +150,16 @@ pub fn check_shape(g: &Fp8Gemm) -> std::result::Result<(), ShapeError> {
         Fp8Epilogue::Plain { .. } | Fp8Epilogue::Residual { .. } => {
             if ldo < n || !ldo.is_multiple_of(2) {
                 return Err(ShapeError::new(
-                    "FP8 GEMM output row pitch",
+                    format!("{what} output row pitch"),
                     format!("an even count of at least n = {n}"),
                     ldo.to_string(),
                 ));
             }
-            if let Fp8Epilogue::Residual { ldr, .. } = g.epilogue
+            if let Fp8Epilogue::Residual { ldr, .. } = epilogue
                 && ldr < n
             {
                 return Err(ShapeError::new(
-                    "FP8 GEMM residual row pitch",
+                    format!("{what} residual row pitch"),
                     format!("at least n = {n}"),
                     ldr.to_string(),
                 ));
@@ -205,6 +219,79 @@ pub unsafe fn fp8_gemm(rt: &Runtime, g: &Fp8Gemm) -> Result<()> {
         Fp8Epilogue::SwiGluBf16 { out } => {
             p.out = out;
             "fp8_gemm_swiglu_bf16"
+        }
+    };
+    let k = rt.kernel(EntryPoint::<Fp8GemmParams>::new(&FP8_GEMM, entry))?;
+    let shape = LaunchShape {
+        grid: (grid(g.m, g.n, rt.sm_count), 1, 1),
+        block: (THREADS, 1, 1),
+        shared_mem_bytes: SMEM_BYTES,
+    };
+    // SAFETY: the caller's guarantees; the params match the entry point.
+    unsafe { rt.launch(&k, shape, &p) }
+}
+
+/// One call of the same persistent GEMM on bf16 operands (`bf16_tc_gemm_*`): `y = A W^T`
+/// with f32 accumulation and no scales, then [`Fp8Epilogue::Plain`], `Residual` or
+/// `SwiGluBf16` (the E4M3 SwiGLU output is FP8's alone).
+#[derive(Clone, Copy, Debug)]
+pub struct Bf16TcGemm {
+    /// A `[m, k]` bf16, row-major, 16-byte aligned.
+    pub a: DevicePtr<bf16>,
+    /// W `[n, k]` bf16, row-major, 16-byte aligned.
+    pub w: DevicePtr<bf16>,
+    pub epilogue: Fp8Epilogue,
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+    /// Row pitch of the output in elements, as [`Fp8Gemm::ldo`].
+    pub ldo: u32,
+}
+
+/// Queues the bf16 GEMM and its epilogue: `k` a positive multiple of 8 (rows of 16 bytes),
+/// otherwise as [`fp8_gemm`]. The operands are loaded as bytes, a k-block being 64 bf16.
+///
+/// # Safety
+/// The pointers must be valid device memory of the documented sizes until the kernel is done.
+pub unsafe fn bf16_tc_gemm(rt: &Runtime, g: &Bf16TcGemm) -> Result<()> {
+    check_call("bf16 GEMM", g.m, g.n, (g.k, 8), g.ldo, g.epilogue)?;
+    let mut p = Fp8GemmParams {
+        a_map: rt.u8_tensor_map_2d(g.a.addr(), g.m, 2 * g.k, BM, BK)?,
+        w_map: rt.u8_tensor_map_2d(g.w.addr(), g.n, 2 * g.k, BN, BK)?,
+        a_scale: DevicePtr::NULL,
+        w_scale: DevicePtr::NULL,
+        out: DevicePtrMut::NULL,
+        residual: DevicePtr::NULL,
+        codes: DevicePtrMut::NULL,
+        out_scale: DevicePtr::NULL,
+        amax: DevicePtrMut::NULL,
+        saturated: DevicePtrMut::NULL,
+        m: g.m,
+        n: g.n,
+        k: g.k,
+        ldo: g.ldo,
+        ldr: 0,
+        a_scale_stride: 0,
+    };
+    let entry = match g.epilogue {
+        Fp8Epilogue::Plain { out } => {
+            p.out = out;
+            "bf16_tc_gemm_plain"
+        }
+        Fp8Epilogue::Residual { out, residual, ldr } => {
+            (p.out, p.residual, p.ldr) = (out, residual, ldr);
+            "bf16_tc_gemm_residual"
+        }
+        Fp8Epilogue::SwiGluBf16 { out } => {
+            p.out = out;
+            "bf16_tc_gemm_swiglu_bf16"
+        }
+        Fp8Epilogue::SwiGlu { .. } => {
+            return Err(crate::Error::Shape(ShapeError::new(
+                "bf16 GEMM epilogue",
+                "plain, residual or SwiGLU to bf16",
+                "SwiGLU to E4M3",
+            )));
         }
     };
     let k = rt.kernel(EntryPoint::<Fp8GemmParams>::new(&FP8_GEMM, entry))?;
