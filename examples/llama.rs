@@ -519,6 +519,13 @@ fn generate_on<B: FusedOps>(
     }
     if let Some(file) = &args.perplexity {
         let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
+        if args.fp8_delayed_down && args.fp8_sim == Some(Fp8SimPart::Weights) {
+            return Err(
+                "--fp8-delayed-down rounds an activation: use it with --fp8-sim both or \
+                        --fp8-sim activations"
+                    .into(),
+            );
+        }
         let fp8_sim = args.fp8_sim.map(|part| stoke_llama::quant::Fp8Sim {
             weights: part != Fp8SimPart::Activations,
             activations: part != Fp8SimPart::Weights,

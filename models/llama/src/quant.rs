@@ -581,7 +581,8 @@ impl Fp8SimRun {
                 *o = stoke_formats::fp8::e4m3_to_f32(c) * s;
             }
         } else {
-            if site == Site::Down {
+            if self.sim.delayed_down && site == Site::Down {
+                // The first invocation's amax starts the history.
                 let amax = v.iter().fold(0f32, |m, x| m.max(x.abs()));
                 scale.record(amax, 0);
             }
