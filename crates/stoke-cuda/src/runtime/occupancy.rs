@@ -138,9 +138,9 @@ impl Runtime {
         )
     }
 
-    /// A 2-D tensor map of a row-major byte matrix (`[rows, cols]` u8: FP8 codes) for the
-    /// copy engine: boxes of `box_rows` rows x `box_cols` bytes with the 128-byte swizzle,
-    /// elements past the matrix read as zeros. `ptr` must be 16-byte aligned, `cols` a
+    /// A 2-D tensor map of a row-major byte matrix (`[rows, cols]` u8: FP8 codes, or bf16 rows
+    /// as bytes) for the copy engine: boxes of `box_rows` rows x `box_cols` bytes with the
+    /// 128-byte swizzle, elements past the matrix read as zeros. `ptr` must be 16-byte aligned, `cols` a
     /// multiple of 16 and `box_cols` at most 128.
     pub fn u8_tensor_map_2d(
         &self,
@@ -161,7 +161,7 @@ impl Runtime {
             || box_rows > 256
         {
             return Err(Error::Shape(crate::ShapeError::new(
-                "FP8 tensor map",
+                "byte tensor map (E4M3 codes, or bf16 rows as bytes)",
                 "a 16-byte aligned address, a positive row pitch that is a multiple of 16 bytes \
                  and boxes of 1-256 rows and at most 128 bytes, a multiple of 16",
                 format!("[{rows}, {cols}] at {ptr:#x}, box {box_rows} x {box_cols}"),
