@@ -37,5 +37,6 @@ gpu_tests!(
     sample_matches_reference,
     fp8_rows_match_reference,
     fp8_gemm_matches_reference,
+    bf16_tc_gemm_matches_reference,
     smollm2_fp8_prefill_matches_bf16,
 );
