@@ -90,10 +90,116 @@ fn reference_row(
         .unzip()
 }
 
-/// How far the GEMM's own error (`TOL_L1` of each sum, `l1_gate` and `l1_up` the sums' L1
+/// How far the GEMM's own error (`tol` of each sum, `l1_gate` and `l1_up` the sums' L1
 /// norms) can move `h = silu(gate) up`: silu's slope is at most 1.1.
-fn h_error(gate: f64, up: f64, l1_gate: f64, l1_up: f64) -> f64 {
-    (1.1 * up.abs() + (gate / (1.0 + (-gate).exp())).abs()) * TOL_L1 * (l1_gate + l1_up)
+fn h_error(gate: f64, up: f64, l1_gate: f64, l1_up: f64, tol: f64) -> f64 {
+    (1.1 * up.abs() + (gate / (1.0 + (-gate).exp())).abs()) * tol * (l1_gate + l1_up)
+}
+
+/// The output of a bf16-output epilogue for `m` rows of `n` columns (a pitch 8 past them),
+/// poisoned with NaN, and a random residual `[m, n]` on the host and the device.
+struct BfOut {
+    ldo: usize,
+    out: DeviceBuffer,
+    residual: Vec<u16>,
+    rb: DeviceBuffer,
+}
+
+impl BfOut {
+    fn new(
+        rt: &Arc<Runtime>,
+        rng: &mut StdRng,
+        m: usize,
+        n: usize,
+        epi: Epi,
+    ) -> Result<Self, String> {
+        let cols = if epi == Epi::SwiGluBf16 { n / 2 } else { n };
+        let ldo = cols + 8;
+        let out = rt.alloc(m * ldo * 2).map_err(|e| e.to_string())?;
+        unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.map_err(|e| e.to_string())?;
+        let residual: Vec<u16> = (0..m * n)
+            .map(|_| stoke_formats::bf16::from_f32(rng.random_range(-3.0f32..3.0)))
+            .collect();
+        let rb = put_u16(rt, &residual);
+        Ok(Self {
+            ldo,
+            out,
+            residual,
+            rb,
+        })
+    }
+}
+
+/// The bf16-output epilogue `epi` (plain, residual from `residual` `[m, n]`, SwiGLU to bf16)
+/// writing `out`.
+fn bf16_epilogue(epi: Epi, out: &DeviceBuffer, residual: &DeviceBuffer, n: usize) -> Fp8Epilogue {
+    match epi {
+        Epi::Residual => Fp8Epilogue::Residual {
+            out: out.as_mut_ptr(),
+            residual: residual.as_ptr(),
+            ldr: n as u32,
+        },
+        Epi::SwiGluBf16 => Fp8Epilogue::SwiGluBf16 {
+            out: out.as_mut_ptr(),
+        },
+        _ => Fp8Epilogue::Plain {
+            out: out.as_mut_ptr(),
+        },
+    }
+}
+
+/// Checks the bf16 outputs `got` (`[m, ldo]`, poisoned with NaN before the call) of `rows`
+/// against `refs` (per checked row: its f64 outputs and their sums of |a_i w_i|) for `epi`:
+/// each element within `|want| 2^-8` (the output's rounding) plus `tol` of its sums' L1 norm,
+/// the padding columns untouched. Returns the worst error over its bound.
+#[allow(clippy::too_many_arguments)]
+fn check_bf16_outputs(
+    what: &str,
+    got: &[f64],
+    rows: &[usize],
+    refs: &[(Vec<f64>, Vec<f64>)],
+    (n, ldo): (usize, usize),
+    epi: Epi,
+    residual: &[u16],
+    tol: f64,
+) -> Result<f64, String> {
+    let cols = if epi == Epi::SwiGluBf16 { n / 2 } else { n };
+    let mut worst = 0f64;
+    for (ri, &r) in rows.iter().enumerate() {
+        let (y, l1) = (&refs[ri].0, &refs[ri].1);
+        for j in 0..ldo {
+            let g = got[r * ldo + j];
+            if j >= cols {
+                if !g.is_nan() {
+                    return Err(format!("{what}: padding column {j} of row {r} was written"));
+                }
+                continue;
+            }
+            let (want, dy) = match epi {
+                Epi::SwiGluBf16 => {
+                    let (gt, up) = (y[2 * j], y[2 * j + 1]);
+                    (
+                        gt / (1.0 + (-gt).exp()) * up,
+                        h_error(gt, up, l1[2 * j], l1[2 * j + 1], tol),
+                    )
+                }
+                Epi::Residual => (
+                    y[j] + f64::from(stoke_formats::bf16::to_f32(residual[r * n + j])),
+                    tol * l1[j],
+                ),
+                _ => (y[j], tol * l1[j]),
+            };
+            let bound = want.abs() / 256.0 + dy + 1e-30;
+            let ratio = (g - want).abs() / bound;
+            if !(ratio <= 1.0) {
+                return Err(format!(
+                    "{what}: out[{r}][{j}] = {g}, reference {want} (bound {bound:.3e})"
+                ));
+            }
+            worst = worst.max(ratio);
+        }
+    }
+    Ok(worst)
 }
 
 pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
@@ -201,7 +307,7 @@ pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
                     }
                     let hv = h[ri][j];
                     let (g, u) = (refs[ri].0[2 * j], refs[ri].0[2 * j + 1]);
-                    let dh = h_error(g, u, refs[ri].1[2 * j], refs[ri].1[2 * j + 1]);
+                    let dh = h_error(g, u, refs[ri].1[2 * j], refs[ri].1[2 * j + 1], TOL_L1);
                     let q = hv / s;
                     if q.abs() > 448.0 {
                         want_sat += 1;
@@ -237,66 +343,18 @@ pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
             detail = json!({"scale": scale, "saturated": sat, "reference_saturated": want_sat,
                 "amax": amax, "reference_amax": amax_checked});
         } else {
-            let cols = if epi == Epi::SwiGluBf16 { n / 2 } else { n };
-            let ldo = cols + 8;
-            let out = rt.alloc(m * ldo * 2).map_err(|e| e.to_string())?;
-            unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.map_err(|e| e.to_string())?;
-            let residual: Vec<u16> = (0..m * n)
-                .map(|_| stoke_formats::bf16::from_f32(rng.random_range(-3.0f32..3.0)))
-                .collect();
-            let rb = put_u16(&rt, &residual);
+            let BfOut {
+                ldo,
+                out,
+                residual,
+                rb,
+            } = BfOut::new(&rt, &mut rng, m, n, epi)?;
             call.ldo = ldo as u32;
-            call.epilogue = match epi {
-                Epi::Residual => Fp8Epilogue::Residual {
-                    out: out.as_mut_ptr(),
-                    residual: rb.as_ptr(),
-                    ldr: n as u32,
-                },
-                Epi::SwiGluBf16 => Fp8Epilogue::SwiGluBf16 {
-                    out: out.as_mut_ptr(),
-                },
-                _ => Fp8Epilogue::Plain {
-                    out: out.as_mut_ptr(),
-                },
-            };
+            call.epilogue = bf16_epilogue(epi, &out, &rb, n);
             unsafe { fp8_gemm(&rt, &call) }.map_err(|e| format!("{what}: {e}"))?;
             let got = try_get_bf16(&out).map_err(|e| format!("{what}: {e}"))?;
-            for (ri, &r) in rows.iter().enumerate() {
-                for j in 0..ldo {
-                    let g = got[r * ldo + j];
-                    if j >= cols {
-                        if !g.is_nan() {
-                            return Err(format!(
-                                "{what}: padding column {j} of row {r} was written"
-                            ));
-                        }
-                        continue;
-                    }
-                    let res = if epi == Epi::Residual {
-                        f64::from(stoke_formats::bf16::to_f32(residual[r * n + j]))
-                    } else {
-                        0.0
-                    };
-                    let (want, dy) = if epi == Epi::SwiGluBf16 {
-                        let (y, l1) = (&refs[ri].0, &refs[ri].1);
-                        let (g, u) = (y[2 * j], y[2 * j + 1]);
-                        (
-                            g / (1.0 + (-g).exp()) * u,
-                            h_error(g, u, l1[2 * j], l1[2 * j + 1]),
-                        )
-                    } else {
-                        (refs[ri].0[j] + res, TOL_L1 * refs[ri].1[j])
-                    };
-                    let bound = want.abs() / 256.0 + dy + 1e-30;
-                    let ratio = (g - want).abs() / bound;
-                    if !(ratio <= 1.0) {
-                        return Err(format!(
-                            "{what}: out[{r}][{j}] = {g}, reference {want} (bound {bound:.3e})"
-                        ));
-                    }
-                    case_worst = case_worst.max(ratio);
-                }
-            }
+            case_worst =
+                check_bf16_outputs(&what, &got, &rows, &refs, (n, ldo), epi, &residual, TOL_L1)?;
         }
         worst = worst.max(case_worst);
         cases.push(json!({"m": m, "n": n, "k": k, "per_row_scales": per_row,
@@ -367,35 +425,17 @@ pub fn bf16_tc_gemm_matches_reference() -> Result<Value, String> {
             (0..checked).map(|i| i * (m - 1) / (checked - 1)).collect()
         };
         let what = format!("seed {seed}: bf16 m {m} n {n} k {k} {epi:?}");
-        let cols = if epi == Epi::SwiGluBf16 { n / 2 } else { n };
-        let ldo = cols + 8;
-        let out = rt.alloc(m * ldo * 2).map_err(|e| e.to_string())?;
-        unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.map_err(|e| e.to_string())?;
-        let residual: Vec<u16> = (0..m * n)
-            .map(|_| stoke_formats::bf16::from_f32(rng.random_range(-3.0f32..3.0)))
-            .collect();
-        let (ab, wb, rb) = (
-            put_u16(&rt, &a16),
-            put_u16(&rt, &w16),
-            put_u16(&rt, &residual),
-        );
-        let epilogue = match epi {
-            Epi::Residual => Fp8Epilogue::Residual {
-                out: out.as_mut_ptr(),
-                residual: rb.as_ptr(),
-                ldr: n as u32,
-            },
-            Epi::SwiGluBf16 => Fp8Epilogue::SwiGluBf16 {
-                out: out.as_mut_ptr(),
-            },
-            _ => Fp8Epilogue::Plain {
-                out: out.as_mut_ptr(),
-            },
-        };
+        let BfOut {
+            ldo,
+            out,
+            residual,
+            rb,
+        } = BfOut::new(&rt, &mut rng, m, n, epi)?;
+        let (ab, wb) = (put_u16(&rt, &a16), put_u16(&rt, &w16));
         let call = Bf16TcGemm {
             a: ab.as_ptr(),
             w: wb.as_ptr(),
-            epilogue,
+            epilogue: bf16_epilogue(epi, &out, &rb, n),
             m: m as u32,
             n: n as u32,
             k: k as u32,
@@ -403,50 +443,22 @@ pub fn bf16_tc_gemm_matches_reference() -> Result<Value, String> {
         };
         unsafe { bf16_tc_gemm(&rt, &call) }.map_err(|e| format!("{what}: {e}"))?;
         let got = try_get_bf16(&out).map_err(|e| format!("{what}: {e}"))?;
-        let mut case_worst = 0f64;
-        for &r in &rows {
-            // Row r's f64 outputs and the sums of |a_i w_i|.
-            let (y, l1): (Vec<f64>, Vec<f64>) = (0..n)
-                .map(|j| {
-                    let (ar, wj) = (&a[r * k..(r + 1) * k], &w[j * k..(j + 1) * k]);
-                    ar.iter().zip(wj).fold((0f64, 0f64), |(d, l), (x, v)| {
-                        (d + x * v, l + (x * v).abs())
+        // Each checked row's f64 outputs and their sums of |a_i w_i|.
+        let refs: Vec<(Vec<f64>, Vec<f64>)> = rows
+            .iter()
+            .map(|&r| {
+                (0..n)
+                    .map(|j| {
+                        let (ar, wj) = (&a[r * k..(r + 1) * k], &w[j * k..(j + 1) * k]);
+                        ar.iter().zip(wj).fold((0f64, 0f64), |(d, l), (x, v)| {
+                            (d + x * v, l + (x * v).abs())
+                        })
                     })
-                })
-                .unzip();
-            for j in 0..ldo {
-                let g = got[r * ldo + j];
-                if j >= cols {
-                    if !g.is_nan() {
-                        return Err(format!("{what}: padding column {j} of row {r} was written"));
-                    }
-                    continue;
-                }
-                let (want, dy) = match epi {
-                    Epi::SwiGluBf16 => {
-                        let (gt, up) = (y[2 * j], y[2 * j + 1]);
-                        let silu = gt / (1.0 + (-gt).exp());
-                        (
-                            silu * up,
-                            (1.1 * up.abs() + silu.abs()) * tol * (l1[2 * j] + l1[2 * j + 1]),
-                        )
-                    }
-                    Epi::Residual => (
-                        y[j] + f64::from(stoke_formats::bf16::to_f32(residual[r * n + j])),
-                        tol * l1[j],
-                    ),
-                    _ => (y[j], tol * l1[j]),
-                };
-                let bound = want.abs() / 256.0 + dy + 1e-30;
-                let ratio = (g - want).abs() / bound;
-                if !(ratio <= 1.0) {
-                    return Err(format!(
-                        "{what}: out[{r}][{j}] = {g}, reference {want} (bound {bound:.3e})"
-                    ));
-                }
-                case_worst = case_worst.max(ratio);
-            }
-        }
+                    .unzip()
+            })
+            .collect();
+        let case_worst =
+            check_bf16_outputs(&what, &got, &rows, &refs, (n, ldo), epi, &residual, tol)?;
         worst = worst.max(case_worst);
         cases.push(
             json!({"m": m, "n": n, "k": k, "epilogue": format!("{epi:?}"),
@@ -512,18 +524,18 @@ pub fn bench() -> Value {
             let call = point.call(&wb, &sw, m, n, k);
             let flop = 2.0 * (m * n * k) as f64;
             let iters = (2e13 / flop).clamp(5.0, 500.0) as usize;
-            let timing = crate::bench::time_calls(&rt, 3, iters, |_| {
-                unsafe { fp8_gemm(&rt, &call) }.unwrap()
-            });
-            let tflops = flop / timing.us / 1e6;
-            println!(
-                "fp8 {name:<12} m {m:5}: {:9.2} us {tflops:7.1} TFLOP/s",
-                timing.us
-            );
-            rows.push(
+            // Times `launch` and reports the point under `kind`.
+            let time = |kind: &str, launch: &dyn Fn()| {
+                let timing = crate::bench::time_calls(&rt, 3, iters, |_| launch());
+                let tflops = flop / timing.us / 1e6;
+                println!(
+                    "{kind} {name:<12} m {m:5}: {:9.2} us {tflops:7.1} TFLOP/s",
+                    timing.us
+                );
                 json!({"shape": name, "m": m, "n": n, "k": k, "us": timing.us,
-                "tflops": tflops, "grid": grid(m as u32, n as u32, rt.sm_count)}),
-            );
+                    "tflops": tflops, "grid": grid(m as u32, n as u32, rt.sm_count)})
+            };
+            rows.push(time("fp8", &|| unsafe { fp8_gemm(&rt, &call) }.unwrap()));
             // The same call on bf16 operands.
             let a16 = put_u16(&rt, &crate::int4::random_bf16(&mut rng, m * k));
             let call = Bf16TcGemm {
@@ -537,18 +549,9 @@ pub fn bench() -> Value {
                 k: k as u32,
                 ldo: n as u32,
             };
-            let timing = crate::bench::time_calls(&rt, 3, iters, |_| {
+            bf16_rows.push(time("bf16", &|| {
                 unsafe { bf16_tc_gemm(&rt, &call) }.unwrap()
-            });
-            let tflops = flop / timing.us / 1e6;
-            println!(
-                "bf16 {name:<12} m {m:5}: {:9.2} us {tflops:7.1} TFLOP/s",
-                timing.us
-            );
-            bf16_rows.push(
-                json!({"shape": name, "m": m, "n": n, "k": k, "us": timing.us,
-                "tflops": tflops}),
-            );
+            }));
         }
     }
     let kernels = crate::bench::kernel_reports(&rt, FP8_GEMM.file);

@@ -111,18 +111,53 @@ pub struct Fp8Gemm {
 /// row pitch); bf16 outputs: `ldo >= n` and even (the epilogue's paired stores), a residual
 /// pitch of at least `n`; SwiGLU: `n` even and `ldo >= n / 2`.
 pub fn check_shape(g: &Fp8Gemm) -> std::result::Result<(), ShapeError> {
-    check_call("FP8 GEMM", g.m, g.n, (g.k, 16), g.ldo, g.epilogue)
+    check_call(FP8, g.m, g.n, g.k, g.ldo, g.epilogue).map(|_| ())
 }
 
-/// [`check_shape`] for `what`, with `k` a positive multiple of `k_multiple`.
+/// [`check_shape`] of a bf16 call: `k` a positive multiple of 8 and an epilogue other than
+/// SwiGLU to E4M3.
+pub fn check_bf16_shape(g: &Bf16TcGemm) -> std::result::Result<(), ShapeError> {
+    check_call(BF16, g.m, g.n, g.k, g.ldo, g.epilogue).map(|_| ())
+}
+
+/// One operand type's name, the multiple `k` must be, and its entry points by epilogue:
+/// plain, residual, SwiGLU to E4M3 (none for bf16 operands), SwiGLU to bf16.
+struct Operands {
+    what: &'static str,
+    k_multiple: u32,
+    entries: [Option<&'static str>; 4],
+}
+const FP8: Operands = Operands {
+    what: "FP8 GEMM",
+    k_multiple: 16,
+    entries: [
+        Some("fp8_gemm_plain"),
+        Some("fp8_gemm_residual"),
+        Some("fp8_gemm_swiglu"),
+        Some("fp8_gemm_swiglu_bf16"),
+    ],
+};
+const BF16: Operands = Operands {
+    what: "bf16 GEMM",
+    k_multiple: 8,
+    entries: [
+        Some("bf16_tc_gemm_plain"),
+        Some("bf16_tc_gemm_residual"),
+        None,
+        Some("bf16_tc_gemm_swiglu_bf16"),
+    ],
+};
+
+/// Checks a call of `ops` and returns the entry point that runs its epilogue.
 fn check_call(
-    what: &str,
+    ops: Operands,
     m: u32,
     n: u32,
-    (k, k_multiple): (u32, u32),
+    k: u32,
     ldo: u32,
     epilogue: Fp8Epilogue,
-) -> std::result::Result<(), ShapeError> {
+) -> std::result::Result<&'static str, ShapeError> {
+    let (what, k_multiple) = (ops.what, ops.k_multiple);
     if m == 0 || n == 0 {
         return Err(ShapeError::new(
             format!("{what} rows and columns"),
@@ -166,7 +201,19 @@ fn check_call(
             }
         }
     }
-    Ok(())
+    let slot = match epilogue {
+        Fp8Epilogue::Plain { .. } => 0,
+        Fp8Epilogue::Residual { .. } => 1,
+        Fp8Epilogue::SwiGlu { .. } => 2,
+        Fp8Epilogue::SwiGluBf16 { .. } => 3,
+    };
+    ops.entries[slot].ok_or_else(|| {
+        ShapeError::new(
+            format!("{what} epilogue"),
+            "plain, residual or SwiGLU to bf16",
+            "SwiGLU to E4M3",
+        )
+    })
 }
 
 /// Persistent CTAs of a call: one per SM, at most one per output tile.
@@ -174,38 +221,21 @@ pub fn grid(m: u32, n: u32, sm_count: u32) -> u32 {
     (m.div_ceil(BM) * n.div_ceil(BN)).min(sm_count).max(1)
 }
 
-/// Queues the GEMM and its epilogue.
+/// Fills `p`'s epilogue fields from `epilogue` and launches `entry` (the one
+/// [`check_call`] gave for it), one persistent CTA per SM.
 ///
 /// # Safety
-/// The pointers must be valid device memory of the documented sizes until the kernel is done.
-pub unsafe fn fp8_gemm(rt: &Runtime, g: &Fp8Gemm) -> Result<()> {
-    check_shape(g)?;
-    let mut p = Fp8GemmParams {
-        a_map: rt.u8_tensor_map_2d(g.a.addr(), g.m, g.k, BM, BK)?,
-        w_map: rt.u8_tensor_map_2d(g.w.addr(), g.n, g.k, BN, BK)?,
-        a_scale: g.a_scale,
-        w_scale: g.w_scale,
-        out: DevicePtrMut::NULL,
-        residual: DevicePtr::NULL,
-        codes: DevicePtrMut::NULL,
-        out_scale: DevicePtr::NULL,
-        amax: DevicePtrMut::NULL,
-        saturated: DevicePtrMut::NULL,
-        m: g.m,
-        n: g.n,
-        k: g.k,
-        ldo: g.ldo,
-        ldr: 0,
-        a_scale_stride: u32::from(g.a_scale_per_row),
-    };
-    let entry = match g.epilogue {
-        Fp8Epilogue::Plain { out } => {
-            p.out = out;
-            "fp8_gemm_plain"
-        }
+/// As [`fp8_gemm`].
+unsafe fn launch(
+    rt: &Runtime,
+    mut p: Fp8GemmParams,
+    epilogue: Fp8Epilogue,
+    entry: &'static str,
+) -> Result<()> {
+    match epilogue {
+        Fp8Epilogue::Plain { out } | Fp8Epilogue::SwiGluBf16 { out } => p.out = out,
         Fp8Epilogue::Residual { out, residual, ldr } => {
             (p.out, p.residual, p.ldr) = (out, residual, ldr);
-            "fp8_gemm_residual"
         }
         Fp8Epilogue::SwiGlu {
             codes,
@@ -214,21 +244,58 @@ pub unsafe fn fp8_gemm(rt: &Runtime, g: &Fp8Gemm) -> Result<()> {
             saturated,
         } => {
             (p.codes, p.out_scale, p.amax, p.saturated) = (codes, scale, amax, saturated);
-            "fp8_gemm_swiglu"
         }
-        Fp8Epilogue::SwiGluBf16 { out } => {
-            p.out = out;
-            "fp8_gemm_swiglu_bf16"
-        }
-    };
+    }
     let k = rt.kernel(EntryPoint::<Fp8GemmParams>::new(&FP8_GEMM, entry))?;
     let shape = LaunchShape {
-        grid: (grid(g.m, g.n, rt.sm_count), 1, 1),
+        grid: (grid(p.m, p.n, rt.sm_count), 1, 1),
         block: (THREADS, 1, 1),
         shared_mem_bytes: SMEM_BYTES,
     };
     // SAFETY: the caller's guarantees; the params match the entry point.
     unsafe { rt.launch(&k, shape, &p) }
+}
+
+/// Params with the operands' maps and sizes, no scales and no epilogue yet.
+fn params(a_map: TensorMap, w_map: TensorMap, m: u32, n: u32, k: u32, ldo: u32) -> Fp8GemmParams {
+    Fp8GemmParams {
+        a_map,
+        w_map,
+        a_scale: DevicePtr::NULL,
+        w_scale: DevicePtr::NULL,
+        out: DevicePtrMut::NULL,
+        residual: DevicePtr::NULL,
+        codes: DevicePtrMut::NULL,
+        out_scale: DevicePtr::NULL,
+        amax: DevicePtrMut::NULL,
+        saturated: DevicePtrMut::NULL,
+        m,
+        n,
+        k,
+        ldo,
+        ldr: 0,
+        a_scale_stride: 0,
+    }
+}
+
+/// Queues the GEMM and its epilogue.
+///
+/// # Safety
+/// The pointers must be valid device memory of the documented sizes until the kernel is done.
+pub unsafe fn fp8_gemm(rt: &Runtime, g: &Fp8Gemm) -> Result<()> {
+    let entry = check_call(FP8, g.m, g.n, g.k, g.ldo, g.epilogue)?;
+    let mut p = params(
+        rt.u8_tensor_map_2d(g.a.addr(), g.m, g.k, BM, BK)?,
+        rt.u8_tensor_map_2d(g.w.addr(), g.n, g.k, BN, BK)?,
+        g.m,
+        g.n,
+        g.k,
+        g.ldo,
+    );
+    (p.a_scale, p.w_scale) = (g.a_scale, g.w_scale);
+    p.a_scale_stride = u32::from(g.a_scale_per_row);
+    // SAFETY: the caller's guarantees.
+    unsafe { launch(rt, p, g.epilogue, entry) }
 }
 
 /// One call of the same persistent GEMM on bf16 operands (`bf16_tc_gemm_*`): `y = A W^T`
@@ -254,54 +321,17 @@ pub struct Bf16TcGemm {
 /// # Safety
 /// The pointers must be valid device memory of the documented sizes until the kernel is done.
 pub unsafe fn bf16_tc_gemm(rt: &Runtime, g: &Bf16TcGemm) -> Result<()> {
-    check_call("bf16 GEMM", g.m, g.n, (g.k, 8), g.ldo, g.epilogue)?;
-    let mut p = Fp8GemmParams {
-        a_map: rt.u8_tensor_map_2d(g.a.addr(), g.m, 2 * g.k, BM, BK)?,
-        w_map: rt.u8_tensor_map_2d(g.w.addr(), g.n, 2 * g.k, BN, BK)?,
-        a_scale: DevicePtr::NULL,
-        w_scale: DevicePtr::NULL,
-        out: DevicePtrMut::NULL,
-        residual: DevicePtr::NULL,
-        codes: DevicePtrMut::NULL,
-        out_scale: DevicePtr::NULL,
-        amax: DevicePtrMut::NULL,
-        saturated: DevicePtrMut::NULL,
-        m: g.m,
-        n: g.n,
-        k: g.k,
-        ldo: g.ldo,
-        ldr: 0,
-        a_scale_stride: 0,
-    };
-    let entry = match g.epilogue {
-        Fp8Epilogue::Plain { out } => {
-            p.out = out;
-            "bf16_tc_gemm_plain"
-        }
-        Fp8Epilogue::Residual { out, residual, ldr } => {
-            (p.out, p.residual, p.ldr) = (out, residual, ldr);
-            "bf16_tc_gemm_residual"
-        }
-        Fp8Epilogue::SwiGluBf16 { out } => {
-            p.out = out;
-            "bf16_tc_gemm_swiglu_bf16"
-        }
-        Fp8Epilogue::SwiGlu { .. } => {
-            return Err(crate::Error::Shape(ShapeError::new(
-                "bf16 GEMM epilogue",
-                "plain, residual or SwiGLU to bf16",
-                "SwiGLU to E4M3",
-            )));
-        }
-    };
-    let k = rt.kernel(EntryPoint::<Fp8GemmParams>::new(&FP8_GEMM, entry))?;
-    let shape = LaunchShape {
-        grid: (grid(g.m, g.n, rt.sm_count), 1, 1),
-        block: (THREADS, 1, 1),
-        shared_mem_bytes: SMEM_BYTES,
-    };
-    // SAFETY: the caller's guarantees; the params match the entry point.
-    unsafe { rt.launch(&k, shape, &p) }
+    let entry = check_call(BF16, g.m, g.n, g.k, g.ldo, g.epilogue)?;
+    let p = params(
+        rt.u8_tensor_map_2d(g.a.addr(), g.m, 2 * g.k, BM, BK)?,
+        rt.u8_tensor_map_2d(g.w.addr(), g.n, 2 * g.k, BN, BK)?,
+        g.m,
+        g.n,
+        g.k,
+        g.ldo,
+    );
+    // SAFETY: the caller's guarantees.
+    unsafe { launch(rt, p, g.epilogue, entry) }
 }
 
 #[cfg(test)]
@@ -369,5 +399,36 @@ mod tests {
         assert_eq!(grid(1, 1, 132), 1);
         assert_eq!(grid(2048, 4096, 132), 132);
         assert_eq!(grid(129, 256, 132), 4);
+
+        // bf16 operands: k a multiple of 8 (16-byte rows), no E4M3 output.
+        let bf16_call = |k, epilogue| Bf16TcGemm {
+            a: DevicePtr::NULL,
+            w: DevicePtr::NULL,
+            epilogue,
+            m: 4,
+            n: 8,
+            k,
+            ldo: 8,
+        };
+        assert_eq!(
+            check_call(BF16, 4, 8, 24, 8, plain),
+            Ok("bf16_tc_gemm_plain")
+        );
+        assert_eq!(
+            check_call(FP8, 4, 8, 32, 8, residual_ok()),
+            Ok("fp8_gemm_residual")
+        );
+        assert!(check_bf16_shape(&bf16_call(24, plain)).is_ok());
+        let bf16_what = |g: Bf16TcGemm| check_bf16_shape(&g).unwrap_err().what;
+        assert_eq!(bf16_what(bf16_call(12, plain)), "bf16 GEMM k");
+        assert_eq!(bf16_what(bf16_call(24, swiglu)), "bf16 GEMM epilogue");
+    }
+
+    fn residual_ok() -> Fp8Epilogue {
+        Fp8Epilogue::Residual {
+            out: DevicePtrMut::NULL,
+            residual: DevicePtr::NULL,
+            ldr: 8,
+        }
     }
 }
