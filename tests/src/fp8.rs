@@ -96,6 +96,16 @@ fn h_error(gate: f64, up: f64, l1_gate: f64, l1_up: f64, tol: f64) -> f64 {
     (1.1 * up.abs() + (gate / (1.0 + (-gate).exp())).abs()) * tol * (l1_gate + l1_up)
 }
 
+/// The rows of `m` a case checks: all, or `checked` spread out, the first and the last among
+/// them.
+fn checked_rows(m: usize, checked: usize) -> Vec<usize> {
+    if checked >= m {
+        (0..m).collect()
+    } else {
+        (0..checked).map(|i| i * (m - 1) / (checked - 1)).collect()
+    }
+}
+
 /// The output of a bf16-output epilogue for `m` rows of `n` columns (a pitch 8 past them),
 /// poisoned with NaN, and a random residual `[m, n]` on the host and the device.
 struct BfOut {
@@ -229,12 +239,7 @@ pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
             .iter()
             .map(|&c| f64::from(e4m3_to_f32(c)))
             .collect();
-        // The rows checked: all, or a spread that includes the first and the last.
-        let rows: Vec<usize> = if checked >= m {
-            (0..m).collect()
-        } else {
-            (0..checked).map(|i| i * (m - 1) / (checked - 1)).collect()
-        };
+        let rows = checked_rows(m, checked);
         let refs: Vec<(Vec<f64>, Vec<f64>)> = rows
             .iter()
             .map(|&r| reference_row(&codes, a_scale(r), r, &wq, &wv))
@@ -419,11 +424,7 @@ pub fn bf16_tc_gemm_matches_reference() -> Result<Value, String> {
             })
             .collect();
         let (a, w) = (to_f64(&a16), to_f64(&w16));
-        let rows: Vec<usize> = if checked >= m {
-            (0..m).collect()
-        } else {
-            (0..checked).map(|i| i * (m - 1) / (checked - 1)).collect()
-        };
+        let rows = checked_rows(m, checked);
         let what = format!("seed {seed}: bf16 m {m} n {n} k {k} {epi:?}");
         let BfOut {
             ldo,
