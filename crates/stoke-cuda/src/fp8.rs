@@ -3,7 +3,7 @@
 //! per row (`kernels/fp8_quant.cu`) and runs the persistent FP8 GEMM with one of its epilogues
 //! (`kernels/fp8_gemm.cu`). `stoke_formats::fp8` holds the specification of both.
 
-use crate::kernels::fp8_gemm::{Fp8Epilogue, Fp8Gemm, fp8_gemm};
+use crate::kernels::fp8_gemm::{Bf16TcGemm, Fp8Epilogue, Fp8Gemm, bf16_tc_gemm, fp8_gemm};
 use crate::kernels::fp8_quant::{Fp8RowsParams, quantize_rows};
 use crate::{DeviceBuffer, DevicePtr, DevicePtrMut, Error, Result, Runtime, ShapeError};
 use half::bf16;
@@ -79,6 +79,19 @@ impl Fp8LinearEpilogue {
             Self::Plain | Self::Residual(_) => n,
         }
     }
+
+    /// The GEMM's epilogue writing bf16 `out` for `n` weight rows.
+    fn gemm(self, out: DevicePtrMut<bf16>, n: u32) -> Fp8Epilogue {
+        match self {
+            Self::Plain => Fp8Epilogue::Plain { out },
+            Self::Residual(residual) => Fp8Epilogue::Residual {
+                out,
+                residual,
+                ldr: n,
+            },
+            Self::SwiGlu => Fp8Epilogue::SwiGluBf16 { out },
+        }
+    }
 }
 
 /// Queues `epilogue(x W^T)` for bf16 rows `x` (`[m, k]`, dense, 16-byte aligned) into `out`
@@ -114,15 +127,7 @@ pub unsafe fn fp8_linear(
         pad: 0,
     };
     let out_cols = epilogue.out_cols(n);
-    let epilogue = match epilogue {
-        Fp8LinearEpilogue::Plain => Fp8Epilogue::Plain { out },
-        Fp8LinearEpilogue::Residual(residual) => Fp8Epilogue::Residual {
-            out,
-            residual,
-            ldr: n,
-        },
-        Fp8LinearEpilogue::SwiGlu => Fp8Epilogue::SwiGluBf16 { out },
-    };
+    let epilogue = epilogue.gemm(out, n);
     let gemm = Fp8Gemm {
         a: codes.as_ptr(),
         w: w.codes.as_ptr(),
@@ -141,4 +146,82 @@ pub unsafe fn fp8_linear(
         quantize_rows(rt, &rows)?;
         fp8_gemm(rt, &gemm)
     }
+}
+
+/// A weight `[n, k]` in bf16 (a `[k, n]` linear weight transposed) in device memory: the
+/// operand of the bf16 prefill GEMM.
+pub struct DeviceBf16Weight {
+    pub n: u32,
+    pub k: u32,
+    values: DeviceBuffer,
+}
+
+impl std::fmt::Debug for DeviceBf16Weight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBf16Weight([{}, {}])", self.n, self.k)
+    }
+}
+
+impl DeviceBf16Weight {
+    /// Uploads `w` (`[n, k]` f32 values, rounded to bf16). The GEMM reads rows of `2 k` bytes
+    /// through the copy engine, so `k` must be a positive multiple of 8.
+    pub fn upload(rt: &Arc<Runtime>, w: &[f32], n: usize, k: usize) -> Result<Self> {
+        let dims = (u32::try_from(n), u32::try_from(k));
+        let (Ok(n32), Ok(k32)) = dims else {
+            return Err(Error::Shape(ShapeError::new(
+                "bf16 weight dimensions",
+                "below 2^32",
+                format!("[{n}, {k}]"),
+            )));
+        };
+        if n == 0 || k == 0 || !k.is_multiple_of(8) || w.len() != n * k {
+            return Err(Error::Shape(ShapeError::new(
+                format!("bf16 weight [{n}, {k}] of {} values", w.len()),
+                "n positive, k a positive multiple of 8, n k values",
+                format!("n {n}, k {k}, {} values", w.len()),
+            )));
+        }
+        let bytes: Vec<u8> = w
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect();
+        let values = rt.alloc(bytes.len())?;
+        // SAFETY: the buffer holds exactly the bytes copied.
+        unsafe { rt.copy_htod(values.ptr(), &bytes)? };
+        Ok(Self {
+            n: n32,
+            k: k32,
+            values,
+        })
+    }
+}
+
+/// Queues `epilogue(x W^T)` for bf16 rows `x` (`[m, k]`, dense, 16-byte aligned) into `out`
+/// (`[m, epilogue.out_cols(n)]` bf16, dense) on the bf16 GEMM: no quantization, f32 sums.
+///
+/// # Safety
+/// `x`, `out` and a residual must be valid device memory of those sizes until the kernel is
+/// done.
+pub unsafe fn bf16_linear(
+    rt: &Arc<Runtime>,
+    w: &DeviceBf16Weight,
+    x: DevicePtr<bf16>,
+    m: u32,
+    out: DevicePtrMut<bf16>,
+    epilogue: Fp8LinearEpilogue,
+) -> Result<()> {
+    if m == 0 {
+        return Ok(());
+    }
+    let gemm = Bf16TcGemm {
+        a: x,
+        w: w.values.as_ptr(),
+        epilogue: epilogue.gemm(out, w.n),
+        m,
+        n: w.n,
+        k: w.k,
+        ldo: epilogue.out_cols(w.n),
+    };
+    // SAFETY: the caller's guarantees; the weight's buffer lives as long as `w`.
+    unsafe { bf16_tc_gemm(rt, &gemm) }
 }

@@ -24,6 +24,8 @@ pub struct PackedWeight<I: Backend> {
     /// The E4M3 copy the FP8 prefill GEMM reads, made at its first call (`None`: it could not
     /// be made, and that was logged).
     pub(crate) fp8: OnceLock<Option<Arc<stoke_cuda::fp8::DeviceFp8Weight>>>,
+    /// The bf16 `[n, k]` copy the bf16 prefill GEMM reads, made at its first call.
+    pub(crate) bf16_nk: OnceLock<Option<Arc<stoke_cuda::fp8::DeviceBf16Weight>>>,
     /// The CPU kernel's layout of the same nibbles, made at the first CPU call.
     pub(crate) cpu: OnceLock<Arc<crate::cpu::int4::CpuInt4>>,
 }
@@ -37,6 +39,7 @@ impl<I: Backend> PackedWeight<I> {
             materialized: OnceLock::new(),
             gpu: OnceLock::new(),
             fp8: OnceLock::new(),
+            bf16_nk: OnceLock::new(),
             cpu: OnceLock::new(),
         }
     }

@@ -247,6 +247,8 @@ pub struct ResidentTensor<I: Backend> {
     /// Its E4M3 copy for the FP8 prefill GEMM, made at first use (`None` inside: it could not
     /// be made).
     pub(crate) fp8: std::sync::OnceLock<Option<Arc<stoke_cuda::fp8::DeviceFp8Weight>>>,
+    /// Its bf16 `[n, k]` copy for the bf16 prefill GEMM, made at first use.
+    pub(crate) bf16_nk: std::sync::OnceLock<Option<Arc<stoke_cuda::fp8::DeviceBf16Weight>>>,
 }
 
 impl<I: Backend> std::fmt::Debug for ResidentTensor<I> {
@@ -295,6 +297,7 @@ pub fn pin_tensor<I: Backend>(t: StokeTensor<I>) -> StokeTensor<I> {
         device,
         pin,
         fp8: std::sync::OnceLock::new(),
+        bf16_nk: std::sync::OnceLock::new(),
     })
 }
 

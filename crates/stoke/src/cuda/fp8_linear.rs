@@ -1,28 +1,31 @@
-//! `linear` for prefill-sized inputs through the FP8 GEMM (`stoke_cuda::fp8`), on a packed INT4
-//! weight or a pinned dense bf16 one: the weight's values (a packed weight's dequantized ones)
-//! are quantized once to E4M3 with one scale per output channel
-//! (`stoke_formats::fp8::Fp8Weight`) and kept beside the weight; each call quantizes its bf16
-//! rows to E4M3 with one scale per row and runs the persistent wgmma GEMM with the residual or
-//! SwiGLU epilogue on chip. Opt-in ([`set_fp8_prefill`]).
+//! `linear` for prefill-sized inputs through Stoke's persistent wgmma GEMM (`stoke_cuda::fp8`),
+//! on a packed INT4 weight or a pinned dense bf16 one, with the residual or SwiGLU epilogue on
+//! chip. The weight's values (a packed weight's dequantized ones) are copied once, at the first
+//! call, beside the weight:
+//! - in bf16 as `[n, k]` (the default): each call reads its bf16 rows as they are;
+//! - with FP8 prefill on ([`set_fp8_prefill`]), in E4M3 with one scale per output channel
+//!   (`stoke_formats::fp8::Fp8Weight`): each call quantizes its rows to E4M3 with one scale
+//!   per row first.
 
 use super::bridge::{DeviceTensor, KernelInput, ResidentTensor, runtime_for};
 use crate::packed::PackedWeight;
 use crate::tensor::{StokeData, StokeTensor};
 use burn_backend::{Backend, DType, TensorMetadata};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use stoke_cuda::fp8::{DeviceFp8Weight, Fp8LinearEpilogue, fp8_linear};
+use std::sync::{Arc, OnceLock};
+use stoke_cuda::fp8::{
+    DeviceBf16Weight, DeviceFp8Weight, Fp8LinearEpilogue, bf16_linear, fp8_linear,
+};
 use stoke_cuda::kernels::int4_gemm::Epilogue;
 use stoke_cuda::{DevicePtr, DevicePtrMut};
 use stoke_formats::fp8::Fp8Weight;
-use stoke_formats::int4::PackedInt4;
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static KERNEL_CALLS: AtomicU64 = AtomicU64::new(0);
+static BF16_CALLS: AtomicU64 = AtomicU64::new(0);
 
-/// Whether prefill-sized `linear` calls on packed or pinned bf16 weights run in FP8 or as bf16
-/// GEMMs (the inner backend's matmul, on a packed weight's dequantized values; the default).
-/// Off by default: on SmolLM2 FP8 prefill raises perplexity by 3.4% over bf16
+/// Whether prefill-sized `linear` calls on packed or pinned bf16 weights run on the FP8 GEMM
+/// or on the bf16 one (the default). Off by default: on SmolLM2 FP8 prefill raises perplexity by 3.4% over bf16
 /// (`results/h200-fp8-prefill-161f49b.json`), about half of it the E4M3 rounding of the
 /// already-INT4 weights.
 pub fn set_fp8_prefill(on: bool) {
@@ -39,10 +42,9 @@ pub fn kernel_calls() -> u64 {
     KERNEL_CALLS.load(Ordering::Relaxed)
 }
 
-/// The weight `[n, k]` E4M3 copy of a packed `[k, n]` weight: its dequantized values
-/// (`d q + m` in f32, the values every other path sees) transposed and quantized per channel.
-fn fp8_copy(packed: &PackedInt4) -> Result<Fp8Weight, String> {
-    fp8_of_values(&packed.dequantize(), packed.k, packed.n)
+/// How many `linear` calls have run on the bf16 prefill GEMM in this process.
+pub fn bf16_kernel_calls() -> u64 {
+    BF16_CALLS.load(Ordering::Relaxed)
 }
 
 /// The `[n, k]` E4M3 copy of a weight `[k, n]` given as f32 values.
@@ -74,20 +76,19 @@ fn resident_values<I: Backend>(
         .collect())
 }
 
-/// `epilogue(x @ W)` on the FP8 GEMM when FP8 prefill is on ([`set_fp8_prefill`]), `weight`
-/// is a [`PackedWeight`] or a pinned bf16 weight `[k, n]` (`k` a multiple of 16, `n` even), `x`
-/// is bf16 `[.., k]` with more rows than the W4A16 kernels take, and Stoke's runtime runs on
-/// the device; `None` otherwise.
-pub(crate) fn try_fp8_linear_with<I: Backend>(
+/// `epilogue(x @ W)` on the prefill GEMM (FP8 when FP8 prefill is on, [`set_fp8_prefill`],
+/// else bf16) when `weight` is a [`PackedWeight`] or a pinned bf16 weight `[k, n]` (`k` a
+/// multiple of 16, `n` even), `x` is bf16 `[.., k]` with more rows than the W4A16 kernels
+/// take, Stoke's runtime runs on the device and the weight's copy could be made; `None`
+/// otherwise.
+pub(crate) fn try_prefill_linear_with<I: Backend>(
     x: &StokeTensor<I>,
     weight: &StokeTensor<I>,
     epilogue: Epilogue,
     residual: Option<&StokeTensor<I>>,
 ) -> Option<StokeTensor<I>> {
-    if !fp8_prefill() {
-        return None;
-    }
-    // The weight's shape and the slot its E4M3 copy is kept in.
+    let fp8 = fp8_prefill();
+    // The weight's shape and the slots its E4M3 and bf16 [n, k] copies are kept in.
     let source = match weight.downcast_ref::<PackedWeight<I>>() {
         Some(pw) => Source::Packed(pw),
         None => Source::Resident(
@@ -96,10 +97,10 @@ pub(crate) fn try_fp8_linear_with<I: Backend>(
                 .filter(|r| r.dtype() == DType::BF16)?,
         ),
     };
-    let (k, n, slot) = match source {
-        Source::Packed(pw) => (pw.packed.k, pw.packed.n, &pw.fp8),
+    let (k, n, fp8_slot, bf16_slot) = match source {
+        Source::Packed(pw) => (pw.packed.k, pw.packed.n, &pw.fp8, &pw.bf16_nk),
         Source::Resident(rw) => match rw.shape().as_slice() {
-            &[k, n] => (k, n, &rw.fp8),
+            &[k, n] => (k, n, &rw.fp8, &rw.bf16_nk),
             _ => return None,
         },
     };
@@ -122,33 +123,25 @@ pub(crate) fn try_fp8_linear_with<I: Backend>(
     }
     let device = super::float_device(x);
     let rt = runtime_for::<I>(&device)?;
-    let fw = slot
-        .get_or_init(|| {
-            let t = std::time::Instant::now();
-            let copy = match source {
-                Source::Packed(pw) => fp8_copy(&pw.packed),
-                Source::Resident(rw) => {
-                    resident_values(&rt, rw, k, n).and_then(|w| fp8_of_values(&w, k, n))
-                }
-            };
-            let up = copy.and_then(|w| DeviceFp8Weight::upload(&rt, &w).map_err(|e| e.to_string()));
-            match up {
-                Ok(w) => {
-                    tracing::debug!(
-                        "stoke linear: FP8 copy of [{k}, {n}] made in {:.1} ms",
-                        t.elapsed().as_secs_f64() * 1e3
-                    );
-                    Some(Arc::new(w))
-                }
-                Err(e) => {
-                    tracing::warn!(
-                        "stoke linear: no FP8 copy of [{k}, {n}] ({e}); bf16 prefill instead"
-                    );
-                    None
-                }
-            }
-        })
-        .clone()?;
+    // The weight's values `[k, n]` (a packed weight's dequantized ones).
+    let values = || match source {
+        Source::Packed(pw) => Ok(pw.packed.dequantize()),
+        Source::Resident(rw) => resident_values(&rt, rw, k, n),
+    };
+    let copy = if fp8 {
+        Copy::Fp8(made(fp8_slot, "E4M3", k, n, || {
+            values()
+                .and_then(|w| fp8_of_values(&w, k, n))
+                .and_then(|w| DeviceFp8Weight::upload(&rt, &w).map_err(|e| e.to_string()))
+        })?)
+    } else {
+        Copy::Bf16(made(bf16_slot, "bf16 [n, k]", k, n, || {
+            values().and_then(|w| {
+                let t = stoke_formats::transpose(&w, k, n);
+                DeviceBf16Weight::upload(&rt, &t, n, k).map_err(|e| e.to_string())
+            })
+        })?)
+    };
     let x_in = KernelInput::resolve(&rt, x, &device);
     let res_in = residual
         .filter(|_| epilogue == Epilogue::Residual)
@@ -163,24 +156,61 @@ pub(crate) fn try_fp8_linear_with<I: Backend>(
     };
     let out_shape = super::with_cols(dims, fe.out_cols(n as u32) as usize);
     let out = DeviceTensor::<I>::alloc(&rt, out_shape, DType::BF16, device);
+    let (xp, op) = (DevicePtr::new(x_in.ptr), DevicePtrMut::new(out.ptr()));
     // SAFETY: x and the residual are pinned (or Stoke-owned) until the kernels are done, out
-    // is a Stoke buffer of m * out_cols bf16, the weight's buffers are held by `fw`.
+    // is a Stoke buffer of m * out_cols bf16, the weight's buffers are held by `copy`.
     let done = unsafe {
-        fp8_linear(
-            &rt,
-            &fw,
-            DevicePtr::new(x_in.ptr),
-            m as u32,
-            DevicePtrMut::new(out.ptr()),
-            fe,
-        )
+        match &copy {
+            Copy::Fp8(w) => fp8_linear(&rt, w, xp, m as u32, op, fe),
+            Copy::Bf16(w) => bf16_linear(&rt, w, xp, m as u32, op, fe),
+        }
     };
     if let Err(e) = done {
-        panic!("stoke linear (FP8): {e}");
+        panic!("stoke linear (prefill GEMM): {e}");
     }
     drop((x_in, res_in));
-    KERNEL_CALLS.fetch_add(1, Ordering::Relaxed);
+    match copy {
+        Copy::Fp8(_) => KERNEL_CALLS.fetch_add(1, Ordering::Relaxed),
+        Copy::Bf16(_) => BF16_CALLS.fetch_add(1, Ordering::Relaxed),
+    };
     Some(StokeTensor::owned(out))
+}
+
+/// The weight copy one call reads.
+enum Copy {
+    Fp8(Arc<DeviceFp8Weight>),
+    Bf16(Arc<DeviceBf16Weight>),
+}
+
+/// The copy in `slot`, made by `make` at the first call (logged; `None` for good, and logged,
+/// when it cannot be made: the inner backend's matmul serves instead).
+fn made<W>(
+    slot: &OnceLock<Option<Arc<W>>>,
+    what: &str,
+    k: usize,
+    n: usize,
+    make: impl FnOnce() -> Result<W, String>,
+) -> Option<Arc<W>> {
+    slot.get_or_init(|| {
+        let t = std::time::Instant::now();
+        match make() {
+            Ok(w) => {
+                tracing::debug!(
+                    "stoke linear: {what} copy of [{k}, {n}] made in {:.1} ms",
+                    t.elapsed().as_secs_f64() * 1e3
+                );
+                Some(Arc::new(w))
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "stoke linear: no {what} copy of [{k}, {n}] ({e}); the inner backend's \
+                     matmul instead"
+                );
+                None
+            }
+        }
+    })
+    .clone()
 }
 
 #[cfg(test)]
@@ -196,7 +226,7 @@ mod tests {
             .collect();
         let packed = quantize_rtn(&w, k, n, 32, ScaleType::Bf16).unwrap();
         let deq = packed.dequantize();
-        let f = super::fp8_copy(&packed).unwrap();
+        let f = super::fp8_of_values(&packed.dequantize(), k, n).unwrap();
         assert_eq!((f.n, f.k), (n, k));
         let back = f.dequantize();
         for j in 0..n {

@@ -31,8 +31,8 @@ pub(crate) use bridge::{float_device, float_into_data, memory_cleanup, sync_devi
 pub use stoke_cuda::Unavailable;
 
 /// `epilogue(x @ W)` on Stoke's GEMMs: the W4A16 kernels for a packed INT4 weight (decode
-/// rows), the FP8 GEMM on its E4M3 copy (prefill rows, when FP8 prefill is on), the dense bf16
-/// kernel for a pinned bf16 weight; `None` where none applies (the caller's reference path).
+/// rows), the persistent wgmma GEMM on the weight's bf16 or E4M3 copy (prefill rows), the
+/// dense bf16 kernel for a pinned bf16 weight (decode rows); `None` where none applies (the caller's reference path).
 /// `Residual` adds `residual`, `SwiGlu` returns `silu(g) * u` of interleaved columns.
 pub(crate) fn try_linear<I: burn_backend::Backend>(
     x: &crate::tensor::StokeTensor<I>,
@@ -41,7 +41,7 @@ pub(crate) fn try_linear<I: burn_backend::Backend>(
     residual: Option<&crate::tensor::StokeTensor<I>>,
 ) -> Option<crate::tensor::StokeTensor<I>> {
     int4_linear::try_linear_with(x, weight, epilogue, residual)
-        .or_else(|| fp8_linear::try_fp8_linear_with(x, weight, epilogue, residual))
+        .or_else(|| fp8_linear::try_prefill_linear_with(x, weight, epilogue, residual))
         .or_else(|| dense_linear::try_dense_linear_with(x, weight, epilogue, residual))
 }
 
