@@ -625,10 +625,12 @@ pub fn fp8_rows_match_reference() -> Result<Value, String> {
                 rt.fill_bytes(scales.ptr(), 0xFF, scales.bytes())
                     .map_err(|e| e.to_string())?;
             }
+            let amax = put_u8(&rt, &[0u8; 4]);
             let p = Fp8RowsParams {
                 x: xb.as_ptr(),
                 codes: codes.as_mut_ptr(),
                 scales: scales.as_mut_ptr(),
+                amax: amax.as_mut_ptr(),
                 rows: rows as u32,
                 k: k as u32,
                 ldx: ldx as u32,
@@ -656,6 +658,11 @@ pub fn fp8_rows_match_reference() -> Result<Value, String> {
                     dense[i]
                 ));
             }
+            let want_amax = dense.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let got_amax = f32::from_bits(get_u32(&amax)?);
+            if got_amax.to_bits() != want_amax.to_bits() {
+                return Err(format!("{what}: amax {got_amax}, reference {want_amax}"));
+            }
             let mut worst = 0f64;
             for (r, c) in sb.chunks_exact(4).enumerate() {
                 let g = f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
@@ -673,4 +680,285 @@ pub fn fp8_rows_match_reference() -> Result<Value, String> {
         }
     }
     Ok(json!({"seed": seed, "cases": cases}))
+}
+
+/// The state machine of a delayed scale on the device (`fp8_delayed_record`) against
+/// `stoke_formats::fp8::DelayedScale`, exactly: invocations whose gathered amax is zero, NaN,
+/// infinite or a value, more of them than the history holds, each handing on the scale it
+/// used.
+fn delayed_record_matches_reference(rt: &Arc<Runtime>, rng: &mut StdRng) -> Result<Value, String> {
+    use stoke_cuda::kernels::fp8_quant::{
+        Fp8DelayedState, Fp8RecordParams, STATE_AMAX, STATE_SATURATED, record,
+    };
+    use stoke_formats::fp8::{DELAYED_HISTORY, DelayedScale};
+    let mut want = DelayedScale::new(DELAYED_HISTORY, 3.0, 1.25).map_err(|e| e.to_string())?;
+    let state = put_u8(rt, &Fp8DelayedState::of(&want).to_bytes());
+    let used = rt.alloc(4).map_err(|e| e.to_string())?;
+    let mut amaxes: Vec<f32> = vec![0.0, f32::NAN, f32::INFINITY, 5.0, 0.0];
+    amaxes.extend((0..DELAYED_HISTORY + 5).map(|_| rng.random_range(0.01f32..40.0)));
+    for (i, &a) in amaxes.iter().enumerate() {
+        let saturated = (i * 7 % 5) as u32;
+        unsafe {
+            rt.copy_htod(state.ptr() + STATE_AMAX as u64, &a.to_bits().to_le_bytes())
+                .and_then(|_| {
+                    rt.copy_htod(
+                        state.ptr() + STATE_SATURATED as u64,
+                        &saturated.to_le_bytes(),
+                    )
+                })
+                .and_then(|_| {
+                    let p = Fp8RecordParams {
+                        state: state.as_mut_ptr(),
+                        used: used.as_mut_ptr(),
+                    };
+                    record(rt, &p)
+                })
+                .map_err(|e| e.to_string())?;
+        }
+        let want_used = want.scale();
+        want.record(a, u64::from(saturated));
+        let mut b = vec![0u8; std::mem::size_of::<Fp8DelayedState>()];
+        unsafe { rt.copy_dtoh(&mut b, state.ptr()) }.map_err(|e| e.to_string())?;
+        let got = Fp8DelayedState::from_bytes(&b).ok_or("state size")?;
+        let got_used = f32::from_bits(get_u32(&used)?);
+        let what = format!("invocation {i} (amax {a}, {saturated} saturated)");
+        if got_used.to_bits() != want_used.to_bits() {
+            return Err(format!(
+                "{what}: used scale {got_used}, reference {want_used}"
+            ));
+        }
+        if got.scale.to_bits() != want.scale().to_bits() || got.amax != 0 || got.saturated != 0 {
+            return Err(format!(
+                "{what}: next scale {} (reference {}), gathered amax {:#x} and saturated {} not reset",
+                got.scale,
+                want.scale(),
+                got.amax,
+                got.saturated
+            ));
+        }
+        if got.to_reference().as_ref() != Some(&want) {
+            return Err(format!("{what}: state {got:?}, reference {want:?}"));
+        }
+    }
+    Ok(
+        json!({"invocations": amaxes.len(), "final_scale": want.scale(), "saturated": want.saturated}),
+    )
+}
+
+/// `(m, x multiplier)` of each invocation of the delayed-scale SwiGLU case, in order: the
+/// first (per row, starting the history), a single row, a tile edge, all-zero inputs, inputs
+/// four times larger (so h is up to 16 times larger than the scale expects: saturated, counted,
+/// finite), then back to normal.
+const DELAYED_INVOCATIONS: &[(usize, f32)] = &[
+    (77, 1.0),
+    (1, 1.0),
+    (130, 1.0),
+    (64, 0.0),
+    (77, 4.0),
+    (100, 1.0),
+];
+
+/// The gate|up projection's SwiGLU written in E4M3 with a delayed scale
+/// (`stoke_cuda::fp8::fp8_swiglu_delayed`) and the down projection reading those rows
+/// (`fp8_linear_rows`), invocation after invocation ([`DELAYED_INVOCATIONS`]), against f64
+/// references on the same operands; the rows' bf16 dequantization exactly; and
+/// [`delayed_record_matches_reference`].
+pub fn fp8_delayed_swiglu_matches_reference() -> Result<Value, String> {
+    use stoke_cuda::fp8::{
+        DeviceDelayedScale, DeviceFp8Weight, Fp8LinearEpilogue, fp8_linear_rows, fp8_swiglu_delayed,
+    };
+    use stoke_formats::fp8::{DELAYED_HISTORY, DelayedScale};
+    let rt = crate::gpu()?;
+    let seed = crate::seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let record = delayed_record_matches_reference(&rt, &mut rng)?;
+    let (k, inter, n_down) = (256usize, 144usize, 200usize);
+    let weight = |rng: &mut StdRng, n: usize, k: usize| -> Result<(Fp8Weight, Vec<f64>), String> {
+        let w: Vec<f32> = (0..n * k)
+            .map(|_| rng.random_range(-1.0f32..1.0) / (k as f32).sqrt())
+            .collect();
+        let q = Fp8Weight::quantize(&w, n, k, None).map_err(|e| e.to_string())?;
+        let v = q.codes.iter().map(|&c| f64::from(e4m3_to_f32(c))).collect();
+        Ok((q, v))
+    };
+    let (gu, gu_v) = weight(&mut rng, 2 * inter, k)?;
+    let (down, down_v) = weight(&mut rng, n_down, inter)?;
+    let (gu_d, down_d) = (
+        DeviceFp8Weight::upload(&rt, &gu).map_err(|e| e.to_string())?,
+        DeviceFp8Weight::upload(&rt, &down).map_err(|e| e.to_string())?,
+    );
+    let state = DeviceDelayedScale::new(&rt, 1.0, 1.0).map_err(|e| e.to_string())?;
+    let mut want_state = DelayedScale::new(DELAYED_HISTORY, 1.0, 1.0).map_err(|e| e.to_string())?;
+    let mut cases = Vec::new();
+    let mut worst = 0f64;
+    for (inv, &(m, mult)) in DELAYED_INVOCATIONS.iter().enumerate() {
+        let what = format!("seed {seed}: invocation {inv} (m {m}, x times {mult})");
+        let x: Vec<f32> = activations(&mut rng, m, k)
+            .iter()
+            .map(|v| v * mult)
+            .collect();
+        let bits: Vec<u16> = x
+            .iter()
+            .map(|&v| stoke_formats::bf16::from_f32(v))
+            .collect();
+        let xs: Vec<f32> = bits
+            .iter()
+            .map(|&b| stoke_formats::bf16::to_f32(b))
+            .collect();
+        let (x_codes, x_scales) =
+            quantize_rows_fused(&xs, m, k, 0.0, false).map_err(|e| e.to_string())?;
+        let xb = put_u16(&rt, &bits);
+        let rows = unsafe { fp8_swiglu_delayed(&rt, &gu_d, xb.as_ptr(), m as u32, &state) }
+            .map_err(|e| format!("{what}: {e}"))?;
+        let first = inv == 0;
+        if rows.per_row != first || (rows.m, rows.k) != (m as u32, inter as u32) {
+            return Err(format!("{what}: rows {rows:?}"));
+        }
+        let mut codes = vec![0u8; m * inter];
+        let mut sb = vec![0u8; 4 * if first { m } else { 1 }];
+        unsafe {
+            rt.copy_dtoh(&mut codes, rows.codes().addr())
+                .and_then(|_| rt.copy_dtoh(&mut sb, rows.scales().addr()))
+                .map_err(|e| e.to_string())?;
+        }
+        let scales: Vec<f32> = sb
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let scale_of = |r: usize| scales[if first { r } else { 0 }];
+        // The scale a later invocation used is the one the state held before it.
+        if !first && scales[0].to_bits() != want_state.scale().to_bits() {
+            return Err(format!(
+                "{what}: used scale {}, reference {}",
+                scales[0],
+                want_state.scale()
+            ));
+        }
+        // h in f64 over the same x codes, and what the GEMM's own rounding may move it.
+        let (mut want_sat, mut ambiguous, mut amax_ref) = (0u64, 0u64, 0f64);
+        let mut case_worst = 0f64;
+        for r in 0..m {
+            let (y, l1) = reference_row(&x_codes, x_scales[r], r, &gu, &gu_v);
+            let s = f64::from(scale_of(r));
+            for j in 0..inter {
+                let (g, u) = (y[2 * j], y[2 * j + 1]);
+                let hv = g / (1.0 + (-g).exp()) * u;
+                amax_ref = amax_ref.max(hv.abs());
+                // The first invocation rounds h to bf16 before its per-row quantization.
+                let dh = h_error(g, u, l1[2 * j], l1[2 * j + 1], TOL_L1)
+                    + if first { hv.abs() / 256.0 } else { 0.0 };
+                let q = hv / s;
+                if q.abs() > 448.0 {
+                    want_sat += 1;
+                }
+                if (q.abs() - 448.0).abs() < 1e-2 * 448.0 {
+                    ambiguous += 1;
+                }
+                let want = q.clamp(-448.0, 448.0) * s;
+                let c = codes[r * inter + j];
+                let deq = f64::from(e4m3_to_f32(c)) * s;
+                let bound = want.abs() / 16.0 + s / 1024.0 + dh * (1.0 + 1.0 / 16.0);
+                let ratio = (deq - want).abs() / bound;
+                if !(ratio <= 1.0) {
+                    return Err(format!(
+                        "{what}: code [{r}][{j}] = {c:#04x} ({deq}), reference h {hv} (scale {s}, bound {bound:.3e})"
+                    ));
+                }
+                case_worst = case_worst.max(ratio);
+            }
+        }
+        // What the device gathered, from its history; the rest of the state exactly.
+        let got_state = state.read().map_err(|e| format!("{what}: {e}"))?;
+        let sat = got_state.saturated - want_state.saturated;
+        let (hist, next, _) = got_state.history();
+        let recorded = amax_ref > 0.0;
+        let amax = if recorded {
+            hist[(next + DELAYED_HISTORY - 1) % DELAYED_HISTORY]
+        } else {
+            0.0
+        };
+        if recorded && !((f64::from(amax) - amax_ref).abs() <= 1e-2 * amax_ref) {
+            return Err(format!(
+                "{what}: gathered amax {amax}, reference {amax_ref}"
+            ));
+        }
+        if sat.abs_diff(want_sat) > ambiguous || (first && sat != 0) {
+            return Err(format!(
+                "{what}: {sat} saturated, reference {want_sat} (+- {ambiguous})"
+            ));
+        }
+        want_state.record(amax, sat);
+        if got_state != want_state {
+            return Err(format!(
+                "{what}: state {got_state:?}, reference {want_state:?}"
+            ));
+        }
+        if mult == 0.0 && codes.iter().any(|&c| c & 0x7F != 0) {
+            return Err(format!("{what}: all-zero inputs gave non-zero codes"));
+        }
+        // The rows' bf16 values: bf16(e4m3 * scale), exactly.
+        let deq = rt.alloc(m * inter * 2).map_err(|e| e.to_string())?;
+        unsafe { rows.dequantize(&rt, deq.as_mut_ptr()) }.map_err(|e| format!("{what}: {e}"))?;
+        let got_deq = try_get_bf16(&deq).map_err(|e| format!("{what}: {e}"))?;
+        for (i, (&c, &g)) in codes.iter().zip(&got_deq).enumerate() {
+            let want = stoke_formats::bf16::to_f32(stoke_formats::bf16::from_f32(
+                e4m3_to_f32(c) * scale_of(i / inter),
+            ));
+            if g.to_bits() != f64::from(want).to_bits() {
+                return Err(format!(
+                    "{what}: dequantized [{}][{}] = {g}, reference {want}",
+                    i / inter,
+                    i % inter
+                ));
+            }
+        }
+        // The down projection on the rows as they are.
+        let out = rt.alloc(m * n_down * 2).map_err(|e| e.to_string())?;
+        unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }.map_err(|e| e.to_string())?;
+        unsafe {
+            fp8_linear_rows(
+                &rt,
+                &down_d,
+                &rows,
+                out.as_mut_ptr(),
+                Fp8LinearEpilogue::Plain,
+            )
+        }
+        .map_err(|e| format!("{what}: {e}"))?;
+        let got = try_get_bf16(&out).map_err(|e| format!("{what}: {e}"))?;
+        let dense: Vec<f64> = (0..m)
+            .flat_map(|r| got[r * n_down..(r + 1) * n_down].to_vec())
+            .collect();
+        let all: Vec<usize> = (0..m).collect();
+        let refs: Vec<(Vec<f64>, Vec<f64>)> = all
+            .iter()
+            .map(|&r| reference_row(&codes, scale_of(r), r, &down, &down_v))
+            .collect();
+        let down_worst = check_bf16_outputs(
+            &what,
+            &dense,
+            &all,
+            &refs,
+            (n_down, n_down),
+            Epi::Plain,
+            &[],
+            TOL_L1,
+        )?;
+        if dense.iter().any(|v| !v.is_finite()) {
+            return Err(format!(
+                "{what}: the down projection wrote non-finite values"
+            ));
+        }
+        worst = worst.max(case_worst).max(down_worst);
+        cases.push(
+            json!({"m": m, "x_times": mult, "per_row": first, "scale": scales[0],
+            "saturated": sat, "reference_saturated": want_sat, "amax": amax,
+            "reference_amax": amax_ref, "worst_code_error_over_bound": case_worst,
+            "worst_down_error_over_bound": down_worst}),
+        );
+    }
+    Ok(
+        json!({"seed": seed, "record": record, "k": k, "inter": inter, "n_down": n_down,
+        "worst_error_over_bound": worst, "invocations": cases}),
+    )
 }

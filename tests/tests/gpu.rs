@@ -38,5 +38,6 @@ gpu_tests!(
     fp8_rows_match_reference,
     fp8_gemm_matches_reference,
     bf16_tc_gemm_matches_reference,
+    fp8_delayed_swiglu_matches_reference,
     smollm2_fp8_prefill_matches_bf16,
 );

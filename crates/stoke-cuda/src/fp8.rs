@@ -1,14 +1,21 @@
 //! The FP8 prefill linear: a weight's E4M3 codes and per-channel scales in device memory
 //! ([`DeviceFp8Weight`]) and [`fp8_linear`], which quantizes bf16 rows to E4M3 with one scale
 //! per row (`kernels/fp8_quant.cu`) and runs the persistent FP8 GEMM with one of its epilogues
-//! (`kernels/fp8_gemm.cu`). `stoke_formats::fp8` holds the specification of both.
+//! (`kernels/fp8_gemm.cu`); the gate|up projection's SwiGLU straight to the down projection's
+//! E4M3 rows with a delayed per-tensor scale ([`fp8_swiglu_delayed`], [`DeviceDelayedScale`],
+//! [`fp8_linear_rows`]); the bf16 prefill linear on the same mainloop ([`bf16_linear`]).
+//! `stoke_formats::fp8` holds the specification.
 
 use crate::kernels::fp8_gemm::{Bf16TcGemm, Fp8Epilogue, Fp8Gemm, bf16_tc_gemm, fp8_gemm};
-use crate::kernels::fp8_quant::{Fp8RowsParams, quantize_rows};
+use crate::kernels::fp8_quant::{
+    Fp8DelayedState, Fp8DequantParams, Fp8RecordParams, Fp8RowsParams, STATE_AMAX, STATE_SATURATED,
+    STATE_SCALE, dequantize_rows, quantize_rows, record,
+};
 use crate::{DeviceBuffer, DevicePtr, DevicePtrMut, Error, Result, Runtime, ShapeError};
 use half::bf16;
 use std::sync::Arc;
-use stoke_formats::fp8::Fp8Weight;
+use std::sync::atomic::{AtomicU64, Ordering};
+use stoke_formats::fp8::{DELAYED_HISTORY, DelayedScale, Fp8Weight};
 
 /// A weight `[n, k]` in E4M3 with one f32 scale per output channel, in device memory.
 pub struct DeviceFp8Weight {
@@ -94,6 +101,291 @@ impl Fp8LinearEpilogue {
     }
 }
 
+/// E4M3 rows `[m, k]` in device memory with their scales, one per row or one for every row:
+/// the input of the FP8 GEMM.
+pub struct DeviceFp8Rows {
+    pub m: u32,
+    pub k: u32,
+    /// Whether `scales` holds one scale per row (else one, `[1]`).
+    pub per_row: bool,
+    codes: DeviceBuffer,
+    scales: DeviceBuffer,
+}
+
+impl std::fmt::Debug for DeviceFp8Rows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let scales = if self.per_row { "per row" } else { "one scale" };
+        write!(f, "DeviceFp8Rows(e4m3 [{}, {}], {scales})", self.m, self.k)
+    }
+}
+
+impl DeviceFp8Rows {
+    /// Buffers for `m` rows of `k` codes and their scales.
+    fn alloc(rt: &Arc<Runtime>, m: u32, k: u32, per_row: bool) -> Result<Self> {
+        let scales = if per_row { m as usize } else { 1 };
+        Ok(Self {
+            m,
+            k,
+            per_row,
+            codes: rt.alloc(m as usize * k as usize)?,
+            scales: rt.alloc(4 * scales)?,
+        })
+    }
+
+    /// Queues the E4M3 codes of bf16 rows `x` (`[m, k]`, dense, 16-byte aligned; `k` a
+    /// multiple of 16) with one scale per row; their largest |x| also goes to `amax` (f32
+    /// bits, atomicMax) unless it is null.
+    ///
+    /// # Safety
+    /// `x` must be valid device memory of `m k` bf16 and `amax` null or `[1]` u32 until the
+    /// kernel is done.
+    pub unsafe fn quantize(
+        rt: &Arc<Runtime>,
+        x: DevicePtr<bf16>,
+        m: u32,
+        k: u32,
+        amax: DevicePtrMut<u32>,
+    ) -> Result<Self> {
+        let rows = Self::alloc(rt, m, k, true)?;
+        let p = Fp8RowsParams {
+            x,
+            codes: rows.codes.as_mut_ptr(),
+            scales: rows.scales.as_mut_ptr(),
+            amax,
+            rows: m,
+            k,
+            ldx: k,
+            eps: 0.0,
+            normalize: 0,
+            pad: 0,
+        };
+        // SAFETY: the caller's guarantees; the buffers are the rows' own.
+        unsafe { quantize_rows(rt, &p)? };
+        Ok(rows)
+    }
+
+    pub fn codes(&self) -> DevicePtr<u8> {
+        self.codes.as_ptr()
+    }
+
+    pub fn scales(&self) -> DevicePtr<f32> {
+        self.scales.as_ptr()
+    }
+
+    /// Queues `out = bf16(e4m3(codes) * scale)` (`[m, k]` bf16, dense, 16-byte aligned).
+    ///
+    /// # Safety
+    /// `out` must be valid device memory of `m k` bf16 until the kernel is done.
+    pub unsafe fn dequantize(&self, rt: &Runtime, out: DevicePtrMut<bf16>) -> Result<()> {
+        let p = Fp8DequantParams {
+            codes: self.codes(),
+            scales: self.scales(),
+            out,
+            rows: self.m,
+            k: self.k,
+            scale_stride: u32::from(self.per_row),
+            pad: 0,
+        };
+        // SAFETY: the caller's guarantee for out; the codes and scales are the rows' own.
+        unsafe { dequantize_rows(rt, &p) }
+    }
+}
+
+/// A delayed per-tensor scale in device memory ([`Fp8DelayedState`], the device copy of
+/// [`DelayedScale`] with [`DELAYED_HISTORY`] slots): the state of one activation (the SwiGLU
+/// output a down projection reads) for one request group. Every step of it is queued on
+/// Stoke's stream; the host only counts the invocations it queued.
+pub struct DeviceDelayedScale {
+    state: DeviceBuffer,
+    queued: AtomicU64,
+}
+
+impl std::fmt::Debug for DeviceDelayedScale {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceDelayedScale({} queued)", self.queued())
+    }
+}
+
+impl DeviceDelayedScale {
+    /// A fresh state: no history, the scale of `initial_amax * margin` (see
+    /// [`DelayedScale::new`]).
+    pub fn new(rt: &Arc<Runtime>, initial_amax: f32, margin: f32) -> Result<Self> {
+        let d = DelayedScale::new(DELAYED_HISTORY, initial_amax, margin).map_err(|e| {
+            ShapeError::new(
+                "delayed FP8 scale",
+                "a finite positive initial amax and a margin of at least 1",
+                e.to_string(),
+            )
+        })?;
+        let state = rt.alloc(std::mem::size_of::<Fp8DelayedState>())?;
+        // SAFETY: the buffer holds exactly the state's bytes.
+        unsafe { rt.copy_htod(state.ptr(), &Fp8DelayedState::of(&d).to_bytes())? };
+        Ok(Self {
+            state,
+            queued: AtomicU64::new(0),
+        })
+    }
+
+    /// Invocations queued so far.
+    pub fn queued(&self) -> u64 {
+        self.queued.load(Ordering::Relaxed)
+    }
+
+    /// The state after Stoke's queued work (waits for it), as the reference holds it.
+    pub fn read(&self) -> Result<DelayedScale> {
+        let mut b = vec![0u8; self.state.bytes()];
+        // SAFETY: the buffer holds exactly `bytes()` bytes.
+        unsafe { self.state.runtime().copy_dtoh(&mut b, self.state.ptr())? };
+        Fp8DelayedState::from_bytes(&b)
+            .and_then(|s| s.to_reference())
+            .ok_or_else(|| {
+                ShapeError::new(
+                    "delayed FP8 scale read back",
+                    "a consistent state",
+                    format!("{:?}", Fp8DelayedState::from_bytes(&b)),
+                )
+                .into()
+            })
+    }
+
+    fn field(&self, offset: usize) -> u64 {
+        self.state.ptr() + offset as u64
+    }
+
+    /// Queues the end of an invocation (see [`record`]).
+    ///
+    /// # Safety
+    /// `used` must be null or valid for one f32 until the kernel is done.
+    unsafe fn record(&self, rt: &Runtime, used: DevicePtrMut<f32>) -> Result<()> {
+        let p = Fp8RecordParams {
+            state: DevicePtrMut::new(self.state.ptr()),
+            used,
+        };
+        // SAFETY: the state is this buffer; the caller's guarantee for `used`.
+        unsafe { record(rt, &p) }
+    }
+}
+
+/// Queues `h = silu(y[2 j]) y[2 j + 1]` of `y = x W^T` (bf16 rows `x` `[m, k]`, dense, 16-byte
+/// aligned; gate and up interleaved in W's rows) as E4M3 rows `[m, n / 2]` for the down
+/// projection, scaled by the delayed scale `state`:
+/// - the state's first invocation has no history: `h` goes out in bf16, is quantized per row,
+///   and its largest |h| starts the history (no calibration needed);
+/// - later invocations write `h` in E4M3 straight from the GEMM's epilogue with the state's
+///   scale (one for the tensor), gather max |h| and the saturated values for the next, and
+///   the returned rows hold the scale they were written with.
+///
+/// `n / 2` must be a multiple of 16 (the down GEMM's k).
+///
+/// # Safety
+/// `x` must be valid device memory of `m k` bf16 until the kernels are done.
+pub unsafe fn fp8_swiglu_delayed(
+    rt: &Arc<Runtime>,
+    w: &DeviceFp8Weight,
+    x: DevicePtr<bf16>,
+    m: u32,
+    state: &DeviceDelayedScale,
+) -> Result<DeviceFp8Rows> {
+    let inter = w.n / 2;
+    if !w.n.is_multiple_of(2) || !inter.is_multiple_of(16) || m == 0 {
+        return Err(ShapeError::new(
+            format!(
+                "delayed-scale SwiGLU of [{m}, {}] x [{}, {}]",
+                w.k, w.n, w.k
+            ),
+            "at least one row, gate|up rows n with n / 2 a multiple of 16",
+            format!("m {m}, n {}", w.n),
+        )
+        .into());
+    }
+    let amax = DevicePtrMut::<u32>::new(state.field(STATE_AMAX));
+    // SAFETY: the caller's guarantee for x; every other buffer is owned here or by `state`
+    // and `w`, and freed stream-ordered after the queued kernels.
+    unsafe {
+        let xq = DeviceFp8Rows::quantize(rt, x, m, w.k, DevicePtrMut::NULL)?;
+        if state.queued.fetch_add(1, Ordering::Relaxed) == 0 {
+            let h = rt.alloc(m as usize * inter as usize * 2)?;
+            gemm_rows(
+                rt,
+                w,
+                &xq,
+                Fp8Epilogue::SwiGluBf16 {
+                    out: h.as_mut_ptr(),
+                },
+                inter,
+            )?;
+            let rows = DeviceFp8Rows::quantize(rt, h.as_ptr(), m, inter, amax)?;
+            state.record(rt, DevicePtrMut::NULL)?;
+            return Ok(rows);
+        }
+        let rows = DeviceFp8Rows::alloc(rt, m, inter, false)?;
+        let epilogue = Fp8Epilogue::SwiGlu {
+            codes: rows.codes.as_mut_ptr(),
+            scale: DevicePtr::new(state.field(STATE_SCALE)),
+            amax,
+            saturated: DevicePtrMut::new(state.field(STATE_SATURATED)),
+        };
+        gemm_rows(rt, w, &xq, epilogue, inter)?;
+        state.record(rt, rows.scales.as_mut_ptr())?;
+        Ok(rows)
+    }
+}
+
+/// Queues the FP8 GEMM of `rows` and `w` with `epilogue` (output pitch `ldo`).
+///
+/// # Safety
+/// The epilogue's buffers must be valid until the kernel is done.
+unsafe fn gemm_rows(
+    rt: &Runtime,
+    w: &DeviceFp8Weight,
+    rows: &DeviceFp8Rows,
+    epilogue: Fp8Epilogue,
+    ldo: u32,
+) -> Result<()> {
+    if rows.k != w.k {
+        return Err(ShapeError::new(
+            format!(
+                "FP8 GEMM of E4M3 rows [{}, {}] and weight [{}, {}]",
+                rows.m, rows.k, w.n, w.k
+            ),
+            "the rows' k equal to the weight's",
+            format!("{} and {}", rows.k, w.k),
+        )
+        .into());
+    }
+    let gemm = Fp8Gemm {
+        a: rows.codes(),
+        w: w.codes.as_ptr(),
+        a_scale: rows.scales(),
+        a_scale_per_row: rows.per_row,
+        w_scale: w.scales.as_ptr(),
+        epilogue,
+        m: rows.m,
+        n: w.n,
+        k: w.k,
+        ldo,
+    };
+    // SAFETY: the caller's guarantee for the epilogue; the operands live as long as `rows`
+    // and `w`.
+    unsafe { fp8_gemm(rt, &gemm) }
+}
+
+/// Queues `epilogue(rows W^T)` for E4M3 rows (as [`fp8_swiglu_delayed`] returns them) into
+/// `out` (`[m, epilogue.out_cols(n)]` bf16, dense).
+///
+/// # Safety
+/// `out` and a residual must be valid device memory of those sizes until the kernel is done.
+pub unsafe fn fp8_linear_rows(
+    rt: &Arc<Runtime>,
+    w: &DeviceFp8Weight,
+    rows: &DeviceFp8Rows,
+    out: DevicePtrMut<bf16>,
+    epilogue: Fp8LinearEpilogue,
+) -> Result<()> {
+    // SAFETY: the caller's guarantees.
+    unsafe { gemm_rows(rt, w, rows, epilogue.gemm(out, w.n), epilogue.out_cols(w.n)) }
+}
+
 /// Queues `epilogue(x W^T)` for bf16 rows `x` (`[m, k]`, dense, 16-byte aligned) into `out`
 /// (`[m, epilogue.out_cols(n)]` bf16, dense): the rows' E4M3 codes and scales go to scratch
 /// memory on Stoke's stream, then the GEMM reads them.
@@ -112,39 +404,10 @@ pub unsafe fn fp8_linear(
     if m == 0 {
         return Ok(());
     }
-    let (n, k) = (w.n, w.k);
-    let codes = rt.alloc(m as usize * k as usize)?;
-    let scales = rt.alloc(4 * m as usize)?;
-    let rows = Fp8RowsParams {
-        x,
-        codes: codes.as_mut_ptr(),
-        scales: scales.as_mut_ptr(),
-        rows: m,
-        k,
-        ldx: k,
-        eps: 0.0,
-        normalize: 0,
-        pad: 0,
-    };
-    let out_cols = epilogue.out_cols(n);
-    let epilogue = epilogue.gemm(out, n);
-    let gemm = Fp8Gemm {
-        a: codes.as_ptr(),
-        w: w.codes.as_ptr(),
-        a_scale: scales.as_ptr(),
-        a_scale_per_row: true,
-        w_scale: w.scales.as_ptr(),
-        epilogue,
-        m,
-        n,
-        k,
-        ldo: out_cols,
-    };
-    // SAFETY: the caller's guarantees for x and out; the scratch buffers are released after
-    // the queued kernels (stream-ordered), the weight's buffers live as long as `w`.
+    // SAFETY: the caller's guarantees; the rows are freed stream-ordered after the GEMM.
     unsafe {
-        quantize_rows(rt, &rows)?;
-        fp8_gemm(rt, &gemm)
+        let rows = DeviceFp8Rows::quantize(rt, x, m, w.k, DevicePtrMut::NULL)?;
+        fp8_linear_rows(rt, w, &rows, out, epilogue)
     }
 }
 

@@ -195,6 +195,10 @@ pub fn quantize_with_scale(x: &[f32], scale: f32) -> Quantized {
     }
 }
 
+/// Amax history slots of the delayed scales Stoke keeps on the device (the FP8 prefill's
+/// SwiGLU output): the scale follows the largest amax of the last 16 invocations.
+pub const DELAYED_HISTORY: usize = 16;
+
 /// Delayed per-tensor scaling of one activation (e.g. the SwiGLU output that the down
 /// projection reads) for one request group: each invocation quantizes with the scale derived
 /// from the amaxes collected by earlier invocations and records its own amax for the next.
@@ -269,6 +273,42 @@ impl DelayedScale {
         let q = quantize_with_scale(x, scale);
         self.record(q.amax, q.saturated);
         (q, scale)
+    }
+
+    /// The amax history (`filled` slots hold values; the next record goes to slot `next`):
+    /// `(history, next, filled)`.
+    pub fn history(&self) -> (&[f32], usize, usize) {
+        (&self.history, self.next, self.filled)
+    }
+
+    /// The amax the scale starts from while the history is empty.
+    pub fn initial_amax(&self) -> f32 {
+        self.initial_amax
+    }
+
+    /// A state given field by field (as a device copy of it is read back); `None` where the
+    /// fields are inconsistent (an empty history, `next` or `filled` out of range, an
+    /// initial amax or margin [`Self::new`] would refuse).
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_parts(
+        history: Vec<f32>,
+        next: usize,
+        filled: usize,
+        initial_amax: f32,
+        margin: f32,
+        saturated: u64,
+        invocations: u64,
+    ) -> Option<Self> {
+        let mut s = Self::new(history.len(), initial_amax, margin).ok()?;
+        if next >= history.len() || filled > history.len() {
+            return None;
+        }
+        s.history = history;
+        s.next = next;
+        s.filled = filled;
+        s.saturated = saturated;
+        s.invocations = invocations;
+        Some(s)
     }
 
     /// Records an invocation's amax and saturation count (as the kernel's epilogue reports

@@ -21,11 +21,9 @@ pub struct PackedWeight<I: Backend> {
     /// The packed weight in device memory, uploaded at the first kernel call (`None`: the
     /// upload failed, and was logged).
     pub(crate) gpu: OnceLock<Option<Arc<stoke_cuda::int4::DeviceInt4>>>,
-    /// The E4M3 copy the FP8 prefill GEMM reads, made at its first call (`None`: it could not
-    /// be made, and that was logged).
-    pub(crate) fp8: OnceLock<Option<Arc<stoke_cuda::fp8::DeviceFp8Weight>>>,
-    /// The bf16 `[n, k]` copy the bf16 prefill GEMM reads, made at its first call.
-    pub(crate) bf16_nk: OnceLock<Option<Arc<stoke_cuda::fp8::DeviceBf16Weight>>>,
+    /// The copies the prefill GEMMs read and the FP8 SwiGLU output's delayed scales, made
+    /// at first use.
+    pub(crate) prefill: crate::cuda::fp8_linear::PrefillCopies,
     /// The CPU kernel's layout of the same nibbles, made at the first CPU call.
     pub(crate) cpu: OnceLock<Arc<crate::cpu::int4::CpuInt4>>,
 }
@@ -38,8 +36,7 @@ impl<I: Backend> PackedWeight<I> {
             device,
             materialized: OnceLock::new(),
             gpu: OnceLock::new(),
-            fp8: OnceLock::new(),
-            bf16_nk: OnceLock::new(),
+            prefill: Default::default(),
             cpu: OnceLock::new(),
         }
     }

@@ -506,8 +506,8 @@ pub struct Fp8Sim {
     pub delayed_down: bool,
 }
 
-/// Amax history slots of a simulated delayed scale.
-pub const DELAYED_HISTORY: usize = 16;
+/// Amax history slots of a simulated delayed scale (the device's).
+pub use stoke_formats::fp8::DELAYED_HISTORY;
 
 impl Fp8Sim {
     /// Every projection weight of `model` (q|k|v, o, gate|up, down; the head is kept) replaced

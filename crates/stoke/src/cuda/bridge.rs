@@ -244,11 +244,9 @@ pub struct ResidentTensor<I: Backend> {
     tensor: I::FloatTensorPrimitive,
     device: I::Device,
     pin: Pin,
-    /// Its E4M3 copy for the FP8 prefill GEMM, made at first use (`None` inside: it could not
-    /// be made).
-    pub(crate) fp8: std::sync::OnceLock<Option<Arc<stoke_cuda::fp8::DeviceFp8Weight>>>,
-    /// Its bf16 `[n, k]` copy for the bf16 prefill GEMM, made at first use.
-    pub(crate) bf16_nk: std::sync::OnceLock<Option<Arc<stoke_cuda::fp8::DeviceBf16Weight>>>,
+    /// Its copies for the prefill GEMMs and the FP8 SwiGLU output's delayed scales, made at
+    /// first use.
+    pub(crate) prefill: super::fp8_linear::PrefillCopies,
 }
 
 impl<I: Backend> std::fmt::Debug for ResidentTensor<I> {
@@ -296,8 +294,7 @@ pub fn pin_tensor<I: Backend>(t: StokeTensor<I>) -> StokeTensor<I> {
         tensor: inner,
         device,
         pin,
-        fp8: std::sync::OnceLock::new(),
-        bf16_nk: std::sync::OnceLock::new(),
+        prefill: Default::default(),
     })
 }
 
@@ -330,6 +327,13 @@ impl KernelInput {
                 _pin: None,
             };
         }
+        if let Some(a) = t.downcast_ref::<super::fp8_linear::Fp8Activation<I>>() {
+            // Its bf16 values, dequantized on Stoke's stream and kept as long as `t`.
+            return Self {
+                ptr: a.bf16().ptr(),
+                _pin: None,
+            };
+        }
         if let Some(r) = t.downcast_ref::<ResidentTensor<I>>() {
             // Its pin is released through the runtime when the tensor drops, i.e. after every
             // kernel queued before that: nothing to hold per launch.
@@ -358,7 +362,11 @@ pub(crate) fn float_device<I: Backend>(t: &StokeTensor<I>) -> I::Device {
 pub(crate) async fn float_into_data<I: Backend>(
     t: StokeTensor<I>,
 ) -> Result<TensorData, ExecutionError> {
-    if let Some(d) = t.downcast_ref::<DeviceTensor<I>>()
+    let d = t.downcast_ref::<DeviceTensor<I>>().or_else(|| {
+        t.downcast_ref::<super::fp8_linear::Fp8Activation<I>>()
+            .map(|a| a.bf16())
+    });
+    if let Some(d) = d
         && d.materialized.get().is_none()
     {
         return Ok(d.read());

@@ -1,28 +1,166 @@
 //! `linear` for prefill-sized inputs through Stoke's persistent wgmma GEMM (`stoke_cuda::fp8`),
 //! on a packed INT4 weight or a pinned dense bf16 one, with the residual or SwiGLU epilogue on
 //! chip. The weight's values (a packed weight's dequantized ones) are copied once, at the first
-//! call, beside the weight:
+//! call, beside the weight ([`PrefillCopies`]):
 //! - in bf16 as `[n, k]` (the default): each call reads its bf16 rows as they are;
 //! - with FP8 prefill on ([`set_fp8_prefill`]), in E4M3 with one scale per output channel
 //!   (`stoke_formats::fp8::Fp8Weight`): each call quantizes its rows to E4M3 with one scale
-//!   per row first.
+//!   per row first, except the down projection's: the gate|up GEMM's SwiGLU epilogue writes
+//!   them in E4M3 with a delayed per-tensor scale ([`Fp8Activation`]), kept per weight and
+//!   request group ([`set_fp8_scale_group`]).
 
 use super::bridge::{DeviceTensor, KernelInput, ResidentTensor, runtime_for};
 use crate::packed::PackedWeight;
 use crate::tensor::{StokeData, StokeTensor};
-use burn_backend::{Backend, DType, TensorMetadata};
+use burn_backend::{Backend, DType, Shape, TensorMetadata};
+use std::any::Any;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use stoke_cuda::fp8::{
-    DeviceBf16Weight, DeviceFp8Weight, Fp8LinearEpilogue, bf16_linear, fp8_linear,
+    DeviceBf16Weight, DeviceDelayedScale, DeviceFp8Rows, DeviceFp8Weight, Fp8LinearEpilogue,
+    bf16_linear, fp8_linear, fp8_linear_rows, fp8_swiglu_delayed,
 };
 use stoke_cuda::kernels::int4_gemm::Epilogue;
-use stoke_cuda::{DevicePtr, DevicePtrMut};
+use stoke_cuda::{DevicePtr, DevicePtrMut, Runtime};
 use stoke_formats::fp8::Fp8Weight;
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static KERNEL_CALLS: AtomicU64 = AtomicU64::new(0);
 static BF16_CALLS: AtomicU64 = AtomicU64::new(0);
+static SCALE_GROUP: AtomicU64 = AtomicU64::new(0);
+/// Every delayed scale made in this process (for [`delayed_scales`]).
+static DELAYED: Mutex<Vec<(u64, Weak<DeviceDelayedScale>)>> = Mutex::new(Vec::new());
+
+/// The copies of one weight that the prefill GEMMs read (made at first use; `None` inside: it
+/// could not be made, and that was logged), and the delayed scales of the E4M3 SwiGLU output
+/// a gate|up weight writes, one per request group.
+#[derive(Default)]
+pub(crate) struct PrefillCopies {
+    fp8: OnceLock<Option<Arc<DeviceFp8Weight>>>,
+    bf16_nk: OnceLock<Option<Arc<DeviceBf16Weight>>>,
+    delayed: Mutex<HashMap<u64, Arc<DeviceDelayedScale>>>,
+}
+
+impl PrefillCopies {
+    /// The delayed scale of the current request group (made at its first use: no history, so
+    /// that invocation runs per row and starts it; `None`, logged, where it cannot be made).
+    fn delayed(&self, rt: &Arc<Runtime>) -> Option<Arc<DeviceDelayedScale>> {
+        let group = fp8_scale_group();
+        let mut map = self.delayed.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = map.get(&group) {
+            return Some(d.clone());
+        }
+        match DeviceDelayedScale::new(rt, 1.0, 1.0) {
+            Ok(d) => {
+                let d = Arc::new(d);
+                map.insert(group, d.clone());
+                let mut all = DELAYED.lock().unwrap_or_else(|e| e.into_inner());
+                all.retain(|(_, w)| w.strong_count() > 0);
+                all.push((group, Arc::downgrade(&d)));
+                Some(d)
+            }
+            Err(e) => {
+                tracing::warn!("stoke linear: no delayed FP8 scale ({e}); SwiGLU output in bf16");
+                None
+            }
+        }
+    }
+}
+
+/// Sets the request group whose delayed FP8 scales the following prefills use and update (0
+/// at start). The SwiGLU output of FP8 prefill goes to the down projection in E4M3 with one
+/// scale per tensor, derived from the largest values of that layer's last
+/// [`stoke_formats::fp8::DELAYED_HISTORY`] invocations in the same group: requests of
+/// different kinds (languages, tasks, tenants) kept in separate groups do not widen each
+/// other's scales. A group's first invocation in each layer runs per row and starts its
+/// history.
+pub fn set_fp8_scale_group(group: u64) {
+    SCALE_GROUP.store(group, Ordering::Relaxed);
+}
+
+/// See [`set_fp8_scale_group`].
+pub fn fp8_scale_group() -> u64 {
+    SCALE_GROUP.load(Ordering::Relaxed)
+}
+
+/// One delayed scale's state, read back from the device.
+#[derive(Clone, Debug)]
+pub struct DelayedScaleState {
+    pub group: u64,
+    pub state: stoke_formats::fp8::DelayedScale,
+}
+
+/// The state of every live delayed FP8 scale (one per gate|up weight and request group that
+/// ran FP8 prefill), after Stoke's queued work: their invocations, saturated values and next
+/// scales. Waits for the device.
+pub fn delayed_scales() -> Result<Vec<DelayedScaleState>, String> {
+    let all: Vec<(u64, Arc<DeviceDelayedScale>)> = DELAYED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter_map(|(g, w)| Some((*g, w.upgrade()?)))
+        .collect();
+    all.into_iter()
+        .map(|(group, d)| {
+            let state = d.read().map_err(|e| e.to_string())?;
+            Ok(DelayedScaleState { group, state })
+        })
+        .collect()
+}
+
+/// The E4M3 SwiGLU output of an FP8 gate|up projection (`[.., inter]`, presenting as bf16):
+/// the down projection's FP8 GEMM reads the codes and their scale as they are; anything else
+/// reads their bf16 values, dequantized on Stoke's stream once.
+pub struct Fp8Activation<I: Backend> {
+    rows: Arc<DeviceFp8Rows>,
+    rt: Arc<Runtime>,
+    shape: Shape,
+    device: I::Device,
+    bf16: OnceLock<DeviceTensor<I>>,
+}
+
+impl<I: Backend> std::fmt::Debug for Fp8Activation<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Fp8Activation({:?}, {:?})", self.shape, self.rows)
+    }
+}
+
+impl<I: Backend> Fp8Activation<I> {
+    /// The bf16 values in a Stoke buffer (dequantized at the first call).
+    pub(crate) fn bf16(&self) -> &DeviceTensor<I> {
+        self.bf16.get_or_init(|| {
+            let out = DeviceTensor::<I>::alloc(
+                &self.rt,
+                self.shape.clone(),
+                DType::BF16,
+                self.device.clone(),
+            );
+            // SAFETY: out holds m k bf16 and lives as long as `self`.
+            unsafe { self.rows.dequantize(&self.rt, DevicePtrMut::new(out.ptr())) }
+                .unwrap_or_else(|e| panic!("stoke: dequantizing E4M3 rows failed: {e}"));
+            out
+        })
+    }
+}
+
+impl<I: Backend> StokeData<I> for Fp8Activation<I> {
+    fn shape(&self) -> Shape {
+        self.shape.clone()
+    }
+    fn dtype(&self) -> DType {
+        DType::BF16
+    }
+    fn device(&self) -> I::Device {
+        self.device.clone()
+    }
+    fn materialize(&self) -> I::FloatTensorPrimitive {
+        self.bf16().materialize()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
 
 /// Whether prefill-sized `linear` calls on packed or pinned bf16 weights run on the FP8 GEMM
 /// or on the bf16 one (the default). Off by default: on SmolLM2 FP8 prefill raises perplexity by 3.4% over bf16
@@ -97,10 +235,10 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
                 .filter(|r| r.dtype() == DType::BF16)?,
         ),
     };
-    let (k, n, fp8_slot, bf16_slot) = match source {
-        Source::Packed(pw) => (pw.packed.k, pw.packed.n, &pw.fp8, &pw.bf16_nk),
+    let (k, n, copies) = match source {
+        Source::Packed(pw) => (pw.packed.k, pw.packed.n, &pw.prefill),
         Source::Resident(rw) => match rw.shape().as_slice() {
-            &[k, n] => (k, n, &rw.fp8, &rw.bf16_nk),
+            &[k, n] => (k, n, &rw.prefill),
             _ => return None,
         },
     };
@@ -129,50 +267,82 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
         Source::Resident(rw) => resident_values(&rt, rw, k, n),
     };
     let copy = if fp8 {
-        Copy::Fp8(made(fp8_slot, "E4M3", k, n, || {
+        Copy::Fp8(made(&copies.fp8, "E4M3", k, n, || {
             values()
                 .and_then(|w| fp8_of_values(&w, k, n))
                 .and_then(|w| DeviceFp8Weight::upload(&rt, &w).map_err(|e| e.to_string()))
         })?)
     } else {
-        Copy::Bf16(made(bf16_slot, "bf16 [n, k]", k, n, || {
+        Copy::Bf16(made(&copies.bf16_nk, "bf16 [n, k]", k, n, || {
             values().and_then(|w| {
                 let t = stoke_formats::transpose(&w, k, n);
                 DeviceBf16Weight::upload(&rt, &t, n, k).map_err(|e| e.to_string())
             })
         })?)
     };
-    let x_in = KernelInput::resolve(&rt, x, &device);
     let res_in = residual
         .filter(|_| epilogue == Epilogue::Residual)
         .map(|r| KernelInput::resolve(&rt, r, &device));
-    if !x_in.ptr.is_multiple_of(16) {
-        return None;
-    }
     let fe = match (&res_in, epilogue) {
         (Some(r), Epilogue::Residual) => Fp8LinearEpilogue::Residual(DevicePtr::new(r.ptr)),
         (_, Epilogue::SwiGlu) => Fp8LinearEpilogue::SwiGlu,
         _ => Fp8LinearEpilogue::Plain,
     };
     let out_shape = super::with_cols(dims, fe.out_cols(n as u32) as usize);
+    let count = |copy: &Copy| match copy {
+        Copy::Fp8(_) => KERNEL_CALLS.fetch_add(1, Ordering::Relaxed),
+        Copy::Bf16(_) => BF16_CALLS.fetch_add(1, Ordering::Relaxed),
+    };
+    let fail = |e: stoke_cuda::Error| -> ! { panic!("stoke linear (prefill GEMM): {e}") };
+    // E4M3 rows from an FP8 gate|up projection go to the FP8 GEMM as they are.
+    if let (Some(act), Copy::Fp8(w)) = (x.downcast_ref::<Fp8Activation<I>>(), &copy)
+        && act.rows.k == w.k
+    {
+        let out = DeviceTensor::<I>::alloc(&rt, out_shape, DType::BF16, device);
+        // SAFETY: the rows live as long as `x`, the residual is pinned (or Stoke-owned) until
+        // the kernel is done, out is a Stoke buffer of m * out_cols bf16.
+        unsafe { fp8_linear_rows(&rt, w, &act.rows, DevicePtrMut::new(out.ptr()), fe) }
+            .unwrap_or_else(|e| fail(e));
+        drop(res_in);
+        count(&copy);
+        return Some(StokeTensor::owned(out));
+    }
+    let x_in = KernelInput::resolve(&rt, x, &device);
+    if !x_in.ptr.is_multiple_of(16) {
+        return None;
+    }
+    let xp = DevicePtr::new(x_in.ptr);
+    // The SwiGLU output of an FP8 gate|up projection stays in E4M3 for the down projection.
+    if let (Copy::Fp8(w), Epilogue::SwiGlu) = (&copy, epilogue)
+        && (n / 2).is_multiple_of(16)
+        && let Some(state) = copies.delayed(&rt)
+    {
+        // SAFETY: x is pinned (or Stoke-owned) until the kernels are done.
+        let rows =
+            unsafe { fp8_swiglu_delayed(&rt, w, xp, m as u32, &state) }.unwrap_or_else(|e| fail(e));
+        drop(x_in);
+        count(&copy);
+        return Some(StokeTensor::owned(Fp8Activation::<I> {
+            rows: Arc::new(rows),
+            rt,
+            shape: out_shape,
+            device,
+            bf16: OnceLock::new(),
+        }));
+    }
     let out = DeviceTensor::<I>::alloc(&rt, out_shape, DType::BF16, device);
-    let (xp, op) = (DevicePtr::new(x_in.ptr), DevicePtrMut::new(out.ptr()));
+    let op = DevicePtrMut::new(out.ptr());
     // SAFETY: x and the residual are pinned (or Stoke-owned) until the kernels are done, out
     // is a Stoke buffer of m * out_cols bf16, the weight's buffers are held by `copy`.
-    let done = unsafe {
+    unsafe {
         match &copy {
             Copy::Fp8(w) => fp8_linear(&rt, w, xp, m as u32, op, fe),
             Copy::Bf16(w) => bf16_linear(&rt, w, xp, m as u32, op, fe),
         }
-    };
-    if let Err(e) = done {
-        panic!("stoke linear (prefill GEMM): {e}");
     }
+    .unwrap_or_else(|e| fail(e));
     drop((x_in, res_in));
-    match copy {
-        Copy::Fp8(_) => KERNEL_CALLS.fetch_add(1, Ordering::Relaxed),
-        Copy::Bf16(_) => BF16_CALLS.fetch_add(1, Ordering::Relaxed),
-    };
+    count(&copy);
     Some(StokeTensor::owned(out))
 }
 
