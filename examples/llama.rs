@@ -576,6 +576,15 @@ fn generate_on<B: FusedOps>(
                 p.fp8_saturated
             );
         }
+        if args.prefill == PrefillArg::Fp8 {
+            let scales = stoke::cuda::fp8_linear::delayed_scales()?;
+            println!(
+                "{} delayed FP8 scales (SwiGLU outputs into the down projections): {} invocations, {} values saturated",
+                scales.len(),
+                scales.iter().map(|d| d.state.invocations).sum::<u64>(),
+                scales.iter().map(|d| d.state.saturated).sum::<u64>()
+            );
+        }
         return Ok(None);
     }
     let cfg = SamplingConfig {

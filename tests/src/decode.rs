@@ -531,12 +531,11 @@ fn kernel_table(launches: &[(&str, f32)]) -> (f64, Vec<Value>) {
 /// The packed prefill benchmark on a Llama-3.1-8B-shaped model with random INT4 weights (32
 /// layers, bf16 head): one prompt of 512, 2048 and 8192 tokens, and the packed mixes
 /// 2048+7x128 and 8x368 (the same 2944 tokens as eight equal prompts), with the projections
-/// on the inner backend's matmul over the dequantized weights (`bf16`) and on the FP8 GEMM
-/// (`fp8`). Each point: the median of 3 timed prefills after a warm-up, from the call to the
+/// on the bf16 GEMM over bf16 copies of the dequantized weights (`bf16`) and on the FP8 GEMM
+/// (`fp8`; the warm-up prefill starts the delayed scales, the timed ones use them). Each point: the median of 3 timed prefills after a warm-up, from the call to the
 /// first tokens on the host (time to first token), tokens/s, the effective TFLOP/s (projections,
 /// causal attention pairs, the head on the last rows), and one more prefill with Stoke's
-/// launches timed one by one (the rest of the time is burn-cuda's: embedding, matmuls,
-/// dequantization).
+/// launches timed one by one (the rest of the time is burn-cuda's ops and the host).
 pub fn prefill_bench(_copy_gbps: f64) -> Value {
     let report = |r: Result<Value, String>| r.unwrap_or_else(|e| json!({ "error": e }));
     let device = Default::default();

@@ -466,7 +466,10 @@ pub fn bf16_tc_gemm_matches_reference() -> Result<Value, String> {
             "rows_checked": rows.len(), "worst_error_over_bound": case_worst}),
         );
     }
-    Ok(json!({"seed": seed, "tol_l1": tol, "worst_error_over_bound": worst, "cases": cases}))
+    Ok(
+        json!({"seed": seed, "tol_l1": tol, "worst_error_over_bound": worst, "cases": cases,
+        "bench": bf16_bench()}),
+    )
 }
 
 /// Random E4M3 codes of moderate magnitude (exponents 4 .. 9, either sign).
@@ -511,52 +514,118 @@ impl Point {
     }
 }
 
-/// TFLOP/s of the kernel at each shape, and of its bf16 instantiation on the same shapes.
+/// Times `launch` (`flop` per call) and reports the point as `kind` at `(name, m, n, k)`.
+fn time_point(
+    rt: &Arc<Runtime>,
+    kind: &str,
+    (name, m, n, k): (&str, usize, usize, usize),
+    launch: &dyn Fn(),
+) -> Value {
+    let flop = 2.0 * (m * n * k) as f64;
+    let iters = (2e13 / flop).clamp(5.0, 500.0) as usize;
+    let timing = crate::bench::time_calls(rt, 3, iters, |_| launch());
+    let tflops = flop / timing.us / 1e6;
+    println!(
+        "{kind:<18} {name:<12} m {m:5}: {:9.2} us {tflops:7.1} TFLOP/s",
+        timing.us
+    );
+    json!({"shape": name, "m": m, "n": n, "k": k, "epilogue": kind, "us": timing.us,
+        "tflops": tflops, "grid": grid(m as u32, n as u32, rt.sm_count)})
+}
+
+/// TFLOP/s of the FP8 GEMM at each shape with the plain epilogue, and with the epilogue each
+/// projection runs in the model: residual (o, down), SwiGLU to E4M3 with a delayed scale and
+/// SwiGLU to bf16 (gate|up).
 pub fn bench() -> Value {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(12);
-    let (mut rows, mut bf16_rows) = (Vec::new(), Vec::new());
+    let mut rows = Vec::new();
+    let (scale, amax, sat) = (
+        put_f32(&rt, &[1e-2]),
+        put_u8(&rt, &[0; 4]),
+        put_u8(&rt, &[0; 4]),
+    );
     for &(name, k, n) in BENCH_SHAPES {
         let wb = put_u8(&rt, &random_codes(&mut rng, n * k));
         let sw = put_f32(&rt, &vec![1e-2; n]);
-        let w16 = put_u16(&rt, &crate::int4::random_bf16(&mut rng, n * k));
         for &m in BENCH_ROWS {
             let point = Point::new(&rt, &mut rng, m, n, k);
             let call = point.call(&wb, &sw, m, n, k);
-            let flop = 2.0 * (m * n * k) as f64;
-            let iters = (2e13 / flop).clamp(5.0, 500.0) as usize;
-            // Times `launch` and reports the point under `kind`.
-            let time = |kind: &str, launch: &dyn Fn()| {
-                let timing = crate::bench::time_calls(&rt, 3, iters, |_| launch());
-                let tflops = flop / timing.us / 1e6;
-                println!(
-                    "{kind} {name:<12} m {m:5}: {:9.2} us {tflops:7.1} TFLOP/s",
-                    timing.us
-                );
-                json!({"shape": name, "m": m, "n": n, "k": k, "us": timing.us,
-                    "tflops": tflops, "grid": grid(m as u32, n as u32, rt.sm_count)})
-            };
-            rows.push(time("fp8", &|| unsafe { fp8_gemm(&rt, &call) }.unwrap()));
-            // The same call on bf16 operands.
+            let at = (name, m, n, k);
+            rows.push(time_point(&rt, "fp8 plain", at, &|| {
+                unsafe { fp8_gemm(&rt, &call) }.unwrap()
+            }));
+            let mut epilogues = Vec::new();
+            if name.ends_with("_o") || name.ends_with("_down") {
+                let residual = put_u16(&rt, &crate::int4::random_bf16(&mut rng, m * n));
+                let out = point.out.as_mut_ptr();
+                let e = Fp8Epilogue::Residual {
+                    out,
+                    residual: residual.as_ptr(),
+                    ldr: n as u32,
+                };
+                epilogues.push(("fp8 residual", e, n, Some(residual)));
+            }
+            if name.ends_with("_gate_up") {
+                let codes = point.out.as_mut_ptr();
+                let e = Fp8Epilogue::SwiGlu {
+                    codes,
+                    scale: scale.as_ptr(),
+                    amax: amax.as_mut_ptr(),
+                    saturated: sat.as_mut_ptr(),
+                };
+                epilogues.push(("fp8 swiglu e4m3", e, n / 2, None));
+                let out = point.out.as_mut_ptr();
+                epilogues.push((
+                    "fp8 swiglu bf16",
+                    Fp8Epilogue::SwiGluBf16 { out },
+                    n / 2,
+                    None,
+                ));
+            }
+            for (kind, epilogue, ldo, _keep) in epilogues {
+                let call = Fp8Gemm {
+                    epilogue,
+                    ldo: ldo as u32,
+                    ..call
+                };
+                rows.push(time_point(&rt, kind, at, &|| {
+                    unsafe { fp8_gemm(&rt, &call) }.unwrap()
+                }));
+            }
+        }
+    }
+    let kernels = crate::bench::kernel_reports(&rt, FP8_GEMM.file);
+    json!({ "runs": rows, "kernels": kernels })
+}
+
+/// TFLOP/s of the bf16 instantiation (plain epilogue) at the FP8 benchmark's shapes.
+pub fn bf16_bench() -> Value {
+    let rt = crate::gpu().expect("GPU");
+    let mut rng = StdRng::seed_from_u64(13);
+    let mut rows = Vec::new();
+    for &(name, k, n) in BENCH_SHAPES {
+        let w16 = put_u16(&rt, &crate::int4::random_bf16(&mut rng, n * k));
+        for &m in BENCH_ROWS {
             let a16 = put_u16(&rt, &crate::int4::random_bf16(&mut rng, m * k));
+            let out = rt.alloc(m * n * 2).unwrap();
             let call = Bf16TcGemm {
                 a: a16.as_ptr(),
                 w: w16.as_ptr(),
                 epilogue: Fp8Epilogue::Plain {
-                    out: point.out.as_mut_ptr(),
+                    out: out.as_mut_ptr(),
                 },
                 m: m as u32,
                 n: n as u32,
                 k: k as u32,
                 ldo: n as u32,
             };
-            bf16_rows.push(time("bf16", &|| {
+            rows.push(time_point(&rt, "bf16 plain", (name, m, n, k), &|| {
                 unsafe { bf16_tc_gemm(&rt, &call) }.unwrap()
             }));
         }
     }
-    let kernels = crate::bench::kernel_reports(&rt, FP8_GEMM.file);
-    json!({ "runs": rows, "bf16_runs": bf16_rows, "kernels": kernels })
+    json!({ "runs": rows })
 }
 
 /// Two plain-epilogue launches at each named benchmark shape (all when none is named) with

@@ -1,8 +1,8 @@
 //! Weights in Stoke's packed INT4 format (`stoke_formats::int4`) behind a float tensor.
 //!
 //! `linear` hands these to the W4A16 kernels (`cuda::int4_linear`) for bf16 activations of up
-//! to 64 rows and, with FP8 prefill on, to the FP8 GEMM (`cuda::fp8_linear`, an E4M3 copy made
-//! once) for more; every other use, and every backend or GPU where those kernels don't run, sees the
+//! to 64 rows and to the prefill GEMMs (`cuda::fp8_linear`: a bf16 copy, or with FP8 prefill on
+//! an E4M3 one, made once) for more; every other use, and every backend or GPU where those kernels don't run, sees the
 //! dequantized values (`d * q + m`, computed in f32 exactly as the format's reference does),
 //! materialized once and cached (prefill-sized inputs use a dense GEMM on them).
 
