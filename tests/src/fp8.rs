@@ -829,9 +829,9 @@ const DELAYED_INVOCATIONS: &[(usize, f32)] = &[
 
 /// The gate|up projection's SwiGLU written in E4M3 with a delayed scale
 /// (`stoke_cuda::fp8::fp8_swiglu_delayed`) and the down projection reading those rows
-/// (`fp8_linear_rows`), invocation after invocation ([`DELAYED_INVOCATIONS`]), against f64
-/// references on the same operands; the rows' bf16 dequantization exactly; and
-/// [`delayed_record_matches_reference`].
+/// (`fp8_linear_rows`), invocation after invocation (`DELAYED_INVOCATIONS`), against f64
+/// references on the same operands; the rows' bf16 dequantization exactly; and the record step
+/// alone against the reference state machine (`delayed_record_matches_reference`).
 pub fn fp8_delayed_swiglu_matches_reference() -> Result<Value, String> {
     use stoke_cuda::fp8::{
         DeviceDelayedScale, DeviceFp8Weight, Fp8LinearEpilogue, fp8_linear_rows, fp8_swiglu_delayed,

@@ -1,7 +1,7 @@
 //! `linear` for prefill-sized inputs through Stoke's persistent wgmma GEMM (`stoke_cuda::fp8`),
 //! on a packed INT4 weight or a pinned dense bf16 one, with the residual or SwiGLU epilogue on
 //! chip. The weight's values (a packed weight's dequantized ones) are copied once, at the first
-//! call, beside the weight ([`PrefillCopies`]):
+//! call, beside the weight (`PrefillCopies`):
 //! - in bf16 as `[n, k]` (the default): each call reads its bf16 rows as they are;
 //! - with FP8 prefill on ([`set_fp8_prefill`]), in E4M3 with one scale per output channel
 //!   (`stoke_formats::fp8::Fp8Weight`): each call quantizes its rows to E4M3 with one scale
