@@ -185,10 +185,29 @@ pub fn bf16_kernel_calls() -> u64 {
     BF16_CALLS.load(Ordering::Relaxed)
 }
 
-/// The `[n, k]` E4M3 copy of a weight `[k, n]` given as f32 values.
-fn fp8_of_values(w: &[f32], k: usize, n: usize) -> Result<Fp8Weight, String> {
-    let t = stoke_formats::transpose(w, k, n);
-    Fp8Weight::quantize(&t, n, k, None).map_err(|e| e.to_string())
+/// The `[n, k]` E4M3 copy of a weight given as its `[n, k]` f32 values.
+fn fp8_of_values(t: &[f32], k: usize, n: usize) -> Result<Fp8Weight, String> {
+    Fp8Weight::quantize(t, n, k, None).map_err(|e| e.to_string())
+}
+
+/// A packed weight's dequantized values transposed to `[n, k]` (`d * q + m` in f32, as
+/// `PackedInt4::dequantize` computes them), one output channel per task across the host's
+/// cores: an 8B model's copies are made at its first prefill.
+fn packed_values_nk(p: &stoke_formats::int4::PackedInt4) -> Vec<f32> {
+    use rayon::prelude::*;
+    let (k, n) = (p.k, p.n);
+    let mut out = vec![0f32; n * k];
+    out.par_chunks_mut(k.max(1))
+        .enumerate()
+        .for_each(|(col, row)| {
+            for (i, v) in row.iter_mut().enumerate() {
+                let (w, shift) = stoke_formats::int4::nibble_position(n, i, col);
+                let q = (p.words[w] >> shift) & 0xF;
+                let (d, m) = p.group_params(i, col);
+                *v = d * q as f32 + m;
+            }
+        });
+    out
 }
 
 /// A weight the FP8 GEMM takes: a packed INT4 one, or a pinned bf16 `[k, n]` one.
@@ -198,20 +217,27 @@ enum Source<'a, I: Backend> {
     Resident(&'a ResidentTensor<I>),
 }
 
-/// The values of a pinned bf16 weight `[k, n]`, read from the device.
-fn resident_values<I: Backend>(
+/// The values of a pinned bf16 weight `[k, n]`, read from the device, transposed to `[n, k]`.
+fn resident_values_nk<I: Backend>(
     rt: &stoke_cuda::Runtime,
     w: &ResidentTensor<I>,
     k: usize,
     n: usize,
 ) -> Result<Vec<f32>, String> {
+    use rayon::prelude::*;
     let mut bytes = vec![0u8; k * n * 2];
     // SAFETY: the pinned weight holds k x n bf16 and lives as long as `w`.
     unsafe { rt.copy_dtoh(&mut bytes, w.ptr()) }.map_err(|e| e.to_string())?;
-    Ok(bytes
-        .chunks_exact(2)
-        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-        .collect())
+    let mut out = vec![0f32; n * k];
+    out.par_chunks_mut(k.max(1))
+        .enumerate()
+        .for_each(|(col, row)| {
+            for (i, v) in row.iter_mut().enumerate() {
+                let b = 2 * (i * n + col);
+                *v = half::bf16::from_le_bytes([bytes[b], bytes[b + 1]]).to_f32();
+            }
+        });
+    Ok(out)
 }
 
 /// `epilogue(x @ W)` on the prefill GEMM (FP8 when FP8 prefill is on, [`set_fp8_prefill`],
@@ -261,23 +287,21 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
     }
     let device = super::float_device(x);
     let rt = runtime_for::<I>(&device)?;
-    // The weight's values `[k, n]` (a packed weight's dequantized ones).
+    // The weight's values `[n, k]` (a packed weight's dequantized ones).
     let values = || match source {
-        Source::Packed(pw) => Ok(pw.packed.dequantize()),
-        Source::Resident(rw) => resident_values(&rt, rw, k, n),
+        Source::Packed(pw) => Ok(packed_values_nk(&pw.packed)),
+        Source::Resident(rw) => resident_values_nk(&rt, rw, k, n),
     };
     let copy = if fp8 {
         Copy::Fp8(made(&copies.fp8, "E4M3", k, n, || {
             values()
-                .and_then(|w| fp8_of_values(&w, k, n))
+                .and_then(|t| fp8_of_values(&t, k, n))
                 .and_then(|w| DeviceFp8Weight::upload(&rt, &w).map_err(|e| e.to_string()))
         })?)
     } else {
         Copy::Bf16(made(&copies.bf16_nk, "bf16 [n, k]", k, n, || {
-            values().and_then(|w| {
-                let t = stoke_formats::transpose(&w, k, n);
-                DeviceBf16Weight::upload(&rt, &t, n, k).map_err(|e| e.to_string())
-            })
+            values()
+                .and_then(|t| DeviceBf16Weight::upload(&rt, &t, n, k).map_err(|e| e.to_string()))
         })?)
     };
     let res_in = residual
@@ -389,14 +413,16 @@ mod tests {
     use stoke_formats::kv::E4M3_MAX;
 
     #[test]
-    fn fp8_copy_is_the_transposed_dequantized_weight() {
+    fn prefill_copies_are_the_transposed_dequantized_weight() {
         let (k, n) = (64, 128);
         let w: Vec<f32> = (0..k * n)
             .map(|i| ((i * 7919) % 263) as f32 / 131.0 - 1.0)
             .collect();
         let packed = quantize_rtn(&w, k, n, 32, ScaleType::Bf16).unwrap();
         let deq = packed.dequantize();
-        let f = super::fp8_of_values(&packed.dequantize(), k, n).unwrap();
+        let t = super::packed_values_nk(&packed);
+        assert_eq!(t, stoke_formats::transpose(&deq, k, n));
+        let f = super::fp8_of_values(&t, k, n).unwrap();
         assert_eq!((f.n, f.k), (n, k));
         let back = f.dequantize();
         for j in 0..n {
