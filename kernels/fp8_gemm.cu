@@ -169,6 +169,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
         tile_coords(t, tiles_m, tiles_n, tm, tn);
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+        u32 held = STAGES;  // bf16: the stage the wgmma group still in flight reads
         for (u32 kb = 0; kb < kblocks; ++kb) {
             mbar_wait(full + 8 * stage, phase);
             const u32 a = a_smem + stage * A_STAGE + half * 64 * BK;
@@ -185,9 +186,15 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                 }
             }
             wg_commit();
-            wg_wait_all();
-            if (tid == 0) mbar_arrive(empty + 8 * stage);
-            if (!BF16) {
+            if (BF16) {
+                // One group stays in flight (its sums go straight into acc): the previous
+                // k-block's is done, so its stage goes back to the producer.
+                wg_wait_1();
+                if (tid == 0 && held != STAGES) mbar_arrive(empty + 8 * held);
+                held = stage;
+            } else {
+                wg_wait_all();
+                if (tid == 0) mbar_arrive(empty + 8 * stage);
 #pragma unroll
                 for (int i = 0; i < 64; ++i) acc[i] += blk[i];
             }
@@ -195,6 +202,10 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                 stage = 0;
                 phase ^= 1;
             }
+        }
+        if (BF16) {
+            wg_wait_all();
+            if (tid == 0 && held != STAGES) mbar_arrive(empty + 8 * held);
         }
         // acc[4 j + e]: row 16 warp + lane / 4 (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2.
         const u32 row0 = tm * BM + half * 64 + warp * 16 + lane / 4;
