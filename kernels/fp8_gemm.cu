@@ -14,7 +14,8 @@
 // The same mainloop on bf16 operands (bf16_tc_gemm_plain / _residual / _swiglu_bf16): A [M, K]
 // and W [N, K] bf16, loaded as bytes (a 128-byte k-block is 64 bf16), wgmma.m64n128k16.bf16
 // accumulating straight into the tile's f32 accumulator (the tensor core's bf16 sums are f32),
-// no scales.
+// with one k-block's wgmma group kept in flight while the next is issued (its stage is released
+// once the following group is issued and it has completed), no scales.
 //
 // One persistent CTA per SM (grid = min(SMs, tiles)) walks the 128 x 128 output tiles in a
 // rasterized order: tiles go down M inside a band of RASTER tile columns, so the band's weight

@@ -400,8 +400,10 @@ const BF16_CASES: &[(usize, usize, usize, usize, Epi)] = &[
 
 /// The persistent GEMM on bf16 operands (`bf16_tc_gemm`) against an f64 reference of the same
 /// bf16 values, each epilogue, outputs poisoned (NaN) first and the padding columns checked
-/// untouched. Bound per element: `|want| 2^-8` (the output's bf16 rounding) plus `2^-16` of
-/// the sum of |a_i w_i| (f32 accumulation).
+/// untouched. Bound per element: `|want| 2^-8` (the output's bf16 rounding) plus `2^-15` of
+/// the sum of |a_i w_i|: the tensor core's f32 sums are not IEEE f32 sums; on an H100 (a43cb97)
+/// their largest error was 0.91-0.97 of `2^-16` of that sum in every case, so the bound
+/// keeps a factor of 2 over it.
 pub fn bf16_tc_gemm_matches_reference() -> Result<Value, String> {
     let rt = crate::gpu()?;
     let seed = crate::seed();
@@ -411,7 +413,7 @@ pub fn bf16_tc_gemm_matches_reference() -> Result<Value, String> {
             .map(|&b| f64::from(stoke_formats::bf16::to_f32(b)))
             .collect()
     };
-    let tol = 1.0 / 65536.0;
+    let tol = 1.0 / 32768.0;
     let (mut cases, mut worst) = (Vec::new(), 0f64);
     for &(m, n, k, checked, epi) in BF16_CASES {
         let a16: Vec<u16> = activations(&mut rng, m, k)
