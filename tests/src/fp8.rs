@@ -54,6 +54,19 @@ fn get_u32(buf: &DeviceBuffer) -> Result<u32, String> {
     Ok(u32::from_le_bytes(b))
 }
 
+/// `x` rounded to bf16: the bits, and their values.
+fn bf16_round(x: &[f32]) -> (Vec<u16>, Vec<f32>) {
+    let bits: Vec<u16> = x
+        .iter()
+        .map(|&v| stoke_formats::bf16::from_f32(v))
+        .collect();
+    let values = bits
+        .iter()
+        .map(|&b| stoke_formats::bf16::to_f32(b))
+        .collect();
+    (bits, values)
+}
+
 /// Activations with a few outlier columns (as after an RMSNorm of a real model).
 fn activations(rng: &mut StdRng, m: usize, k: usize) -> Vec<f32> {
     (0..m * k)
@@ -673,14 +686,7 @@ pub fn fp8_rows_match_reference() -> Result<Value, String> {
         if rows > 2 {
             x[ldx..2 * ldx].iter_mut().for_each(|v| *v = 0.0);
         }
-        let bits: Vec<u16> = x
-            .iter()
-            .map(|&v| stoke_formats::bf16::from_f32(v))
-            .collect();
-        let xs: Vec<f32> = bits
-            .iter()
-            .map(|&b| stoke_formats::bf16::to_f32(b))
-            .collect();
+        let (bits, xs) = bf16_round(&x);
         let dense: Vec<f32> = (0..rows)
             .flat_map(|r| xs[r * ldx..r * ldx + k].to_vec())
             .collect();
@@ -868,14 +874,7 @@ pub fn fp8_delayed_swiglu_matches_reference() -> Result<Value, String> {
             .iter()
             .map(|v| v * mult)
             .collect();
-        let bits: Vec<u16> = x
-            .iter()
-            .map(|&v| stoke_formats::bf16::from_f32(v))
-            .collect();
-        let xs: Vec<f32> = bits
-            .iter()
-            .map(|&b| stoke_formats::bf16::to_f32(b))
-            .collect();
+        let (bits, xs) = bf16_round(&x);
         let (x_codes, x_scales) =
             quantize_rows_fused(&xs, m, k, 0.0, false).map_err(|e| e.to_string())?;
         let xb = put_u16(&rt, &bits);
