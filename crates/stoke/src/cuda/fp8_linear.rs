@@ -185,9 +185,31 @@ pub fn bf16_kernel_calls() -> u64 {
     BF16_CALLS.load(Ordering::Relaxed)
 }
 
-/// The `[n, k]` E4M3 copy of a weight given as its `[n, k]` f32 values.
+/// The `[n, k]` E4M3 copy of a weight given as its `[n, k]` f32 values: `Fp8Weight::quantize`
+/// on blocks of output channels across the host's cores (each channel's scale is its own, so
+/// the blocks put together are the whole weight's copy).
 fn fp8_of_values(t: &[f32], k: usize, n: usize) -> Result<Fp8Weight, String> {
-    Fp8Weight::quantize(t, n, k, None).map_err(|e| e.to_string())
+    use rayon::prelude::*;
+    const CHANNELS: usize = 64;
+    let blocks: Vec<Fp8Weight> = t
+        .par_chunks((CHANNELS * k).max(1))
+        .map(|b| Fp8Weight::quantize(b, b.len() / k.max(1), k, None))
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
+    let mut w = Fp8Weight {
+        n,
+        k,
+        codes: Vec::with_capacity(n * k),
+        scales: Vec::with_capacity(n),
+    };
+    for b in blocks {
+        w.codes.extend(b.codes);
+        w.scales.extend(b.scales);
+    }
+    if w.scales.len() != n || w.codes.len() != n * k {
+        return Err(format!("E4M3 copy of [{n}, {k}] from {} values", t.len()));
+    }
+    Ok(w)
 }
 
 /// A packed weight's dequantized values transposed to `[n, k]` (`d * q + m` in f32, as
@@ -409,6 +431,7 @@ fn made<W>(
 
 #[cfg(test)]
 mod tests {
+    use stoke_formats::fp8::Fp8Weight;
     use stoke_formats::int4::{ScaleType, quantize_rtn};
     use stoke_formats::kv::E4M3_MAX;
 
@@ -423,6 +446,7 @@ mod tests {
         let t = super::packed_values_nk(&packed);
         assert_eq!(t, stoke_formats::transpose(&deq, k, n));
         let f = super::fp8_of_values(&t, k, n).unwrap();
+        assert_eq!(f, Fp8Weight::quantize(&t, n, k, None).unwrap());
         assert_eq!((f.n, f.k), (n, k));
         let back = f.dequantize();
         for j in 0..n {
