@@ -109,6 +109,37 @@ fn h_error(gate: f64, up: f64, l1_gate: f64, l1_up: f64, tol: f64) -> f64 {
     (1.1 * up.abs() + (gate / (1.0 + (-gate).exp())).abs()) * tol * (l1_gate + l1_up)
 }
 
+/// An E4M3 code `c` written with scale `s` for the f64 value `hv`, which the GEMM's sums may
+/// have moved by `dh`.
+struct CodeCheck {
+    /// Its error over the bound of one E4M3 rounding (half a step: 2^-4 relative, 2^-10 x
+    /// the scale below the normal range) plus `dh`, or what missed it.
+    ratio: Result<f64, String>,
+    /// Whether `hv` lies beyond the scale's range (the code should be +-448).
+    saturates: bool,
+    /// Whether `hv` lies within 1% of that range's end (the saturation count may differ by it).
+    ambiguous: bool,
+}
+
+fn check_code(c: u8, hv: f64, s: f64, dh: f64) -> CodeCheck {
+    let q = hv / s;
+    let want = q.clamp(-448.0, 448.0) * s;
+    let deq = f64::from(e4m3_to_f32(c)) * s;
+    let bound = want.abs() / 16.0 + s / 1024.0 + dh;
+    let ratio = (deq - want).abs() / bound;
+    CodeCheck {
+        ratio: if ratio <= 1.0 {
+            Ok(ratio)
+        } else {
+            Err(format!(
+                "= {c:#04x} ({deq}), reference h {hv} (scale {s}, bound {bound:.3e})"
+            ))
+        },
+        saturates: q.abs() > 448.0,
+        ambiguous: (q.abs() - 448.0).abs() < 1e-2 * 448.0,
+    }
+}
+
 /// The rows of `m` a case checks: all, or `checked` spread out, the first and the last among
 /// them.
 fn checked_rows(m: usize, checked: usize) -> Vec<usize> {
@@ -323,27 +354,14 @@ pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
                         }
                         continue;
                     }
-                    let hv = h[ri][j];
                     let (g, u) = (refs[ri].0[2 * j], refs[ri].0[2 * j + 1]);
                     let dh = h_error(g, u, refs[ri].1[2 * j], refs[ri].1[2 * j + 1], TOL_L1);
-                    let q = hv / s;
-                    if q.abs() > 448.0 {
-                        want_sat += 1;
-                    }
-                    if (q.abs() - 448.0).abs() < 1e-2 * 448.0 {
-                        ambiguous += 1;
-                    }
-                    let want = q.clamp(-448.0, 448.0) * s;
-                    let deq = f64::from(e4m3_to_f32(c)) * s;
-                    // One E4M3 rounding (half a step: 2^-4 relative, 2^-10 x scale below the
-                    // normal range) plus what the GEMM's sums may carry into h.
-                    let bound = want.abs() / 16.0 + s / 1024.0 + dh;
-                    let ratio = (deq - want).abs() / bound;
-                    if !(ratio <= 1.0) {
-                        return Err(format!(
-                            "{what}: code [{r}][{j}] = {c:#04x} ({deq}), reference h {hv} (bound {bound:.3e})"
-                        ));
-                    }
+                    let code = check_code(c, h[ri][j], s, dh);
+                    want_sat += u32::from(code.saturates);
+                    ambiguous += u32::from(code.ambiguous);
+                    let ratio = code
+                        .ratio
+                        .map_err(|e| format!("{what}: code [{r}][{j}] {e}"))?;
                     case_worst = case_worst.max(ratio);
                 }
             }
@@ -917,23 +935,12 @@ pub fn fp8_delayed_swiglu_matches_reference() -> Result<Value, String> {
                 // The first invocation rounds h to bf16 before its per-row quantization.
                 let dh = h_error(g, u, l1[2 * j], l1[2 * j + 1], TOL_L1)
                     + if first { hv.abs() / 256.0 } else { 0.0 };
-                let q = hv / s;
-                if q.abs() > 448.0 {
-                    want_sat += 1;
-                }
-                if (q.abs() - 448.0).abs() < 1e-2 * 448.0 {
-                    ambiguous += 1;
-                }
-                let want = q.clamp(-448.0, 448.0) * s;
-                let c = codes[r * inter + j];
-                let deq = f64::from(e4m3_to_f32(c)) * s;
-                let bound = want.abs() / 16.0 + s / 1024.0 + dh * (1.0 + 1.0 / 16.0);
-                let ratio = (deq - want).abs() / bound;
-                if !(ratio <= 1.0) {
-                    return Err(format!(
-                        "{what}: code [{r}][{j}] = {c:#04x} ({deq}), reference h {hv} (scale {s}, bound {bound:.3e})"
-                    ));
-                }
+                let code = check_code(codes[r * inter + j], hv, s, dh * (1.0 + 1.0 / 16.0));
+                want_sat += u64::from(code.saturates);
+                ambiguous += u64::from(code.ambiguous);
+                let ratio = code
+                    .ratio
+                    .map_err(|e| format!("{what}: code [{r}][{j}] {e}"))?;
                 case_worst = case_worst.max(ratio);
             }
         }
