@@ -107,25 +107,9 @@
 //     slower with it at batch 32 (and at 8B, context 32k), so BF16 stays in stream order.
 
 #include "ptx.cuh"
-
-
-enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_INT4 = 2 };
-
-// Bytes of one cache row (d values) in format FMT: bf16, one e4m3 code or one nibble per value.
-template <int FMT, int D>
-__host__ __device__ constexpr int row_bytes() {
-    return FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
-}
+#include "kv_row.cuh"
 
 constexpr int MAX_GROUP = 8;
-
-struct KvCache {
-    void* k;         // see the header: bf16 rows, fp8 codes or int4 bytes
-    void* v;
-    float* ks;       // [slots, kv_heads, cap] (FP8 and INT4)
-    float* vs;
-    u32 kv_heads, cap, d, format;
-};
 
 struct AppendParams {
     const u16* k_new;     // [slots_in_step, kv_heads, d] bf16 (row b belongs to slot slot_of[b])
@@ -192,10 +176,10 @@ __device__ __forceinline__ void append_words(const KvCache& main, const KvCache&
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const u64 r = (u64(slot) * kvh + h) * m.cap + pos;
     if (m.format == FMT_FP8) {
-        const float s = amax / 448.0f;
+        const float s = kv_fp8_scale(amax);
         u32 codes = 0;
 #pragma unroll
-        for (int e = 0; e < E; ++e) codes |= (s > 0.0f ? f32_to_e4m3(x[e] / s) : 0u) << (8 * e);
+        for (int e = 0; e < E; ++e) codes |= kv_fp8_code(x[e], s) << (8 * e);
         u8* dst = static_cast<u8*>(is_v ? m.v : m.k) + r * D + lane * E;
         if (E == 4)
             *reinterpret_cast<u32*>(dst) = codes;
@@ -203,14 +187,11 @@ __device__ __forceinline__ void append_words(const KvCache& main, const KvCache&
             *reinterpret_cast<u16*>(dst) = u16(codes);
         if (lane == 0) (is_v ? m.vs : m.ks)[r] = s;
     } else {
-        const float s = amax / 7.0f;
+        const float s = kv_int4_scale(amax);
         // Byte j: value 2j in the low nibble, 2j + 1 in the high one (keys and values alike).
         u32 nib = 0;
 #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            const float qv = s > 0.0f ? fminf(fmaxf(rintf(x[e] / s), -8.0f), 7.0f) : 0.0f;
-            nib |= (u32(int(qv)) & 0xfu) << (4 * e);
-        }
+        for (int e = 0; e < E; ++e) nib |= kv_int4_nibble(x[e], s) << (4 * e);
         u8* dst = static_cast<u8*>(is_v ? m.v : m.k) + r * (D / 2) + lane * (E / 2);
         if (E == 4)
             *reinterpret_cast<u16*>(dst) = u16(nib);
@@ -258,13 +239,12 @@ __device__ __forceinline__ void rope_append_item(const RopeAppendParams& p, u32 
     if (item < heads + kvh) {
         // Lane l holds dims l E ..; its rotation partners (d +- D / 2) are in lane l ^ 16.
         const float* cs = p.rope + (u64(min(pos, p.max_pos - 1)) * (D / 2) + (lane & 15) * E) * 2;
-        const float sign = lane < 16 ? -1.0f : 1.0f;
         float y[E];
 #pragma unroll
         for (int e = 0; e < E; ++e) {
             const float x = bf16_lo(u16(w[e / 2] >> (16 * (e % 2))));
             const float other = __shfl_xor_sync(0xffffffffu, x, 16);
-            y[e] = x * cs[2 * e] + sign * other * cs[2 * e + 1];
+            y[e] = rope_rotate(x, other, cs[2 * e], cs[2 * e + 1], lane >= 16);
         }
 #pragma unroll
         for (int e = 0; e < E / 2; ++e) w[e] = pack_bf16x2(y[2 * e], y[2 * e + 1]);

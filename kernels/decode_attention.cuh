@@ -5,13 +5,6 @@
 // the include line before NVRTC compiles (kernels::expand_includes).
 
 
-// Nearest E4M3 code of x (saturating, ties to even), as the hardware does it.
-__device__ __forceinline__ u32 f32_to_e4m3(float x) {
-    u16 r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
-    return r & 0xffu;
-}
-
 // In-place normalized Walsh-Hadamard transform of each `block` (a power of two up to D; 0: none)
 // consecutive values of a D-vector held by one warp in registers, lane l holding values
 // l E .. l E + E - 1 (E = D / 32): the butterflies of distance below E inside the lane, the

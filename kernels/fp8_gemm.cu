@@ -11,7 +11,17 @@
 //                       range (written as +-448) are counted in *saturated.
 //   fp8_gemm_swiglu_bf16  the same h written as bf16 ([M, ldo], N / 2 columns): the model's
 //                       prefill until the down projection reads the E4M3 h directly.
-// The same mainloop on bf16 operands (bf16_tc_gemm_plain / _residual / _swiglu_bf16): A [M, K]
+//   fp8_gemm_qkv        the q|k|v projection of a packed prefill: the columns are heads of d
+//                       (64 or 128, so a tile holds whole heads), q | k | v; each value is
+//                       rounded to bf16, q and k heads rotated (rotate-half RoPE at the row's
+//                       position pos[row]), q written to out ([M, ldo], heads x d), k and v
+//                       written straight into the KV cache at (slot_of[row], pos[row]): the BF16
+//                       main cache and the FP8 / INT4 mirror (Walsh-Hadamard rotated, quantized
+//                       per row), and len[row] = pos[row] + 1. The bits are rope_append's
+//                       (decode_attention.cu) on the plain epilogue's output: the same rounding
+//                       points, the same order of butterflies, the same quantizers
+//                       (kv_row.cuh), so no dense k / v tensor and no append kernel.
+// The same mainloop on bf16 operands (bf16_tc_gemm_plain / _residual / _swiglu_bf16 / _qkv): A [M, K]
 // and W [N, K] bf16, loaded as bytes (a 128-byte k-block is 64 bf16), wgmma.m64n128k16.bf16
 // accumulating straight into the tile's f32 accumulator (the tensor core's bf16 sums are f32),
 // with one k-block's wgmma group kept in flight while the next is issued (its stage is released
@@ -38,6 +48,7 @@
 //               K bytes each, stay in L2 while the band's row blocks pass).
 
 #include "ptx.cuh"
+#include "kv_row.cuh"
 
 constexpr int BM = 128, BN = 128, BK = 128;
 constexpr int STAGES = 5;
@@ -48,7 +59,7 @@ constexpr u32 STAGE_BYTES = A_STAGE + W_STAGE;
 // [A 0 .. A S-1][W 0 .. W S-1][full S][empty S] from a 1024-byte aligned base.
 constexpr u32 SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
 
-enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2, EPI_SWIGLU_BF16 = 3 };
+enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2, EPI_SWIGLU_BF16 = 3, EPI_QKV = 4 };
 
 struct Fp8GemmParams {
     TensorMap a_map;        // A [M, K] u8 (E4M3), box 128 k x 128 rows
@@ -65,8 +76,17 @@ struct Fp8GemmParams {
     u32 ldo;
     u32 ldr;
     u32 a_scale_stride;     // 1: per row; 0: one scale
+    KvCache main;           // qkv: the BF16 cache (k null: not written)
+    KvCache mirror;         // qkv: the FP8 / INT4 mirror (k null: none)
+    const float* rope;      // qkv: [max_pos, d / 2, 2] (cos, sin) of each position and frequency
+    const u32* slot_of;     // qkv: [M] cache slot of each row
+    const u32* pos;         // qkv: [M] position of each row's token
+    u32* len;               // qkv: [M] written: pos + 1
+    u32 heads;              // qkv: query heads (the kv heads are the caches')
+    u32 block;              // qkv: the mirror's Hadamard block (0: none, else 2 .. d)
+    u32 max_pos;            // qkv: positions in the RoPE table
 };
-static_assert(sizeof(Fp8GemmParams) == 384, "Fp8GemmParams layout (64-byte aligned maps)");
+static_assert(sizeof(Fp8GemmParams) == 512, "Fp8GemmParams layout (64-byte aligned maps)");
 
 // One wgmma.m64n128 of `kind` (the k and operand types), d (+)= A B^T from two shared-memory
 // descriptors; `tail` ends the operand list (the immediates the type takes). The 64 f32
@@ -115,6 +135,140 @@ __device__ __forceinline__ void tile_coords(u32 t, u32 tiles_m, u32 tiles_n, u32
 template <bool BF16>
 __device__ __forceinline__ float w_scale_of(const Fp8GemmParams& p, u32 col) {
     return BF16 ? 1.0f : p.w_scale[col];
+}
+
+// The q|k|v epilogue of one consumer thread's two rows of a tile, heads of D dims (see the
+// header). acc[4 j + e]: row row0 (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2 of the
+// tile, so dim c = 8 jj + 2 q + e of a head (q = lane % 4) sits in the lane's jj-th pair: a
+// rotate-half partner (c +- D / 2) is in the same lane, and the Walsh-Hadamard butterflies
+// run in registers (distance 1 and 8 up) and across the quad (2 and 4), in rope_append's order
+// of increasing distance. Rows past M compute on zeros and store nothing (the quad's lanes
+// share a row, so the shuffles stay inside it).
+template <int D, bool BF16>
+__device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float (&acc)[64], u32 tn, u32 row0, u32 lane) {
+    constexpr int HT = BN / D;  // heads per tile
+    constexpr int J = D / 8;    // pairs per head and lane
+    const u32 q = lane % 4;
+    const KvCache& kv = p.main.k ? p.main : p.mirror;
+    const u32 kvh = kv.kv_heads, heads = p.heads;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 row = row0 + 8 * h;
+        const bool valid = row < p.m;
+        const float sa = BF16 || !valid ? 1.0f : p.a_scale[row * p.a_scale_stride];
+        const u32 pos = valid ? p.pos[row] : 0, slot = valid ? p.slot_of[row] : 0;
+        if (valid && tn == 0 && q == 0) p.len[row] = pos + 1;
+        const float* cs = p.rope + u64(min(pos, p.max_pos - 1)) * D;  // (cos, sin) of D / 2 freqs
+#pragma unroll
+        for (int t = 0; t < HT; ++t) {
+            const u32 head = tn * HT + t;
+            if (head >= heads + 2 * kvh) break;
+            // The values as the plain epilogue writes them (bf16 of y + 0).
+            float x[2 * J];
+#pragma unroll
+            for (int jj = 0; jj < J; ++jj)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const u32 col = head * D + 8 * jj + 2 * q + e;
+                    const float y = acc[4 * (t * J + jj) + 2 * h + e] * sa * w_scale_of<BF16>(p, col);
+                    x[2 * jj + e] = bf16_lo(to_bf16(y + 0.0f));
+                }
+            if (head < heads + kvh) {
+#pragma unroll
+                for (int jj = 0; jj < J / 2; ++jj)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float2 r = *reinterpret_cast<const float2*>(cs + 2 * (8 * jj + 2 * q + e));
+                        const float lo = x[2 * jj + e], hi = x[2 * (jj + J / 2) + e];
+                        x[2 * jj + e] = rope_rotate(lo, hi, r.x, r.y, false);
+                        x[2 * (jj + J / 2) + e] = rope_rotate(hi, lo, r.x, r.y, true);
+                    }
+            }
+            u32 w[J];
+#pragma unroll
+            for (int jj = 0; jj < J; ++jj) w[jj] = pack_bf16x2(x[2 * jj], x[2 * jj + 1]);
+            if (head < heads) {
+                if (valid) {
+                    u16* out = p.out + u64(row) * p.ldo + head * D + 2 * q;
+#pragma unroll
+                    for (int jj = 0; jj < J; ++jj) *reinterpret_cast<u32*>(out + 8 * jj) = w[jj];
+                }
+                continue;
+            }
+            const u32 is_v = head >= heads + kvh;
+            const u64 r = (u64(slot) * kvh + (head - heads - is_v * kvh)) * kv.cap + pos;
+            if (valid && p.main.k) {
+                u16* dst = static_cast<u16*>(is_v ? p.main.v : p.main.k) + r * D + 2 * q;
+#pragma unroll
+                for (int jj = 0; jj < J; ++jj) *reinterpret_cast<u32*>(dst + 8 * jj) = w[jj];
+            }
+            if (!p.mirror.k) continue;
+#pragma unroll
+            for (int jj = 0; jj < J; ++jj) {
+                x[2 * jj] = bf16_lo(w[jj]);
+                x[2 * jj + 1] = bf16_hi(w[jj]);
+            }
+            if (p.block) {
+                // Distance 1: the pair's two values.
+#pragma unroll
+                for (int jj = 0; jj < J; ++jj) {
+                    const float u = x[2 * jj], v = x[2 * jj + 1];
+                    x[2 * jj] = u + v;
+                    x[2 * jj + 1] = u - v;
+                }
+                // Distances 2 and 4: the quad's lanes.
+#pragma unroll
+                for (u32 hl = 1; hl < 4; hl <<= 1) {
+                    if (2 * hl >= p.block) break;
+                    const bool upper = q & hl;
+#pragma unroll
+                    for (int a = 0; a < 2 * J; ++a) {
+                        const float y = __shfl_xor_sync(0xffffffffu, x[a], hl);
+                        x[a] = upper ? y - x[a] : x[a] + y;
+                    }
+                }
+                // Distances 8 and up: pairs jj, jj + dj.
+#pragma unroll
+                for (int dj = 1; dj < J; dj <<= 1) {
+                    if (u32(8 * dj) >= p.block) break;
+#pragma unroll
+                    for (int jj = 0; jj < J; ++jj)
+                        if (!(jj & dj))
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                const float u = x[2 * jj + e], v = x[2 * (jj + dj) + e];
+                                x[2 * jj + e] = u + v;
+                                x[2 * (jj + dj) + e] = u - v;
+                            }
+                }
+                const float norm = rsqrtf(float(p.block));
+#pragma unroll
+                for (int a = 0; a < 2 * J; ++a) x[a] *= norm;
+            }
+            float amax = 0.0f;
+#pragma unroll
+            for (int a = 0; a < 2 * J; ++a) amax = fmaxf(amax, fabsf(x[a]));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+            if (!valid) continue;
+            if (p.mirror.format == FMT_FP8) {
+                const float s = kv_fp8_scale(amax);
+                u8* dst = static_cast<u8*>(is_v ? p.mirror.v : p.mirror.k) + r * D + 2 * q;
+#pragma unroll
+                for (int jj = 0; jj < J; ++jj)
+                    *reinterpret_cast<u16*>(dst + 8 * jj) = u16(kv_fp8_code(x[2 * jj], s) | kv_fp8_code(x[2 * jj + 1], s) << 8);
+                if (q == 0) (is_v ? p.mirror.vs : p.mirror.ks)[r] = s;
+            } else {
+                const float s = kv_int4_scale(amax);
+                // Byte c / 2 of the row: dim c in the low nibble, c + 1 in the high one.
+                u8* dst = static_cast<u8*>(is_v ? p.mirror.v : p.mirror.k) + r * (D / 2) + q;
+#pragma unroll
+                for (int jj = 0; jj < J; ++jj)
+                    dst[4 * jj] = u8(kv_int4_nibble(x[2 * jj], s) | kv_int4_nibble(x[2 * jj + 1], s) << 4);
+                if (q == 0) (is_v ? p.mirror.vs : p.mirror.ks)[r] = s;
+            }
+        }
+    }
 }
 
 template <int EPI, bool BF16>
@@ -210,6 +364,13 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
         }
         // acc[4 j + e]: row 16 warp + lane / 4 (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2.
         const u32 row0 = tm * BM + half * 64 + warp * 16 + lane / 4;
+        if (EPI == EPI_QKV) {
+            if ((p.main.k ? p.main.d : p.mirror.d) == 128)
+                qkv_epilogue<128, BF16>(p, acc, tn, row0, lane);
+            else
+                qkv_epilogue<64, BF16>(p, acc, tn, row0, lane);
+            continue;
+        }
         float amax = 0.0f;
         u32 saturated = 0;
         const float out_scale = EPI == EPI_SWIGLU ? *p.out_scale : 1.0f;
@@ -282,6 +443,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_swiglu(const __gri
 extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_swiglu_bf16(const __grid_constant__ Fp8GemmParams p) {
     fp8_gemm<EPI_SWIGLU_BF16, false>(p);
 }
+extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_qkv(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_QKV, false>(p);
+}
 extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_plain(const __grid_constant__ Fp8GemmParams p) {
     fp8_gemm<EPI_PLAIN, true>(p);
 }
@@ -290,4 +454,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_residual(const
 }
 extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_swiglu_bf16(const __grid_constant__ Fp8GemmParams p) {
     fp8_gemm<EPI_SWIGLU_BF16, true>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_qkv(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_QKV, true>(p);
 }

@@ -17,7 +17,7 @@ use stoke_formats::reference::relative_error;
 
 use crate::int4::{get_bf16, put_u8, put_u16, put_u32};
 
-fn get_bytes(buf: &DeviceBuffer) -> Vec<u8> {
+pub(crate) fn get_bytes(buf: &DeviceBuffer) -> Vec<u8> {
     let mut bytes = vec![0u8; buf.bytes()];
     unsafe { buf.runtime().copy_dtoh(&mut bytes, buf.ptr()) }.unwrap();
     bytes

@@ -46,7 +46,9 @@ const CASES: &[(usize, usize, usize, bool, usize, Epi)] = &[
 /// Allowed error of an element: `|got - want| <= |want| 2^-8 + TOL_L1 sum_i |a_i w_i|` (bf16
 /// rounding of the output, and the tensor core's FP8 sums within a 128-k block, which keep
 /// fewer bits than f32).
-const TOL_L1: f64 = 1.0 / 1024.0;
+pub(crate) const TOL_L1: f64 = 1.0 / 1024.0;
+/// The same for the bf16 operands' sums (f32 in the tensor core): `2^-15` of their L1.
+pub(crate) const BF16_TOL_L1: f64 = 1.0 / 32768.0;
 
 fn get_u32(buf: &DeviceBuffer) -> Result<u32, String> {
     let mut b = [0u8; 4];
@@ -55,7 +57,7 @@ fn get_u32(buf: &DeviceBuffer) -> Result<u32, String> {
 }
 
 /// `x` rounded to bf16: the bits, and their values.
-fn bf16_round(x: &[f32]) -> (Vec<u16>, Vec<f32>) {
+pub(crate) fn bf16_round(x: &[f32]) -> (Vec<u16>, Vec<f32>) {
     let bits: Vec<u16> = x
         .iter()
         .map(|&v| stoke_formats::bf16::from_f32(v))
@@ -444,7 +446,7 @@ pub fn bf16_tc_gemm_matches_reference() -> Result<Value, String> {
             .map(|&b| f64::from(stoke_formats::bf16::to_f32(b)))
             .collect()
     };
-    let tol = 1.0 / 32768.0;
+    let tol = BF16_TOL_L1;
     let (mut cases, mut worst) = (Vec::new(), 0f64);
     for &(m, n, k, checked, epi) in BF16_CASES {
         let a16: Vec<u16> = activations(&mut rng, m, k)

@@ -98,6 +98,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::fp8::bf16_tc_gemm_matches_reference,
     ),
     (
+        "qkv_epilogue_matches_rope_append",
+        crate::qkv::qkv_epilogue_matches_rope_append,
+    ),
+    (
         "fp8_delayed_swiglu_matches_reference",
         crate::fp8::fp8_delayed_swiglu_matches_reference,
     ),

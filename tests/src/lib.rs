@@ -25,6 +25,7 @@ pub mod int4;
 pub mod llama;
 pub mod loader_fuzz;
 pub mod pairs;
+pub mod qkv;
 pub mod sample;
 pub mod suite;
 

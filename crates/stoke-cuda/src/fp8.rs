@@ -6,7 +6,9 @@
 //! [`fp8_linear_rows`]); the bf16 prefill linear on the same mainloop ([`bf16_linear`]).
 //! `stoke_formats::fp8` holds the specification.
 
-use crate::kernels::fp8_gemm::{Bf16TcGemm, Fp8Epilogue, Fp8Gemm, bf16_tc_gemm, fp8_gemm};
+use crate::kernels::fp8_gemm::{
+    Bf16TcGemm, Fp8Epilogue, Fp8Gemm, QkvEpilogue, bf16_tc_gemm, fp8_gemm,
+};
 use crate::kernels::fp8_quant::{
     Fp8DelayedState, Fp8DequantParams, Fp8RecordParams, Fp8RowsParams, STATE_AMAX, STATE_SATURATED,
     STATE_SCALE, dequantize_rows, quantize_rows, record,
@@ -76,6 +78,9 @@ pub enum Fp8LinearEpilogue {
     Residual(DevicePtr<bf16>),
     /// `out = silu(y[2 j]) y[2 j + 1]` (`[m, n / 2]`: gate and up interleaved).
     SwiGlu,
+    /// A packed prefill's q|k|v projection: `out` is q (`[m, heads x d]`, rotated), k and v go
+    /// rotated into the KV cache (see [`QkvEpilogue`]; its `q` is replaced by `out`).
+    Qkv(QkvEpilogue),
 }
 
 impl Fp8LinearEpilogue {
@@ -84,6 +89,7 @@ impl Fp8LinearEpilogue {
         match self {
             Self::SwiGlu => n / 2,
             Self::Plain | Self::Residual(_) => n,
+            Self::Qkv(e) => e.heads * e.head_dim(),
         }
     }
 
@@ -97,6 +103,7 @@ impl Fp8LinearEpilogue {
                 ldr: n,
             },
             Self::SwiGlu => Fp8Epilogue::SwiGluBf16 { out },
+            Self::Qkv(e) => Fp8Epilogue::Qkv(QkvEpilogue { q: out, ..e }),
         }
     }
 }

@@ -10,6 +10,7 @@ use crate::kernels::decode_attention::{
     attn_cluster_entry, attn_entry, attn_entry_point, check_shape, forced_split,
     rope_append_entry_point, split_plan,
 };
+use crate::kernels::fp8_gemm::QkvEpilogue;
 use crate::kernels::prefill_attention::{self, PrefillAttnParams, PrefillSeq};
 use crate::{DeviceBuffer, DevicePtr, DevicePtrMut, Error, Kernel, LaunchShape, Result, Runtime};
 use half::bf16;
@@ -217,6 +218,34 @@ impl DeviceKvCache {
         // SAFETY: params mirror the kernel's struct (layout test); the caller guarantees the
         // pointers; the cache buffers are owned by self.
         unsafe { rt.launch(&kernel, shape, &params) }
+    }
+
+    /// The targets of the prefill GEMM's q|k|v epilogue for this cache ([`QkvEpilogue`]): the
+    /// same writes as [`Self::rope_append`] on the GEMM's output, with the same arguments, made
+    /// by the GEMM itself. Checks the heads, head dim and rotation block as `rope_append` does.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qkv_epilogue(
+        &self,
+        heads: u32,
+        rope: (DevicePtr<f32>, u32),
+        slot_of: DevicePtr<u32>,
+        pos: DevicePtr<u32>,
+        len: DevicePtrMut<u32>,
+        q_out: DevicePtrMut<bf16>,
+    ) -> Result<QkvEpilogue> {
+        check_shape(heads, self.kv_heads, self.d, self.block).map_err(Error::Shape)?;
+        Ok(QkvEpilogue {
+            q: q_out,
+            main: self.main_params(),
+            mirror: self.mirror_params(),
+            rope: rope.0,
+            max_pos: rope.1,
+            slot_of,
+            pos,
+            len,
+            heads,
+            block: self.block,
+        })
     }
 
     /// Queues decode attention for `batch` rows: `q [batch, heads, d]` bf16, row `b` attends

@@ -823,6 +823,25 @@ pub fn prefill_attention<B: FusedOps>(
     B::prefill_attention(dec, layer, float(qkv), seqs).map(tensor)
 }
 
+/// The q|k|v projection `x W` (`linear`, `[hidden, (heads + 2 kv_heads) head_dim]`, no bias)
+/// of the packed rows `x [1, rows, hidden]`, then [`prefill_attention`] on it. On
+/// `Stoke<Cuda>`, where the prefill GEMM takes the projection, its epilogue rotates q and k and
+/// writes k and v straight into the decoder's cache (the same bits as projecting first), so
+/// no q|k|v tensor is written; elsewhere the projection runs, then [`prefill_attention`]. A
+/// linear with a bias projects first.
+pub fn prefill_qkv_attention<B: FusedOps>(
+    dec: &mut B::Decoder,
+    layer: usize,
+    x: Tensor<B, 3>,
+    linear: &burn::nn::Linear<B>,
+    seqs: &[PackedSeq],
+) -> Result<Tensor<B, 3>, DecodeError> {
+    if linear.bias.is_some() {
+        return prefill_attention::<B>(dec, layer, linear.forward(x), seqs);
+    }
+    B::prefill_qkv_attention(dec, layer, float(x), float(linear.weight.val()), seqs).map(tensor)
+}
+
 /// The step's input: the embedding rows of the decoder's current token ids, and their RMSNorm
 /// with `gamma`: `(x, normed)`, each `[batch, 1, hidden]`.
 pub fn decode_embed<B: FusedOps>(

@@ -92,6 +92,20 @@ pub trait FusedOps: Backend {
         seqs: &[crate::decode::PackedSeq],
     ) -> Result<FloatTensor<Self>, crate::decode::DecodeError>;
 
+    /// The q|k|v projection `x W` of a packed prefill (`W [hidden, (heads + 2 kv_heads)
+    /// head_dim]`), then [`Self::prefill_attention`] on it
+    /// (`crate::decode::prefill_qkv_attention`); `Stoke<Cuda>` writes q and the cache from the
+    /// projection's GEMM where it applies.
+    fn prefill_qkv_attention(
+        dec: &mut Self::Decoder,
+        layer: usize,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        seqs: &[crate::decode::PackedSeq],
+    ) -> Result<FloatTensor<Self>, crate::decode::DecodeError> {
+        Self::prefill_attention(dec, layer, Self::linear(x, weight, None), seqs)
+    }
+
     /// Embedding of the current ids and its RMSNorm: `(x, normed)`, `[batch, 1, hidden]`.
     fn decode_embed(
         dec: &Self::Decoder,

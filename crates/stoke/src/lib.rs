@@ -34,6 +34,7 @@ pub use decode::{
     DecodeError, DecodeSpec, KvCacheFormat, PackedSeq, RefDecoder, Sampling, decode_attention,
     decode_embed, decode_force_ids, decode_last_logits, decode_sample, decode_step,
     decode_take_ids, decoder, decoder_begin, pack_prompts, prefill_attention,
+    prefill_qkv_attention,
 };
 pub use fused::{FusedOps, linear_residual, linear_swiglu, residual_rms_norm, rms_norm};
 pub use tensor::{StokeData, StokeTensor};

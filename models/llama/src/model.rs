@@ -3,7 +3,7 @@
 //!
 //! Written so that `Stoke<B>` routes its hot ops: projections are `burn::nn::Linear`
 //! (`ModuleOps::linear`), norms are `stoke::rms_norm` / `stoke::residual_rms_norm`. Attention is
-//! the decoder's fused ops in serving (`stoke::prefill_attention` in [`Llama::prefill`],
+//! the decoder's fused ops in serving (`stoke::prefill_qkv_attention` in [`Llama::prefill`],
 //! `stoke::decode_attention` in [`Llama::decode_forward`]) and `burn::tensor::module::attention`
 //! (`ModuleOps::attention`) in [`Llama::forward`] (simulated formats, calibration, training).
 
@@ -551,19 +551,19 @@ impl<B: FusedOps> Llama<B> {
     }
 
     /// Every layer over `x` and its normed copy `normed` (`[batch, rows, hidden]`), with
-    /// `attend(layer, qkv)` as the attention (RoPE, cache write, attention) between the q|k|v
-    /// and o projections: q|k|v projection, attention, o projection with the residual, SwiGLU
-    /// MLP with the residual. Returns the last layer's output normed with the final gain.
+    /// `attend(layer, normed, qkv_proj)` as the q|k|v projection and the attention (RoPE, cache
+    /// write, attention) before the o projection (so a prefill can write the cache from the
+    /// projection's GEMM): attention, o projection with the residual, SwiGLU MLP with the
+    /// residual. Returns the last layer's output normed with the final gain.
     fn layers_forward<E>(
         &self,
         mut x: Tensor<B, 3>,
         mut normed: Tensor<B, 3>,
-        mut attend: impl FnMut(usize, Tensor<B, 3>) -> Result<Tensor<B, 3>, E>,
+        mut attend: impl FnMut(usize, Tensor<B, 3>, &Linear<B>) -> Result<Tensor<B, 3>, E>,
     ) -> Result<Tensor<B, 3>, E> {
         let eps = self.rms_norm_eps;
         for (l, layer) in self.layers.iter().enumerate() {
-            let qkv = layer.attn.qkv_proj.forward(normed);
-            let attn = attend(l, qkv)?;
+            let attn = attend(l, normed, &layer.attn.qkv_proj)?;
             let h = stoke::linear_residual(attn, &layer.attn.o_proj, x);
             let n = stoke::rms_norm(h.clone(), layer.mlp_norm.val(), eps);
             let g = stoke::linear_swiglu(n, &layer.mlp.gate_up_proj);
@@ -585,7 +585,8 @@ impl<B: FusedOps> Llama<B> {
             self.rms_norm_eps,
         );
         let normed = self
-            .layers_forward(x, normed, |l, qkv| {
+            .layers_forward(x, normed, |l, normed, qkv_proj| {
+                let qkv = qkv_proj.forward(normed);
                 Ok::<_, std::convert::Infallible>(stoke::decode_attention::<B>(dec, l, qkv))
             })
             .unwrap_or_else(|never| match never {});
@@ -597,8 +598,8 @@ impl<B: FusedOps> Llama<B> {
     /// the prompts run packed, one after another without padding, in chunks of at most
     /// [`PREFILL_CHUNK`] tokens (a longer prompt continues in the next chunk, attending to what
     /// the earlier ones cached); each layer writes its keys and values straight into the
-    /// decoder's cache ([`stoke::prefill_attention`]); the head runs on each prompt's last token
-    /// only, and the first generated token of each is sampled into the decoder.
+    /// decoder's cache ([`stoke::prefill_qkv_attention`]); the head runs on each prompt's last
+    /// token only, and the first generated token of each is sampled into the decoder.
     pub fn prefill(
         &self,
         prompts: &[Vec<u32>],
@@ -684,8 +685,8 @@ impl<B: FusedOps> Llama<B> {
             let x = embed.clone().select(0, ids).reshape([1, rows, hidden]);
             let normed =
                 stoke::rms_norm(x.clone(), self.layers[0].attn_norm.val(), self.rms_norm_eps);
-            let normed = self.layers_forward(x, normed, |l, qkv| {
-                stoke::prefill_attention::<B>(dec, l, qkv, &seqs)
+            let normed = self.layers_forward(x, normed, |l, normed, qkv_proj| {
+                stoke::prefill_qkv_attention::<B>(dec, l, normed, qkv_proj, &seqs)
             })?;
             chunk_done(&seqs, normed);
         }

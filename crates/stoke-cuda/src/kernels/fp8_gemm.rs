@@ -1,13 +1,15 @@
 //! The FP8 prefill GEMM: params mirror and launch of kernels/fp8_gemm.cu
 //! (`y = (A W^T) * a_scale[row] * w_scale[col]`, E4M3 operands, then bf16 out, bf16 out plus a
-//! residual, SwiGLU to E4M3 with a delayed scale, or SwiGLU to bf16; `stoke_formats::fp8` holds
-//! the references).
+//! residual, SwiGLU to E4M3 with a delayed scale, SwiGLU to bf16, or the q|k|v projection's
+//! RoPE and KV-cache placement; `stoke_formats::fp8` holds the references of the first four,
+//! `rope_append` in `kernels/decode_attention.cu` the bits of the last).
 
+use super::decode_attention::KvCacheParams;
 use super::{EntryPoint, FP8_GEMM, KernelParams};
 use crate::{DevicePtr, DevicePtrMut, LaunchShape, Result, Runtime, ShapeError, TensorMap};
 use half::bf16;
 
-/// `struct Fp8GemmParams` of kernels/fp8_gemm.cu (384 bytes; the `.cu` file asserts it).
+/// `struct Fp8GemmParams` of kernels/fp8_gemm.cu (512 bytes; the `.cu` file asserts it).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct Fp8GemmParams {
@@ -37,6 +39,18 @@ pub struct Fp8GemmParams {
     pub ldo: u32,
     pub ldr: u32,
     pub a_scale_stride: u32,
+    /// q|k|v: the BF16 cache and the mirror (null `k`: none), the RoPE table, each row's slot,
+    /// position and written length, the query heads, the mirror's rotation block, the table's
+    /// positions (see [`QkvEpilogue`]).
+    pub main: KvCacheParams,
+    pub mirror: KvCacheParams,
+    pub rope: DevicePtr<f32>,
+    pub slot_of: DevicePtr<u32>,
+    pub pos: DevicePtr<u32>,
+    pub len: DevicePtrMut<u32>,
+    pub heads: u32,
+    pub block: u32,
+    pub max_pos: u32,
 }
 
 // SAFETY: the layout is the `.cu` struct's (asserted below); pointers of the kernel's types.
@@ -54,6 +68,8 @@ pub const ENTRY_POINTS: &[&str] = &[
     "bf16_tc_gemm_plain",
     "bf16_tc_gemm_residual",
     "bf16_tc_gemm_swiglu_bf16",
+    "fp8_gemm_qkv",
+    "bf16_tc_gemm_qkv",
 ];
 
 /// The kernel's tile (`BM` x `BN`), k per stage (`BK`), stages, and its shared memory.
@@ -86,6 +102,52 @@ pub enum Fp8Epilogue {
     },
     /// The same `silu(gate) up` written as bf16 (`[m, ldo]`, `n / 2` columns).
     SwiGluBf16 { out: DevicePtrMut<bf16> },
+    /// The q|k|v projection of a packed prefill, written where attention reads it: q rotated,
+    /// k rotated and v into the KV cache (see [`QkvEpilogue`]).
+    Qkv(QkvEpilogue),
+}
+
+/// The q|k|v epilogue's targets (`crate::kv::DeviceKvCache::qkv_epilogue` fills them for a
+/// cache). The `n` columns are `heads + 2 kv_heads` heads of `d` (64 or 128), q | k | v. Row
+/// `r`'s values are rounded to bf16 as the plain epilogue writes them; its q and k heads are
+/// rotated (rotate-half RoPE) by the angles of position `pos[r]` from `rope` (`[max_pos, d / 2,
+/// 2]` cos, sin f32); q goes to `q [m, ldo]` (`heads x d` columns), k and v to slot
+/// `slot_of[r]` at `pos[r]` of `main` (bf16 rows) and, rotated by the normalized Walsh-Hadamard
+/// transform of `block` and quantized per row, of `mirror`; `len[r] = pos[r] + 1`. The bits
+/// equal those of the plain epilogue followed by `rope_append`.
+#[derive(Clone, Copy, Debug)]
+pub struct QkvEpilogue {
+    pub q: DevicePtrMut<bf16>,
+    pub main: KvCacheParams,
+    pub mirror: KvCacheParams,
+    pub rope: DevicePtr<f32>,
+    pub max_pos: u32,
+    pub slot_of: DevicePtr<u32>,
+    pub pos: DevicePtr<u32>,
+    pub len: DevicePtrMut<u32>,
+    pub heads: u32,
+    pub block: u32,
+}
+
+impl QkvEpilogue {
+    /// The caches' kv heads.
+    pub fn kv_heads(&self) -> u32 {
+        self.cache().kv_heads
+    }
+
+    /// The caches' head dim.
+    pub fn head_dim(&self) -> u32 {
+        self.cache().d
+    }
+
+    /// The cache both writes agree on: `main` where it is written, else the mirror.
+    fn cache(&self) -> &KvCacheParams {
+        if self.main.k.is_null() {
+            &self.mirror
+        } else {
+            &self.main
+        }
+    }
 }
 
 /// The operands of one call.
@@ -121,11 +183,11 @@ pub fn check_bf16_shape(g: &Bf16TcGemm) -> std::result::Result<(), ShapeError> {
 }
 
 /// One operand type's name, the multiple `k` must be, and its entry points by epilogue:
-/// plain, residual, SwiGLU to E4M3 (none for bf16 operands), SwiGLU to bf16.
+/// plain, residual, SwiGLU to E4M3 (none for bf16 operands), SwiGLU to bf16, q|k|v.
 struct Operands {
     what: &'static str,
     k_multiple: u32,
-    entries: [Option<&'static str>; 4],
+    entries: [Option<&'static str>; 5],
 }
 const FP8: Operands = Operands {
     what: "FP8 GEMM",
@@ -135,6 +197,7 @@ const FP8: Operands = Operands {
         Some("fp8_gemm_residual"),
         Some("fp8_gemm_swiglu"),
         Some("fp8_gemm_swiglu_bf16"),
+        Some("fp8_gemm_qkv"),
     ],
 };
 const BF16: Operands = Operands {
@@ -145,6 +208,7 @@ const BF16: Operands = Operands {
         Some("bf16_tc_gemm_residual"),
         None,
         Some("bf16_tc_gemm_swiglu_bf16"),
+        Some("bf16_tc_gemm_qkv"),
     ],
 };
 
@@ -182,6 +246,7 @@ fn check_call(
                 ));
             }
         }
+        Fp8Epilogue::Qkv(e) => check_qkv(what, n, ldo, &e)?,
         Fp8Epilogue::Plain { .. } | Fp8Epilogue::Residual { .. } => {
             if ldo < n || !ldo.is_multiple_of(2) {
                 return Err(ShapeError::new(
@@ -206,6 +271,7 @@ fn check_call(
         Fp8Epilogue::Residual { .. } => 1,
         Fp8Epilogue::SwiGlu { .. } => 2,
         Fp8Epilogue::SwiGluBf16 { .. } => 3,
+        Fp8Epilogue::Qkv(_) => 4,
     };
     ops.entries[slot].ok_or_else(|| {
         ShapeError::new(
@@ -214,6 +280,68 @@ fn check_call(
             "SwiGLU to E4M3",
         )
     })
+}
+
+/// The q|k|v epilogue's layout: heads of 64 or 128 (a tile holds whole heads) in both caches
+/// alike, `n = (heads + 2 kv_heads) d`, a q pitch of at least `heads x d` (even), a rotation
+/// block of 0 or a power of two from 2 to `d`, and the RoPE table's positions.
+fn check_qkv(what: &str, n: u32, ldo: u32, e: &QkvEpilogue) -> std::result::Result<(), ShapeError> {
+    let c = e.cache();
+    let (kvh, d) = (c.kv_heads, c.d);
+    let err = |field: &str, expected: String, got: String| {
+        Err(ShapeError::new(
+            format!("{what} q|k|v {field}"),
+            expected,
+            got,
+        ))
+    };
+    if c.k.is_null() {
+        return err("cache", "a main cache or a mirror".into(), "neither".into());
+    }
+    if !e.main.k.is_null()
+        && !e.mirror.k.is_null()
+        && (e.mirror.kv_heads, e.mirror.cap, e.mirror.d) != (kvh, e.main.cap, d)
+    {
+        return err(
+            "mirror",
+            format!(
+                "the main cache's kv heads {kvh}, capacity {}, d {d}",
+                e.main.cap
+            ),
+            format!(
+                "kv heads {}, capacity {}, d {}",
+                e.mirror.kv_heads, e.mirror.cap, e.mirror.d
+            ),
+        );
+    }
+    if d != 64 && d != 128 {
+        return err("head_dim", "64 or 128".into(), d.to_string());
+    }
+    if kvh == 0 || e.heads == 0 || n != (e.heads + 2 * kvh) * d {
+        return err(
+            "columns",
+            format!("(heads + 2 kv_heads) x d = ({} + 2 x {kvh}) x {d}", e.heads),
+            n.to_string(),
+        );
+    }
+    if ldo < e.heads * d || !ldo.is_multiple_of(2) {
+        return err(
+            "q row pitch",
+            format!("an even count of at least heads x d = {}", e.heads * d),
+            ldo.to_string(),
+        );
+    }
+    if e.block != 0 && (!e.block.is_power_of_two() || e.block < 2 || e.block > d) {
+        return err(
+            "rotation block",
+            format!("0, or a power of two from 2 to head_dim {d}"),
+            e.block.to_string(),
+        );
+    }
+    if e.max_pos == 0 {
+        return err("RoPE table", "at least one position".into(), "0".into());
+    }
+    Ok(())
 }
 
 /// Persistent CTAs of a call: one per SM, at most one per output tile.
@@ -245,6 +373,12 @@ unsafe fn launch(
         } => {
             (p.codes, p.out_scale, p.amax, p.saturated) = (codes, scale, amax, saturated);
         }
+        Fp8Epilogue::Qkv(e) => {
+            (p.out, p.main, p.mirror, p.rope, p.max_pos) =
+                (e.q, e.main, e.mirror, e.rope, e.max_pos);
+            (p.slot_of, p.pos, p.len, p.heads, p.block) =
+                (e.slot_of, e.pos, e.len, e.heads, e.block);
+        }
     }
     let k = rt.kernel(EntryPoint::<Fp8GemmParams>::new(&FP8_GEMM, entry))?;
     let shape = LaunchShape {
@@ -275,13 +409,24 @@ fn params(a_map: TensorMap, w_map: TensorMap, m: u32, n: u32, k: u32, ldo: u32) 
         ldo,
         ldr: 0,
         a_scale_stride: 0,
+        main: KvCacheParams::default(),
+        mirror: KvCacheParams::default(),
+        rope: DevicePtr::NULL,
+        slot_of: DevicePtr::NULL,
+        pos: DevicePtr::NULL,
+        len: DevicePtrMut::NULL,
+        heads: 0,
+        block: 0,
+        max_pos: 0,
     }
 }
 
 /// Queues the GEMM and its epilogue.
 ///
 /// # Safety
-/// The pointers must be valid device memory of the documented sizes until the kernel is done.
+/// The pointers must be valid device memory of the documented sizes until the kernel is done;
+/// with [`Fp8Epilogue::Qkv`], every `slot_of[r]` a slot of the caches and every `pos[r]` below
+/// their capacity.
 pub unsafe fn fp8_gemm(rt: &Runtime, g: &Fp8Gemm) -> Result<()> {
     let entry = check_call(FP8, g.m, g.n, g.k, g.ldo, g.epilogue)?;
     let mut p = params(
@@ -299,8 +444,8 @@ pub unsafe fn fp8_gemm(rt: &Runtime, g: &Fp8Gemm) -> Result<()> {
 }
 
 /// One call of the same persistent GEMM on bf16 operands (`bf16_tc_gemm_*`): `y = A W^T`
-/// with f32 accumulation and no scales, then [`Fp8Epilogue::Plain`], `Residual` or
-/// `SwiGluBf16` (the E4M3 SwiGLU output is FP8's alone).
+/// with f32 accumulation and no scales, then [`Fp8Epilogue::Plain`], `Residual`,
+/// `SwiGluBf16` or `Qkv` (the E4M3 SwiGLU output is FP8's alone).
 #[derive(Clone, Copy, Debug)]
 pub struct Bf16TcGemm {
     /// A `[m, k]` bf16, row-major, 16-byte aligned.
@@ -319,7 +464,9 @@ pub struct Bf16TcGemm {
 /// otherwise as [`fp8_gemm`]. The operands are loaded as bytes, a k-block being 64 bf16.
 ///
 /// # Safety
-/// The pointers must be valid device memory of the documented sizes until the kernel is done.
+/// The pointers must be valid device memory of the documented sizes until the kernel is done;
+/// with [`Fp8Epilogue::Qkv`], every `slot_of[r]` a slot of the caches and every `pos[r]` below
+/// their capacity.
 pub unsafe fn bf16_tc_gemm(rt: &Runtime, g: &Bf16TcGemm) -> Result<()> {
     let entry = check_call(BF16, g.m, g.n, g.k, g.ldo, g.epilogue)?;
     let p = params(
@@ -340,14 +487,19 @@ mod tests {
 
     #[test]
     fn params_layout_matches_the_kernel() {
-        assert_eq!(std::mem::size_of::<Fp8GemmParams>(), 384);
+        assert_eq!(std::mem::size_of::<Fp8GemmParams>(), 512);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, w_map), 128);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, a_scale), 256);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, out), 272);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, saturated), 312);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, m), 320);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, a_scale_stride), 340);
-        assert!(SOURCE.contains("static_assert(sizeof(Fp8GemmParams) == 384"));
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, main), 344);
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, mirror), 392);
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, rope), 440);
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, len), 464);
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, max_pos), 480);
+        assert!(SOURCE.contains("static_assert(sizeof(Fp8GemmParams) == 512"));
         for (name, v) in [("BM", BM), ("BN", BN), ("BK", BK)] {
             assert!(SOURCE.contains(&format!("{name} = {v}")), "{name}");
         }
@@ -422,6 +574,75 @@ mod tests {
         let bf16_what = |g: Bf16TcGemm| check_bf16_shape(&g).unwrap_err().what;
         assert_eq!(bf16_what(bf16_call(12, plain)), "bf16 GEMM k");
         assert_eq!(bf16_what(bf16_call(24, swiglu)), "bf16 GEMM epilogue");
+    }
+
+    #[test]
+    fn qkv_layout_is_checked() {
+        let cache = |d: u32, kv_heads: u32| KvCacheParams {
+            k: DevicePtrMut::new(1 << 20),
+            v: DevicePtrMut::new(2 << 20),
+            kv_heads,
+            cap: 64,
+            d,
+            ..Default::default()
+        };
+        let qkv = |d: u32, heads: u32, block: u32| {
+            Fp8Epilogue::Qkv(QkvEpilogue {
+                q: DevicePtrMut::NULL,
+                main: cache(d, 2),
+                mirror: KvCacheParams::default(),
+                rope: DevicePtr::NULL,
+                max_pos: 64,
+                slot_of: DevicePtr::NULL,
+                pos: DevicePtr::NULL,
+                len: DevicePtrMut::NULL,
+                heads,
+                block,
+            })
+        };
+        let n = (8 + 2 * 2) * 128;
+        assert_eq!(
+            check_call(FP8, 100, n, 256, 1024, qkv(128, 8, 128)),
+            Ok("fp8_gemm_qkv")
+        );
+        assert_eq!(
+            check_call(BF16, 100, n, 256, 1024, qkv(128, 8, 0)),
+            Ok("bf16_tc_gemm_qkv")
+        );
+        let what = |ops, n, ldo, e| check_call(ops, 100, n, 256, ldo, e).unwrap_err().what;
+        assert_eq!(
+            what(FP8, n + 128, 1024, qkv(128, 8, 0)),
+            "FP8 GEMM q|k|v columns"
+        );
+        assert_eq!(
+            what(BF16, 12 * 96, 768, qkv(96, 8, 0)),
+            "bf16 GEMM q|k|v head_dim"
+        );
+        assert_eq!(
+            what(FP8, n, 1000, qkv(128, 8, 0)),
+            "FP8 GEMM q|k|v q row pitch"
+        );
+        assert_eq!(
+            what(FP8, n, 1024, qkv(128, 8, 48)),
+            "FP8 GEMM q|k|v rotation block"
+        );
+        let Fp8Epilogue::Qkv(mut e) = qkv(128, 8, 0) else {
+            unreachable!()
+        };
+        e.mirror = cache(64, 2);
+        assert_eq!(
+            what(FP8, n, 1024, Fp8Epilogue::Qkv(e)),
+            "FP8 GEMM q|k|v mirror"
+        );
+        (e.main, e.mirror) = (KvCacheParams::default(), KvCacheParams::default());
+        assert_eq!(
+            what(FP8, n, 1024, Fp8Epilogue::Qkv(e)),
+            "FP8 GEMM q|k|v cache"
+        );
+        // A mirror alone sets the layout; the q columns follow the head dim.
+        e.mirror = cache(128, 2);
+        assert!(check_call(FP8, 100, n, 256, 1024, Fp8Epilogue::Qkv(e)).is_ok());
+        assert_eq!(crate::fp8::Fp8LinearEpilogue::Qkv(e).out_cols(n), 8 * 128);
     }
 
     fn residual_ok() -> Fp8Epilogue {

@@ -22,6 +22,7 @@ pub const HEADERS: &[(&str, &str)] = &[
         "int4_gemm.cuh",
         include_str!("../../../../kernels/int4_gemm.cuh"),
     ),
+    ("kv_row.cuh", include_str!("../../../../kernels/kv_row.cuh")),
     (
         "decode_attention.cuh",
         include_str!("../../../../kernels/decode_attention.cuh"),

@@ -436,6 +436,76 @@ pub(crate) fn prefill_attention<I: Backend>(
     Ok(StokeTensor::owned(out))
 }
 
+/// The q|k|v projection of `x` by `weight` and packed prefill attention, with the projection's
+/// GEMM writing q and the cache itself (its q|k|v epilogue: RoPE, the BF16 cache rows and the
+/// mirror's, the lengths), then causal attention over the BF16 cache: the bits of
+/// [`prefill_attention`] on the plain projection, without its dense q|k|v tensor or the append
+/// launch. `None` where that GEMM does not take `x` and `weight` (rows a decode-sized kernel
+/// takes, a weight with no prefill copy, the reference decoder): the caller projects and calls
+/// [`prefill_attention`].
+pub(crate) fn try_prefill_qkv_attention<I: Backend>(
+    dec: &mut StokeDecoder<I>,
+    layer: usize,
+    x: &StokeTensor<I>,
+    weight: &StokeTensor<I>,
+    seqs: &[PackedSeq],
+) -> Option<Result<StokeTensor<I>, DecodeError>> {
+    let StokeDecoder::Gpu(g) = dec else {
+        return None;
+    };
+    let (h, d) = (g.spec.heads, g.spec.head_dim);
+    if x.shape().as_slice().last() != Some(&g.spec.hidden) {
+        return None;
+    }
+    let rows = x.shape().num_elements() / g.spec.hidden;
+    if let Err(e) = crate::decode::check_packed(seqs, &g.spec, rows) {
+        return Some(Err(e));
+    }
+    let rt = g.rt.clone();
+    if g.packed.as_ref().is_none_or(|l| l.seqs != seqs) {
+        match PackedLayout::new(&rt, seqs) {
+            Ok(l) => g.packed = Some(l),
+            Err(e) => return Some(Err(e.into())),
+        }
+    }
+    let l = g.packed.as_ref().expect("set above");
+    let cache = &g.caches[layer];
+    let target = match cache.qkv_epilogue(
+        h as u32,
+        (g.rope.as_ptr(), g.spec.rope_positions() as u32),
+        l.slot_of.as_ptr(),
+        l.pos.as_ptr(),
+        l.len.as_mut_ptr(),
+        DevicePtrMut::NULL,
+    ) {
+        Ok(t) => t,
+        Err(e) => return Some(Err(e.into())),
+    };
+    // SAFETY: the layout's tables hold `rows` entries, checked against the decoder's slots and
+    // capacity (the RoPE table covers the capacity); the cache is the decoder's.
+    let q = unsafe { super::fp8_linear::try_prefill_qkv(x, weight, target) }?;
+    let mut out_dims = q.shape().as_slice().to_vec();
+    *out_dims.last_mut().expect("q has dims") = h * d;
+    let device = super::float_device(&q);
+    let out = DeviceTensor::<I>::alloc(&rt, Shape::from(out_dims), DType::BF16, device.clone());
+    let q_in = KernelInput::resolve(&rt, &q, &device);
+    // SAFETY: q holds `rows x h x d` bf16 and out the same; the layout's descriptors were
+    // checked against the decoder's slots and capacity.
+    let r = unsafe {
+        cache.prefill_attend(
+            &rt,
+            DevicePtr::new(q_in.ptr),
+            h as u32,
+            &l.kernel_seqs,
+            l.seqs_dev.as_ptr(),
+            rows as u32,
+            DevicePtrMut::new(out.ptr()),
+        )
+    };
+    drop((q_in, q));
+    Some(r.map(|()| StokeTensor::owned(out)).map_err(Into::into))
+}
+
 pub(crate) fn decode_embed<I: Backend>(
     dec: &StokeDecoder<I>,
     table: StokeTensor<I>,
@@ -823,6 +893,24 @@ macro_rules! stoke_decoder_ops {
             seqs: &[crate::decode::PackedSeq],
         ) -> Result<FloatTensor<Self>, crate::decode::DecodeError> {
             crate::cuda::decoder::prefill_attention(dec, layer, qkv, seqs)
+        }
+
+        fn prefill_qkv_attention(
+            dec: &mut Self::Decoder,
+            layer: usize,
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            seqs: &[crate::decode::PackedSeq],
+        ) -> Result<FloatTensor<Self>, crate::decode::DecodeError> {
+            match crate::cuda::decoder::try_prefill_qkv_attention(dec, layer, &x, &weight, seqs) {
+                Some(r) => r,
+                None => crate::cuda::decoder::prefill_attention(
+                    dec,
+                    layer,
+                    <Self as burn_backend::ops::ModuleOps<Self>>::linear(x, weight, None),
+                    seqs,
+                ),
+            }
         }
 
         fn decode_embed(

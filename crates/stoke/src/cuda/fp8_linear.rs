@@ -262,17 +262,26 @@ fn resident_values_nk<I: Backend>(
     Ok(out)
 }
 
-/// `epilogue(x @ W)` on the prefill GEMM (FP8 when FP8 prefill is on, [`set_fp8_prefill`],
-/// else bf16) when `weight` is a [`PackedWeight`] or a pinned bf16 weight `[k, n]` (`k` a
-/// multiple of 16, `n` even), `x` is bf16 `[.., k]` with more rows than the W4A16 kernels
-/// take, Stoke's runtime runs on the device and the weight's copy could be made; `None`
-/// otherwise.
-pub(crate) fn try_prefill_linear_with<I: Backend>(
+/// A prefill GEMM call made ready: the weight's copy for the mode, the runtime, `m` rows of
+/// `x [.., k]` against `n` columns.
+struct Prepared<'a, I: Backend> {
+    rt: Arc<Runtime>,
+    copy: Copy,
+    copies: &'a PrefillCopies,
+    device: I::Device,
+    m: usize,
+    n: usize,
+}
+
+/// The prefill GEMM's copy of `weight` for `x` (FP8 when FP8 prefill is on,
+/// [`set_fp8_prefill`], else bf16), when `weight` is a [`PackedWeight`] or a pinned bf16
+/// weight `[k, n]` (`k` a multiple of 16, `n` even), `x` is bf16 `[.., k]` with more rows than
+/// the W4A16 kernels take, Stoke's runtime runs on the device and the copy could be made (at
+/// the first call); `None` otherwise.
+fn prepare<'a, I: Backend>(
     x: &StokeTensor<I>,
-    weight: &StokeTensor<I>,
-    epilogue: Epilogue,
-    residual: Option<&StokeTensor<I>>,
-) -> Option<StokeTensor<I>> {
+    weight: &'a StokeTensor<I>,
+) -> Option<Prepared<'a, I>> {
     let fp8 = fp8_prefill();
     // The weight's shape and the slots its E4M3 and bf16 [n, k] copies are kept in.
     let source = match weight.downcast_ref::<PackedWeight<I>>() {
@@ -291,8 +300,7 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
         },
     };
     let shape = x.shape();
-    let dims = shape.as_slice();
-    if x.dtype() != DType::BF16 || dims.last() != Some(&k) {
+    if x.dtype() != DType::BF16 || shape.as_slice().last() != Some(&k) {
         return None;
     }
     let m = shape.num_elements() / k.max(1);
@@ -302,9 +310,6 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
         || m > u32::MAX as usize
         || n > u32::MAX as usize
     {
-        return None;
-    }
-    if !super::residual_fits(epilogue, residual, dims, n) {
         return None;
     }
     let device = super::float_device(x);
@@ -326,6 +331,111 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
                 .and_then(|t| DeviceBf16Weight::upload(&rt, &t, n, k).map_err(|e| e.to_string()))
         })?)
     };
+    Some(Prepared {
+        rt,
+        copy,
+        copies,
+        device,
+        m,
+        n,
+    })
+}
+
+impl Copy {
+    /// Counts a call on this copy.
+    fn count(&self) {
+        match self {
+            Copy::Fp8(_) => KERNEL_CALLS.fetch_add(1, Ordering::Relaxed),
+            Copy::Bf16(_) => BF16_CALLS.fetch_add(1, Ordering::Relaxed),
+        };
+    }
+
+    /// Queues `epilogue(x W^T)` into `out` on this copy (FP8: `x` quantized per row first).
+    ///
+    /// # Safety
+    /// As `stoke_cuda::fp8::fp8_linear`.
+    unsafe fn linear(
+        &self,
+        rt: &Arc<Runtime>,
+        x: DevicePtr<half::bf16>,
+        m: usize,
+        out: DevicePtrMut<half::bf16>,
+        epilogue: Fp8LinearEpilogue,
+    ) -> stoke_cuda::Result<()> {
+        // SAFETY: the caller's guarantees; the weight's buffers are held by `self`.
+        unsafe {
+            match self {
+                Copy::Fp8(w) => fp8_linear(rt, w, x, m as u32, out, epilogue),
+                Copy::Bf16(w) => bf16_linear(rt, w, x, m as u32, out, epilogue),
+            }
+        }
+    }
+}
+
+/// The q|k|v projection of a packed prefill on the prefill GEMM with its q|k|v epilogue: q
+/// (`[.., heads x d]` bf16, returned) rotated, k and v rotated into the KV cache that `target`
+/// names (its `q` is the returned tensor's buffer). `None` where the GEMM does not take `x`
+/// and `weight` (see [`prepare`]), or `weight` is not `[k, (heads + 2 kv_heads) d]`.
+///
+/// # Safety
+/// `target`'s caches and row tables must be valid as `stoke_cuda::kernels::fp8_gemm::fp8_gemm`
+/// requires until the kernel is done, for the rows of `x`.
+pub(crate) unsafe fn try_prefill_qkv<I: Backend>(
+    x: &StokeTensor<I>,
+    weight: &StokeTensor<I>,
+    target: stoke_cuda::kernels::fp8_gemm::QkvEpilogue,
+) -> Option<StokeTensor<I>> {
+    let p = prepare(x, weight)?;
+    let (d, heads) = (target.head_dim() as usize, target.heads as usize);
+    if p.n != (heads + 2 * target.kv_heads() as usize) * d {
+        return None;
+    }
+    let x_in = KernelInput::resolve(&p.rt, x, &p.device);
+    if !x_in.ptr.is_multiple_of(16) {
+        return None;
+    }
+    let dims = x.shape();
+    let out_shape = super::with_cols(dims.as_slice(), heads * d);
+    let out = DeviceTensor::<I>::alloc(&p.rt, out_shape, DType::BF16, p.device.clone());
+    let q = DevicePtrMut::new(out.ptr());
+    // SAFETY: x is pinned (or Stoke-owned) until the kernel is done, out is a Stoke buffer of
+    // m x heads x d bf16, the caches and tables are the caller's.
+    unsafe {
+        p.copy.linear(
+            &p.rt,
+            DevicePtr::new(x_in.ptr),
+            p.m,
+            q,
+            Fp8LinearEpilogue::Qkv(target),
+        )
+    }
+    .unwrap_or_else(|e| panic!("stoke prefill q|k|v (prefill GEMM): {e}"));
+    drop(x_in);
+    p.copy.count();
+    Some(StokeTensor::owned(out))
+}
+
+/// `epilogue(x @ W)` on the prefill GEMM where [`prepare`] takes `x` and `weight` and the
+/// residual fits; `None` otherwise.
+pub(crate) fn try_prefill_linear_with<I: Backend>(
+    x: &StokeTensor<I>,
+    weight: &StokeTensor<I>,
+    epilogue: Epilogue,
+    residual: Option<&StokeTensor<I>>,
+) -> Option<StokeTensor<I>> {
+    let shape = x.shape();
+    let dims = shape.as_slice();
+    let Prepared {
+        rt,
+        copy,
+        copies,
+        device,
+        m,
+        n,
+    } = prepare(x, weight)?;
+    if !super::residual_fits(epilogue, residual, dims, n) {
+        return None;
+    }
     let res_in = residual
         .filter(|_| epilogue == Epilogue::Residual)
         .map(|r| KernelInput::resolve(&rt, r, &device));
@@ -335,10 +445,6 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
         _ => Fp8LinearEpilogue::Plain,
     };
     let out_shape = super::with_cols(dims, fe.out_cols(n as u32) as usize);
-    let count = |copy: &Copy| match copy {
-        Copy::Fp8(_) => KERNEL_CALLS.fetch_add(1, Ordering::Relaxed),
-        Copy::Bf16(_) => BF16_CALLS.fetch_add(1, Ordering::Relaxed),
-    };
     let fail = |e: stoke_cuda::Error| -> ! { panic!("stoke linear (prefill GEMM): {e}") };
     // E4M3 rows from an FP8 gate|up projection go to the FP8 GEMM as they are.
     if let (Some(act), Copy::Fp8(w)) = (x.downcast_ref::<Fp8Activation<I>>(), &copy)
@@ -350,7 +456,7 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
         unsafe { fp8_linear_rows(&rt, w, &act.rows, DevicePtrMut::new(out.ptr()), fe) }
             .unwrap_or_else(|e| fail(e));
         drop(res_in);
-        count(&copy);
+        copy.count();
         return Some(StokeTensor::owned(out));
     }
     let x_in = KernelInput::resolve(&rt, x, &device);
@@ -367,7 +473,7 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
         let rows =
             unsafe { fp8_swiglu_delayed(&rt, w, xp, m as u32, &state) }.unwrap_or_else(|e| fail(e));
         drop(x_in);
-        count(&copy);
+        copy.count();
         return Some(StokeTensor::owned(Fp8Activation::<I> {
             rows: Arc::new(rows),
             rt,
@@ -377,18 +483,12 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
         }));
     }
     let out = DeviceTensor::<I>::alloc(&rt, out_shape, DType::BF16, device);
-    let op = DevicePtrMut::new(out.ptr());
     // SAFETY: x and the residual are pinned (or Stoke-owned) until the kernels are done, out
-    // is a Stoke buffer of m * out_cols bf16, the weight's buffers are held by `copy`.
-    unsafe {
-        match &copy {
-            Copy::Fp8(w) => fp8_linear(&rt, w, xp, m as u32, op, fe),
-            Copy::Bf16(w) => bf16_linear(&rt, w, xp, m as u32, op, fe),
-        }
-    }
-    .unwrap_or_else(|e| fail(e));
+    // is a Stoke buffer of m * out_cols bf16.
+    unsafe { copy.linear(&rt, xp, m, DevicePtrMut::new(out.ptr()), fe) }
+        .unwrap_or_else(|e| fail(e));
     drop((x_in, res_in));
-    count(&copy);
+    copy.count();
     Some(StokeTensor::owned(out))
 }
 

@@ -1,0 +1,507 @@
+//! The prefill GEMM's q|k|v epilogue (`fp8_gemm_qkv`, `bf16_tc_gemm_qkv` in
+//! `kernels/fp8_gemm.cu`) on the GPU: every byte it writes (q, the BF16 cache, the FP8 / INT4
+//! mirror rows and scales, the lengths) against the plain epilogue followed by `rope_append`
+//! into a second cache, and q, k and v against the f64 reference of the GEMM and RoPE; then its
+//! time beside those two launches.
+
+use crate::attention::get_bytes;
+use crate::int4::{get_bf16, put_f32, put_u8, put_u16, put_u32};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use stoke_cuda::kernels::decode_attention::KvFormat;
+use stoke_cuda::kernels::fp8_gemm::{Bf16TcGemm, Fp8Epilogue, Fp8Gemm, bf16_tc_gemm, fp8_gemm};
+use stoke_cuda::kv::DeviceKvCache;
+use stoke_cuda::{DeviceBuffer, Runtime};
+use stoke_formats::fp8::{Fp8Weight, e4m3_to_f32, quantize_rows_fused};
+
+/// One case: the heads, head dim and K of the projection, the cache's mirror and rotation
+/// block, FP8 operands (else bf16), and the packed sequences `(slot, first position, rows)`.
+struct Case {
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    k: usize,
+    format: KvFormat,
+    block: u32,
+    fp8: bool,
+    seqs: &'static [(u32, u32, usize)],
+}
+
+/// d = 128 and 64 (two heads per tile, a q and a k head sharing one, SmolLM2's 15 heads
+/// ending in half a tile); FP8 and INT4 mirrors, whole-head, partial and no rotation, no
+/// mirror; single-token sequences, positions past 8k, slots out of order, rows ending inside a
+/// tile; one Llama-3.1-8B-shaped call.
+const CASES: &[Case] = &[
+    Case {
+        heads: 8,
+        kv_heads: 2,
+        d: 128,
+        k: 256,
+        format: KvFormat::Fp8,
+        block: 128,
+        fp8: false,
+        seqs: &[(2, 8190, 1), (0, 0, 130), (1, 4000, 69)],
+    },
+    Case {
+        heads: 9,
+        kv_heads: 3,
+        d: 64,
+        k: 576,
+        format: KvFormat::Int4,
+        block: 64,
+        fp8: true,
+        seqs: &[(1, 0, 77)],
+    },
+    Case {
+        heads: 4,
+        kv_heads: 4,
+        d: 128,
+        k: 128,
+        format: KvFormat::Bf16,
+        block: 0,
+        fp8: true,
+        seqs: &[(1, 9000, 1)],
+    },
+    Case {
+        heads: 8,
+        kv_heads: 1,
+        d: 64,
+        k: 192,
+        format: KvFormat::Fp8,
+        block: 16,
+        fp8: false,
+        seqs: &[(0, 100, 64), (2, 0, 1), (1, 0, 66)],
+    },
+    Case {
+        heads: 8,
+        kv_heads: 2,
+        d: 128,
+        k: 512,
+        format: KvFormat::Int4,
+        block: 0,
+        fp8: false,
+        seqs: &[(0, 5, 3), (1, 8300, 40)],
+    },
+    Case {
+        heads: 32,
+        kv_heads: 8,
+        d: 128,
+        k: 4096,
+        format: KvFormat::Int4,
+        block: 128,
+        fp8: true,
+        seqs: &[(0, 0, 2048), (1, 0, 128), (2, 640, 128)],
+    },
+];
+
+/// Rows whose f64 reference is computed in a large case (all of them up to this many).
+const CHECKED_ROWS: usize = 48;
+
+/// The RoPE table of `positions` x `d / 2` frequencies, `(cos, sin)` f32, as the decoder holds it.
+fn rope_table(positions: usize, d: usize) -> Vec<f32> {
+    let mut t = Vec::with_capacity(positions * d);
+    for p in 0..positions {
+        for i in 0..d / 2 {
+            let angle = p as f64 * 500000f64.powf(-((2 * i) as f64) / d as f64);
+            t.push(angle.cos() as f32);
+            t.push(angle.sin() as f32);
+        }
+    }
+    t
+}
+
+/// The GEMM's operands on the device and the f64 view of what it multiplies.
+struct Operands {
+    a: DeviceBuffer,
+    w: DeviceBuffer,
+    a_scale: Option<DeviceBuffer>,
+    w_scale: Option<DeviceBuffer>,
+    /// Row r's f64 values (scales applied), `[m][k]`, and the weight's, `[n][k]`.
+    a_f64: Vec<Vec<f64>>,
+    w_f64: Vec<Vec<f64>>,
+    /// The tensor core's error bound, as a fraction of each sum's L1 norm.
+    tol_l1: f64,
+}
+
+fn operands(rt: &Arc<Runtime>, rng: &mut StdRng, c: &Case, m: usize, n: usize) -> Operands {
+    let k = c.k;
+    let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+    let w: Vec<f32> = (0..n * k)
+        .map(|_| rng.random_range(-1.0f32..1.0) / (k as f32).sqrt())
+        .collect();
+    if c.fp8 {
+        let wq = Fp8Weight::quantize(&w, n, k, None).expect("weight quantization");
+        let (codes, scales) = quantize_rows_fused(&x, m, k, 0.0, false).expect("rows");
+        let a_f64 = (0..m)
+            .map(|r| {
+                codes[r * k..(r + 1) * k]
+                    .iter()
+                    .map(|&q| f64::from(e4m3_to_f32(q)) * f64::from(scales[r]))
+                    .collect()
+            })
+            .collect();
+        let w_f64 = (0..n)
+            .map(|j| {
+                wq.codes[j * k..(j + 1) * k]
+                    .iter()
+                    .map(|&q| f64::from(e4m3_to_f32(q)) * f64::from(wq.scales[j]))
+                    .collect()
+            })
+            .collect();
+        Operands {
+            a: put_u8(rt, &codes),
+            w: put_u8(rt, &wq.codes),
+            a_scale: Some(put_f32(rt, &scales)),
+            w_scale: Some(put_f32(rt, &wq.scales)),
+            a_f64,
+            w_f64,
+            tol_l1: crate::fp8::TOL_L1,
+        }
+    } else {
+        let (xb, xv) = crate::fp8::bf16_round(&x);
+        let (wb, wv) = crate::fp8::bf16_round(&w);
+        let rows = |v: &[f32], count: usize| -> Vec<Vec<f64>> {
+            (0..count)
+                .map(|r| {
+                    v[r * k..(r + 1) * k]
+                        .iter()
+                        .map(|&y| f64::from(y))
+                        .collect()
+                })
+                .collect()
+        };
+        Operands {
+            a: put_u16(rt, &xb),
+            w: put_u16(rt, &wb),
+            a_scale: None,
+            w_scale: None,
+            a_f64: rows(&xv, m),
+            w_f64: rows(&wv, n),
+            tol_l1: crate::fp8::BF16_TOL_L1,
+        }
+    }
+}
+
+impl Operands {
+    /// Queues the GEMM with `epilogue` (`ldo` its output pitch).
+    fn launch(
+        &self,
+        rt: &Runtime,
+        m: usize,
+        n: usize,
+        k: usize,
+        ldo: usize,
+        epilogue: Fp8Epilogue,
+    ) {
+        let (m, n, k, ldo) = (m as u32, n as u32, k as u32, ldo as u32);
+        let r = match (&self.a_scale, &self.w_scale) {
+            (Some(sa), Some(sw)) => unsafe {
+                fp8_gemm(
+                    rt,
+                    &Fp8Gemm {
+                        a: self.a.as_ptr(),
+                        w: self.w.as_ptr(),
+                        a_scale: sa.as_ptr(),
+                        a_scale_per_row: true,
+                        w_scale: sw.as_ptr(),
+                        epilogue,
+                        m,
+                        n,
+                        k,
+                        ldo,
+                    },
+                )
+            },
+            _ => unsafe {
+                bf16_tc_gemm(
+                    rt,
+                    &Bf16TcGemm {
+                        a: self.a.as_ptr(),
+                        w: self.w.as_ptr(),
+                        epilogue,
+                        m,
+                        n,
+                        k,
+                        ldo,
+                    },
+                )
+            },
+        };
+        r.expect("GEMM launch");
+    }
+
+    /// The f64 output of row `r`, column `j`, and its sum of |products|.
+    fn reference(&self, r: usize, j: usize) -> (f64, f64) {
+        self.a_f64[r]
+            .iter()
+            .zip(&self.w_f64[j])
+            .fold((0.0, 0.0), |(s, l1), (a, w)| {
+                (s + a * w, l1 + (a * w).abs())
+            })
+    }
+}
+
+/// A cache of 3 slots for the case, every byte poisoned with `byte`.
+fn poisoned_cache(rt: &Arc<Runtime>, c: &Case, cap: u32, byte: u8) -> DeviceKvCache {
+    let cache = DeviceKvCache::new(
+        rt,
+        c.format,
+        (3, c.kv_heads as u32, cap, c.d as u32),
+        c.block,
+    )
+    .expect("cache");
+    let mut bufs = vec![&cache.k, &cache.v];
+    if let Some(m) = &cache.mirror {
+        bufs.extend([&m.k, &m.v, &m.ks, &m.vs]);
+    }
+    for b in bufs {
+        unsafe { rt.fill_bytes(b.ptr(), byte, b.bytes()) }.expect("poison");
+    }
+    cache
+}
+
+/// Every buffer of a cache, named, as bytes.
+fn cache_bytes(c: &DeviceKvCache) -> Vec<(&'static str, Vec<u8>)> {
+    let mut out = vec![("k", get_bytes(&c.k)), ("v", get_bytes(&c.v))];
+    if let Some(m) = &c.mirror {
+        out.extend([
+            ("mirror k", get_bytes(&m.k)),
+            ("mirror v", get_bytes(&m.v)),
+            ("mirror k scales", get_bytes(&m.ks)),
+            ("mirror v scales", get_bytes(&m.vs)),
+        ]);
+    }
+    out
+}
+
+/// The first differing byte of `got` against `want`, and how many differ.
+fn compare(what: &str, got: &[u8], want: &[u8]) -> Result<(), String> {
+    let differ = got.iter().zip(want).filter(|(a, b)| a != b).count();
+    match got.iter().zip(want).position(|(a, b)| a != b) {
+        None if got.len() == want.len() => Ok(()),
+        None => Err(format!(
+            "{what}: {} bytes against {}",
+            got.len(),
+            want.len()
+        )),
+        Some(i) => Err(format!(
+            "{what}: {differ} of {} bytes differ from rope_append's, the first at byte {i} ({:#04x} against {:#04x})",
+            got.len(),
+            got[i],
+            want[i]
+        )),
+    }
+}
+
+pub fn qkv_epilogue_matches_rope_append() -> Result<Value, String> {
+    let rt = crate::gpu()?;
+    let seed = crate::seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut reports = Vec::new();
+    for c in CASES {
+        let (h, kvh, d, k) = (c.heads, c.kv_heads, c.d, c.k);
+        let n = (h + 2 * kvh) * d;
+        let m: usize = c.seqs.iter().map(|s| s.2).sum();
+        let cap = c.seqs.iter().map(|s| s.1 + s.2 as u32).max().unwrap();
+        let (mut slot_of, mut pos) = (Vec::new(), Vec::new());
+        for &(slot, pos0, rows) in c.seqs {
+            slot_of.extend(std::iter::repeat_n(slot, rows));
+            pos.extend((pos0..).take(rows));
+        }
+        let what = format!(
+            "seed {seed}: heads {h}/{kvh} d {d} k {k} {:?} block {} {} rows {m}",
+            c.format,
+            c.block,
+            if c.fp8 { "FP8" } else { "bf16" }
+        );
+        let ops = operands(&rt, &mut rng, c, m, n);
+        let rope = put_f32(&rt, &rope_table(cap as usize, d));
+        let (slot_b, pos_b) = (put_u32(&rt, &slot_of), put_u32(&rt, &pos));
+        let alloc = |bytes: usize, poison: u8| {
+            let b = rt.alloc(bytes).expect("alloc");
+            unsafe { rt.fill_bytes(b.ptr(), poison, bytes) }.expect("poison");
+            b
+        };
+
+        // The two launches the epilogue replaces, into cache `want`.
+        let want = poisoned_cache(&rt, c, cap, 0x5a);
+        let qkv = alloc(m * n * 2, 0xff);
+        let (q_want, len_want) = (alloc(m * h * d * 2, 0xff), alloc(m * 4, 0xff));
+        ops.launch(
+            &rt,
+            m,
+            n,
+            k,
+            n,
+            Fp8Epilogue::Plain {
+                out: qkv.as_mut_ptr(),
+            },
+        );
+        let rope_arg = (rope.as_ptr(), cap);
+        unsafe {
+            want.rope_append(
+                &rt,
+                qkv.as_ptr(),
+                h as u32,
+                rope_arg,
+                slot_b.as_ptr(),
+                pos_b.as_ptr(),
+                len_want.as_mut_ptr(),
+                m as u32,
+                q_want.as_mut_ptr(),
+            )
+        }
+        .map_err(|e| format!("{what}: rope_append: {e}"))?;
+
+        // The epilogue, into cache `got`.
+        let got = poisoned_cache(&rt, c, cap, 0x5a);
+        let (q_got, len_got) = (alloc(m * h * d * 2, 0xff), alloc(m * 4, 0xff));
+        let epilogue = got
+            .qkv_epilogue(
+                h as u32,
+                rope_arg,
+                slot_b.as_ptr(),
+                pos_b.as_ptr(),
+                len_got.as_mut_ptr(),
+                q_got.as_mut_ptr(),
+            )
+            .map_err(|e| format!("{what}: {e}"))?;
+        ops.launch(&rt, m, n, k, h * d, Fp8Epilogue::Qkv(epilogue));
+        rt.synchronize().map_err(|e| format!("{what}: {e}"))?;
+
+        compare(
+            &format!("{what}: q"),
+            &get_bytes(&q_got),
+            &get_bytes(&q_want),
+        )?;
+        let lens: Vec<u32> = get_bytes(&len_got)
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        if let Some(r) = (0..m).find(|&r| lens[r] != pos[r] + 1) {
+            return Err(format!(
+                "{what}: len[{r}] = {} (position {})",
+                lens[r], pos[r]
+            ));
+        }
+        for ((name, g), (_, w)) in cache_bytes(&got).iter().zip(cache_bytes(&want)) {
+            compare(&format!("{what}: cache {name}"), g, &w)?;
+        }
+
+        // q, k and v against f64: the GEMM's sums, rotated with the same table.
+        let table = rope_table(cap as usize, d);
+        let (qv, kc, vc) = (get_bf16(&q_got), get_bf16(&got.k), get_bf16(&got.v));
+        let rows: Vec<usize> = if m <= CHECKED_ROWS {
+            (0..m).collect()
+        } else {
+            (0..CHECKED_ROWS)
+                .map(|i| i * (m - 1) / (CHECKED_ROWS - 1))
+                .collect()
+        };
+        let mut worst = 0f64;
+        for &r in &rows {
+            let p = pos[r] as usize;
+            for head in 0..h + 2 * kvh {
+                let y: Vec<(f64, f64)> = (0..d).map(|i| ops.reference(r, head * d + i)).collect();
+                for i in 0..d {
+                    let (x, l1) = y[i];
+                    let (want_v, bound) = if head < h + kvh {
+                        let f = i % (d / 2);
+                        let (cs, sn) = (
+                            f64::from(table[(p * d / 2 + f) * 2]),
+                            f64::from(table[(p * d / 2 + f) * 2 + 1]),
+                        );
+                        let (o, l1o) = y[(i + d / 2) % d];
+                        let v = if i < d / 2 {
+                            x * cs - o * sn
+                        } else {
+                            x * cs + o * sn
+                        };
+                        // Two bf16 roundings (the GEMM's output, the rotated value) and
+                        // the sums' own error through the rotation.
+                        let b =
+                            (x.abs() + o.abs()) / 256.0 + v.abs() / 256.0 + ops.tol_l1 * (l1 + l1o);
+                        (v, b)
+                    } else {
+                        (x, x.abs() / 256.0 + ops.tol_l1 * l1)
+                    };
+                    let got_v = if head < h {
+                        qv[(r * h + head) * d + i]
+                    } else {
+                        let kv_head = (head - h) % kvh;
+                        let row = (slot_of[r] as usize * kvh + kv_head) * cap as usize + p;
+                        if head < h + kvh {
+                            kc[row * d + i]
+                        } else {
+                            vc[row * d + i]
+                        }
+                    };
+                    let err = (got_v - want_v).abs();
+                    if !(err <= bound) {
+                        return Err(format!(
+                            "{what}: row {r} (position {p}) head {head} dim {i}: {got_v} against {want_v} (bound {bound:.3e})"
+                        ));
+                    }
+                    worst = worst.max(err / bound);
+                }
+            }
+        }
+        let mut report = json!({"case": what, "rows_checked": rows.len(),
+            "worst_error_over_bound": worst, "bytes_equal_rope_append": true});
+
+        // Time: the epilogue against the plain GEMM and rope_append.
+        if m >= 1024 {
+            let unfused = crate::bench::time_calls(&rt, 3, 50, |_| {
+                ops.launch(
+                    &rt,
+                    m,
+                    n,
+                    k,
+                    n,
+                    Fp8Epilogue::Plain {
+                        out: qkv.as_mut_ptr(),
+                    },
+                );
+                unsafe {
+                    want.rope_append(
+                        &rt,
+                        qkv.as_ptr(),
+                        h as u32,
+                        rope_arg,
+                        slot_b.as_ptr(),
+                        pos_b.as_ptr(),
+                        len_want.as_mut_ptr(),
+                        m as u32,
+                        q_want.as_mut_ptr(),
+                    )
+                }
+                .expect("rope_append");
+            });
+            let plain = crate::bench::time_calls(&rt, 3, 50, |_| {
+                ops.launch(
+                    &rt,
+                    m,
+                    n,
+                    k,
+                    n,
+                    Fp8Epilogue::Plain {
+                        out: qkv.as_mut_ptr(),
+                    },
+                );
+            });
+            let fused = crate::bench::time_calls(&rt, 3, 50, |_| {
+                ops.launch(&rt, m, n, k, h * d, Fp8Epilogue::Qkv(epilogue));
+            });
+            println!(
+                "qkv epilogue {what}: {:.1} us, plain GEMM + rope_append {:.1} us, plain GEMM alone {:.1} us",
+                fused.us, unfused.us, plain.us
+            );
+            report["us"] = json!({"qkv_epilogue": fused.us, "plain_then_rope_append": unfused.us,
+                "plain_gemm": plain.us});
+        }
+        reports.push(report);
+    }
+    Ok(json!({ "cases": reports }))
+}
