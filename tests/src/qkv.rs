@@ -329,31 +329,33 @@ pub fn qkv_epilogue_matches_rope_append() -> Result<Value, String> {
         let want = poisoned_cache(&rt, c, cap, 0x5a);
         let qkv = alloc(m * n * 2, 0xff);
         let (q_want, len_want) = (alloc(m * h * d * 2, 0xff), alloc(m * 4, 0xff));
-        ops.launch(
-            &rt,
-            m,
-            n,
-            k,
-            n,
-            Fp8Epilogue::Plain {
-                out: qkv.as_mut_ptr(),
-            },
-        );
         let rope_arg = (rope.as_ptr(), cap);
-        unsafe {
-            want.rope_append(
+        let plain_then_append = || {
+            ops.launch(
                 &rt,
-                qkv.as_ptr(),
-                h as u32,
-                rope_arg,
-                slot_b.as_ptr(),
-                pos_b.as_ptr(),
-                len_want.as_mut_ptr(),
-                m as u32,
-                q_want.as_mut_ptr(),
-            )
-        }
-        .map_err(|e| format!("{what}: rope_append: {e}"))?;
+                m,
+                n,
+                k,
+                n,
+                Fp8Epilogue::Plain {
+                    out: qkv.as_mut_ptr(),
+                },
+            );
+            unsafe {
+                want.rope_append(
+                    &rt,
+                    qkv.as_ptr(),
+                    h as u32,
+                    rope_arg,
+                    slot_b.as_ptr(),
+                    pos_b.as_ptr(),
+                    len_want.as_mut_ptr(),
+                    m as u32,
+                    q_want.as_mut_ptr(),
+                )
+            }
+        };
+        plain_then_append().map_err(|e| format!("{what}: rope_append: {e}"))?;
 
         // The epilogue, into cache `got`.
         let got = poisoned_cache(&rt, c, cap, 0x5a);
@@ -454,30 +456,7 @@ pub fn qkv_epilogue_matches_rope_append() -> Result<Value, String> {
         // Time: the epilogue against the plain GEMM and rope_append.
         if m >= 1024 {
             let unfused = crate::bench::time_calls(&rt, 3, 50, |_| {
-                ops.launch(
-                    &rt,
-                    m,
-                    n,
-                    k,
-                    n,
-                    Fp8Epilogue::Plain {
-                        out: qkv.as_mut_ptr(),
-                    },
-                );
-                unsafe {
-                    want.rope_append(
-                        &rt,
-                        qkv.as_ptr(),
-                        h as u32,
-                        rope_arg,
-                        slot_b.as_ptr(),
-                        pos_b.as_ptr(),
-                        len_want.as_mut_ptr(),
-                        m as u32,
-                        q_want.as_mut_ptr(),
-                    )
-                }
-                .expect("rope_append");
+                plain_then_append().expect("rope_append");
             });
             let plain = crate::bench::time_calls(&rt, 3, 50, |_| {
                 ops.launch(
