@@ -483,7 +483,10 @@ pub(crate) fn try_prefill_qkv_attention<I: Backend>(
     };
     // SAFETY: the layout's tables hold `rows` entries, checked against the decoder's slots and
     // capacity (the RoPE table covers the capacity); the cache is the decoder's.
-    let q = unsafe { super::fp8_linear::try_prefill_qkv(x, weight, target) }?;
+    let q = match unsafe { super::fp8_linear::try_prefill_qkv(x, weight, target) }? {
+        Ok(q) => q,
+        Err(e) => return Some(Err(e.into())),
+    };
     let mut out_dims = q.shape().as_slice().to_vec();
     *out_dims.last_mut().expect("q has dims") = h * d;
     let device = super::float_device(&q);

@@ -374,8 +374,9 @@ impl Copy {
 
 /// The q|k|v projection of a packed prefill on the prefill GEMM with its q|k|v epilogue: q
 /// (`[.., heads x d]` bf16, returned) rotated, k and v rotated into the KV cache that `target`
-/// names (its `q` is the returned tensor's buffer). `None` where the GEMM does not take `x`
-/// and `weight` (see [`prepare`]), or `weight` is not `[k, (heads + 2 kv_heads) d]`.
+/// names (its `q` is the returned tensor's buffer), or the launch's error. `None` where the GEMM
+/// does not take `x` and `weight` (see [`prepare`]), or `weight` is not `[k, (heads + 2
+/// kv_heads) d]`.
 ///
 /// # Safety
 /// `target`'s caches and row tables must be valid as `stoke_cuda::kernels::fp8_gemm::fp8_gemm`
@@ -384,7 +385,7 @@ pub(crate) unsafe fn try_prefill_qkv<I: Backend>(
     x: &StokeTensor<I>,
     weight: &StokeTensor<I>,
     target: stoke_cuda::kernels::fp8_gemm::QkvEpilogue,
-) -> Option<StokeTensor<I>> {
+) -> Option<stoke_cuda::Result<StokeTensor<I>>> {
     let p = prepare(x, weight)?;
     let (d, heads) = (target.head_dim() as usize, target.heads as usize);
     if p.n != (heads + 2 * target.kv_heads() as usize) * d {
@@ -400,7 +401,7 @@ pub(crate) unsafe fn try_prefill_qkv<I: Backend>(
     let q = DevicePtrMut::new(out.ptr());
     // SAFETY: x is pinned (or Stoke-owned) until the kernel is done, out is a Stoke buffer of
     // m x heads x d bf16, the caches and tables are the caller's.
-    unsafe {
+    let r = unsafe {
         p.copy.linear(
             &p.rt,
             DevicePtr::new(x_in.ptr),
@@ -408,11 +409,12 @@ pub(crate) unsafe fn try_prefill_qkv<I: Backend>(
             q,
             Fp8LinearEpilogue::Qkv(target),
         )
-    }
-    .unwrap_or_else(|e| panic!("stoke prefill q|k|v (prefill GEMM): {e}"));
+    };
     drop(x_in);
-    p.copy.count();
-    Some(StokeTensor::owned(out))
+    if r.is_ok() {
+        p.copy.count();
+    }
+    Some(r.map(|()| StokeTensor::owned(out)))
 }
 
 /// `epilogue(x @ W)` on the prefill GEMM where [`prepare`] takes `x` and `weight` and the
