@@ -14,7 +14,7 @@ use stoke_cuda::kernels::decode_attention::KvFormat;
 use stoke_cuda::kernels::fp8_gemm::{Bf16TcGemm, Fp8Epilogue, Fp8Gemm, bf16_tc_gemm, fp8_gemm};
 use stoke_cuda::kv::DeviceKvCache;
 use stoke_cuda::{DeviceBuffer, Runtime};
-use stoke_formats::fp8::{Fp8Weight, e4m3_to_f32, quantize_rows_fused};
+use stoke_formats::fp8::{Fp8Weight, e4m3_to_f32, quantize_rows_fused, rope_head};
 
 /// One case: the heads, head dim and K of the projection, the cache's mirror and rotation
 /// block, FP8 operands (else bf16), and the packed sequences `(slot, first position, rows)`.
@@ -243,6 +243,33 @@ impl Operands {
     }
 }
 
+/// Head `head` of row `r` in f64, each value with its error bound: the GEMM's sums, rotated by
+/// `stoke_formats::fp8::rope_head` at the table row given for q and k heads. The bound allows
+/// two bf16 roundings (the GEMM's output, the rotated value) and the sums' own error through
+/// the rotation.
+fn reference_head(
+    ops: &Operands,
+    (r, head, d): (usize, usize, usize),
+    rotate: Option<(&[f32], usize)>,
+) -> Vec<(f64, f64)> {
+    let y: Vec<(f64, f64)> = (0..d).map(|i| ops.reference(r, head * d + i)).collect();
+    let Some((table, pos)) = rotate else {
+        return y
+            .iter()
+            .map(|&(x, l1)| (x, x.abs() / 256.0 + ops.tol_l1 * l1))
+            .collect();
+    };
+    let mut v: Vec<f64> = y.iter().map(|t| t.0).collect();
+    rope_head(&mut v, table, pos);
+    (0..d)
+        .map(|i| {
+            let ((x, l1), (o, l1o)) = (y[i], y[(i + d / 2) % d]);
+            let bound = (x.abs() + o.abs() + v[i].abs()) / 256.0 + ops.tol_l1 * (l1 + l1o);
+            (v[i], bound)
+        })
+        .collect()
+}
+
 /// A cache of 3 slots for the case, every byte poisoned with `byte`.
 fn poisoned_cache(rt: &Arc<Runtime>, c: &Case, cap: u32, byte: u8) -> DeviceKvCache {
     let cache = DeviceKvCache::new(
@@ -406,29 +433,10 @@ pub fn qkv_epilogue_matches_rope_append() -> Result<Value, String> {
         for &r in &rows {
             let p = pos[r] as usize;
             for head in 0..h + 2 * kvh {
-                let y: Vec<(f64, f64)> = (0..d).map(|i| ops.reference(r, head * d + i)).collect();
+                let rotate = (head < h + kvh).then_some((table.as_slice(), p));
+                let want = reference_head(&ops, (r, head, d), rotate);
                 for i in 0..d {
-                    let (x, l1) = y[i];
-                    let (want_v, bound) = if head < h + kvh {
-                        let f = i % (d / 2);
-                        let (cs, sn) = (
-                            f64::from(table[(p * d / 2 + f) * 2]),
-                            f64::from(table[(p * d / 2 + f) * 2 + 1]),
-                        );
-                        let (o, l1o) = y[(i + d / 2) % d];
-                        let v = if i < d / 2 {
-                            x * cs - o * sn
-                        } else {
-                            x * cs + o * sn
-                        };
-                        // Two bf16 roundings (the GEMM's output, the rotated value) and
-                        // the sums' own error through the rotation.
-                        let b =
-                            (x.abs() + o.abs()) / 256.0 + v.abs() / 256.0 + ops.tol_l1 * (l1 + l1o);
-                        (v, b)
-                    } else {
-                        (x, x.abs() / 256.0 + ops.tol_l1 * l1)
-                    };
+                    let (want_v, bound) = want[i];
                     let got_v = if head < h {
                         qv[(r * h + head) * d + i]
                     } else {
