@@ -21,7 +21,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run the GPU tests (all, or those named).
+    /// Run the GPU tests (all, or those named, in the order named).
     Test { names: Vec<String> },
     /// Run the benchmarks.
     Bench,
@@ -149,12 +149,21 @@ fn write(out: &PathBuf, name: &str, v: &Value) {
     println!("wrote {}", path.display());
 }
 
+/// Runs the named GPU cases in the order given (every case, in the list's order, when none is
+/// named), printing each result as it ends; an unknown name fails before anything runs.
 fn run_tests(cli: &Cli, names: &[String]) -> bool {
+    let cases = stoke_tests::gpu::CASES;
+    if let Some(n) = names.iter().find(|n| !cases.iter().any(|(c, _)| c == n)) {
+        eprintln!("no GPU test named {n}");
+        return false;
+    }
+    let order: Vec<&str> = if names.is_empty() {
+        cases.iter().map(|(n, _)| *n).collect()
+    } else {
+        names.iter().map(String::as_str).collect()
+    };
     let mut outcomes = Vec::new();
-    for (name, _) in stoke_tests::gpu::CASES {
-        if !names.is_empty() && !names.iter().any(|n| n == name) {
-            continue;
-        }
+    for name in order {
         let o = stoke_tests::gpu::run(name);
         println!(
             "{:<40} {:<8} {:7.2}s {}",
