@@ -368,6 +368,53 @@ impl PackedLayout {
     }
 }
 
+impl GpuDecoder {
+    /// Checks the packed layout `seqs` of `rows` rows against the decoder and uploads its
+    /// tables where they differ from the latest prefill's (`self.packed`).
+    fn use_packed(&mut self, seqs: &[PackedSeq], rows: usize) -> Result<(), DecodeError> {
+        crate::decode::check_packed(seqs, &self.spec, rows)?;
+        if self.packed.as_ref().is_none_or(|l| l.seqs != seqs) {
+            self.packed = Some(PackedLayout::new(&self.rt, seqs)?);
+        }
+        Ok(())
+    }
+
+    /// Causal attention of the packed q rows (`rows x heads x d` bf16 at `q`) over layer
+    /// `layer`'s BF16 cache in the latest layout ([`Self::use_packed`]), into a new bf16 tensor
+    /// of dims `lead` + `heads x d`.
+    ///
+    /// # Safety
+    /// `q` must hold `rows` rows until the kernel is done, `rows` those of the layout.
+    unsafe fn attend_packed<I: Backend>(
+        &self,
+        layer: usize,
+        q: DevicePtr<half::bf16>,
+        rows: usize,
+        lead: &[usize],
+        device: I::Device,
+    ) -> Result<StokeTensor<I>, DecodeError> {
+        let (h, d) = (self.spec.heads, self.spec.head_dim);
+        let l = self.packed.as_ref().expect("use_packed first");
+        let mut out_dims = lead.to_vec();
+        out_dims.push(h * d);
+        let out = DeviceTensor::<I>::alloc(&self.rt, Shape::from(out_dims), DType::BF16, device);
+        // SAFETY: out holds `rows x h x d` bf16; the layout's descriptors were checked against
+        // the decoder's slots and capacity; q is the caller's.
+        unsafe {
+            self.caches[layer].prefill_attend(
+                &self.rt,
+                q,
+                h as u32,
+                &l.kernel_seqs,
+                l.seqs_dev.as_ptr(),
+                rows as u32,
+                DevicePtrMut::new(out.ptr()),
+            )?;
+        }
+        Ok(StokeTensor::owned(out))
+    }
+}
+
 /// Packed prefill attention on the kernels: RoPE and the append of every row's k and v to its
 /// slot (main cache and mirror) in one launch, then causal attention over the BF16 cache.
 pub(crate) fn prefill_attention<I: Backend>(
@@ -394,24 +441,17 @@ pub(crate) fn prefill_attention<I: Backend>(
         });
     }
     let rows = dims.num_elements() / width;
-    crate::decode::check_packed(seqs, &g.spec, rows)?;
+    g.use_packed(seqs, rows)?;
     let rt = g.rt.clone();
-    if g.packed.as_ref().is_none_or(|l| l.seqs != seqs) {
-        g.packed = Some(PackedLayout::new(&rt, seqs)?);
-    }
     let l = g.packed.as_ref().expect("set above");
     let device = super::float_device(&qkv);
     let x = KernelInput::resolve(&rt, &qkv, &device);
     let q = rt.alloc(rows * h * d * 2)?;
-    let mut out_dims = lead.to_vec();
-    out_dims.push(h * d);
-    let out = DeviceTensor::<I>::alloc(&rt, Shape::from(out_dims), DType::BF16, device);
-    let cache = &g.caches[layer];
-    // SAFETY: x holds `rows` rows of q|k|v bf16, q and out `rows x h x d` bf16; the layout's
-    // tables hold `rows` entries and its descriptors, checked against the decoder's slots and
-    // capacity (the RoPE table covers the capacity).
-    unsafe {
-        cache.rope_append(
+    // SAFETY: x holds `rows` rows of q|k|v bf16, q `rows x h x d` bf16; the layout's tables
+    // hold `rows` entries, checked against the decoder's slots and capacity (the RoPE table
+    // covers the capacity).
+    let out = unsafe {
+        g.caches[layer].rope_append(
             &rt,
             DevicePtr::new(x.ptr),
             h as u32,
@@ -422,18 +462,10 @@ pub(crate) fn prefill_attention<I: Backend>(
             rows as u32,
             q.as_mut_ptr(),
         )?;
-        cache.prefill_attend(
-            &rt,
-            q.as_ptr(),
-            h as u32,
-            &l.kernel_seqs,
-            l.seqs_dev.as_ptr(),
-            rows as u32,
-            DevicePtrMut::new(out.ptr()),
-        )?;
-    }
+        g.attend_packed(layer, q.as_ptr(), rows, lead, device)?
+    };
     drop((x, q));
-    Ok(StokeTensor::owned(out))
+    Ok(out)
 }
 
 /// The q|k|v projection of `x` by `weight` and packed prefill attention, with the projection's
@@ -453,25 +485,21 @@ pub(crate) fn try_prefill_qkv_attention<I: Backend>(
     let StokeDecoder::Gpu(g) = dec else {
         return None;
     };
-    let (h, d) = (g.spec.heads, g.spec.head_dim);
-    if x.shape().as_slice().last() != Some(&g.spec.hidden) {
+    let dims = x.shape();
+    let (lead, hidden) = dims
+        .as_slice()
+        .split_last()
+        .map(|(last, lead)| (lead, *last))?;
+    if hidden != g.spec.hidden {
         return None;
     }
-    let rows = x.shape().num_elements() / g.spec.hidden;
-    if let Err(e) = crate::decode::check_packed(seqs, &g.spec, rows) {
+    let rows = dims.num_elements() / hidden;
+    if let Err(e) = g.use_packed(seqs, rows) {
         return Some(Err(e));
     }
-    let rt = g.rt.clone();
-    if g.packed.as_ref().is_none_or(|l| l.seqs != seqs) {
-        match PackedLayout::new(&rt, seqs) {
-            Ok(l) => g.packed = Some(l),
-            Err(e) => return Some(Err(e.into())),
-        }
-    }
     let l = g.packed.as_ref().expect("set above");
-    let cache = &g.caches[layer];
-    let target = match cache.qkv_epilogue(
-        h as u32,
+    let target = match g.caches[layer].qkv_epilogue(
+        g.spec.heads as u32,
         (g.rope.as_ptr(), g.spec.rope_positions() as u32),
         l.slot_of.as_ptr(),
         l.pos.as_ptr(),
@@ -487,26 +515,12 @@ pub(crate) fn try_prefill_qkv_attention<I: Backend>(
         Ok(q) => q,
         Err(e) => return Some(Err(e.into())),
     };
-    let mut out_dims = q.shape().as_slice().to_vec();
-    *out_dims.last_mut().expect("q has dims") = h * d;
     let device = super::float_device(&q);
-    let out = DeviceTensor::<I>::alloc(&rt, Shape::from(out_dims), DType::BF16, device.clone());
-    let q_in = KernelInput::resolve(&rt, &q, &device);
-    // SAFETY: q holds `rows x h x d` bf16 and out the same; the layout's descriptors were
-    // checked against the decoder's slots and capacity.
-    let r = unsafe {
-        cache.prefill_attend(
-            &rt,
-            DevicePtr::new(q_in.ptr),
-            h as u32,
-            &l.kernel_seqs,
-            l.seqs_dev.as_ptr(),
-            rows as u32,
-            DevicePtrMut::new(out.ptr()),
-        )
-    };
+    let q_in = KernelInput::resolve(&g.rt, &q, &device);
+    // SAFETY: q holds `rows x heads x d` bf16 until the kernel is done.
+    let out = unsafe { g.attend_packed(layer, DevicePtr::new(q_in.ptr), rows, lead, device) };
     drop((q_in, q));
-    Some(r.map(|()| StokeTensor::owned(out)).map_err(Into::into))
+    Some(out)
 }
 
 pub(crate) fn decode_embed<I: Backend>(
