@@ -136,13 +136,7 @@ pub use crate::ShapeError;
 /// Checks an attention shape: head dim 64 or 128, heads a multiple of kv heads with at most
 /// [`MAX_GROUP`] query heads per kv head, rotation block 0 or a power of two in 2..=d.
 pub fn check_shape(heads: u32, kv_heads: u32, d: u32, block: u32) -> Result<(), ShapeError> {
-    if d != 64 && d != 128 {
-        return Err(ShapeError::new(
-            "decode attention head_dim",
-            "64 or 128",
-            d.to_string(),
-        ));
-    }
+    check_head_dim("decode attention", d)?;
     if kv_heads == 0 || !heads.is_multiple_of(kv_heads) || heads / kv_heads > MAX_GROUP {
         return Err(ShapeError::new(
             "decode attention query heads per kv head",
@@ -150,9 +144,26 @@ pub fn check_shape(heads: u32, kv_heads: u32, d: u32, block: u32) -> Result<(), 
             format!("{heads} query heads over {kv_heads} kv heads"),
         ));
     }
+    check_block("decode attention", d, block)
+}
+
+/// The cache rows' head dim, for `what` (the kernels that read or write them): 64 or 128.
+pub fn check_head_dim(what: &str, d: u32) -> Result<(), ShapeError> {
+    if d != 64 && d != 128 {
+        return Err(ShapeError::new(
+            format!("{what} head_dim"),
+            "64 or 128",
+            d.to_string(),
+        ));
+    }
+    Ok(())
+}
+
+/// The mirror rows' rotation block, for `what`: 0 (none), or a power of two from 2 to `d`.
+pub fn check_block(what: &str, d: u32, block: u32) -> Result<(), ShapeError> {
     if block != 0 && (!block.is_power_of_two() || block < 2 || block > d) {
         return Err(ShapeError::new(
-            "decode attention rotation block",
+            format!("{what} rotation block"),
             format!("0, or a power of two from 2 to head_dim {d}"),
             block.to_string(),
         ));

@@ -4,7 +4,7 @@
 //! RoPE and KV-cache placement; `stoke_formats::fp8` holds the references of the first four,
 //! `rope_append` in `kernels/decode_attention.cu` the bits of the last).
 
-use super::decode_attention::KvCacheParams;
+use super::decode_attention::{KvCacheParams, check_block, check_head_dim};
 use super::{EntryPoint, FP8_GEMM, KernelParams};
 use crate::{DevicePtr, DevicePtrMut, LaunchShape, Result, Runtime, ShapeError, TensorMap};
 use half::bf16;
@@ -288,12 +288,9 @@ fn check_call(
 fn check_qkv(what: &str, n: u32, ldo: u32, e: &QkvEpilogue) -> std::result::Result<(), ShapeError> {
     let c = e.cache();
     let (kvh, d) = (c.kv_heads, c.d);
+    let what = format!("{what} q|k|v");
     let err = |field: &str, expected: String, got: String| {
-        Err(ShapeError::new(
-            format!("{what} q|k|v {field}"),
-            expected,
-            got,
-        ))
+        Err(ShapeError::new(format!("{what} {field}"), expected, got))
     };
     if c.k.is_null() {
         return err("cache", "a main cache or a mirror".into(), "neither".into());
@@ -314,9 +311,7 @@ fn check_qkv(what: &str, n: u32, ldo: u32, e: &QkvEpilogue) -> std::result::Resu
             ),
         );
     }
-    if d != 64 && d != 128 {
-        return err("head_dim", "64 or 128".into(), d.to_string());
-    }
+    check_head_dim(&what, d)?;
     if kvh == 0 || e.heads == 0 || n != (e.heads + 2 * kvh) * d {
         return err(
             "columns",
@@ -331,13 +326,7 @@ fn check_qkv(what: &str, n: u32, ldo: u32, e: &QkvEpilogue) -> std::result::Resu
             ldo.to_string(),
         );
     }
-    if e.block != 0 && (!e.block.is_power_of_two() || e.block < 2 || e.block > d) {
-        return err(
-            "rotation block",
-            format!("0, or a power of two from 2 to head_dim {d}"),
-            e.block.to_string(),
-        );
-    }
+    check_block(&what, d, e.block)?;
     if e.max_pos == 0 {
         return err("RoPE table", "at least one position".into(), "0".into());
     }
