@@ -276,11 +276,13 @@ struct Prepared<'a, I: Backend> {
 /// The prefill GEMM's copy of `weight` for `x` (FP8 when FP8 prefill is on,
 /// [`set_fp8_prefill`], else bf16), when `weight` is a [`PackedWeight`] or a pinned bf16
 /// weight `[k, n]` (`k` a multiple of 16, `n` even), `x` is bf16 `[.., k]` with more rows than
-/// the W4A16 kernels take, Stoke's runtime runs on the device and the copy could be made (at
-/// the first call); `None` otherwise.
+/// the W4A16 kernels take, `takes_n` accepts the weight's `n` columns, Stoke's runtime runs on
+/// the device and the copy could be made (at the first call: the checks come first); `None`
+/// otherwise.
 fn prepare<'a, I: Backend>(
     x: &StokeTensor<I>,
     weight: &'a StokeTensor<I>,
+    takes_n: impl FnOnce(usize) -> bool,
 ) -> Option<Prepared<'a, I>> {
     let fp8 = fp8_prefill();
     // The weight's shape and the slots its E4M3 and bf16 [n, k] copies are kept in.
@@ -309,6 +311,7 @@ fn prepare<'a, I: Backend>(
         || !n.is_multiple_of(2)
         || m > u32::MAX as usize
         || n > u32::MAX as usize
+        || !takes_n(n)
     {
         return None;
     }
@@ -386,11 +389,10 @@ pub(crate) unsafe fn try_prefill_qkv<I: Backend>(
     weight: &StokeTensor<I>,
     target: stoke_cuda::kernels::fp8_gemm::QkvEpilogue,
 ) -> Option<stoke_cuda::Result<StokeTensor<I>>> {
-    let p = prepare(x, weight)?;
     let (d, heads) = (target.head_dim() as usize, target.heads as usize);
-    if p.n != (heads + 2 * target.kv_heads() as usize) * d {
-        return None;
-    }
+    let p = prepare(x, weight, |n| {
+        n == (heads + 2 * target.kv_heads() as usize) * d
+    })?;
     let x_in = KernelInput::resolve(&p.rt, x, &p.device);
     if !x_in.ptr.is_multiple_of(16) {
         return None;
@@ -434,10 +436,9 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
         device,
         m,
         n,
-    } = prepare(x, weight)?;
-    if !super::residual_fits(epilogue, residual, dims, n) {
-        return None;
-    }
+    } = prepare(x, weight, |n| {
+        super::residual_fits(epilogue, residual, dims, n)
+    })?;
     let res_in = residual
         .filter(|_| epilogue == Epilogue::Residual)
         .map(|r| KernelInput::resolve(&rt, r, &device));
