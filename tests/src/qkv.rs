@@ -344,7 +344,8 @@ pub fn qkv_epilogue_matches_rope_append() -> Result<Value, String> {
             if c.fp8 { "FP8" } else { "bf16" }
         );
         let ops = operands(&rt, &mut rng, c, m, n);
-        let rope = put_f32(&rt, &rope_table(cap as usize, d));
+        let table = rope_table(cap as usize, d);
+        let rope = put_f32(&rt, &table);
         let (slot_b, pos_b) = (put_u32(&rt, &slot_of), put_u32(&rt, &pos));
         let alloc = |bytes: usize, poison: u8| {
             let b = rt.alloc(bytes).expect("alloc");
@@ -420,7 +421,6 @@ pub fn qkv_epilogue_matches_rope_append() -> Result<Value, String> {
         }
 
         // q, k and v against f64: the GEMM's sums, rotated with the same table.
-        let table = rope_table(cap as usize, d);
         let (qv, kc, vc) = (get_bf16(&q_got), get_bf16(&got.k), get_bf16(&got.v));
         let rows: Vec<usize> = if m <= CHECKED_ROWS {
             (0..m).collect()
