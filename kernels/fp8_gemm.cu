@@ -21,13 +21,14 @@
 //                       (decode_attention.cu) on the plain epilogue's output: the same rounding
 //                       points, the same order of butterflies, the same quantizers
 //                       (kv_row.cuh), so no dense k / v tensor and no append kernel.
-// The same mainloop on bf16 operands (bf16_tc_gemm_plain / _residual / _swiglu_bf16 / _qkv): A [M, K]
-// and W [N, K] bf16, loaded as bytes (a 128-byte k-block is 64 bf16), wgmma.m64n128k16.bf16
-// accumulating straight into the tile's f32 accumulator (the tensor core's bf16 sums are f32),
+// The same mainloop on bf16 operands (bf16_tc_gemm_plain / _residual / _swiglu_bf16 / _qkv, and
+// the same with _n256): A [M, K] and W [N, K] bf16, loaded as bytes (a 128-byte k-block is 64
+// bf16), wgmma.m64n128k16.bf16 (_n256: 128 x 256 tiles, wgmma.m64n256k16) accumulating straight
+// into the tile's f32 accumulator (the tensor core's bf16 sums are f32),
 // with one k-block's wgmma group kept in flight while the next is issued (its stage is released
 // once the following group is issued and it has completed), no scales.
 //
-// One persistent CTA per SM (grid = min(SMs, tiles)) walks the 128 x 128 output tiles in a
+// One persistent CTA per SM (grid = min(SMs, tiles)) walks the 128 x BN output tiles in a
 // rasterized order: tiles go down M inside a band of RASTER tile columns, so the band's weight
 // tiles stay in L2 while every row block streams past them. The CTA is three warpgroups:
 // - warpgroup 0 is the producer: one thread issues the copy engine's loads (two 2-D tensor maps,
@@ -41,23 +42,35 @@
 //   the epilogue restores both scales and writes bf16.
 // setmaxnreg gives the producer 40 registers and the consumers 232.
 //
-// The algorithm's parameters:
-//   BM, BN, BK  128 x 128 output tile, 128 k per stage (one 128-byte swizzle row of FP8).
-//   STAGES      k-blocks in flight: 5 (32 KB each).
-//   RASTER      tile columns per band of the persistent order: 8 (8 x 128 columns of weights,
-//               K bytes each, stay in L2 while the band's row blocks pass).
+// The algorithm's parameters (Shape<BN>):
+//   BM, BN, BK  128 x BN output tiles, BN = 128 (FP8, bf16) or 256 (bf16 _n256: one wgmma per
+//               k16 reads A from shared memory once for twice the columns, and a bf16 tile
+//               needs no block accumulator beside it, so 128 accumulators per thread fit); 128
+//               k bytes per stage (one 128-byte swizzle row).
+//   STAGES      k-blocks in flight: 5 of 32 KB (BN = 256: 4 of 48 KB).
+//   RASTER      tile columns per band of the persistent order: 1024 / BN (1024 columns of
+//               weights, K bytes each, stay in L2 while the band's row blocks pass).
+// The host picks BN per bf16 call (kernels::fp8_gemm::bf16_wide_tiles): the wide tiles where
+// their waves of persistent tiles take less time than the narrow ones' (a wide tile measured
+// about 1.2x the work rate of two narrow ones), so calls whose wide tiles would leave SMs idle
+// keep the narrow ones.
 
 #include "ptx.cuh"
 #include "kv_row.cuh"
 
-constexpr int BM = 128, BN = 128, BK = 128;
-constexpr int STAGES = 5;
-constexpr u32 RASTER = 8;
+constexpr int BM = 128, BK = 128;
 constexpr u32 A_STAGE = BM * BK;  // bytes
-constexpr u32 W_STAGE = BN * BK;
-constexpr u32 STAGE_BYTES = A_STAGE + W_STAGE;
-// [A 0 .. A S-1][W 0 .. W S-1][full S][empty S] from a 1024-byte aligned base.
-constexpr u32 SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
+
+// The stages, band width and shared memory of BN-column tiles.
+template <int BN> struct Shape {
+    static constexpr int STAGES = BN == 256 ? 4 : 5;
+    static constexpr u32 RASTER = 1024 / BN;
+    static constexpr u32 W_STAGE = BN * BK;
+    static constexpr u32 STAGE_BYTES = A_STAGE + W_STAGE;
+    // [A 0 .. A S-1][W 0 .. W S-1][full S][empty S] from a 1024-byte aligned base.
+    static constexpr u32 SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
+};
+static_assert(Shape<128>::SMEM_BYTES == 164944 && Shape<256>::SMEM_BYTES == 197696, "shared memory (Rust mirrors it)");
 
 enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2, EPI_SWIGLU_BF16 = 3, EPI_QKV = 4 };
 
@@ -121,7 +134,42 @@ __device__ __forceinline__ void wgmma_bf16_n128(float (&d)[64], u64 a, u64 b, u3
     WGMMA_M64N128("k16.f32.bf16.bf16", "1, 1, 0, 0");
 }
 
+// One wgmma.m64n256 of bf16 (k16, both K-major), d (+)= A B^T: the 128 f32 accumulators of a
+// thread are d[0..128].
+__device__ __forceinline__ void wgmma_bf16_n256(float (&d)[128], u64 a, u64 b, u32 scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "%128, %129, p, 1, 1, 0, 0;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(a), "l"(b), "r"(scale_d));
+}
+
 // Tile t of the persistent order: (row block, column block).
+template <u32 RASTER>
 __device__ __forceinline__ void tile_coords(u32 t, u32 tiles_m, u32 tiles_n, u32& tm, u32& tn) {
     const u32 band = t / (RASTER * tiles_m);
     const u32 first = band * RASTER;
@@ -144,8 +192,8 @@ __device__ __forceinline__ float w_scale_of(const Fp8GemmParams& p, u32 col) {
 // run in registers (distance 1 and 8 up) and across the quad (2 and 4), in rope_append's order
 // of increasing distance. Rows past M compute on zeros and store nothing (the quad's lanes
 // share a row, so the shuffles stay inside it).
-template <int D, bool BF16>
-__device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float (&acc)[64], u32 tn, u32 row0, u32 lane) {
+template <int D, bool BF16, int BN>
+__device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float (&acc)[BN / 2], u32 tn, u32 row0, u32 lane) {
     constexpr int HT = BN / D;  // heads per tile
     constexpr int J = D / 8;    // pairs per head and lane
     const u32 q = lane % 4;
@@ -271,8 +319,12 @@ __device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float
     }
 }
 
-template <int EPI, bool BF16>
+template <int EPI, bool BF16, int BN = 128>
 __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
+    static_assert(BN == 128 || (BF16 && BN == 256), "FP8 tiles are 128 columns (its block accumulator)");
+    using S = Shape<BN>;
+    constexpr int STAGES = S::STAGES;
+    constexpr u32 W_STAGE = S::W_STAGE, STAGE_BYTES = S::STAGE_BYTES;
     extern __shared__ __align__(1024) u8 smem_raw[];
     const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const u32 a_smem = base, w_smem = base + STAGES * A_STAGE;
@@ -298,7 +350,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
         u32 stage = 0, phase = 0;
         for (u32 t = blockIdx.x; t < tiles; t += gridDim.x) {
             u32 tm, tn;
-            tile_coords(t, tiles_m, tiles_n, tm, tn);
+            tile_coords<S::RASTER>(t, tiles_m, tiles_n, tm, tn);
             for (u32 kb = 0; kb < kblocks; ++kb) {
                 mbar_wait(empty + 8 * stage, phase ^ 1);
                 const u32 bar = full + 8 * stage;
@@ -318,12 +370,12 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
     const u32 half = wg - 1;  // rows 64 half .. 64 half + 63 of the tile
     const u32 warp = tid / 32, lane = tid % 32;
     u32 stage = 0, phase = 0;
-    float acc[64], blk[64];
+    float acc[BN / 2], blk[64];
     for (u32 t = blockIdx.x; t < tiles; t += gridDim.x) {
         u32 tm, tn;
-        tile_coords(t, tiles_m, tiles_n, tm, tn);
+        tile_coords<S::RASTER>(t, tiles_m, tiles_n, tm, tn);
 #pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
         u32 held = STAGES;  // bf16: the stage the wgmma group still in flight reads
         for (u32 kb = 0; kb < kblocks; ++kb) {
             mbar_wait(full + 8 * stage, phase);
@@ -334,7 +386,9 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
 #pragma unroll
             for (int j = 0; j < BK / 32; ++j) {
                 const u64 da = smem_desc_sw128(a + 32 * j), dw = smem_desc_sw128(w + 32 * j);
-                if (BF16) {
+                if constexpr (BN == 256) {
+                    wgmma_bf16_n256(acc, da, dw, kb > 0 || j > 0);
+                } else if constexpr (BF16) {
                     wgmma_bf16_n128(acc, da, dw, kb > 0 || j > 0);
                 } else {
                     wgmma_e4m3_n128(blk, da, dw, j > 0);
@@ -366,9 +420,9 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
         const u32 row0 = tm * BM + half * 64 + warp * 16 + lane / 4;
         if (EPI == EPI_QKV) {
             if ((p.main.k ? p.main.d : p.mirror.d) == 128)
-                qkv_epilogue<128, BF16>(p, acc, tn, row0, lane);
+                qkv_epilogue<128, BF16, BN>(p, acc, tn, row0, lane);
             else
-                qkv_epilogue<64, BF16>(p, acc, tn, row0, lane);
+                qkv_epilogue<64, BF16, BN>(p, acc, tn, row0, lane);
             continue;
         }
         float amax = 0.0f;
@@ -380,7 +434,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
             if (row >= p.m) continue;
             const float sa = BF16 ? 1.0f : p.a_scale[row * p.a_scale_stride];
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
+            for (int j = 0; j < BN / 8; ++j) {
                 const u32 col = tn * BN + 8 * j + 2 * (lane % 4);
                 if (col >= p.n) continue;
                 const float y0 = acc[4 * j + 2 * h] * sa * w_scale_of<BF16>(p, col);
@@ -457,4 +511,16 @@ extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_swiglu_bf16(co
 }
 extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_qkv(const __grid_constant__ Fp8GemmParams p) {
     fp8_gemm<EPI_QKV, true>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_plain_n256(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_PLAIN, true, 256>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_residual_n256(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_RESIDUAL, true, 256>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_swiglu_bf16_n256(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_SWIGLU_BF16, true, 256>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_qkv_n256(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_QKV, true, 256>(p);
 }

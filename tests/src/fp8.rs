@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::kernels::FP8_GEMM;
 use stoke_cuda::kernels::fp8_gemm::{
-    Bf16TcGemm, Fp8Epilogue, Fp8Gemm, bf16_tc_gemm, fp8_gemm, grid,
+    Bf16TcGemm, Fp8Epilogue, Fp8Gemm, bf16_tc_gemm_tiles, bf16_wide_tiles, fp8_gemm, grid,
 };
 use stoke_cuda::kernels::fp8_quant::{Fp8RowsParams, quantize_rows as quantize_rows_gpu};
 use stoke_cuda::{DeviceBuffer, Runtime};
@@ -432,8 +432,8 @@ const BF16_CASES: &[(usize, usize, usize, usize, Epi)] = &[
 ];
 
 /// The persistent GEMM on bf16 operands (`bf16_tc_gemm`) against an f64 reference of the same
-/// bf16 values, each epilogue, outputs poisoned (NaN) first and the padding columns checked
-/// untouched. Bound per element: `|want| 2^-8` (the output's bf16 rounding) plus `2^-15` of
+/// bf16 values, each epilogue on both tile widths (128 x 128 and 128 x 256), outputs poisoned
+/// (NaN) first and the padding columns checked untouched. Bound per element: `|want| 2^-8` (the output's bf16 rounding) plus `2^-15` of
 /// the sum of |a_i w_i|: the tensor core's f32 sums are not IEEE f32 sums; on an H100 (a43cb97)
 /// their largest error was 0.91-0.97 of `2^-16` of that sum in every case, so the bound
 /// keeps a factor of 2 over it.
@@ -460,25 +460,7 @@ pub fn bf16_tc_gemm_matches_reference() -> Result<Value, String> {
             .collect();
         let (a, w) = (to_f64(&a16), to_f64(&w16));
         let rows = checked_rows(m, checked);
-        let what = format!("seed {seed}: bf16 m {m} n {n} k {k} {epi:?}");
-        let BfOut {
-            ldo,
-            out,
-            residual,
-            rb,
-        } = BfOut::new(&rt, &mut rng, m, n, epi)?;
         let (ab, wb) = (put_u16(&rt, &a16), put_u16(&rt, &w16));
-        let call = Bf16TcGemm {
-            a: ab.as_ptr(),
-            w: wb.as_ptr(),
-            epilogue: bf16_epilogue(epi, &out, &rb, n),
-            m: m as u32,
-            n: n as u32,
-            k: k as u32,
-            ldo: ldo as u32,
-        };
-        unsafe { bf16_tc_gemm(&rt, &call) }.map_err(|e| format!("{what}: {e}"))?;
-        let got = try_get_bf16(&out).map_err(|e| format!("{what}: {e}"))?;
         // Each checked row's f64 outputs and their sums of |a_i w_i|.
         let refs: Vec<(Vec<f64>, Vec<f64>)> = rows
             .iter()
@@ -493,13 +475,34 @@ pub fn bf16_tc_gemm_matches_reference() -> Result<Value, String> {
                     .unzip()
             })
             .collect();
-        let case_worst =
-            check_bf16_outputs(&what, &got, &rows, &refs, (n, ldo), epi, &residual, tol)?;
-        worst = worst.max(case_worst);
-        cases.push(
-            json!({"m": m, "n": n, "k": k, "epilogue": format!("{epi:?}"),
-            "rows_checked": rows.len(), "worst_error_over_bound": case_worst}),
-        );
+        for wide in [false, true] {
+            let tiles = if wide { "128 x 256" } else { "128 x 128" };
+            let what = format!("seed {seed}: bf16 m {m} n {n} k {k} {epi:?} on {tiles} tiles");
+            let BfOut {
+                ldo,
+                out,
+                residual,
+                rb,
+            } = BfOut::new(&rt, &mut rng, m, n, epi)?;
+            let call = Bf16TcGemm {
+                a: ab.as_ptr(),
+                w: wb.as_ptr(),
+                epilogue: bf16_epilogue(epi, &out, &rb, n),
+                m: m as u32,
+                n: n as u32,
+                k: k as u32,
+                ldo: ldo as u32,
+            };
+            unsafe { bf16_tc_gemm_tiles(&rt, &call, wide) }.map_err(|e| format!("{what}: {e}"))?;
+            let got = try_get_bf16(&out).map_err(|e| format!("{what}: {e}"))?;
+            let case_worst =
+                check_bf16_outputs(&what, &got, &rows, &refs, (n, ldo), epi, &residual, tol)?;
+            worst = worst.max(case_worst);
+            cases.push(
+                json!({"m": m, "n": n, "k": k, "epilogue": format!("{epi:?}"), "tiles": tiles,
+                "rows_checked": rows.len(), "worst_error_over_bound": case_worst}),
+            );
+        }
     }
     Ok(
         json!({"seed": seed, "tol_l1": tol, "worst_error_over_bound": worst, "cases": cases,
@@ -655,9 +658,19 @@ pub fn bf16_bench() -> Value {
                 k: k as u32,
                 ldo: n as u32,
             };
-            rows.push(time_point(&rt, "bf16 plain", (name, m, n, k), &|| {
-                unsafe { bf16_tc_gemm(&rt, &call) }.unwrap()
-            }));
+            // Both tile widths, and which one the rule picks on this GPU.
+            let rule = bf16_wide_tiles(m as u32, n as u32, rt.sm_count);
+            for (kind, wide) in [("bf16 plain", false), ("bf16 plain n256", true)] {
+                let mut row = time_point(&rt, kind, (name, m, n, k), &|| {
+                    unsafe { bf16_tc_gemm_tiles(&rt, &call, wide) }.unwrap()
+                });
+                row["picked_by_rule"] = json!(wide == rule);
+                if wide {
+                    row["grid"] =
+                        json!((m.div_ceil(128) * n.div_ceil(256)).min(rt.sm_count as usize));
+                }
+                rows.push(row);
+            }
         }
     }
     json!({ "runs": rows })

@@ -11,7 +11,9 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::kernels::decode_attention::KvFormat;
-use stoke_cuda::kernels::fp8_gemm::{Bf16TcGemm, Fp8Epilogue, Fp8Gemm, bf16_tc_gemm, fp8_gemm};
+use stoke_cuda::kernels::fp8_gemm::{
+    Bf16TcGemm, Fp8Epilogue, Fp8Gemm, bf16_tc_gemm, bf16_tc_gemm_tiles, fp8_gemm,
+};
 use stoke_cuda::kv::DeviceKvCache;
 use stoke_cuda::{DeviceBuffer, Runtime};
 use stoke_formats::fp8::{Fp8Weight, e4m3_to_f32, quantize_rows_fused, rope_head};
@@ -32,7 +34,7 @@ struct Case {
 /// d = 128 and 64 (two heads per tile, a q and a k head sharing one, SmolLM2's 15 heads
 /// ending in half a tile); FP8 and INT4 mirrors, whole-head, partial and no rotation, no
 /// mirror; single-token sequences, positions past 8k, slots out of order, rows ending inside a
-/// tile; one Llama-3.1-8B-shaped call.
+/// tile; Llama-3.1-8B-shaped calls (FP8, bf16). bf16 cases run on both tile widths.
 const CASES: &[Case] = &[
     Case {
         heads: 8,
@@ -93,6 +95,16 @@ const CASES: &[Case] = &[
         block: 128,
         fp8: true,
         seqs: &[(0, 0, 2048), (1, 0, 128), (2, 640, 128)],
+    },
+    Case {
+        heads: 32,
+        kv_heads: 8,
+        d: 128,
+        k: 4096,
+        format: KvFormat::Fp8,
+        block: 128,
+        fp8: false,
+        seqs: &[(0, 0, 1024), (2, 300, 1024)],
     },
 ];
 
@@ -185,15 +197,14 @@ fn operands(rt: &Arc<Runtime>, rng: &mut StdRng, c: &Case, m: usize, n: usize) -
 }
 
 impl Operands {
-    /// Queues the GEMM with `epilogue` (`ldo` its output pitch).
+    /// Queues the GEMM with `epilogue` (`ldo` its output pitch); bf16 operands on the tiles
+    /// `wide` names (`None`: the ones `bf16_tc_gemm` picks).
     fn launch(
         &self,
         rt: &Runtime,
-        m: usize,
-        n: usize,
-        k: usize,
-        ldo: usize,
+        (m, n, k, ldo): (usize, usize, usize, usize),
         epilogue: Fp8Epilogue,
+        wide: Option<bool>,
     ) {
         let (m, n, k, ldo) = (m as u32, n as u32, k as u32, ldo as u32);
         let r = match (&self.a_scale, &self.w_scale) {
@@ -214,20 +225,21 @@ impl Operands {
                     },
                 )
             },
-            _ => unsafe {
-                bf16_tc_gemm(
-                    rt,
-                    &Bf16TcGemm {
-                        a: self.a.as_ptr(),
-                        w: self.w.as_ptr(),
-                        epilogue,
-                        m,
-                        n,
-                        k,
-                        ldo,
-                    },
-                )
-            },
+            _ => {
+                let g = Bf16TcGemm {
+                    a: self.a.as_ptr(),
+                    w: self.w.as_ptr(),
+                    epilogue,
+                    m,
+                    n,
+                    k,
+                    ldo,
+                };
+                match wide {
+                    None => unsafe { bf16_tc_gemm(rt, &g) },
+                    Some(w) => unsafe { bf16_tc_gemm_tiles(rt, &g, w) },
+                }
+            }
         };
         r.expect("GEMM launch");
     }
@@ -357,18 +369,12 @@ pub fn qkv_epilogue_matches_rope_append() -> Result<Value, String> {
         let want = poisoned_cache(&rt, c, cap, 0x5a);
         let qkv = alloc(m * n * 2, 0xff);
         let (q_want, len_want) = (alloc(m * h * d * 2, 0xff), alloc(m * 4, 0xff));
+        let plain_out = Fp8Epilogue::Plain {
+            out: qkv.as_mut_ptr(),
+        };
         let rope_arg = (rope.as_ptr(), cap);
         let plain_then_append = || {
-            ops.launch(
-                &rt,
-                m,
-                n,
-                k,
-                n,
-                Fp8Epilogue::Plain {
-                    out: qkv.as_mut_ptr(),
-                },
-            );
+            ops.launch(&rt, (m, n, k, n), plain_out, None);
             unsafe {
                 want.rope_append(
                     &rt,
@@ -385,81 +391,105 @@ pub fn qkv_epilogue_matches_rope_append() -> Result<Value, String> {
         };
         plain_then_append().map_err(|e| format!("{what}: rope_append: {e}"))?;
 
-        // The epilogue, into cache `got`.
-        let got = poisoned_cache(&rt, c, cap, 0x5a);
-        let (q_got, len_got) = (alloc(m * h * d * 2, 0xff), alloc(m * 4, 0xff));
-        let epilogue = got
-            .qkv_epilogue(
-                h as u32,
-                rope_arg,
-                slot_b.as_ptr(),
-                pos_b.as_ptr(),
-                len_got.as_mut_ptr(),
-                q_got.as_mut_ptr(),
-            )
-            .map_err(|e| format!("{what}: {e}"))?;
-        ops.launch(&rt, m, n, k, h * d, Fp8Epilogue::Qkv(epilogue));
-        rt.synchronize().map_err(|e| format!("{what}: {e}"))?;
+        // The epilogue, into cache `got`: bf16 operands on both tile widths.
+        let widths: &[bool] = if c.fp8 { &[false] } else { &[false, true] };
+        let (mut worst, mut rows_checked) = (0f64, 0);
+        let mut fused_us = Vec::new();
+        let base = what.clone();
+        for &wide in widths {
+            let what = format!("{base}{}", if wide { ", 128 x 256 tiles" } else { "" });
+            let got = poisoned_cache(&rt, c, cap, 0x5a);
+            let (q_got, len_got) = (alloc(m * h * d * 2, 0xff), alloc(m * 4, 0xff));
+            let epilogue = got
+                .qkv_epilogue(
+                    h as u32,
+                    rope_arg,
+                    slot_b.as_ptr(),
+                    pos_b.as_ptr(),
+                    len_got.as_mut_ptr(),
+                    q_got.as_mut_ptr(),
+                )
+                .map_err(|e| format!("{what}: {e}"))?;
+            ops.launch(
+                &rt,
+                (m, n, k, h * d),
+                Fp8Epilogue::Qkv(epilogue),
+                Some(wide),
+            );
+            rt.synchronize().map_err(|e| format!("{what}: {e}"))?;
 
-        compare(
-            &format!("{what}: q"),
-            &get_bytes(&q_got),
-            &get_bytes(&q_want),
-        )?;
-        let lens: Vec<u32> = get_bytes(&len_got)
-            .chunks_exact(4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        if let Some(r) = (0..m).find(|&r| lens[r] != pos[r] + 1) {
-            return Err(format!(
-                "{what}: len[{r}] = {} (position {})",
-                lens[r], pos[r]
-            ));
-        }
-        for ((name, g), (_, w)) in cache_bytes(&got).iter().zip(cache_bytes(&want)) {
-            compare(&format!("{what}: cache {name}"), g, &w)?;
-        }
+            compare(
+                &format!("{what}: q"),
+                &get_bytes(&q_got),
+                &get_bytes(&q_want),
+            )?;
+            let lens: Vec<u32> = get_bytes(&len_got)
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            if let Some(r) = (0..m).find(|&r| lens[r] != pos[r] + 1) {
+                return Err(format!(
+                    "{what}: len[{r}] = {} (position {})",
+                    lens[r], pos[r]
+                ));
+            }
+            for ((name, g), (_, w)) in cache_bytes(&got).iter().zip(cache_bytes(&want)) {
+                compare(&format!("{what}: cache {name}"), g, &w)?;
+            }
 
-        // q, k and v against f64: the GEMM's sums, rotated with the same table.
-        let (qv, kc, vc) = (get_bf16(&q_got), get_bf16(&got.k), get_bf16(&got.v));
-        let rows: Vec<usize> = if m <= CHECKED_ROWS {
-            (0..m).collect()
-        } else {
-            (0..CHECKED_ROWS)
-                .map(|i| i * (m - 1) / (CHECKED_ROWS - 1))
-                .collect()
-        };
-        let mut worst = 0f64;
-        for &r in &rows {
-            let p = pos[r] as usize;
-            for head in 0..h + 2 * kvh {
-                let rotate = (head < h + kvh).then_some((table.as_slice(), p));
-                let want = reference_head(&ops, (r, head, d), rotate);
-                for i in 0..d {
-                    let (want_v, bound) = want[i];
-                    let got_v = if head < h {
-                        qv[(r * h + head) * d + i]
-                    } else {
-                        let kv_head = (head - h) % kvh;
-                        let row = (slot_of[r] as usize * kvh + kv_head) * cap as usize + p;
-                        if head < h + kvh {
-                            kc[row * d + i]
+            // q, k and v against f64: the GEMM's sums, rotated with the same table.
+            let (qv, kc, vc) = (get_bf16(&q_got), get_bf16(&got.k), get_bf16(&got.v));
+            let rows: Vec<usize> = if m <= CHECKED_ROWS {
+                (0..m).collect()
+            } else {
+                (0..CHECKED_ROWS)
+                    .map(|i| i * (m - 1) / (CHECKED_ROWS - 1))
+                    .collect()
+            };
+            for &r in &rows {
+                let p = pos[r] as usize;
+                for head in 0..h + 2 * kvh {
+                    let rotate = (head < h + kvh).then_some((table.as_slice(), p));
+                    let want = reference_head(&ops, (r, head, d), rotate);
+                    for i in 0..d {
+                        let (want_v, bound) = want[i];
+                        let got_v = if head < h {
+                            qv[(r * h + head) * d + i]
                         } else {
-                            vc[row * d + i]
+                            let kv_head = (head - h) % kvh;
+                            let row = (slot_of[r] as usize * kvh + kv_head) * cap as usize + p;
+                            if head < h + kvh {
+                                kc[row * d + i]
+                            } else {
+                                vc[row * d + i]
+                            }
+                        };
+                        let err = (got_v - want_v).abs();
+                        if !(err <= bound) {
+                            return Err(format!(
+                                "{what}: row {r} (position {p}) head {head} dim {i}: {got_v} against {want_v} (bound {bound:.3e})"
+                            ));
                         }
-                    };
-                    let err = (got_v - want_v).abs();
-                    if !(err <= bound) {
-                        return Err(format!(
-                            "{what}: row {r} (position {p}) head {head} dim {i}: {got_v} against {want_v} (bound {bound:.3e})"
-                        ));
+                        worst = worst.max(err / bound);
                     }
-                    worst = worst.max(err / bound);
                 }
             }
+            rows_checked = rows.len();
+            if m >= 1024 {
+                let t = crate::bench::time_calls(&rt, 3, 50, |_| {
+                    ops.launch(
+                        &rt,
+                        (m, n, k, h * d),
+                        Fp8Epilogue::Qkv(epilogue),
+                        Some(wide),
+                    );
+                });
+                fused_us.push(json!({"wide_tiles": wide, "us": t.us}));
+            }
         }
-        let mut report = json!({"case": what, "rows_checked": rows.len(),
-            "worst_error_over_bound": worst, "bytes_equal_rope_append": true});
+        let mut report = json!({"case": base, "tile_widths": widths.len(),
+            "rows_checked": rows_checked, "worst_error_over_bound": worst,
+            "bytes_equal_rope_append": true});
 
         // Time: the epilogue against the plain GEMM and rope_append.
         if m >= 1024 {
@@ -467,25 +497,13 @@ pub fn qkv_epilogue_matches_rope_append() -> Result<Value, String> {
                 plain_then_append().expect("rope_append");
             });
             let plain = crate::bench::time_calls(&rt, 3, 50, |_| {
-                ops.launch(
-                    &rt,
-                    m,
-                    n,
-                    k,
-                    n,
-                    Fp8Epilogue::Plain {
-                        out: qkv.as_mut_ptr(),
-                    },
-                );
-            });
-            let fused = crate::bench::time_calls(&rt, 3, 50, |_| {
-                ops.launch(&rt, m, n, k, h * d, Fp8Epilogue::Qkv(epilogue));
+                ops.launch(&rt, (m, n, k, n), plain_out, None);
             });
             println!(
-                "qkv epilogue {what}: {:.1} us, plain GEMM + rope_append {:.1} us, plain GEMM alone {:.1} us",
-                fused.us, unfused.us, plain.us
+                "qkv epilogue {base}: {fused_us:?}, plain GEMM + rope_append {:.1} us, plain GEMM alone {:.1} us",
+                unfused.us, plain.us
             );
-            report["us"] = json!({"qkv_epilogue": fused.us, "plain_then_rope_append": unfused.us,
+            report["us"] = json!({"qkv_epilogue": fused_us, "plain_then_rope_append": unfused.us,
                 "plain_gemm": plain.us});
         }
         reports.push(report);

@@ -70,15 +70,43 @@ pub const ENTRY_POINTS: &[&str] = &[
     "bf16_tc_gemm_swiglu_bf16",
     "fp8_gemm_qkv",
     "bf16_tc_gemm_qkv",
+    "bf16_tc_gemm_plain_n256",
+    "bf16_tc_gemm_residual_n256",
+    "bf16_tc_gemm_swiglu_bf16_n256",
+    "bf16_tc_gemm_qkv_n256",
 ];
 
-/// The kernel's tile (`BM` x `BN`), k per stage (`BK`), stages, and its shared memory.
+/// The kernel's tile rows (`BM`), k bytes per stage (`BK`) and threads.
 const BM: u32 = 128;
-const BN: u32 = 128;
 const BK: u32 = 128;
-const STAGES: u32 = 5;
-const SMEM_BYTES: u32 = STAGES * (BM + BN) * BK + 2 * STAGES * 8 + 1024;
 const THREADS: u32 = 384;
+/// Tile columns: FP8 and bf16 (`BN`), and the wide bf16 tiles (`_n256`).
+const BN: u32 = 128;
+const BN_WIDE: u32 = 256;
+
+/// Shared memory of `bn`-column tiles (the kernel's `Shape<BN>`): 5 stages of 128 columns,
+/// 4 of 256.
+const fn smem_bytes(bn: u32) -> u32 {
+    let stages = if bn == BN_WIDE { 4 } else { 5 };
+    stages * (BM + bn) * BK + 2 * stages * 8 + 1024
+}
+
+/// A wide tile's work rate against two narrow ones' (measured on an H100:
+/// `results/h100-gemm-experiments-67f92b4.json`, 1.02-1.32x where both fill the SMs), as a
+/// fraction: `WIDE_RATE.0 / WIDE_RATE.1`.
+const WIDE_RATE: (u32, u32) = (6, 5);
+
+/// Whether a bf16 call of `m` x `n` runs on 128 x 256 tiles: where its waves of wide tiles
+/// (one persistent CTA per SM) take less time than the waves of 128 x 128 ones, a wide tile
+/// taking `2 / WIDE_RATE` of a narrow one's time. Calls whose wide tiles would leave SMs idle
+/// (the 8B o projection at 512 rows: 64 wide tiles on 132 SMs) keep the narrow ones.
+pub fn bf16_wide_tiles(m: u32, n: u32, sm_count: u32) -> bool {
+    let waves = |bn: u32| {
+        (u64::from(m.div_ceil(BM)) * u64::from(n.div_ceil(bn))).div_ceil(u64::from(sm_count.max(1)))
+    };
+    let (rate, per) = (u64::from(WIDE_RATE.0), u64::from(WIDE_RATE.1));
+    2 * per * waves(BN_WIDE) < rate * waves(BN)
+}
 
 /// What the kernel does with `y`.
 #[derive(Clone, Copy, Debug)]
@@ -183,11 +211,13 @@ pub fn check_bf16_shape(g: &Bf16TcGemm) -> std::result::Result<(), ShapeError> {
 }
 
 /// One operand type's name, the multiple `k` must be, and its entry points by epilogue:
-/// plain, residual, SwiGLU to E4M3 (none for bf16 operands), SwiGLU to bf16, q|k|v.
+/// plain, residual, SwiGLU to E4M3 (none for bf16 operands), SwiGLU to bf16, q|k|v; then the
+/// same on wide tiles (bf16 only).
 struct Operands {
     what: &'static str,
     k_multiple: u32,
     entries: [Option<&'static str>; 5],
+    wide: [Option<&'static str>; 5],
 }
 const FP8: Operands = Operands {
     what: "FP8 GEMM",
@@ -199,6 +229,7 @@ const FP8: Operands = Operands {
         Some("fp8_gemm_swiglu_bf16"),
         Some("fp8_gemm_qkv"),
     ],
+    wide: [None; 5],
 };
 const BF16: Operands = Operands {
     what: "bf16 GEMM",
@@ -210,9 +241,17 @@ const BF16: Operands = Operands {
         Some("bf16_tc_gemm_swiglu_bf16"),
         Some("bf16_tc_gemm_qkv"),
     ],
+    wide: [
+        Some("bf16_tc_gemm_plain_n256"),
+        Some("bf16_tc_gemm_residual_n256"),
+        None,
+        Some("bf16_tc_gemm_swiglu_bf16_n256"),
+        Some("bf16_tc_gemm_qkv_n256"),
+    ],
 };
 
-/// Checks a call of `ops` and returns the entry point that runs its epilogue.
+/// Checks a call of `ops` and returns the entry point that runs its epilogue (on 128 x 128
+/// tiles; [`wide_entry`] names the same on wide ones).
 fn check_call(
     ops: Operands,
     m: u32,
@@ -282,6 +321,12 @@ fn check_call(
     })
 }
 
+/// The wide-tile entry point of `entry` (a bf16 one of [`check_call`]).
+fn wide_entry(entry: &'static str) -> Option<&'static str> {
+    let i = BF16.entries.iter().position(|e| *e == Some(entry))?;
+    BF16.wide[i]
+}
+
 /// The q|k|v epilogue's layout: heads of 64 or 128 (a tile holds whole heads) in both caches
 /// alike, `n = (heads + 2 kv_heads) d`, a q pitch of at least `heads x d` (even), a rotation
 /// block of 0 or a power of two from 2 to `d`, and the RoPE table's positions.
@@ -335,7 +380,12 @@ fn check_qkv(what: &str, n: u32, ldo: u32, e: &QkvEpilogue) -> std::result::Resu
 
 /// Persistent CTAs of a call: one per SM, at most one per output tile.
 pub fn grid(m: u32, n: u32, sm_count: u32) -> u32 {
-    (m.div_ceil(BM) * n.div_ceil(BN)).min(sm_count).max(1)
+    grid_of(BN, m, n, sm_count)
+}
+
+/// [`grid`] of `bn`-column tiles.
+fn grid_of(bn: u32, m: u32, n: u32, sm_count: u32) -> u32 {
+    (m.div_ceil(BM) * n.div_ceil(bn)).min(sm_count).max(1)
 }
 
 /// Fills `p`'s epilogue fields from `epilogue` and launches `entry` (the one
@@ -348,6 +398,7 @@ unsafe fn launch(
     mut p: Fp8GemmParams,
     epilogue: Fp8Epilogue,
     entry: &'static str,
+    bn: u32,
 ) -> Result<()> {
     match epilogue {
         Fp8Epilogue::Plain { out } | Fp8Epilogue::SwiGluBf16 { out } => p.out = out,
@@ -371,9 +422,9 @@ unsafe fn launch(
     }
     let k = rt.kernel(EntryPoint::<Fp8GemmParams>::new(&FP8_GEMM, entry))?;
     let shape = LaunchShape {
-        grid: (grid(p.m, p.n, rt.sm_count), 1, 1),
+        grid: (grid_of(bn, p.m, p.n, rt.sm_count), 1, 1),
         block: (THREADS, 1, 1),
-        shared_mem_bytes: SMEM_BYTES,
+        shared_mem_bytes: smem_bytes(bn),
     };
     // SAFETY: the caller's guarantees; the params match the entry point.
     unsafe { rt.launch(&k, shape, &p) }
@@ -429,7 +480,7 @@ pub unsafe fn fp8_gemm(rt: &Runtime, g: &Fp8Gemm) -> Result<()> {
     (p.a_scale, p.w_scale) = (g.a_scale, g.w_scale);
     p.a_scale_stride = u32::from(g.a_scale_per_row);
     // SAFETY: the caller's guarantees.
-    unsafe { launch(rt, p, g.epilogue, entry) }
+    unsafe { launch(rt, p, g.epilogue, entry, BN) }
 }
 
 /// One call of the same persistent GEMM on bf16 operands (`bf16_tc_gemm_*`): `y = A W^T`
@@ -457,17 +508,32 @@ pub struct Bf16TcGemm {
 /// with [`Fp8Epilogue::Qkv`], every `slot_of[r]` a slot of the caches and every `pos[r]` below
 /// their capacity.
 pub unsafe fn bf16_tc_gemm(rt: &Runtime, g: &Bf16TcGemm) -> Result<()> {
-    let entry = check_call(BF16, g.m, g.n, g.k, g.ldo, g.epilogue)?;
+    let wide = bf16_wide_tiles(g.m, g.n, rt.sm_count);
+    // SAFETY: the caller's guarantees.
+    unsafe { bf16_tc_gemm_tiles(rt, g, wide) }
+}
+
+/// [`bf16_tc_gemm`] on the tiles named (`wide`: 128 x 256, else 128 x 128) instead of the ones
+/// [`bf16_wide_tiles`] picks: for tests and benchmarks that run both.
+///
+/// # Safety
+/// As [`bf16_tc_gemm`].
+pub unsafe fn bf16_tc_gemm_tiles(rt: &Runtime, g: &Bf16TcGemm, wide: bool) -> Result<()> {
+    let narrow = check_call(BF16, g.m, g.n, g.k, g.ldo, g.epilogue)?;
+    let (entry, bn) = match wide_entry(narrow) {
+        Some(e) if wide => (e, BN_WIDE),
+        _ => (narrow, BN),
+    };
     let p = params(
         rt.u8_tensor_map_2d(g.a.addr(), g.m, 2 * g.k, BM, BK)?,
-        rt.u8_tensor_map_2d(g.w.addr(), g.n, 2 * g.k, BN, BK)?,
+        rt.u8_tensor_map_2d(g.w.addr(), g.n, 2 * g.k, bn, BK)?,
         g.m,
         g.n,
         g.k,
         g.ldo,
     );
     // SAFETY: the caller's guarantees.
-    unsafe { launch(rt, p, g.epilogue, entry) }
+    unsafe { launch(rt, p, g.epilogue, entry, bn) }
 }
 
 #[cfg(test)]
@@ -489,10 +555,18 @@ mod tests {
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, len), 464);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, max_pos), 480);
         assert!(SOURCE.contains("static_assert(sizeof(Fp8GemmParams) == 512"));
-        for (name, v) in [("BM", BM), ("BN", BN), ("BK", BK)] {
+        for (name, v) in [("BM", BM), ("BK", BK)] {
             assert!(SOURCE.contains(&format!("{name} = {v}")), "{name}");
         }
-        assert!(SOURCE.contains(&format!("STAGES = {STAGES};")));
+        assert!(SOURCE.contains(&format!(
+            "Shape<128>::SMEM_BYTES == {} && Shape<256>::SMEM_BYTES == {}",
+            smem_bytes(BN),
+            smem_bytes(BN_WIDE)
+        )));
+        // Every bf16 entry point has its wide twin, FP8 none.
+        for (narrow, wide) in BF16.entries.iter().zip(BF16.wide) {
+            assert_eq!(narrow.map(|e| format!("{e}_n256")).as_deref(), wide);
+        }
     }
 
     #[test]
@@ -537,6 +611,26 @@ mod tests {
             what(call(4, 8, 32, 8, residual)),
             "FP8 GEMM residual row pitch"
         );
+        // The tile rule at the 8B / 70B projections on 132 SMs: wide tiles from 2048 rows, and
+        // at 512 rows where the narrow ones need more waves (q|k|v, gate|up, 70B down).
+        for (m, n, wide) in [
+            (512, 6144, true),
+            (512, 4096, false),
+            (512, 10240, false),
+            (512, 8192, true),
+            (512, 28672, true),
+            (2048, 4096, true),
+            (2048, 6144, true),
+            (8192, 4096, true),
+            (64, 960, false),
+        ] {
+            assert_eq!(bf16_wide_tiles(m, n, 132), wide, "m {m} n {n}");
+        }
+        assert_eq!(
+            wide_entry("bf16_tc_gemm_qkv"),
+            Some("bf16_tc_gemm_qkv_n256")
+        );
+        assert_eq!(wide_entry("fp8_gemm_plain"), None);
         assert_eq!(grid(1, 1, 132), 1);
         assert_eq!(grid(2048, 4096, 132), 132);
         assert_eq!(grid(129, 256, 132), 4);
