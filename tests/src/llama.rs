@@ -342,7 +342,8 @@ fn kernels_vs_dequantized(
 /// copies), judged by the same weights dequantized into plain burn-cuda in f32. FP8 runs twice:
 /// the first prefill's SwiGLU outputs go to the down projections per row and start their
 /// delayed scales, the second's in E4M3 with those delayed scales (the one judged; the first is
-/// reported). Passes when the FP8 GEMM ran, FP8's perplexity is within 5% of bf16's, and its
+/// reported). The output heads stay on bf16 (`stoke::output_head`). Passes when the FP8 GEMM
+/// ran, on the same projections in both models, FP8's perplexity is within 5% of bf16's, and its
 /// top-1 agreement with f32 is at most 0.15 below bf16's. These bounds catch a broken integration (a wrong scale, layout or
 /// epilogue sends perplexity into the hundreds), not FP8's quality cost, which the report
 /// carries (measured at 161f49b: +3.4%, agreement 0.897 against 0.985).
@@ -433,6 +434,11 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
             "top1_agreement_with_f32": {"fp8": da8, "bf16": da16}}});
     if fp8_calls == 0 || fp8_dense_calls == 0 {
         return Err(format!("the FP8 GEMM never ran: {report}"));
+    }
+    // The same projections on both models; the dense model's output head is a pinned bf16
+    // weight the FP8 GEMM would take, but `stoke::output_head` keeps it on bf16.
+    if fp8_dense_calls != fp8_calls {
+        return Err(format!("the output head ran on the FP8 GEMM: {report}"));
     }
     let strays = |p8: f64, p16: f64, a8: f64, a16: f64| {
         !((p8 / p16 - 1.0).abs() <= 0.05) || !(a8 >= a16 - 0.15)

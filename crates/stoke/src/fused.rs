@@ -47,6 +47,17 @@ pub trait FusedOps: Backend {
         swiglu_reference::<Self>(Self::linear(x, weight, None))
     }
 
+    /// A model's output head `x W (+ bias)`, its logits: `linear`, except that `Stoke<Cuda>`
+    /// keeps it off the FP8 prefill GEMM (the logits take the head's rounding directly; under
+    /// FP8 prefill it runs on the bf16 one).
+    fn output_head(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        Self::linear(x, weight, bias)
+    }
+
     /// A linear weight `[k, n]` kept in Stoke's packed INT4 format, presenting as a float tensor
     /// of `dtype`, on backends that keep such weights (`Stoke<I>`); `None` elsewhere, where
     /// callers use the dequantized values.
@@ -228,6 +239,14 @@ impl<I: Backend> FusedOps for Stoke<I> {
             .unwrap_or_else(|| swiglu_reference::<Self>(Self::linear(x, weight, None)))
     }
 
+    fn output_head(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        crate::cuda::fp8_linear::without_fp8(|| Self::linear(x, weight, bias))
+    }
+
     fn rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
         match crate::cuda::rms_norm::try_rms_norm::<I>(&x, None, &gamma, eps) {
             Some((normed, _)) => normed,
@@ -315,6 +334,21 @@ pub fn linear_residual<B: FusedOps, const D: usize>(
         float(linear.weight.val()),
         float(residual),
     ))
+}
+
+/// A model's output head: `linear.forward(x)`, kept off the FP8 prefill GEMM
+/// ([`FusedOps::output_head`]).
+pub fn output_head<B: FusedOps, const D: usize>(
+    linear: &burn::nn::Linear<B>,
+    x: Tensor<B, D>,
+) -> Tensor<B, D> {
+    if D == 1 {
+        // Burn's linear takes a single row as a batch of one.
+        return output_head(linear, x.unsqueeze::<2>()).squeeze_dim(0);
+    }
+    let weight = float(linear.weight.val());
+    let bias = linear.bias.as_ref().map(|b| float(b.val()));
+    tensor(B::output_head(float(x), weight, bias))
 }
 
 /// SwiGLU of a gate/up linear with interleaved columns (see [`FusedOps::linear_swiglu`]),

@@ -36,5 +36,7 @@ pub use decode::{
     decode_take_ids, decoder, decoder_begin, pack_prompts, prefill_attention,
     prefill_qkv_attention,
 };
-pub use fused::{FusedOps, linear_residual, linear_swiglu, residual_rms_norm, rms_norm};
+pub use fused::{
+    FusedOps, linear_residual, linear_swiglu, output_head, residual_rms_norm, rms_norm,
+};
 pub use tensor::{StokeData, StokeTensor};

@@ -504,7 +504,7 @@ impl<B: FusedOps> Llama<B> {
         } else {
             normed
         };
-        self.lm_head.forward(normed)
+        stoke::output_head(&self.lm_head, normed)
     }
 
     /// The RMSNorm gain after layer `l`: the next layer's attention norm, or the final norm.
@@ -590,7 +590,7 @@ impl<B: FusedOps> Llama<B> {
                 Ok::<_, std::convert::Infallible>(stoke::decode_attention::<B>(dec, l, qkv))
             })
             .unwrap_or_else(|never| match never {});
-        let logits = self.lm_head.forward(normed);
+        let logits = stoke::output_head(&self.lm_head, normed);
         stoke::decode_sample::<B>(dec, logits);
     }
 
@@ -631,7 +631,7 @@ impl<B: FusedOps> Llama<B> {
             .into_iter()
             .map(|r| r.expect("every prompt ends in a chunk"))
             .collect();
-        let logits = self.lm_head.forward(Tensor::cat(last, 0));
+        let logits = stoke::output_head(&self.lm_head, Tensor::cat(last, 0));
         stoke::decode_sample::<B>(dec, logits);
         Ok(())
     }
@@ -650,7 +650,7 @@ impl<B: FusedOps> Llama<B> {
         self.prefill_rows(&[prompt.to_vec()], dec, chunk, |_, normed| {
             rows.push(normed)
         })?;
-        Ok(self.lm_head.forward(Tensor::cat(rows, 1)))
+        Ok(stoke::output_head(&self.lm_head, Tensor::cat(rows, 1)))
     }
 
     /// The packed prefill of `prompts` into `dec` (see [`Llama::prefill`]): `chunk_done(seqs,

@@ -175,6 +175,24 @@ pub fn fp8_prefill() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
+thread_local! {
+    /// Set while an output head runs on this thread ([`without_fp8`]).
+    static HEAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with this thread's prefill GEMMs on bf16 whatever [`set_fp8_prefill`] says: a
+/// model's output head (`FusedOps::output_head`), whose logits take its rounding directly.
+pub(crate) fn without_fp8<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            HEAD.set(self.0);
+        }
+    }
+    let _restore = Restore(HEAD.replace(true));
+    f()
+}
+
 /// How many `linear` calls have run on the FP8 GEMM in this process.
 pub fn kernel_calls() -> u64 {
     KERNEL_CALLS.load(Ordering::Relaxed)
@@ -284,7 +302,7 @@ fn prepare<'a, I: Backend>(
     weight: &'a StokeTensor<I>,
     takes_n: impl FnOnce(usize) -> bool,
 ) -> Option<Prepared<'a, I>> {
-    let fp8 = fp8_prefill();
+    let fp8 = fp8_prefill() && !HEAD.get();
     // The weight's shape and the slots its E4M3 and bf16 [n, k] copies are kept in.
     let source = match weight.downcast_ref::<PackedWeight<I>>() {
         Some(pw) => Source::Packed(pw),
