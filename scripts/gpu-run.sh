@@ -21,8 +21,9 @@
 #   prefill-attention: the prefill-attention test and benchmark (single prompts, the packed mix),
 #          then the PyTorch SDPA peers (flash, cuDNN, efficient; varlen_attn where present)
 #   prefill: the packed-prefill tests (prefill attention, the model's packed prefill against the
-#          reference decoder), the 8B-shaped prefill benchmark, then the transformers peer
-#          (padded batches; STOKE_NO_PEERS=1 skips it)
+#          reference decoder), the 8B-shaped prefill benchmark (STOKE_PREFILL_MIXES=2048,512
+#          keeps the named points), then the PyTorch peers: the FP8 block (compiled, graphed;
+#          8B / 70B / 405B shapes) and transformers (padded batches); STOKE_NO_PEERS=1 skips them
 #   decode: the decode-step tests, then the step benchmark (SmolLM2, 8B/70B-shaped models), then
 #          the PyTorch decode-step and transformers peers (STOKE_NO_PEERS=1 skips them)
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
@@ -134,6 +135,7 @@ if [ "$what" = test ] && [[ " $* " == *" fp8_gemm_matches_reference "* ]] && [ -
   python3 scripts/peers/fp8_torch.py "$out/torch-fp8.json" 2>&1 | tee "$out/torch-fp8.log" || status=1
 fi
 if [ "$what" = prefill ] && [ -z "${STOKE_NO_PEERS:-}" ]; then
+  python3 scripts/peers/prefill_block_torch.py "$out/torch-prefill-block.json" 2>&1 | tee "$out/torch-prefill-block.log" || status=1
   python3 scripts/peers/prefill_torch.py "$out/torch-prefill.json" 2>&1 | tee "$out/torch-prefill.log" || status=1
 fi
 if [ "$what" = prefill-attention ] && [ -z "${STOKE_NO_PEERS:-}" ]; then

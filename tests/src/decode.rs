@@ -536,6 +536,7 @@ fn kernel_table(launches: &[(&str, f32)]) -> (f64, Vec<Value>) {
 /// first tokens on the host (time to first token), tokens/s, the effective TFLOP/s (projections,
 /// causal attention pairs, the head on the last rows), and one more prefill with Stoke's
 /// launches timed one by one (the rest of the time is burn-cuda's ops and the host).
+/// `STOKE_PREFILL_MIXES` (comma-separated names, e.g. `2048,2048+7x128`) keeps only those points.
 pub fn prefill_bench(_copy_gbps: f64) -> Value {
     let report = |r: Result<Value, String>| r.unwrap_or_else(|e| json!({ "error": e }));
     let device = Default::default();
@@ -547,6 +548,11 @@ pub fn prefill_bench(_copy_gbps: f64) -> Value {
     // as it lands for the same reason.
     let mut mixes: Vec<Vec<usize>> = vec![vec![2048], vec![512], vec![8192]];
     mixes.extend(stoke_llama::bench::default_mixes());
+    // STOKE_PREFILL_MIXES=2048,8x368 times only the named points (a short call's).
+    if let Ok(only) = std::env::var("STOKE_PREFILL_MIXES") {
+        let names: Vec<&str> = only.split(',').map(str::trim).collect();
+        mixes.retain(|lens| names.contains(&stoke_llama::bench::mix_name(lens).as_str()));
+    }
     let mut out = json!({ "model": "llama-3.1-8b-shaped, random INT4 (group 128), bf16 head" });
     for fp8 in [false, true] {
         stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
