@@ -585,4 +585,18 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn an_output_head_holds_fp8_off_for_its_call_only() {
+        let on = || super::HEAD.get();
+        assert!(!on());
+        assert_eq!(
+            super::without_fp8(|| (on(), super::without_fp8(on), on())),
+            (true, true, true)
+        );
+        assert!(!on());
+        // A head that panics does not leave the thread's later prefills on bf16.
+        assert!(std::panic::catch_unwind(|| super::without_fp8(|| panic!("head"))).is_err());
+        assert!(!on());
+    }
 }
