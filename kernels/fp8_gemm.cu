@@ -39,7 +39,8 @@
 //   wgmma.m64n128k32 from shared memory into a block accumulator, then the block is added to
 //   the tile's f32 accumulator (the tensor core's FP8 sums keep fewer bits than f32; adding
 //   every 128 k keeps long K exact to f32 rounding), the stage released, and at the tile's end
-//   the epilogue restores both scales and writes bf16.
+//   the epilogue restores both scales (loaded into registers at the tile's start, so their
+//   round trip overlaps the mainloop) and writes bf16.
 // setmaxnreg gives the producer 40 registers and the consumers 232.
 //
 // The algorithm's parameters (Shape<BN>):
@@ -179,10 +180,23 @@ __device__ __forceinline__ void tile_coords(u32 t, u32 tiles_m, u32 tiles_n, u32
     tn = first + in_band % width;
 }
 
-// Column col's weight scale (bf16 operands have none).
-template <bool BF16>
-__device__ __forceinline__ float w_scale_of(const Fp8GemmParams& p, u32 col) {
-    return BF16 ? 1.0f : p.w_scale[col];
+// The scales a consumer thread's values of a tile take: ws[j][e] of column
+// 8 j + 2 (lane % 4) + e (0 past N), sa[h] of row row0 + 8 h (1 past M); all 1 for bf16
+// operands. Loaded at the tile's start, so their round trip hides behind the mainloop.
+template <bool BF16, int BN>
+__device__ __forceinline__ void tile_scales(const Fp8GemmParams& p, u32 tn, u32 row0, u32 lane, float (&ws)[BN / 8][2], float (&sa)[2]) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const u32 col = tn * BN + 8 * j + 2 * (lane % 4) + e;
+            ws[j][e] = BF16 ? 1.0f : col < p.n ? p.w_scale[col] : 0.0f;
+        }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 row = row0 + 8 * h;
+        sa[h] = BF16 || row >= p.m ? 1.0f : p.a_scale[row * p.a_scale_stride];
+    }
 }
 
 // The q|k|v epilogue of one consumer thread's two rows of a tile, heads of D dims (see the
@@ -193,7 +207,8 @@ __device__ __forceinline__ float w_scale_of(const Fp8GemmParams& p, u32 col) {
 // of increasing distance. Rows past M compute on zeros and store nothing (the quad's lanes
 // share a row, so the shuffles stay inside it).
 template <int D, bool BF16, int BN>
-__device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float (&acc)[BN / 2], u32 tn, u32 row0, u32 lane) {
+__device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float (&acc)[BN / 2], const float (&ws)[BN / 8][2],
+                                             const float (&sa)[2], u32 tn, u32 row0, u32 lane) {
     constexpr int HT = BN / D;  // heads per tile
     constexpr int J = D / 8;    // pairs per head and lane
     const u32 q = lane % 4;
@@ -203,7 +218,6 @@ __device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float
     for (int h = 0; h < 2; ++h) {
         const u32 row = row0 + 8 * h;
         const bool valid = row < p.m;
-        const float sa = BF16 || !valid ? 1.0f : p.a_scale[row * p.a_scale_stride];
         const u32 pos = valid ? p.pos[row] : 0, slot = valid ? p.slot_of[row] : 0;
         if (valid && tn == 0 && q == 0) p.len[row] = pos + 1;
         const float* cs = p.rope + u64(min(pos, p.max_pos - 1)) * D;  // (cos, sin) of D / 2 freqs
@@ -217,8 +231,7 @@ __device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float
             for (int jj = 0; jj < J; ++jj)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const u32 col = head * D + 8 * jj + 2 * q + e;
-                    const float y = acc[4 * (t * J + jj) + 2 * h + e] * sa * w_scale_of<BF16>(p, col);
+                    const float y = acc[4 * (t * J + jj) + 2 * h + e] * sa[h] * ws[t * J + jj][e];
                     x[2 * jj + e] = bf16_lo(to_bf16(y + 0.0f));
                 }
             if (head < heads + kvh) {
@@ -371,9 +384,14 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
     const u32 warp = tid / 32, lane = tid % 32;
     u32 stage = 0, phase = 0;
     float acc[BN / 2], blk[64];
+    const float out_scale = EPI == EPI_SWIGLU ? *p.out_scale : 1.0f;  // the same for every tile
     for (u32 t = blockIdx.x; t < tiles; t += gridDim.x) {
         u32 tm, tn;
         tile_coords<S::RASTER>(t, tiles_m, tiles_n, tm, tn);
+        // acc[4 j + e]: row 16 warp + lane / 4 (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2.
+        const u32 row0 = tm * BM + half * 64 + warp * 16 + lane / 4;
+        float ws[BN / 8][2], sa[2];
+        tile_scales<BF16, BN>(p, tn, row0, lane, ws, sa);
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
         u32 held = STAGES;  // bf16: the stage the wgmma group still in flight reads
@@ -416,58 +434,77 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
             wg_wait_all();
             if (tid == 0 && held != STAGES) mbar_arrive(empty + 8 * held);
         }
-        // acc[4 j + e]: row 16 warp + lane / 4 (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2.
-        const u32 row0 = tm * BM + half * 64 + warp * 16 + lane / 4;
         if (EPI == EPI_QKV) {
             if ((p.main.k ? p.main.d : p.mirror.d) == 128)
-                qkv_epilogue<128, BF16, BN>(p, acc, tn, row0, lane);
+                qkv_epilogue<128, BF16, BN>(p, acc, ws, sa, tn, row0, lane);
             else
-                qkv_epilogue<64, BF16, BN>(p, acc, tn, row0, lane);
+                qkv_epilogue<64, BF16, BN>(p, acc, ws, sa, tn, row0, lane);
             continue;
         }
+        // The residual is read in batches, each before its stores: a load after a store waits
+        // for its own round trip (the compiler keeps it behind the store), and a tile's loads
+        // taken one by one between its stores cost several µs (docs/PERFORMANCE.md). A batch is
+        // all 16 column pairs of a 128-column tile (the block accumulator is free by now), 8
+        // beside the 128 accumulators of a 256-column one (16 spill there).
+        constexpr int CH = BN == 256 ? 8 : 16;
         float amax = 0.0f;
         u32 saturated = 0;
-        const float out_scale = EPI == EPI_SWIGLU ? *p.out_scale : 1.0f;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const u32 row = row0 + 8 * h;
-            if (row >= p.m) continue;
-            const float sa = BF16 ? 1.0f : p.a_scale[row * p.a_scale_stride];
+        for (int c = 0; c < BN / 8; c += CH) {
+            // The two rows' residual pairs of column 8 (c + jj) + 2 (lane % 4) (lo, hi: the
+            // pair's two columns).
+            u32 res[2][CH];
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                const u32 col = tn * BN + 8 * j + 2 * (lane % 4);
-                if (col >= p.n) continue;
-                const float y0 = acc[4 * j + 2 * h] * sa * w_scale_of<BF16>(p, col);
-                if (EPI == EPI_SWIGLU) {
-                    // n is even: the pair is whole.
-                    const float up = acc[4 * j + 2 * h + 1] * sa * w_scale_of<BF16>(p, col + 1);
-                    const float hv = y0 / (1.0f + expf(-y0)) * up;
-                    if (fabsf(hv) < __int_as_float(0x7f800000)) amax = fmaxf(amax, fabsf(hv));
-                    float q = __fdiv_rn(hv, out_scale);
-                    if (!(fabsf(q) <= 448.0f)) {
-                        ++saturated;
-                        q = hv < 0.0f ? -448.0f : 448.0f;
-                    }
-                    p.codes[u64(row) * p.ldo + col / 2] = u8(e4m3x2(q, 0.0f));
-                    continue;
-                }
-                if (EPI == EPI_SWIGLU_BF16) {
-                    const float up = acc[4 * j + 2 * h + 1] * sa * w_scale_of<BF16>(p, col + 1);
-                    p.out[u64(row) * p.ldo + col / 2] = to_bf16(y0 / (1.0f + expf(-y0)) * up);
-                    continue;
-                }
-                float r0 = 0.0f, r1 = 0.0f;
+            for (int jj = 0; jj < CH; ++jj) {
+                const u32 col = tn * BN + 8 * (c + jj) + 2 * (lane % 4);
                 if (EPI == EPI_RESIDUAL) {
-                    const u16* res = p.residual + u64(row) * p.ldr + col;
-                    r0 = bf16_lo(u32(res[0]));
-                    if (col + 1 < p.n) r1 = bf16_lo(u32(res[1]));
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const u32 row = row0 + 8 * h;
+                        const u16* r = p.residual + u64(row) * p.ldr + col;
+                        const u32 lo = row < p.m && col < p.n ? u32(r[0]) : 0u;
+                        const u32 hi = row < p.m && col + 1 < p.n ? u32(r[1]) : 0u;
+                        res[h][jj] = lo | hi << 16;
+                    }
                 }
-                u16* out = p.out + u64(row) * p.ldo;
-                if (col + 1 < p.n) {
-                    const float y1 = acc[4 * j + 2 * h + 1] * sa * w_scale_of<BF16>(p, col + 1);
-                    *reinterpret_cast<u32*>(out + col) = pack_bf16x2(y0 + r0, y1 + r1);
-                } else {
-                    out[col] = to_bf16(y0 + r0);
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const u32 row = row0 + 8 * h;
+                if (row >= p.m) continue;
+#pragma unroll
+                for (int jj = 0; jj < CH; ++jj) {
+                    const int j = c + jj;
+                    const u32 col = tn * BN + 8 * j + 2 * (lane % 4);
+                    if (col >= p.n) continue;
+                    const float y0 = acc[4 * j + 2 * h] * sa[h] * ws[j][0];
+                    if (EPI == EPI_SWIGLU) {
+                        // n is even: the pair is whole.
+                        const float up = acc[4 * j + 2 * h + 1] * sa[h] * ws[j][1];
+                        const float hv = y0 / (1.0f + expf(-y0)) * up;
+                        if (fabsf(hv) < __int_as_float(0x7f800000)) amax = fmaxf(amax, fabsf(hv));
+                        float q = __fdiv_rn(hv, out_scale);
+                        if (!(fabsf(q) <= 448.0f)) {
+                            ++saturated;
+                            q = hv < 0.0f ? -448.0f : 448.0f;
+                        }
+                        p.codes[u64(row) * p.ldo + col / 2] = u8(e4m3x2(q, 0.0f));
+                        continue;
+                    }
+                    if (EPI == EPI_SWIGLU_BF16) {
+                        const float up = acc[4 * j + 2 * h + 1] * sa[h] * ws[j][1];
+                        p.out[u64(row) * p.ldo + col / 2] = to_bf16(y0 / (1.0f + expf(-y0)) * up);
+                        continue;
+                    }
+                    const float r0 = EPI == EPI_RESIDUAL ? bf16_lo(res[h][jj]) : 0.0f;
+                    const float r1 = EPI == EPI_RESIDUAL ? bf16_hi(res[h][jj]) : 0.0f;
+                    u16* out = p.out + u64(row) * p.ldo;
+                    if (col + 1 < p.n) {
+                        const float y1 = acc[4 * j + 2 * h + 1] * sa[h] * ws[j][1];
+                        *reinterpret_cast<u32*>(out + col) = pack_bf16x2(y0 + r0, y1 + r1);
+                    } else {
+                        out[col] = to_bf16(y0 + r0);
+                    }
                 }
             }
         }
