@@ -22,8 +22,10 @@
 #          then the PyTorch SDPA peers (flash, cuDNN, efficient; varlen_attn where present)
 #   prefill: the packed-prefill tests (prefill attention, the model's packed prefill against the
 #          reference decoder), the 8B-shaped prefill benchmark (STOKE_PREFILL_MIXES=2048,512
-#          keeps the named points), then the PyTorch peers: the FP8 block (compiled, graphed;
-#          8B / 70B / 405B shapes) and transformers (padded batches); STOKE_NO_PEERS=1 skips them
+#          keeps the named points) and the prefill layer at 70B / 405B shapes
+#          (STOKE_PREFILL_SHAPES=8b,70b,405b picks the parts), then the PyTorch peers: the FP8
+#          block (compiled, graphed; 8B / 70B / 405B shapes) and transformers (padded batches);
+#          STOKE_NO_PEERS=1 skips them
 #   decode: the decode-step tests, then the step benchmark (SmolLM2, 8B/70B-shaped models), then
 #          the PyTorch decode-step and transformers peers (STOKE_NO_PEERS=1 skips them)
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)

@@ -9,14 +9,14 @@ SwiGLU, the residual adds. `torch.compile(fullgraph=True)` fuses the elementwise
 the GEMMs; the compiled block is captured in a CUDA graph and replayed.
 
 Points: one prompt of S tokens through one block, at Llama-3.1-8B's shapes (S = 2048, 512,
-8192) and at 70B's and 405B's (S = 2048), in that order; random weights (time does not depend
+8192), then at 70B's and 405B's (S = 2048, then 512 and 8192), in that order; random weights (time does not depend
 on values). Each point: the median of 20 graph replays (CUDA events), the block's time, and the
 effective TFLOP/s counted as Stoke's prefill benchmark counts them (the four projections per
 token, QK and PV over the causal pairs). Each point is printed and the report written as it
 lands, so a run cut short keeps what it measured.
 
 usage: prefill_block_torch.py OUT.json [MODEL:S ...]   (default: 8b:2048 8b:512 8b:8192
-       70b:2048 405b:2048)
+       70b:2048 405b:2048 70b:512 405b:512 70b:8192 405b:8192)
 """
 import json
 import statistics
@@ -144,7 +144,10 @@ def time_point(name, s):
 
 def main():
     out_path = sys.argv[1]
-    points = sys.argv[2:] or ["8b:2048", "8b:512", "8b:8192", "70b:2048", "405b:2048"]
+    points = sys.argv[2:] or [
+        "8b:2048", "8b:512", "8b:8192", "70b:2048", "405b:2048",
+        "70b:512", "405b:512", "70b:8192", "405b:8192",
+    ]
     report = {"peer": "PyTorch FP8 Llama block: rowwise torch._scaled_mm, flash SDPA, "
                       "torch.compile(fullgraph), CUDA graph",
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "points": []}

@@ -537,7 +537,27 @@ fn kernel_table(launches: &[(&str, f32)]) -> (f64, Vec<Value>) {
 /// causal attention pairs, the head on the last rows), and one more prefill with Stoke's
 /// launches timed one by one (the rest of the time is burn-cuda's ops and the host).
 /// `STOKE_PREFILL_MIXES` (comma-separated names, e.g. `2048,2048+7x128`) keeps only those points.
+/// Then the prefill layer at 70B and 405B shapes ([`prefill_layer_bench`]);
+/// `STOKE_PREFILL_SHAPES` (comma-separated: 8b, 70b, 405b) runs a part.
 pub fn prefill_bench(_copy_gbps: f64) -> Value {
+    let sections = std::env::var("STOKE_PREFILL_SHAPES").unwrap_or_else(|_| "8b,70b,405b".into());
+    let on = |s: &str| sections.split(',').any(|x| x.trim() == s);
+    let mut out = if on("8b") {
+        prefill_8b_bench()
+    } else {
+        json!({})
+    };
+    // Llama-3.1-70B and 405B: hidden, intermediate, query heads.
+    for (name, hidden, inter, heads) in [("70b", 8192, 28672, 64), ("405b", 16384, 53248, 128)] {
+        if on(name) {
+            out[format!("layer_{name}")] = prefill_layer_bench(name, hidden, inter, heads);
+        }
+    }
+    out
+}
+
+/// The 8B-shaped part of [`prefill_bench`].
+fn prefill_8b_bench() -> Value {
     let report = |r: Result<Value, String>| r.unwrap_or_else(|e| json!({ "error": e }));
     let device = Default::default();
     let cfg = llama_config(32, 4096, 14336, 32, 128256);
@@ -565,6 +585,77 @@ pub fn prefill_bench(_copy_gbps: f64) -> Value {
                     "tokens_per_s": point["tokens_per_s"], "tflops": point["effective_tflops"],
                     "stoke_kernel_ms": point["stoke_kernel_sum_ms"], "error": point["error"]});
                 println!("prefill {mode}: {brief}");
+                point
+            })
+            .collect();
+        out[mode] = json!(points);
+    }
+    stoke::cuda::fp8_linear::set_fp8_prefill(false);
+    out
+}
+
+/// The prefill layer at a Llama shape (`hidden`, `intermediate`, `heads` query heads; 8 kv
+/// heads of 128): models of 1 and 3 layers with random INT4 weights (group 128, vocabulary
+/// 1024, bf16 head), one prompt of 2048, 512 and 8192 tokens, bf16 and FP8 projections, each
+/// timed as [`time_prefill`] times a point. A layer's time is half the difference between the
+/// two models' (the embedding, the head and the host's fixed cost cancel), from the wall clock
+/// (`layer_us`) and from Stoke's launches timed one by one (`layer_kernel_us`); `tflops` counts
+/// the layer's projections and its causal attention pairs over `layer_us`, as the PyTorch
+/// block peer (`scripts/peers/prefill_block_torch.py`) counts its block.
+pub fn prefill_layer_bench(name: &str, hidden: usize, inter: usize, heads: usize) -> Value {
+    let device = Default::default();
+    let lens = [2048usize, 512, 8192];
+    let (small, large) = (1usize, 3usize);
+    let models: Vec<_> = [small, large]
+        .iter()
+        .map(|&layers| {
+            let cfg = llama_config(layers, hidden, inter, heads, 1024);
+            let model = stoke_llama::synthetic::random_int4_model::<StokeCuda>(
+                &cfg, 128, false, 8200, 5, &device,
+            )
+            .pinned();
+            (cfg, model)
+        })
+        .collect();
+    let cfg = &models[0].0;
+    let (kvh, d) = (cfg.num_key_value_heads, cfg.head_dim);
+    let per_token = hidden * (heads + 2 * kvh) * d + heads * d * hidden + 3 * hidden * inter;
+    let mut out = json!({
+        "shape": name, "hidden": hidden, "intermediate": inter, "heads": heads,
+        "kv_heads": kvh, "head_dim": d, "layers_timed": [small, large],
+    });
+    for fp8 in [false, true] {
+        stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
+        let mode = if fp8 { "fp8" } else { "bf16" };
+        let points: Vec<Value> = lens
+            .iter()
+            .map(|&s| {
+                let point = (|| -> Result<Value, String> {
+                    let a = time_prefill(&models[0].1, &models[0].0, &[s])?;
+                    let b = time_prefill(&models[1].1, &models[1].0, &[s])?;
+                    let per = |key: &str| {
+                        (b[key].as_f64().unwrap_or(f64::NAN) - a[key].as_f64().unwrap_or(f64::NAN))
+                            * 1e3
+                            / (large - small) as f64
+                    };
+                    let (layer_us, kernel_us) = (per("ms"), per("stoke_kernel_sum_ms"));
+                    let pairs = (s * (s + 1) / 2) as f64;
+                    let flops =
+                        2.0 * (s as f64 * per_token as f64 + (2 * heads * d) as f64 * pairs);
+                    Ok(json!({
+                        "prompt": s, "layer_us": layer_us, "layer_kernel_us": kernel_us,
+                        "tflops": flops / (layer_us * 1e-6) / 1e12,
+                        "kernel_tflops": flops / (kernel_us * 1e-6) / 1e12,
+                        "models": [a, b],
+                    }))
+                })()
+                .unwrap_or_else(|e| json!({ "prompt": s, "error": e }));
+                println!(
+                    "prefill layer {name} {mode}: {}",
+                    json!({"prompt": s, "layer_us": point["layer_us"],
+                        "layer_kernel_us": point["layer_kernel_us"], "tflops": point["tflops"],
+                        "error": point["error"]})
+                );
                 point
             })
             .collect();

@@ -35,7 +35,8 @@ enum Command {
     /// Prefill attention: its GPU test, then its benchmark (single prompts and a packed mix).
     PrefillAttention,
     /// The packed prefill: its GPU tests (prefill attention, the model's packed prefill), then
-    /// the 8B-shaped prefill benchmark (single prompts, packed mixes; bf16 and FP8 projections).
+    /// the 8B-shaped prefill benchmark (single prompts, packed mixes; bf16 and FP8 projections)
+    /// and the prefill layer at 70B / 405B shapes.
     Prefill,
     /// The whole decode step: its GPU tests, then the step benchmark (SmolLM2, 8B- and
     /// 70B-shaped models) with each point's kernel sum.
