@@ -537,7 +537,7 @@ fn kernel_table(launches: &[(&str, f32)]) -> (f64, Vec<Value>) {
 /// causal attention pairs, the head on the last rows), and one more prefill with Stoke's
 /// launches timed one by one (the rest of the time is burn-cuda's ops and the host).
 /// `STOKE_PREFILL_MIXES` (comma-separated names, e.g. `2048,2048+7x128`) keeps only those points.
-/// Then the prefill layer at 70B and 405B shapes ([`prefill_layer_bench`]);
+/// Then the prefill layer at 70B and 405B shapes (`prefill_layer_bench`);
 /// `STOKE_PREFILL_SHAPES` (comma-separated: 8b, 70b, 405b) runs a part.
 pub fn prefill_bench(_copy_gbps: f64) -> Value {
     let sections = std::env::var("STOKE_PREFILL_SHAPES").unwrap_or_else(|_| "8b,70b,405b".into());
@@ -602,7 +602,7 @@ fn prefill_8b_bench() -> Value {
 /// (`layer_us`) and from Stoke's launches timed one by one (`layer_kernel_us`); `tflops` counts
 /// the layer's projections and its causal attention pairs over `layer_us`, as the PyTorch
 /// block peer (`scripts/peers/prefill_block_torch.py`) counts its block.
-pub fn prefill_layer_bench(name: &str, hidden: usize, inter: usize, heads: usize) -> Value {
+fn prefill_layer_bench(name: &str, hidden: usize, inter: usize, heads: usize) -> Value {
     let device = Default::default();
     let lens = [2048usize, 512, 8192];
     let (small, large) = (1usize, 3usize);
