@@ -208,7 +208,8 @@ __device__ __forceinline__ void tile_scales(const Fp8GemmParams& p, u32 tn, u32 
 // share a row, so the shuffles stay inside it).
 template <int D, bool BF16, int BN>
 __device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float (&acc)[BN / 2], const float (&ws)[BN / 8][2],
-                                             const float (&sa)[2], u32 tn, u32 row0, u32 lane) {
+                                             const float (&sa)[2], const u32 (&pos_of)[2], const u32 (&slot_at)[2], u32 tn,
+                                             u32 row0, u32 lane) {
     constexpr int HT = BN / D;  // heads per tile
     constexpr int J = D / 8;    // pairs per head and lane
     const u32 q = lane % 4;
@@ -218,7 +219,7 @@ __device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float
     for (int h = 0; h < 2; ++h) {
         const u32 row = row0 + 8 * h;
         const bool valid = row < p.m;
-        const u32 pos = valid ? p.pos[row] : 0, slot = valid ? p.slot_of[row] : 0;
+        const u32 pos = pos_of[h], slot = slot_at[h];
         if (valid && tn == 0 && q == 0) p.len[row] = pos + 1;
         const float* cs = p.rope + u64(min(pos, p.max_pos - 1)) * D;  // (cos, sin) of D / 2 freqs
 #pragma unroll
@@ -392,6 +393,18 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
         const u32 row0 = tm * BM + half * 64 + warp * 16 + lane / 4;
         float ws[BN / 8][2], sa[2];
         tile_scales<BF16, BN>(p, tn, row0, lane, ws, sa);
+        // q|k|v: the rows' positions and cache slots (0 past M), likewise loaded early.
+        u32 pos[2] = {0, 0}, slot[2] = {0, 0};
+        if (EPI == EPI_QKV) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const u32 row = row0 + 8 * h;
+                if (row < p.m) {
+                    pos[h] = p.pos[row];
+                    slot[h] = p.slot_of[row];
+                }
+            }
+        }
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
         u32 held = STAGES;  // bf16: the stage the wgmma group still in flight reads
@@ -436,9 +449,9 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
         }
         if (EPI == EPI_QKV) {
             if ((p.main.k ? p.main.d : p.mirror.d) == 128)
-                qkv_epilogue<128, BF16, BN>(p, acc, ws, sa, tn, row0, lane);
+                qkv_epilogue<128, BF16, BN>(p, acc, ws, sa, pos, slot, tn, row0, lane);
             else
-                qkv_epilogue<64, BF16, BN>(p, acc, ws, sa, tn, row0, lane);
+                qkv_epilogue<64, BF16, BN>(p, acc, ws, sa, pos, slot, tn, row0, lane);
             continue;
         }
         // The residual is read in batches, each before its stores: a load after a store waits
