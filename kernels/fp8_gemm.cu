@@ -40,21 +40,23 @@
 //   the tile's f32 accumulator (the tensor core's FP8 sums keep fewer bits than f32; adding
 //   every 128 k keeps long K exact to f32 rounding), the stage released, and at the tile's end
 //   the epilogue restores both scales (loaded into registers at the tile's start, so their
-//   round trip overlaps the mainloop) and writes bf16.
+//   round trip overlaps the mainloop) and writes bf16. A 256-column FP8 tile (_n256) runs the
+//   same per 128-column half, one half's group after the other into the one block
+//   accumulator, so 128 + 64 accumulators per thread fit.
 // setmaxnreg gives the producer 40 registers and the consumers 232.
 //
 // The algorithm's parameters (Shape<BN>):
-//   BM, BN, BK  128 x BN output tiles, BN = 128 (FP8, bf16) or 256 (bf16 _n256: one wgmma per
-//               k16 reads A from shared memory once for twice the columns, and a bf16 tile
-//               needs no block accumulator beside it, so 128 accumulators per thread fit); 128
-//               k bytes per stage (one 128-byte swizzle row).
+//   BM, BN, BK  128 x BN output tiles, BN = 128 or 256 (_n256: a k-block's A tile, loaded
+//               from L2 once, serves twice the columns, a quarter less L2 traffic per MMA;
+//               bf16 reads it from shared memory once per wgmma.m64n256k16, FP8 once per
+//               128-column half); 128 k bytes per stage (one 128-byte swizzle row).
 //   STAGES      k-blocks in flight: 5 of 32 KB (BN = 256: 4 of 48 KB).
 //   RASTER      tile columns per band of the persistent order: 1024 / BN (1024 columns of
 //               weights, K bytes each, stay in L2 while the band's row blocks pass).
-// The host picks BN per bf16 call (kernels::fp8_gemm::bf16_wide_tiles): the wide tiles where
-// their waves of persistent tiles take less time than the narrow ones' (a wide tile measured
-// about 1.2x the work rate of two narrow ones), so calls whose wide tiles would leave SMs idle
-// keep the narrow ones.
+// The host picks BN per call (kernels::fp8_gemm::wide_tiles): the wide tiles where their waves
+// of persistent tiles take less time than the narrow ones' (a bf16 wide tile measured about
+// 1.2x the work rate of two narrow ones), so calls whose wide tiles would leave SMs idle keep
+// the narrow ones. The q|k|v epilogue runs on wide tiles for bf16 only.
 
 #include "ptx.cuh"
 #include "kv_row.cuh"
@@ -180,18 +182,31 @@ __device__ __forceinline__ void tile_coords(u32 t, u32 tiles_m, u32 tiles_n, u32
     tn = first + in_band % width;
 }
 
+// Column 8 j + 2 (lane % 4) + e's weight scale for a consumer thread (0 past N; 1 for bf16
+// operands).
+template <bool BF16, int BN>
+__device__ __forceinline__ float w_scale_at(const Fp8GemmParams& p, u32 tn, int j, int e, u32 lane) {
+    const u32 col = tn * BN + 8 * j + 2 * (lane % 4) + e;
+    return BF16 ? 1.0f : col < p.n ? p.w_scale[col] : 0.0f;
+}
+
+// Whether a tile's weight scales are held in registers from its start: all but the FP8 wide
+// tiles, whose 64 more would not fit beside their 192 accumulators (they load theirs in the
+// epilogue's batches).
+template <bool BF16, int BN> constexpr bool SCALES_EARLY = BF16 || BN == 128;
+
 // The scales a consumer thread's values of a tile take: ws[j][e] of column
-// 8 j + 2 (lane % 4) + e (0 past N), sa[h] of row row0 + 8 h (1 past M); all 1 for bf16
-// operands. Loaded at the tile's start, so their round trip hides behind the mainloop.
+// 8 j + 2 (lane % 4) + e (see w_scale_at; only with SCALES_EARLY), sa[h] of row row0 + 8 h
+// (1 past M; 1 for bf16 operands). Loaded at the tile's start, so their round trip hides
+// behind the mainloop.
 template <bool BF16, int BN>
 __device__ __forceinline__ void tile_scales(const Fp8GemmParams& p, u32 tn, u32 row0, u32 lane, float (&ws)[BN / 8][2], float (&sa)[2]) {
+    if constexpr (SCALES_EARLY<BF16, BN>) {
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j)
+        for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const u32 col = tn * BN + 8 * j + 2 * (lane % 4) + e;
-            ws[j][e] = BF16 ? 1.0f : col < p.n ? p.w_scale[col] : 0.0f;
-        }
+            for (int e = 0; e < 2; ++e) ws[j][e] = w_scale_at<BF16, BN>(p, tn, j, e, lane);
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const u32 row = row0 + 8 * h;
@@ -335,7 +350,8 @@ __device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float
 
 template <int EPI, bool BF16, int BN = 128>
 __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
-    static_assert(BN == 128 || (BF16 && BN == 256), "FP8 tiles are 128 columns (its block accumulator)");
+    static_assert(BN == 128 || BN == 256, "tiles of 128 or 256 columns");
+    static_assert(EPI != EPI_QKV || BF16 || BN == 128, "the FP8 q|k|v epilogue takes 128-column tiles");
     using S = Shape<BN>;
     constexpr int STAGES = S::STAGES;
     constexpr u32 W_STAGE = S::W_STAGE, STAGE_BYTES = S::STAGE_BYTES;
@@ -412,31 +428,44 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
             mbar_wait(full + 8 * stage, phase);
             const u32 a = a_smem + stage * A_STAGE + half * 64 * BK;
             const u32 w = w_smem + stage * W_STAGE;
-            wg_fence();
-            // Four wgmma of 32 bytes of k each (k32 E4M3, k16 bf16).
+            if constexpr (BF16) {
+                wg_fence();
+                // Four wgmma of 32 bytes (16 bf16) of k each.
 #pragma unroll
-            for (int j = 0; j < BK / 32; ++j) {
-                const u64 da = smem_desc_sw128(a + 32 * j), dw = smem_desc_sw128(w + 32 * j);
-                if constexpr (BN == 256) {
-                    wgmma_bf16_n256(acc, da, dw, kb > 0 || j > 0);
-                } else if constexpr (BF16) {
-                    wgmma_bf16_n128(acc, da, dw, kb > 0 || j > 0);
-                } else {
-                    wgmma_e4m3_n128(blk, da, dw, j > 0);
+                for (int j = 0; j < BK / 32; ++j) {
+                    const u64 da = smem_desc_sw128(a + 32 * j), dw = smem_desc_sw128(w + 32 * j);
+                    if constexpr (BN == 256) {
+                        wgmma_bf16_n256(acc, da, dw, kb > 0 || j > 0);
+                    } else {
+                        wgmma_bf16_n128(acc, da, dw, kb > 0 || j > 0);
+                    }
                 }
-            }
-            wg_commit();
-            if (BF16) {
+                wg_commit();
                 // One group stays in flight (its sums go straight into acc): the previous
                 // k-block's is done, so its stage goes back to the producer.
                 wg_wait_1();
                 if (tid == 0 && held != STAGES) mbar_arrive(empty + 8 * held);
                 held = stage;
             } else {
-                wg_wait_all();
-                if (tid == 0) mbar_arrive(empty + 8 * stage);
+                // Per 128-column half of the tile (one for 128-column tiles): four wgmma of k32
+                // into the block accumulator, then the block added to the half's columns
+                // (acc[64 nh ..]: columns 128 nh + 8 j + ..). The stage goes back after the
+                // last half's group.
 #pragma unroll
-                for (int i = 0; i < 64; ++i) acc[i] += blk[i];
+                for (int nh = 0; nh < BN / 128; ++nh) {
+                    wg_fence();
+#pragma unroll
+                    for (int j = 0; j < BK / 32; ++j) {
+                        const u64 da = smem_desc_sw128(a + 32 * j);
+                        const u64 dw = smem_desc_sw128(w + nh * 128 * BK + 32 * j);
+                        wgmma_e4m3_n128(blk, da, dw, j > 0);
+                    }
+                    wg_commit();
+                    wg_wait_all();
+                    if (nh == BN / 128 - 1 && tid == 0) mbar_arrive(empty + 8 * stage);
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) acc[64 * nh + i] += blk[i];
+                }
             }
             if (++stage == STAGES) {
                 stage = 0;
@@ -454,18 +483,30 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                 qkv_epilogue<64, BF16, BN>(p, acc, ws, sa, pos, slot, tn, row0, lane);
             continue;
         }
-        // The residual is read in batches, each before its stores: a load after a store waits
-        // for its own round trip (the compiler keeps it behind the store), and a tile's loads
-        // taken one by one between its stores cost several µs (docs/PERFORMANCE.md). A batch is
-        // all 16 column pairs of a 128-column tile (the block accumulator is free by now), 8
-        // beside the 128 accumulators of a 256-column one (16 spill there).
+        // What the epilogue reads is read in batches, each before its stores: a load after a
+        // store waits for its own round trip (the compiler keeps it behind the store), and a
+        // tile's loads taken one by one between its stores cost several µs
+        // (docs/PERFORMANCE.md). A batch is all 16 column pairs of a 128-column tile (the block
+        // accumulator is free by now), 8 beside the 128 accumulators of a 256-column one (16
+        // spill there).
         constexpr int CH = BN == 256 ? 8 : 16;
         float amax = 0.0f;
         u32 saturated = 0;
 #pragma unroll
         for (int c = 0; c < BN / 8; c += CH) {
-            // The two rows' residual pairs of column 8 (c + jj) + 2 (lane % 4) (lo, hi: the
-            // pair's two columns).
+            // The batch's weight scales (held from the tile's start, or loaded here: FP8 wide
+            // tiles), and the two rows' residual pairs of column 8 (c + jj) + 2 (lane % 4) (lo,
+            // hi: the pair's two columns).
+            float wc[CH][2];
+#pragma unroll
+            for (int jj = 0; jj < CH; ++jj)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if constexpr (SCALES_EARLY<BF16, BN>)
+                        wc[jj][e] = ws[c + jj][e];
+                    else
+                        wc[jj][e] = w_scale_at<BF16, BN>(p, tn, c + jj, e, lane);
+                }
             u32 res[2][CH];
 #pragma unroll
             for (int jj = 0; jj < CH; ++jj) {
@@ -490,10 +531,10 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                     const int j = c + jj;
                     const u32 col = tn * BN + 8 * j + 2 * (lane % 4);
                     if (col >= p.n) continue;
-                    const float y0 = acc[4 * j + 2 * h] * sa[h] * ws[j][0];
+                    const float y0 = acc[4 * j + 2 * h] * sa[h] * wc[jj][0];
                     if (EPI == EPI_SWIGLU) {
                         // n is even: the pair is whole.
-                        const float up = acc[4 * j + 2 * h + 1] * sa[h] * ws[j][1];
+                        const float up = acc[4 * j + 2 * h + 1] * sa[h] * wc[jj][1];
                         const float hv = y0 / (1.0f + expf(-y0)) * up;
                         if (fabsf(hv) < __int_as_float(0x7f800000)) amax = fmaxf(amax, fabsf(hv));
                         float q = __fdiv_rn(hv, out_scale);
@@ -505,7 +546,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                         continue;
                     }
                     if (EPI == EPI_SWIGLU_BF16) {
-                        const float up = acc[4 * j + 2 * h + 1] * sa[h] * ws[j][1];
+                        const float up = acc[4 * j + 2 * h + 1] * sa[h] * wc[jj][1];
                         p.out[u64(row) * p.ldo + col / 2] = to_bf16(y0 / (1.0f + expf(-y0)) * up);
                         continue;
                     }
@@ -513,7 +554,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                     const float r1 = EPI == EPI_RESIDUAL ? bf16_hi(res[h][jj]) : 0.0f;
                     u16* out = p.out + u64(row) * p.ldo;
                     if (col + 1 < p.n) {
-                        const float y1 = acc[4 * j + 2 * h + 1] * sa[h] * ws[j][1];
+                        const float y1 = acc[4 * j + 2 * h + 1] * sa[h] * wc[jj][1];
                         *reinterpret_cast<u32*>(out + col) = pack_bf16x2(y0 + r0, y1 + r1);
                     } else {
                         out[col] = to_bf16(y0 + r0);
@@ -549,6 +590,18 @@ extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_swiglu_bf16(const 
 }
 extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_qkv(const __grid_constant__ Fp8GemmParams p) {
     fp8_gemm<EPI_QKV, false>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_plain_n256(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_PLAIN, false, 256>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_residual_n256(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_RESIDUAL, false, 256>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_swiglu_n256(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_SWIGLU, false, 256>(p);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_swiglu_bf16_n256(const __grid_constant__ Fp8GemmParams p) {
+    fp8_gemm<EPI_SWIGLU_BF16, false, 256>(p);
 }
 extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_plain(const __grid_constant__ Fp8GemmParams p) {
     fp8_gemm<EPI_PLAIN, true>(p);

@@ -9,7 +9,8 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::kernels::FP8_GEMM;
 use stoke_cuda::kernels::fp8_gemm::{
-    Bf16TcGemm, Fp8Epilogue, Fp8Gemm, bf16_tc_gemm_tiles, bf16_wide_tiles, fp8_gemm, grid,
+    Bf16TcGemm, Fp8Epilogue, Fp8Gemm, bf16_tc_gemm_tiles, fp8_gemm, fp8_gemm_tiles, grid,
+    wide_tiles,
 };
 use stoke_cuda::kernels::fp8_quant::{Fp8RowsParams, quantize_rows as quantize_rows_gpu};
 use stoke_cuda::{DeviceBuffer, Runtime};
@@ -258,6 +259,11 @@ fn check_bf16_outputs(
     Ok(worst)
 }
 
+/// The FP8 GEMM against an f64 reference of the same E4M3 operands and scales: each case of
+/// `CASES` (one row, M, N and K off the tiles, per-row and per-tensor activation scales, every
+/// epilogue but q|k|v, which `qkv_epilogue_matches_rope_append` checks) on both tile widths
+/// (128 x 128 and 128 x 256), outputs poisoned first and padding checked untouched; then the
+/// benchmark.
 pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
     let rt = crate::gpu()?;
     let seed = crate::seed();
@@ -307,98 +313,113 @@ pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
             k: k as u32,
             ldo: 0,
         };
-        let mut case_worst = 0f64;
-        let mut detail = json!({});
-        if let Epi::SwiGlu(fraction) = epi {
-            let inter = n / 2;
-            let ldo = inter + 16;
-            // The SwiGLU of every checked row in f64, and its largest |h|.
-            let h: Vec<Vec<f64>> = refs
-                .iter()
-                .map(|(y, _)| {
-                    (0..inter)
-                        .map(|j| y[2 * j] / (1.0 + (-y[2 * j]).exp()) * y[2 * j + 1])
-                        .collect()
-                })
-                .collect();
-            let amax_checked = h.iter().flatten().fold(0f64, |a, v| a.max(v.abs()));
-            let scale = stoke_formats::fp8::scale_for(amax_checked as f32 * fraction);
-            let out = rt.alloc(m * ldo).map_err(|e| e.to_string())?;
-            let sb = put_f32(&rt, &[scale]);
-            let (amax_b, sat_b) = (rt.alloc(4).unwrap(), rt.alloc(4).unwrap());
-            unsafe {
-                rt.fill_bytes(out.ptr(), 0xFF, out.bytes())
-                    .map_err(|e| e.to_string())?;
-                rt.fill_bytes(amax_b.ptr(), 0, 4)
-                    .map_err(|e| e.to_string())?;
-                rt.fill_bytes(sat_b.ptr(), 0, 4)
-                    .map_err(|e| e.to_string())?;
-            }
-            call.ldo = ldo as u32;
-            call.epilogue = Fp8Epilogue::SwiGlu {
-                codes: out.as_mut_ptr(),
-                scale: sb.as_ptr(),
-                amax: amax_b.as_mut_ptr(),
-                saturated: sat_b.as_mut_ptr(),
-            };
-            unsafe { fp8_gemm(&rt, &call) }.map_err(|e| format!("{what}: {e}"))?;
-            let mut got = vec![0u8; m * ldo];
-            unsafe { rt.copy_dtoh(&mut got, out.ptr()) }.map_err(|e| e.to_string())?;
-            let (amax, sat) = (f32::from_bits(get_u32(&amax_b)?), get_u32(&sat_b)?);
-            let s = f64::from(scale);
-            let (mut want_sat, mut ambiguous) = (0u32, 0u32);
-            for (ri, &r) in rows.iter().enumerate() {
-                for j in 0..ldo {
-                    let c = got[r * ldo + j];
-                    if j >= inter {
-                        if c != 0xFF {
-                            return Err(format!("{what}: padding code {j} of row {r} was written"));
+        // Each case on both tile widths (the q|k|v epilogue, not run here, has no wide FP8 one).
+        for wide in [false, true] {
+            let tiles = if wide { "128 x 256" } else { "128 x 128" };
+            let what = format!("{what} on {tiles} tiles");
+            let mut case_worst = 0f64;
+            let mut detail = json!({});
+            if let Epi::SwiGlu(fraction) = epi {
+                let inter = n / 2;
+                let ldo = inter + 16;
+                // The SwiGLU of every checked row in f64, and its largest |h|.
+                let h: Vec<Vec<f64>> = refs
+                    .iter()
+                    .map(|(y, _)| {
+                        (0..inter)
+                            .map(|j| y[2 * j] / (1.0 + (-y[2 * j]).exp()) * y[2 * j + 1])
+                            .collect()
+                    })
+                    .collect();
+                let amax_checked = h.iter().flatten().fold(0f64, |a, v| a.max(v.abs()));
+                let scale = stoke_formats::fp8::scale_for(amax_checked as f32 * fraction);
+                let out = rt.alloc(m * ldo).map_err(|e| e.to_string())?;
+                let sb = put_f32(&rt, &[scale]);
+                let (amax_b, sat_b) = (rt.alloc(4).unwrap(), rt.alloc(4).unwrap());
+                unsafe {
+                    rt.fill_bytes(out.ptr(), 0xFF, out.bytes())
+                        .map_err(|e| e.to_string())?;
+                    rt.fill_bytes(amax_b.ptr(), 0, 4)
+                        .map_err(|e| e.to_string())?;
+                    rt.fill_bytes(sat_b.ptr(), 0, 4)
+                        .map_err(|e| e.to_string())?;
+                }
+                call.ldo = ldo as u32;
+                call.epilogue = Fp8Epilogue::SwiGlu {
+                    codes: out.as_mut_ptr(),
+                    scale: sb.as_ptr(),
+                    amax: amax_b.as_mut_ptr(),
+                    saturated: sat_b.as_mut_ptr(),
+                };
+                unsafe { fp8_gemm_tiles(&rt, &call, wide) }.map_err(|e| format!("{what}: {e}"))?;
+                let mut got = vec![0u8; m * ldo];
+                unsafe { rt.copy_dtoh(&mut got, out.ptr()) }.map_err(|e| e.to_string())?;
+                let (amax, sat) = (f32::from_bits(get_u32(&amax_b)?), get_u32(&sat_b)?);
+                let s = f64::from(scale);
+                let (mut want_sat, mut ambiguous) = (0u32, 0u32);
+                for (ri, &r) in rows.iter().enumerate() {
+                    for j in 0..ldo {
+                        let c = got[r * ldo + j];
+                        if j >= inter {
+                            if c != 0xFF {
+                                return Err(format!(
+                                    "{what}: padding code {j} of row {r} was written"
+                                ));
+                            }
+                            continue;
                         }
-                        continue;
+                        let (g, u) = (refs[ri].0[2 * j], refs[ri].0[2 * j + 1]);
+                        let dh = h_error(g, u, refs[ri].1[2 * j], refs[ri].1[2 * j + 1], TOL_L1);
+                        let code = check_code(c, h[ri][j], s, dh);
+                        want_sat += u32::from(code.saturates);
+                        ambiguous += u32::from(code.ambiguous);
+                        let ratio = code
+                            .ratio
+                            .map_err(|e| format!("{what}: code [{r}][{j}] {e}"))?;
+                        case_worst = case_worst.max(ratio);
                     }
-                    let (g, u) = (refs[ri].0[2 * j], refs[ri].0[2 * j + 1]);
-                    let dh = h_error(g, u, refs[ri].1[2 * j], refs[ri].1[2 * j + 1], TOL_L1);
-                    let code = check_code(c, h[ri][j], s, dh);
-                    want_sat += u32::from(code.saturates);
-                    ambiguous += u32::from(code.ambiguous);
-                    let ratio = code
-                        .ratio
-                        .map_err(|e| format!("{what}: code [{r}][{j}] {e}"))?;
-                    case_worst = case_worst.max(ratio);
                 }
+                if rows.len() == m {
+                    if sat.abs_diff(want_sat) > ambiguous {
+                        return Err(format!(
+                            "{what}: {sat} saturated, reference {want_sat} (+- {ambiguous})"
+                        ));
+                    }
+                    let rel = (f64::from(amax) - amax_checked).abs() / amax_checked;
+                    if !(rel <= 1e-2) {
+                        return Err(format!("{what}: amax {amax}, reference {amax_checked}"));
+                    }
+                }
+                detail = json!({"scale": scale, "saturated": sat, "reference_saturated": want_sat,
+                    "amax": amax, "reference_amax": amax_checked});
+            } else {
+                let BfOut {
+                    ldo,
+                    out,
+                    residual,
+                    rb,
+                } = BfOut::new(&rt, &mut rng, m, n, epi)?;
+                call.ldo = ldo as u32;
+                call.epilogue = bf16_epilogue(epi, &out, &rb, n);
+                unsafe { fp8_gemm_tiles(&rt, &call, wide) }.map_err(|e| format!("{what}: {e}"))?;
+                let got = try_get_bf16(&out).map_err(|e| format!("{what}: {e}"))?;
+                case_worst = check_bf16_outputs(
+                    &what,
+                    &got,
+                    &rows,
+                    &refs,
+                    (n, ldo),
+                    epi,
+                    &residual,
+                    TOL_L1,
+                )?;
             }
-            if rows.len() == m {
-                if sat.abs_diff(want_sat) > ambiguous {
-                    return Err(format!(
-                        "{what}: {sat} saturated, reference {want_sat} (+- {ambiguous})"
-                    ));
-                }
-                let rel = (f64::from(amax) - amax_checked).abs() / amax_checked;
-                if !(rel <= 1e-2) {
-                    return Err(format!("{what}: amax {amax}, reference {amax_checked}"));
-                }
-            }
-            detail = json!({"scale": scale, "saturated": sat, "reference_saturated": want_sat,
-                "amax": amax, "reference_amax": amax_checked});
-        } else {
-            let BfOut {
-                ldo,
-                out,
-                residual,
-                rb,
-            } = BfOut::new(&rt, &mut rng, m, n, epi)?;
-            call.ldo = ldo as u32;
-            call.epilogue = bf16_epilogue(epi, &out, &rb, n);
-            unsafe { fp8_gemm(&rt, &call) }.map_err(|e| format!("{what}: {e}"))?;
-            let got = try_get_bf16(&out).map_err(|e| format!("{what}: {e}"))?;
-            case_worst =
-                check_bf16_outputs(&what, &got, &rows, &refs, (n, ldo), epi, &residual, TOL_L1)?;
+            worst = worst.max(case_worst);
+            cases.push(json!({"m": m, "n": n, "k": k, "per_row_scales": per_row,
+                "epilogue": format!("{epi:?}"), "tiles": tiles, "rows_checked": rows.len(),
+                "worst_error_over_bound": case_worst, "detail": detail,
+                "grid": tiles_grid(wide, m, n, rt.sm_count)}));
         }
-        worst = worst.max(case_worst);
-        cases.push(json!({"m": m, "n": n, "k": k, "per_row_scales": per_row,
-            "epilogue": format!("{epi:?}"), "rows_checked": rows.len(),
-            "worst_error_over_bound": case_worst, "detail": detail,
-            "grid": grid(m as u32, n as u32, rt.sm_count)}));
     }
     Ok(
         json!({"seed": seed, "tol_l1": TOL_L1, "worst_error_over_bound": worst, "cases": cases,
@@ -552,6 +573,11 @@ impl Point {
     }
 }
 
+/// Persistent CTAs of an `m` x `n` call on wide (128 x 256) or narrow (128 x 128) tiles.
+fn tiles_grid(wide: bool, m: usize, n: usize, sm_count: u32) -> usize {
+    (m.div_ceil(128) * n.div_ceil(if wide { 256 } else { 128 })).min(sm_count as usize)
+}
+
 /// Times `launch` (`flop` per call) and reports the point as `kind` at `(name, m, n, k)`.
 fn time_point(
     rt: &Arc<Runtime>,
@@ -573,7 +599,8 @@ fn time_point(
 
 /// TFLOP/s of the FP8 GEMM at each shape with the plain epilogue, and with the epilogue each
 /// projection runs in the model: residual (o, down), SwiGLU to E4M3 with a delayed scale and
-/// SwiGLU to bf16 (gate|up).
+/// SwiGLU to bf16 (gate|up); each on both tile widths (`n256`: 128 x 256), marked where the
+/// tile rule picks it.
 pub fn bench() -> Value {
     let rt = crate::gpu().expect("GPU");
     let mut rng = StdRng::seed_from_u64(12);
@@ -590,10 +617,7 @@ pub fn bench() -> Value {
             let point = Point::new(&rt, &mut rng, m, n, k);
             let call = point.call(&wb, &sw, m, n, k);
             let at = (name, m, n, k);
-            rows.push(time_point(&rt, "fp8 plain", at, &|| {
-                unsafe { fp8_gemm(&rt, &call) }.unwrap()
-            }));
-            let mut epilogues = Vec::new();
+            let mut epilogues = vec![("fp8 plain", call.epilogue, n, None)];
             if name.ends_with("_o") || name.ends_with("_down") {
                 let residual = put_u16(&rt, &crate::int4::random_bf16(&mut rng, m * n));
                 let out = point.out.as_mut_ptr();
@@ -621,15 +645,27 @@ pub fn bench() -> Value {
                     None,
                 ));
             }
+            // Each epilogue on both tile widths, and which one the rule picks on this GPU.
+            let rule = wide_tiles(m as u32, n as u32, rt.sm_count);
             for (kind, epilogue, ldo, _keep) in epilogues {
                 let call = Fp8Gemm {
                     epilogue,
                     ldo: ldo as u32,
                     ..call
                 };
-                rows.push(time_point(&rt, kind, at, &|| {
-                    unsafe { fp8_gemm(&rt, &call) }.unwrap()
-                }));
+                for wide in [false, true] {
+                    let kind = if wide {
+                        format!("{kind} n256")
+                    } else {
+                        kind.into()
+                    };
+                    let mut row = time_point(&rt, &kind, at, &|| {
+                        unsafe { fp8_gemm_tiles(&rt, &call, wide) }.unwrap()
+                    });
+                    row["picked_by_rule"] = json!(wide == rule);
+                    row["grid"] = json!(tiles_grid(wide, m, n, rt.sm_count));
+                    rows.push(row);
+                }
             }
         }
     }
@@ -659,16 +695,13 @@ pub fn bf16_bench() -> Value {
                 ldo: n as u32,
             };
             // Both tile widths, and which one the rule picks on this GPU.
-            let rule = bf16_wide_tiles(m as u32, n as u32, rt.sm_count);
+            let rule = wide_tiles(m as u32, n as u32, rt.sm_count);
             for (kind, wide) in [("bf16 plain", false), ("bf16 plain n256", true)] {
                 let mut row = time_point(&rt, kind, (name, m, n, k), &|| {
                     unsafe { bf16_tc_gemm_tiles(&rt, &call, wide) }.unwrap()
                 });
                 row["picked_by_rule"] = json!(wide == rule);
-                if wide {
-                    row["grid"] =
-                        json!((m.div_ceil(128) * n.div_ceil(256)).min(rt.sm_count as usize));
-                }
+                row["grid"] = json!(tiles_grid(wide, m, n, rt.sm_count));
                 rows.push(row);
             }
         }

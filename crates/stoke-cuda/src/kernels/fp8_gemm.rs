@@ -74,13 +74,17 @@ pub const ENTRY_POINTS: &[&str] = &[
     "bf16_tc_gemm_residual_n256",
     "bf16_tc_gemm_swiglu_bf16_n256",
     "bf16_tc_gemm_qkv_n256",
+    "fp8_gemm_plain_n256",
+    "fp8_gemm_residual_n256",
+    "fp8_gemm_swiglu_n256",
+    "fp8_gemm_swiglu_bf16_n256",
 ];
 
 /// The kernel's tile rows (`BM`), k bytes per stage (`BK`) and threads.
 const BM: u32 = 128;
 const BK: u32 = 128;
 const THREADS: u32 = 384;
-/// Tile columns: FP8 and bf16 (`BN`), and the wide bf16 tiles (`_n256`).
+/// Tile columns: narrow (`BN`) and wide (`_n256`) tiles.
 const BN: u32 = 128;
 const BN_WIDE: u32 = 256;
 
@@ -96,11 +100,13 @@ const fn smem_bytes(bn: u32) -> u32 {
 /// fraction: `WIDE_RATE.0 / WIDE_RATE.1`.
 const WIDE_RATE: (u32, u32) = (6, 5);
 
-/// Whether a bf16 call of `m` x `n` runs on 128 x 256 tiles: where its waves of wide tiles
-/// (one persistent CTA per SM) take less time than the waves of 128 x 128 ones, a wide tile
-/// taking `2 / WIDE_RATE` of a narrow one's time. Calls whose wide tiles would leave SMs idle
-/// (the 8B o projection at 512 rows: 64 wide tiles on 132 SMs) keep the narrow ones.
-pub fn bf16_wide_tiles(m: u32, n: u32, sm_count: u32) -> bool {
+/// Whether a call of `m` x `n` runs on 128 x 256 tiles: where its waves of wide tiles (one
+/// persistent CTA per SM) take less time than the waves of 128 x 128 ones, a wide tile taking
+/// `2 / WIDE_RATE` of a narrow one's time. Calls whose wide tiles would leave SMs idle (the 8B
+/// o projection at 512 rows: 64 wide tiles on 132 SMs) keep the narrow ones. The rate is the
+/// bf16 tiles'; FP8 calls take the same rule (its wide tiles cut the same quarter of the L2
+/// traffic per MMA).
+pub fn wide_tiles(m: u32, n: u32, sm_count: u32) -> bool {
     let waves = |bn: u32| {
         (u64::from(m.div_ceil(BM)) * u64::from(n.div_ceil(bn))).div_ceil(u64::from(sm_count.max(1)))
     };
@@ -212,7 +218,7 @@ pub fn check_bf16_shape(g: &Bf16TcGemm) -> std::result::Result<(), ShapeError> {
 
 /// One operand type's name, the multiple `k` must be, and its entry points by epilogue:
 /// plain, residual, SwiGLU to E4M3 (none for bf16 operands), SwiGLU to bf16, q|k|v; then the
-/// same on wide tiles (bf16 only).
+/// same on wide tiles (q|k|v for bf16 only).
 struct Operands {
     what: &'static str,
     k_multiple: u32,
@@ -229,7 +235,13 @@ const FP8: Operands = Operands {
         Some("fp8_gemm_swiglu_bf16"),
         Some("fp8_gemm_qkv"),
     ],
-    wide: [None; 5],
+    wide: [
+        Some("fp8_gemm_plain_n256"),
+        Some("fp8_gemm_residual_n256"),
+        Some("fp8_gemm_swiglu_n256"),
+        Some("fp8_gemm_swiglu_bf16_n256"),
+        None,
+    ],
 };
 const BF16: Operands = Operands {
     what: "bf16 GEMM",
@@ -321,10 +333,12 @@ fn check_call(
     })
 }
 
-/// The wide-tile entry point of `entry` (a bf16 one of [`check_call`]).
+/// The wide-tile entry point of `entry` (one of [`check_call`]'s), if it has one.
 fn wide_entry(entry: &'static str) -> Option<&'static str> {
-    let i = BF16.entries.iter().position(|e| *e == Some(entry))?;
-    BF16.wide[i]
+    [FP8, BF16].into_iter().find_map(|ops| {
+        let i = ops.entries.iter().position(|e| *e == Some(entry))?;
+        ops.wide[i]
+    })
 }
 
 /// The q|k|v epilogue's layout: heads of 64 or 128 (a tile holds whole heads) in both caches
@@ -468,10 +482,26 @@ fn params(a_map: TensorMap, w_map: TensorMap, m: u32, n: u32, k: u32, ldo: u32) 
 /// with [`Fp8Epilogue::Qkv`], every `slot_of[r]` a slot of the caches and every `pos[r]` below
 /// their capacity.
 pub unsafe fn fp8_gemm(rt: &Runtime, g: &Fp8Gemm) -> Result<()> {
-    let entry = check_call(FP8, g.m, g.n, g.k, g.ldo, g.epilogue)?;
+    let wide = wide_tiles(g.m, g.n, rt.sm_count);
+    // SAFETY: the caller's guarantees.
+    unsafe { fp8_gemm_tiles(rt, g, wide) }
+}
+
+/// [`fp8_gemm`] on the tiles named (`wide`: 128 x 256, where the epilogue has them; else
+/// 128 x 128) instead of the ones [`wide_tiles`] picks: for tests and benchmarks that run
+/// both.
+///
+/// # Safety
+/// As [`fp8_gemm`].
+pub unsafe fn fp8_gemm_tiles(rt: &Runtime, g: &Fp8Gemm, wide: bool) -> Result<()> {
+    let narrow = check_call(FP8, g.m, g.n, g.k, g.ldo, g.epilogue)?;
+    let (entry, bn) = match wide_entry(narrow) {
+        Some(e) if wide => (e, BN_WIDE),
+        _ => (narrow, BN),
+    };
     let mut p = params(
         rt.u8_tensor_map_2d(g.a.addr(), g.m, g.k, BM, BK)?,
-        rt.u8_tensor_map_2d(g.w.addr(), g.n, g.k, BN, BK)?,
+        rt.u8_tensor_map_2d(g.w.addr(), g.n, g.k, bn, BK)?,
         g.m,
         g.n,
         g.k,
@@ -480,7 +510,7 @@ pub unsafe fn fp8_gemm(rt: &Runtime, g: &Fp8Gemm) -> Result<()> {
     (p.a_scale, p.w_scale) = (g.a_scale, g.w_scale);
     p.a_scale_stride = u32::from(g.a_scale_per_row);
     // SAFETY: the caller's guarantees.
-    unsafe { launch(rt, p, g.epilogue, entry, BN) }
+    unsafe { launch(rt, p, g.epilogue, entry, bn) }
 }
 
 /// One call of the same persistent GEMM on bf16 operands (`bf16_tc_gemm_*`): `y = A W^T`
@@ -508,13 +538,13 @@ pub struct Bf16TcGemm {
 /// with [`Fp8Epilogue::Qkv`], every `slot_of[r]` a slot of the caches and every `pos[r]` below
 /// their capacity.
 pub unsafe fn bf16_tc_gemm(rt: &Runtime, g: &Bf16TcGemm) -> Result<()> {
-    let wide = bf16_wide_tiles(g.m, g.n, rt.sm_count);
+    let wide = wide_tiles(g.m, g.n, rt.sm_count);
     // SAFETY: the caller's guarantees.
     unsafe { bf16_tc_gemm_tiles(rt, g, wide) }
 }
 
 /// [`bf16_tc_gemm`] on the tiles named (`wide`: 128 x 256, else 128 x 128) instead of the ones
-/// [`bf16_wide_tiles`] picks: for tests and benchmarks that run both.
+/// [`wide_tiles`] picks: for tests and benchmarks that run both.
 ///
 /// # Safety
 /// As [`bf16_tc_gemm`].
@@ -563,9 +593,18 @@ mod tests {
             smem_bytes(BN),
             smem_bytes(BN_WIDE)
         )));
-        // Every bf16 entry point has its wide twin, FP8 none.
-        for (narrow, wide) in BF16.entries.iter().zip(BF16.wide) {
-            assert_eq!(narrow.map(|e| format!("{e}_n256")).as_deref(), wide);
+        // Every entry point has its wide twin but FP8's q|k|v, and each is a kernel entry.
+        for ops in [FP8, BF16] {
+            for (narrow, wide) in ops.entries.iter().zip(ops.wide) {
+                if *narrow == Some("fp8_gemm_qkv") {
+                    assert_eq!(wide, None);
+                    continue;
+                }
+                assert_eq!(narrow.map(|e| format!("{e}_n256")).as_deref(), wide);
+            }
+            for e in ops.entries.iter().chain(ops.wide.iter()).flatten() {
+                assert!(ENTRY_POINTS.contains(e), "{e}");
+            }
         }
     }
 
@@ -624,13 +663,14 @@ mod tests {
             (8192, 4096, true),
             (64, 960, false),
         ] {
-            assert_eq!(bf16_wide_tiles(m, n, 132), wide, "m {m} n {n}");
+            assert_eq!(wide_tiles(m, n, 132), wide, "m {m} n {n}");
         }
         assert_eq!(
             wide_entry("bf16_tc_gemm_qkv"),
             Some("bf16_tc_gemm_qkv_n256")
         );
-        assert_eq!(wide_entry("fp8_gemm_plain"), None);
+        assert_eq!(wide_entry("fp8_gemm_swiglu"), Some("fp8_gemm_swiglu_n256"));
+        assert_eq!(wide_entry("fp8_gemm_qkv"), None);
         assert_eq!(grid(1, 1, 132), 1);
         assert_eq!(grid(2048, 4096, 132), 132);
         assert_eq!(grid(129, 256, 132), 4);
