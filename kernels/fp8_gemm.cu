@@ -576,54 +576,26 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_plain(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_PLAIN, false>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_residual(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_RESIDUAL, false>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_swiglu(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_SWIGLU, false>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_swiglu_bf16(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_SWIGLU_BF16, false>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_qkv(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_QKV, false>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_plain_n256(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_PLAIN, false, 256>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_residual_n256(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_RESIDUAL, false, 256>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_swiglu_n256(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_SWIGLU, false, 256>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_swiglu_bf16_n256(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_SWIGLU_BF16, false, 256>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_plain(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_PLAIN, true>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_residual(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_RESIDUAL, true>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_swiglu_bf16(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_SWIGLU_BF16, true>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_qkv(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_QKV, true>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_plain_n256(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_PLAIN, true, 256>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_residual_n256(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_RESIDUAL, true, 256>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_swiglu_bf16_n256(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_SWIGLU_BF16, true, 256>(p);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) bf16_tc_gemm_qkv_n256(const __grid_constant__ Fp8GemmParams p) {
-    fp8_gemm<EPI_QKV, true, 256>(p);
-}
+// Entry points: NAME runs fp8_gemm<EPI, BF16, BN>.
+#define FP8_GEMM_ENTRY(NAME, EPI, BF16, BN)                                                          \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(const __grid_constant__ Fp8GemmParams p) { \
+        fp8_gemm<EPI, BF16, BN>(p);                                                                   \
+    }
+
+FP8_GEMM_ENTRY(fp8_gemm_plain, EPI_PLAIN, false, 128)
+FP8_GEMM_ENTRY(fp8_gemm_residual, EPI_RESIDUAL, false, 128)
+FP8_GEMM_ENTRY(fp8_gemm_swiglu, EPI_SWIGLU, false, 128)
+FP8_GEMM_ENTRY(fp8_gemm_swiglu_bf16, EPI_SWIGLU_BF16, false, 128)
+FP8_GEMM_ENTRY(fp8_gemm_qkv, EPI_QKV, false, 128)
+FP8_GEMM_ENTRY(fp8_gemm_plain_n256, EPI_PLAIN, false, 256)
+FP8_GEMM_ENTRY(fp8_gemm_residual_n256, EPI_RESIDUAL, false, 256)
+FP8_GEMM_ENTRY(fp8_gemm_swiglu_n256, EPI_SWIGLU, false, 256)
+FP8_GEMM_ENTRY(fp8_gemm_swiglu_bf16_n256, EPI_SWIGLU_BF16, false, 256)
+FP8_GEMM_ENTRY(bf16_tc_gemm_plain, EPI_PLAIN, true, 128)
+FP8_GEMM_ENTRY(bf16_tc_gemm_residual, EPI_RESIDUAL, true, 128)
+FP8_GEMM_ENTRY(bf16_tc_gemm_swiglu_bf16, EPI_SWIGLU_BF16, true, 128)
+FP8_GEMM_ENTRY(bf16_tc_gemm_qkv, EPI_QKV, true, 128)
+FP8_GEMM_ENTRY(bf16_tc_gemm_plain_n256, EPI_PLAIN, true, 256)
+FP8_GEMM_ENTRY(bf16_tc_gemm_residual_n256, EPI_RESIDUAL, true, 256)
+FP8_GEMM_ENTRY(bf16_tc_gemm_swiglu_bf16_n256, EPI_SWIGLU_BF16, true, 256)
+FP8_GEMM_ENTRY(bf16_tc_gemm_qkv_n256, EPI_QKV, true, 256)

@@ -444,6 +444,35 @@ unsafe fn launch(
     unsafe { rt.launch(&k, shape, &p) }
 }
 
+/// The entry point and tile columns of a call that [`check_call`] gave `narrow` for, on the
+/// tiles named (`wide`: 128 x 256 where the epilogue has them, else 128 x 128), and its params
+/// with the maps of A `[m, row_bytes]` at `a` and W `[n, row_bytes]` at `w`.
+#[allow(clippy::too_many_arguments)]
+fn tiled_params(
+    rt: &Runtime,
+    narrow: &'static str,
+    wide: bool,
+    (a, w, row_bytes): (u64, u64, u32),
+    m: u32,
+    n: u32,
+    k: u32,
+    ldo: u32,
+) -> Result<(Fp8GemmParams, &'static str, u32)> {
+    let (entry, bn) = match wide_entry(narrow) {
+        Some(e) if wide => (e, BN_WIDE),
+        _ => (narrow, BN),
+    };
+    let p = params(
+        rt.u8_tensor_map_2d(a, m, row_bytes, BM, BK)?,
+        rt.u8_tensor_map_2d(w, n, row_bytes, bn, BK)?,
+        m,
+        n,
+        k,
+        ldo,
+    );
+    Ok((p, entry, bn))
+}
+
 /// Params with the operands' maps and sizes, no scales and no epilogue yet.
 fn params(a_map: TensorMap, w_map: TensorMap, m: u32, n: u32, k: u32, ldo: u32) -> Fp8GemmParams {
     Fp8GemmParams {
@@ -495,18 +524,8 @@ pub unsafe fn fp8_gemm(rt: &Runtime, g: &Fp8Gemm) -> Result<()> {
 /// As [`fp8_gemm`].
 pub unsafe fn fp8_gemm_tiles(rt: &Runtime, g: &Fp8Gemm, wide: bool) -> Result<()> {
     let narrow = check_call(FP8, g.m, g.n, g.k, g.ldo, g.epilogue)?;
-    let (entry, bn) = match wide_entry(narrow) {
-        Some(e) if wide => (e, BN_WIDE),
-        _ => (narrow, BN),
-    };
-    let mut p = params(
-        rt.u8_tensor_map_2d(g.a.addr(), g.m, g.k, BM, BK)?,
-        rt.u8_tensor_map_2d(g.w.addr(), g.n, g.k, bn, BK)?,
-        g.m,
-        g.n,
-        g.k,
-        g.ldo,
-    );
+    let operands = (g.a.addr(), g.w.addr(), g.k);
+    let (mut p, entry, bn) = tiled_params(rt, narrow, wide, operands, g.m, g.n, g.k, g.ldo)?;
     (p.a_scale, p.w_scale) = (g.a_scale, g.w_scale);
     p.a_scale_stride = u32::from(g.a_scale_per_row);
     // SAFETY: the caller's guarantees.
@@ -550,18 +569,9 @@ pub unsafe fn bf16_tc_gemm(rt: &Runtime, g: &Bf16TcGemm) -> Result<()> {
 /// As [`bf16_tc_gemm`].
 pub unsafe fn bf16_tc_gemm_tiles(rt: &Runtime, g: &Bf16TcGemm, wide: bool) -> Result<()> {
     let narrow = check_call(BF16, g.m, g.n, g.k, g.ldo, g.epilogue)?;
-    let (entry, bn) = match wide_entry(narrow) {
-        Some(e) if wide => (e, BN_WIDE),
-        _ => (narrow, BN),
-    };
-    let p = params(
-        rt.u8_tensor_map_2d(g.a.addr(), g.m, 2 * g.k, BM, BK)?,
-        rt.u8_tensor_map_2d(g.w.addr(), g.n, 2 * g.k, bn, BK)?,
-        g.m,
-        g.n,
-        g.k,
-        g.ldo,
-    );
+    // Rows of bf16 loaded as bytes.
+    let operands = (g.a.addr(), g.w.addr(), 2 * g.k);
+    let (p, entry, bn) = tiled_params(rt, narrow, wide, operands, g.m, g.n, g.k, g.ldo)?;
     // SAFETY: the caller's guarantees.
     unsafe { launch(rt, p, g.epilogue, entry, bn) }
 }
