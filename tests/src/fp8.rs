@@ -1087,3 +1087,172 @@ pub fn fp8_delayed_swiglu_matches_reference() -> Result<Value, String> {
         "worst_error_over_bound": worst, "invocations": cases}),
     )
 }
+
+/// `linear(rms_norm(x, gamma), W)` on `Stoke<Cuda>` with FP8 prefill on, for a pinned bf16
+/// weight: the norm is deferred, and the plain, residual and SwiGLU projections read `x`'s
+/// E4M3 rows with RMSNorm's row factor in their scales and a copy of `diag(gamma) W` in E4M3.
+/// Against the f64 product of the same quantized operands
+/// (`quantize_rows_fused` with `normalize`, `Fp8Weight` of the folded weight). Then the
+/// deferred norm read as a tensor against the RMSNorm reference, and a second gain on the same
+/// weight (not folded: its normalized rows on the plain E4M3 copy) against the f64 linear.
+pub fn fp8_folded_norm_matches_reference() -> Result<Value, String> {
+    use burn::module::Param;
+    use burn::tensor::{DType, Tensor, TensorData};
+    use stoke::cuda::fp8_linear as fl;
+    let rt = crate::gpu()?;
+    rt.set_poison_allocations(true);
+    let seed = crate::seed();
+    let mut rng = StdRng::seed_from_u64(seed ^ 0xf01d);
+    let device = Default::default();
+    // Rows past the W4A16 kernels' 64, not a multiple of the tile; gate|up of 2 x 192.
+    let (m, k, n, eps) = (200usize, 512usize, 384usize, 1e-5f64);
+    let (_, xs) = bf16_round(&activations(&mut rng, m, k));
+    let gains = |rng: &mut StdRng| {
+        let g: Vec<f32> = (0..k).map(|_| rng.random_range(0.2f32..2.5)).collect();
+        bf16_round(&g).1
+    };
+    let (gamma, gamma2) = (gains(&mut rng), gains(&mut rng));
+    let bound = 1.0 / (k as f32).sqrt();
+    let w: Vec<f32> = (0..k * n)
+        .map(|_| rng.random_range(-bound..bound))
+        .collect();
+    let w = bf16_round(&w).1;
+    let res: Vec<f32> = (0..m * n).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+    let res = bf16_round(&res).1;
+    let tensor2 = |v: &[f32], d: [usize; 2]| {
+        Tensor::<crate::StokeCuda, 2>::from_data(TensorData::new(v.to_vec(), d), &device)
+            .cast(DType::BF16)
+    };
+    let tensor1 = |v: &[f32]| {
+        stoke::cuda::pin(
+            Tensor::<crate::StokeCuda, 1>::from_data(TensorData::new(v.to_vec(), [k]), &device)
+                .cast(DType::BF16),
+        )
+    };
+    let xt = tensor2(&xs, [m, k]);
+    let wt = stoke::cuda::pin(tensor2(&w, [k, n]));
+    let linear = burn::nn::Linear {
+        weight: Param::from_tensor(wt.clone()),
+        bias: None,
+    };
+    let (gt, gt2) = (tensor1(&gamma), tensor1(&gamma2));
+
+    let was = fl::fp8_prefill();
+    fl::set_fp8_prefill(true);
+    let folded0 = fl::folded_norm_calls();
+    let normed = stoke::rms_norm(xt.clone(), gt, eps);
+    let y = burn::tensor::module::linear(normed.clone(), wt.clone(), None);
+    let yr = stoke::linear_residual(normed.clone(), &linear, tensor2(&res, [m, n]));
+    let yg = stoke::linear_swiglu(normed.clone(), &linear);
+    let folded = fl::folded_norm_calls() - folded0;
+    let (got, got_r, got_g) = (
+        crate::f64s(y.into_data()),
+        crate::f64s(yr.into_data()),
+        crate::f64s(yg.into_data()),
+    );
+    let got_normed = crate::f64s(normed.into_data());
+    let folded_after = fl::folded_norm_calls();
+    let normed2 = stoke::rms_norm(xt, gt2, eps);
+    let got2 = crate::f64s(burn::tensor::module::linear(normed2, wt, None).into_data());
+    let folded2 = fl::folded_norm_calls() - folded_after;
+    fl::set_fp8_prefill(was);
+    rt.set_poison_allocations(false);
+    let what = format!("seed {seed}: x [{m}, {k}], W [{k}, {n}]");
+    if folded != 3 || folded2 != 0 {
+        return Err(format!(
+            "{what}: {folded} of 3 projections read the folded copy (expected 3), {folded2} after a second gain (expected 0)"
+        ));
+    }
+
+    // The reference over the same quantized operands.
+    let (codes, scales) =
+        quantize_rows_fused(&xs, m, k, eps as f32, true).map_err(|e| e.to_string())?;
+    let folded_nk: Vec<f32> = (0..n)
+        .flat_map(|j| (0..k).map(move |i| (i, j)))
+        .map(|(i, j)| w[i * n + j] * gamma[i])
+        .collect();
+    let wq = Fp8Weight::quantize(&folded_nk, n, k, None).map_err(|e| e.to_string())?;
+    let want = stoke_formats::fp8::gemm_reference(&codes, &scales, m, &wq);
+    // Each output against its row's largest |value|: the GEMM's f32 sums and its bf16 output
+    // (2^-9 of the value), the residual's add in f32 before that rounding.
+    let row_err = |got: &[f64], want: &[f64], cols: usize| -> f64 {
+        got.chunks(cols)
+            .zip(want.chunks(cols))
+            .map(|(g, w)| {
+                let scale = w.iter().fold(1e-30f64, |a, v| a.max(v.abs()));
+                g.iter()
+                    .zip(w)
+                    .map(|(a, b)| {
+                        if a.is_finite() {
+                            (a - b).abs() / scale
+                        } else {
+                            f64::INFINITY
+                        }
+                    })
+                    .fold(0f64, f64::max)
+            })
+            .fold(0f64, f64::max)
+    };
+    let want_r: Vec<f64> = want
+        .iter()
+        .zip(&res)
+        .map(|(a, b)| a + f64::from(*b))
+        .collect();
+    let (err, err_r) = (row_err(&got, &want, n), row_err(&got_r, &want_r, n));
+    let tol = 2f64.powi(-7);
+    if !(err <= tol && err_r <= tol) {
+        return Err(format!(
+            "{what}: folded linear {err:.2e}, with the residual {err_r:.2e} of the row's largest value (limit {tol:.2e})"
+        ));
+    }
+    // SwiGLU to E4M3 (per row at a delayed scale's first invocation): half an E4M3 step of each
+    // value (2^-4), bf16's below it.
+    let inter = n / 2;
+    let silu = |g: f64| g / (1.0 + (-g).exp());
+    let want_g: Vec<f64> = want.chunks(2).map(|p| silu(p[0]) * p[1]).collect();
+    let mut err_g = 0f64;
+    for (gr, wr) in got_g.chunks(inter).zip(want_g.chunks(inter)) {
+        let amax = wr.iter().fold(1e-30f64, |a, v| a.max(v.abs()));
+        for (a, b) in gr.iter().zip(wr) {
+            let e = (a - b).abs() / (b.abs() / 16.0 + amax / 128.0);
+            err_g = err_g.max(if a.is_finite() { e } else { f64::INFINITY });
+        }
+    }
+    if !(err_g <= 1.0) {
+        return Err(format!(
+            "{what}: folded SwiGLU {err_g:.2} x (half an E4M3 step + 2^-7 of the row's largest value)"
+        ));
+    }
+    let x64: Vec<f64> = xs.iter().map(|&v| f64::from(v)).collect();
+    let g64 = |g: &[f32]| g.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>();
+    let want_normed = stoke_formats::reference::rms_norm(&x64, &g64(&gamma), k, eps);
+    let err_normed = stoke_formats::reference::relative_error(&got_normed, &want_normed);
+    if !(err_normed <= 1e-3) {
+        return Err(format!(
+            "{what}: the deferred norm read as a tensor: relative error {err_normed:.2e}"
+        ));
+    }
+    let normed2_64 = stoke_formats::reference::rms_norm(&x64, &g64(&gamma2), k, eps);
+    let want2: Vec<f64> = (0..m)
+        .flat_map(|r| {
+            let row = &normed2_64[r * k..(r + 1) * k];
+            let w = &w;
+            (0..n).map(move |j| {
+                (0..k)
+                    .map(|i| row[i] * f64::from(w[i * n + j]))
+                    .sum::<f64>()
+            })
+        })
+        .collect();
+    let err2 = stoke_formats::reference::relative_error(&got2, &want2);
+    if !(err2 <= 0.05) {
+        return Err(format!(
+            "{what}: a second gain on the same weight (plain E4M3 copy): relative error {err2:.2e} against the f64 linear"
+        ));
+    }
+    Ok(
+        json!({"seed": seed, "m": m, "k": k, "n": n, "folded_calls": folded,
+        "linear_row_err": err, "residual_row_err": err_r, "swiglu_err_units": err_g,
+        "normed_rel_err": err_normed, "second_gain_rel_err": err2}),
+    )
+}

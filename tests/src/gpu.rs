@@ -106,6 +106,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::fp8::fp8_delayed_swiglu_matches_reference,
     ),
     (
+        "fp8_folded_norm_matches_reference",
+        crate::fp8::fp8_folded_norm_matches_reference,
+    ),
+    (
         "smollm2_fp8_prefill_matches_bf16",
         crate::llama::fp8_prefill_matches_bf16,
     ),

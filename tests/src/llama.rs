@@ -355,8 +355,10 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
     let (batch, len) = (4usize, 256usize);
     let path = model_path()?;
     let device = Default::default();
-    let packed = load_gguf_packed::<crate::StokeCuda>(&path, &device, DType::BF16, len)
+    let mut packed = load_gguf_packed::<crate::StokeCuda>(&path, &device, DType::BF16, len)
         .map_err(|e| e.to_string())?;
+    // Pinned as the main job pins it: the norms' gains too, which FP8 prefill folds.
+    packed.model = packed.model.pinned();
     let plain32 = load_gguf::<crate::PlainCuda>(&path, &device, DType::F32, len)
         .map_err(|e| e.to_string())?;
     let ids = eval_ids(&packed)?;
@@ -395,15 +397,21 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
     let run = |m: &Llama<crate::StokeCuda>, fp8: bool| {
         stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
         let calls0 = stoke::cuda::fp8_linear::kernel_calls();
+        let folded0 = stoke::cuda::fp8_linear::folded_norm_calls();
         let logits = prefill(m, &ids, (batch, len), DType::BF16, &device);
-        (logits, stoke::cuda::fp8_linear::kernel_calls() - calls0)
+        let calls = stoke::cuda::fp8_linear::kernel_calls() - calls0;
+        (
+            logits,
+            calls,
+            stoke::cuda::fp8_linear::folded_norm_calls() - folded0,
+        )
     };
-    let (fp8_first, _) = run(&packed.model, true);
-    let (fp8, fp8_calls) = run(&packed.model, true);
-    let (bf16, _) = run(&packed.model, false);
+    let (fp8_first, _, _) = run(&packed.model, true);
+    let (fp8, fp8_calls, folded_calls) = run(&packed.model, true);
+    let (bf16, _, _) = run(&packed.model, false);
     run(&dense, true);
-    let (fp8_dense, fp8_dense_calls) = run(&dense, true);
-    let (bf16_dense, _) = run(&dense, false);
+    let (fp8_dense, fp8_dense_calls, folded_dense_calls) = run(&dense, true);
+    let (bf16_dense, _, _) = run(&dense, false);
     let delayed = stoke::cuda::fp8_linear::delayed_scales()?;
     let saturated: u64 = delayed.iter().map(|d| d.state.saturated).sum();
     stoke::cuda::fp8_linear::set_fp8_prefill(was);
@@ -425,16 +433,24 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
     let ((d8, da8), (d16, da16)) = (judge(&fp8_dense), judge(&bf16_dense));
     let (p8_first, a8_first) = judge(&fp8_first);
     let report = json!({"batch": batch, "len": len, "fp8_gemm_calls": fp8_calls,
+        "folded_norm_calls": folded_calls,
         "perplexity": {"fp8": p8, "bf16": p16, "f32": p32, "fp8_first_per_row": p8_first},
         "delayed_scales": delayed.len(), "delayed_saturated": saturated,
         "fp8_first_top1_agreement_with_f32": a8_first,
         "fp8_over_bf16": p8 / p16 - 1.0,
         "top1_agreement_with_f32": {"fp8": a8, "bf16": a16},
-        "dense": {"fp8_gemm_calls": fp8_dense_calls,
+        "dense": {"fp8_gemm_calls": fp8_dense_calls, "folded_norm_calls": folded_dense_calls,
             "perplexity": {"fp8": d8, "bf16": d16}, "fp8_over_bf16": d8 / d16 - 1.0,
             "top1_agreement_with_f32": {"fp8": da8, "bf16": da16}}});
     if fp8_calls == 0 || fp8_dense_calls == 0 {
         return Err(format!("the FP8 GEMM never ran: {report}"));
+    }
+    // Half the projections (q|k|v and gate|up of each layer) read a norm's input with its gain
+    // folded into their E4M3 copy.
+    if 2 * folded_calls != fp8_calls || 2 * folded_dense_calls != fp8_dense_calls {
+        return Err(format!(
+            "the norms' gains were not folded into every projection they feed: {report}"
+        ));
     }
     // The same projections on both models; the dense model's output head is a pinned bf16
     // weight the FP8 GEMM would take, but `stoke::output_head` keeps it on bf16.

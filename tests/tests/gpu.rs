@@ -40,5 +40,6 @@ gpu_tests!(
     bf16_tc_gemm_matches_reference,
     qkv_epilogue_matches_rope_append,
     fp8_delayed_swiglu_matches_reference,
+    fp8_folded_norm_matches_reference,
     smollm2_fp8_prefill_matches_bf16,
 );

@@ -153,6 +153,43 @@ impl DeviceFp8Rows {
         k: u32,
         amax: DevicePtrMut<u32>,
     ) -> Result<Self> {
+        // SAFETY: the caller's guarantees.
+        unsafe { Self::quantize_with(rt, x, m, k, amax, None) }
+    }
+
+    /// Queues the E4M3 rows of RMSNorm's output for bf16 rows `x` (`[m, k]`, as for
+    /// [`quantize`](Self::quantize)), with RMSNorm's gain folded into the weight that reads
+    /// them: the codes of `x` itself (the per-row scale cancels RMSNorm's row factor `r =
+    /// rsqrt(mean(x^2) + eps)`) and the scale `amax(x) r / 448`
+    /// (`stoke_formats::fp8::quantize_rows_fused` with `normalize`). No normalized row is
+    /// written.
+    ///
+    /// # Safety
+    /// `x` must be valid device memory of `m k` bf16 until the kernel is done.
+    pub unsafe fn quantize_rms_normed(
+        rt: &Arc<Runtime>,
+        x: DevicePtr<bf16>,
+        m: u32,
+        k: u32,
+        eps: f32,
+    ) -> Result<Self> {
+        // SAFETY: the caller's guarantee.
+        unsafe { Self::quantize_with(rt, x, m, k, DevicePtrMut::NULL, Some(eps)) }
+    }
+
+    /// [`quantize`](Self::quantize), or with `normalize` = Some(eps)
+    /// [`quantize_rms_normed`](Self::quantize_rms_normed).
+    ///
+    /// # Safety
+    /// As [`quantize`](Self::quantize).
+    unsafe fn quantize_with(
+        rt: &Arc<Runtime>,
+        x: DevicePtr<bf16>,
+        m: u32,
+        k: u32,
+        amax: DevicePtrMut<u32>,
+        normalize: Option<f32>,
+    ) -> Result<Self> {
         let rows = Self::alloc(rt, m, k, true)?;
         let p = Fp8RowsParams {
             x,
@@ -162,8 +199,8 @@ impl DeviceFp8Rows {
             rows: m,
             k,
             ldx: k,
-            eps: 0.0,
-            normalize: 0,
+            eps: normalize.unwrap_or(0.0),
+            normalize: u32::from(normalize.is_some()),
             pad: 0,
         };
         // SAFETY: the caller's guarantees; the buffers are the rows' own.
@@ -293,8 +330,17 @@ pub unsafe fn fp8_swiglu_delayed(
     m: u32,
     state: &DeviceDelayedScale,
 ) -> Result<DeviceFp8Rows> {
-    let inter = w.n / 2;
-    if !w.n.is_multiple_of(2) || !inter.is_multiple_of(16) || m == 0 {
+    check_swiglu(w, m)?;
+    // SAFETY: the caller's guarantee for x; the rows are freed stream-ordered after the GEMM.
+    unsafe {
+        let xq = DeviceFp8Rows::quantize(rt, x, m, w.k, DevicePtrMut::NULL)?;
+        fp8_swiglu_delayed_rows(rt, w, &xq, state)
+    }
+}
+
+/// The shapes [`fp8_swiglu_delayed`] takes.
+fn check_swiglu(w: &DeviceFp8Weight, m: u32) -> Result<()> {
+    if !w.n.is_multiple_of(2) || !(w.n / 2).is_multiple_of(16) || m == 0 {
         return Err(ShapeError::new(
             format!(
                 "delayed-scale SwiGLU of [{m}, {}] x [{}, {}]",
@@ -305,17 +351,28 @@ pub unsafe fn fp8_swiglu_delayed(
         )
         .into());
     }
+    Ok(())
+}
+
+/// [`fp8_swiglu_delayed`] on E4M3 rows `xq` (e.g. [`DeviceFp8Rows::quantize_rms_normed`]'s).
+pub fn fp8_swiglu_delayed_rows(
+    rt: &Arc<Runtime>,
+    w: &DeviceFp8Weight,
+    xq: &DeviceFp8Rows,
+    state: &DeviceDelayedScale,
+) -> Result<DeviceFp8Rows> {
+    let (m, inter) = (xq.m, w.n / 2);
+    check_swiglu(w, m)?;
     let amax = DevicePtrMut::<u32>::new(state.field(STATE_AMAX));
-    // SAFETY: the caller's guarantee for x; every other buffer is owned here or by `state`
-    // and `w`, and freed stream-ordered after the queued kernels.
+    // SAFETY: every buffer is owned here or by `xq`, `state` and `w`, and freed stream-ordered
+    // after the queued kernels.
     unsafe {
-        let xq = DeviceFp8Rows::quantize(rt, x, m, w.k, DevicePtrMut::NULL)?;
         if state.queued.fetch_add(1, Ordering::Relaxed) == 0 {
             let h = rt.alloc(m as usize * inter as usize * 2)?;
             gemm_rows(
                 rt,
                 w,
-                &xq,
+                xq,
                 Fp8Epilogue::SwiGluBf16 {
                     out: h.as_mut_ptr(),
                 },
@@ -332,7 +389,7 @@ pub unsafe fn fp8_swiglu_delayed(
             amax,
             saturated: DevicePtrMut::new(state.field(STATE_SATURATED)),
         };
-        gemm_rows(rt, w, &xq, epilogue, inter)?;
+        gemm_rows(rt, w, xq, epilogue, inter)?;
         state.record(rt, rows.scales.as_mut_ptr())?;
         Ok(rows)
     }

@@ -248,6 +248,11 @@ impl<I: Backend> FusedOps for Stoke<I> {
     }
 
     fn rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        // FP8 prefill: deferred, so that the projection it feeds reads x with the gain folded
+        // into its weight.
+        if let Some(n) = crate::cuda::fp8_linear::RmsNormed::defer(&x, &gamma, eps) {
+            return crate::tensor::StokeTensor::owned(n);
+        }
         match crate::cuda::rms_norm::try_rms_norm::<I>(&x, None, &gamma, eps) {
             Some((normed, _)) => normed,
             None => rms_norm_reference::<Self>(x, gamma, eps),

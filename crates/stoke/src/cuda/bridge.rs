@@ -334,6 +334,10 @@ impl KernelInput {
                 _pin: None,
             };
         }
+        if let Some(n) = t.downcast_ref::<super::fp8_linear::RmsNormed<I>>() {
+            // Its normalized rows, computed on Stoke's stream and kept as long as `t`.
+            return Self::resolve(rt, n.normed(), device);
+        }
         if let Some(r) = t.downcast_ref::<ResidentTensor<I>>() {
             // Its pin is released through the runtime when the tensor drops, i.e. after every
             // kernel queued before that: nothing to hold per launch.

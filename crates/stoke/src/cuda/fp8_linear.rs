@@ -8,6 +8,12 @@
 //!   per row first, except the down projection's: the gate|up GEMM's SwiGLU epilogue writes
 //!   them in E4M3 with a delayed per-tensor scale ([`Fp8Activation`]), kept per weight and
 //!   request group ([`set_fp8_scale_group`]).
+//!
+//! With FP8 prefill on, an RMSNorm of prefill rows is deferred ([`RmsNormed`]): a projection
+//! that reads it reads a second E4M3 copy with the norm's gain folded into its rows
+//! (`diag(gamma) W`, quantized after the fold) and quantizes the norm's input with the row
+//! factor carried in the row scales, so no normalized activation is written. Anything else
+//! that reads the norm's output gets it from the RMSNorm kernel, once.
 
 use super::bridge::{DeviceTensor, KernelInput, ResidentTensor, runtime_for};
 use crate::packed::PackedWeight;
@@ -19,7 +25,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use stoke_cuda::fp8::{
     DeviceBf16Weight, DeviceDelayedScale, DeviceFp8Rows, DeviceFp8Weight, Fp8LinearEpilogue,
-    bf16_linear, fp8_linear, fp8_linear_rows, fp8_swiglu_delayed,
+    bf16_linear, fp8_linear_rows, fp8_swiglu_delayed_rows,
 };
 use stoke_cuda::kernels::int4_gemm::Epilogue;
 use stoke_cuda::{DevicePtr, DevicePtrMut, Runtime};
@@ -28,6 +34,7 @@ use stoke_formats::fp8::Fp8Weight;
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static KERNEL_CALLS: AtomicU64 = AtomicU64::new(0);
 static BF16_CALLS: AtomicU64 = AtomicU64::new(0);
+static FOLDED_CALLS: AtomicU64 = AtomicU64::new(0);
 static SCALE_GROUP: AtomicU64 = AtomicU64::new(0);
 /// Every delayed scale made in this process (for [`delayed_scales`]).
 static DELAYED: Mutex<Vec<(u64, Weak<DeviceDelayedScale>)>> = Mutex::new(Vec::new());
@@ -38,6 +45,9 @@ static DELAYED: Mutex<Vec<(u64, Weak<DeviceDelayedScale>)>> = Mutex::new(Vec::ne
 #[derive(Default)]
 pub(crate) struct PrefillCopies {
     fp8: OnceLock<Option<Arc<DeviceFp8Weight>>>,
+    /// The E4M3 copy with the gain of the RMSNorm that feeds the weight folded in (the first
+    /// gain it is called with; calls after a different norm read the plain copy).
+    fp8_folded: OnceLock<Option<FoldedFp8>>,
     bf16_nk: OnceLock<Option<Arc<DeviceBf16Weight>>>,
     delayed: Mutex<HashMap<u64, Arc<DeviceDelayedScale>>>,
 }
@@ -65,6 +75,97 @@ impl PrefillCopies {
                 None
             }
         }
+    }
+}
+
+/// An E4M3 copy of `diag(gamma) W`, and the gain it holds (kept alive, so that its address
+/// names it).
+struct FoldedFp8 {
+    gamma_ptr: u64,
+    _gamma: Box<dyn Any + Send + Sync>,
+    w: Arc<DeviceFp8Weight>,
+}
+
+/// The output of an RMSNorm of prefill rows with FP8 prefill on, not yet computed: the
+/// projections that read it ([`try_prefill_linear_with`], [`try_prefill_qkv`]) take `x` and
+/// the gain folded into their E4M3 copy; anything else reads the normalized bf16 rows, which
+/// the RMSNorm kernel computes at the first such read (on Stoke's stream).
+pub struct RmsNormed<I: Backend> {
+    x: StokeTensor<I>,
+    gamma: StokeTensor<I>,
+    gamma_ptr: u64,
+    eps: f64,
+    normed: OnceLock<StokeTensor<I>>,
+}
+
+impl<I: Backend> std::fmt::Debug for RmsNormed<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RmsNormed({:?})", self.x.shape())
+    }
+}
+
+impl<I: Backend> RmsNormed<I> {
+    /// `rms_norm(x, gamma, eps)` deferred, where FP8 prefill is on for this thread, `x` is
+    /// bf16 `[.., hidden]` with more rows than the W4A16 kernels take and `hidden` a multiple
+    /// of 16, `gamma` a pinned bf16 `[hidden]` weight and Stoke's runtime runs on the device;
+    /// `None` otherwise.
+    pub(crate) fn defer(x: &StokeTensor<I>, gamma: &StokeTensor<I>, eps: f64) -> Option<Self> {
+        if !fp8_prefill() || HEAD.get() || x.dtype() != DType::BF16 {
+            return None;
+        }
+        let shape = x.shape();
+        let hidden = *shape.as_slice().last()?;
+        let rows = shape.num_elements() / hidden.max(1);
+        let g = gamma.downcast_ref::<ResidentTensor<I>>()?;
+        if hidden == 0
+            || !hidden.is_multiple_of(16)
+            || rows <= super::int4_linear::MAX_KERNEL_ROWS
+            || rows > u32::MAX as usize
+            || g.dtype() != DType::BF16
+            || g.shape().as_slice() != [hidden]
+        {
+            return None;
+        }
+        runtime_for::<I>(&super::float_device(x))?;
+        Some(Self {
+            x: x.clone(),
+            gamma: gamma.clone(),
+            gamma_ptr: g.ptr(),
+            eps,
+            normed: OnceLock::new(),
+        })
+    }
+
+    /// The normalized rows (computed at the first call).
+    pub(crate) fn normed(&self) -> &StokeTensor<I> {
+        self.normed.get_or_init(|| {
+            match super::rms_norm::try_rms_norm::<I>(&self.x, None, &self.gamma, self.eps) {
+                Some((normed, _)) => normed,
+                None => crate::fused::rms_norm_reference::<crate::Stoke<I>>(
+                    self.x.clone(),
+                    self.gamma.clone(),
+                    self.eps,
+                ),
+            }
+        })
+    }
+}
+
+impl<I: Backend> StokeData<I> for RmsNormed<I> {
+    fn shape(&self) -> Shape {
+        self.x.shape()
+    }
+    fn dtype(&self) -> DType {
+        DType::BF16
+    }
+    fn device(&self) -> I::Device {
+        super::float_device(&self.x)
+    }
+    fn materialize(&self) -> I::FloatTensorPrimitive {
+        self.normed().clone().into_inner()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
     }
 }
 
@@ -199,6 +300,12 @@ pub fn kernel_calls() -> u64 {
     KERNEL_CALLS.load(Ordering::Relaxed)
 }
 
+/// How many of the [`kernel_calls`] read an RMSNorm's input with its gain folded into the
+/// weight's E4M3 copy ([`RmsNormed`]).
+pub fn folded_norm_calls() -> u64 {
+    FOLDED_CALLS.load(Ordering::Relaxed)
+}
+
 /// How many `linear` calls have run on the bf16 prefill GEMM in this process.
 pub fn bf16_kernel_calls() -> u64 {
     BF16_CALLS.load(Ordering::Relaxed)
@@ -282,7 +389,8 @@ fn resident_values_nk<I: Backend>(
 }
 
 /// A prefill GEMM call made ready: the weight's copy for the mode, the runtime, `m` rows of
-/// `x [.., k]` against `n` columns.
+/// `x [.., k]` against `n` columns; `normed`: `x` is an [`RmsNormed`] whose gain the (E4M3)
+/// copy holds folded in.
 struct Prepared<'a, I: Backend> {
     rt: Arc<Runtime>,
     copy: Copy,
@@ -290,16 +398,129 @@ struct Prepared<'a, I: Backend> {
     device: I::Device,
     m: usize,
     n: usize,
+    normed: Option<&'a RmsNormed<I>>,
+}
+
+impl<I: Backend> Prepared<'_, I> {
+    /// The E4M3 rows of the call's input `x` for the FP8 copy `w`: an FP8 gate|up
+    /// projection's output as it is, an [`RmsNormed`]'s input quantized with the norm's row
+    /// factor where the copy holds its gain, otherwise `x` quantized per row (queued on
+    /// Stoke's stream). `None` where `x`'s rows are not 16-byte aligned.
+    fn fp8_rows(
+        &self,
+        x: &StokeTensor<I>,
+        w: &DeviceFp8Weight,
+    ) -> Option<stoke_cuda::Result<Arc<DeviceFp8Rows>>> {
+        if let Some(act) = x.downcast_ref::<Fp8Activation<I>>()
+            && act.rows.k == w.k
+        {
+            return Some(Ok(act.rows.clone()));
+        }
+        let src = self.normed.map_or(x, |nx| &nx.x);
+        let x_in = KernelInput::resolve(&self.rt, src, &self.device);
+        if !x_in.ptr.is_multiple_of(16) {
+            return None;
+        }
+        let (xp, m) = (DevicePtr::new(x_in.ptr), self.m as u32);
+        // SAFETY: x is pinned (or Stoke-owned) until the kernel is done (KernelInput); the
+        // rows are freed stream-ordered after the kernels that read them.
+        let rows = unsafe {
+            match self.normed {
+                Some(nx) => DeviceFp8Rows::quantize_rms_normed(&self.rt, xp, m, w.k, nx.eps as f32),
+                None => DeviceFp8Rows::quantize(&self.rt, xp, m, w.k, DevicePtrMut::NULL),
+            }
+        };
+        drop(x_in);
+        Some(rows.map(Arc::new))
+    }
+
+    /// Counts a call.
+    fn count(&self) {
+        self.copy.count();
+        if self.normed.is_some() {
+            FOLDED_CALLS.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The E4M3 copy of `diag(gamma) W` for a weight fed by the deferred RMSNorm `nx` (made at
+/// the first call from `values`, `[n, k]`; the gain read from the device once); `None` where
+/// the weight's folded copy holds another gain or could not be made.
+fn folded_copy<I: Backend>(
+    rt: &Arc<Runtime>,
+    copies: &PrefillCopies,
+    nx: &RmsNormed<I>,
+    k: usize,
+    n: usize,
+    values: impl FnOnce() -> Result<Vec<f32>, String>,
+) -> Option<Arc<DeviceFp8Weight>> {
+    let folded = copies.fp8_folded.get_or_init(|| {
+        let t = std::time::Instant::now();
+        let make = || -> Result<Arc<DeviceFp8Weight>, String> {
+            let g = nx
+                .gamma
+                .downcast_ref::<ResidentTensor<I>>()
+                .ok_or("the gain is not pinned")?;
+            let mut bytes = vec![0u8; 2 * k];
+            // SAFETY: the pinned gain holds k bf16 (checked by RmsNormed::defer).
+            unsafe { rt.copy_dtoh(&mut bytes, g.ptr()) }.map_err(|e| e.to_string())?;
+            let gamma: Vec<f32> = bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect();
+            let mut t = values()?;
+            fold_gain(&mut t, &gamma);
+            let w = fp8_of_values(&t, k, n)?;
+            DeviceFp8Weight::upload(rt, &w)
+                .map(Arc::new)
+                .map_err(|e| e.to_string())
+        };
+        match make() {
+            Ok(w) => {
+                tracing::debug!(
+                    "stoke linear: gain-folded E4M3 copy of [{k}, {n}] made in {:.1} ms",
+                    t.elapsed().as_secs_f64() * 1e3
+                );
+                Some(FoldedFp8 {
+                    gamma_ptr: nx.gamma_ptr,
+                    _gamma: Box::new(nx.gamma.clone()),
+                    w,
+                })
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "stoke linear: no gain-folded E4M3 copy of [{k}, {n}] ({e}); the norm's \
+                     output is computed and read by the plain copy"
+                );
+                None
+            }
+        }
+    });
+    folded
+        .as_ref()
+        .filter(|f| f.gamma_ptr == nx.gamma_ptr)
+        .map(|f| f.w.clone())
+}
+
+/// `diag(gamma) W` in place for `t` = `W^T` (`[n, k]`): each row's `i`-th value times
+/// `gamma[i]`.
+fn fold_gain(t: &mut [f32], gamma: &[f32]) {
+    use rayon::prelude::*;
+    t.par_chunks_mut(gamma.len().max(1)).for_each(|row| {
+        for (v, g) in row.iter_mut().zip(gamma) {
+            *v *= g;
+        }
+    });
 }
 
 /// The prefill GEMM's copy of `weight` for `x` (FP8 when FP8 prefill is on,
-/// [`set_fp8_prefill`], else bf16), when `weight` is a [`PackedWeight`] or a pinned bf16
+/// [`set_fp8_prefill`], else bf16; the gain-folded FP8 copy for an [`RmsNormed`] `x`), when `weight` is a [`PackedWeight`] or a pinned bf16
 /// weight `[k, n]` (`k` a multiple of 16, `n` even), `x` is bf16 `[.., k]` with more rows than
 /// the W4A16 kernels take, `takes_n` accepts the weight's `n` columns, Stoke's runtime runs on
 /// the device and the copy could be made (at the first call: the checks come first); `None`
 /// otherwise.
 fn prepare<'a, I: Backend>(
-    x: &StokeTensor<I>,
+    x: &'a StokeTensor<I>,
     weight: &'a StokeTensor<I>,
     takes_n: impl FnOnce(usize) -> bool,
 ) -> Option<Prepared<'a, I>> {
@@ -341,6 +562,20 @@ fn prepare<'a, I: Backend>(
         Source::Packed(pw) => Ok(packed_values_nk(&pw.packed)),
         Source::Resident(rw) => resident_values_nk(&rt, rw, k, n),
     };
+    let normed = x.downcast_ref::<RmsNormed<I>>().filter(|_| fp8);
+    if let Some(nx) = normed
+        && let Some(w) = folded_copy(&rt, copies, nx, k, n, &values)
+    {
+        return Some(Prepared {
+            rt,
+            copy: Copy::Fp8(w),
+            copies,
+            device,
+            m,
+            n,
+            normed: Some(nx),
+        });
+    }
     let copy = if fp8 {
         Copy::Fp8(made(&copies.fp8, "E4M3", k, n, || {
             values()
@@ -360,6 +595,7 @@ fn prepare<'a, I: Backend>(
         device,
         m,
         n,
+        normed: None,
     })
 }
 
@@ -370,27 +606,6 @@ impl Copy {
             Copy::Fp8(_) => KERNEL_CALLS.fetch_add(1, Ordering::Relaxed),
             Copy::Bf16(_) => BF16_CALLS.fetch_add(1, Ordering::Relaxed),
         };
-    }
-
-    /// Queues `epilogue(x W^T)` into `out` on this copy (FP8: `x` quantized per row first).
-    ///
-    /// # Safety
-    /// As `stoke_cuda::fp8::fp8_linear`.
-    unsafe fn linear(
-        &self,
-        rt: &Arc<Runtime>,
-        x: DevicePtr<half::bf16>,
-        m: usize,
-        out: DevicePtrMut<half::bf16>,
-        epilogue: Fp8LinearEpilogue,
-    ) -> stoke_cuda::Result<()> {
-        // SAFETY: the caller's guarantees; the weight's buffers are held by `self`.
-        unsafe {
-            match self {
-                Copy::Fp8(w) => fp8_linear(rt, w, x, m as u32, out, epilogue),
-                Copy::Bf16(w) => bf16_linear(rt, w, x, m as u32, out, epilogue),
-            }
-        }
     }
 }
 
@@ -412,28 +627,27 @@ pub(crate) unsafe fn try_prefill_qkv<I: Backend>(
     let p = prepare(x, weight, |n| {
         n == (heads + 2 * target.kv_heads() as usize) * d
     })?;
-    let x_in = KernelInput::resolve(&p.rt, x, &p.device);
-    if !x_in.ptr.is_multiple_of(16) {
-        return None;
-    }
-    let dims = x.shape();
-    let out_shape = super::with_cols(dims.as_slice(), heads * d);
+    let out_shape = super::with_cols(x.shape().as_slice(), heads * d);
     let out = DeviceTensor::<I>::alloc(&p.rt, out_shape, DType::BF16, p.device.clone());
     let q = DevicePtrMut::new(out.ptr());
+    let epilogue = Fp8LinearEpilogue::Qkv(target);
     // SAFETY: x is pinned (or Stoke-owned) until the kernel is done, out is a Stoke buffer of
     // m x heads x d bf16, the caches and tables are the caller's.
-    let r = unsafe {
-        p.copy.linear(
-            &p.rt,
-            DevicePtr::new(x_in.ptr),
-            p.m,
-            q,
-            Fp8LinearEpilogue::Qkv(target),
-        )
+    let r = match &p.copy {
+        Copy::Fp8(w) => match p.fp8_rows(x, w)? {
+            Ok(rows) => unsafe { fp8_linear_rows(&p.rt, w, &rows, q, epilogue) },
+            Err(e) => Err(e),
+        },
+        Copy::Bf16(w) => {
+            let x_in = KernelInput::resolve(&p.rt, x, &p.device);
+            if !x_in.ptr.is_multiple_of(16) {
+                return None;
+            }
+            unsafe { bf16_linear(&p.rt, w, DevicePtr::new(x_in.ptr), p.m as u32, q, epilogue) }
+        }
     };
-    drop(x_in);
     if r.is_ok() {
-        p.copy.count();
+        p.count();
     }
     Some(r.map(|()| StokeTensor::owned(out)))
 }
@@ -448,19 +662,13 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
 ) -> Option<StokeTensor<I>> {
     let shape = x.shape();
     let dims = shape.as_slice();
-    let Prepared {
-        rt,
-        copy,
-        copies,
-        device,
-        m,
-        n,
-    } = prepare(x, weight, |n| {
+    let p = prepare(x, weight, |n| {
         super::residual_fits(epilogue, residual, dims, n)
     })?;
+    let (rt, n) = (&p.rt, p.n);
     let res_in = residual
         .filter(|_| epilogue == Epilogue::Residual)
-        .map(|r| KernelInput::resolve(&rt, r, &device));
+        .map(|r| KernelInput::resolve(rt, r, &p.device));
     let fe = match (&res_in, epilogue) {
         (Some(r), Epilogue::Residual) => Fp8LinearEpilogue::Residual(DevicePtr::new(r.ptr)),
         (_, Epilogue::SwiGlu) => Fp8LinearEpilogue::SwiGlu,
@@ -468,49 +676,56 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
     };
     let out_shape = super::with_cols(dims, fe.out_cols(n as u32) as usize);
     let fail = |e: stoke_cuda::Error| -> ! { panic!("stoke linear (prefill GEMM): {e}") };
-    // E4M3 rows from an FP8 gate|up projection go to the FP8 GEMM as they are.
-    if let (Some(act), Copy::Fp8(w)) = (x.downcast_ref::<Fp8Activation<I>>(), &copy)
-        && act.rows.k == w.k
-    {
-        let out = DeviceTensor::<I>::alloc(&rt, out_shape, DType::BF16, device);
-        // SAFETY: the rows live as long as `x`, the residual is pinned (or Stoke-owned) until
-        // the kernel is done, out is a Stoke buffer of m * out_cols bf16.
-        unsafe { fp8_linear_rows(&rt, w, &act.rows, DevicePtrMut::new(out.ptr()), fe) }
+    let out = match &p.copy {
+        Copy::Fp8(w) => {
+            let rows = p.fp8_rows(x, w)?.unwrap_or_else(|e| fail(e));
+            // The SwiGLU output of an FP8 gate|up projection stays in E4M3 for the down
+            // projection.
+            if epilogue == Epilogue::SwiGlu
+                && (n / 2).is_multiple_of(16)
+                && let Some(state) = p.copies.delayed(rt)
+            {
+                let h = fp8_swiglu_delayed_rows(rt, w, &rows, &state).unwrap_or_else(|e| fail(e));
+                p.count();
+                return Some(StokeTensor::owned(Fp8Activation::<I> {
+                    rows: Arc::new(h),
+                    rt: rt.clone(),
+                    shape: out_shape,
+                    device: p.device.clone(),
+                    bf16: OnceLock::new(),
+                }));
+            }
+            let out = DeviceTensor::<I>::alloc(rt, out_shape, DType::BF16, p.device.clone());
+            // SAFETY: the residual is pinned (or Stoke-owned) until the kernel is done, out is
+            // a Stoke buffer of m * out_cols bf16.
+            unsafe { fp8_linear_rows(rt, w, &rows, DevicePtrMut::new(out.ptr()), fe) }
+                .unwrap_or_else(|e| fail(e));
+            out
+        }
+        Copy::Bf16(w) => {
+            let x_in = KernelInput::resolve(rt, x, &p.device);
+            if !x_in.ptr.is_multiple_of(16) {
+                return None;
+            }
+            let out = DeviceTensor::<I>::alloc(rt, out_shape, DType::BF16, p.device.clone());
+            // SAFETY: x and the residual are pinned (or Stoke-owned) until the kernel is done,
+            // out is a Stoke buffer of m * out_cols bf16.
+            unsafe {
+                bf16_linear(
+                    rt,
+                    w,
+                    DevicePtr::new(x_in.ptr),
+                    p.m as u32,
+                    DevicePtrMut::new(out.ptr()),
+                    fe,
+                )
+            }
             .unwrap_or_else(|e| fail(e));
-        drop(res_in);
-        copy.count();
-        return Some(StokeTensor::owned(out));
-    }
-    let x_in = KernelInput::resolve(&rt, x, &device);
-    if !x_in.ptr.is_multiple_of(16) {
-        return None;
-    }
-    let xp = DevicePtr::new(x_in.ptr);
-    // The SwiGLU output of an FP8 gate|up projection stays in E4M3 for the down projection.
-    if let (Copy::Fp8(w), Epilogue::SwiGlu) = (&copy, epilogue)
-        && (n / 2).is_multiple_of(16)
-        && let Some(state) = copies.delayed(&rt)
-    {
-        // SAFETY: x is pinned (or Stoke-owned) until the kernels are done.
-        let rows =
-            unsafe { fp8_swiglu_delayed(&rt, w, xp, m as u32, &state) }.unwrap_or_else(|e| fail(e));
-        drop(x_in);
-        copy.count();
-        return Some(StokeTensor::owned(Fp8Activation::<I> {
-            rows: Arc::new(rows),
-            rt,
-            shape: out_shape,
-            device,
-            bf16: OnceLock::new(),
-        }));
-    }
-    let out = DeviceTensor::<I>::alloc(&rt, out_shape, DType::BF16, device);
-    // SAFETY: x and the residual are pinned (or Stoke-owned) until the kernels are done, out
-    // is a Stoke buffer of m * out_cols bf16.
-    unsafe { copy.linear(&rt, xp, m, DevicePtrMut::new(out.ptr()), fe) }
-        .unwrap_or_else(|e| fail(e));
-    drop((x_in, res_in));
-    copy.count();
+            out
+        }
+    };
+    drop(res_in);
+    p.count();
     Some(StokeTensor::owned(out))
 }
 
