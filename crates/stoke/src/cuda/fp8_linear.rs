@@ -564,7 +564,7 @@ fn prepare<'a, I: Backend>(
     };
     let normed = x.downcast_ref::<RmsNormed<I>>().filter(|_| fp8);
     if let Some(nx) = normed
-        && let Some(w) = folded_copy(&rt, copies, nx, k, n, &values)
+        && let Some(w) = folded_copy(&rt, copies, nx, k, n, values)
     {
         return Some(Prepared {
             rt,
