@@ -265,8 +265,8 @@ impl<I: Backend> StokeData<I> for Fp8Activation<I> {
 
 /// Whether prefill-sized `linear` calls on packed or pinned bf16 weights run on the FP8 GEMM
 /// or on the bf16 one (the default). Off by default: on SmolLM2 FP8 prefill raises perplexity
-/// by 2.4% over bf16 with the delayed scales, 3.2% per row
-/// (`results/h100-fp8-two-blocks-bdd5bf4.json`), about half of it the E4M3 rounding of the
+/// by 1.2% over bf16 with the norms' gains folded and the delayed scales
+/// (`results/h100-fp8-wide-fold-9f354c9.json`), much of it the E4M3 rounding of the
 /// already-INT4 weights. A model's output head stays on bf16 (`FusedOps::output_head`).
 pub fn set_fp8_prefill(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
