@@ -802,6 +802,27 @@ mod tests {
     }
 
     #[test]
+    fn a_folded_copy_is_the_quantized_product_with_the_gain() {
+        let (k, n) = (48, 40);
+        let w: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 7919) % 211) as f32 / 97.0 - 1.0)
+            .collect();
+        let gamma: Vec<f32> = (0..k).map(|i| 0.25 + (i % 7) as f32 * 0.5).collect();
+        // W^T [n, k], then diag(gamma) W: row j's i-th value times gamma[i].
+        let mut t = stoke_formats::transpose(&w, k, n);
+        super::fold_gain(&mut t, &gamma);
+        let want: Vec<f32> = (0..n)
+            .flat_map(|j| (0..k).map(move |i| (i, j)))
+            .map(|(i, j)| w[i * n + j] * gamma[i])
+            .collect();
+        assert_eq!(t, want);
+        assert_eq!(
+            super::fp8_of_values(&t, k, n).unwrap(),
+            Fp8Weight::quantize(&want, n, k, None).unwrap()
+        );
+    }
+
+    #[test]
     fn an_output_head_holds_fp8_off_for_its_call_only() {
         let on = || super::HEAD.get();
         assert!(!on());
