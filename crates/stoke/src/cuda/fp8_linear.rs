@@ -87,7 +87,7 @@ struct FoldedFp8 {
 }
 
 /// The output of an RMSNorm of prefill rows with FP8 prefill on, not yet computed: the
-/// projections that read it ([`try_prefill_linear_with`], [`try_prefill_qkv`]) take `x` and
+/// projections that read it (the prefill GEMM's `linear` and q|k|v calls) take `x` and
 /// the gain folded into their E4M3 copy; anything else reads the normalized bf16 rows, which
 /// the RMSNorm kernel computes at the first such read (on Stoke's stream).
 pub struct RmsNormed<I: Backend> {
