@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from int4_torch import timed_graph
 
-SHAPES = [("8b", 32, 8, 128), ("70b", 64, 8, 128), ("smollm2", 9, 3, 64)]
+SHAPES = [("8b", 32, 8, 128), ("70b", 64, 8, 128), ("405b", 128, 8, 128), ("smollm2", 9, 3, 64)]
 LENGTHS = [512, 1024, 2048, 4096, 8192]
 MIX = [2048] + [128] * 7
 BACKENDS = [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),

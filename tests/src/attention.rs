@@ -893,6 +893,7 @@ pub fn prefill_attention_matches_reference() -> Result<Value, String> {
 const PREFILL_SHAPES: &[(&str, u32, u32, u32)] = &[
     ("8b", 32, 8, 128),
     ("70b", 64, 8, 128),
+    ("405b", 128, 8, 128),
     ("smollm2", 9, 3, 64),
 ];
 /// Single-prompt lengths, and the packed mix (one 2048-token prompt with seven of 128).
@@ -901,7 +902,7 @@ const PREFILL_MIX: &[usize] = &[2048, 128, 128, 128, 128, 128, 128, 128];
 
 /// Times prefill attention of fresh prompts of `lens` (packed, each in its own slot): µs and
 /// TFLOP/s (4 heads d per (row, key attended) pair, causal pairs only).
-fn time_prefill(
+pub(crate) fn time_prefill(
     rt: &Arc<Runtime>,
     rng: &mut StdRng,
     (heads, kvh, d): (u32, u32, u32),
