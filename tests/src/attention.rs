@@ -764,7 +764,7 @@ fn packed(seqs: &[(usize, usize)], slot_of: &[u32]) -> Vec<PrefillSeq> {
 /// Prefill attention against the f64 reference (each row: decode attention over the keys up to
 /// its own position), on caches filled through the append kernel: single-row sequences, rows
 /// not a multiple of the 64-row tile, chunks appended after earlier tokens (past 8k), GQA 1 /
-/// 3 / 4 / 8, head sizes 64 and 128, the BF16 cache and the main cache of an INT4 one. Poisoned
+/// 3 / 4 / 8 / 16, head sizes 64 and 128, the BF16 cache and the main cache of an INT4 one. Poisoned
 /// outputs: every row must be written.
 pub fn prefill_attention_matches_reference() -> Result<Value, String> {
     let rt = crate::gpu()?;
@@ -795,6 +795,13 @@ pub fn prefill_attention_matches_reference() -> Result<Value, String> {
             kv_heads: 8,
             d: 64,
             seqs: vec![(33, 7), (2, 0)],
+        },
+        // 16 query heads per kv head, as Llama-3.1-405B's 128 over 8.
+        PrefillCase {
+            heads: 32,
+            kv_heads: 2,
+            d: 128,
+            seqs: vec![(70, 0), (1, 3)],
         },
     ];
     let mut report = Vec::new();
