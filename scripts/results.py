@@ -2,6 +2,7 @@
 """Merges one GPU run's JSON files into a committed results file and renders docs/RESULTS.md.
 
 Usage: scripts/results.py RUN_DIR results/NAME.json [results/EXTRA.json ...]
+       (an extra with `prefill` and `cublas_peer`: a prefill run's merged file, see render_prefill)
        scripts/results.py --render results/NAME.json [results/EXTRA.json ...]   (no new run)
        scripts/results.py --attention RUN_DIR results/NAME.json   (a `gpu-run.sh OUT attention` run)
        scripts/results.py --int4 RUN_DIR results/NAME.json   (a `gpu-run.sh OUT int4` run; then --render
@@ -415,6 +416,97 @@ def render_kv(w, res, path):
     w("")
 
 
+def render_prefill(w, res, path):
+    """A prefill run (`gpu-run.sh OUT test fp8_gemm_matches_reference ...` and `... prefill`,
+    merged by hand into one file): the prefill GEMMs on both tile widths beside cuBLAS, the
+    8B-shaped prefill, the 70B / 405B layers and the SmolLM2 FP8 quality test."""
+    m = res["meta"]
+    w(f"## Prefill ([`{path}`](../{path}), commit `{m['commit']}`, {m['date_utc']}, {m['gpu']})")
+    w("")
+    for c in m.get("caveats", []):
+        w(f"- {c}")
+    w("")
+    w("### GPU tests")
+    w("")
+    render_tests(w, [t for t in res["gpu_tests"]], max_details=200)
+    peer = {(r["shape"], r["m"]): r for r in res["cublas_peer"]["runs"]}
+    for test, title in (("fp8_gemm_matches_reference", "FP8 GEMM"), ("bf16_tc_gemm_matches_reference", "bf16 GEMM")):
+        bench = next((t["details"].get("bench") for t in res["gpu_tests"] if t["name"] == test and t.get("details")), None)
+        if not bench:
+            continue
+        runs = {(r["shape"], r["m"], r["epilogue"]): r for r in bench["runs"]}
+        w(f"### {title}, each epilogue on 128 x 128 and 128 x 256 tiles (TFLOP/s; * the width `wide_tiles` picks)")
+        w("")
+        w(f"| shape | M | epilogue | 128 x 128 | 128 x 256 | picked / cuBLAS {'FP8' if title.startswith('FP8') else 'bf16'} | cuBLAS FP8 rowwise | bf16 cuBLAS |")
+        w("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        for (shape, mm, epi), r in runs.items():
+            if epi.endswith(" n256"):
+                continue
+            wide = runs.get((shape, mm, epi + " n256"))
+            pick = r if r.get("picked_by_rule") else wide
+            cell = lambda x: "-" if x is None else f"{x['tflops']:.0f}{'*' if x.get('picked_by_rule') else ''}"
+            pr = peer.get((shape, mm))
+            same = "scaled_mm_rowwise_tflops" if title.startswith("FP8") else "bf16_tflops"
+            ratio = f"{pick['tflops'] / pr[same]:.2f}x" if pr and pick else "-"
+            fp8p = f"{pr['scaled_mm_rowwise_tflops']:.0f}" if pr else "-"
+            bfp = f"{pr['bf16_tflops']:.0f}" if pr else "-"
+            w(f"| {shape} | {mm} | {epi} | {cell(r)} | {cell(wide)} | {ratio} | {fp8p} | {bfp} |")
+        w("")
+    pre = res["prefill"]
+    w(f"### {pre.get('model', 'prefill')}")
+    w("")
+    w("| prompt | bf16 ms | bf16 tokens/s | FP8 ms | FP8 tokens/s | FP8 effective TFLOP/s |")
+    w("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for b, f in zip(pre["bf16"], pre["fp8"]):
+        w(f"| {f['prompts']} | {b['ms']:.2f} | {b['tokens_per_s']:.0f} | {f['ms']:.2f} | {f['tokens_per_s']:.0f} | {f['effective_tflops']:.0f} |")
+    w("")
+    w("FP8 launches per prompt (µs summed over the prefill's launches of each kernel, and per layer for those launched once or more per layer):")
+    w("")
+    w("| prompt | kernel | launches | µs | µs per layer |")
+    w("| --- | --- | ---: | ---: | ---: |")
+    for f in pre["fp8"]:
+        for k in sorted(f["kernels"], key=lambda k: -k["us"]):
+            per = f"{k['us'] / 32:.1f}" if k["launches"] >= 32 else "-"
+            w(f"| {f['prompts']} | {k['entry']} | {k['launches']} | {k['us']:.1f} | {per} |")
+    w("")
+    for key in ("layer_70b", "layer_405b"):
+        lay = pre.get(key)
+        if not lay:
+            continue
+        w(f"### One layer at {lay['shape']} shapes (models of {lay['layers_timed'][1]} minus {lay['layers_timed'][0]} layers)")
+        w("")
+        w("Where attention did not run on Stoke, the TFLOP/s over Stoke's launches count the projections only.")
+        w("")
+        w("| mode | prompt | wall µs | TFLOP/s | Stoke launches µs | TFLOP/s over them | attention on Stoke |")
+        w("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+        hid, inter, heads, kvh, d = (lay[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))
+        per_token = hid * (heads + 2 * kvh) * d + heads * d * hid + 3 * hid * inter
+        for mode in ("bf16", "fp8"):
+            for r in lay[mode]:
+                if r.get("error"):
+                    w(f"| {mode} | {r['prompt']} | error: {r['error']} | | | | |")
+                    continue
+                on = r.get("attention_on_stoke")
+                if on is None:
+                    on = any(k["entry"].startswith("prefill_attn") for k in r["models"][1]["kernels"])
+                kt = r["kernel_tflops"] if on or "attention_on_stoke" in r else 2 * r["prompt"] * per_token / (r["layer_kernel_us"] * 1e6)
+                w(f"| {mode} | {r['prompt']} | {r['layer_us']:.0f} | {r['tflops']:.0f} | {r['layer_kernel_us']:.0f} | {kt:.0f} | {'yes' if on else 'no (reference path)'} |")
+        w("")
+    q = res.get("smollm2_fp8_prefill_test")
+    if q:
+        w("### SmolLM2 FP8 prefill quality (perplexity of the next token, judged by the f32 model)")
+        w("")
+        w("| model | FP8 | bf16 | FP8 over bf16 | top-1 agreement with f32, FP8 / bf16 |")
+        w("| --- | ---: | ---: | ---: | --- |")
+        rows = [("packed INT4", q), ("dense bf16", q["dense"])]
+        if "served_prefill" in q:
+            rows.append(("packed INT4, the prefill that serves", q["served_prefill"]))
+        for name, r in rows:
+            a = r["top1_agreement_with_f32"]
+            w(f"| {name} | {r['perplexity']['fp8']:.2f} | {r['perplexity']['bf16']:.2f} | {100 * r['fp8_over_bf16']:+.1f}% | {a['fp8']:.3f} / {a['bf16']:.3f} |")
+        w("")
+
+
 def render(res, results_path, extras=()):
     m, b = res["meta"], res["bench"]
     out = []
@@ -506,6 +598,8 @@ def render(res, results_path, extras=()):
         extra = json.loads(Path(path).read_text())
         if "quality" in extra:
             render_quality(w, extra, path)
+        elif "prefill" in extra and "cublas_peer" in extra:
+            render_prefill(w, extra, path)
         elif "int4" in extra:
             render_int4(w, extra, path)
         elif "attention" in extra:
