@@ -1,9 +1,11 @@
 //! The FP8 prefill linear: a weight's E4M3 codes and per-channel scales in device memory
-//! ([`DeviceFp8Weight`]) and [`fp8_linear`], which quantizes bf16 rows to E4M3 with one scale
-//! per row (`kernels/fp8_quant.cu`) and runs the persistent FP8 GEMM with one of its epilogues
+//! ([`DeviceFp8Weight`]), bf16 rows quantized to E4M3 with one scale per row
+//! ([`DeviceFp8Rows::quantize`], or an RMSNorm's input with its row factor:
+//! [`DeviceFp8Rows::quantize_rms_normed`]; `kernels/fp8_quant.cu`) and [`fp8_linear_rows`],
+//! which runs the persistent FP8 GEMM on them with one of its epilogues
 //! (`kernels/fp8_gemm.cu`); the gate|up projection's SwiGLU straight to the down projection's
-//! E4M3 rows with a delayed per-tensor scale ([`fp8_swiglu_delayed`], [`DeviceDelayedScale`],
-//! [`fp8_linear_rows`]); the bf16 prefill linear on the same mainloop ([`bf16_linear`]).
+//! E4M3 rows with a delayed per-tensor scale ([`fp8_swiglu_delayed`], [`DeviceDelayedScale`]);
+//! the bf16 prefill linear on the same mainloop ([`bf16_linear`]).
 //! `stoke_formats::fp8` holds the specification.
 
 use crate::kernels::fp8_gemm::{
@@ -448,31 +450,6 @@ pub unsafe fn fp8_linear_rows(
 ) -> Result<()> {
     // SAFETY: the caller's guarantees.
     unsafe { gemm_rows(rt, w, rows, epilogue.gemm(out, w.n), epilogue.out_cols(w.n)) }
-}
-
-/// Queues `epilogue(x W^T)` for bf16 rows `x` (`[m, k]`, dense, 16-byte aligned) into `out`
-/// (`[m, epilogue.out_cols(n)]` bf16, dense): the rows' E4M3 codes and scales go to scratch
-/// memory on Stoke's stream, then the GEMM reads them.
-///
-/// # Safety
-/// `x`, `out` and a residual must be valid device memory of those sizes until the kernels are
-/// done.
-pub unsafe fn fp8_linear(
-    rt: &Arc<Runtime>,
-    w: &DeviceFp8Weight,
-    x: DevicePtr<bf16>,
-    m: u32,
-    out: DevicePtrMut<bf16>,
-    epilogue: Fp8LinearEpilogue,
-) -> Result<()> {
-    if m == 0 {
-        return Ok(());
-    }
-    // SAFETY: the caller's guarantees; the rows are freed stream-ordered after the GEMM.
-    unsafe {
-        let rows = DeviceFp8Rows::quantize(rt, x, m, w.k, DevicePtrMut::NULL)?;
-        fp8_linear_rows(rt, w, &rows, out, epilogue)
-    }
 }
 
 /// A weight `[n, k]` in bf16 (a `[k, n]` linear weight transposed) in device memory: the

@@ -434,6 +434,38 @@ impl<I: Backend> Prepared<'_, I> {
         Some(rows.map(Arc::new))
     }
 
+    /// Queues `epilogue(x W^T)` into `out` on the call's copy: on the FP8 copy from `x`'s
+    /// E4M3 rows ([`Prepared::fp8_rows`]), on the bf16 one from `x` as it is. `None` where
+    /// `x`'s rows are not 16-byte aligned.
+    ///
+    /// # Safety
+    /// `out` and the epilogue's buffers must be valid device memory for the call's `m` rows
+    /// until the kernel is done.
+    unsafe fn linear(
+        &self,
+        x: &StokeTensor<I>,
+        out: DevicePtrMut<half::bf16>,
+        epilogue: Fp8LinearEpilogue,
+    ) -> Option<stoke_cuda::Result<()>> {
+        match &self.copy {
+            Copy::Fp8(w) => Some(self.fp8_rows(x, w)?.and_then(|rows| {
+                // SAFETY: the caller's guarantees; the rows and the weight live until the
+                // kernel is done (freed stream-ordered).
+                unsafe { fp8_linear_rows(&self.rt, w, &rows, out, epilogue) }
+            })),
+            Copy::Bf16(w) => {
+                let x_in = KernelInput::resolve(&self.rt, x, &self.device);
+                if !x_in.ptr.is_multiple_of(16) {
+                    return None;
+                }
+                let xp = DevicePtr::new(x_in.ptr);
+                // SAFETY: the caller's guarantees; x is pinned (or Stoke-owned) until the
+                // kernel is done.
+                Some(unsafe { bf16_linear(&self.rt, w, xp, self.m as u32, out, epilogue) })
+            }
+        }
+    }
+
     /// Counts a call.
     fn count(&self) {
         self.copy.count();
@@ -630,22 +662,9 @@ pub(crate) unsafe fn try_prefill_qkv<I: Backend>(
     let out_shape = super::with_cols(x.shape().as_slice(), heads * d);
     let out = DeviceTensor::<I>::alloc(&p.rt, out_shape, DType::BF16, p.device.clone());
     let q = DevicePtrMut::new(out.ptr());
-    let epilogue = Fp8LinearEpilogue::Qkv(target);
-    // SAFETY: x is pinned (or Stoke-owned) until the kernel is done, out is a Stoke buffer of
-    // m x heads x d bf16, the caches and tables are the caller's.
-    let r = match &p.copy {
-        Copy::Fp8(w) => match p.fp8_rows(x, w)? {
-            Ok(rows) => unsafe { fp8_linear_rows(&p.rt, w, &rows, q, epilogue) },
-            Err(e) => Err(e),
-        },
-        Copy::Bf16(w) => {
-            let x_in = KernelInput::resolve(&p.rt, x, &p.device);
-            if !x_in.ptr.is_multiple_of(16) {
-                return None;
-            }
-            unsafe { bf16_linear(&p.rt, w, DevicePtr::new(x_in.ptr), p.m as u32, q, epilogue) }
-        }
-    };
+    // SAFETY: out is a Stoke buffer of m x heads x d bf16, the caches and tables are the
+    // caller's.
+    let r = unsafe { p.linear(x, q, Fp8LinearEpilogue::Qkv(target)) }?;
     if r.is_ok() {
         p.count();
     }
@@ -676,54 +695,26 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
     };
     let out_shape = super::with_cols(dims, fe.out_cols(n as u32) as usize);
     let fail = |e: stoke_cuda::Error| -> ! { panic!("stoke linear (prefill GEMM): {e}") };
-    let out = match &p.copy {
-        Copy::Fp8(w) => {
-            let rows = p.fp8_rows(x, w)?.unwrap_or_else(|e| fail(e));
-            // The SwiGLU output of an FP8 gate|up projection stays in E4M3 for the down
-            // projection.
-            if epilogue == Epilogue::SwiGlu
-                && (n / 2).is_multiple_of(16)
-                && let Some(state) = p.copies.delayed(rt)
-            {
-                let h = fp8_swiglu_delayed_rows(rt, w, &rows, &state).unwrap_or_else(|e| fail(e));
-                p.count();
-                return Some(StokeTensor::owned(Fp8Activation::<I> {
-                    rows: Arc::new(h),
-                    rt: rt.clone(),
-                    shape: out_shape,
-                    device: p.device.clone(),
-                    bf16: OnceLock::new(),
-                }));
-            }
-            let out = DeviceTensor::<I>::alloc(rt, out_shape, DType::BF16, p.device.clone());
-            // SAFETY: the residual is pinned (or Stoke-owned) until the kernel is done, out is
-            // a Stoke buffer of m * out_cols bf16.
-            unsafe { fp8_linear_rows(rt, w, &rows, DevicePtrMut::new(out.ptr()), fe) }
-                .unwrap_or_else(|e| fail(e));
-            out
-        }
-        Copy::Bf16(w) => {
-            let x_in = KernelInput::resolve(rt, x, &p.device);
-            if !x_in.ptr.is_multiple_of(16) {
-                return None;
-            }
-            let out = DeviceTensor::<I>::alloc(rt, out_shape, DType::BF16, p.device.clone());
-            // SAFETY: x and the residual are pinned (or Stoke-owned) until the kernel is done,
-            // out is a Stoke buffer of m * out_cols bf16.
-            unsafe {
-                bf16_linear(
-                    rt,
-                    w,
-                    DevicePtr::new(x_in.ptr),
-                    p.m as u32,
-                    DevicePtrMut::new(out.ptr()),
-                    fe,
-                )
-            }
-            .unwrap_or_else(|e| fail(e));
-            out
-        }
-    };
+    // The SwiGLU output of an FP8 gate|up projection stays in E4M3 for the down projection.
+    if let (Copy::Fp8(w), Epilogue::SwiGlu) = (&p.copy, epilogue)
+        && (n / 2).is_multiple_of(16)
+        && let Some(state) = p.copies.delayed(rt)
+    {
+        let rows = p.fp8_rows(x, w)?.unwrap_or_else(|e| fail(e));
+        let h = fp8_swiglu_delayed_rows(rt, w, &rows, &state).unwrap_or_else(|e| fail(e));
+        p.count();
+        return Some(StokeTensor::owned(Fp8Activation::<I> {
+            rows: Arc::new(h),
+            rt: rt.clone(),
+            shape: out_shape,
+            device: p.device.clone(),
+            bf16: OnceLock::new(),
+        }));
+    }
+    let out = DeviceTensor::<I>::alloc(rt, out_shape, DType::BF16, p.device.clone());
+    // SAFETY: the residual is pinned (or Stoke-owned) until the kernel is done, out is a Stoke
+    // buffer of m * out_cols bf16.
+    unsafe { p.linear(x, DevicePtrMut::new(out.ptr()), fe) }?.unwrap_or_else(|e| fail(e));
     drop(res_in);
     p.count();
     Some(StokeTensor::owned(out))
