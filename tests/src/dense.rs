@@ -111,7 +111,7 @@ fn epilogue(acc: &[f64], m: usize, n: usize, epi: Epilogue, residual: &[u16]) ->
 
 /// The largest error of `got` against `want` (both `[rows, cols]`) in units of 2^-8 times the
 /// largest magnitude of `want`'s row; infinite where `got` is not finite.
-fn row_scaled_error(got: &[f64], want: &[f64], cols: usize) -> f64 {
+pub(crate) fn row_scaled_error(got: &[f64], want: &[f64], cols: usize) -> f64 {
     got.chunks(cols)
         .zip(want.chunks(cols))
         .map(|(g, w)| {

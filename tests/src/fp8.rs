@@ -1173,36 +1173,19 @@ pub fn fp8_folded_norm_matches_reference() -> Result<Value, String> {
         .collect();
     let wq = Fp8Weight::quantize(&folded_nk, n, k, None).map_err(|e| e.to_string())?;
     let want = stoke_formats::fp8::gemm_reference(&codes, &scales, m, &wq);
-    // Each output against its row's largest |value|: the GEMM's f32 sums and its bf16 output
-    // (2^-9 of the value), the residual's add in f32 before that rounding.
-    let row_err = |got: &[f64], want: &[f64], cols: usize| -> f64 {
-        got.chunks(cols)
-            .zip(want.chunks(cols))
-            .map(|(g, w)| {
-                let scale = w.iter().fold(1e-30f64, |a, v| a.max(v.abs()));
-                g.iter()
-                    .zip(w)
-                    .map(|(a, b)| {
-                        if a.is_finite() {
-                            (a - b).abs() / scale
-                        } else {
-                            f64::INFINITY
-                        }
-                    })
-                    .fold(0f64, f64::max)
-            })
-            .fold(0f64, f64::max)
-    };
     let want_r: Vec<f64> = want
         .iter()
         .zip(&res)
         .map(|(a, b)| a + f64::from(*b))
         .collect();
+    // Each output against its row's largest |value| (in 2^-8 of it): the GEMM's f32 sums and
+    // its bf16 output (2^-9 of the value), the residual's add in f32 before that rounding.
+    let row_err = crate::dense::row_scaled_error;
     let (err, err_r) = (row_err(&got, &want, n), row_err(&got_r, &want_r, n));
-    let tol = 2f64.powi(-7);
+    let tol = 2.0;
     if !(err <= tol && err_r <= tol) {
         return Err(format!(
-            "{what}: folded linear {err:.2e}, with the residual {err_r:.2e} of the row's largest value (limit {tol:.2e})"
+            "{what}: folded linear {err:.3}, with the residual {err_r:.3} x 2^-8 of the row's largest value (limit {tol})"
         ));
     }
     // SwiGLU to E4M3 (per row at a delayed scale's first invocation): half an E4M3 step of each
@@ -1256,7 +1239,7 @@ pub fn fp8_folded_norm_matches_reference() -> Result<Value, String> {
     }
     Ok(
         json!({"seed": seed, "m": m, "k": k, "n": n, "folded_calls": folded,
-        "linear_row_err": err, "residual_row_err": err_r, "swiglu_err_units": err_g,
+        "linear_row_half_ulps": err, "residual_row_half_ulps": err_r, "swiglu_err_units": err_g,
         "normed_rel_err": err_normed, "second_gain_rel_err": err2}),
     )
 }
