@@ -19,14 +19,15 @@
 //   rope_append       one warp per (row, q/k/v head) of a q|k|v projection output: RoPE on the q
 //                     and k heads at pos[row], q to q_out, k and v appended as kv_append does,
 //                     len[row] = pos[row] + 1.
-//   decode_attn_FMT_dD  (FMT bf16 / fp8 / int4, D 64 / 128) grid (splits, kv_heads, batch),
+//   decode_attn_FMT_dD  (FMT bf16 / fp8 / int4, D 64 / 128) grid (splits, head CTAs, batch),
 //                     WARPS warps (the launch bounds) that split the keys: the query heads that
-//                     share a kv head (group <= 8) together, so each cache byte is read once; the
+//                     share a kv head (group <= 8) together, so each cache byte is read once (a
+//                     group of 16 or more: CTAs of 8 of its heads, HeadCta); the
 //                     CTA takes keys [split * chunk, min(len, (split + 1) * chunk)). One split:
 //                     writes the output (normalized, rotated back, bf16). More: writes its
 //                     partial (max, sum, unnormalized output) of each head, and the last split
-//                     of a (batch, kv head) to finish merges them all and writes the output
-//                     (an arrival count per (batch, kv head); no second launch).
+//                     of a (batch, head CTA) to finish merges them all and writes the output
+//                     (an arrival count per (batch, head CTA); no second launch).
 //   decode_attn_FMT_dD_cl  the same kernel for split launches of 2-8 splits that the runtime
 //                     launches as one thread-block cluster per (sequence, kv head) (it decides
 //                     per launch, where every cluster is resident at once; the split plan counts
@@ -110,6 +111,18 @@
 #include "kv_row.cuh"
 
 constexpr int MAX_GROUP = 8;
+
+// A CTA's query heads (grid y = head CTAs, [`head_ctas`] on the host): a kv head's group of at
+// most MAX_GROUP heads is one CTA; a larger group (a multiple of MAX_GROUP, Llama-3.1-405B's
+// 16) is served by group / MAX_GROUP CTAs of MAX_GROUP heads each, every one reading the kv
+// head's cache rows. `base` is the CTA's first query head.
+struct HeadCta {
+    u32 kvh, group, base;
+};
+__device__ __forceinline__ HeadCta head_cta(u32 heads, u32 kv_heads, u32 y) {
+    const u32 all = heads / kv_heads, per = (all + MAX_GROUP - 1) / MAX_GROUP;
+    return {y / per, all / per, y * (all / per)};
+}
 
 struct AppendParams {
     const u16* k_new;     // [slots_in_step, kv_heads, d] bf16 (row b belongs to slot slot_of[b])
@@ -307,7 +320,7 @@ struct AttnShape {
 // (deterministic). Not inlined: at the end of the attention kernel its registers are free, and
 // inlined it made ptxas spill in the INT4 kernel's merge.
 template <int D, int WARPS>
-__device__ __noinline__ void cluster_merge(const AttnParams& p, u32 part, u32 ml, u32 group, u32 kvh, u32 b, u32 warp, u32 lane) {
+__device__ __noinline__ void cluster_merge(const AttnParams& p, u32 part, u32 ml, u32 group, u32 base, u32 b, u32 warp, u32 lane) {
     constexpr int E = D / 32;
     cluster_sync();
     const u32 rank = cluster_rank(), ns = p.splits;
@@ -338,7 +351,7 @@ __device__ __noinline__ void cluster_merge(const AttnParams& p, u32 part, u32 ml
 #pragma unroll
             for (int e = 0; e < E; ++e) os[e] += x[e] * fs;
         }
-        write_head<D>(os, lsum, p.block, lane, p.out + (u64(b) * p.heads + kvh * group + h) * D);
+        write_head<D>(os, lsum, p.block, lane, p.out + (u64(b) * p.heads + base + h) * D);
     }
     cluster_sync();  // every CTA's partials stay until the cluster has read them
 }
@@ -361,7 +374,7 @@ __device__ __forceinline__ void attn_pdl_prologue(const AttnParams& p) {
     // serve the kernel's own read after it with a value an earlier kernel has since changed.
     u32 slot;
     asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(slot) : "l"(p.slot_of + blockIdx.z));
-    const u64 row0 = (u64(slot) * c.kv_heads + blockIdx.y) * c.cap;
+    const u64 row0 = (u64(slot) * c.kv_heads + head_cta(p.heads, c.kv_heads, blockIdx.y).kvh) * c.cap;
     const u32 r0 = blockIdx.x * p.chunk + warp * 16 * S::TILES;
     for (u32 i = lane; i < u32(LINES); i += 32) {
         const u32 row = r0 + i * 128 / KB;
@@ -373,17 +386,16 @@ __device__ __forceinline__ void attn_pdl_prologue(const AttnParams& p) {
     griddep_wait();
 }
 
-// A split launch without a cluster: counts this split's arrival at (b, kvh) and sets `last` (shared)
+// A split launch without a cluster: counts this split's arrival at (b, head CTA) and sets `last` (shared)
 // where it is the last split to finish, which then merges every split's partials (no second
 // launch) and puts the count back to zero for the next launch. Every thread's partial stores,
 // then the CTA barrier, then thread 0's count as one acquire-release atomic: the release covers
 // the stores the barrier ordered before it, the acquire (and the barrier after it) the other
 // splits' partials for every thread of the merging split.
-__device__ __forceinline__ void count_arrival(const AttnParams& p, u32 kvh, u32 b, u32& last) {
-    const KvCache& c = p.cache;
+__device__ __forceinline__ void count_arrival(const AttnParams& p, u32 b, u32& last) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        u32* cnt = p.arrived + u64(b) * c.kv_heads + kvh;
+        u32* cnt = p.arrived + u64(b) * gridDim.y + blockIdx.y;
         u32 old;
         asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(cnt) : "memory");
         last = old == p.splits - 1;
@@ -413,9 +425,10 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     attn_pdl_prologue<FMT, D>(p);
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, t = lane & 3;
-    const u32 split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+    const u32 split = blockIdx.x, b = blockIdx.z;
     const KvCache& c = p.cache;
-    const u32 group = p.heads / c.kv_heads;
+    const HeadCta cta = head_cta(p.heads, c.kv_heads, blockIdx.y);
+    const u32 kvh = cta.kvh, group = cta.group;
     const u32 len = p.len[b];
     const u32 k0 = split * p.chunk, k1 = min(len, k0 + p.chunk);
     const u64 row0 = (u64(p.slot_of[b]) * c.kv_heads + kvh) * c.cap;
@@ -428,7 +441,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #pragma unroll
     for (int r = 0; r < QR; ++r) {
         const u32 h = warp + WARPS * r;
-        if (h < group) load_words<E / 2>(reinterpret_cast<const u8*>(p.q + ((u64(b) * p.heads + kvh * group + h) * D + lane * E)), qraw[r]);
+        if (h < group) load_words<E / 2>(reinterpret_cast<const u8*>(p.q + ((u64(b) * p.heads + cta.base + h) * D + lane * E)), qraw[r]);
     }
     // Bytes per cache row; a lane's key pieces (KP bytes, KE values) and value pieces (VP2 bytes).
     constexpr int KB = row_bytes<FMT, D>();
@@ -707,7 +720,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
 #pragma unroll
             for (int e = 0; e < E; ++e) os[e] += x[e] * f;
         }
-        const u64 row = u64(b) * p.heads + kvh * group + h;
+        const u64 row = u64(b) * p.heads + cta.base + h;
         if (!real) {
         } else if (p.splits == 1) {
             write_head<D>(os, lsum, p.block, lane, p.out + row * D);
@@ -730,11 +743,11 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     // 5. Split launches: the cluster's merge, or the merge by the last split to arrive.
     if (p.splits == 1) return;
     if (dsm) {
-        cluster_merge<D, WARPS>(p, smem_u32(&cpart[0][0]), smem_u32(&cml[0][0]), group, kvh, b, warp, lane);
+        cluster_merge<D, WARPS>(p, smem_u32(&cpart[0][0]), smem_u32(&cml[0][0]), group, cta.base, b, warp, lane);
         return;
     }
     __shared__ u32 last;
-    count_arrival(p, kvh, b, last);
+    count_arrival(p, b, last);
     if (!last) return;
     // The warp's heads together (their loads interleave). Lane l first holds split l's (max,
     // sum) of each head, and the splits' weights reach the other lanes by shuffles.
@@ -746,7 +759,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     for (int r = 0; r < QR; ++r) {
         const u32 h = warp + WARPS * r;
         hv[r] = h < group;
-        const u64 row = u64(b) * p.heads + kvh * group + (hv[r] ? h : 0);
+        const u64 row = u64(b) * p.heads + cta.base + (hv[r] ? h : 0);
         ml[r] = reinterpret_cast<const float2*>(p.part_ml) + row * p.splits;
         po[r] = p.part_o + row * p.splits * D + lane * E;
         ms[r] = NEG_INF;
@@ -800,7 +813,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     for (int r = 0; r < QR; ++r) {
 #pragma unroll
         for (int o2 = 16; o2 > 0; o2 >>= 1) lsum[r] += __shfl_xor_sync(0xffffffffu, lsum[r], o2);
-        if (hv[r]) write_head<D>(os[r], lsum[r], p.block, lane, p.out + (u64(b) * p.heads + kvh * group + warp + WARPS * r) * D);
+        if (hv[r]) write_head<D>(os[r], lsum[r], p.block, lane, p.out + (u64(b) * p.heads + cta.base + warp + WARPS * r) * D);
     }
 }
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from int4_torch import copy_record, timed_graph
 
-SHAPES = [("8b", 32, 8, 128), ("70b", 64, 8, 128)]
+SHAPES = [("8b", 32, 8, 128), ("70b", 64, 8, 128), ("405b", 128, 8, 128)]
 POINTS = [(1, 1024), (8, 1024), (32, 4096), (1, 32768)]
 ROTATE_BYTES = 160e6
 

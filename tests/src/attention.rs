@@ -245,7 +245,7 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
         splits: Some(splits),
     };
     let cases = [
-        // (heads, kv heads, d, lens): GQA ratios 4, 3, 1, 8; contexts 1, 17, 1024, 4097.
+        // (heads, kv heads, d, lens): GQA ratios 4, 3, 1, 8 (16 below); contexts 1, 17, 1024, 4097.
         Case {
             heads: 32,
             kv_heads: 8,
@@ -301,6 +301,26 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
             outliers: 0,
             outlier: 1.0,
             splits: None,
+        },
+        // Llama-3.1-405B's 16 query heads per kv head: two CTAs of 8 heads per kv head, each
+        // reading its cache rows; split launches both clustered and merged by the last split.
+        Case {
+            heads: 32,
+            kv_heads: 2,
+            d: 128,
+            lens: vec![1, 4097, 700, 33],
+            outliers: 0,
+            outlier: 1.0,
+            splits: None,
+        },
+        Case {
+            heads: 32,
+            kv_heads: 2,
+            d: 64,
+            lens: vec![4097, 17],
+            outliers: 0,
+            outlier: 1.0,
+            splits: Some(70),
         },
         // 65 forced splits of 64 keys: the last split's merge walks three chunks of 32 splits,
         // a warp merges two heads (GQA 8 over 4 or 6 warps), and the shorter sequences leave
@@ -415,7 +435,7 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
             }
             let (_, splits, cluster) = f
                 .cache
-                .split_launch(&rt, batch as u32, max_len, c.splits)
+                .split_launch(&rt, c.heads as u32, batch as u32, max_len, c.splits)
                 .map_err(|e| e.to_string())?;
             report.push(json!({"format": format.name(), "block": block, "heads": c.heads, "kv_heads": c.kv_heads, "d": c.d,
             "batch": batch, "max_len": max_len, "splits": splits, "cluster": cluster, "kernel_rel_err": kern_err, "quantization_rel_err": quant_err,
@@ -469,8 +489,13 @@ pub fn decode_attention_matches_reference() -> Result<Value, String> {
     )
 }
 
-/// Attention shapes `(name, heads, kv_heads, head_dim)`: Llama-3.1-8B and 70B.
-pub const BENCH_SHAPES: &[(&str, u32, u32, u32)] = &[("8b", 32, 8, 128), ("70b", 64, 8, 128)];
+/// Attention shapes `(name, heads, kv_heads, head_dim)`: Llama-3.1-8B, 70B and 405B (16 query
+/// heads per kv head: two CTAs per kv head).
+pub const BENCH_SHAPES: &[(&str, u32, u32, u32)] = &[
+    ("8b", 32, 8, 128),
+    ("70b", 64, 8, 128),
+    ("405b", 128, 8, 128),
+];
 /// (batch, context) points.
 pub const BENCH_POINTS: &[(u32, u32)] = &[(1, 1024), (8, 1024), (32, 4096), (1, 32768)];
 
@@ -651,7 +676,9 @@ fn time_point(
     let t = crate::bench::time_calls(rt, 5, iters, |i| {
         step.attend(rt, &caches[i % copies], splits)
     });
-    let (chunk, used, cluster) = caches[0].split_launch(rt, batch, ctx, splits).unwrap();
+    let (chunk, used, cluster) = caches[0]
+        .split_launch(rt, heads, batch, ctx, splits)
+        .unwrap();
     PointTime {
         us: t.us,
         stream_us: t.stream_us,

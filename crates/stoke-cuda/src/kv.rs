@@ -7,7 +7,7 @@
 
 use crate::kernels::decode_attention::{
     AppendParams, AttnParams, KvCacheParams, KvFormat, RopeAppendParams, append_entry_point,
-    attn_cluster_entry, attn_entry, attn_entry_point, check_shape, forced_split,
+    attn_cluster_entry, attn_entry, attn_entry_point, check_shape, forced_split, head_ctas,
     rope_append_entry_point, split_plan,
 };
 use crate::kernels::fp8_gemm::QkvEpilogue;
@@ -299,7 +299,8 @@ impl DeviceKvCache {
         if batch == 0 {
             return Ok(());
         }
-        let (kernel, chunk, splits, cluster) = self.attn_plan(rt, batch, max_len, splits)?;
+        let (kernel, chunk, splits, cluster) = self.attn_plan(rt, heads, batch, max_len, splits)?;
+        let ctas = head_ctas(heads, self.kv_heads);
         let threads = kernel.max_threads;
         // One split: the attention kernel writes the output itself (no partials). Splits that
         // form a cluster merge through each other's shared memory (no partials either). Else
@@ -307,7 +308,7 @@ impl DeviceKvCache {
         // come from the runtime's zeroed scratch, which the kernel leaves zeroed.
         let parts = if splits > 1 && cluster.is_none() {
             let items = batch as usize * heads as usize * splits as usize;
-            let arrived = rt.zeroed_scratch(batch as usize * self.kv_heads as usize * 4)?;
+            let arrived = rt.zeroed_scratch(batch as usize * ctas as usize * 4)?;
             Some((
                 rt.alloc(items * self.d as usize * 4)?,
                 // Records of (max, sum).
@@ -338,7 +339,7 @@ impl DeviceKvCache {
             scale: 1.0 / (self.d as f32).sqrt(),
         };
         let shape = LaunchShape {
-            grid: (splits, self.kv_heads, batch),
+            grid: (splits, ctas, batch),
             block: (threads, 1, 1),
             shared_mem_bytes: kernel.dyn_smem,
         };
@@ -348,21 +349,23 @@ impl DeviceKvCache {
     }
 
     /// The split-KV launch [`Self::attend_splits`] makes for `batch` sequences of at most
-    /// `max_len` keys with `splits` (None: the plan's): (keys per split, splits, CTAs per
-    /// cluster: the split count when the splits merge through distributed shared memory, else 1).
+    /// `max_len` keys and `heads` query heads with `splits` (None: the plan's): (keys per split,
+    /// splits, CTAs per cluster: the split count when the splits merge through distributed shared
+    /// memory, else 1).
     pub fn split_launch(
         &self,
         rt: &Runtime,
+        heads: u32,
         batch: u32,
         max_len: u32,
         splits: Option<u32>,
     ) -> Result<(u32, u32, u32)> {
-        let (_, chunk, splits, cluster) = self.attn_plan(rt, batch, max_len, splits)?;
+        let (_, chunk, splits, cluster) = self.attn_plan(rt, heads, batch, max_len, splits)?;
         Ok((chunk, splits, cluster.map_or(1, |c| c.0)))
     }
 
     /// The attention kernel of this cache and its split-KV plan for `batch` sequences of at
-    /// most `max_len` keys (`forced`: that many splits, [`forced_split`]): (kernel, keys per
+    /// most `max_len` keys and `heads` query heads (`forced`: that many splits, [`forced_split`]): (kernel, keys per
     /// split, splits, cluster). Split launches whose clusters fit run on the cluster entry point
     /// as clusters of their splits. The block size is the kernel's launch bounds (its warps per
     /// CTA, chosen per format in the kernel file).
@@ -370,6 +373,7 @@ impl DeviceKvCache {
     fn attn_plan(
         &self,
         rt: &Runtime,
+        heads: u32,
         batch: u32,
         max_len: u32,
         forced: Option<u32>,
@@ -379,16 +383,17 @@ impl DeviceKvCache {
         // The driver is asked lazily (the runtime caches it per entry and cluster size), its
         // first error kept.
         let err = crate::FirstError::default();
-        // A launch of `s` splits forms clusters where every (sequence, kv head)'s cluster is
+        // A launch of `s` splits forms clusters where every (sequence, head CTA)'s cluster is
         // resident at once (a waiting cluster would hold its finished CTAs' slots), on an entry
         // point built with the cluster merge (its `<entry>_cluster` global).
-        let clusters = u64::from(batch) * u64::from(self.kv_heads);
+        let head_ctas = head_ctas(heads, self.kv_heads);
+        let clusters = u64::from(batch) * u64::from(head_ctas);
         let fits = |s: u32| err.ask(|| rt.clusters_fit(&cl, cl.max_threads, (s, 1, 1), clusters));
         let (chunk, splits) = match forced {
             Some(s) => forced_split(max_len, s),
             None => {
                 let ctas = rt.resident_ctas(&kernel, kernel.max_threads)?;
-                split_plan(batch, self.kv_heads, max_len, rt.sm_count, ctas, &fits)
+                split_plan(batch, head_ctas, max_len, rt.sm_count, ctas, &fits)
             }
         };
         let clustered = fits(splits);
@@ -397,12 +402,6 @@ impl DeviceKvCache {
         } else {
             (kernel, chunk, splits, None)
         })
-    }
-
-    /// Split-KV CTAs per (sequence, kv head) that [`Self::attend`] launches for `batch`
-    /// sequences of at most `max_len` keys (1: no partials to merge).
-    pub fn splits(&self, rt: &Runtime, batch: u32, max_len: u32) -> Result<u32> {
-        Ok(self.attn_plan(rt, batch, max_len, None)?.2)
     }
 
     /// Queues causal prefill attention of packed sequences over the BF16 main cache: `seqs`

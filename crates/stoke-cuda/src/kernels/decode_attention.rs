@@ -128,23 +128,37 @@ impl KvFormat {
     }
 }
 
-/// Most query heads per kv head the kernels take (`MAX_GROUP`).
+/// Most query heads one attention CTA serves (`MAX_GROUP`): the 8 columns of its tensor-core
+/// tiles. A larger group is served by [`head_ctas`] CTAs of 8 heads each.
 pub const MAX_GROUP: u32 = 8;
 
 pub use crate::ShapeError;
 
-/// Checks an attention shape: head dim 64 or 128, heads a multiple of kv heads with at most
-/// [`MAX_GROUP`] query heads per kv head, rotation block 0 or a power of two in 2..=d.
+/// Checks an attention shape: head dim 64 or 128, heads a multiple of kv heads, at most
+/// [`MAX_GROUP`] query heads per kv head or a multiple of it (Llama-3.1-405B: 16), rotation
+/// block 0 or a power of two in 2..=d.
 pub fn check_shape(heads: u32, kv_heads: u32, d: u32, block: u32) -> Result<(), ShapeError> {
     check_head_dim("decode attention", d)?;
-    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) || heads / kv_heads > MAX_GROUP {
+    let group = heads.checked_div(kv_heads).unwrap_or(0);
+    if kv_heads == 0
+        || group == 0
+        || !heads.is_multiple_of(kv_heads)
+        || (group > MAX_GROUP && !group.is_multiple_of(MAX_GROUP))
+    {
         return Err(ShapeError::new(
             "decode attention query heads per kv head",
-            format!("a whole group of at most {MAX_GROUP}"),
+            format!("a whole group of at most {MAX_GROUP}, or a multiple of {MAX_GROUP}"),
             format!("{heads} query heads over {kv_heads} kv heads"),
         ));
     }
     check_block("decode attention", d, block)
+}
+
+/// The attention grid's head CTAs for a checked shape ([`check_shape`]): one per kv head whose
+/// group is at most [`MAX_GROUP`], else `group / MAX_GROUP` per kv head, each of 8 query heads
+/// reading the kv head's cache rows (the kernel's `head_cta`).
+pub fn head_ctas(heads: u32, kv_heads: u32) -> u32 {
+    kv_heads * (heads / kv_heads).div_ceil(MAX_GROUP)
 }
 
 /// The cache rows' head dim, for `what` (the kernels that read or write them): 64 or 128.
@@ -171,7 +185,8 @@ pub fn check_block(what: &str, d: u32, block: u32) -> Result<(), ShapeError> {
     Ok(())
 }
 
-/// Keys per split-KV CTA for contexts up to `max_len`: returns (chunk, splits), chunks a
+/// Keys per split-KV CTA for `batch` sequences of `head_ctas` CTAs each ([`head_ctas`]) and
+/// contexts up to `max_len`: returns (chunk, splits), chunks a
 /// multiple of 64 keys (one 16-key tile per warp). The time is modeled as waves of resident CTAs
 /// times the keys of one CTA plus [`SPLIT_OVERHEAD_KEYS`] (its query setup and partials; none
 /// where `clustered(splits)`: the splits merge through distributed shared memory, no partials
@@ -182,14 +197,14 @@ pub fn check_block(what: &str, d: u32, block: u32) -> Result<(), ShapeError> {
 /// resident (16 of 64 without).
 pub fn split_plan(
     batch: u32,
-    kv_heads: u32,
+    head_ctas: u32,
     max_len: u32,
     sm_count: u32,
     ctas_per_sm: u32,
     clustered: &dyn Fn(u32) -> bool,
 ) -> (u32, u32) {
     let len = max_len.max(1);
-    let base = u64::from(batch.max(1) * kv_heads.max(1));
+    let base = u64::from(batch.max(1) * head_ctas.max(1));
     let slots = u64::from(ctas_per_sm.max(1) * sm_count.max(1));
     let mut best = (u64::MAX, 64, len.div_ceil(64));
     // Splits past two waves' worth only add overhead.
@@ -358,8 +373,14 @@ mod tests {
         assert!(check_shape(9, 3, 64, 64).is_ok());
         let e = check_shape(32, 8, 96, 0).unwrap_err();
         assert!(e.what.contains("head_dim") && e.got == "96", "{e}");
-        let e = check_shape(64, 4, 128, 0).unwrap_err();
-        assert!(e.got.contains("64 query heads over 4"), "{e}");
+        // 405B's 16 heads per kv head: two CTAs of 8 per kv head.
+        assert!(check_shape(128, 8, 128, 128).is_ok());
+        assert_eq!(head_ctas(128, 8), 16);
+        assert_eq!(head_ctas(32, 8), 8);
+        assert_eq!(head_ctas(9, 3), 3);
+        let e = check_shape(48, 4, 128, 0).unwrap_err();
+        assert!(e.got.contains("48 query heads over 4"), "{e}");
+        assert!(check_shape(8, 0, 128, 0).is_err() && check_shape(4, 8, 128, 0).is_err());
         let e = check_shape(32, 8, 128, 48).unwrap_err();
         assert!(e.what.contains("rotation block") && e.got == "48", "{e}");
     }
