@@ -358,7 +358,8 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
     let (batch, len) = (4usize, 256usize);
     let path = model_path()?;
     let device = Default::default();
-    let mut packed = load_gguf_packed::<crate::StokeCuda>(&path, &device, DType::BF16, len)
+    // RoPE for a window and the position after it, which the served prefill's decoder holds.
+    let mut packed = load_gguf_packed::<crate::StokeCuda>(&path, &device, DType::BF16, len + 1)
         .map_err(|e| e.to_string())?;
     // Pinned as the main job pins it: the norms' gains too, which FP8 prefill folds.
     packed.model = packed.model.pinned();
