@@ -418,8 +418,9 @@ def render_kv(w, res, path):
 
 def render_prefill(w, res, path):
     """A prefill run (`gpu-run.sh OUT test fp8_gemm_matches_reference ...` and `... prefill`,
-    merged by hand into one file): the prefill GEMMs on both tile widths beside cuBLAS, the
-    8B-shaped prefill, the 70B / 405B layers and the SmolLM2 FP8 quality test."""
+    merged by hand into one file): the prefill GEMMs on both tile widths beside cuBLAS (where
+    the run has them), the 8B-shaped prefill, the 70B / 405B layers and the SmolLM2 FP8 quality
+    test."""
     m = res["meta"]
     w(f"## Prefill ([`{path}`](../{path}), commit `{m['commit']}`, {m['date_utc']}, {m['gpu']})")
     w("")
@@ -429,7 +430,7 @@ def render_prefill(w, res, path):
     w("### GPU tests")
     w("")
     render_tests(w, [t for t in res["gpu_tests"]], max_details=200)
-    peer = {(r["shape"], r["m"]): r for r in res["cublas_peer"]["runs"]}
+    peer = {(r["shape"], r["m"]): r for r in res.get("cublas_peer", {}).get("runs", [])}
     for test, title in (("fp8_gemm_matches_reference", "FP8 GEMM"), ("bf16_tc_gemm_matches_reference", "bf16 GEMM")):
         bench = next((t["details"].get("bench") for t in res["gpu_tests"] if t["name"] == test and t.get("details")), None)
         if not bench:
@@ -598,7 +599,7 @@ def render(res, results_path, extras=()):
         extra = json.loads(Path(path).read_text())
         if "quality" in extra:
             render_quality(w, extra, path)
-        elif "prefill" in extra and "cublas_peer" in extra:
+        elif "prefill" in extra:
             render_prefill(w, extra, path)
         elif "int4" in extra:
             render_int4(w, extra, path)
