@@ -29,7 +29,7 @@
 //                     of a (batch, head CTA) to finish merges them all and writes the output
 //                     (an arrival count per (batch, head CTA); no second launch).
 //   decode_attn_FMT_dD_cl  the same kernel for split launches of 2-8 splits that the runtime
-//                     launches as one thread-block cluster per (sequence, kv head) (it decides
+//                     launches as one thread-block cluster per (sequence, head CTA) (it decides
 //                     per launch, where every cluster is resident at once; the split plan counts
 //                     such a split's merge as free): each CTA leaves its heads' partials in its
 //                     own shared memory, a cluster barrier, then CTA q merges heads q, q +
