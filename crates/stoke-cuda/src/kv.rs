@@ -366,9 +366,9 @@ impl DeviceKvCache {
 
     /// The attention kernel of this cache and its split-KV plan for `batch` sequences of at
     /// most `max_len` keys and `heads` query heads (`forced`: that many splits,
-    /// [`forced_split`]): (kernel, keys per split, splits, cluster). Split launches whose clusters fit run on the cluster entry point
-    /// as clusters of their splits. The block size is the kernel's launch bounds (its warps per
-    /// CTA, chosen per format in the kernel file).
+    /// [`forced_split`]): (kernel, keys per split, splits, cluster). Split launches whose
+    /// clusters fit run on the cluster entry point as clusters of their splits. The block size
+    /// is the kernel's launch bounds (its warps per CTA, chosen per format in the kernel file).
     #[allow(clippy::type_complexity)]
     fn attn_plan(
         &self,
