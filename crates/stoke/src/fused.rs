@@ -253,10 +253,7 @@ impl<I: Backend> FusedOps for Stoke<I> {
         if let Some(n) = crate::cuda::fp8_linear::RmsNormed::defer(&x, &gamma, eps) {
             return crate::tensor::StokeTensor::owned(n);
         }
-        match crate::cuda::rms_norm::try_rms_norm::<I>(&x, None, &gamma, eps) {
-            Some((normed, _)) => normed,
-            None => rms_norm_reference::<Self>(x, gamma, eps),
-        }
+        crate::cuda::rms_norm::rms_norm_now::<I>(x, gamma, eps)
     }
 
     fn residual_rms_norm(

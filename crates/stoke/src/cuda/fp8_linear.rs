@@ -139,14 +139,7 @@ impl<I: Backend> RmsNormed<I> {
     /// The normalized rows (computed at the first call).
     pub(crate) fn normed(&self) -> &StokeTensor<I> {
         self.normed.get_or_init(|| {
-            match super::rms_norm::try_rms_norm::<I>(&self.x, None, &self.gamma, self.eps) {
-                Some((normed, _)) => normed,
-                None => crate::fused::rms_norm_reference::<crate::Stoke<I>>(
-                    self.x.clone(),
-                    self.gamma.clone(),
-                    self.eps,
-                ),
-            }
+            super::rms_norm::rms_norm_now::<I>(self.x.clone(), self.gamma.clone(), self.eps)
         })
     }
 }
@@ -493,13 +486,8 @@ fn folded_copy<I: Backend>(
                 .gamma
                 .downcast_ref::<ResidentTensor<I>>()
                 .ok_or("the gain is not pinned")?;
-            let mut bytes = vec![0u8; 2 * k];
-            // SAFETY: the pinned gain holds k bf16 (checked by RmsNormed::defer).
-            unsafe { rt.copy_dtoh(&mut bytes, g.ptr()) }.map_err(|e| e.to_string())?;
-            let gamma: Vec<f32> = bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect();
+            // The pinned gain holds k bf16 (checked by RmsNormed::defer): a [k, 1] weight.
+            let gamma = resident_values_nk(rt, g, k, 1)?;
             let mut t = values()?;
             fold_gain(&mut t, &gamma);
             let w = fp8_of_values(&t, k, n)?;
@@ -546,11 +534,11 @@ fn fold_gain(t: &mut [f32], gamma: &[f32]) {
 }
 
 /// The prefill GEMM's copy of `weight` for `x` (FP8 when FP8 prefill is on,
-/// [`set_fp8_prefill`], else bf16; the gain-folded FP8 copy for an [`RmsNormed`] `x`), when `weight` is a [`PackedWeight`] or a pinned bf16
-/// weight `[k, n]` (`k` a multiple of 16, `n` even), `x` is bf16 `[.., k]` with more rows than
-/// the W4A16 kernels take, `takes_n` accepts the weight's `n` columns, Stoke's runtime runs on
-/// the device and the copy could be made (at the first call: the checks come first); `None`
-/// otherwise.
+/// [`set_fp8_prefill`], else bf16; the gain-folded FP8 copy for an [`RmsNormed`] `x`), when
+/// `weight` is a [`PackedWeight`] or a pinned bf16 weight `[k, n]` (`k` a multiple of 16, `n`
+/// even), `x` is bf16 `[.., k]` with more rows than the W4A16 kernels take, `takes_n` accepts
+/// the weight's `n` columns, Stoke's runtime runs on the device and the copy could be made (at
+/// the first call: the checks come first); `None` otherwise.
 fn prepare<'a, I: Backend>(
     x: &'a StokeTensor<I>,
     weight: &'a StokeTensor<I>,

@@ -42,6 +42,19 @@ unsafe fn launch_on<T: RmsElem>(
     unsafe { rt.launch(&k, shape, &params) }
 }
 
+/// `rms_norm(x, gamma, eps)` now: the kernel where it applies ([`try_rms_norm`]), else the
+/// reference composition.
+pub(crate) fn rms_norm_now<I: Backend>(
+    x: StokeTensor<I>,
+    gamma: StokeTensor<I>,
+    eps: f64,
+) -> StokeTensor<I> {
+    match try_rms_norm::<I>(&x, None, &gamma, eps) {
+        Some((normed, _)) => normed,
+        None => crate::fused::rms_norm_reference::<crate::Stoke<I>>(x, gamma, eps),
+    }
+}
+
 /// Runs the kernel when it applies: a Stoke runtime on the device, f32 or bf16 `x` with the
 /// same dtype for every input, `gamma` of shape `[hidden]`, `residual` shaped like `x`.
 /// Otherwise returns `None` and the caller uses the reference composition.
