@@ -936,7 +936,7 @@ const PREFILL_MIX: &[usize] = &[2048, 128, 128, 128, 128, 128, 128, 128];
 
 /// Times prefill attention of fresh prompts of `lens` (packed, each in its own slot): µs and
 /// TFLOP/s (4 heads d per (row, key attended) pair, causal pairs only).
-pub(crate) fn time_prefill(
+fn time_prefill(
     rt: &Arc<Runtime>,
     rng: &mut StdRng,
     (heads, kvh, d): (u32, u32, u32),

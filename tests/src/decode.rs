@@ -604,9 +604,7 @@ fn prefill_8b_bench() -> Value {
 /// the layer's projections and its causal attention pairs over `layer_us`, as the PyTorch
 /// block peer (`scripts/peers/prefill_block_torch.py`) counts its block; `kernel_tflops` the
 /// same over `layer_kernel_us`, or only the projections where attention did not run on Stoke
-/// (`attention_on_stoke`: the GPU decoder takes at most 8 query heads per kv head); there the
-/// prefill-attention kernel is timed alone at the layer's shape and added
-/// (`layer_kernel_us_with_attention`, `kernel_tflops_with_attention`).
+/// (`attention_on_stoke` false: a shape the GPU decoder does not take).
 fn prefill_layer_bench(name: &str, hidden: usize, inter: usize, heads: usize) -> Value {
     let device = Default::default();
     let lens = [2048usize, 512, 8192];
@@ -647,9 +645,9 @@ fn prefill_layer_bench(name: &str, hidden: usize, inter: usize, heads: usize) ->
                     let pairs = (s * (s + 1) / 2) as f64;
                     let projections = 2.0 * s as f64 * per_token as f64;
                     let flops = projections + 2.0 * (2 * heads * d) as f64 * pairs;
-                    // Where Stoke's GPU decoder does not take the shape (decode attention's
-                    // group limit), attention runs on the reference path, outside Stoke's
-                    // launches: their time then covers the projections only.
+                    // Where Stoke's GPU decoder does not take the shape, attention runs on the
+                    // reference path, outside Stoke's launches: their time then covers the
+                    // projections only.
                     let stoke_attention = b["kernels"].as_array().is_some_and(|ks| {
                         ks.iter().any(|k| {
                             k["entry"]
@@ -658,26 +656,11 @@ fn prefill_layer_bench(name: &str, hidden: usize, inter: usize, heads: usize) ->
                         })
                     });
                     let kernel_flops = if stoke_attention { flops } else { projections };
-                    // There, the prefill-attention kernel alone at the layer's shape and prompt,
-                    // added to the launches: the layer as Stoke's kernels would run it.
-                    let attention_us = if stoke_attention {
-                        None
-                    } else {
-                        let rt = crate::gpu()?;
-                        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(21);
-                        let shape = (heads as u32, kvh as u32, d as u32);
-                        Some(crate::attention::time_prefill(&rt, &mut rng, shape, &[s]).0)
-                    };
-                    let with_attention = attention_us.map(|a| kernel_us + a);
                     Ok(json!({
                         "prompt": s, "layer_us": layer_us, "layer_kernel_us": kernel_us,
                         "attention_on_stoke": stoke_attention,
                         "tflops": flops / (layer_us * 1e-6) / 1e12,
                         "kernel_tflops": kernel_flops / (kernel_us * 1e-6) / 1e12,
-                        "attention_kernel_us": attention_us,
-                        "layer_kernel_us_with_attention": with_attention,
-                        "kernel_tflops_with_attention":
-                            with_attention.map(|t| flops / (t * 1e-6) / 1e12),
                         "models": [a, b],
                     }))
                 })()
@@ -686,9 +669,7 @@ fn prefill_layer_bench(name: &str, hidden: usize, inter: usize, heads: usize) ->
                     "prefill layer {name} {mode}: {}",
                     json!({"prompt": s, "layer_us": point["layer_us"],
                         "layer_kernel_us": point["layer_kernel_us"], "tflops": point["tflops"],
-                        "kernel_tflops": point["kernel_tflops"],
-                        "with_attention_kernel": point["kernel_tflops_with_attention"],
-                        "error": point["error"]})
+                        "kernel_tflops": point["kernel_tflops"], "error": point["error"]})
                 );
                 point
             })
