@@ -56,7 +56,7 @@
 // The host picks BN per call (kernels::fp8_gemm::wide_tiles): the wide tiles where their waves
 // of persistent tiles take less time than the narrow ones' (a bf16 wide tile measured about
 // 1.2x the work rate of two narrow ones), so calls whose wide tiles would leave SMs idle keep
-// the narrow ones. The q|k|v epilogue runs on wide tiles for bf16 only.
+// the narrow ones.
 
 #include "ptx.cuh"
 #include "kv_row.cuh"
@@ -220,7 +220,9 @@ __device__ __forceinline__ void tile_scales(const Fp8GemmParams& p, u32 tn, u32 
 // rotate-half partner (c +- D / 2) is in the same lane, and the Walsh-Hadamard butterflies
 // run in registers (distance 1 and 8 up) and across the quad (2 and 4), in rope_append's order
 // of increasing distance. Rows past M compute on zeros and store nothing (the quad's lanes
-// share a row, so the shuffles stay inside it).
+// share a row, so the shuffles stay inside it). Head by head, both rows of each: a head's
+// weight scales are taken once, from ws, or loaded here where the tile holds none
+// (SCALES_EARLY: the FP8 wide tiles), before the head's stores.
 template <int D, bool BF16, int BN>
 __device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float (&acc)[BN / 2], const float (&ws)[BN / 8][2],
                                              const float (&sa)[2], const u32 (&pos_of)[2], const u32 (&slot_at)[2], u32 tn,
@@ -230,24 +232,33 @@ __device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float
     const u32 q = lane % 4;
     const KvCache& kv = p.main.k ? p.main : p.mirror;
     const u32 kvh = kv.kv_heads, heads = p.heads;
+    if (tn == 0 && q == 0)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const u32 row = row0 + 8 * h;
-        const bool valid = row < p.m;
-        const u32 pos = pos_of[h], slot = slot_at[h];
-        if (valid && tn == 0 && q == 0) p.len[row] = pos + 1;
-        const float* cs = p.rope + u64(min(pos, p.max_pos - 1)) * D;  // (cos, sin) of D / 2 freqs
+        for (int h = 0; h < 2; ++h)
+            if (row0 + 8 * h < p.m) p.len[row0 + 8 * h] = pos_of[h] + 1;
 #pragma unroll
-        for (int t = 0; t < HT; ++t) {
-            const u32 head = tn * HT + t;
-            if (head >= heads + 2 * kvh) break;
+    for (int t = 0; t < HT; ++t) {
+        const u32 head = tn * HT + t;
+        if (head >= heads + 2 * kvh) break;
+        float wt[J][2];
+#pragma unroll
+        for (int jj = 0; jj < J; ++jj)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                wt[jj][e] = SCALES_EARLY<BF16, BN> ? ws[t * J + jj][e] : w_scale_at<BF16, BN>(p, tn, t * J + jj, e, lane);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32 row = row0 + 8 * h;
+            const bool valid = row < p.m;
+            const u32 pos = pos_of[h], slot = slot_at[h];
+            const float* cs = p.rope + u64(min(pos, p.max_pos - 1)) * D;  // (cos, sin) of D / 2 freqs
             // The values as the plain epilogue writes them (bf16 of y + 0).
             float x[2 * J];
 #pragma unroll
             for (int jj = 0; jj < J; ++jj)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float y = acc[4 * (t * J + jj) + 2 * h + e] * sa[h] * ws[t * J + jj][e];
+                    const float y = acc[4 * (t * J + jj) + 2 * h + e] * sa[h] * wt[jj][e];
                     x[2 * jj + e] = bf16_lo(to_bf16(y + 0.0f));
                 }
             if (head < heads + kvh) {
@@ -351,7 +362,6 @@ __device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float
 template <int EPI, bool BF16, int BN = 128>
 __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
     static_assert(BN == 128 || BN == 256, "tiles of 128 or 256 columns");
-    static_assert(EPI != EPI_QKV || BF16 || BN == 128, "the FP8 q|k|v epilogue takes 128-column tiles");
     using S = Shape<BN>;
     constexpr int STAGES = S::STAGES;
     constexpr u32 W_STAGE = S::W_STAGE, STAGE_BYTES = S::STAGE_BYTES;
@@ -591,6 +601,7 @@ FP8_GEMM_ENTRY(fp8_gemm_plain_n256, EPI_PLAIN, false, 256)
 FP8_GEMM_ENTRY(fp8_gemm_residual_n256, EPI_RESIDUAL, false, 256)
 FP8_GEMM_ENTRY(fp8_gemm_swiglu_n256, EPI_SWIGLU, false, 256)
 FP8_GEMM_ENTRY(fp8_gemm_swiglu_bf16_n256, EPI_SWIGLU_BF16, false, 256)
+FP8_GEMM_ENTRY(fp8_gemm_qkv_n256, EPI_QKV, false, 256)
 FP8_GEMM_ENTRY(bf16_tc_gemm_plain, EPI_PLAIN, true, 128)
 FP8_GEMM_ENTRY(bf16_tc_gemm_residual, EPI_RESIDUAL, true, 128)
 FP8_GEMM_ENTRY(bf16_tc_gemm_swiglu_bf16, EPI_SWIGLU_BF16, true, 128)

@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::kernels::decode_attention::KvFormat;
 use stoke_cuda::kernels::fp8_gemm::{
-    Bf16TcGemm, Fp8Epilogue, Fp8Gemm, bf16_tc_gemm, bf16_tc_gemm_tiles, fp8_gemm,
+    Bf16TcGemm, Fp8Epilogue, Fp8Gemm, bf16_tc_gemm, bf16_tc_gemm_tiles, fp8_gemm, fp8_gemm_tiles,
 };
 use stoke_cuda::kv::DeviceKvCache;
 use stoke_cuda::{DeviceBuffer, Runtime};
@@ -34,7 +34,7 @@ struct Case {
 /// d = 128 and 64 (two heads per tile, a q and a k head sharing one, SmolLM2's 15 heads
 /// ending in half a tile); FP8 and INT4 mirrors, whole-head, partial and no rotation, no
 /// mirror; single-token sequences, positions past 8k, slots out of order, rows ending inside a
-/// tile; Llama-3.1-8B-shaped calls (FP8, bf16). bf16 cases run on both tile widths.
+/// tile; Llama-3.1-8B-shaped calls (FP8, bf16). Every case runs on both tile widths.
 const CASES: &[Case] = &[
     Case {
         heads: 8,
@@ -197,8 +197,8 @@ fn operands(rt: &Arc<Runtime>, rng: &mut StdRng, c: &Case, m: usize, n: usize) -
 }
 
 impl Operands {
-    /// Queues the GEMM with `epilogue` (`ldo` its output pitch); bf16 operands on the tiles
-    /// `wide` names (`None`: the ones `bf16_tc_gemm` picks).
+    /// Queues the GEMM with `epilogue` (`ldo` its output pitch) on the tiles `wide` names
+    /// (`None`: the ones the call's rule picks).
     fn launch(
         &self,
         rt: &Runtime,
@@ -208,23 +208,24 @@ impl Operands {
     ) {
         let (m, n, k, ldo) = (m as u32, n as u32, k as u32, ldo as u32);
         let r = match (&self.a_scale, &self.w_scale) {
-            (Some(sa), Some(sw)) => unsafe {
-                fp8_gemm(
-                    rt,
-                    &Fp8Gemm {
-                        a: self.a.as_ptr(),
-                        w: self.w.as_ptr(),
-                        a_scale: sa.as_ptr(),
-                        a_scale_per_row: true,
-                        w_scale: sw.as_ptr(),
-                        epilogue,
-                        m,
-                        n,
-                        k,
-                        ldo,
-                    },
-                )
-            },
+            (Some(sa), Some(sw)) => {
+                let g = Fp8Gemm {
+                    a: self.a.as_ptr(),
+                    w: self.w.as_ptr(),
+                    a_scale: sa.as_ptr(),
+                    a_scale_per_row: true,
+                    w_scale: sw.as_ptr(),
+                    epilogue,
+                    m,
+                    n,
+                    k,
+                    ldo,
+                };
+                match wide {
+                    None => unsafe { fp8_gemm(rt, &g) },
+                    Some(w) => unsafe { fp8_gemm_tiles(rt, &g, w) },
+                }
+            }
             _ => {
                 let g = Bf16TcGemm {
                     a: self.a.as_ptr(),
@@ -391,12 +392,12 @@ pub fn qkv_epilogue_matches_rope_append() -> Result<Value, String> {
         };
         plain_then_append().map_err(|e| format!("{what}: rope_append: {e}"))?;
 
-        // The epilogue, into cache `got`: bf16 operands on both tile widths.
-        let widths: &[bool] = if c.fp8 { &[false] } else { &[false, true] };
+        // The epilogue, into cache `got`, on both tile widths.
+        let widths = [false, true];
         let (mut worst, mut rows_checked) = (0f64, 0);
         let mut fused_us = Vec::new();
         let base = what.clone();
-        for &wide in widths {
+        for wide in widths {
             let what = format!("{base}{}", if wide { ", 128 x 256 tiles" } else { "" });
             let got = poisoned_cache(&rt, c, cap, 0x5a);
             let (q_got, len_got) = (alloc(m * h * d * 2, 0xff), alloc(m * 4, 0xff));

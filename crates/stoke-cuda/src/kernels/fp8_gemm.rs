@@ -78,6 +78,7 @@ pub const ENTRY_POINTS: &[&str] = &[
     "fp8_gemm_residual_n256",
     "fp8_gemm_swiglu_n256",
     "fp8_gemm_swiglu_bf16_n256",
+    "fp8_gemm_qkv_n256",
 ];
 
 /// The kernel's tile rows (`BM`), k bytes per stage (`BK`) and threads.
@@ -218,7 +219,7 @@ pub fn check_bf16_shape(g: &Bf16TcGemm) -> std::result::Result<(), ShapeError> {
 
 /// One operand type's name, the multiple `k` must be, and its entry points by epilogue:
 /// plain, residual, SwiGLU to E4M3 (none for bf16 operands), SwiGLU to bf16, q|k|v; then the
-/// same on wide tiles (q|k|v for bf16 only).
+/// same on wide tiles.
 struct Operands {
     what: &'static str,
     k_multiple: u32,
@@ -240,7 +241,7 @@ const FP8: Operands = Operands {
         Some("fp8_gemm_residual_n256"),
         Some("fp8_gemm_swiglu_n256"),
         Some("fp8_gemm_swiglu_bf16_n256"),
-        None,
+        Some("fp8_gemm_qkv_n256"),
     ],
 };
 const BF16: Operands = Operands {
@@ -603,13 +604,9 @@ mod tests {
             smem_bytes(BN),
             smem_bytes(BN_WIDE)
         )));
-        // Every entry point has its wide twin but FP8's q|k|v, and each is a kernel entry.
+        // Every entry point has its wide twin, and each is a kernel entry.
         for ops in [FP8, BF16] {
             for (narrow, wide) in ops.entries.iter().zip(ops.wide) {
-                if *narrow == Some("fp8_gemm_qkv") {
-                    assert_eq!(wide, None);
-                    continue;
-                }
                 assert_eq!(narrow.map(|e| format!("{e}_n256")).as_deref(), wide);
             }
             for e in ops.entries.iter().chain(ops.wide.iter()).flatten() {
@@ -680,7 +677,7 @@ mod tests {
             Some("bf16_tc_gemm_qkv_n256")
         );
         assert_eq!(wide_entry("fp8_gemm_swiglu"), Some("fp8_gemm_swiglu_n256"));
-        assert_eq!(wide_entry("fp8_gemm_qkv"), None);
+        assert_eq!(wide_entry("fp8_gemm_qkv"), Some("fp8_gemm_qkv_n256"));
         assert_eq!(grid(1, 1, 132), 1);
         assert_eq!(grid(2048, 4096, 132), 132);
         assert_eq!(grid(129, 256, 132), 4);
