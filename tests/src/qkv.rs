@@ -106,6 +106,17 @@ const CASES: &[Case] = &[
         fp8: false,
         seqs: &[(0, 0, 1024), (2, 300, 1024)],
     },
+    // The 70B q|k|v (k 8,192): the shortest k the FP8 rule gives wide tiles.
+    Case {
+        heads: 64,
+        kv_heads: 8,
+        d: 128,
+        k: 8192,
+        format: KvFormat::Int4,
+        block: 128,
+        fp8: true,
+        seqs: &[(0, 0, 2048)],
+    },
 ];
 
 /// Rows whose f64 reference is computed in a large case (all of them up to this many).

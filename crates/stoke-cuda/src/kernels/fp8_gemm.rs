@@ -115,6 +115,17 @@ pub fn wide_tiles(m: u32, n: u32, sm_count: u32) -> bool {
     2 * per * waves(BN_WIDE) < rate * waves(BN)
 }
 
+/// Whether an FP8 call with the q|k|v epilogue may take wide tiles ([`wide_tiles`] decides
+/// then): where `k` spans more than 32 k-blocks (4,096 E4M3 values). Its epilogue (RoPE, the
+/// cache rows and their mirror quantized) costs a wide tile about 15 µs against about 4 for a
+/// narrow one, which 32 blocks of the wide tiles' faster mainloop do not earn back: measured
+/// on an H100 (`results/h100-qkv-wide-8b3c6f3.json`), the 8B q|k|v (k 4,096, 2,304 rows)
+/// took 166.9 µs on wide tiles against 145.3, the 405B one (k 16,384, 2,048 rows) 910 µs
+/// against 1,314.
+pub fn fp8_qkv_wide_k(k: u32) -> bool {
+    k.div_ceil(BK) > 32
+}
+
 /// What the kernel does with `y`.
 #[derive(Clone, Copy, Debug)]
 pub enum Fp8Epilogue {
@@ -512,7 +523,8 @@ fn params(a_map: TensorMap, w_map: TensorMap, m: u32, n: u32, k: u32, ldo: u32) 
 /// with [`Fp8Epilogue::Qkv`], every `slot_of[r]` a slot of the caches and every `pos[r]` below
 /// their capacity.
 pub unsafe fn fp8_gemm(rt: &Runtime, g: &Fp8Gemm) -> Result<()> {
-    let wide = wide_tiles(g.m, g.n, rt.sm_count);
+    let qkv = matches!(g.epilogue, Fp8Epilogue::Qkv { .. });
+    let wide = wide_tiles(g.m, g.n, rt.sm_count) && (!qkv || fp8_qkv_wide_k(g.k));
     // SAFETY: the caller's guarantees.
     unsafe { fp8_gemm_tiles(rt, g, wide) }
 }
@@ -672,6 +684,8 @@ mod tests {
         ] {
             assert_eq!(wide_tiles(m, n, 132), wide, "m {m} n {n}");
         }
+        // FP8 q|k|v: narrow at the 8B projection's k, wide from the 70B one's.
+        assert!(!fp8_qkv_wide_k(4096) && fp8_qkv_wide_k(8192) && fp8_qkv_wide_k(16384));
         assert_eq!(
             wide_entry("bf16_tc_gemm_qkv"),
             Some("bf16_tc_gemm_qkv_n256")
