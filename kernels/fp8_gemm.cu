@@ -182,6 +182,25 @@ __device__ __forceinline__ void tile_coords(u32 t, u32 tiles_m, u32 tiles_n, u32
     tn = first + in_band % width;
 }
 
+// A 4 x 4 transpose of u32 across a quad's lanes (q = lane % 4): lane q's v[i] becomes lane i's
+// v[q]. Every lane of the warp must call it. It turns a quad's column pairs of four 8-column
+// groups (each lane a pair of each group) into one group per lane, 16 contiguous bytes, and back.
+__device__ __forceinline__ void quad_transpose(u32 (&v)[4], u32 q) {
+    const bool b = q & 2, c = q & 1;
+    // Lane bit 1 with index bit 1, then lane bit 0 with index bit 0.
+    u32 s0 = b ? v[0] : v[2], s1 = b ? v[1] : v[3];
+    u32 r0 = __shfl_xor_sync(0xffffffffu, s0, 2), r1 = __shfl_xor_sync(0xffffffffu, s1, 2);
+    const u32 a0 = b ? r0 : v[0], a1 = b ? r1 : v[1], a2 = b ? v[2] : r0, a3 = b ? v[3] : r1;
+    s0 = c ? a0 : a1;
+    s1 = c ? a2 : a3;
+    r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+    r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+    v[0] = c ? r0 : a0;
+    v[1] = c ? a1 : r0;
+    v[2] = c ? r1 : a2;
+    v[3] = c ? a3 : r1;
+}
+
 // Column 8 j + 2 (lane % 4) + e's weight scale for a consumer thread (0 past N; 1 for bf16
 // operands).
 template <bool BF16, int BN>
@@ -500,6 +519,73 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
         // accumulator is free by now), 8 beside the 128 accumulators of a 256-column one (16
         // spill there).
         constexpr int CH = BN == 256 ? 8 : 16;
+        // bf16 out (+ residual) of a tile inside N, with 16-byte aligned rows: each quad's four
+        // 8-column groups are transposed across its lanes (quad_transpose), so a lane loads and
+        // stores 16 contiguous bytes (a quad 64) where it would take 4 (the same values, bit
+        // for bit).
+        if constexpr (EPI == EPI_PLAIN || EPI == EPI_RESIDUAL) {
+            const bool rows16 = p.ldo % 8 == 0 && (reinterpret_cast<u64>(p.out) & 15) == 0 &&
+                                (EPI == EPI_PLAIN || (p.ldr % 8 == 0 && (reinterpret_cast<u64>(p.residual) & 15) == 0));
+            if (rows16 && tn * BN + BN <= p.n) {
+                const u32 q = lane % 4;
+#pragma unroll
+                for (int c = 0; c < BN / 8; c += CH) {
+                    float wc[CH][2];
+#pragma unroll
+                    for (int jj = 0; jj < CH; ++jj)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            if constexpr (SCALES_EARLY<BF16, BN>)
+                                wc[jj][e] = ws[c + jj][e];
+                            else
+                                wc[jj][e] = w_scale_at<BF16, BN>(p, tn, c + jj, e, lane);
+                        }
+                    // res[h][jj]: the pair of column 8 (c + jj) + 2 q of row h, loaded as lane
+                    // q's 16 bytes of group c + 4 g + q and transposed back.
+                    u32 res[2][CH];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const u32 row = row0 + 8 * h;
+#pragma unroll
+                        for (int g = 0; g < CH / 4; ++g) {
+                            u32 v[4] = {0u, 0u, 0u, 0u};
+                            if (EPI == EPI_RESIDUAL && row < p.m) {
+                                const uint4 r = *reinterpret_cast<const uint4*>(p.residual + u64(row) * p.ldr + tn * BN + 8 * (c + 4 * g + q));
+                                v[0] = r.x;
+                                v[1] = r.y;
+                                v[2] = r.z;
+                                v[3] = r.w;
+                            }
+                            if (EPI == EPI_RESIDUAL) quad_transpose(v, q);
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) res[h][4 * g + i] = v[i];
+                        }
+                    }
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const u32 row = row0 + 8 * h;
+#pragma unroll
+                        for (int g = 0; g < CH / 4; ++g) {
+                            u32 v[4];
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                const int jj = 4 * g + i, j = c + jj;
+                                const float y0 = acc[4 * j + 2 * h] * sa[h] * wc[jj][0];
+                                const float y1 = acc[4 * j + 2 * h + 1] * sa[h] * wc[jj][1];
+                                const float r0 = EPI == EPI_RESIDUAL ? bf16_lo(res[h][jj]) : 0.0f;
+                                const float r1 = EPI == EPI_RESIDUAL ? bf16_hi(res[h][jj]) : 0.0f;
+                                v[i] = pack_bf16x2(y0 + r0, y1 + r1);
+                            }
+                            quad_transpose(v, q);
+                            if (row < p.m)
+                                *reinterpret_cast<uint4*>(p.out + u64(row) * p.ldo + tn * BN + 8 * (c + 4 * g + q)) =
+                                    make_uint4(v[0], v[1], v[2], v[3]);
+                        }
+                    }
+                }
+                continue;
+            }
+        }
         float amax = 0.0f;
         u32 saturated = 0;
 #pragma unroll
