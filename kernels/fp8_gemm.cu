@@ -233,6 +233,23 @@ __device__ __forceinline__ void tile_scales(const Fp8GemmParams& p, u32 tn, u32 
     }
 }
 
+// The weight scales of the epilogue's batch of column pairs c .. c + CH - 1: wc[jj][e] of
+// column 8 (c + jj) + 2 (lane % 4) + e, held from the tile's start (ws) or loaded here (FP8
+// wide tiles).
+template <bool BF16, int BN, int CH>
+__device__ __forceinline__ void batch_scales(const Fp8GemmParams& p, const float (&ws)[BN / 8][2], u32 tn, int c, u32 lane,
+                                             float (&wc)[CH][2]) {
+#pragma unroll
+    for (int jj = 0; jj < CH; ++jj)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            if constexpr (SCALES_EARLY<BF16, BN>)
+                wc[jj][e] = ws[c + jj][e];
+            else
+                wc[jj][e] = w_scale_at<BF16, BN>(p, tn, c + jj, e, lane);
+        }
+}
+
 // The q|k|v epilogue of one consumer thread's two rows of a tile, heads of D dims (see the
 // header). acc[4 j + e]: row row0 (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2 of the
 // tile, so dim c = 8 jj + 2 q + e of a head (q = lane % 4) sits in the lane's jj-th pair: a
@@ -531,15 +548,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
 #pragma unroll
                 for (int c = 0; c < BN / 8; c += CH) {
                     float wc[CH][2];
-#pragma unroll
-                    for (int jj = 0; jj < CH; ++jj)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            if constexpr (SCALES_EARLY<BF16, BN>)
-                                wc[jj][e] = ws[c + jj][e];
-                            else
-                                wc[jj][e] = w_scale_at<BF16, BN>(p, tn, c + jj, e, lane);
-                        }
+                    batch_scales<BF16, BN>(p, ws, tn, c, lane, wc);
                     // res[h][jj]: the pair of column 8 (c + jj) + 2 q of row h, loaded as lane
                     // q's 16 bytes of group c + 4 g + q and transposed back.
                     u32 res[2][CH];
@@ -594,15 +603,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
             // tiles), and the two rows' residual pairs of column 8 (c + jj) + 2 (lane % 4) (lo,
             // hi: the pair's two columns).
             float wc[CH][2];
-#pragma unroll
-            for (int jj = 0; jj < CH; ++jj)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    if constexpr (SCALES_EARLY<BF16, BN>)
-                        wc[jj][e] = ws[c + jj][e];
-                    else
-                        wc[jj][e] = w_scale_at<BF16, BN>(p, tn, c + jj, e, lane);
-                }
+            batch_scales<BF16, BN>(p, ws, tn, c, lane, wc);
             u32 res[2][CH];
 #pragma unroll
             for (int jj = 0; jj < CH; ++jj) {
