@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # Builds Stoke's GPU test and benchmark binary in release on this (GPU-less) machine and packs
-# it into .bundle/ (git-ignored), small and self-contained: the kernels are compiled into the
-# binary as source and built by NVRTC on the GPU machine. Carry `.bundle` to the GPU machine
-# and run `bash scripts/gpu-run.sh OUTDIR` there.
+# it into DIR (default .bundle/, git-ignored), small and self-contained: the kernels are compiled
+# into the binary as source and built by NVRTC on the GPU machine; the binary is stripped and
+# xz-compressed (about 6 MB; gpu-run.sh unpacks it). Carry DIR to the GPU machine and run
+# `bash scripts/gpu-run.sh OUTDIR` there. A second bundle (another commit, e.g. DIR .carry/base,
+# git-ignored) runs there with `STOKE_BUNDLE=.carry/base bash scripts/gpu-run.sh ...`, so two
+# commits are timed in one call on one card.
+# Usage: scripts/gpu-bundle.sh [DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+dir=${1:-.bundle}
 cargo build --release -p stoke-tests --bin stoke-gpu
-rm -rf .bundle
-mkdir -p .bundle
-cp target/release/stoke-gpu .bundle/
-git rev-parse --short=12 HEAD > .bundle/COMMIT 2>/dev/null || echo unknown > .bundle/COMMIT
-if ! git diff --quiet HEAD 2>/dev/null; then sed -i 's/$/-dirty/' .bundle/COMMIT; fi
-(cd .bundle && sha256sum stoke-gpu > SHA256SUMS)
-du -sh .bundle/stoke-gpu
-echo "bundle ready: commit $(cat .bundle/COMMIT)"
+rm -rf "$dir"
+mkdir -p "$dir"
+strip -o "$dir/stoke-gpu" target/release/stoke-gpu
+git rev-parse --short=12 HEAD > "$dir/COMMIT" 2>/dev/null || echo unknown > "$dir/COMMIT"
+if ! git diff --quiet HEAD 2>/dev/null; then sed -i 's/$/-dirty/' "$dir/COMMIT"; fi
+(cd "$dir" && sha256sum stoke-gpu > SHA256SUMS)
+xz -9 -T2 "$dir/stoke-gpu"
+du -sh "$dir/stoke-gpu.xz"
+echo "bundle ready in $dir: commit $(cat "$dir/COMMIT")"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine, from the repository root, with .bundle/ from scripts/gpu-bundle.sh:
+# Runs on the GPU machine, from the repository root, with .bundle/ from scripts/gpu-bundle.sh
+# (STOKE_BUNDLE=DIR runs another bundle directory instead):
 # every GPU test, then the benchmarks, then the PyTorch peers, writing JSON into OUTDIR.
 # Usage: bash scripts/gpu-run.sh OUTDIR [test [NAME...]|bench|all|llama|int4|attention|prefill|pairs|sanitize [TOOL...]|int4-profile [SHAPE...]|fp8-profile [SHAPE...]|attention-profile [SHAPE...]]
 #   int4:  the W4A16 GEMM test and benchmark, then its PyTorch peers
@@ -64,9 +65,11 @@ cache = { file = "$cache/autotune" }
 TOML
 pack_cache() { tar -czf "$out/gpucache.tar.gz" -C "$cache" . ; }
 trap pack_cache EXIT
-(cd .bundle && sha256sum -c SHA256SUMS) || exit 1
+bundle=${STOKE_BUNDLE:-.bundle}
+if [ -f "$bundle/stoke-gpu.xz" ]; then xz -dkf "$bundle/stoke-gpu.xz" && chmod +x "$bundle/stoke-gpu"; fi
+(cd "$bundle" && sha256sum -c SHA256SUMS) || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$out/gpu.txt"
-commit=$(cat .bundle/COMMIT)
+commit=$(cat "$bundle/COMMIT")
 status=0
 if [ "$what" = int4-profile ] || [ "$what" = attention-profile ] || [ "$what" = fp8-profile ]; then
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
@@ -80,7 +83,7 @@ if [ "$what" = int4-profile ] || [ "$what" = attention-profile ] || [ "$what" = 
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
       --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
       --section SourceCounters \
-      .bundle/stoke-gpu --out "$out" "$what" "$@" > "$out/ncu-$what.txt" 2>&1 || status=1
+      "$bundle/stoke-gpu" --out "$out" "$what" "$@" > "$out/ncu-$what.txt" 2>&1 || status=1
   tail -5 "$out/ncu-$what.txt"
   if [ "$what" = attention-profile ] && [ -n "${NCU_PEER:-}" ]; then
     # The peer's kernels at one point, every launch of its three calls (NCU_PEER_LAUNCHES).
@@ -110,7 +113,7 @@ if [ "$what" = sanitize ]; then
     [ "$tool" = racecheck ] && extra=(--racecheck-report all)
     t0=$(date +%s)
     "$san" --tool "$tool" "${filter[@]}" "${extra[@]}" --error-exitcode 99 --print-limit 50 \
-        .bundle/stoke-gpu --out "$out/sanitize-$tool" test $tests > "$out/sanitize-$tool.log" 2>&1
+        "$bundle/stoke-gpu" --out "$out/sanitize-$tool" test $tests > "$out/sanitize-$tool.log" 2>&1
     rc=$?
     summary=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize-$tool.log" | tail -1)
     echo "sanitize $tool: exit $rc, ${summary:-no summary}, $(( $(date +%s) - t0 )) s"
@@ -123,10 +126,10 @@ if [ "$what" = sanitize ]; then
   exit $status
 fi
 if [ "$what" = llama ]; then
-  .bundle/stoke-gpu --out "$out" --commit "$commit" llama 2>&1 | tee "$out/llama.log" || status=1
+  "$bundle/stoke-gpu" --out "$out" --commit "$commit" llama 2>&1 | tee "$out/llama.log" || status=1
   exit $status
 fi
-.bundle/stoke-gpu --out "$out" --commit "$commit" "$what" "$@" 2>&1 | tee "$out/stoke-gpu.log" || status=1
+"$bundle/stoke-gpu" --out "$out" --commit "$commit" "$what" "$@" 2>&1 | tee "$out/stoke-gpu.log" || status=1
 if [ "$what" = int4 ]; then
   python3 scripts/peers/int4_torch.py "$out/torch-int4.json" 2>&1 | tee "$out/torch-int4.log" || status=1
 fi
