@@ -34,7 +34,8 @@ struct Case {
 /// d = 128 and 64 (two heads per tile, a q and a k head sharing one, SmolLM2's 15 heads
 /// ending in half a tile); FP8 and INT4 mirrors, whole-head, partial and no rotation, no
 /// mirror; single-token sequences, positions past 8k, slots out of order, rows ending inside a
-/// tile; Llama-3.1-8B-shaped calls (FP8, bf16). Every case runs on both tile widths.
+/// tile; Llama-3.1-8B-shaped calls (FP8, bf16) and a 70B-shaped one (FP8). Every case runs on
+/// both tile widths.
 const CASES: &[Case] = &[
     Case {
         heads: 8,

@@ -119,9 +119,9 @@ pub fn wide_tiles(m: u32, n: u32, sm_count: u32) -> bool {
 /// then): where `k` spans more than 32 k-blocks (4,096 E4M3 values). Its epilogue (RoPE, the
 /// cache rows and their mirror quantized) costs a wide tile about 15 µs against about 4 for a
 /// narrow one, which 32 blocks of the wide tiles' faster mainloop do not earn back: measured
-/// on an H100 (`results/h100-qkv-wide-7c04453.json`), the 8B q|k|v (k 4,096, 2,304 rows)
-/// took 166.9 µs on wide tiles against 145.3, the 405B one (k 16,384, 2,048 rows) 910 µs
-/// against 1,314.
+/// on H100s (`results/h100-qkv-wide-7c04453.json`), the 8B q|k|v (k 4,096, 2,304 rows)
+/// took 172.1 µs on wide tiles against 145.5, the 70B one (k 8,192, 2,048 rows) 331.4 against
+/// 369.5, the 405B one (k 16,384, 2,048 rows) 958 against 1,314.
 pub fn fp8_qkv_wide_k(k: u32) -> bool {
     k.div_ceil(BK) > 32
 }
