@@ -597,6 +597,15 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
         }
         float amax = 0.0f;
         u32 saturated = 0;
+        // SwiGLU (E4M3 or bf16 h, output o = col / 2) of a tile inside N, with 4-element
+        // aligned rows: a quad's h of four 8-column groups are transposed across its lanes
+        // (quad_transpose), so a lane stores its group's four consecutive outputs (4 bytes of
+        // E4M3, 8 of bf16) where it would store one.
+        bool swiglu_quads = false;
+        if constexpr (EPI == EPI_SWIGLU || EPI == EPI_SWIGLU_BF16) {
+            const u64 at = EPI == EPI_SWIGLU ? reinterpret_cast<u64>(p.codes) & 3 : reinterpret_cast<u64>(p.out) & 7;
+            swiglu_quads = p.ldo % 4 == 0 && at == 0 && tn * BN + BN <= p.n;
+        }
 #pragma unroll
         for (int c = 0; c < BN / 8; c += CH) {
             // The batch's weight scales (held from the tile's start, or loaded here: FP8 wide
@@ -604,6 +613,49 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
             // hi: the pair's two columns).
             float wc[CH][2];
             batch_scales<BF16, BN>(p, ws, tn, c, lane, wc);
+            if constexpr (EPI == EPI_SWIGLU || EPI == EPI_SWIGLU_BF16) {
+                if (swiglu_quads) {
+                    const u32 q = lane % 4;
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const u32 row = row0 + 8 * h;
+                        const bool valid = row < p.m;
+#pragma unroll
+                        for (int g = 0; g < CH / 4; ++g) {
+                            // v[i]: h of column pair 8 (c + 4 g + i) + 2 q, i.e. output
+                            // 4 (c + 4 g + i) + q of the tile.
+                            u32 v[4];
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                const int jj = 4 * g + i, j = c + jj;
+                                const float y0 = acc[4 * j + 2 * h] * sa[h] * wc[jj][0];
+                                const float up = acc[4 * j + 2 * h + 1] * sa[h] * wc[jj][1];
+                                const float hv = y0 / (1.0f + expf(-y0)) * up;
+                                if (EPI == EPI_SWIGLU) {
+                                    if (valid && fabsf(hv) < __int_as_float(0x7f800000)) amax = fmaxf(amax, fabsf(hv));
+                                    float qv = __fdiv_rn(hv, out_scale);
+                                    if (!(fabsf(qv) <= 448.0f)) {
+                                        saturated += valid;
+                                        qv = hv < 0.0f ? -448.0f : 448.0f;
+                                    }
+                                    v[i] = e4m3x2(qv, 0.0f) & 0xffu;
+                                } else {
+                                    v[i] = to_bf16(hv);
+                                }
+                            }
+                            quad_transpose(v, q);
+                            // Now outputs 4 (c + 4 g + q) + i of the tile, i = 0..3.
+                            const u64 o = u64(row) * p.ldo + tn * (BN / 2) + 4 * (c + 4 * g + q);
+                            if (!valid) continue;
+                            if (EPI == EPI_SWIGLU)
+                                *reinterpret_cast<u32*>(p.codes + o) = v[0] | v[1] << 8 | v[2] << 16 | v[3] << 24;
+                            else
+                                *reinterpret_cast<uint2*>(p.out + o) = make_uint2(v[0] | v[1] << 16, v[2] | v[3] << 16);
+                        }
+                    }
+                    continue;
+                }
+            }
             u32 res[2][CH];
 #pragma unroll
             for (int jj = 0; jj < CH; ++jj) {
