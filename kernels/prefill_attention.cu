@@ -111,6 +111,13 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[32], const u32 (&a)[4], u64 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
+// Pins registers a wgmma wrote at this point: uses of them are not moved above the wait before.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
 template <int D>
 __device__ __forceinline__ void prefill_attn(const PrefillAttnParams& p, u32 smem) {
     using S = PrefillShape<D>;
@@ -182,6 +189,7 @@ __device__ __forceinline__ void prefill_attn(const PrefillAttnParams& p, u32 sme
         }
         wg_commit();
         wg_wait_all();
+        fence_regs(s);
 
         const u32 kfirst = j * PA_BN;
         const bool masked = kfirst + PA_BN - 1 > pos0 + wrow;
@@ -219,6 +227,7 @@ __device__ __forceinline__ void prefill_attn(const PrefillAttnParams& p, u32 sme
         for (int kk = 0; kk < 8; ++kk) wgmma_pv(o, pa[kk], desc_mn_major(vt + kk * 16 * 128, S::PANEL_K));
         wg_commit();
         wg_wait_all();
+        fence_regs(o);
     }
 
     float inv[2];
