@@ -62,14 +62,14 @@ pub const SOURCE: &str = include_str!("../../../../kernels/prefill_attention.cu"
 pub const ENTRY_POINTS: &[&str] = &["prefill_attn_bf16_d64", "prefill_attn_bf16_d128"];
 
 /// Query rows per CTA and keys per tile (the kernel's `PA_BM`, `PA_BN`), and its threads.
-const BM: u32 = 64;
-const BN: u32 = 64;
-const THREADS: u32 = 128;
+const BM: u32 = 128;
+const BN: u32 = 128;
+const THREADS: u32 = 256;
 
-/// Dynamic shared memory of the `d` kernel: the query tile, two key and two value tiles, rows
-/// padded to `d + 8` bf16.
+/// Dynamic shared memory of the `d` kernel: the query tile, two key and two value tiles of
+/// `d` bf16 a row, and 1024 bytes to align them for the swizzle.
 pub fn shared_bytes(d: u32) -> u32 {
-    (BM + 4 * BN) * (d + 8) * 2
+    (BM + 4 * BN) * d * 2 + 1024
 }
 
 /// Checks the shape of a call: head size 64 or 128, whole query-head groups per kv head.
@@ -160,7 +160,7 @@ mod tests {
         assert!(SOURCE.contains(&format!("PA_BM = {BM};")));
         assert!(SOURCE.contains(&format!("PA_BN = {BN};")));
         assert!(SOURCE.contains(&format!("PA_WARPS = {};", THREADS / 32)));
-        assert!(SOURCE.contains("PA_BM * P * 2 + 4 * TILE"));
+        assert!(SOURCE.contains("BYTES = PA_BM * D * 2 + 4 * TILE + 1024"));
     }
 
     #[test]
