@@ -24,7 +24,8 @@
 #   prefill: the packed-prefill tests (prefill attention, the model's packed prefill against the
 #          reference decoder), the 8B-shaped prefill benchmark (STOKE_PREFILL_MIXES=2048,512
 #          keeps the named points) and the prefill layer at 70B / 405B shapes
-#          (STOKE_PREFILL_SHAPES=8b,70b,405b picks the parts), then the PyTorch peers: the FP8
+#          (STOKE_PREFILL_SHAPES=8b,70b,405b picks the parts; STOKE_PREFILL_MODES=fp8 times only
+#          the FP8 projections; the mixes' names also pick the layers' prompts), then the PyTorch peers: the FP8
 #          block (compiled, graphed; 8B / 70B / 405B shapes) and transformers (padded batches);
 #          STOKE_NO_PEERS=1 skips them
 #   decode: the decode-step tests, then the step benchmark (SmolLM2, 8B/70B-shaped models), then

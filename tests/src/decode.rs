@@ -538,7 +538,9 @@ fn kernel_table(launches: &[(&str, f32)]) -> (f64, Vec<Value>) {
 /// launches timed one by one (the rest of the time is burn-cuda's ops and the host).
 /// `STOKE_PREFILL_MIXES` (comma-separated names, e.g. `2048,2048+7x128`) keeps only those points.
 /// Then the prefill layer at 70B and 405B shapes (`prefill_layer_bench`);
-/// `STOKE_PREFILL_SHAPES` (comma-separated: 8b, 70b, 405b) runs a part.
+/// `STOKE_PREFILL_SHAPES` (comma-separated: 8b, 70b, 405b) runs a part;
+/// `STOKE_PREFILL_MODES` (bf16, fp8) picks the projections timed, and `STOKE_PREFILL_MIXES`
+/// also keeps the layer benchmark's prompt lengths of those names.
 pub fn prefill_bench(_copy_gbps: f64) -> Value {
     let sections = std::env::var("STOKE_PREFILL_SHAPES").unwrap_or_else(|_| "8b,70b,405b".into());
     let on = |s: &str| sections.split(',').any(|x| x.trim() == s);
@@ -554,6 +556,12 @@ pub fn prefill_bench(_copy_gbps: f64) -> Value {
         }
     }
     out
+}
+
+/// Whether the prefill benchmarks time `mode` ("bf16" or "fp8"): `STOKE_PREFILL_MODES`
+/// (comma-separated) names the ones to run; both by default.
+fn prefill_mode_on(mode: &str) -> bool {
+    std::env::var("STOKE_PREFILL_MODES").map_or(true, |m| m.split(',').any(|x| x.trim() == mode))
 }
 
 /// The 8B-shaped part of [`prefill_bench`].
@@ -575,8 +583,11 @@ fn prefill_8b_bench() -> Value {
     }
     let mut out = json!({ "model": "llama-3.1-8b-shaped, random INT4 (group 128), bf16 head" });
     for fp8 in [false, true] {
-        stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
         let mode = if fp8 { "fp8" } else { "bf16" };
+        if !prefill_mode_on(mode) {
+            continue;
+        }
+        stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
         let points: Vec<Value> = mixes
             .iter()
             .map(|lens| {
@@ -607,7 +618,12 @@ fn prefill_8b_bench() -> Value {
 /// (`attention_on_stoke` false: a shape the GPU decoder does not take).
 fn prefill_layer_bench(name: &str, hidden: usize, inter: usize, heads: usize) -> Value {
     let device = Default::default();
-    let lens = [2048usize, 512, 8192];
+    let mut lens = vec![2048usize, 512, 8192];
+    // STOKE_PREFILL_MIXES (as for the 8B part: "2048,8192") keeps the named prompt lengths.
+    if let Ok(only) = std::env::var("STOKE_PREFILL_MIXES") {
+        let names: Vec<&str> = only.split(',').map(str::trim).collect();
+        lens.retain(|s| names.contains(&s.to_string().as_str()));
+    }
     let (small, large) = (1usize, 2usize);
     let models: Vec<_> = [small, large]
         .iter()
@@ -628,8 +644,11 @@ fn prefill_layer_bench(name: &str, hidden: usize, inter: usize, heads: usize) ->
         "kv_heads": kvh, "head_dim": d, "layers_timed": [small, large],
     });
     for fp8 in [false, true] {
-        stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
         let mode = if fp8 { "fp8" } else { "bf16" };
+        if !prefill_mode_on(mode) {
+            continue;
+        }
+        stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
         let points: Vec<Value> = lens
             .iter()
             .map(|&s| {
