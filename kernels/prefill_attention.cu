@@ -29,8 +29,8 @@
 //     S accumulators' layout is the A fragment's, packed to bf16 pairs; V from shared memory as
 //     an MN-major operand);
 //   - the output divided by the row sum and written as bf16 rows of [rows, heads, D].
-// The two warpgroups run their MMAs and softmax independently, so one's softmax overlaps the
-// other's MMAs; they meet at each tile's barrier.
+// Between the tile barriers the two warpgroups run independently, so one's softmax can overlap
+// the other's MMAs; nothing schedules that, and the barrier lines them up again every tile.
 
 #include "ptx.cuh"
 
