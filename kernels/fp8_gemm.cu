@@ -104,37 +104,9 @@ struct Fp8GemmParams {
 };
 static_assert(sizeof(Fp8GemmParams) == 512, "Fp8GemmParams layout (64-byte aligned maps)");
 
-// One wgmma.m64n128 of `kind` (the k and operand types), d (+)= A B^T from two shared-memory
-// descriptors; `tail` ends the operand list (the immediates the type takes). The 64 f32
-// accumulators of a thread are d[0..64].
-#define WGMMA_M64N128(kind, tail)                                                                      \
-    asm volatile(                                                                                      \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                   \
-        "wgmma.mma_async.sync.aligned.m64n128" kind " "                                               \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "            \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "            \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "           \
-        "%64, %65, p, " tail ";\n}"                                                                   \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),      \
-          "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),    \
-          "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),    \
-          "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),    \
-          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),    \
-          "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),    \
-          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),    \
-          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])     \
-        : "l"(a), "l"(b), "r"(scale_d))
-
 // d (+)= A B^T for one k32 slice: 64 rows of A and 128 rows of W, both E4M3 in shared memory.
 __device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], u64 a, u64 b, u32 scale_d) {
     WGMMA_M64N128("k32.f32.e4m3.e4m3", "1, 1");
-}
-
-// The same for one k16 slice of bf16 (both K-major: the transpose immediates 0).
-__device__ __forceinline__ void wgmma_bf16_n128(float (&d)[64], u64 a, u64 b, u32 scale_d) {
-    WGMMA_M64N128("k16.f32.bf16.bf16", "1, 1, 0, 0");
 }
 
 // One wgmma.m64n256 of bf16 (k16, both K-major), d (+)= A B^T: the 128 f32 accumulators of a
@@ -254,6 +226,15 @@ __device__ __forceinline__ void batch_scales(const Fp8GemmParams& p, const float
             else
                 wc[jj][e] = w_scale_at<BF16, BN>(p, tn, c + jj, e, lane);
         }
+}
+
+// Output e of the thread's column pair c + jj (acc[4 j + 2 h + e], j = c + jj) in row half h
+// (row row0 + 8 h), its scales restored: the row's activation scale and the batch's weight
+// scale.
+template <int N, int CH>
+__device__ __forceinline__ float restored(const float (&acc)[N], const float (&sa)[2], const float (&wc)[CH][2], int c,
+                                          int jj, int h, int e) {
+    return acc[4 * (c + jj) + 2 * h + e] * sa[h] * wc[jj][e];
 }
 
 // The q|k|v epilogue of one consumer thread's two rows of a tile, heads of D dims (see the
@@ -585,9 +566,9 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                             u32 v[4];
 #pragma unroll
                             for (int i = 0; i < 4; ++i) {
-                                const int jj = 4 * g + i, j = c + jj;
-                                const float y0 = acc[4 * j + 2 * h] * sa[h] * wc[jj][0];
-                                const float y1 = acc[4 * j + 2 * h + 1] * sa[h] * wc[jj][1];
+                                const int jj = 4 * g + i;
+                                const float y0 = restored(acc, sa, wc, c, jj, h, 0);
+                                const float y1 = restored(acc, sa, wc, c, jj, h, 1);
                                 const float r0 = EPI == EPI_RESIDUAL ? bf16_lo(res[h][jj]) : 0.0f;
                                 const float r1 = EPI == EPI_RESIDUAL ? bf16_hi(res[h][jj]) : 0.0f;
                                 v[i] = pack_bf16x2(y0 + r0, y1 + r1);
@@ -634,9 +615,9 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                             u32 v[4];
 #pragma unroll
                             for (int i = 0; i < 4; ++i) {
-                                const int jj = 4 * g + i, j = c + jj;
-                                const float y0 = acc[4 * j + 2 * h] * sa[h] * wc[jj][0];
-                                const float up = acc[4 * j + 2 * h + 1] * sa[h] * wc[jj][1];
+                                const int jj = 4 * g + i;
+                                const float y0 = restored(acc, sa, wc, c, jj, h, 0);
+                                const float up = restored(acc, sa, wc, c, jj, h, 1);
                                 const float hv = swiglu(y0, up);
                                 if (EPI == EPI_SWIGLU) {
                                     if (valid && fabsf(hv) < __int_as_float(0x7f800000)) amax = fmaxf(amax, fabsf(hv));
@@ -687,10 +668,10 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                     const int j = c + jj;
                     const u32 col = tn * BN + 8 * j + 2 * (lane % 4);
                     if (col >= p.n) continue;
-                    const float y0 = acc[4 * j + 2 * h] * sa[h] * wc[jj][0];
+                    const float y0 = restored(acc, sa, wc, c, jj, h, 0);
                     if (EPI == EPI_SWIGLU) {
                         // n is even: the pair is whole.
-                        const float up = acc[4 * j + 2 * h + 1] * sa[h] * wc[jj][1];
+                        const float up = restored(acc, sa, wc, c, jj, h, 1);
                         const float hv = swiglu(y0, up);
                         if (fabsf(hv) < __int_as_float(0x7f800000)) amax = fmaxf(amax, fabsf(hv));
                         float q = hv * inv_scale;
@@ -702,7 +683,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                         continue;
                     }
                     if (EPI == EPI_SWIGLU_BF16) {
-                        const float up = acc[4 * j + 2 * h + 1] * sa[h] * wc[jj][1];
+                        const float up = restored(acc, sa, wc, c, jj, h, 1);
                         p.out[u64(row) * p.ldo + col / 2] = to_bf16(swiglu(y0, up));
                         continue;
                     }
@@ -710,7 +691,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                     const float r1 = EPI == EPI_RESIDUAL ? bf16_hi(res[h][jj]) : 0.0f;
                     u16* out = p.out + u64(row) * p.ldo;
                     if (col + 1 < p.n) {
-                        const float y1 = acc[4 * j + 2 * h + 1] * sa[h] * wc[jj][1];
+                        const float y1 = restored(acc, sa, wc, c, jj, h, 1);
                         *reinterpret_cast<u32*>(out + col) = pack_bf16x2(y0 + r0, y1 + r1);
                     } else {
                         out[col] = to_bf16(y0 + r0);

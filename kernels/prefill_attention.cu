@@ -60,13 +60,9 @@ struct PrefillShape {
     static constexpr int BYTES = PA_BM * D * 2 + 4 * TILE + 1024;
 };
 
-// A K-major shared-memory operand of 128-byte rows with the 128-byte swizzle (8-row groups
-// 1024 bytes apart).
-__device__ __forceinline__ u64 desc_k_major(u32 addr) {
-    return u64((addr & 0x3ffffu) >> 4) | (u64(1) << 16) | (u64(1024 >> 4) << 32) | (u64(1) << 62);
-}
-// An MN-major one: the same rows (one k each, 64 n of 2 bytes), 8-k groups 1024 bytes apart
-// (stride offset) and 64-n panels `panel` bytes apart (leading offset).
+// An MN-major shared-memory operand (the K-major one is ptx.cuh's smem_desc_sw128): the same
+// 128-byte swizzled rows, one k each (64 n of 2 bytes), 8-k groups 1024 bytes apart (stride
+// offset) and 64-n panels `panel` bytes apart (leading offset).
 __device__ __forceinline__ u64 desc_mn_major(u32 addr, u32 panel) {
     return u64((addr & 0x3ffffu) >> 4) | (u64((panel >> 4) & 0x3fffu) << 16) | (u64(1024 >> 4) << 32) |
            (u64(1) << 62);
@@ -75,18 +71,6 @@ __device__ __forceinline__ u64 desc_mn_major(u32 addr, u32 panel) {
 // Byte offset of 16-byte chunk `c` (of D / 8) of row `r` in a tile of `panel`-byte panels.
 __device__ __forceinline__ u32 swz(u32 r, u32 c, u32 panel) {
     return (c / 8) * panel + r * 128 + (((c % 8) ^ (r % 8)) << 4);
-}
-
-// S (+)= Q K^T for one k16 slice: 64 query rows and 128 keys, both K-major bf16 in shared
-// memory (128-byte swizzle); a thread's 64 f32 sums are d[0..64].
-__device__ __forceinline__ void wgmma_qk(float (&d)[64], u64 a, u64 b, u32 scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, 0;\n}"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(a), "l"(b), "r"(scale_d));
 }
 
 // O += P V for 16 keys: P from registers (the A fragment of 64 rows x 16 keys, a thread's 4
@@ -184,8 +168,9 @@ __device__ __forceinline__ void prefill_attn(const PrefillAttnParams& p, u32 sme
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             const u32 off = (kk % 4) * 32;  // k16 slice within the 64-dim panel
-            wgmma_qk(s, desc_k_major(qa + (kk / 4) * S::PANEL_Q + off), desc_k_major(kt + (kk / 4) * S::PANEL_K + off),
-                     kk > 0);
+            const u64 dq = smem_desc_sw128(qa + (kk / 4) * S::PANEL_Q + off);
+            const u64 dk = smem_desc_sw128(kt + (kk / 4) * S::PANEL_K + off);
+            wgmma_bf16_n128(s, dq, dk, kk > 0);
         }
         wg_commit();
         wg_wait_all();

@@ -194,6 +194,35 @@ __device__ __forceinline__ u64 smem_desc_sw128(u32 addr) {
     return u64((addr & 0x3ffffu) >> 4) | (u64(1) << 16) | (u64(1024 >> 4) << 32) | (u64(1) << 62);
 }
 
+// One wgmma.m64n128 of `kind` (the k and operand types), d (+)= A B^T from two shared-memory
+// descriptors; `tail` ends the operand list (the immediates the type takes). The 64 f32
+// accumulators of a thread are d[0..64].
+#define WGMMA_M64N128(kind, tail)                                                                      \
+    asm volatile(                                                                                      \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                   \
+        "wgmma.mma_async.sync.aligned.m64n128" kind " "                                               \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "            \
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "            \
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "           \
+        "%64, %65, p, " tail ";\n}"                                                                   \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),      \
+          "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),    \
+          "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),    \
+          "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),    \
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),    \
+          "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),    \
+          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),    \
+          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])     \
+        : "l"(a), "l"(b), "r"(scale_d))
+
+// d (+)= A B^T for one k16 slice of bf16: 64 rows of A, 128 of B, both K-major in shared
+// memory (the transpose immediates 0).
+__device__ __forceinline__ void wgmma_bf16_n128(float (&d)[64], u64 a, u64 b, u32 scale_d) {
+    WGMMA_M64N128("k16.f32.bf16.bf16", "1, 1, 0, 0");
+}
+
 // Warpgroup MMA ordering: fence before the first wgmma that reads registers written since,
 // commit the issued wgmma as a group, wait until at most N groups are pending.
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
