@@ -558,10 +558,11 @@ pub fn prefill_bench(_copy_gbps: f64) -> Value {
     out
 }
 
-/// Whether the prefill benchmarks time `mode` ("bf16" or "fp8"): `STOKE_PREFILL_MODES`
-/// (comma-separated) names the ones to run; both by default.
-fn prefill_mode_on(mode: &str) -> bool {
-    std::env::var("STOKE_PREFILL_MODES").map_or(true, |m| m.split(',').any(|x| x.trim() == mode))
+/// Whether the prefill benchmarks keep `name`: the environment variable `var` (comma-separated
+/// names: `STOKE_PREFILL_MODES` of "bf16" / "fp8", `STOKE_PREFILL_MIXES` of mixes and prompt
+/// lengths) names the ones to run; all when it is unset.
+fn prefill_env_keeps(var: &str, name: &str) -> bool {
+    std::env::var(var).map_or(true, |m| m.split(',').any(|x| x.trim() == name))
 }
 
 /// The 8B-shaped part of [`prefill_bench`].
@@ -577,14 +578,13 @@ fn prefill_8b_bench() -> Value {
     let mut mixes: Vec<Vec<usize>> = vec![vec![2048], vec![512], vec![8192]];
     mixes.extend(stoke_llama::bench::default_mixes());
     // STOKE_PREFILL_MIXES=2048,8x368 times only the named points (a short call's).
-    if let Ok(only) = std::env::var("STOKE_PREFILL_MIXES") {
-        let names: Vec<&str> = only.split(',').map(str::trim).collect();
-        mixes.retain(|lens| names.contains(&stoke_llama::bench::mix_name(lens).as_str()));
-    }
+    mixes.retain(|lens| {
+        prefill_env_keeps("STOKE_PREFILL_MIXES", &stoke_llama::bench::mix_name(lens))
+    });
     let mut out = json!({ "model": "llama-3.1-8b-shaped, random INT4 (group 128), bf16 head" });
     for fp8 in [false, true] {
         let mode = if fp8 { "fp8" } else { "bf16" };
-        if !prefill_mode_on(mode) {
+        if !prefill_env_keeps("STOKE_PREFILL_MODES", mode) {
             continue;
         }
         stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
@@ -620,10 +620,7 @@ fn prefill_layer_bench(name: &str, hidden: usize, inter: usize, heads: usize) ->
     let device = Default::default();
     let mut lens = vec![2048usize, 512, 8192];
     // STOKE_PREFILL_MIXES (as for the 8B part: "2048,8192") keeps the named prompt lengths.
-    if let Ok(only) = std::env::var("STOKE_PREFILL_MIXES") {
-        let names: Vec<&str> = only.split(',').map(str::trim).collect();
-        lens.retain(|s| names.contains(&s.to_string().as_str()));
-    }
+    lens.retain(|s| prefill_env_keeps("STOKE_PREFILL_MIXES", &s.to_string()));
     let (small, large) = (1usize, 2usize);
     let models: Vec<_> = [small, large]
         .iter()
@@ -645,7 +642,7 @@ fn prefill_layer_bench(name: &str, hidden: usize, inter: usize, heads: usize) ->
     });
     for fp8 in [false, true] {
         let mode = if fp8 { "fp8" } else { "bf16" };
-        if !prefill_mode_on(mode) {
+        if !prefill_env_keeps("STOKE_PREFILL_MODES", mode) {
             continue;
         }
         stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
