@@ -64,16 +64,32 @@
 constexpr int BM = 128, BK = 128;
 constexpr u32 A_STAGE = BM * BK;  // bytes
 
+// The operands: E4M3 codes (scales per row and per output channel), bf16 (no scales), or
+// INT4 weights in the packed order of docs/INT4_FORMAT.md with E4M3 activations (OP_I4: see
+// "INT4 weights" above).
+enum { OP_FP8 = 0, OP_BF16 = 1, OP_I4 = 2 };
+
 // The stages, band width and shared memory of BN-column tiles.
-template <int BN> struct Shape {
-    static constexpr int STAGES = BN == 256 ? 4 : 5;
+template <int BN, int OP = OP_FP8> struct Shape {
+    static constexpr bool I4 = OP == OP_I4;
+    static constexpr int STAGES = I4 || BN == 256 ? 4 : 5;
     static constexpr u32 RASTER = 1024 / BN;
     static constexpr u32 W_STAGE = BN * BK;
-    static constexpr u32 STAGE_BYTES = A_STAGE + W_STAGE;
-    // [A 0 .. A S-1][W 0 .. W S-1][full S][empty S] from a 1024-byte aligned base.
-    static constexpr u32 SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
+    // INT4: the k-block's words (8 k-tiles x BN / 64 column groups of 512 bytes), the raw
+    // 16-bit scale and offset rows (up to 4 of BN each: RAW_M apart) and the f32 ones the
+    // consumers read ([4 promotions][d, m'][BN]).
+    static constexpr u32 Q_STAGE = I4 ? 64 * BN : 0;
+    static constexpr u32 RAW_M = 8 * BN;
+    static constexpr u32 RAW_STAGE = I4 ? 2 * RAW_M : 0;
+    static constexpr u32 SC_STAGE = I4 ? 32 * BN : 0;
+    static constexpr u32 STAGE_BYTES = A_STAGE + W_STAGE + Q_STAGE + RAW_STAGE + SC_STAGE;
+    // [A 0 .. S-1][W 0 .. S-1]([Q ..][RAW ..][SC ..])[full S][empty S]([converted S]) from a
+    // 1024-byte aligned base.
+    static constexpr u32 BARS = I4 ? 3 : 2;
+    static constexpr u32 SMEM_BYTES = STAGES * STAGE_BYTES + BARS * STAGES * 8 + 1024;
 };
-static_assert(Shape<128>::SMEM_BYTES == 164944 && Shape<256>::SMEM_BYTES == 197696, "shared memory (Rust mirrors it)");
+static_assert(Shape<128>::SMEM_BYTES == 164944 && Shape<256>::SMEM_BYTES == 197696 && Shape<128, OP_I4>::SMEM_BYTES == 189536,
+              "shared memory (Rust mirrors it)");
 
 enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2, EPI_SWIGLU_BF16 = 3, EPI_QKV = 4 };
 
@@ -101,8 +117,17 @@ struct Fp8GemmParams {
     u32 heads;              // qkv: query heads (the kv heads are the caches')
     u32 block;              // qkv: the mirror's Hadamard block (0: none, else 2 .. d)
     u32 max_pos;            // qkv: positions in the RoPE table
+    // INT4 weights (fp8_i4_*; w_map is then the words [k / 16, n / 64 x 128] u32, boxes of
+    // 8 k-tiles x 256 words, no swizzle):
+    TensorMap d_map;        // scales [k / group, n] 16-bit, boxes of 128 / G rows x 128 columns
+    TensorMap m_map;        // offsets, the same (with I4_OFFSETS)
+    const float* a_sums;    // [m, k / 32] the sum of each 32 codes of A's rows (with I4_OFFSETS)
+    u32 group;              // rows of k per scale
+    u32 i4_flags;           // I4_F16 | I4_OFFSETS
 };
-static_assert(sizeof(Fp8GemmParams) == 512, "Fp8GemmParams layout (64-byte aligned maps)");
+static_assert(sizeof(Fp8GemmParams) == 832, "Fp8GemmParams layout (64-byte aligned maps)");
+
+enum { I4_F16 = 1, I4_OFFSETS = 2 };
 
 // d (+)= A B^T for one k32 slice: 64 rows of A and 128 rows of W, both E4M3 in shared memory.
 __device__ __forceinline__ void wgmma_e4m3_n128(float (&d)[64], u64 a, u64 b, u32 scale_d) {
@@ -181,50 +206,50 @@ __device__ __forceinline__ float swiglu(float g, float u) { return __fdividef(g 
 
 // Column 8 j + 2 (lane % 4) + e's weight scale for a consumer thread (0 past N; 1 for bf16
 // operands).
-template <bool BF16, int BN>
+template <int OP, int BN>
 __device__ __forceinline__ float w_scale_at(const Fp8GemmParams& p, u32 tn, int j, int e, u32 lane) {
     const u32 col = tn * BN + 8 * j + 2 * (lane % 4) + e;
-    return BF16 ? 1.0f : col < p.n ? p.w_scale[col] : 0.0f;
+    return OP != OP_FP8 ? 1.0f : col < p.n ? p.w_scale[col] : 0.0f;
 }
 
 // Whether a tile's weight scales are held in registers from its start: all but the FP8 wide
 // tiles, whose 64 more would not fit beside their 192 accumulators (they load theirs in the
 // epilogue's batches).
-template <bool BF16, int BN> constexpr bool SCALES_EARLY = BF16 || BN == 128;
+template <int OP, int BN> constexpr bool SCALES_EARLY = OP != OP_FP8 || BN == 128;
 
 // The scales a consumer thread's values of a tile take: ws[j][e] of column
 // 8 j + 2 (lane % 4) + e (see w_scale_at; only with SCALES_EARLY), sa[h] of row row0 + 8 h
 // (1 past M; 1 for bf16 operands). Loaded at the tile's start, so their round trip hides
 // behind the mainloop.
-template <bool BF16, int BN>
+template <int OP, int BN>
 __device__ __forceinline__ void tile_scales(const Fp8GemmParams& p, u32 tn, u32 row0, u32 lane, float (&ws)[BN / 8][2], float (&sa)[2]) {
-    if constexpr (SCALES_EARLY<BF16, BN>) {
+    if constexpr (SCALES_EARLY<OP, BN>) {
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) ws[j][e] = w_scale_at<BF16, BN>(p, tn, j, e, lane);
+            for (int e = 0; e < 2; ++e) ws[j][e] = w_scale_at<OP, BN>(p, tn, j, e, lane);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const u32 row = row0 + 8 * h;
-        sa[h] = BF16 || row >= p.m ? 1.0f : p.a_scale[row * p.a_scale_stride];
+        sa[h] = OP == OP_BF16 || row >= p.m ? 1.0f : p.a_scale[row * p.a_scale_stride];
     }
 }
 
 // The weight scales of the epilogue's batch of column pairs c .. c + CH - 1: wc[jj][e] of
 // column 8 (c + jj) + 2 (lane % 4) + e, held from the tile's start (ws) or loaded here (FP8
 // wide tiles).
-template <bool BF16, int BN, int CH>
+template <int OP, int BN, int CH>
 __device__ __forceinline__ void batch_scales(const Fp8GemmParams& p, const float (&ws)[BN / 8][2], u32 tn, int c, u32 lane,
                                              float (&wc)[CH][2]) {
 #pragma unroll
     for (int jj = 0; jj < CH; ++jj)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            if constexpr (SCALES_EARLY<BF16, BN>)
+            if constexpr (SCALES_EARLY<OP, BN>)
                 wc[jj][e] = ws[c + jj][e];
             else
-                wc[jj][e] = w_scale_at<BF16, BN>(p, tn, c + jj, e, lane);
+                wc[jj][e] = w_scale_at<OP, BN>(p, tn, c + jj, e, lane);
         }
 }
 
@@ -246,7 +271,7 @@ __device__ __forceinline__ float restored(const float (&acc)[N], const float (&s
 // share a row, so the shuffles stay inside it). Head by head, both rows of each: a head's
 // weight scales are taken once, from ws, or loaded here where the tile holds none
 // (SCALES_EARLY: the FP8 wide tiles), before the head's stores.
-template <int D, bool BF16, int BN>
+template <int D, int OP, int BN>
 __device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float (&acc)[BN / 2], const float (&ws)[BN / 8][2],
                                              const float (&sa)[2], const u32 (&pos_of)[2], const u32 (&slot_at)[2], u32 tn,
                                              u32 row0, u32 lane) {
@@ -268,7 +293,7 @@ __device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float
         for (int jj = 0; jj < J; ++jj)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-                wt[jj][e] = SCALES_EARLY<BF16, BN> ? ws[t * J + jj][e] : w_scale_at<BF16, BN>(p, tn, t * J + jj, e, lane);
+                wt[jj][e] = SCALES_EARLY<OP, BN> ? ws[t * J + jj][e] : w_scale_at<OP, BN>(p, tn, t * J + jj, e, lane);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const u32 row = row0 + 8 * h;
@@ -382,34 +407,122 @@ __device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float
     }
 }
 
-template <int EPI, bool BF16, int BN = 128>
+// One INT4 word's two column rows of E4M3 codes (see "INT4 weights"): sel holds the nibbles
+// q of one column, rows 2t, 2t + 8, 2t + 1, 2t + 9 of the k-tile, in its low 16 bits; byte i
+// of the result is e4m3(q_i - 8). Two byte permutes look the codes up: the codes of 0 .. 7 by
+// q ^ 8 (q >= 8; q < 8 sets the selector's sign mode, which reads 0 from these non-negative
+// codes), and by q the codes of -8 .. -1 shifted right by one bit (all even, so exact), which
+// read 0 where q >= 8; the shift back restores their sign bits.
+__device__ __forceinline__ u32 i4_e4m3(u32 sel) {
+    u32 pos, neg;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(pos) : "r"(0x44403800u), "r"(0x4e4c4a48u), "r"(sel ^ 0x8888u));
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(neg) : "r"(0x65666768u), "r"(0x5c606264u), "r"(sel));
+    return pos | neg << 1;
+}
+
+// The INT4 converters' share of one k-block: the words in q (8 k-tiles x BN / 64 groups of
+// 32 lanes x 4 words) become E4M3 codes in w, the 128-byte swizzled [BN][128] K-major tile
+// the consumers' wgmma read (k permuted within each k-tile as A is; see "INT4 weights"), and
+// the raw scale (and offset) rows become f32 per promotion: sc[i][0][c] = d, sc[i][1][c] =
+// m + 8 d of column c at k-block promotion i. ct: the thread's index among the converters.
+template <int BN, int G>
+__device__ __forceinline__ void i4_convert(const Fp8GemmParams& p, u32 q, u32 w, u32 raw, u32 sc, u32 kb, u32 ct) {
+    using S = Shape<BN, OP_I4>;
+    constexpr u32 CONVERTERS = 96, TASKS = 8 * BN / 2;  // one 16-byte lane load each
+    for (u32 task = ct; task < TASKS; task += CONVERTERS) {
+        const uint4 v = lds128(q + task * 16);
+        const u32 words[4] = {v.x, v.y, v.z, v.w};
+        const u32 lane = task % 32, kt = task / (BN / 2), nq = task / 32 % (BN / 64);
+        const u32 g = lane / 4, t = lane % 4;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 n = 16 * (4 * nq + j) + g;  // column g of the 16-column tile; + 8 below
+            u32 lo, hi;  // bytes 0, 2: column g; bytes 1, 3: column 8 + g
+            asm("prmt.b32 %0, %1, 0, 0x4420;" : "=r"(lo) : "r"(words[j]));
+            asm("prmt.b32 %0, %1, 0, 0x4431;" : "=r"(hi) : "r"(words[j]));
+            const u32 at = ((kt ^ g) << 4) + 4 * t;
+            sts32(w + n * BK + at, i4_e4m3(lo));
+            sts32(w + (n + 8) * BK + at, i4_e4m3(hi));
+        }
+    }
+    constexpr u32 P = BK / G;
+    const u32 g0 = kb * BK / p.group;
+    const bool f16 = p.i4_flags & I4_F16, offsets = p.i4_flags & I4_OFFSETS;
+    for (u32 task = ct; task < P * BN; task += CONVERTERS) {
+        const u32 i = task / BN, c = task % BN;
+        const u32 r = (kb * BK + i * G) / p.group - g0;
+        const u32 bits = lds32(raw + ((r * BN + c) & ~1u) * 2) >> 16 * (c & 1);
+        const float d = f16 ? f16_to_f32(u16(bits)) : __uint_as_float(bits << 16);
+        sts32(sc + (i * 2 * BN + c) * 4, __float_as_uint(d));
+        if (offsets) {
+            const u32 mb = lds32(raw + S::RAW_M + ((r * BN + c) & ~1u) * 2) >> 16 * (c & 1);
+            const float m = f16 ? f16_to_f32(u16(mb)) : __uint_as_float(mb << 16);
+            sts32(sc + ((i * 2 + 1) * BN + c) * 4, __float_as_uint(fmaf(8.0f, d, m)));
+        }
+    }
+}
+
+template <int EPI, int OP, int BN = 128, int G = 0>
 __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
     static_assert(BN == 128 || BN == 256, "tiles of 128 or 256 columns");
-    using S = Shape<BN>;
+    constexpr bool BF16 = OP == OP_BF16, I4 = OP == OP_I4;
+    static_assert(!I4 || (BN == 128 && (G == 32 || G == 64 || G == 128)), "INT4: 128-column tiles, promotions of 32, 64 or 128 k");
+    using S = Shape<BN, OP>;
     constexpr int STAGES = S::STAGES;
     constexpr u32 W_STAGE = S::W_STAGE, STAGE_BYTES = S::STAGE_BYTES;
     extern __shared__ __align__(1024) u8 smem_raw[];
     const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const u32 a_smem = base, w_smem = base + STAGES * A_STAGE;
-    const u32 full = base + STAGES * STAGE_BYTES, empty = full + STAGES * 8;
+    const u32 q_smem = w_smem + STAGES * W_STAGE, raw_smem = q_smem + STAGES * S::Q_STAGE;
+    const u32 sc_smem = raw_smem + STAGES * S::RAW_STAGE;
+    const u32 full = base + STAGES * STAGE_BYTES, empty = full + STAGES * 8, converted = empty + STAGES * 8;
     const u32 wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     const u32 tiles_m = (p.m + BM - 1) / BM, tiles_n = (p.n + BN - 1) / BN;
     // k-blocks of BK bytes: BK E4M3 values, or BK / 2 bf16 ones.
     const u32 kbytes = BF16 ? 2 * p.k : p.k;
     const u32 tiles = tiles_m * tiles_n, kblocks = (kbytes + BK - 1) / BK;
+    // INT4: promotions per k-block and the bytes of one of its scale rows' boxes.
+    constexpr u32 P = I4 ? BK / G : 1, RAW_BOX = P * BN * 2;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full + 8 * s, 1);
             mbar_init(empty + 8 * s, 2);
+            if (I4) mbar_init(converted + 8 * s, 96);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
 
     if (wg == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if constexpr (I4) {
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 48;");
+        } else {
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        }
+        if (I4 && tid >= 32) {
+            // Warps 1-3 convert each k-block once its loads land.
+            u32 stage = 0, phase = 0;
+            for (u32 t = blockIdx.x; t < tiles; t += gridDim.x) {
+                u32 tm, tn;
+                tile_coords<S::RASTER>(t, tiles_m, tiles_n, tm, tn);
+                for (u32 kb = 0; kb < kblocks; ++kb) {
+                    mbar_wait(full + 8 * stage, phase);
+                    i4_convert<BN, I4 ? G : 128>(p, q_smem + stage * S::Q_STAGE, w_smem + stage * W_STAGE, raw_smem + stage * S::RAW_STAGE,
+                                                 sc_smem + stage * S::SC_STAGE, kb, tid - 32);
+                    // The codes are read by wgmma (the async proxy).
+                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                    mbar_arrive(converted + 8 * stage);
+                    if (++stage == STAGES) {
+                        stage = 0;
+                        phase ^= 1;
+                    }
+                }
+            }
+            return;
+        }
         if (tid != 0) return;
+        const bool offsets = p.i4_flags & I4_OFFSETS;
         u32 stage = 0, phase = 0;
         for (u32 t = blockIdx.x; t < tiles; t += gridDim.x) {
             u32 tm, tn;
@@ -417,9 +530,19 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
             for (u32 kb = 0; kb < kblocks; ++kb) {
                 mbar_wait(empty + 8 * stage, phase ^ 1);
                 const u32 bar = full + 8 * stage;
-                mbar_expect_tx(bar, STAGE_BYTES);
-                tma_load_2d(a_smem + stage * A_STAGE, &p.a_map, kb * BK, tm * BM, bar);
-                tma_load_2d(w_smem + stage * W_STAGE, &p.w_map, kb * BK, tn * BN, bar);
+                if constexpr (I4) {
+                    mbar_expect_tx(bar, A_STAGE + S::Q_STAGE + (offsets ? 2 : 1) * RAW_BOX);
+                    tma_load_2d(a_smem + stage * A_STAGE, &p.a_map, kb * BK, tm * BM, bar);
+                    // Words: column tn BN / 64 x 128 (u32), k-tile row 8 kb.
+                    tma_load_2d(q_smem + stage * S::Q_STAGE, &p.w_map, tn * BN * 2, kb * 8, bar);
+                    const u32 raw = raw_smem + stage * S::RAW_STAGE, g0 = kb * BK / p.group;
+                    tma_load_2d(raw, &p.d_map, tn * BN, g0, bar);
+                    if (offsets) tma_load_2d(raw + S::RAW_M, &p.m_map, tn * BN, g0, bar);
+                } else {
+                    mbar_expect_tx(bar, STAGE_BYTES);
+                    tma_load_2d(a_smem + stage * A_STAGE, &p.a_map, kb * BK, tm * BM, bar);
+                    tma_load_2d(w_smem + stage * W_STAGE, &p.w_map, kb * BK, tn * BN, bar);
+                }
                 if (++stage == STAGES) {
                     stage = 0;
                     phase ^= 1;
@@ -433,6 +556,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
     const u32 half = wg - 1;  // rows 64 half .. 64 half + 63 of the tile
     const u32 warp = tid / 32, lane = tid % 32;
     u32 stage = 0, phase = 0;
+    const bool offsets = I4 && (p.i4_flags & I4_OFFSETS);
     float acc[BN / 2], blk[64];
     // The E4M3 codes are h / out_scale, taken as h times its reciprocal (within an f32 ulp).
     const float inv_scale = EPI == EPI_SWIGLU ? 1.0f / *p.out_scale : 1.0f;  // the same for every tile
@@ -442,7 +566,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
         // acc[4 j + e]: row 16 warp + lane / 4 (+ 8 for e >= 2), column 8 j + 2 (lane % 4) + e % 2.
         const u32 row0 = tm * BM + half * 64 + warp * 16 + lane / 4;
         float ws[BN / 8][2], sa[2];
-        tile_scales<BF16, BN>(p, tn, row0, lane, ws, sa);
+        tile_scales<OP, BN>(p, tn, row0, lane, ws, sa);
         // q|k|v: the rows' positions and cache slots (0 past M), likewise loaded early.
         u32 pos[2] = {0, 0}, slot[2] = {0, 0};
         if (EPI == EPI_QKV) {
@@ -459,10 +583,60 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
         for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
         u32 held = STAGES;  // bf16: the stage the wgmma group still in flight reads
         for (u32 kb = 0; kb < kblocks; ++kb) {
-            mbar_wait(full + 8 * stage, phase);
+            mbar_wait((I4 ? converted : full) + 8 * stage, phase);
             const u32 a = a_smem + stage * A_STAGE + half * 64 * BK;
             const u32 w = w_smem + stage * W_STAGE;
-            if constexpr (BF16) {
+            if constexpr (I4) {
+                // Per promotion of G k (one group's part of the k-block): G / 32 wgmma of k32
+                // into the block accumulator, then acc += d blk (+ m' S, S the rows' sums of
+                // the promotion's codes) with the column's f32 d and m' from sc; the stage goes
+                // back after the last promotion has read them.
+                const u32 sc = sc_smem + stage * S::SC_STAGE, ks = p.k / 32;
+                float sx[P][2] = {};
+                if (offsets) {
+#pragma unroll
+                    for (int i = 0; i < int(P); ++i)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const u32 row = row0 + 8 * h, s0 = (kb * BK + i * G) / 32;
+                            float v = 0.0f;
+#pragma unroll
+                            for (int u = 0; u < G / 32; ++u)
+                                if (row < p.m && s0 + u < ks) v += p.a_sums[u64(row) * ks + s0 + u];
+                            sx[i][h] = v;
+                        }
+                }
+#pragma unroll
+                for (int i = 0; i < int(P); ++i) {
+                    wg_fence();
+#pragma unroll
+                    for (int j = 0; j < G / 32; ++j) {
+                        const u32 kk = 32 * (i * (G / 32) + j);
+                        wgmma_e4m3_n128(blk, smem_desc_sw128(a + kk), smem_desc_sw128(w + kk), j > 0);
+                    }
+                    wg_commit();
+                    wg_wait_all();
+#pragma unroll
+                    for (int j = 0; j < BN / 8; ++j) {
+                        const u32 col = 8 * j + 2 * (lane % 4);
+                        const float2 d = lds64f(sc + (i * 2 * BN + col) * 4);
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            acc[4 * j + 2 * h] = fmaf(d.x, blk[4 * j + 2 * h], acc[4 * j + 2 * h]);
+                            acc[4 * j + 2 * h + 1] = fmaf(d.y, blk[4 * j + 2 * h + 1], acc[4 * j + 2 * h + 1]);
+                        }
+                        if (offsets) {
+                            const float2 m = lds64f(sc + ((i * 2 + 1) * BN + col) * 4);
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                acc[4 * j + 2 * h] = fmaf(m.x, sx[i][h], acc[4 * j + 2 * h]);
+                                acc[4 * j + 2 * h + 1] = fmaf(m.y, sx[i][h], acc[4 * j + 2 * h + 1]);
+                            }
+                        }
+                    }
+                }
+                if (tid == 0) mbar_arrive(empty + 8 * stage);
+            } else if constexpr (BF16) {
                 wg_fence();
                 // Four wgmma of 32 bytes (16 bf16) of k each.
 #pragma unroll
@@ -512,9 +686,9 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
         }
         if (EPI == EPI_QKV) {
             if ((p.main.k ? p.main.d : p.mirror.d) == 128)
-                qkv_epilogue<128, BF16, BN>(p, acc, ws, sa, pos, slot, tn, row0, lane);
+                qkv_epilogue<128, OP, BN>(p, acc, ws, sa, pos, slot, tn, row0, lane);
             else
-                qkv_epilogue<64, BF16, BN>(p, acc, ws, sa, pos, slot, tn, row0, lane);
+                qkv_epilogue<64, OP, BN>(p, acc, ws, sa, pos, slot, tn, row0, lane);
             continue;
         }
         // What the epilogue reads is read in batches, each before its stores: a load after a
@@ -536,7 +710,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
 #pragma unroll
                 for (int c = 0; c < BN / 8; c += CH) {
                     float wc[CH][2];
-                    batch_scales<BF16, BN>(p, ws, tn, c, lane, wc);
+                    batch_scales<OP, BN>(p, ws, tn, c, lane, wc);
                     // res[h][jj]: the pair of column 8 (c + jj) + 2 q of row h, loaded as lane
                     // q's 16 bytes of group c + 4 g + q and transposed back.
                     u32 res[2][CH];
@@ -600,7 +774,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
             // tiles), and the two rows' residual pairs of column 8 (c + jj) + 2 (lane % 4) (lo,
             // hi: the pair's two columns).
             float wc[CH][2];
-            batch_scales<BF16, BN>(p, ws, tn, c, lane, wc);
+            batch_scales<OP, BN>(p, ws, tn, c, lane, wc);
             if constexpr (EPI == EPI_SWIGLU || EPI == EPI_SWIGLU_BF16) {
                 if (swiglu_quads) {
                     const u32 q = lane % 4;
@@ -716,7 +890,11 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
 // Entry points: NAME runs fp8_gemm<EPI, BF16, BN>.
 #define FP8_GEMM_ENTRY(NAME, EPI, BF16, BN)                                                          \
     extern "C" __global__ void __launch_bounds__(384, 1) NAME(const __grid_constant__ Fp8GemmParams p) { \
-        fp8_gemm<EPI, BF16, BN>(p);                                                                   \
+        fp8_gemm<EPI, BF16 ? OP_BF16 : OP_FP8, BN>(p);                                                \
+    }
+#define I4_GEMM_ENTRY(NAME, EPI, G)                                                                  \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(const __grid_constant__ Fp8GemmParams p) { \
+        fp8_gemm<EPI, OP_I4, 128, G>(p);                                                              \
     }
 
 FP8_GEMM_ENTRY(fp8_gemm_plain, EPI_PLAIN, false, 128)
@@ -737,3 +915,15 @@ FP8_GEMM_ENTRY(bf16_tc_gemm_plain_n256, EPI_PLAIN, true, 256)
 FP8_GEMM_ENTRY(bf16_tc_gemm_residual_n256, EPI_RESIDUAL, true, 256)
 FP8_GEMM_ENTRY(bf16_tc_gemm_swiglu_bf16_n256, EPI_SWIGLU_BF16, true, 256)
 FP8_GEMM_ENTRY(bf16_tc_gemm_qkv_n256, EPI_QKV, true, 256)
+I4_GEMM_ENTRY(fp8_i4_gemm_plain_g32, EPI_PLAIN, 32)
+I4_GEMM_ENTRY(fp8_i4_gemm_residual_g32, EPI_RESIDUAL, 32)
+I4_GEMM_ENTRY(fp8_i4_gemm_swiglu_bf16_g32, EPI_SWIGLU_BF16, 32)
+I4_GEMM_ENTRY(fp8_i4_gemm_qkv_g32, EPI_QKV, 32)
+I4_GEMM_ENTRY(fp8_i4_gemm_plain_g64, EPI_PLAIN, 64)
+I4_GEMM_ENTRY(fp8_i4_gemm_residual_g64, EPI_RESIDUAL, 64)
+I4_GEMM_ENTRY(fp8_i4_gemm_swiglu_bf16_g64, EPI_SWIGLU_BF16, 64)
+I4_GEMM_ENTRY(fp8_i4_gemm_qkv_g64, EPI_QKV, 64)
+I4_GEMM_ENTRY(fp8_i4_gemm_plain_g128, EPI_PLAIN, 128)
+I4_GEMM_ENTRY(fp8_i4_gemm_residual_g128, EPI_RESIDUAL, 128)
+I4_GEMM_ENTRY(fp8_i4_gemm_swiglu_bf16_g128, EPI_SWIGLU_BF16, 128)
+I4_GEMM_ENTRY(fp8_i4_gemm_qkv_g128, EPI_QKV, 128)

@@ -7,6 +7,14 @@
 //                             that read it) has the same codes, since the per-row scale cancels
 //                             r, and scale = amax(x) r / 448. So no normalized row is written.
 //
+//   with p.gain:              the row is multiplied by the bf16 gain [k] first (f32 products;
+//                             the INT4-weight GEMM, whose weights cannot carry RMSNorm's gain):
+//                             codes = e4m3(x g * (448 / amax(x g))), scale = amax(x g) r / 448
+//   with p.order = 1:         the codes of each 16 consecutive k are stored interleaved, k at
+//                             2 (k % 8) + (k % 16) / 8, the order of the INT4 words' nibbles
+//                             (fp8_gemm.cu, "INT4 weights"); needs k a multiple of 32
+//   with p.sums:              sums[row, k / 32] = the sum of each 32 consecutive codes' values
+//                             (exact in f32), for INT4 weights with offsets
 //   with p.amax:              the largest |x| over all rows also goes to *p.amax (f32 bits,
 //                             atomicMax): a delayed scale's first invocation, which runs per row
 //                             and starts the amax history (fp8_delayed_record)
@@ -22,7 +30,8 @@
 // An all-zero row gets zero codes and scale 1 (stoke_formats::fp8::scale_for). The codes are
 // bit-exact against stoke_formats::fp8::quantize_rows_fused (the same f32 operations, rounded
 // to nearest even, saturating); the scale's sum of squares is summed in another order.
-// Needs x 16-byte aligned, k a multiple of 8 and the row pitch ldx (elements) a multiple of 8.
+// Needs x (and the gain) 16-byte aligned, k a multiple of 8 and the row pitch ldx (elements) a
+// multiple of 8.
 
 #include "ptx.cuh"
 
@@ -33,12 +42,44 @@ struct Fp8RowsParams {
     u8* codes;       // [rows, k] E4M3
     float* scales;   // [rows]
     u32* amax;       // [1] max |x| as f32 bits (atomicMax), or null
+    const u16* gain; // [k] bf16, or null
+    float* sums;     // [rows, k / 32], or null
     u32 rows, k, ldx;
     float eps;
     u32 normalize;   // 1: the scale carries RMSNorm's row factor
-    u32 pad;
+    u32 order;       // 1: each 16 k interleaved (see above)
 };
-static_assert(sizeof(Fp8RowsParams) == 56, "Fp8RowsParams layout");
+static_assert(sizeof(Fp8RowsParams) == 72, "Fp8RowsParams layout");
+
+// E4M3 (no infinities; 0x7f/0xff NaN) to f32, exactly.
+__device__ __forceinline__ float e4m3_to_f32(u32 c) {
+    const u32 e = (c >> 3) & 15, m = c & 7;
+    float v;
+    if (e == 15 && m == 7) v = __int_as_float(0x7fc00000);
+    else if (e == 0) v = float(m) * 0.001953125f;  // m 2^-9
+    else v = __uint_as_float(((e + 120) << 23) | (m << 20));
+    return (c & 0x80) ? -v : v;
+}
+
+// Eight values of the row from i (times the gain with one).
+__device__ __forceinline__ void load8(const Fp8RowsParams& p, const u16* x, u32 i, float (&v)[8]) {
+    const uint4 a = *reinterpret_cast<const uint4*>(x + i);
+    const u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        v[2 * j] = bf16_lo(w[j]);
+        v[2 * j + 1] = bf16_hi(w[j]);
+    }
+    if (p.gain != nullptr) {
+        const uint4 b = *reinterpret_cast<const uint4*>(p.gain + i);
+        const u32 g[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            v[2 * j] = __fmul_rn(v[2 * j], bf16_lo(g[j]));
+            v[2 * j + 1] = __fmul_rn(v[2 * j + 1], bf16_hi(g[j]));
+        }
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3_bf16(const Fp8RowsParams p) {
     __shared__ float red[2][THREADS / 32];
@@ -51,9 +92,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3_bf16(co
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const float a = bf16_lo(w[j]), b = bf16_hi(w[j]);
-                amax = fmaxf(amax, fmaxf(fabsf(a), fabsf(b)));
                 ss = fmaf(a, a, fmaf(b, b, ss));
             }
+            float g[8];
+            load8(p, x, i, g);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(g[j]));
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
@@ -80,17 +124,42 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3_bf16(co
             p.scales[row] = amax > 0.0f ? amax * r / 448.0f : 1.0f;
         }
         u8* out = p.codes + u64(row) * p.k;
-        for (u32 i = threadIdx.x * 8; i < p.k; i += THREADS * 8) {
-            const uint4 v = *reinterpret_cast<const uint4*>(x + i);
-            const u32 w[4] = {v.x, v.y, v.z, v.w};
-            u32 c[2];
+        if (p.order == 0) {
+            for (u32 i = threadIdx.x * 8; i < p.k; i += THREADS * 8) {
+                float v[8];
+                load8(p, x, i, v);
+                u32 c[2];
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const u32 lo = e4m3x2(__fmul_rn(bf16_lo(w[2 * j]), inv), __fmul_rn(bf16_hi(w[2 * j]), inv));
-                const u32 hi = e4m3x2(__fmul_rn(bf16_lo(w[2 * j + 1]), inv), __fmul_rn(bf16_hi(w[2 * j + 1]), inv));
-                c[j] = lo | (hi << 16);
+                for (int j = 0; j < 2; ++j) {
+                    const u32 lo = e4m3x2(__fmul_rn(v[4 * j], inv), __fmul_rn(v[4 * j + 1], inv));
+                    const u32 hi = e4m3x2(__fmul_rn(v[4 * j + 2], inv), __fmul_rn(v[4 * j + 3], inv));
+                    c[j] = lo | (hi << 16);
+                }
+                *reinterpret_cast<uint2*>(out + i) = make_uint2(c[0], c[1]);
             }
-            *reinterpret_cast<uint2*>(out + i) = make_uint2(c[0], c[1]);
+            continue;
+        }
+        // Interleaved: 32 k per thread, two 16-k blocks; bytes 2 r, 2 r + 1 of a block are
+        // k r and r + 8.
+        for (u32 i = threadIdx.x * 32; i < p.k; i += THREADS * 32) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                float lo[8], hi[8];
+                load8(p, x, i + 16 * b, lo);
+                load8(p, x, i + 16 * b + 8, hi);
+                u32 c[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const u32 c0 = e4m3x2(__fmul_rn(lo[2 * j], inv), __fmul_rn(hi[2 * j], inv));
+                    const u32 c1 = e4m3x2(__fmul_rn(lo[2 * j + 1], inv), __fmul_rn(hi[2 * j + 1], inv));
+                    c[j] = c0 | (c1 << 16);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) sum += e4m3_to_f32((c[j] >> (8 * e)) & 0xff);
+                }
+                *reinterpret_cast<uint4*>(out + i + 16 * b) = make_uint4(c[0], c[1], c[2], c[3]);
+            }
+            if (p.sums != nullptr) p.sums[u64(row) * (p.k / 32) + i / 32] = sum;
         }
     }
 }
@@ -153,16 +222,6 @@ struct Fp8DequantParams {
     u32 pad;
 };
 static_assert(sizeof(Fp8DequantParams) == 40, "Fp8DequantParams layout");
-
-// E4M3 (no infinities; 0x7f/0xff NaN) to f32, exactly.
-__device__ __forceinline__ float e4m3_to_f32(u32 c) {
-    const u32 e = (c >> 3) & 15, m = c & 7;
-    float v;
-    if (e == 15 && m == 7) v = __int_as_float(0x7fc00000);
-    else if (e == 0) v = float(m) * 0.001953125f;  // m 2^-9
-    else v = __uint_as_float(((e + 120) << 23) | (m << 20));
-    return (c & 0x80) ? -v : v;
-}
 
 extern "C" __global__ void __launch_bounds__(THREADS) dequantize_rows_e4m3_bf16(const Fp8DequantParams p) {
     const u64 groups = u64(p.rows) * (p.k / 8);

@@ -96,6 +96,11 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(addr) : "memory");
     return r;
 }
+__device__ __forceinline__ float2 lds64f(u32 addr) {
+    float2 r;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(r.x), "=f"(r.y) : "r"(addr) : "memory");
+    return r;
+}
 __device__ __forceinline__ uint4 lds128(u32 addr) {
     uint4 r;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr) : "memory");

@@ -561,7 +561,7 @@ pub fn prefill_bench(_copy_gbps: f64) -> Value {
 /// Whether the prefill benchmarks keep `name`: the environment variable `var` (comma-separated
 /// names: `STOKE_PREFILL_MODES` of "bf16" / "fp8", `STOKE_PREFILL_MIXES` of mixes and prompt
 /// lengths) names the ones to run; all when it is unset.
-fn prefill_env_keeps(var: &str, name: &str) -> bool {
+pub(crate) fn prefill_env_keeps(var: &str, name: &str) -> bool {
     std::env::var(var).map_or(true, |m| m.split(',').any(|x| x.trim() == name))
 }
 

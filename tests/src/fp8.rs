@@ -13,12 +13,12 @@ use stoke_cuda::kernels::fp8_gemm::{
     wide_tiles,
 };
 use stoke_cuda::kernels::fp8_quant::{Fp8RowsParams, quantize_rows as quantize_rows_gpu};
-use stoke_cuda::{DeviceBuffer, Runtime};
+use stoke_cuda::{DeviceBuffer, DevicePtr, DevicePtrMut, Runtime};
 use stoke_formats::fp8::{Fp8Weight, e4m3_to_f32, quantize_rows_fused};
 
 /// What a test case's epilogue is.
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Epi {
+pub(crate) enum Epi {
     Plain,
     Residual,
     /// Delayed scale at this fraction of the true max |h| (below 1: some values saturate).
@@ -71,7 +71,7 @@ pub(crate) fn bf16_round(x: &[f32]) -> (Vec<u16>, Vec<f32>) {
 }
 
 /// Activations with a few outlier columns (as after an RMSNorm of a real model).
-fn activations(rng: &mut StdRng, m: usize, k: usize) -> Vec<f32> {
+pub(crate) fn activations(rng: &mut StdRng, m: usize, k: usize) -> Vec<f32> {
     (0..m * k)
         .map(|i| {
             let v: f32 = rng.random_range(-2.0..2.0);
@@ -145,7 +145,7 @@ fn check_code(c: u8, hv: f64, s: f64, dh: f64) -> CodeCheck {
 
 /// The rows of `m` a case checks: all, or `checked` spread out, the first and the last among
 /// them.
-fn checked_rows(m: usize, checked: usize) -> Vec<usize> {
+pub(crate) fn checked_rows(m: usize, checked: usize) -> Vec<usize> {
     if checked >= m {
         (0..m).collect()
     } else {
@@ -155,15 +155,15 @@ fn checked_rows(m: usize, checked: usize) -> Vec<usize> {
 
 /// The output of a bf16-output epilogue for `m` rows of `n` columns (a pitch 8 past them),
 /// poisoned with NaN, and a random residual `[m, n]` on the host and the device.
-struct BfOut {
-    ldo: usize,
-    out: DeviceBuffer,
-    residual: Vec<u16>,
-    rb: DeviceBuffer,
+pub(crate) struct BfOut {
+    pub(crate) ldo: usize,
+    pub(crate) out: DeviceBuffer,
+    pub(crate) residual: Vec<u16>,
+    pub(crate) rb: DeviceBuffer,
 }
 
 impl BfOut {
-    fn new(
+    pub(crate) fn new(
         rt: &Arc<Runtime>,
         rng: &mut StdRng,
         m: usize,
@@ -189,7 +189,7 @@ impl BfOut {
 
 /// The bf16-output epilogue `epi` (plain, residual from `residual` `[m, n]`, SwiGLU to bf16)
 /// writing `out`.
-fn bf16_epilogue(epi: Epi, out: &DeviceBuffer, residual: &DeviceBuffer, n: usize) -> Fp8Epilogue {
+pub(crate) fn bf16_epilogue(epi: Epi, out: &DeviceBuffer, residual: &DeviceBuffer, n: usize) -> Fp8Epilogue {
     match epi {
         Epi::Residual => Fp8Epilogue::Residual {
             out: out.as_mut_ptr(),
@@ -210,7 +210,7 @@ fn bf16_epilogue(epi: Epi, out: &DeviceBuffer, residual: &DeviceBuffer, n: usize
 /// each element within `|want| 2^-8` (the output's rounding) plus `tol` of its sums' L1 norm,
 /// the padding columns untouched. Returns the worst error over its bound.
 #[allow(clippy::too_many_arguments)]
-fn check_bf16_outputs(
+pub(crate) fn check_bf16_outputs(
     what: &str,
     got: &[f64],
     rows: &[usize],
@@ -774,12 +774,14 @@ pub fn fp8_rows_match_reference() -> Result<Value, String> {
                 codes: codes.as_mut_ptr(),
                 scales: scales.as_mut_ptr(),
                 amax: amax.as_mut_ptr(),
+                gain: DevicePtr::NULL,
+                sums: DevicePtrMut::NULL,
                 rows: rows as u32,
                 k: k as u32,
                 ldx: ldx as u32,
                 eps: 1e-5,
                 normalize: u32::from(normalize),
-                pad: 0,
+                order: 0,
             };
             let what = format!("seed {seed}: rows {rows} k {k} pitch {ldx} normalize {normalize}");
             unsafe { quantize_rows_gpu(&rt, &p) }.map_err(|e| format!("{what}: {e}"))?;

@@ -94,6 +94,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::fp8::fp8_gemm_matches_reference,
     ),
     (
+        "fp8_i4_gemm_matches_reference",
+        crate::fp8_i4::fp8_i4_gemm_matches_reference,
+    ),
+    (
         "bf16_tc_gemm_matches_reference",
         crate::fp8::bf16_tc_gemm_matches_reference,
     ),

@@ -20,6 +20,7 @@ pub mod bench;
 pub mod decode;
 pub mod dense;
 pub mod fp8;
+pub mod fp8_i4;
 pub mod gpu;
 pub mod int4;
 pub mod llama;

@@ -37,6 +37,7 @@ gpu_tests!(
     sample_matches_reference,
     fp8_rows_match_reference,
     fp8_gemm_matches_reference,
+    fp8_i4_gemm_matches_reference,
     bf16_tc_gemm_matches_reference,
     qkv_epilogue_matches_rope_append,
     fp8_delayed_swiglu_matches_reference,

@@ -198,12 +198,14 @@ impl DeviceFp8Rows {
             codes: rows.codes.as_mut_ptr(),
             scales: rows.scales.as_mut_ptr(),
             amax,
+            gain: DevicePtr::NULL,
+            sums: DevicePtrMut::NULL,
             rows: m,
             k,
             ldx: k,
             eps: normalize.unwrap_or(0.0),
             normalize: u32::from(normalize.is_some()),
-            pad: 0,
+            order: 0,
         };
         // SAFETY: the caller's guarantees; the buffers are the rows' own.
         unsafe { quantize_rows(rt, &p)? };

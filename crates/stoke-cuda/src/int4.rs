@@ -132,6 +132,18 @@ impl DeviceInt4 {
         })
     }
 
+    /// The weight as the FP8 prefill GEMM's INT4 operand ([`crate::kernels::fp8_gemm::fp8_i4_gemm`]).
+    pub fn operand(&self) -> crate::kernels::fp8_gemm::I4Weight {
+        crate::kernels::fp8_gemm::I4Weight {
+            words: self.words.as_ptr(),
+            scales: self.scales.as_ptr(),
+            offsets: self.offsets.as_ref().map_or(DevicePtr::NULL, |o| o.as_ptr()),
+            f16_scales: self.f16_scales,
+            group: self.group,
+            order: self.order,
+        }
+    }
+
     /// Device bytes of the weight (words, scales, offsets).
     pub fn bytes(&self) -> usize {
         self.words.bytes() + self.scales.bytes() + self.offsets.as_ref().map_or(0, |o| o.bytes())

@@ -131,15 +131,43 @@ pub fn quantize_rows_fused(
     eps: f32,
     normalize: bool,
 ) -> Result<(Vec<u8>, Vec<f32>), Fp8Error> {
+    quantize_rows_gained(x, rows, k, None, eps, normalize)
+}
+
+/// [`quantize_rows_fused`] of the rows times `gain` (`[k]`; f32 products, as the kernel's
+/// `gain`): the codes and amax of `x g`, RMSNorm's row factor (with `normalize`) still from
+/// `x`. For weights that cannot carry the gain (INT4 codes).
+pub fn quantize_rows_gained(
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    gain: Option<&[f32]>,
+    eps: f32,
+    normalize: bool,
+) -> Result<(Vec<u8>, Vec<f32>), Fp8Error> {
     check_len("activations", x.len(), rows * k)?;
     check_finite("activations", x)?;
+    if let Some(g) = gain {
+        check_len("gain", g.len(), k)?;
+        check_finite("gain", g)?;
+    }
     let mut codes = vec![0u8; rows * k];
     let mut scales = vec![0f32; rows];
+    let mut gained = vec![0f32; k];
     for r in 0..rows {
-        let row = &x[r * k..(r + 1) * k];
+        let raw = &x[r * k..(r + 1) * k];
+        let row = match gain {
+            Some(g) => {
+                for ((o, &v), &gv) in gained.iter_mut().zip(raw).zip(g) {
+                    *o = v * gv;
+                }
+                &gained[..]
+            }
+            None => raw,
+        };
         let amax = row_amax(row);
         let inv = if amax > 0.0 { E4M3_MAX / amax } else { 1.0 };
-        let ss: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        let ss: f64 = raw.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
         let factor = if normalize {
             1.0 / (ss / k as f64 + f64::from(eps)).sqrt()
         } else {
@@ -155,6 +183,31 @@ pub fn quantize_rows_fused(
         }
     }
     Ok((codes, scales))
+}
+
+/// Rows of `k` codes with each 16 consecutive k interleaved as the INT4 words' nibbles are
+/// (docs/INT4_FORMAT.md: a lane holds rows 2t, 2t + 8, 2t + 1, 2t + 9 of a k-tile): k at
+/// `2 (k % 8) + (k % 16) / 8` of its 16. The FP8 x INT4 GEMM reads A in this order
+/// (`kernels/fp8_quant.cu` with `order` 1). `k` must be a multiple of 16.
+pub fn interleave_k16(codes: &[u8], k: usize) -> Vec<u8> {
+    assert!(k.is_multiple_of(16) && codes.len().is_multiple_of(k.max(1)), "rows of k, a multiple of 16");
+    let mut out = vec![0u8; codes.len()];
+    for (b, block) in codes.chunks_exact(16).enumerate() {
+        for (i, &c) in block.iter().enumerate() {
+            out[16 * b + 2 * (i % 8) + i / 8] = c;
+        }
+    }
+    out
+}
+
+/// The sums of each 32 consecutive codes' values of rows of `k` (`[rows, k / 32]`; exact in
+/// f32: at most 32 values, multiples of 2^-9 below 448). `k` must be a multiple of 32.
+pub fn code_sums32(codes: &[u8], k: usize) -> Vec<f32> {
+    assert!(k.is_multiple_of(32), "k a multiple of 32");
+    codes
+        .chunks_exact(32)
+        .map(|c| c.iter().map(|&v| e4m3_to_f32(v)).sum())
+        .collect()
 }
 
 /// What quantizing with a given per-tensor scale did.

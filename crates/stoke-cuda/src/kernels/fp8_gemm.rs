@@ -5,11 +5,12 @@
 //! `rope_append` in `kernels/decode_attention.cu` the bits of the last).
 
 use super::decode_attention::{KvCacheParams, check_block, check_head_dim};
+use super::int4_gemm::WordOrder;
 use super::{EntryPoint, FP8_GEMM, KernelParams};
 use crate::{DevicePtr, DevicePtrMut, LaunchShape, Result, Runtime, ShapeError, TensorMap};
 use half::bf16;
 
-/// `struct Fp8GemmParams` of kernels/fp8_gemm.cu (512 bytes; the `.cu` file asserts it).
+/// `struct Fp8GemmParams` of kernels/fp8_gemm.cu (832 bytes; the `.cu` file asserts it).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct Fp8GemmParams {
@@ -51,7 +52,20 @@ pub struct Fp8GemmParams {
     pub heads: u32,
     pub block: u32,
     pub max_pos: u32,
+    /// INT4 weights (`fp8_i4_*`, `w_map` then over the words): the scales and offsets
+    /// `[k / group, n]` 16-bit, boxes of `128 / G` rows x 128 columns, A's code sums
+    /// `[m, k / 32]` (with offsets), the group and [`I4_F16`] | [`I4_OFFSETS`].
+    pub d_map: TensorMap,
+    pub m_map: TensorMap,
+    pub a_sums: DevicePtr<f32>,
+    pub group: u32,
+    pub i4_flags: u32,
 }
+
+/// [`Fp8GemmParams::i4_flags`]: the scales and offsets are f16 (else bf16).
+pub const I4_F16: u32 = 1;
+/// [`Fp8GemmParams::i4_flags`]: the weight has offsets (else `-8 d`).
+pub const I4_OFFSETS: u32 = 2;
 
 // SAFETY: the layout is the `.cu` struct's (asserted below); pointers of the kernel's types.
 unsafe impl KernelParams for Fp8GemmParams {}
@@ -79,6 +93,18 @@ pub const ENTRY_POINTS: &[&str] = &[
     "fp8_gemm_swiglu_n256",
     "fp8_gemm_swiglu_bf16_n256",
     "fp8_gemm_qkv_n256",
+    "fp8_i4_gemm_plain_g32",
+    "fp8_i4_gemm_residual_g32",
+    "fp8_i4_gemm_swiglu_bf16_g32",
+    "fp8_i4_gemm_qkv_g32",
+    "fp8_i4_gemm_plain_g64",
+    "fp8_i4_gemm_residual_g64",
+    "fp8_i4_gemm_swiglu_bf16_g64",
+    "fp8_i4_gemm_qkv_g64",
+    "fp8_i4_gemm_plain_g128",
+    "fp8_i4_gemm_residual_g128",
+    "fp8_i4_gemm_swiglu_bf16_g128",
+    "fp8_i4_gemm_qkv_g128",
 ];
 
 /// The kernel's tile rows (`BM`), k bytes per stage (`BK`) and threads.
@@ -95,6 +121,11 @@ const fn smem_bytes(bn: u32) -> u32 {
     let stages = if bn == BN_WIDE { 4 } else { 5 };
     stages * (BM + bn) * BK + 2 * stages * 8 + 1024
 }
+
+/// Shared memory of the INT4-weight tiles (`Shape<128, OP_I4>`): 4 stages of A, the E4M3
+/// weight tile, its words (64 bytes per column), the raw scale and offset rows (16) and their
+/// f32 form (32), and a third barrier per stage.
+const I4_SMEM_BYTES: u32 = 4 * ((BM + BN) * BK + 112 * BN) + 3 * 4 * 8 + 1024;
 
 /// A wide tile's work rate against two narrow ones' (measured on an H100:
 /// `results/h100-gemm-experiments-67f92b4.json`, 1.02-1.32x where both fill the SMs), as a
@@ -425,6 +456,7 @@ unsafe fn launch(
     epilogue: Fp8Epilogue,
     entry: &'static str,
     bn: u32,
+    smem: u32,
 ) -> Result<()> {
     match epilogue {
         Fp8Epilogue::Plain { out } | Fp8Epilogue::SwiGluBf16 { out } => p.out = out,
@@ -450,7 +482,7 @@ unsafe fn launch(
     let shape = LaunchShape {
         grid: (grid_of(bn, p.m, p.n, rt.sm_count), 1, 1),
         block: (THREADS, 1, 1),
-        shared_mem_bytes: smem_bytes(bn),
+        shared_mem_bytes: smem,
     };
     // SAFETY: the caller's guarantees; the params match the entry point.
     unsafe { rt.launch(&k, shape, &p) }
@@ -513,6 +545,11 @@ fn params(a_map: TensorMap, w_map: TensorMap, m: u32, n: u32, k: u32, ldo: u32) 
         heads: 0,
         block: 0,
         max_pos: 0,
+        d_map: TensorMap([0; 16]),
+        m_map: TensorMap([0; 16]),
+        a_sums: DevicePtr::NULL,
+        group: 0,
+        i4_flags: 0,
     }
 }
 
@@ -542,7 +579,7 @@ pub unsafe fn fp8_gemm_tiles(rt: &Runtime, g: &Fp8Gemm, wide: bool) -> Result<()
     (p.a_scale, p.w_scale) = (g.a_scale, g.w_scale);
     p.a_scale_stride = u32::from(g.a_scale_per_row);
     // SAFETY: the caller's guarantees.
-    unsafe { launch(rt, p, g.epilogue, entry, bn) }
+    unsafe { launch(rt, p, g.epilogue, entry, bn, smem_bytes(bn)) }
 }
 
 /// One call of the same persistent GEMM on bf16 operands (`bf16_tc_gemm_*`): `y = A W^T`
@@ -586,7 +623,152 @@ pub unsafe fn bf16_tc_gemm_tiles(rt: &Runtime, g: &Bf16TcGemm, wide: bool) -> Re
     let operands = (g.a.addr(), g.w.addr(), 2 * g.k);
     let (p, entry, bn) = tiled_params(rt, narrow, wide, operands, g.m, g.n, g.k, g.ldo)?;
     // SAFETY: the caller's guarantees.
-    unsafe { launch(rt, p, g.epilogue, entry, bn) }
+    unsafe { launch(rt, p, g.epilogue, entry, bn, smem_bytes(bn)) }
+}
+
+/// The INT4 weight of an [`Fp8I4Gemm`]: a packed `[k, n]` weight (docs/INT4_FORMAT.md) as
+/// the W4A16 kernels read it (`crate::int4::DeviceInt4::operand`).
+#[derive(Clone, Copy, Debug)]
+pub struct I4Weight {
+    pub words: DevicePtr<u32>,
+    /// `[k / group, n]` 16-bit.
+    pub scales: DevicePtr<u16>,
+    /// `[k / group, n]` 16-bit, or null: symmetric (offset `-8 d`).
+    pub offsets: DevicePtr<u16>,
+    pub f16_scales: bool,
+    pub group: u32,
+    pub order: WordOrder,
+}
+
+/// One call of the persistent GEMM with an INT4 weight expanded to E4M3 inside its mainloop
+/// (`fp8_i4_gemm_*`): `y[r, c] = a_scale[r] sum_k e4m3(A[r, k]) (d q + m)[k, c]`. The nibbles
+/// become `q - 8` (exact in E4M3) in shared memory; each group's `d` and `m + 8 d` are applied
+/// in f32 when a block of 32, 64 or 128 k ([`i4_promotion`]) is added to the accumulator, the
+/// offsets' part through the sums of A's codes. Then [`Fp8Epilogue::Plain`], `Residual`,
+/// `SwiGluBf16` or `Qkv`, as [`fp8_gemm`]. A holds E4M3 codes in the interleaved order of
+/// `quantize_rows` with `order` 1 (each 16 k as the words' nibbles are), and with offsets
+/// `a_sums`, the sums of each 32 codes it writes.
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8I4Gemm {
+    /// A `[m, k]` E4M3 codes, interleaved, 16-byte aligned.
+    pub a: DevicePtr<u8>,
+    pub a_scale: DevicePtr<f32>,
+    pub a_scale_per_row: bool,
+    /// `[m, k / 32]` f32: needed when the weight has offsets.
+    pub a_sums: DevicePtr<f32>,
+    pub w: I4Weight,
+    pub epilogue: Fp8Epilogue,
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+    /// Row pitch of the output in elements, as [`Fp8Gemm::ldo`].
+    pub ldo: u32,
+}
+
+/// The INT4-weight GEMM's promotion lengths (k per scale application), and their entry points
+/// by epilogue (as [`Operands::entries`]).
+const I4_PROMOTIONS: [u32; 3] = [32, 64, 128];
+const fn i4_operands(g: u32) -> Operands {
+    macro_rules! entries {
+        ($g:literal) => {
+            [
+                Some(concat!("fp8_i4_gemm_plain_g", $g)),
+                Some(concat!("fp8_i4_gemm_residual_g", $g)),
+                None,
+                Some(concat!("fp8_i4_gemm_swiglu_bf16_g", $g)),
+                Some(concat!("fp8_i4_gemm_qkv_g", $g)),
+            ]
+        };
+    }
+    Operands {
+        what: "FP8 x INT4 GEMM",
+        k_multiple: 32,
+        entries: match g {
+            32 => entries!("32"),
+            64 => entries!("64"),
+            _ => entries!("128"),
+        },
+        wide: [None; 5],
+    }
+}
+
+/// The promotion length of a weight's group: the largest of 128, 64 and 32 that divides it
+/// (None: the group is not a multiple of 32).
+pub fn i4_promotion(group: u32) -> Option<u32> {
+    I4_PROMOTIONS
+        .iter()
+        .rev()
+        .copied()
+        .find(|&g| group > 0 && group.is_multiple_of(g))
+}
+
+/// Checks an INT4-weight call ([`check_shape`]'s rules with `k` a multiple of 32, `n` of 64,
+/// a group that is a multiple of 32 dividing `k`, the packer's word order, and A's sums where
+/// the weight has offsets) and returns its entry point and promotion length.
+pub fn check_i4_shape(g: &Fp8I4Gemm) -> std::result::Result<(&'static str, u32), ShapeError> {
+    let what = "FP8 x INT4 GEMM";
+    let w = &g.w;
+    let Some(promo) = i4_promotion(w.group).filter(|_| g.k.is_multiple_of(w.group.max(1))) else {
+        return Err(ShapeError::new(
+            format!("{what} weight group"),
+            format!("a multiple of 32 that divides k = {}", g.k),
+            w.group.to_string(),
+        ));
+    };
+    let entry = check_call(i4_operands(promo), g.m, g.n, g.k, g.ldo, g.epilogue)?;
+    if !g.n.is_multiple_of(64) {
+        return Err(ShapeError::new(
+            format!("{what} columns"),
+            "a multiple of 64 (the packed weight's column groups)",
+            g.n.to_string(),
+        ));
+    }
+    if w.order != WordOrder::KtMajor {
+        return Err(ShapeError::new(
+            format!("{what} weight word order"),
+            "the packer's (k-tile major)",
+            format!("{:?}", w.order),
+        ));
+    }
+    if !w.offsets.is_null() && g.a_sums.is_null() {
+        return Err(ShapeError::new(
+            format!("{what} activation sums"),
+            "the sums of A's codes for a weight with offsets",
+            "none",
+        ));
+    }
+    Ok((entry, promo))
+}
+
+/// Queues the INT4-weight GEMM and its epilogue.
+///
+/// # Safety
+/// The pointers must be valid device memory of the documented sizes until the kernel is done;
+/// with [`Fp8Epilogue::Qkv`], every `slot_of[r]` a slot of the caches and every `pos[r]` below
+/// their capacity.
+pub unsafe fn fp8_i4_gemm(rt: &Runtime, g: &Fp8I4Gemm) -> Result<()> {
+    let (entry, promo) = check_i4_shape(g)?;
+    let w = &g.w;
+    let mut p = params(
+        rt.u8_tensor_map_2d(g.a.addr(), g.m, g.k, BM, BK)?,
+        // The words as [k / 16, n / 64 x 128] u32: a k-block's 8 k-tiles of a tile's columns.
+        rt.plain_tensor_map_2d(4, w.words.addr(), g.k / 16, g.n / 64 * 128, 8, 2 * BN)?,
+        g.m,
+        g.n,
+        g.k,
+        g.ldo,
+    );
+    let (rows, box_rows) = (g.k / w.group, BK / promo);
+    p.d_map = rt.plain_tensor_map_2d(2, w.scales.addr(), rows, g.n, box_rows, BN)?;
+    p.i4_flags = if w.f16_scales { I4_F16 } else { 0 };
+    if !w.offsets.is_null() {
+        p.m_map = rt.plain_tensor_map_2d(2, w.offsets.addr(), rows, g.n, box_rows, BN)?;
+        p.i4_flags |= I4_OFFSETS;
+    }
+    (p.a_scale, p.a_sums, p.group) = (g.a_scale, g.a_sums, w.group);
+    p.a_scale_stride = u32::from(g.a_scale_per_row);
+    // SAFETY: the caller's guarantees.
+    unsafe { launch(rt, p, g.epilogue, entry, BN, I4_SMEM_BYTES) }
 }
 
 #[cfg(test)]
@@ -595,7 +777,10 @@ mod tests {
 
     #[test]
     fn params_layout_matches_the_kernel() {
-        assert_eq!(std::mem::size_of::<Fp8GemmParams>(), 512);
+        assert_eq!(std::mem::size_of::<Fp8GemmParams>(), 832);
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, d_map), 512);
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, a_sums), 768);
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, i4_flags), 780);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, w_map), 128);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, a_scale), 256);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, out), 272);
@@ -607,15 +792,25 @@ mod tests {
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, rope), 440);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, len), 464);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, max_pos), 480);
-        assert!(SOURCE.contains("static_assert(sizeof(Fp8GemmParams) == 512"));
+        assert!(SOURCE.contains("static_assert(sizeof(Fp8GemmParams) == 832"));
         for (name, v) in [("BM", BM), ("BK", BK)] {
             assert!(SOURCE.contains(&format!("{name} = {v}")), "{name}");
         }
         assert!(SOURCE.contains(&format!(
-            "Shape<128>::SMEM_BYTES == {} && Shape<256>::SMEM_BYTES == {}",
+            "Shape<128>::SMEM_BYTES == {} && Shape<256>::SMEM_BYTES == {} && Shape<128, OP_I4>::SMEM_BYTES == {}",
             smem_bytes(BN),
-            smem_bytes(BN_WIDE)
+            smem_bytes(BN_WIDE),
+            I4_SMEM_BYTES
         )));
+        for g in I4_PROMOTIONS {
+            for e in i4_operands(g).entries.iter().flatten() {
+                assert!(ENTRY_POINTS.contains(e), "{e}");
+            }
+        }
+        assert_eq!(
+            (i4_promotion(32), i4_promotion(576), i4_promotion(4096), i4_promotion(16)),
+            (Some(32), Some(64), Some(128), None)
+        );
         // Every entry point has its wide twin, and each is a kernel entry.
         for ops in [FP8, BF16] {
             for (narrow, wide) in ops.entries.iter().zip(ops.wide) {

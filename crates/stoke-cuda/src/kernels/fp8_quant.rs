@@ -8,7 +8,7 @@ use crate::{DevicePtr, DevicePtrMut, LaunchShape, Result, Runtime, ShapeError};
 use half::bf16;
 use stoke_formats::fp8::{DELAYED_HISTORY, DelayedScale};
 
-/// `struct Fp8RowsParams` of kernels/fp8_quant.cu (56 bytes; the `.cu` file asserts it).
+/// `struct Fp8RowsParams` of kernels/fp8_quant.cu (72 bytes; the `.cu` file asserts it).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct Fp8RowsParams {
@@ -20,13 +20,19 @@ pub struct Fp8RowsParams {
     pub scales: DevicePtrMut<f32>,
     /// `[1]`: the largest |x| of all rows as f32 bits (atomicMax), or null.
     pub amax: DevicePtrMut<u32>,
+    /// `[k]` bf16 the rows are multiplied by first (16-byte aligned), or null.
+    pub gain: DevicePtr<bf16>,
+    /// `[rows, k / 32]`: the sums of each 32 codes' values (with `order` 1), or null.
+    pub sums: DevicePtrMut<f32>,
     pub rows: u32,
     pub k: u32,
     pub ldx: u32,
     pub eps: f32,
     /// 1: the scale carries RMSNorm's row factor.
     pub normalize: u32,
-    pub pad: u32,
+    /// 1: each 16 k's codes interleaved as the INT4 words' nibbles are (k at `2 (k % 8) +
+    /// (k % 16) / 8`; `stoke_formats::fp8::interleave_k16`); needs `k` a multiple of 32.
+    pub order: u32,
 }
 
 // SAFETY: the layout is the `.cu` struct's (asserted below); pointers of the kernel's types.
@@ -48,6 +54,20 @@ const THREADS: u32 = 256;
 /// Checks a call: `k` a positive multiple of 8, `ldx >= k` a multiple of 8, `x` 16-byte
 /// aligned.
 pub fn check(p: &Fp8RowsParams) -> std::result::Result<(), ShapeError> {
+    if p.order != 0 && !p.k.is_multiple_of(32) {
+        return Err(ShapeError::new(
+            "FP8 row quantization k (interleaved for INT4 weights)",
+            "a multiple of 32",
+            p.k.to_string(),
+        ));
+    }
+    if !p.gain.addr().is_multiple_of(16) {
+        return Err(ShapeError::new(
+            "FP8 row quantization gain",
+            "a 16-byte aligned address",
+            format!("{:#x}", p.gain.addr()),
+        ));
+    }
     if p.k == 0 || !p.k.is_multiple_of(8) || p.ldx < p.k || !p.ldx.is_multiple_of(8) {
         return Err(ShapeError::new(
             "FP8 row quantization k and row pitch",
@@ -296,11 +316,11 @@ mod tests {
 
     #[test]
     fn params_layout_matches_the_kernel() {
-        assert_eq!(std::mem::size_of::<Fp8RowsParams>(), 56);
+        assert_eq!(std::mem::size_of::<Fp8RowsParams>(), 72);
         assert_eq!(std::mem::offset_of!(Fp8RowsParams, amax), 24);
-        assert_eq!(std::mem::offset_of!(Fp8RowsParams, rows), 32);
-        assert_eq!(std::mem::offset_of!(Fp8RowsParams, eps), 44);
-        assert!(SOURCE.contains("static_assert(sizeof(Fp8RowsParams) == 56"));
+        assert_eq!(std::mem::offset_of!(Fp8RowsParams, rows), 48);
+        assert_eq!(std::mem::offset_of!(Fp8RowsParams, eps), 60);
+        assert!(SOURCE.contains("static_assert(sizeof(Fp8RowsParams) == 72"));
         assert!(SOURCE.contains(&format!("THREADS = {THREADS};")));
         assert_eq!(std::mem::size_of::<Fp8DelayedState>(), 112);
         assert_eq!(STATE_SCALE, 64);

@@ -135,6 +135,7 @@ impl Runtime {
             &dims,
             &strides,
             &[box_cols, box_rows, box_blocks],
+            true,
         )
     }
 
@@ -173,11 +174,62 @@ impl Runtime {
             &[u64::from(cols), u64::from(rows)],
             &[u64::from(cols)],
             &[box_cols, box_rows],
+            true,
+        )
+    }
+
+    /// A 2-D tensor map of a row-major matrix of `[rows, cols]` elements of `elem_bytes` (2:
+    /// u16, 4: u32) for the copy engine, boxes of `box_rows` x `box_cols` elements landing in
+    /// shared memory row after row, unswizzled, elements past the matrix read as zeros: the
+    /// INT4 weights' words, scales and offsets. `ptr` must be 16-byte aligned, the row pitch a
+    /// multiple of 16 bytes, `box_cols` at most 256 with `box_cols * elem_bytes` a multiple of
+    /// 16, and `box_rows` 1-256.
+    pub fn plain_tensor_map_2d(
+        &self,
+        elem_bytes: u32,
+        ptr: u64,
+        rows: u32,
+        cols: u32,
+        box_rows: u32,
+        box_cols: u32,
+    ) -> Result<TensorMap> {
+        let dtype = match elem_bytes {
+            2 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
+            4 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT32,
+            _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        };
+        let pitch = u64::from(cols) * u64::from(elem_bytes);
+        if !matches!(elem_bytes, 1 | 2 | 4)
+            || !ptr.is_multiple_of(16)
+            || rows == 0
+            || cols == 0
+            || !pitch.is_multiple_of(16)
+            || box_cols == 0
+            || box_cols > 256
+            || !(box_cols * elem_bytes).is_multiple_of(16)
+            || box_rows == 0
+            || box_rows > 256
+        {
+            return Err(Error::Shape(crate::ShapeError::new(
+                "unswizzled tensor map (INT4 words, scales or offsets)",
+                "elements of 1, 2 or 4 bytes, a 16-byte aligned address, a row pitch that is a \
+                 multiple of 16 bytes and boxes of 1-256 rows and at most 256 elements, a \
+                 multiple of 16 bytes",
+                format!("[{rows}, {cols}] x {elem_bytes} bytes at {ptr:#x}, box {box_rows} x {box_cols}"),
+            )));
+        }
+        self.encode_tiled(
+            dtype,
+            ptr,
+            &[u64::from(cols), u64::from(rows)],
+            &[pitch],
+            &[box_cols, box_rows],
+            false,
         )
     }
 
     /// A tiled tensor map of `dims` (innermost first) with byte `strides` of the outer
-    /// dimensions, boxes `boxes`, the 128-byte swizzle, zeros past the tensor.
+    /// dimensions, boxes `boxes`, the 128-byte swizzle (or none), zeros past the tensor.
     fn encode_tiled(
         &self,
         dtype: sys::CUtensorMapDataType,
@@ -185,6 +237,7 @@ impl Runtime {
         dims: &[u64],
         strides: &[u64],
         boxes: &[u32],
+        swizzle: bool,
     ) -> Result<TensorMap> {
         debug_assert!(strides.len() + 1 == dims.len() && boxes.len() == dims.len());
         self.bind()?;
@@ -203,7 +256,11 @@ impl Runtime {
                 boxes.as_ptr(),
                 elem.as_ptr(),
                 sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                if swizzle {
+                    sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B
+                } else {
+                    sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE
+                },
                 sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
             )
