@@ -487,7 +487,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, 2);
+            mbar_init(empty + 8 * s, I4 ? 8 : 2);  // INT4: each consumer warp, after its scale reads
             if (I4) mbar_init(converted + 8 * s, 96);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -590,7 +590,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                 // Per promotion of G k (one group's part of the k-block): G / 32 wgmma of k32
                 // into the block accumulator, then acc += d blk (+ m' S, S the rows' sums of
                 // the promotion's codes) with the column's f32 d and m' from sc; the stage goes
-                // back after the last promotion has read them.
+                // back once every consumer warp has read them.
                 const u32 sc = sc_smem + stage * S::SC_STAGE, ks = p.k / 32;
                 float sx[P][2] = {};
                 if (offsets) {
@@ -635,7 +635,7 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
                         }
                     }
                 }
-                if (tid == 0) mbar_arrive(empty + 8 * stage);
+                if (lane == 0) mbar_arrive(empty + 8 * stage);
             } else if constexpr (BF16) {
                 wg_fence();
                 // Four wgmma of 32 bytes (16 bf16) of k each.
