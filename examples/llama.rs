@@ -191,9 +191,10 @@ struct Args {
     #[arg(long, value_enum)]
     compare: Option<CompareArg>,
     /// Prefill precision on `Stoke<Cuda>` for projections (packed INT4 or bf16) with more than
-    /// 64 rows: bf16 (Stoke's GEMM on bf16 copies of the weights) or fp8 (E4M3 copies of the
+    /// 64 rows: bf16 (Stoke's GEMM on bf16 copies of the weights), fp8 (E4M3 copies of the
     /// weights and E4M3 activations on Stoke's FP8 GEMM; +1.2% perplexity on SmolLM2; the
-    /// output head stays on bf16).
+    /// output head stays on bf16) or fp8-int4 (the same GEMM reading packed INT4 weights as
+    /// they are, expanded to E4M3 inside its mainloop: no weight copy, no second rounding).
     #[arg(long, value_enum, default_value_t = PrefillArg::Bf16)]
     prefill: PrefillArg,
     /// With `--perplexity`: simulate FP8 prefill on any backend, the projections' weights (per
@@ -217,6 +218,7 @@ enum Fp8SimPart {
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
 enum PrefillArg {
     Fp8,
+    Fp8Int4,
     Bf16,
 }
 
@@ -293,13 +295,14 @@ fn pick_device(args: &mut Args) {
 
 fn run(mut args: Args) -> Result<(), Box<dyn std::error::Error>> {
     pick_device(&mut args);
-    stoke::cuda::fp8_linear::set_fp8_prefill(args.prefill == PrefillArg::Fp8);
-    if args.prefill == PrefillArg::Fp8
-        && (args.device != Device::Cuda || args.backend != Backend::Stoke)
-    {
+    let fp8 = matches!(args.prefill, PrefillArg::Fp8 | PrefillArg::Fp8Int4);
+    stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
+    stoke::cuda::fp8_linear::set_fp8_prefill_int4(args.prefill == PrefillArg::Fp8Int4);
+    if fp8 && (args.device != Device::Cuda || args.backend != Backend::Stoke) {
         eprintln!(
-            "--prefill fp8: Stoke's FP8 GEMM runs on Stoke<Cuda> only; this run prefills in the \
-             model's precision"
+            "--prefill {:?}: Stoke's FP8 GEMM runs on Stoke<Cuda> only; this run prefills in the \
+             model's precision",
+            args.prefill
         );
     }
     let model = match &args.model {
@@ -556,7 +559,7 @@ fn generate_on<B: FusedOps>(
             &device,
         )?;
         println!(
-            "perplexity {:.3} (mean NLL {:.5}) over {} tokens in {} windows of {} through {} ({:.1} s; {} FP8 GEMM calls)",
+            "perplexity {:.3} (mean NLL {:.5}) over {} tokens in {} windows of {} through {} ({:.1} s; {} FP8 GEMM calls, {} on INT4 weights)",
             p.perplexity,
             p.mean_nll,
             p.predicted_tokens,
@@ -568,7 +571,8 @@ fn generate_on<B: FusedOps>(
                 "Llama::forward"
             },
             t1.elapsed().as_secs_f64(),
-            stoke::cuda::fp8_linear::kernel_calls()
+            stoke::cuda::fp8_linear::kernel_calls(),
+            stoke::cuda::fp8_linear::int4_kernel_calls()
         );
         if args.fp8_delayed_down {
             println!(

@@ -27,6 +27,23 @@
 // into the tile's f32 accumulator (the tensor core's bf16 sums are f32),
 // with one k-block's wgmma group kept in flight while the next is issued (its stage is released
 // once the following group is issued and it has completed), no scales.
+// INT4 weights (fp8_i4_gemm_plain / _residual / _swiglu_bf16 / _qkv, _g32 / _g64 / _g128): the
+// packed weight of docs/INT4_FORMAT.md as it is, words [k / 16, n / 64 x 128] and 16-bit scales
+// d (and offsets m) [k / group, n], no E4M3 copy. y[r, c] = a_scale[r] sum_k a[r, k] (d q + m).
+//   - The producer's warp 0 loads each k-block's A tile, its words (8 k-tiles x 2 column groups,
+//     8 KB) and the scale (offset) rows of its promotions; warps 1-3 convert them: a word holds
+//     nibbles of rows 2t, 2t + 1, 2t + 8, 2t + 9 of one k-tile for columns g and 8 + g (lane
+//     4 g + t), so two byte permutes (i4_e4m3) turn a column's four into the E4M3 codes of
+//     q - 8 (exact: -8 .. 7), stored as one 32-bit word at bytes 4t .. 4t + 3 of the column's
+//     k-tile in the swizzled K-major tile. The k order inside each 16 is then 2t, 2t + 8, 2t + 1,
+//     2t + 9 (k at 2 (k % 8) + (k % 16) / 8), and A is quantized in that order (fp8_quant.cu,
+//     order 1), so a k-block's dot products are the same. The scales go to f32 per promotion.
+//   - The consumers' wgmma are the FP8 ones, per promotion of G k (32, 64 or 128: the largest
+//     dividing the group): the block accumulator is added as acc += d blk + (m + 8 d) S, S the
+//     sum of the promotion's A codes (fp8_quant.cu's sums), the offsets' part only where the
+//     weight has them (symmetric weights: m = -8 d). No value of the weight is rounded twice.
+//   - 128 x 128 tiles, 4 stages (each with the words, the raw and the f32 scales besides A and
+//     the E4M3 tile), a third mbarrier per stage (converted) that the consumers wait on.
 //
 // One persistent CTA per SM (grid = min(SMs, tiles)) walks the 128 x BN output tiles in a
 // rasterized order: tiles go down M inside a band of RASTER tile columns, so the band's weight
@@ -495,11 +512,9 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
     __syncthreads();
 
     if (wg == 0) {
-        if constexpr (I4) {
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 48;");
-        } else {
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        }
+        // What the producer gives up is what the consumers' increase takes (setmaxnreg.inc
+        // waits for it): 128 x (168 - 40) = 256 x (232 - 168).
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (I4 && tid >= 32) {
             // Warps 1-3 convert each k-block once its loads land.
             u32 stage = 0, phase = 0;

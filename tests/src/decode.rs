@@ -539,7 +539,7 @@ fn kernel_table(launches: &[(&str, f32)]) -> (f64, Vec<Value>) {
 /// `STOKE_PREFILL_MIXES` (comma-separated names, e.g. `2048,2048+7x128`) keeps only those points.
 /// Then the prefill layer at 70B and 405B shapes (`prefill_layer_bench`);
 /// `STOKE_PREFILL_SHAPES` (comma-separated: 8b, 70b, 405b) runs a part;
-/// `STOKE_PREFILL_MODES` (bf16, fp8) picks the projections timed, and `STOKE_PREFILL_MIXES`
+/// `STOKE_PREFILL_MODES` (bf16, fp8, fp8-int4) picks the projections timed, and `STOKE_PREFILL_MIXES`
 /// also keeps the layer benchmark's prompt lengths of those names.
 pub fn prefill_bench(_copy_gbps: f64) -> Value {
     let sections = std::env::var("STOKE_PREFILL_SHAPES").unwrap_or_else(|_| "8b,70b,405b".into());
@@ -558,9 +558,19 @@ pub fn prefill_bench(_copy_gbps: f64) -> Value {
     out
 }
 
+/// The prefill benchmarks' projection modes: bf16 copies of the weights, E4M3 copies, and the
+/// packed INT4 weights read as they are by the FP8 GEMM (`set_fp8_prefill_int4`).
+const PREFILL_MODES: [&str; 3] = ["bf16", "fp8", "fp8-int4"];
+
+/// Sets the prefill GEMMs to one of [`PREFILL_MODES`].
+fn set_prefill_mode(mode: &str) {
+    stoke::cuda::fp8_linear::set_fp8_prefill(mode != "bf16");
+    stoke::cuda::fp8_linear::set_fp8_prefill_int4(mode == "fp8-int4");
+}
+
 /// Whether the prefill benchmarks keep `name`: the environment variable `var` (comma-separated
-/// names: `STOKE_PREFILL_MODES` of "bf16" / "fp8", `STOKE_PREFILL_MIXES` of mixes and prompt
-/// lengths) names the ones to run; all when it is unset.
+/// names: `STOKE_PREFILL_MODES` of "bf16" / "fp8" / "fp8-int4", `STOKE_PREFILL_MIXES` of mixes
+/// and prompt lengths) names the ones to run; all when it is unset.
 pub(crate) fn prefill_env_keeps(var: &str, name: &str) -> bool {
     std::env::var(var).map_or(true, |m| m.split(',').any(|x| x.trim() == name))
 }
@@ -582,12 +592,11 @@ fn prefill_8b_bench() -> Value {
         prefill_env_keeps("STOKE_PREFILL_MIXES", &stoke_llama::bench::mix_name(lens))
     });
     let mut out = json!({ "model": "llama-3.1-8b-shaped, random INT4 (group 128), bf16 head" });
-    for fp8 in [false, true] {
-        let mode = if fp8 { "fp8" } else { "bf16" };
+    for mode in PREFILL_MODES {
         if !prefill_env_keeps("STOKE_PREFILL_MODES", mode) {
             continue;
         }
-        stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
+        set_prefill_mode(mode);
         let points: Vec<Value> = mixes
             .iter()
             .map(|lens| {
@@ -601,7 +610,7 @@ fn prefill_8b_bench() -> Value {
             .collect();
         out[mode] = json!(points);
     }
-    stoke::cuda::fp8_linear::set_fp8_prefill(false);
+    set_prefill_mode("bf16");
     out
 }
 
@@ -640,12 +649,11 @@ fn prefill_layer_bench(name: &str, hidden: usize, inter: usize, heads: usize) ->
         "shape": name, "hidden": hidden, "intermediate": inter, "heads": heads,
         "kv_heads": kvh, "head_dim": d, "layers_timed": [small, large],
     });
-    for fp8 in [false, true] {
-        let mode = if fp8 { "fp8" } else { "bf16" };
+    for mode in PREFILL_MODES {
         if !prefill_env_keeps("STOKE_PREFILL_MODES", mode) {
             continue;
         }
-        stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
+        set_prefill_mode(mode);
         let points: Vec<Value> = lens
             .iter()
             .map(|&s| {
@@ -692,7 +700,7 @@ fn prefill_layer_bench(name: &str, hidden: usize, inter: usize, heads: usize) ->
             .collect();
         out[mode] = json!(points);
     }
-    stoke::cuda::fp8_linear::set_fp8_prefill(false);
+    set_prefill_mode("bf16");
     out
 }
 

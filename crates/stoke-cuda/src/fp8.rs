@@ -8,8 +8,9 @@
 //! the bf16 prefill linear on the same mainloop ([`bf16_linear`]).
 //! `stoke_formats::fp8` holds the specification.
 
+use crate::int4::DeviceInt4;
 use crate::kernels::fp8_gemm::{
-    Bf16TcGemm, Fp8Epilogue, Fp8Gemm, QkvEpilogue, bf16_tc_gemm, fp8_gemm,
+    Bf16TcGemm, Fp8Epilogue, Fp8Gemm, Fp8I4Gemm, QkvEpilogue, bf16_tc_gemm, fp8_gemm, fp8_i4_gemm,
 };
 use crate::kernels::fp8_quant::{
     Fp8DelayedState, Fp8DequantParams, Fp8RecordParams, Fp8RowsParams, STATE_AMAX, STATE_SATURATED,
@@ -119,6 +120,9 @@ pub struct DeviceFp8Rows {
     pub per_row: bool,
     codes: DeviceBuffer,
     scales: DeviceBuffer,
+    /// For INT4 weights ([`int4_fp8_linear_rows`]): the codes of each 16 k interleaved as the
+    /// weight's nibbles are, and the sums of each 32 codes `[m, k / 32]`.
+    sums: Option<DeviceBuffer>,
 }
 
 impl std::fmt::Debug for DeviceFp8Rows {
@@ -138,7 +142,47 @@ impl DeviceFp8Rows {
             per_row,
             codes: rt.alloc(m as usize * k as usize)?,
             scales: rt.alloc(4 * scales)?,
+            sums: None,
         })
+    }
+
+    /// Queues the E4M3 rows an INT4-weight GEMM reads ([`int4_fp8_linear_rows`]) from bf16 rows
+    /// `x` (`[m, k]`, dense, 16-byte aligned; `k` a multiple of 32): one scale per row, the codes
+    /// of each 16 k interleaved as the weight's nibbles are, and the sums of each 32 codes. With
+    /// `gain` (`[k]` bf16, 16-byte aligned, or null) the rows are multiplied by it first, and
+    /// with `normalize` = Some(eps) they are RMSNorm's input: the scales carry its row factor,
+    /// so the codes are those of the normalized rows (an INT4 weight cannot hold the gain).
+    ///
+    /// # Safety
+    /// `x` (and `gain`) must be valid device memory of those sizes until the kernel is done.
+    pub unsafe fn quantize_interleaved(
+        rt: &Arc<Runtime>,
+        x: DevicePtr<bf16>,
+        m: u32,
+        k: u32,
+        gain: DevicePtr<bf16>,
+        normalize: Option<f32>,
+    ) -> Result<Self> {
+        let mut rows = Self::alloc(rt, m, k, true)?;
+        let sums = rt.alloc(4 * m as usize * (k as usize / 32).max(1))?;
+        let p = Fp8RowsParams {
+            x,
+            codes: rows.codes.as_mut_ptr(),
+            scales: rows.scales.as_mut_ptr(),
+            amax: DevicePtrMut::NULL,
+            gain,
+            sums: sums.as_mut_ptr(),
+            rows: m,
+            k,
+            ldx: k,
+            eps: normalize.unwrap_or(0.0),
+            normalize: u32::from(normalize.is_some()),
+            order: 1,
+        };
+        // SAFETY: the caller's guarantees; the buffers are the rows' own.
+        unsafe { quantize_rows(rt, &p)? };
+        rows.sums = Some(sums);
+        Ok(rows)
     }
 
     /// Queues the E4M3 codes of bf16 rows `x` (`[m, k]`, dense, 16-byte aligned; `k` a
@@ -452,6 +496,55 @@ pub unsafe fn fp8_linear_rows(
 ) -> Result<()> {
     // SAFETY: the caller's guarantees.
     unsafe { gemm_rows(rt, w, rows, epilogue.gemm(out, w.n), epilogue.out_cols(w.n)) }
+}
+
+/// Queues `epilogue(rows W)` for a packed INT4 weight `w` (`[k, n]`, as the W4A16 kernels read
+/// it) on the FP8 GEMM, the weight expanded to E4M3 inside its mainloop
+/// ([`crate::kernels::fp8_gemm::fp8_i4_gemm`]), from rows made by
+/// [`DeviceFp8Rows::quantize_interleaved`], into `out` (`[m, epilogue.out_cols(n)]` bf16,
+/// dense; SwiGLU to bf16).
+///
+/// # Safety
+/// `out` and a residual must be valid device memory of those sizes until the kernel is done.
+pub unsafe fn int4_fp8_linear_rows(
+    rt: &Arc<Runtime>,
+    w: &DeviceInt4,
+    rows: &DeviceFp8Rows,
+    out: DevicePtrMut<bf16>,
+    epilogue: Fp8LinearEpilogue,
+) -> Result<()> {
+    let Some(sums) = rows.sums.as_ref().filter(|_| rows.k == w.k) else {
+        return Err(ShapeError::new(
+            format!("FP8 x INT4 GEMM of E4M3 rows [{}, {}] and weight [{}, {}]", rows.m, rows.k, w.k, w.n),
+            "interleaved rows (DeviceFp8Rows::quantize_interleaved) of the weight's k",
+            format!("k {}, {}", rows.k, if rows.sums.is_some() { "interleaved" } else { "not interleaved" }),
+        )
+        .into());
+    };
+    let gemm = Fp8I4Gemm {
+        a: rows.codes(),
+        a_scale: rows.scales(),
+        a_scale_per_row: rows.per_row,
+        a_sums: sums.as_ptr(),
+        w: w.operand(),
+        epilogue: epilogue.gemm(out, w.n),
+        m: rows.m,
+        n: w.n,
+        k: w.k,
+        ldo: epilogue.out_cols(w.n),
+    };
+    // SAFETY: the caller's guarantees; the operands live as long as `rows` and `w`.
+    unsafe { fp8_i4_gemm(rt, &gemm) }
+}
+
+/// Whether [`int4_fp8_linear_rows`] takes a packed weight of `[k, n]` in groups of `group`:
+/// `k` a multiple of 32, `n` of 64, the group a multiple of 32 dividing `k`.
+pub fn int4_fp8_takes(k: usize, n: usize, group: usize) -> bool {
+    k.is_multiple_of(32)
+        && n.is_multiple_of(64)
+        && group > 0
+        && k.is_multiple_of(group)
+        && u32::try_from(group).ok().and_then(crate::kernels::fp8_gemm::i4_promotion).is_some()
 }
 
 /// A weight `[n, k]` in bf16 (a `[k, n]` linear weight transposed) in device memory: the

@@ -25,13 +25,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use stoke_cuda::fp8::{
     DeviceBf16Weight, DeviceDelayedScale, DeviceFp8Rows, DeviceFp8Weight, Fp8LinearEpilogue,
-    bf16_linear, fp8_linear_rows, fp8_swiglu_delayed_rows,
+    bf16_linear, fp8_linear_rows, fp8_swiglu_delayed_rows, int4_fp8_linear_rows, int4_fp8_takes,
 };
+use stoke_cuda::int4::DeviceInt4;
 use stoke_cuda::kernels::int4_gemm::Epilogue;
 use stoke_cuda::{DevicePtr, DevicePtrMut, Runtime};
 use stoke_formats::fp8::Fp8Weight;
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
+static INT4_WEIGHTS: AtomicBool = AtomicBool::new(false);
+static INT4_CALLS: AtomicU64 = AtomicU64::new(0);
 static KERNEL_CALLS: AtomicU64 = AtomicU64::new(0);
 static BF16_CALLS: AtomicU64 = AtomicU64::new(0);
 static FOLDED_CALLS: AtomicU64 = AtomicU64::new(0);
@@ -270,6 +273,28 @@ pub fn fp8_prefill() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
+/// With FP8 prefill on: whether packed INT4 weights are read as they are, expanded to E4M3
+/// inside the FP8 GEMM's mainloop (`stoke_cuda::fp8::int4_fp8_linear_rows`), instead of from
+/// an E4M3 copy of their dequantized values. No weight value is rounded a second time and no
+/// copy is made; an RMSNorm's gain goes into the activations' quantization (an INT4 weight
+/// cannot hold it), and a gate|up projection's SwiGLU output is written in bf16 and quantized
+/// by the down projection's call. Weights the kernel does not take (groups that are not a
+/// multiple of 32, `n` not a multiple of 64) keep the E4M3 copy. Off by default.
+pub fn set_fp8_prefill_int4(on: bool) {
+    INT4_WEIGHTS.store(on, Ordering::Relaxed);
+}
+
+/// See [`set_fp8_prefill_int4`].
+pub fn fp8_prefill_int4() -> bool {
+    INT4_WEIGHTS.load(Ordering::Relaxed)
+}
+
+/// How many of the [`kernel_calls`] read a packed INT4 weight as it is
+/// ([`set_fp8_prefill_int4`]).
+pub fn int4_kernel_calls() -> u64 {
+    INT4_CALLS.load(Ordering::Relaxed)
+}
+
 thread_local! {
     /// Set while an output head runs on this thread ([`without_fp8`]).
     static HEAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -446,6 +471,11 @@ impl<I: Backend> Prepared<'_, I> {
                 // kernel is done (freed stream-ordered).
                 unsafe { fp8_linear_rows(&self.rt, w, &rows, out, epilogue) }
             })),
+            Copy::Int4(w) => Some(self.int4_rows(x, w.k)?.and_then(|rows| {
+                // SAFETY: the caller's guarantees; the rows and the weight live until the
+                // kernel is done (freed stream-ordered).
+                unsafe { int4_fp8_linear_rows(&self.rt, w, &rows, out, epilogue) }
+            })),
             Copy::Bf16(w) => {
                 let x_in = KernelInput::resolve(&self.rt, x, &self.device);
                 if !x_in.ptr.is_multiple_of(16) {
@@ -457,6 +487,36 @@ impl<I: Backend> Prepared<'_, I> {
                 Some(unsafe { bf16_linear(&self.rt, w, xp, self.m as u32, out, epilogue) })
             }
         }
+    }
+
+    /// The interleaved E4M3 rows an INT4 weight of `k` rows reads: an [`RmsNormed`]'s input
+    /// times the norm's gain with its row factor in the scales, otherwise `x` (queued on
+    /// Stoke's stream). `None` where `x`'s rows or the gain are not 16-byte aligned.
+    fn int4_rows(&self, x: &StokeTensor<I>, k: u32) -> Option<stoke_cuda::Result<DeviceFp8Rows>> {
+        let (src, gain) = match self.normed {
+            Some(nx) => (&nx.x, Some(&nx.gamma)),
+            None => (x, None),
+        };
+        let x_in = KernelInput::resolve(&self.rt, src, &self.device);
+        let g_in = gain.map(|g| KernelInput::resolve(&self.rt, g, &self.device));
+        if !x_in.ptr.is_multiple_of(16) || g_in.as_ref().is_some_and(|g| !g.ptr.is_multiple_of(16)) {
+            return None;
+        }
+        let gain = g_in.as_ref().map_or(DevicePtr::NULL, |g| DevicePtr::new(g.ptr));
+        // SAFETY: x and the gain are pinned (or Stoke-owned) until the kernel is done
+        // (KernelInput); the rows are freed stream-ordered after the kernels that read them.
+        let rows = unsafe {
+            DeviceFp8Rows::quantize_interleaved(
+                &self.rt,
+                DevicePtr::new(x_in.ptr),
+                self.m as u32,
+                k,
+                gain,
+                self.normed.map(|nx| nx.eps as f32),
+            )
+        };
+        drop((x_in, g_in));
+        Some(rows)
     }
 
     /// Counts a call.
@@ -583,6 +643,23 @@ fn prepare<'a, I: Backend>(
         Source::Resident(rw) => resident_values_nk(&rt, rw, k, n),
     };
     let normed = x.downcast_ref::<RmsNormed<I>>().filter(|_| fp8);
+    // A packed weight read as it is: the gain (if any) goes into the activations.
+    if fp8
+        && fp8_prefill_int4()
+        && let Source::Packed(pw) = source
+        && int4_fp8_takes(k, n, pw.packed.group)
+        && let Some(w) = super::int4_linear::device_int4(pw, &rt)
+    {
+        return Some(Prepared {
+            rt,
+            copy: Copy::Int4(w),
+            copies,
+            device,
+            m,
+            n,
+            normed,
+        });
+    }
     if let Some(nx) = normed
         && let Some(w) = folded_copy(&rt, copies, nx, k, n, values)
     {
@@ -624,6 +701,10 @@ impl Copy {
     fn count(&self) {
         match self {
             Copy::Fp8(_) => KERNEL_CALLS.fetch_add(1, Ordering::Relaxed),
+            Copy::Int4(_) => {
+                INT4_CALLS.fetch_add(1, Ordering::Relaxed);
+                KERNEL_CALLS.fetch_add(1, Ordering::Relaxed)
+            }
             Copy::Bf16(_) => BF16_CALLS.fetch_add(1, Ordering::Relaxed),
         };
     }
@@ -711,6 +792,8 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
 /// The weight copy one call reads.
 enum Copy {
     Fp8(Arc<DeviceFp8Weight>),
+    /// The packed weight itself ([`set_fp8_prefill_int4`]).
+    Int4(Arc<DeviceInt4>),
     Bf16(Arc<DeviceBf16Weight>),
 }
 

@@ -7,7 +7,7 @@ use burn_backend::{Backend, DType, TensorMetadata};
 use std::sync::Arc;
 use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
 use stoke_cuda::kernels::int4_gemm::Epilogue;
-use stoke_cuda::{DevicePtr, DevicePtrMut};
+use stoke_cuda::{DevicePtr, DevicePtrMut, Runtime};
 use stoke_formats::int4::ScaleType;
 
 static KERNEL_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -53,27 +53,7 @@ pub(crate) fn try_linear_with<I: Backend>(
     {
         return None;
     }
-    let dw = pw
-        .gpu
-        .get_or_init(|| {
-            let p = &pw.packed;
-            DeviceInt4::upload(
-                &rt,
-                (p.k, p.n, p.group),
-                p.scale_type == ScaleType::F16,
-                &p.words,
-                &p.scales,
-                p.offsets.as_deref(),
-            )
-            .map(Arc::new)
-            .map_err(|e| {
-                tracing::warn!(
-                    "stoke linear: INT4 weight upload failed ({e}); dequantized weight instead"
-                )
-            })
-            .ok()
-        })
-        .clone()?;
+    let dw = device_int4(pw, &rt)?;
     let x_in = KernelInput::resolve(&rt, x, &device);
     let res_in = residual
         .filter(|_| epilogue == Epilogue::Residual)
@@ -101,4 +81,29 @@ pub(crate) fn try_linear_with<I: Backend>(
     drop((x_in, res_in));
     KERNEL_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     Some(StokeTensor::owned(out))
+}
+
+/// The packed weight in device memory, uploaded at its first kernel call (`None`, logged once,
+/// where the upload failed: the dequantized weight serves instead).
+pub(crate) fn device_int4<I: Backend>(pw: &PackedWeight<I>, rt: &Arc<Runtime>) -> Option<Arc<DeviceInt4>> {
+    pw.gpu
+        .get_or_init(|| {
+            let p = &pw.packed;
+            DeviceInt4::upload(
+                rt,
+                (p.k, p.n, p.group),
+                p.scale_type == ScaleType::F16,
+                &p.words,
+                &p.scales,
+                p.offsets.as_deref(),
+            )
+            .map(Arc::new)
+            .map_err(|e| {
+                tracing::warn!(
+                    "stoke linear: INT4 weight upload failed ({e}); dequantized weight instead"
+                )
+            })
+            .ok()
+        })
+        .clone()
 }
