@@ -446,18 +446,27 @@ template <int BN, int G>
 __device__ __forceinline__ void i4_convert(const Fp8GemmParams& p, u32 q, u32 w, u32 raw, u32 sc, u32 kb, u32 ct) {
     using S = Shape<BN, OP_I4>;
     constexpr u32 CONVERTERS = 96, TASKS = 8 * BN / 2;  // one 16-byte lane load each
-    for (u32 task = ct; task < TASKS; task += CONVERTERS) {
-        const uint4 v = lds128(q + task * 16);
-        const u32 words[4] = {v.x, v.y, v.z, v.w};
+    constexpr u32 PER = (TASKS + CONVERTERS - 1) / CONVERTERS;
+    // Every load first, so their latencies overlap (a converter warp is alone on its
+    // scheduler's producer side).
+    uint4 v[PER];
+#pragma unroll
+    for (u32 s = 0; s < PER; ++s)
+        if (ct + s * CONVERTERS < TASKS) v[s] = lds128(q + (ct + s * CONVERTERS) * 16);
+#pragma unroll
+    for (u32 s = 0; s < PER; ++s) {
+        const u32 task = ct + s * CONVERTERS;
+        if (task >= TASKS) break;
+        const u32 words[4] = {v[s].x, v[s].y, v[s].z, v[s].w};
         const u32 lane = task % 32, kt = task / (BN / 2), nq = task / 32 % (BN / 64);
         const u32 g = lane / 4, t = lane % 4;
+        const u32 at = ((kt ^ g) << 4) + 4 * t;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const u32 n = 16 * (4 * nq + j) + g;  // column g of the 16-column tile; + 8 below
             u32 lo, hi;  // bytes 0, 2: column g; bytes 1, 3: column 8 + g
             asm("prmt.b32 %0, %1, 0, 0x4420;" : "=r"(lo) : "r"(words[j]));
             asm("prmt.b32 %0, %1, 0, 0x4431;" : "=r"(hi) : "r"(words[j]));
-            const u32 at = ((kt ^ g) << 4) + 4 * t;
             sts32(w + n * BK + at, i4_e4m3(lo));
             sts32(w + (n + 8) * BK + at, i4_e4m3(hi));
         }
@@ -513,8 +522,13 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
 
     if (wg == 0) {
         // What the producer gives up is what the consumers' increase takes (setmaxnreg.inc
-        // waits for it): 128 x (168 - 40) = 256 x (232 - 168).
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        // waits for it): 128 x (168 - 40) = 256 x (232 - 168); INT4: the converters keep 72
+        // (their loads in flight together), 128 x (168 - 72) = 256 x (216 - 168).
+        if constexpr (I4) {
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 72;");
+        } else {
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        }
         if (I4 && tid >= 32) {
             // Warps 1-3 convert each k-block once its loads land.
             u32 stage = 0, phase = 0;
@@ -567,7 +581,11 @@ __device__ __forceinline__ void fp8_gemm(const Fp8GemmParams& p) {
         return;
     }
 
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    if constexpr (I4) {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 216;");
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    }
     const u32 half = wg - 1;  // rows 64 half .. 64 half + 63 of the tile
     const u32 warp = tid / 32, lane = tid % 32;
     u32 stage = 0, phase = 0;
