@@ -344,9 +344,11 @@ fn kernels_vs_dequantized(
 /// delayed scales, the second's in E4M3 with those delayed scales (the one judged; the first is
 /// reported). The packed model also runs the prefill that serves (`Llama::prefill_logits`, a
 /// window per prefill: the q|k|v epilogue writes the decoder's cache, Stoke's prefill attention
-/// reads it) in FP8 and bf16. The output heads stay on bf16 (`stoke::output_head`). Passes when
-/// the FP8 GEMM ran, on the same projections in both models, every norm's gain was folded into
-/// the projections it feeds, FP8's perplexity is within 5% of bf16's, and its top-1 agreement
+/// reads it) in FP8 and bf16, and both of the packed model's FP8 prefills again with its INT4
+/// weights read as they are (`set_fp8_prefill_int4`). The output heads stay on bf16
+/// (`stoke::output_head`). Passes when the FP8 GEMM ran, on the same projections in both models
+/// (with INT4 weights: on every packed one), every norm's gain was folded into the projections
+/// it feeds, FP8's perplexity is within 5% of bf16's, and its top-1 agreement
 /// with f32 is at most 0.15 below bf16's, on each path. These bounds catch a broken integration
 /// (a wrong scale, layout or epilogue sends perplexity into the hundreds), not FP8's quality
 /// cost, which the report carries (measured at 9f354c9 on an H100: packed +1.2%, agreement
@@ -459,6 +461,14 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
     };
     let (served_fp8, served_folded) = run_packed(true);
     let (served_bf16, _) = run_packed(false);
+    // The packed weights read as they are by the FP8 GEMM (no E4M3 copy): the same windows,
+    // and served (the q|k|v epilogue on the INT4 weight).
+    stoke::cuda::fp8_linear::set_fp8_prefill_int4(true);
+    let int4_calls0 = stoke::cuda::fp8_linear::int4_kernel_calls();
+    let (int4, int4_all_calls, _) = run(&packed.model, true);
+    let int4_calls = stoke::cuda::fp8_linear::int4_kernel_calls() - int4_calls0;
+    let (served_int4, _) = run_packed(true);
+    stoke::cuda::fp8_linear::set_fp8_prefill_int4(false);
     let delayed = stoke::cuda::fp8_linear::delayed_scales()?;
     let saturated: u64 = delayed.iter().map(|d| d.state.saturated).sum();
     stoke::cuda::fp8_linear::set_fp8_prefill(was);
@@ -480,6 +490,7 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
     let ((d8, da8), (d16, da16)) = (judge(&fp8_dense), judge(&bf16_dense));
     let (p8_first, a8_first) = judge(&fp8_first);
     let ((s8, sa8), (s16, sa16)) = (judge(&served_fp8?), judge(&served_bf16?));
+    let ((i8, ia8), (si8, sia8)) = (judge(&int4), judge(&served_int4?));
     let report = json!({"batch": batch, "len": len, "fp8_gemm_calls": fp8_calls,
         "folded_norm_calls": folded_calls,
         "perplexity": {"fp8": p8, "bf16": p16, "f32": p32, "fp8_first_per_row": p8_first},
@@ -492,7 +503,15 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
             "top1_agreement_with_f32": {"fp8": da8, "bf16": da16}},
         "served_prefill": {"folded_norm_calls": served_folded,
             "perplexity": {"fp8": s8, "bf16": s16}, "fp8_over_bf16": s8 / s16 - 1.0,
-            "top1_agreement_with_f32": {"fp8": sa8, "bf16": sa16}}});
+            "top1_agreement_with_f32": {"fp8": sa8, "bf16": sa16}},
+        "fp8_int4": {"gemm_calls": int4_all_calls, "int4_weight_calls": int4_calls,
+            "perplexity": i8, "over_bf16": i8 / p16 - 1.0, "top1_agreement_with_f32": ia8,
+            "served": {"perplexity": si8, "over_bf16": si8 / s16 - 1.0,
+                "top1_agreement_with_f32": sia8}}});
+    // Every packed projection (the same calls as the E4M3 copies') on the INT4 weights.
+    if int4_calls == 0 || int4_calls != fp8_calls || int4_all_calls != fp8_calls {
+        return Err(format!("the FP8 GEMM did not read every packed weight as it is: {report}"));
+    }
     if fp8_calls == 0 || fp8_dense_calls == 0 {
         return Err(format!("the FP8 GEMM never ran: {report}"));
     }
@@ -514,7 +533,12 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
     let strays = |p8: f64, p16: f64, a8: f64, a16: f64| {
         !((p8 / p16 - 1.0).abs() <= 0.05) || !(a8 >= a16 - 0.15)
     };
-    if strays(p8, p16, a8, a16) || strays(d8, d16, da8, da16) || strays(s8, s16, sa8, sa16) {
+    if strays(p8, p16, a8, a16)
+        || strays(d8, d16, da8, da16)
+        || strays(s8, s16, sa8, sa16)
+        || strays(i8, p16, ia8, a16)
+        || strays(si8, s16, sia8, sa16)
+    {
         return Err(format!("FP8 prefill strays from bf16: {report}"));
     }
     Ok(report)

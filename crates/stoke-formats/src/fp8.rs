@@ -567,6 +567,34 @@ pub fn swiglu_epilogue_reference(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn interleaved_rows_follow_the_int4_nibble_order() {
+        // Two rows of 32: each 16 k stored as k 0, 8, 1, 9, .. 7, 15.
+        let codes: Vec<u8> = (0..64).collect();
+        let out = interleave_k16(&codes, 32);
+        let block = [0u8, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15];
+        for b in 0..4 {
+            let want: Vec<u8> = block.iter().map(|&k| k + 16 * b as u8).collect();
+            assert_eq!(&out[16 * b..16 * b + 16], &want[..]);
+        }
+        // The sums of 32 codes: 1.0 (0x38) x 31 and -2.0 (0xc0).
+        let mut c = vec![0x38u8; 32];
+        c[5] = 0xc0;
+        assert_eq!(code_sums32(&c, 32), vec![29.0]);
+    }
+
+    #[test]
+    fn a_gain_scales_the_codes_not_the_norm() {
+        let x = [1.0f32, -2.0, 4.0, 0.5];
+        let g = [2.0f32, 1.0, 0.25, 1.0];
+        let (c, s) = quantize_rows_gained(&x, 1, 4, Some(&g), 0.0, true).unwrap();
+        let (c0, _) = quantize_rows_fused(&[2.0, -2.0, 1.0, 0.5], 1, 4, 0.0, false).unwrap();
+        assert_eq!(c, c0);
+        // amax(x g) = 2, the row factor from x itself: rsqrt((1 + 4 + 16 + 0.25) / 4).
+        let r = 1.0 / ((21.25f64) / 4.0).sqrt();
+        assert!((f64::from(s[0]) - 2.0 * r / 448.0).abs() < 1e-9);
+    }
     use super::*;
 
     #[test]
