@@ -189,7 +189,12 @@ impl BfOut {
 
 /// The bf16-output epilogue `epi` (plain, residual from `residual` `[m, n]`, SwiGLU to bf16)
 /// writing `out`.
-pub(crate) fn bf16_epilogue(epi: Epi, out: &DeviceBuffer, residual: &DeviceBuffer, n: usize) -> Fp8Epilogue {
+pub(crate) fn bf16_epilogue(
+    epi: Epi,
+    out: &DeviceBuffer,
+    residual: &DeviceBuffer,
+    n: usize,
+) -> Fp8Epilogue {
     match epi {
         Epi::Residual => Fp8Epilogue::Residual {
             out: out.as_mut_ptr(),

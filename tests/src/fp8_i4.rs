@@ -3,7 +3,9 @@
 //! (`quantize_rows_e4m3_bf16` with `order` 1): against f64 references over the same E4M3 codes
 //! and the dequantized INT4 weight, and its speed beside the FP8 GEMM on an E4M3 copy.
 
-use crate::fp8::{BfOut, Epi, TOL_L1, activations, bf16_epilogue, check_bf16_outputs, checked_rows};
+use crate::fp8::{
+    BfOut, Epi, TOL_L1, activations, bf16_epilogue, check_bf16_outputs, checked_rows,
+};
 use crate::int4::{put_f32, put_u8, put_u16, random_weight, try_get_bf16, upload};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -25,7 +27,17 @@ const CASES: &[(usize, usize, usize, usize, bool, bool, bool, usize, Epi)] = &[
     (1, 128, 128, 128, false, false, false, 1, Epi::Plain),
     (3, 192, 576, 32, true, true, true, 3, Epi::Plain),
     (130, 320, 576, 576, false, false, true, 130, Epi::Residual),
-    (200, 1024, 1024, 64, true, false, false, 200, Epi::SwiGluBf16),
+    (
+        200,
+        1024,
+        1024,
+        64,
+        true,
+        false,
+        false,
+        200,
+        Epi::SwiGluBf16,
+    ),
     (300, 512, 4096, 32, false, true, true, 300, Epi::Plain),
     (2048, 4096, 4096, 128, false, false, true, 24, Epi::Plain),
     (77, 4096, 14336, 128, true, false, false, 12, Epi::Plain),
@@ -55,7 +67,13 @@ impl Rows {
     }
 
     /// The row quantization of `x` into these buffers (with `gain`: an RMSNorm input).
-    fn params(&self, x: &DeviceBuffer, gain: Option<&DeviceBuffer>, m: usize, k: usize) -> Fp8RowsParams {
+    fn params(
+        &self,
+        x: &DeviceBuffer,
+        gain: Option<&DeviceBuffer>,
+        m: usize,
+        k: usize,
+    ) -> Fp8RowsParams {
         Fp8RowsParams {
             x: x.as_ptr(),
             codes: self.codes.as_mut_ptr(),
@@ -73,7 +91,13 @@ impl Rows {
     }
 }
 
-fn quantize(rt: &Arc<Runtime>, x: &DeviceBuffer, gain: Option<&DeviceBuffer>, m: usize, k: usize) -> Result<Rows, String> {
+fn quantize(
+    rt: &Arc<Runtime>,
+    x: &DeviceBuffer,
+    gain: Option<&DeviceBuffer>,
+    m: usize,
+    k: usize,
+) -> Result<Rows, String> {
     let rows = Rows::new(rt, m, k)?;
     unsafe { quantize_rows(rt, &rows.params(x, gain, m, k)) }.map_err(|e| e.to_string())?;
     Ok(rows)
@@ -81,14 +105,23 @@ fn quantize(rt: &Arc<Runtime>, x: &DeviceBuffer, gain: Option<&DeviceBuffer>, m:
 
 fn get<T: Copy + Default>(buf: &DeviceBuffer, len: usize) -> Result<Vec<T>, String> {
     let mut v = vec![T::default(); len];
-    let bytes = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), len * std::mem::size_of::<T>()) };
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), len * std::mem::size_of::<T>())
+    };
     unsafe { buf.runtime().copy_dtoh(bytes, buf.ptr()) }.map_err(|e| e.to_string())?;
     Ok(v)
 }
 
 /// The f64 output of row `r` of `codes` (natural order) times the dequantized weight `wv`
 /// (`[k, n]`), and each element's sum of |a_i w_i|, the row scale applied.
-fn reference_row(codes: &[u8], a_scale: f32, r: usize, wv: &[f64], k: usize, n: usize) -> (Vec<f64>, Vec<f64>) {
+fn reference_row(
+    codes: &[u8],
+    a_scale: f32,
+    r: usize,
+    wv: &[f64],
+    k: usize,
+    n: usize,
+) -> (Vec<f64>, Vec<f64>) {
     let (mut y, mut l1) = (vec![0f64; n], vec![0f64; n]);
     for (i, &c) in codes[r * k..(r + 1) * k].iter().enumerate() {
         let a = f64::from(e4m3_to_f32(c));
@@ -101,7 +134,10 @@ fn reference_row(codes: &[u8], a_scale: f32, r: usize, wv: &[f64], k: usize, n: 
         }
     }
     let s = f64::from(a_scale);
-    (y.iter().map(|v| v * s).collect(), l1.iter().map(|v| v * s).collect())
+    (
+        y.iter().map(|v| v * s).collect(),
+        l1.iter().map(|v| v * s).collect(),
+    )
 }
 
 /// The interleaved row quantization against `quantize_rows_gained` + `interleave_k16` (codes
@@ -122,10 +158,15 @@ pub fn fp8_i4_gemm_matches_reference() -> Result<Value, String> {
         );
         let (bits, xs) = crate::fp8::bf16_round(&activations(&mut rng, m, k));
         let gain: Option<(Vec<u16>, Vec<f32>)> = with_gain.then(|| {
-            crate::fp8::bf16_round(&(0..k).map(|_| rng.random_range(0.5f32..1.5)).collect::<Vec<_>>())
+            crate::fp8::bf16_round(
+                &(0..k)
+                    .map(|_| rng.random_range(0.5f32..1.5))
+                    .collect::<Vec<_>>(),
+            )
         });
-        let (want_codes, want_scales) = quantize_rows_gained(&xs, m, k, gain.as_ref().map(|g| &g.1[..]), 1e-5, with_gain)
-            .map_err(|e| e.to_string())?;
+        let (want_codes, want_scales) =
+            quantize_rows_gained(&xs, m, k, gain.as_ref().map(|g| &g.1[..]), 1e-5, with_gain)
+                .map_err(|e| e.to_string())?;
         let xb = put_u16(&rt, &bits);
         let gb = gain.as_ref().map(|g| put_u16(&rt, &g.0));
         let rows = quantize(&rt, &xb, gb.as_ref(), m, k).map_err(|e| format!("{what}: {e}"))?;
@@ -149,7 +190,10 @@ pub fn fp8_i4_gemm_matches_reference() -> Result<Value, String> {
         let got_sums: Vec<f32> = get(&rows.sums, m * k / 32)?;
         let want_sums = code_sums32(&want_codes, k);
         if let Some(i) = got_sums.iter().zip(&want_sums).position(|(a, b)| a != b) {
-            return Err(format!("{what}: code sum {i} is {}, reference {}", got_sums[i], want_sums[i]));
+            return Err(format!(
+                "{what}: code sum {i} is {}, reference {}",
+                got_sums[i], want_sums[i]
+            ));
         }
 
         let scale_type = if f16 { ScaleType::F16 } else { ScaleType::Bf16 };
@@ -161,7 +205,12 @@ pub fn fp8_i4_gemm_matches_reference() -> Result<Value, String> {
             .iter()
             .map(|&r| reference_row(&want_codes, got_scales[r], r, &wv, k, n))
             .collect();
-        let BfOut { ldo, out, residual, rb } = BfOut::new(&rt, &mut rng, m, n, epi)?;
+        let BfOut {
+            ldo,
+            out,
+            residual,
+            rb,
+        } = BfOut::new(&rt, &mut rng, m, n, epi)?;
         let call = Fp8I4Gemm {
             a: rows.codes.as_ptr(),
             a_scale: rows.scales.as_ptr(),
@@ -176,13 +225,26 @@ pub fn fp8_i4_gemm_matches_reference() -> Result<Value, String> {
         };
         unsafe { fp8_i4_gemm(&rt, &call) }.map_err(|e| format!("{what}: {e}"))?;
         let got = try_get_bf16(&out).map_err(|e| format!("{what}: {e}"))?;
-        let case_worst = check_bf16_outputs(&what, &got, &checked, &refs, (n, ldo), epi, &residual, TOL_L1)?;
+        let case_worst = check_bf16_outputs(
+            &what,
+            &got,
+            &checked,
+            &refs,
+            (n, ldo),
+            epi,
+            &residual,
+            TOL_L1,
+        )?;
         worst = worst.max(case_worst);
-        cases.push(json!({"m": m, "n": n, "k": k, "group": group, "offsets": offsets, "f16_scales": f16,
+        cases.push(
+            json!({"m": m, "n": n, "k": k, "group": group, "offsets": offsets, "f16_scales": f16,
             "gain": with_gain, "epilogue": format!("{epi:?}"), "rows_checked": checked.len(),
-            "worst_error_over_bound": case_worst}));
+            "worst_error_over_bound": case_worst}),
+        );
     }
-    Ok(json!({"seed": seed, "tol_l1": TOL_L1, "worst_error_over_bound": worst, "cases": cases, "bench": bench()}))
+    Ok(
+        json!({"seed": seed, "tol_l1": TOL_L1, "worst_error_over_bound": worst, "cases": cases, "bench": bench()}),
+    )
 }
 
 /// `(name, k, n)`: the Llama 3.1 8B and 70B projection shapes.
@@ -207,13 +269,27 @@ pub fn bench() -> Value {
         if !keep(name.split('_').next().unwrap_or(name)) {
             continue;
         }
-        let fp8_w = put_u8(&rt, &(0..n * k).map(|_| rng.random_range(0x20u8..0x50) | (rng.random::<u8>() & 0x80)).collect::<Vec<_>>());
+        let fp8_w = put_u8(
+            &rt,
+            &(0..n * k)
+                .map(|_| rng.random_range(0x20u8..0x50) | (rng.random::<u8>() & 0x80))
+                .collect::<Vec<_>>(),
+        );
         let fp8_s = put_f32(&rt, &vec![1e-2; n]);
         let weights = [
-            ("g128 sym", random_weight(&mut rng, k, n, 128, ScaleType::Bf16, false)),
-            ("g32 f16 offsets", random_weight(&mut rng, k, n, 32, ScaleType::F16, true)),
+            (
+                "g128 sym",
+                random_weight(&mut rng, k, n, 128, ScaleType::Bf16, false),
+            ),
+            (
+                "g32 f16 offsets",
+                random_weight(&mut rng, k, n, 32, ScaleType::F16, true),
+            ),
         ];
-        let uploaded: Vec<_> = weights.iter().map(|(kind, w)| (*kind, upload(&rt, w))).collect();
+        let uploaded: Vec<_> = weights
+            .iter()
+            .map(|(kind, w)| (*kind, upload(&rt, w)))
+            .collect();
         for &m in &[512usize, 2048, 8192] {
             let x = put_u16(&rt, &crate::int4::random_bf16(&mut rng, m * k));
             let rows = quantize(&rt, &x, None, m, k).expect("quantize");
@@ -223,10 +299,15 @@ pub fn bench() -> Value {
             let mut point = |kind: &str, launch: &dyn Fn()| {
                 let t = crate::bench::time_calls(&rt, 3, iters, |_| launch());
                 let tflops = flop / t.us / 1e6;
-                println!("{kind:<22} {name:<12} m {m:5}: {:9.2} us {tflops:7.1} TFLOP/s", t.us);
+                println!(
+                    "{kind:<22} {name:<12} m {m:5}: {:9.2} us {tflops:7.1} TFLOP/s",
+                    t.us
+                );
                 runs.push(json!({"shape": name, "m": m, "n": n, "k": k, "kernel": kind, "us": t.us, "tflops": tflops}));
             };
-            let plain = Fp8Epilogue::Plain { out: out.as_mut_ptr() };
+            let plain = Fp8Epilogue::Plain {
+                out: out.as_mut_ptr(),
+            };
             let fp8 = Fp8Gemm {
                 a: rows.codes.as_ptr(),
                 w: fp8_w.as_ptr(),
@@ -239,7 +320,9 @@ pub fn bench() -> Value {
                 k: k as u32,
                 ldo: n as u32,
             };
-            point("fp8 e4m3 weights", &|| unsafe { fp8_gemm_tiles(&rt, &fp8, false) }.unwrap());
+            point("fp8 e4m3 weights", &|| {
+                unsafe { fp8_gemm_tiles(&rt, &fp8, false) }.unwrap()
+            });
             for (kind, dw) in &uploaded {
                 let call = Fp8I4Gemm {
                     a: rows.codes.as_ptr(),
@@ -253,11 +336,18 @@ pub fn bench() -> Value {
                     k: k as u32,
                     ldo: n as u32,
                 };
-                point(&format!("int4 {kind}"), &|| unsafe { fp8_i4_gemm(&rt, &call) }.unwrap());
+                point(&format!("int4 {kind}"), &|| {
+                    unsafe { fp8_i4_gemm(&rt, &call) }.unwrap()
+                });
             }
             let p = rows.params(&x, None, m, k);
-            let t = crate::bench::time_calls(&rt, 3, 50, |_| unsafe { quantize_rows(&rt, &p) }.unwrap());
-            println!("{:<22} {name:<12} m {m:5}: {:9.2} us", "quantize interleaved", t.us);
+            let t = crate::bench::time_calls(&rt, 3, 50, |_| {
+                unsafe { quantize_rows(&rt, &p) }.unwrap()
+            });
+            println!(
+                "{:<22} {name:<12} m {m:5}: {:9.2} us",
+                "quantize interleaved", t.us
+            );
             runs.push(json!({"shape": name, "m": m, "k": k, "kernel": "quantize rows interleaved, with sums", "us": t.us}));
         }
     }

@@ -510,7 +510,9 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
                 "top1_agreement_with_f32": sia8}}});
     // Every packed projection (the same calls as the E4M3 copies') on the INT4 weights.
     if int4_calls == 0 || int4_calls != fp8_calls || int4_all_calls != fp8_calls {
-        return Err(format!("the FP8 GEMM did not read every packed weight as it is: {report}"));
+        return Err(format!(
+            "the FP8 GEMM did not read every packed weight as it is: {report}"
+        ));
     }
     if fp8_calls == 0 || fp8_dense_calls == 0 {
         return Err(format!("the FP8 GEMM never ran: {report}"));

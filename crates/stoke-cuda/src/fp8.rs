@@ -515,9 +515,20 @@ pub unsafe fn int4_fp8_linear_rows(
 ) -> Result<()> {
     let Some(sums) = rows.sums.as_ref().filter(|_| rows.k == w.k) else {
         return Err(ShapeError::new(
-            format!("FP8 x INT4 GEMM of E4M3 rows [{}, {}] and weight [{}, {}]", rows.m, rows.k, w.k, w.n),
+            format!(
+                "FP8 x INT4 GEMM of E4M3 rows [{}, {}] and weight [{}, {}]",
+                rows.m, rows.k, w.k, w.n
+            ),
             "interleaved rows (DeviceFp8Rows::quantize_interleaved) of the weight's k",
-            format!("k {}, {}", rows.k, if rows.sums.is_some() { "interleaved" } else { "not interleaved" }),
+            format!(
+                "k {}, {}",
+                rows.k,
+                if rows.sums.is_some() {
+                    "interleaved"
+                } else {
+                    "not interleaved"
+                }
+            ),
         )
         .into());
     };
@@ -544,7 +555,10 @@ pub fn int4_fp8_takes(k: usize, n: usize, group: usize) -> bool {
         && n.is_multiple_of(64)
         && group > 0
         && k.is_multiple_of(group)
-        && u32::try_from(group).ok().and_then(crate::kernels::fp8_gemm::i4_promotion).is_some()
+        && u32::try_from(group)
+            .ok()
+            .and_then(crate::kernels::fp8_gemm::i4_promotion)
+            .is_some()
 }
 
 /// A weight `[n, k]` in bf16 (a `[k, n]` linear weight transposed) in device memory: the

@@ -137,7 +137,10 @@ impl DeviceInt4 {
         crate::kernels::fp8_gemm::I4Weight {
             words: self.words.as_ptr(),
             scales: self.scales.as_ptr(),
-            offsets: self.offsets.as_ref().map_or(DevicePtr::NULL, |o| o.as_ptr()),
+            offsets: self
+                .offsets
+                .as_ref()
+                .map_or(DevicePtr::NULL, |o| o.as_ptr()),
             f16_scales: self.f16_scales,
             group: self.group,
             order: self.order,

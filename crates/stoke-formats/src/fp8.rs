@@ -190,7 +190,10 @@ pub fn quantize_rows_gained(
 /// `2 (k % 8) + (k % 16) / 8` of its 16. The FP8 x INT4 GEMM reads A in this order
 /// (`kernels/fp8_quant.cu` with `order` 1). `k` must be a multiple of 16.
 pub fn interleave_k16(codes: &[u8], k: usize) -> Vec<u8> {
-    assert!(k.is_multiple_of(16) && codes.len().is_multiple_of(k.max(1)), "rows of k, a multiple of 16");
+    assert!(
+        k.is_multiple_of(16) && codes.len().is_multiple_of(k.max(1)),
+        "rows of k, a multiple of 16"
+    );
     let mut out = vec![0u8; codes.len()];
     for (b, block) in codes.chunks_exact(16).enumerate() {
         for (i, &c) in block.iter().enumerate() {

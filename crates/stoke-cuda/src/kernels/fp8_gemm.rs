@@ -808,7 +808,12 @@ mod tests {
             }
         }
         assert_eq!(
-            (i4_promotion(32), i4_promotion(576), i4_promotion(4096), i4_promotion(16)),
+            (
+                i4_promotion(32),
+                i4_promotion(576),
+                i4_promotion(4096),
+                i4_promotion(16)
+            ),
             (Some(32), Some(64), Some(128), None)
         );
         // Every entry point has its wide twin, and each is a kernel entry.

@@ -215,7 +215,9 @@ impl Runtime {
                 "elements of 1, 2 or 4 bytes, a 16-byte aligned address, a row pitch that is a \
                  multiple of 16 bytes and boxes of 1-256 rows and at most 256 elements, a \
                  multiple of 16 bytes",
-                format!("[{rows}, {cols}] x {elem_bytes} bytes at {ptr:#x}, box {box_rows} x {box_cols}"),
+                format!(
+                    "[{rows}, {cols}] x {elem_bytes} bytes at {ptr:#x}, box {box_rows} x {box_cols}"
+                ),
             )));
         }
         self.encode_tiled(

@@ -499,10 +499,13 @@ impl<I: Backend> Prepared<'_, I> {
         };
         let x_in = KernelInput::resolve(&self.rt, src, &self.device);
         let g_in = gain.map(|g| KernelInput::resolve(&self.rt, g, &self.device));
-        if !x_in.ptr.is_multiple_of(16) || g_in.as_ref().is_some_and(|g| !g.ptr.is_multiple_of(16)) {
+        if !x_in.ptr.is_multiple_of(16) || g_in.as_ref().is_some_and(|g| !g.ptr.is_multiple_of(16))
+        {
             return None;
         }
-        let gain = g_in.as_ref().map_or(DevicePtr::NULL, |g| DevicePtr::new(g.ptr));
+        let gain = g_in
+            .as_ref()
+            .map_or(DevicePtr::NULL, |g| DevicePtr::new(g.ptr));
         // SAFETY: x and the gain are pinned (or Stoke-owned) until the kernel is done
         // (KernelInput); the rows are freed stream-ordered after the kernels that read them.
         let rows = unsafe {

@@ -85,7 +85,10 @@ pub(crate) fn try_linear_with<I: Backend>(
 
 /// The packed weight in device memory, uploaded at its first kernel call (`None`, logged once,
 /// where the upload failed: the dequantized weight serves instead).
-pub(crate) fn device_int4<I: Backend>(pw: &PackedWeight<I>, rt: &Arc<Runtime>) -> Option<Arc<DeviceInt4>> {
+pub(crate) fn device_int4<I: Backend>(
+    pw: &PackedWeight<I>,
+    rt: &Arc<Runtime>,
+) -> Option<Arc<DeviceInt4>> {
     pw.gpu
         .get_or_init(|| {
             let p = &pw.packed;
