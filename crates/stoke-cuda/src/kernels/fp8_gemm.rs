@@ -828,6 +828,90 @@ mod tests {
     }
 
     #[test]
+    fn int4_weight_calls_are_checked() {
+        let w = I4Weight {
+            words: DevicePtr::NULL,
+            scales: DevicePtr::NULL,
+            offsets: DevicePtr::NULL,
+            f16_scales: true,
+            group: 32,
+            order: WordOrder::KtMajor,
+        };
+        let call = Fp8I4Gemm {
+            a: DevicePtr::NULL,
+            a_scale: DevicePtr::NULL,
+            a_scale_per_row: true,
+            a_sums: DevicePtr::NULL,
+            w,
+            epilogue: Fp8Epilogue::Plain {
+                out: DevicePtrMut::NULL,
+            },
+            m: 3,
+            n: 192,
+            k: 576,
+            ldo: 192,
+        };
+        assert_eq!(check_i4_shape(&call), Ok(("fp8_i4_gemm_plain_g32", 32)));
+        let per_channel = I4Weight { group: 576, ..w };
+        assert_eq!(
+            check_i4_shape(&Fp8I4Gemm {
+                w: per_channel,
+                ..call
+            })
+            .map(|e| e.1),
+            Ok(64)
+        );
+        let what = |g: Fp8I4Gemm| check_i4_shape(&g).unwrap_err().what;
+        let g16 = I4Weight { group: 16, ..w };
+        assert_eq!(
+            what(Fp8I4Gemm { w: g16, ..call }),
+            "FP8 x INT4 GEMM weight group"
+        );
+        assert_eq!(
+            what(Fp8I4Gemm {
+                n: 160,
+                ldo: 160,
+                ..call
+            }),
+            "FP8 x INT4 GEMM columns"
+        );
+        assert_eq!(
+            what(Fp8I4Gemm { k: 560, ..call }),
+            "FP8 x INT4 GEMM weight group"
+        );
+        let slab = I4Weight {
+            order: WordOrder::SlabMajor,
+            ..w
+        };
+        assert_eq!(
+            what(Fp8I4Gemm { w: slab, ..call }),
+            "FP8 x INT4 GEMM weight word order"
+        );
+        let offsets = I4Weight {
+            offsets: DevicePtr::new(256),
+            ..w
+        };
+        assert_eq!(
+            what(Fp8I4Gemm { w: offsets, ..call }),
+            "FP8 x INT4 GEMM activation sums"
+        );
+        let swiglu = Fp8Epilogue::SwiGlu {
+            codes: DevicePtrMut::NULL,
+            scale: DevicePtr::NULL,
+            amax: DevicePtrMut::NULL,
+            saturated: DevicePtrMut::NULL,
+        };
+        assert_eq!(
+            what(Fp8I4Gemm {
+                epilogue: swiglu,
+                ldo: 96,
+                ..call
+            }),
+            "FP8 x INT4 GEMM epilogue"
+        );
+    }
+
+    #[test]
     fn shapes_are_checked_and_the_grid_is_persistent() {
         let call = |m, n, k, ldo, epilogue| Fp8Gemm {
             a: DevicePtr::NULL,
