@@ -11,6 +11,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::Arc;
+use stoke_cuda::int4::DeviceInt4;
 use stoke_cuda::kernels::fp8_gemm::{Fp8Epilogue, Fp8Gemm, Fp8I4Gemm, fp8_gemm_tiles, fp8_i4_gemm};
 use stoke_cuda::kernels::fp8_quant::{Fp8RowsParams, quantize_rows};
 use stoke_cuda::{DeviceBuffer, DevicePtr, DevicePtrMut, Runtime};
@@ -87,6 +88,30 @@ impl Rows {
             eps: 1e-5,
             normalize: u32::from(gain.is_some()),
             order: 1,
+        }
+    }
+}
+
+impl Rows {
+    /// The GEMM of these `m` rows of `k` and the weight `w` (`n` columns) with `epilogue`.
+    fn call(
+        &self,
+        w: &DeviceInt4,
+        epilogue: Fp8Epilogue,
+        (m, n, k): (usize, usize, usize),
+        ldo: usize,
+    ) -> Fp8I4Gemm {
+        Fp8I4Gemm {
+            a: self.codes.as_ptr(),
+            a_scale: self.scales.as_ptr(),
+            a_scale_per_row: true,
+            a_sums: self.sums.as_ptr(),
+            w: w.operand(),
+            epilogue,
+            m: m as u32,
+            n: n as u32,
+            k: k as u32,
+            ldo: ldo as u32,
         }
     }
 }
@@ -211,18 +236,7 @@ pub fn fp8_i4_gemm_matches_reference() -> Result<Value, String> {
             residual,
             rb,
         } = BfOut::new(&rt, &mut rng, m, n, epi)?;
-        let call = Fp8I4Gemm {
-            a: rows.codes.as_ptr(),
-            a_scale: rows.scales.as_ptr(),
-            a_scale_per_row: true,
-            a_sums: rows.sums.as_ptr(),
-            w: dw.operand(),
-            epilogue: bf16_epilogue(epi, &out, &rb, n),
-            m: m as u32,
-            n: n as u32,
-            k: k as u32,
-            ldo: ldo as u32,
-        };
+        let call = rows.call(&dw, bf16_epilogue(epi, &out, &rb, n), (m, n, k), ldo);
         unsafe { fp8_i4_gemm(&rt, &call) }.map_err(|e| format!("{what}: {e}"))?;
         let got = try_get_bf16(&out).map_err(|e| format!("{what}: {e}"))?;
         let case_worst = check_bf16_outputs(
@@ -324,18 +338,7 @@ pub fn bench() -> Value {
                 unsafe { fp8_gemm_tiles(&rt, &fp8, false) }.unwrap()
             });
             for (kind, dw) in &uploaded {
-                let call = Fp8I4Gemm {
-                    a: rows.codes.as_ptr(),
-                    a_scale: rows.scales.as_ptr(),
-                    a_scale_per_row: true,
-                    a_sums: rows.sums.as_ptr(),
-                    w: dw.operand(),
-                    epilogue: plain,
-                    m: m as u32,
-                    n: n as u32,
-                    k: k as u32,
-                    ldo: n as u32,
-                };
+                let call = rows.call(dw, plain, (m, n, k), n);
                 point(&format!("int4 {kind}"), &|| {
                     unsafe { fp8_i4_gemm(&rt, &call) }.unwrap()
                 });
