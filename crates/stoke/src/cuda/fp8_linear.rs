@@ -7,7 +7,10 @@
 //!   (`stoke_formats::fp8::Fp8Weight`): each call quantizes its rows to E4M3 with one scale
 //!   per row first, except the down projection's: the gate|up GEMM's SwiGLU epilogue writes
 //!   them in E4M3 with a delayed per-tensor scale ([`Fp8Activation`]), kept per weight and
-//!   request group ([`set_fp8_scale_group`]).
+//!   request group ([`set_fp8_scale_group`]);
+//! - with FP8 prefill on and [`set_fp8_prefill_int4`], a packed weight is not copied: the FP8
+//!   GEMM reads its INT4 words and group scales as they are and expands them to E4M3 inside
+//!   its mainloop; its rows are quantized in the words' k order, with an RMSNorm's gain.
 //!
 //! With FP8 prefill on, an RMSNorm of prefill rows is deferred ([`RmsNormed`]): a projection
 //! that reads it reads a second E4M3 copy with the norm's gain folded into its rows
@@ -319,7 +322,8 @@ pub fn kernel_calls() -> u64 {
 }
 
 /// How many of the [`kernel_calls`] read an RMSNorm's input with its gain folded into the
-/// weight's E4M3 copy ([`RmsNormed`]).
+/// weight's E4M3 copy, or on a packed weight read as it is into the input's quantization
+/// ([`RmsNormed`]).
 pub fn folded_norm_calls() -> u64 {
     FOLDED_CALLS.load(Ordering::Relaxed)
 }
