@@ -45,16 +45,7 @@ pub fn upload(rt: &Arc<Runtime>, p: &PackedInt4) -> DeviceInt4 {
 }
 
 pub fn upload_ordered(rt: &Arc<Runtime>, p: &PackedInt4, order: WordOrder) -> DeviceInt4 {
-    DeviceInt4::upload_ordered(
-        rt,
-        (p.k, p.n, p.group),
-        p.scale_type == ScaleType::F16,
-        &p.words,
-        &p.scales,
-        p.offsets.as_deref(),
-        order,
-    )
-    .expect("upload")
+    DeviceInt4::upload_packed(rt, p, order).expect("upload")
 }
 
 /// `len` bf16 values uniform in [-1, 1) (as raw bits).

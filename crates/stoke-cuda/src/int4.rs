@@ -55,6 +55,24 @@ impl DeviceInt4 {
         )
     }
 
+    /// Uploads the packer's weight `p` (`stoke_formats::int4::PackedInt4`) with its word
+    /// blocks in `order`.
+    pub fn upload_packed(
+        rt: &Arc<Runtime>,
+        p: &stoke_formats::int4::PackedInt4,
+        order: WordOrder,
+    ) -> Result<Self> {
+        Self::upload_ordered(
+            rt,
+            (p.k, p.n, p.group),
+            p.scale_type == stoke_formats::int4::ScaleType::F16,
+            &p.words,
+            &p.scales,
+            p.offsets.as_deref(),
+            order,
+        )
+    }
+
     /// [`DeviceInt4::upload`] with the word blocks rearranged into `order` on the way (the
     /// packer's `words` are [`WordOrder::KtMajor`]).
     pub fn upload_ordered(
@@ -134,13 +152,15 @@ impl DeviceInt4 {
 
     /// The weight as the FP8 prefill GEMM's INT4 operand ([`crate::kernels::fp8_gemm::fp8_i4_gemm`]).
     pub fn operand(&self) -> crate::kernels::fp8_gemm::I4Weight {
+        let WeightPtrs {
+            words,
+            scales,
+            offsets,
+        } = self.ptrs();
         crate::kernels::fp8_gemm::I4Weight {
-            words: self.words.as_ptr(),
-            scales: self.scales.as_ptr(),
-            offsets: self
-                .offsets
-                .as_ref()
-                .map_or(DevicePtr::NULL, |o| o.as_ptr()),
+            words,
+            scales,
+            offsets,
             f16_scales: self.f16_scales,
             group: self.group,
             order: self.order,

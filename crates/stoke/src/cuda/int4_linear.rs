@@ -6,9 +6,8 @@ use crate::tensor::StokeTensor;
 use burn_backend::{Backend, DType, TensorMetadata};
 use std::sync::Arc;
 use stoke_cuda::int4::{DeviceInt4, Int4Gemm, int4_gemm};
-use stoke_cuda::kernels::int4_gemm::Epilogue;
+use stoke_cuda::kernels::int4_gemm::{Epilogue, WordOrder};
 use stoke_cuda::{DevicePtr, DevicePtrMut, Runtime};
-use stoke_formats::int4::ScaleType;
 
 static KERNEL_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -91,22 +90,14 @@ pub(crate) fn device_int4<I: Backend>(
 ) -> Option<Arc<DeviceInt4>> {
     pw.gpu
         .get_or_init(|| {
-            let p = &pw.packed;
-            DeviceInt4::upload(
-                rt,
-                (p.k, p.n, p.group),
-                p.scale_type == ScaleType::F16,
-                &p.words,
-                &p.scales,
-                p.offsets.as_deref(),
-            )
-            .map(Arc::new)
-            .map_err(|e| {
-                tracing::warn!(
-                    "stoke linear: INT4 weight upload failed ({e}); dequantized weight instead"
-                )
-            })
-            .ok()
+            DeviceInt4::upload_packed(rt, &pw.packed, WordOrder::default())
+                .map(Arc::new)
+                .map_err(|e| {
+                    tracing::warn!(
+                        "stoke linear: INT4 weight upload failed ({e}); dequantized weight instead"
+                    )
+                })
+                .ok()
         })
         .clone()
 }
