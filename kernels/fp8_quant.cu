@@ -61,24 +61,29 @@ __device__ __forceinline__ float e4m3_to_f32(u32 c) {
     return (c & 0x80) ? -v : v;
 }
 
-// Eight values of the row from i (times the gain with one).
-__device__ __forceinline__ void load8(const Fp8RowsParams& p, const u16* x, u32 i, float (&v)[8]) {
-    const uint4 a = *reinterpret_cast<const uint4*>(x + i);
+// Eight bf16 values as f32.
+__device__ __forceinline__ void unpack8(uint4 a, float (&v)[8]) {
     const u32 w[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         v[2 * j] = bf16_lo(w[j]);
         v[2 * j + 1] = bf16_hi(w[j]);
     }
-    if (p.gain != nullptr) {
-        const uint4 b = *reinterpret_cast<const uint4*>(p.gain + i);
-        const u32 g[4] = {b.x, b.y, b.z, b.w};
+}
+
+// v times the gain's eight values from i, with one.
+__device__ __forceinline__ void apply_gain(const Fp8RowsParams& p, u32 i, float (&v)[8]) {
+    if (p.gain == nullptr) return;
+    float g[8];
+    unpack8(*reinterpret_cast<const uint4*>(p.gain + i), g);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            v[2 * j] = __fmul_rn(v[2 * j], bf16_lo(g[j]));
-            v[2 * j + 1] = __fmul_rn(v[2 * j + 1], bf16_hi(g[j]));
-        }
-    }
+    for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(v[j], g[j]);
+}
+
+// Eight values of the row from i (times the gain with one).
+__device__ __forceinline__ void load8(const Fp8RowsParams& p, const u16* x, u32 i, float (&v)[8]) {
+    unpack8(*reinterpret_cast<const uint4*>(x + i), v);
+    apply_gain(p, i, v);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3_bf16(const Fp8RowsParams p) {
@@ -87,17 +92,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_rows_e4m3_bf16(co
         const u16* x = p.x + u64(row) * p.ldx;
         float amax = 0.0f, ss = 0.0f;
         for (u32 i = threadIdx.x * 8; i < p.k; i += THREADS * 8) {
-            const uint4 v = *reinterpret_cast<const uint4*>(x + i);
-            const u32 w[4] = {v.x, v.y, v.z, v.w};
+            // One load: the norm's sum of squares takes the values, the codes' amax the
+            // values times the gain.
+            float v[8];
+            unpack8(*reinterpret_cast<const uint4*>(x + i), v);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float a = bf16_lo(w[j]), b = bf16_hi(w[j]);
-                ss = fmaf(a, a, fmaf(b, b, ss));
-            }
-            float g[8];
-            load8(p, x, i, g);
+            for (int j = 0; j < 4; ++j) ss = fmaf(v[2 * j], v[2 * j], fmaf(v[2 * j + 1], v[2 * j + 1], ss));
+            apply_gain(p, i, v);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(g[j]));
+            for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
