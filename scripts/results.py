@@ -2,7 +2,9 @@
 """Merges one GPU run's JSON files into a committed results file and renders docs/RESULTS.md.
 
 Usage: scripts/results.py RUN_DIR results/NAME.json [results/EXTRA.json ...]
-       (an extra with `prefill` and `cublas_peer`: a prefill run's merged file, see render_prefill)
+       (an extra with `prefill` and `cublas_peer`: a prefill run's merged file, see render_prefill;
+       hand-merged runs of two or more bundles in one file, each with its own layout: see
+       render_coalesced, render_swiglu_stores, render_prefill_attn_wgmma, render_fp8_int4)
        scripts/results.py --render results/NAME.json [results/EXTRA.json ...]   (no new run)
        scripts/results.py --attention RUN_DIR results/NAME.json   (a `gpu-run.sh OUT attention` run)
        scripts/results.py --int4 RUN_DIR results/NAME.json   (a `gpu-run.sh OUT int4` run; then --render
@@ -416,6 +418,57 @@ def render_kv(w, res, path):
     w("")
 
 
+def render_prefill_model(w, pre, note=None):
+    """The model-shaped prefill of a prefill run (`pre`: `model`, and `bf16` / `fp8` lists of
+    prompts with their launches): time, rate and the FP8 launches per kernel."""
+    w(f"### {pre.get('model', 'prefill')}")
+    w("")
+    if note:
+        w(note)
+        w("")
+    w("| prompt | bf16 ms | bf16 tokens/s | FP8 ms | FP8 tokens/s | FP8 effective TFLOP/s |")
+    w("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for b, f in zip(pre["bf16"], pre["fp8"]):
+        w(f"| {f['prompts']} | {b['ms']:.2f} | {b['tokens_per_s']:.0f} | {f['ms']:.2f} | {f['tokens_per_s']:.0f} | {f['effective_tflops']:.0f} |")
+    w("")
+    w("FP8 launches per prompt (µs summed over the prefill's launches of each kernel, and per layer for those launched once or more per layer):")
+    w("")
+    w("| prompt | kernel | launches | µs | µs per layer |")
+    w("| --- | --- | ---: | ---: | ---: |")
+    for f in pre["fp8"]:
+        for k in sorted(f["kernels"], key=lambda k: -k["us"]):
+            per = f"{k['us'] / 32:.1f}" if k["launches"] >= 32 else "-"
+            w(f"| {f['prompts']} | {k['entry']} | {k['launches']} | {k['us']:.1f} | {per} |")
+    w("")
+
+
+def render_layer(w, lay, note=None):
+    """One layer at a larger model's shapes: the time of a model of 2 layers minus that of 1, per
+    mode (the modes the file has)."""
+    w(f"### One layer at {lay['shape']} shapes (models of {lay['layers_timed'][1]} minus {lay['layers_timed'][0]} layers)")
+    w("")
+    if note:
+        w(note)
+        w("")
+    w("Where attention did not run on Stoke, the TFLOP/s over Stoke's launches count the projections only.")
+    w("")
+    w("| mode | prompt | wall µs | TFLOP/s | Stoke launches µs | TFLOP/s over them | attention on Stoke |")
+    w("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    hid, inter, heads, kvh, d = (lay[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))
+    per_token = hid * (heads + 2 * kvh) * d + heads * d * hid + 3 * hid * inter
+    for mode in ("bf16", "fp8"):
+        for r in lay.get(mode, []):
+            if r.get("error"):
+                w(f"| {mode} | {r['prompt']} | error: {r['error']} | | | | |")
+                continue
+            on = r.get("attention_on_stoke")
+            if on is None:
+                on = any(k["entry"].startswith("prefill_attn") for k in r["models"][1]["kernels"])
+            kt = r["kernel_tflops"] if on or "attention_on_stoke" in r else 2 * r["prompt"] * per_token / (r["layer_kernel_us"] * 1e6)
+            w(f"| {mode} | {r['prompt']} | {r['layer_us']:.0f} | {r['tflops']:.0f} | {r['layer_kernel_us']:.0f} | {kt:.0f} | {'yes' if on else 'no (reference path)'} |")
+    w("")
+
+
 def render_prefill(w, res, path):
     """A prefill run (`gpu-run.sh OUT test fp8_gemm_matches_reference ...` and `... prefill`,
     merged by hand into one file): the prefill GEMMs on both tile widths beside cuBLAS (where
@@ -454,45 +507,10 @@ def render_prefill(w, res, path):
             w(f"| {shape} | {mm} | {epi} | {cell(r)} | {cell(wide)} | {ratio} | {fp8p} | {bfp} |")
         w("")
     pre = res["prefill"]
-    w(f"### {pre.get('model', 'prefill')}")
-    w("")
-    w("| prompt | bf16 ms | bf16 tokens/s | FP8 ms | FP8 tokens/s | FP8 effective TFLOP/s |")
-    w("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for b, f in zip(pre["bf16"], pre["fp8"]):
-        w(f"| {f['prompts']} | {b['ms']:.2f} | {b['tokens_per_s']:.0f} | {f['ms']:.2f} | {f['tokens_per_s']:.0f} | {f['effective_tflops']:.0f} |")
-    w("")
-    w("FP8 launches per prompt (µs summed over the prefill's launches of each kernel, and per layer for those launched once or more per layer):")
-    w("")
-    w("| prompt | kernel | launches | µs | µs per layer |")
-    w("| --- | --- | ---: | ---: | ---: |")
-    for f in pre["fp8"]:
-        for k in sorted(f["kernels"], key=lambda k: -k["us"]):
-            per = f"{k['us'] / 32:.1f}" if k["launches"] >= 32 else "-"
-            w(f"| {f['prompts']} | {k['entry']} | {k['launches']} | {k['us']:.1f} | {per} |")
-    w("")
+    render_prefill_model(w, pre)
     for key in ("layer_70b", "layer_405b"):
-        lay = pre.get(key)
-        if not lay:
-            continue
-        w(f"### One layer at {lay['shape']} shapes (models of {lay['layers_timed'][1]} minus {lay['layers_timed'][0]} layers)")
-        w("")
-        w("Where attention did not run on Stoke, the TFLOP/s over Stoke's launches count the projections only.")
-        w("")
-        w("| mode | prompt | wall µs | TFLOP/s | Stoke launches µs | TFLOP/s over them | attention on Stoke |")
-        w("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
-        hid, inter, heads, kvh, d = (lay[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))
-        per_token = hid * (heads + 2 * kvh) * d + heads * d * hid + 3 * hid * inter
-        for mode in ("bf16", "fp8"):
-            for r in lay[mode]:
-                if r.get("error"):
-                    w(f"| {mode} | {r['prompt']} | error: {r['error']} | | | | |")
-                    continue
-                on = r.get("attention_on_stoke")
-                if on is None:
-                    on = any(k["entry"].startswith("prefill_attn") for k in r["models"][1]["kernels"])
-                kt = r["kernel_tflops"] if on or "attention_on_stoke" in r else 2 * r["prompt"] * per_token / (r["layer_kernel_us"] * 1e6)
-                w(f"| {mode} | {r['prompt']} | {r['layer_us']:.0f} | {r['tflops']:.0f} | {r['layer_kernel_us']:.0f} | {kt:.0f} | {'yes' if on else 'no (reference path)'} |")
-        w("")
+        if pre.get(key):
+            render_layer(w, pre[key])
     q = res.get("smollm2_fp8_prefill_test")
     if q:
         w("### SmolLM2 FP8 prefill quality (perplexity of the next token, judged by the f32 model)")
@@ -506,6 +524,455 @@ def render_prefill(w, res, path):
             a = r["top1_agreement_with_f32"]
             w(f"| {name} | {r['perplexity']['fp8']:.2f} | {r['perplexity']['bf16']:.2f} | {100 * r['fp8_over_bf16']:+.1f}% | {a['fp8']:.3f} / {a['bf16']:.3f} |")
         w("")
+
+
+# Hand-merged GPU runs since the prefill runs above: each holds two or more bundles (commits)
+# run side by side, so their numbers compare within the file. Their layouts differ;
+# the renderers below take each as it is and write only what the file holds.
+
+ACROSS_FILES = ("Rates across results files (other calls, often another card) are not comparable: compare the bundles"
+                " within this file.")
+
+
+def run_section(w, title, res, path):
+    """A section heading naming the results file, its commit(s), date and GPU, then the file's
+    own account of the run (`what`, the commands in `runs`, `tests`) and the note on comparing."""
+    m = res["meta"]
+    w(f"## {title} ([`{path}`](../{path}), {m['date_utc']}, {m['gpu']})")
+    w("")
+    w(f"Commit: {m['commit']}.")
+    w("")
+    if m.get("what"):
+        w(m["what"])
+        w("")
+    if m.get("runs"):
+        w("Commands in the call:")
+        w("")
+        for r in m["runs"]:
+            w(f"- {r}")
+        w("")
+    if m.get("tests"):
+        w(f"Tests: {m['tests']}.")
+        w("")
+    w(ACROSS_FILES)
+    w("")
+
+
+def bench_of(entry):
+    """The benchmark runs of a GEMM test as a file holds it: a test entry (`details.bench`) or
+    the test's details themselves (`bench`)."""
+    d = entry.get("details", entry)
+    return (d.get("bench") or {}).get("runs", [])
+
+
+def render_speedups(w, summary, label):
+    """A file's summary of time ratios per epilogue: plain numbers, or {geomean_speedup, min,
+    max, points}."""
+    w(f"{label}:")
+    w("")
+    detailed = any(isinstance(v, dict) for v in summary.values())
+    if detailed:
+        w("| epilogue | geometric mean | min | max | points |")
+        w("| --- | ---: | ---: | ---: | ---: |")
+        for k, v in summary.items():
+            w(f"| {k} | {v['geomean_speedup']:.3f} | {v['min']:.3f} | {v['max']:.3f} | {v['points']} |")
+    else:
+        w("| epilogue | geometric mean |")
+        w("| --- | ---: |")
+        for k, v in summary.items():
+            w(f"| {k} | {v:.3f} |")
+    w("")
+
+
+def render_gemm_ab(w, new, base, operand, new_label, base_label, peer=None):
+    """One operand type's GEMM benchmark in two bundles of one call: per shape, M and epilogue,
+    both tile widths, µs in each bundle, their ratio (base µs over new µs: above 1, the new
+    bundle is faster) and the new bundle's TFLOP/s; * marks the width `wide_tiles` picks (in the
+    new bundle). `peer`: cuBLAS of the same call by (shape, m), where the file has it."""
+    new = [r for r in new if r["epilogue"].startswith(operand + " ")]
+    old = {(r["shape"], r["m"], r["epilogue"]): r for r in base if r["epilogue"].startswith(operand + " ")}
+    if not new:
+        return
+    by = {(r["shape"], r["m"], r["epilogue"]): r for r in new}
+    head = "| shape | M | epilogue |"
+    rule = "| --- | ---: | --- |"
+    for width in ("128 x 128", "128 x 256"):
+        head += f" {width}: {base_label} µs | {new_label} µs | ratio | {new_label} TFLOP/s |"
+        rule += " ---: | ---: | ---: | ---: |"
+    if peer:
+        head += " cuBLAS FP8 rowwise TFLOP/s | bf16 cuBLAS TFLOP/s |"
+        rule += " ---: | ---: |"
+    w(head)
+    w(rule)
+    for (shape, mm, epi), r in by.items():
+        if epi.endswith(" n256"):
+            continue
+        cells = []
+        for key in ((shape, mm, epi), (shape, mm, epi + " n256")):
+            x, b = by.get(key), old.get(key)
+            if x is None:
+                cells += ["-"] * 4
+                continue
+            star = "*" if x.get("picked_by_rule") else ""
+            cells += [f"{b['us']:.1f}" if b else "-", f"{x['us']:.1f}{star}", f"{b['us'] / x['us']:.3f}" if b else "-", f"{x['tflops']:.0f}"]
+        if peer:
+            pr = peer.get((shape, mm))
+            cells += [f"{pr['scaled_mm_rowwise_tflops']:.0f}", f"{pr['bf16_tflops']:.0f}"] if pr else ["-", "-"]
+        w(f"| {shape} | {mm} | {epi[len(operand) + 1:]} | " + " | ".join(cells) + " |")
+    w("")
+
+
+def gemm_ab_intro(w, new_label, base_label):
+    w(f"µs per call from the GEMM tests' benchmarks (M x N x K at Llama 8B / 70B projection shapes); `ratio`: {base_label} µs")
+    w(f"over {new_label} µs (above 1, {new_label} is faster); * the tile width `wide_tiles` picks. TFLOP/s: 2 M N K per second.")
+    w("")
+
+
+def render_test_entries(w, entries, label):
+    """Test entries as the merged files hold them: name, status, seconds and the details'
+    worst error over the test's bound (and its l1 tolerance, where recorded)."""
+    w(f"{label}:")
+    w("")
+    w("| test | status | seconds | worst error / bound | cases |")
+    w("| --- | --- | ---: | ---: | ---: |")
+    for t in entries:
+        d = t.get("details") or t
+        worst = d.get("worst_error_over_bound")
+        w(f"| {t['name']} | {t.get('status', '-')} | {t['seconds']:.1f} | " + (f"{worst:.3f}" if worst is not None else "-") + f" | {len(d.get('cases', []))} |")
+    w("")
+
+
+def render_coalesced(w, res, path):
+    """results/h100-fp8-coalesced-b55fdd3.json: the GEMM tests and benchmarks of two bundles
+    (lists of test entries under one key per bundle)."""
+    run_section(w, "FP8 and bf16 GEMM epilogues: 16-byte stores", res, path)
+    bundles = [k for k in res if k not in ("meta", "summary")]
+    new_key, base_key = bundles[0], bundles[1]
+    new_label, base_label = new_key.split("_")[-1], base_key.split("_")[-1]
+    for key in bundles:
+        render_test_entries(w, res[key], f"GPU tests, bundle {key.split('_')[-1]}")
+    s = res["summary"]
+    for operand in ("fp8", "bf16"):
+        if operand in s:
+            render_speedups(w, s[operand], f"The file's summary, {operand} operands ({base_label} µs over {new_label} µs)")
+    if s.get("note"):
+        w(f"Summary note: {s['note']}")
+        w("")
+    runs = lambda key, name: next((bench_of(t) for t in res[key] if t["name"] == name), [])
+    for name, operand, title in (("fp8_gemm_matches_reference", "fp8", "FP8"), ("bf16_tc_gemm_matches_reference", "bf16", "bf16")):
+        w(f"### {title} GEMM, {base_label} and {new_label}")
+        w("")
+        gemm_ab_intro(w, new_label, base_label)
+        render_gemm_ab(w, runs(new_key, name), runs(base_key, name), operand, new_label, base_label)
+
+
+def render_swiglu_stores(w, res, path):
+    """results/h100-fp8-swiglu-stores-c99dce3.json: main (e91cd66) and two branches in one call;
+    the GEMM tests' details per bundle (a dict of test name to details), the q|k|v epilogue's
+    timed cases per bundle in the summary."""
+    run_section(w, "FP8 and bf16 GEMM epilogues: SwiGLU stores; the wide q|k|v epilogue row by row", res, path)
+    s = res["summary"]
+    bundles = [k for k in res if k not in ("meta", "summary")]
+    base_key, new_key = bundles[0], bundles[1]
+    key = next(k for k in s if k.startswith("swiglu_stores_speedup"))
+    render_speedups(w, s[key], f"The file's summary, `{key}` ({base_key} µs over {new_key} µs)")
+    if s.get("verdict"):
+        w(f"Verdict recorded in the file: {s['verdict']}")
+        w("")
+    for name, operand, title in (("fp8_gemm_matches_reference", "fp8", "FP8"), ("bf16_tc_gemm_matches_reference", "bf16", "bf16")):
+        w(f"### {title} GEMM, {base_key} and {new_key}")
+        w("")
+        gemm_ab_intro(w, new_key, base_key)
+        render_gemm_ab(w, bench_of(res[new_key].get(name, {})), bench_of(res[base_key].get(name, {})), operand, new_key, base_key)
+        worst = {b: res[b][name]["worst_error_over_bound"] for b in (base_key, new_key) if name in res[b]}
+        w(f"`{name}`, worst error over the bound: " + ", ".join(f"{b} {v:.3f}" for b, v in worst.items()))
+        w("")
+    qkv = s.get("qkv_timed_cases")
+    if qkv:
+        w("### q|k|v epilogue (`qkv_epilogue_matches_rope_append`'s timed cases)")
+        w("")
+        w("µs of the plain GEMM, the plain GEMM then the separate rope-and-append, and the q|k|v epilogue on each tile width;")
+        w("`bytes equal`: the epilogue's output equals the separate path's byte for byte.")
+        w("")
+        w("| bundle | case | plain GEMM µs | plain then rope_append µs | q\\|k\\|v epilogue 128 x 128 µs | q\\|k\\|v epilogue wide µs | bytes equal | worst error / bound |")
+        w("| --- | --- | ---: | ---: | ---: | ---: | --- | ---: |")
+        for bundle, cases in qkv.items():
+            for c in cases:
+                ep = {e["wide_tiles"]: e["us"] for e in c["us"]["qkv_epilogue"]}
+                cell = lambda v: "-" if v is None else f"{v:.1f}"
+                case = c["case"].split(": ", 1)[-1]
+                w(f"| {bundle} | {case} | {c['us']['plain_gemm']:.1f} | {c['us']['plain_then_rope_append']:.1f} | {cell(ep.get(False))} | {cell(ep.get(True))} | {'yes' if c['bytes_equal_rope_append'] else 'no'} | {c['worst_error_over_bound']:.3f} |")
+        w("")
+
+
+def render_prefill_attn_wgmma(w, res, path):
+    """results/h100-prefill-attn-wgmma-d25aa29.json: prefill attention in two bundles beside the
+    SDPA peers, the FP8 GEMM in two bundles beside cuBLAS, the delayed-scale SwiGLU test and the
+    8B-shaped prefill (one call)."""
+    run_section(w, "Prefill attention on wgmma; SwiGLU epilogues on the MUFU units", res, path)
+    att = sorted(k for k in res if k.startswith("prefill_attention_"))
+    new_key = next(k for k in att if res["meta"]["commit"].startswith(k.split("_")[-1][:7]))
+    base_key = next(k for k in att if k != new_key)
+    new_label, base_label = new_key.split("_")[-1], base_key.split("_")[-1]
+    new = {(r["shape"], tuple(r["lens"])): r for r in res[new_key]["runs"]}
+    base = {(r["shape"], tuple(r["lens"])): r for r in res[base_key]["runs"]}
+    sdpa = res.get("sdpa_peers", {})
+    peers = {}
+    for p in sdpa.get("runs", []):
+        peers[(p["shape"], tuple(p["lens"]), p.get("backend") or p.get("impl"))] = p
+    w(f"### Prefill attention, {base_label} and {new_label}, beside PyTorch SDPA")
+    w("")
+    w("Causal prefill attention over a bf16 cache, one prompt per row below; µs per call from a CUDA graph of back-to-back")
+    w("calls (Stoke: `tests/src/attention.rs` `prefill_bench`; SDPA: `scripts/peers/prefill_attention_torch.py`, PyTorch")
+    w(f"{sdpa.get('torch', '?')} on {sdpa.get('gpu', '?')}, a CUDA graph of a batch of calls, median of 5). TFLOP/s count 4 x heads x d per")
+    w(f"causal (query, key) pair, for Stoke and the peers alike. `vs`: the other's µs over {new_label}'s (above 1, {new_label} is faster).")
+    gqa = dict.fromkeys((p["backend"], p["gqa"]) for p in sdpa.get("runs", []) if "backend" in p and "gqa" in p)
+    if gqa:
+        w("How each SDPA backend takes the kv heads: " + ", ".join(f"{b} `{g}`" for b, g in gqa) + " (`repeated_kv`: K and V repeated per query head).")
+    w("")
+    w(f"| shape | heads / kv heads, d | tokens | {base_label} µs | {new_label} µs | {new_label} TFLOP/s | {new_label} vs {base_label} | flash µs | flash TFLOP/s | cuDNN µs | cuDNN TFLOP/s | efficient µs | vs flash | vs cuDNN |")
+    w("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    cell = lambda p, k, f: f"{p[k]:{f}}" if p and k in p else "-"
+    for (shape, lens), r in new.items():
+        if len(lens) != 1:
+            continue
+        b = base.get((shape, lens))
+        fl, cu, ef = (peers.get((shape, lens, x)) for x in ("flash", "cudnn", "efficient"))
+        w(f"| {shape} | {r['heads']} / {r['kv_heads']}, {r['d']} | {lens[0]} | {cell(b, 'us', '.1f')} | {r['us']:.1f} | {r['tflops']:.0f} | "
+          + (f"{b['us'] / r['us']:.2f}x" if b else "-") + f" | {cell(fl, 'us', '.1f')} | {cell(fl, 'tflops', '.0f')} | {cell(cu, 'us', '.1f')} | {cell(cu, 'tflops', '.0f')} | {cell(ef, 'us', '.1f')} | "
+          + (f"{fl['us'] / r['us']:.2f}x" if fl else "-") + " | " + (f"{cu['us'] / r['us']:.2f}x" if cu else "-") + " |")
+    w("")
+    mixes = [(k, r) for k, r in new.items() if len(k[1]) > 1]
+    if mixes:
+        lens = mixes[0][0][1]
+        desc = " + ".join(f"{n} x {l}" if n > 1 else f"{l}" for l, n in _runs_of(lens))
+        w(f"The packed mix ({desc} tokens): Stoke packed and the same prompts padded to 8 x 2048; SDPA padded to 8 x 2048 (TFLOP/s")
+        w("over the mix's own pairs) and `varlen_attn` (packed):")
+        w("")
+        w(f"| shape | {base_label} packed µs | {new_label} packed µs | {new_label} TFLOP/s | {new_label} padded 8 x 2048 µs | varlen_attn µs | varlen_attn TFLOP/s | flash padded µs | cuDNN padded µs | efficient padded µs |")
+        w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for (shape, ls), r in mixes:
+            b = base.get((shape, ls))
+            vl, fl, cu, ef = (peers.get((shape, ls, x)) for x in ("varlen_attn", "flash", "cudnn", "efficient"))
+            w(f"| {shape} | {cell(b, 'us', '.1f')} | {r['us']:.1f} | {r['tflops']:.0f} | {r['padded_8x2048_us']:.1f} | {cell(vl, 'us', '.1f')} | {cell(vl, 'tflops', '.0f')} | {cell(fl, 'us', '.1f')} | {cell(cu, 'us', '.1f')} | {cell(ef, 'us', '.1f')} |")
+        w("")
+    eager = [p for p in sdpa.get("runs", []) if "eager_us" in p and p["lens"] == [2048]]
+    if eager:
+        w("SDPA issued from Python instead of replayed from a graph (`eager_us`; 2048 tokens shown, the file holds every point):")
+        w("")
+        backs = list(dict.fromkeys(p.get("backend") or p.get("impl") for p in eager))
+        w("| shape | " + " | ".join(f"{b} eager µs" for b in backs) + " |")
+        w("| --- |" + " ---: |" * len(backs))
+        for shape in dict.fromkeys(p["shape"] for p in eager):
+            e = {(p.get("backend") or p.get("impl")): p for p in eager if p["shape"] == shape}
+            w(f"| {shape} | " + " | ".join(f"{e[b]['eager_us']:.1f}" if b in e else "-" for b in backs) + " |")
+        w("")
+    for key in (base_key, new_key):
+        w(f"Kernel resources (ptxas), {key.split('_')[-1]}: " + ", ".join(f"{k['entry']} {k['registers']} regs / {k['shared_bytes']} B smem / {k['spills']} B spills" for k in res[key]["kernels"]))
+        w("")
+    gemm = sorted(k for k in res if k.startswith("fp8_gemm_"))
+    g_new = next((k for k in gemm if k.endswith(new_label)), None)
+    g_base = next((k for k in gemm if k != g_new), None)
+    if g_new and g_base:
+        s = res["summary"]
+        key = next((k for k in s if k.startswith("fp8_gemm_speedup")), None)
+        w(f"### FP8 GEMM, {base_label} and {new_label}, beside cuBLAS")
+        w("")
+        if key:
+            render_speedups(w, s[key], f"The file's summary, `{key}` ({base_label} µs over {new_label} µs)")
+        gemm_ab_intro(w, new_label, base_label)
+        cp = res.get("cublas_peers", {})
+        cm = cp.get("meta", {})
+        w(f"cuBLAS in the same call (PyTorch {cm.get('torch', '?')} on {cm.get('device', '?')}): `torch._scaled_mm` with rowwise scales and bf16")
+        w("`torch.matmul`, without the epilogues.")
+        w("")
+        peer = {(r["shape"], r["m"]): r for r in cp.get("runs", [])}
+        render_gemm_ab(w, bench_of(res[g_new]), bench_of(res[g_base]), "fp8", new_label, base_label, peer=peer)
+        w(f"`fp8_gemm_matches_reference`, worst error over the bound: {base_label} {res[g_base]['worst_error_over_bound']:.3f}, {new_label} {res[g_new]['worst_error_over_bound']:.3f}")
+        w("")
+    dl = next((k for k in res if k.startswith("fp8_delayed_")), None)
+    if dl:
+        d = res[dl]
+        w(f"### `fp8_delayed_swiglu_matches_reference` ({dl.split('_')[-1]})")
+        w("")
+        w(f"k {d['k']}, intermediate {d['inter']}, down projection n {d['n_down']}; worst error over the bound {d['worst_error_over_bound']:.3f}. Per call:")
+        w("")
+        w("| rows | per-row scales | x times | amax | reference amax | saturated | reference saturated | scale | code error / bound | down error / bound |")
+        w("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for i in d["invocations"]:
+            w(f"| {i['m']} | {'yes' if i['per_row'] else 'no'} | {i['x_times']:g} | {i['amax']:.3f} | {i['reference_amax']:.3f} | {i['saturated']} | {i['reference_saturated']} | {i['scale']:.5f} | {i['worst_code_error_over_bound']:.3f} | {i['worst_down_error_over_bound']:.3f} |")
+        w("")
+        rec = d.get("record")
+        if rec:
+            w(f"The delayed record over {rec['invocations']} calls: final scale {rec['final_scale']:.5f}, {rec['saturated']} values saturated.")
+            w("")
+    pk = next((k for k in res if k.startswith("prefill_") and not k.startswith("prefill_attention")), None)
+    if pk:
+        pre = res[pk]
+        render_prefill_model(w, pre, note=f"At {pk.split('_')[-1]}: 32 layers, bf16 and `--prefill fp8`; ms: the median of the runs in `ms_runs`.")
+        summ = res["summary"].get("prefill_8b_shaped")
+        if summ:
+            w("One layer's launches (the file's summary: each kernel's µs in the prefill over its 32 layers, summed over kernels), µs:")
+            w("")
+            modes = [m_ for m_ in ("bf16", "fp8") if m_ in summ]
+            w("| prompt | " + " | ".join(f"{m_} layer launches µs" for m_ in modes) + " |")
+            w("| --- |" + " ---: |" * len(modes))
+            for rows in zip(*(summ[m_] for m_ in modes)):
+                w(f"| {rows[0]['prompts']} | " + " | ".join(f"{r['layer_launches_us']:.0f}" for r in rows) + " |")
+            w("")
+            w("bf16 launches per prompt (as the FP8 table above):")
+            w("")
+            w("| prompt | kernel | launches | µs | µs per layer |")
+            w("| --- | --- | ---: | ---: | ---: |")
+            for b in pre["bf16"]:
+                for k in sorted(b["kernels"], key=lambda k: -k["us"]):
+                    per = f"{k['us'] / 32:.1f}" if k["launches"] >= 32 else "-"
+                    w(f"| {b['prompts']} | {k['entry']} | {k['launches']} | {k['us']:.1f} | {per} |")
+            w("")
+
+
+def _runs_of(lens):
+    """Run-length pairs (length, count) of a list of prompt lengths."""
+    out = []
+    for l in lens:
+        if out and out[-1][0] == l:
+            out[-1] = (l, out[-1][1] + 1)
+        else:
+            out.append((l, 1))
+    return out
+
+
+def render_fp8_int4(w, res, path):
+    """results/h100-fp8-int4-mainloop-19eea74.json: the FP8 GEMM with INT4 weights expanded in its
+    mainloop beside the FP8 GEMM on E4M3 copies (two bundles), the 8B-shaped prefill at 2,048
+    tokens with fp8 and fp8-int4, the SmolLM2 quality test and the 405B FP8 layer."""
+    run_section(w, "FP8 GEMM with INT4 weights expanded in the mainloop", res, path)
+    s = res["summary"]
+    if s.get("tests_passed"):
+        w("Tests passed: " + ", ".join(f"`{t}`" for t in s["tests_passed"]) + ".")
+        w("")
+    benches = [k for k in res if k.startswith("fp8_i4_gemm_")]
+    new_key = next(k for k in benches if res["meta"]["commit"].startswith(k.split("_")[-1][:7]))
+    bundles = [new_key] + [k for k in benches if k != new_key]
+    t = res[new_key]
+    w(f"### `fp8_i4_gemm_matches_reference` ({new_key.split('_')[-1]}; worst error over the bound {t['worst_error_over_bound']:.3f}, l1 tolerance {t['tol_l1']:g})")
+    w("")
+    w("| epilogue | group | f16 scales | offsets | gain | M | N | K | rows checked | error / bound |")
+    w("| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    yn = lambda v: "yes" if v else "no"
+    for c in t["cases"]:
+        w(f"| {c['epilogue']} | {c['group']} | {yn(c['f16_scales'])} | {yn(c['offsets'])} | {yn(c['gain'])} | {c['m']} | {c['n']} | {c['k']} | {c['rows_checked']} | {c['worst_error_over_bound']:.3f} |")
+    w("")
+    other = [k for k in res if k.endswith("_tests_" + new_key.split("_")[-1]) and isinstance(res[k], list)]
+    for k in other:
+        render_test_entries(w, res[k], f"The FP8 and bf16 GEMM tests ({k.split('_')[-1]})")
+    w("### INT4-weight FP8 GEMM against the FP8 GEMM on E4M3 copies")
+    w("")
+    w("Summary in the file: the INT4-weight kernels' rate over the E4M3-copy kernel's (128 x 128 tiles) per point, geometric")
+    w("mean and range, and their TFLOP/s range:")
+    w("")
+    w("| bundle | weights | vs E4M3 copy, geometric mean | min | max | TFLOP/s | points |")
+    w("| --- | --- | ---: | ---: | ---: | --- | ---: |")
+    for b in bundles:
+        for kind, v in s.get("int4_gemm_" + b.split("_")[-1], {}).items():
+            w(f"| {b.split('_')[-1]} | {kind} | {v['vs_fp8_e4m3_geomean']:.3f} | {v['min']:.3f} | {v['max']:.3f} | {v['tflops_min']:.1f}-{v['tflops_max']:.1f} | {v['points']} |")
+    w("")
+    for b in bundles:
+        runs = res[b]["bench"]["runs"]
+        kinds = list(dict.fromkeys(r["kernel"] for r in runs))
+        gemms = [k for k in kinds if any("tflops" in r for r in runs if r["kernel"] == k)]
+        rest = [k for k in kinds if k not in gemms]
+        ref = gemms[0]
+        by = {(r["shape"], r["m"], r["kernel"]): r for r in runs}
+        label = b.split("_")[-1]
+        w(f"Bundle {label}: µs per call (TFLOP/s; for the INT4 weights, the rate over the `{ref}` kernel's at the same point)" + (f"; {', '.join(f'`{k}`' for k in rest)}: µs" if rest else "") + ":")
+        w("")
+        w("| shape | M | N | K | " + " | ".join(gemms + rest) + " |")
+        w("| --- | ---: | ---: | ---: |" + " ---: |" * (len(gemms) + len(rest)))
+        for shape, mm in dict.fromkeys((r["shape"], r["m"]) for r in runs):
+            base = by.get((shape, mm, ref))
+            cells = []
+            for k in gemms:
+                r = by.get((shape, mm, k))
+                if not r:
+                    cells.append("-")
+                elif k == ref:
+                    cells.append(f"{r['us']:.1f} ({r['tflops']:.0f})")
+                else:
+                    cells.append(f"{r['us']:.1f} ({r['tflops']:.0f}, {base['us'] / r['us']:.2f}x)" if base else f"{r['us']:.1f} ({r['tflops']:.0f})")
+            cells += [f"{by[(shape, mm, k)]['us']:.1f}" if (shape, mm, k) in by else "-" for k in rest]
+            g = base or next(r for r in runs if r["shape"] == shape and r["m"] == mm and "n" in r)
+            w(f"| {shape} | {mm} | {g['n']} | {g['k']} | " + " | ".join(cells) + " |")
+        w("")
+    w(f"Kernel resources (ptxas), {new_key.split('_')[-1]}: " + ", ".join(f"{k['entry']} {k['registers']} regs / {k['shared_bytes']} B smem / {k['spills']} B spills" for k in res[new_key]["bench"]["kernels"] if k["entry"].startswith("fp8_i4_")))
+    w("")
+    pf = [k for k in s if k.startswith("prefill_")]
+    if pf:
+        w("### llama-3.1-8b-shaped prefill, `--prefill fp8` and `--prefill fp8-int4`")
+        w("")
+        w("32 layers, random INT4 weights (groups of 128); fp8: the FP8 GEMM on E4M3 copies of the weights, fp8-int4: on the packed weights.")
+        w("")
+        w("| bundle | mode | prompt | ms | tokens/s | TFLOP/s | Stoke kernels ms |")
+        w("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for k in pf:
+            for mode, r in s[k].items():
+                if r.get("error"):
+                    w(f"| {k.split('_')[-1]} | {mode} | {r['prompts']} | error: {r['error']} | | | |")
+                    continue
+                w(f"| {k.split('_')[-1]} | {mode} | {r['prompts']} | {r['ms']:.2f} | {r['tokens_per_s']:.0f} | {r['tflops']:.0f} | {r['stoke_kernel_ms']:.2f} |")
+        w("")
+    qk = next((k for k in res if k.startswith("smollm2_fp8_prefill_")), None)
+    if qk:
+        q = res[qk]
+        w(f"### SmolLM2 FP8 prefill quality with INT4 weights in the mainloop ({qk.split('_')[-1]})")
+        w("")
+        w(f"Perplexity of the next token over {q['batch']} windows of {q['len']} tokens, judged by the f32 model; `over bf16`: the")
+        w("excess over the bf16 prefill of the same weights and prefill path. fp8: E4M3 copies of the weights; fp8-int4: the")
+        w("packed weights expanded in the mainloop; `fp8_first_per_row`: the first FP8 prefill, whose SwiGLU outputs go to the down")
+        w("projections per row and start the delayed scales (the second, with those scales, is the one judged).")
+        w("")
+        w("| weights | prefill | mode | perplexity | over bf16 | top-1 agreement with f32 |")
+        w("| --- | --- | --- | ---: | ---: | ---: |")
+        p, a = q["perplexity"], q["top1_agreement_with_f32"]
+        w(f"| packed INT4 | test | f32 | {p['f32']:.3f} | - | - |")
+        w(f"| packed INT4 | test | bf16 | {p['bf16']:.3f} | - | {a['bf16']:.3f} |")
+        w(f"| packed INT4 | test | fp8 | {p['fp8']:.3f} | {100 * q['fp8_over_bf16']:+.1f}% | {a['fp8']:.3f} |")
+        if "fp8_first_per_row" in p:
+            w(f"| packed INT4 | test | fp8, the first prefill (`fp8_first_per_row`) | {p['fp8_first_per_row']:.3f} | - | " + (f"{q['fp8_first_top1_agreement_with_f32']:.3f}" if "fp8_first_top1_agreement_with_f32" in q else "-") + " |")
+        i4 = q.get("fp8_int4")
+        if i4:
+            w(f"| packed INT4 | test | fp8-int4 | {i4['perplexity']:.3f} | {100 * i4['over_bf16']:+.1f}% | {i4['top1_agreement_with_f32']:.3f} |")
+        sv = q.get("served_prefill")
+        if sv:
+            w(f"| packed INT4 | the prefill that serves | bf16 | {sv['perplexity']['bf16']:.3f} | - | {sv['top1_agreement_with_f32']['bf16']:.3f} |")
+            w(f"| packed INT4 | the prefill that serves | fp8 | {sv['perplexity']['fp8']:.3f} | {100 * sv['fp8_over_bf16']:+.1f}% | {sv['top1_agreement_with_f32']['fp8']:.3f} |")
+            if i4 and i4.get("served"):
+                v = i4["served"]
+                w(f"| packed INT4 | the prefill that serves | fp8-int4 | {v['perplexity']:.3f} | {100 * v['over_bf16']:+.1f}% | {v['top1_agreement_with_f32']:.3f} |")
+        dn = q.get("dense")
+        if dn:
+            w(f"| dense bf16 | test | bf16 | {dn['perplexity']['bf16']:.3f} | - | {dn['top1_agreement_with_f32']['bf16']:.3f} |")
+            w(f"| dense bf16 | test | fp8 | {dn['perplexity']['fp8']:.3f} | {100 * dn['fp8_over_bf16']:+.1f}% | {dn['top1_agreement_with_f32']['fp8']:.3f} |")
+        w("")
+        counts = [(k, q[k]) for k in ("fp8_gemm_calls", "folded_norm_calls", "delayed_scales", "delayed_saturated") if k in q]
+        if i4:
+            counts += [(f"fp8_int4.{k}", i4[k]) for k in ("gemm_calls", "int4_weight_calls") if k in i4]
+        if counts:
+            w("Counts in the test: " + ", ".join(f"`{k}` {v}" for k, v in counts) + ".")
+            w("")
+    lk = next((k for k in res if k.startswith("layer_")), None)
+    if lk:
+        lay = res[lk]
+        render_layer(w, lay, note=f"At {lk.split('_')[-1]} (the file's meta: the same FP8 kernels).")
+        parts = next((v for k, v in s.items() if k.startswith("layer_") and isinstance(v, dict) and "parts_us" in v), None)
+        if parts:
+            w("Its launches by kernel (the 2-layer model's µs minus the 1-layer model's, the file's summary):")
+            w("")
+            w("| kernel | µs |")
+            w("| --- | ---: |")
+            for k, v in sorted(parts["parts_us"].items(), key=lambda kv: -kv[1]):
+                w(f"| {k} | {v:.1f} |")
+            w("")
 
 
 def render(res, results_path, extras=()):
@@ -597,7 +1064,15 @@ def render(res, results_path, extras=()):
         render_llama(w, res, results_path)
     for path in extras:
         extra = json.loads(Path(path).read_text())
-        if "quality" in extra:
+        if any(k.startswith("coalesced_") for k in extra):
+            render_coalesced(w, extra, path)
+        elif any(k.startswith("swiglu_stores_") for k in extra.get("summary", {})):
+            render_swiglu_stores(w, extra, path)
+        elif any(k.startswith("prefill_attention_") for k in extra):
+            render_prefill_attn_wgmma(w, extra, path)
+        elif any(k.startswith("fp8_i4_gemm_") for k in extra):
+            render_fp8_int4(w, extra, path)
+        elif "quality" in extra:
             render_quality(w, extra, path)
         elif "prefill" in extra:
             render_prefill(w, extra, path)
