@@ -429,12 +429,12 @@ __device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float
 // of the result is e4m3(q_i - 8). Two byte permutes look the codes up: the codes of 0 .. 7 by
 // q ^ 8 (q >= 8; q < 8 sets the selector's sign mode, which reads 0 from these non-negative
 // codes), and by q the codes of -8 .. -1 shifted right by one bit (all even, so exact), which
-// read 0 where q >= 8; the shift back restores their sign bits.
+// read 0 where q >= 8; doubling them back restores their sign bits.
 __device__ __forceinline__ u32 i4_e4m3(u32 sel) {
     u32 pos, neg;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(pos) : "r"(0x44403800u), "r"(0x4e4c4a48u), "r"(sel ^ 0x8888u));
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(neg) : "r"(0x65666768u), "r"(0x5c606264u), "r"(sel));
-    return pos | neg << 1;
+    return pos + neg * 2;  // disjoint bytes, each below 0x100: one IMAD where | and << take two
 }
 
 // The INT4 converters' share of one k-block: the words in q (8 k-tiles x BN / 64 groups of
