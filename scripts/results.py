@@ -846,7 +846,7 @@ def render_fp8_int4(w, res, path):
     """results/h100-fp8-int4-mainloop-19eea74.json: the FP8 GEMM with INT4 weights expanded in its
     mainloop beside the FP8 GEMM on E4M3 copies (two bundles), the 8B-shaped prefill at 2,048
     tokens with fp8 and fp8-int4, the SmolLM2 quality test and the 405B FP8 layer."""
-    run_section(w, "FP8 GEMM with INT4 weights expanded in the mainloop", res, path)
+    run_section(w, res["meta"].get("title", "FP8 GEMM with INT4 weights expanded in the mainloop"), res, path)
     s = res["summary"]
     if s.get("tests_passed"):
         w("Tests passed: " + ", ".join(f"`{t}`" for t in s["tests_passed"]) + ".")
