@@ -433,9 +433,15 @@ def render_prefill_model(w, pre, note=None):
     w("")
     w("FP8 launches per prompt (µs summed over the prefill's launches of each kernel, and per layer for those launched once or more per layer):")
     w("")
+    render_launches(w, pre["fp8"])
+
+
+def render_launches(w, runs):
+    """One prefill mode's launches per prompt: µs summed over each kernel's launches, and per
+    layer (32 layers) for those launched once or more per layer."""
     w("| prompt | kernel | launches | µs | µs per layer |")
     w("| --- | --- | ---: | ---: | ---: |")
-    for f in pre["fp8"]:
+    for f in runs:
         for k in sorted(f["kernels"], key=lambda k: -k["us"]):
             per = f"{k['us'] / 32:.1f}" if k["launches"] >= 32 else "-"
             w(f"| {f['prompts']} | {k['entry']} | {k['launches']} | {k['us']:.1f} | {per} |")
@@ -822,13 +828,7 @@ def render_prefill_attn_wgmma(w, res, path):
             w("")
             w("bf16 launches per prompt (as the FP8 table above):")
             w("")
-            w("| prompt | kernel | launches | µs | µs per layer |")
-            w("| --- | --- | ---: | ---: | ---: |")
-            for b in pre["bf16"]:
-                for k in sorted(b["kernels"], key=lambda k: -k["us"]):
-                    per = f"{k['us'] / 32:.1f}" if k["launches"] >= 32 else "-"
-                    w(f"| {b['prompts']} | {k['entry']} | {k['launches']} | {k['us']:.1f} | {per} |")
-            w("")
+            render_launches(w, pre["bf16"])
 
 
 def _runs_of(lens):
