@@ -163,26 +163,8 @@ impl DeviceFp8Rows {
         gain: DevicePtr<bf16>,
         normalize: Option<f32>,
     ) -> Result<Self> {
-        let mut rows = Self::alloc(rt, m, k, true)?;
-        let sums = rt.alloc(4 * m as usize * (k as usize / 32).max(1))?;
-        let p = Fp8RowsParams {
-            x,
-            codes: rows.codes.as_mut_ptr(),
-            scales: rows.scales.as_mut_ptr(),
-            amax: DevicePtrMut::NULL,
-            gain,
-            sums: sums.as_mut_ptr(),
-            rows: m,
-            k,
-            ldx: k,
-            eps: normalize.unwrap_or(0.0),
-            normalize: u32::from(normalize.is_some()),
-            order: 1,
-        };
-        // SAFETY: the caller's guarantees; the buffers are the rows' own.
-        unsafe { quantize_rows(rt, &p)? };
-        rows.sums = Some(sums);
-        Ok(rows)
+        // SAFETY: the caller's guarantees.
+        unsafe { Self::quantize_with(rt, x, m, k, DevicePtrMut::NULL, gain, normalize, true) }
     }
 
     /// Queues the E4M3 codes of bf16 rows `x` (`[m, k]`, dense, 16-byte aligned; `k` a
@@ -200,7 +182,7 @@ impl DeviceFp8Rows {
         amax: DevicePtrMut<u32>,
     ) -> Result<Self> {
         // SAFETY: the caller's guarantees.
-        unsafe { Self::quantize_with(rt, x, m, k, amax, None) }
+        unsafe { Self::quantize_with(rt, x, m, k, amax, DevicePtr::NULL, None, false) }
     }
 
     /// Queues the E4M3 rows of RMSNorm's output for bf16 rows `x` (`[m, k]`, as for
@@ -220,39 +202,60 @@ impl DeviceFp8Rows {
         eps: f32,
     ) -> Result<Self> {
         // SAFETY: the caller's guarantee.
-        unsafe { Self::quantize_with(rt, x, m, k, DevicePtrMut::NULL, Some(eps)) }
+        unsafe {
+            Self::quantize_with(
+                rt,
+                x,
+                m,
+                k,
+                DevicePtrMut::NULL,
+                DevicePtr::NULL,
+                Some(eps),
+                false,
+            )
+        }
     }
 
-    /// [`quantize`](Self::quantize), or with `normalize` = Some(eps)
-    /// [`quantize_rms_normed`](Self::quantize_rms_normed).
+    /// [`quantize`](Self::quantize), with `normalize` = Some(eps)
+    /// [`quantize_rms_normed`](Self::quantize_rms_normed), with `interleaved`
+    /// [`quantize_interleaved`](Self::quantize_interleaved) (the codes' order and their sums).
     ///
     /// # Safety
-    /// As [`quantize`](Self::quantize).
+    /// As [`quantize`](Self::quantize); `gain` null or `[k]` bf16.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn quantize_with(
         rt: &Arc<Runtime>,
         x: DevicePtr<bf16>,
         m: u32,
         k: u32,
         amax: DevicePtrMut<u32>,
+        gain: DevicePtr<bf16>,
         normalize: Option<f32>,
+        interleaved: bool,
     ) -> Result<Self> {
-        let rows = Self::alloc(rt, m, k, true)?;
+        let mut rows = Self::alloc(rt, m, k, true)?;
+        let sums = if interleaved {
+            Some(rt.alloc(4 * m as usize * (k as usize / 32).max(1))?)
+        } else {
+            None
+        };
         let p = Fp8RowsParams {
             x,
             codes: rows.codes.as_mut_ptr(),
             scales: rows.scales.as_mut_ptr(),
             amax,
-            gain: DevicePtr::NULL,
-            sums: DevicePtrMut::NULL,
+            gain,
+            sums: sums.as_ref().map_or(DevicePtrMut::NULL, |s| s.as_mut_ptr()),
             rows: m,
             k,
             ldx: k,
             eps: normalize.unwrap_or(0.0),
             normalize: u32::from(normalize.is_some()),
-            order: 0,
+            order: u32::from(interleaved),
         };
         // SAFETY: the caller's guarantees; the buffers are the rows' own.
         unsafe { quantize_rows(rt, &p)? };
+        rows.sums = sums;
         Ok(rows)
     }
 
