@@ -433,7 +433,7 @@ pub fn fp8_gemm_matches_reference() -> Result<Value, String> {
 }
 
 /// `(name, k, n)`: the Llama 3.1 8B / 70B projection shapes (q|k|v fused, gate|up fused).
-const BENCH_SHAPES: &[(&str, usize, usize)] = &[
+pub const BENCH_SHAPES: &[(&str, usize, usize)] = &[
     ("8b_qkv", 4096, 6144),
     ("8b_o", 4096, 4096),
     ("8b_gate_up", 4096, 28672),

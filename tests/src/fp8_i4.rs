@@ -261,14 +261,9 @@ pub fn fp8_i4_gemm_matches_reference() -> Result<Value, String> {
     )
 }
 
-/// `(name, k, n)`: the Llama 3.1 8B and 70B projection shapes.
-const BENCH_SHAPES: &[(&str, usize, usize)] = &[
-    ("8b_qkv", 4096, 6144),
-    ("8b_o", 4096, 4096),
-    ("8b_gate_up", 4096, 28672),
-    ("8b_down", 14336, 4096),
-    ("70b_gate_up", 8192, 57344),
-];
+/// The FP8 GEMM benchmark's shapes ([`crate::fp8::BENCH_SHAPES`]) this one times: the 8B
+/// projections and the 70B gate|up.
+const BENCH_SHAPE_NAMES: &[&str] = &["8b_qkv", "8b_o", "8b_gate_up", "8b_down", "70b_gate_up"];
 
 /// TFLOP/s of the INT4-weight GEMM (plain epilogue) at each shape and M = 512, 2048, 8192:
 /// symmetric groups of 128 (GPTQ / RTN) and GGUF Q4_1-like groups of 32 with f16 scales and
@@ -279,7 +274,10 @@ pub fn bench() -> Value {
     let mut rng = StdRng::seed_from_u64(14);
     let keep = |name: &str| crate::decode::prefill_env_keeps("STOKE_PREFILL_SHAPES", name);
     let mut runs = Vec::new();
-    for &(name, k, n) in BENCH_SHAPES {
+    let shapes = crate::fp8::BENCH_SHAPES
+        .iter()
+        .filter(|s| BENCH_SHAPE_NAMES.contains(&s.0));
+    for &(name, k, n) in shapes {
         if !keep(name.split('_').next().unwrap_or(name)) {
             continue;
         }
