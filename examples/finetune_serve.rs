@@ -579,35 +579,39 @@ where
     S::sync(&device)?;
     stage("serve_load_s", t);
     let t = Instant::now();
-    let scfg = stoke_llama::generate::SamplingConfig {
-        temperature: 0.0,
-        top_k: None,
-        top_p: None,
-        repetition_penalty: 1.0,
-        seed: 0,
-        max_new_tokens: args.max_tokens,
-        stop_strings: vec![],
-        eos_token_ids: served.config.eos_token_ids.clone(),
-        kv_cache: stoke::KvCacheFormat::Bf16,
-        eager: false,
-    };
-    let (outputs, timings) = stoke_llama::generate::generate(
+    let prompt_ids = served
+        .tokenizer
+        .encode(args.prompt.as_str(), false)
+        .map_err(|e| format!("tokenizing the prompt: {e}"))?
+        .get_ids()
+        .to_vec();
+    let mut engine = stoke_engine::Engine::new(
         &served_model,
-        &served.tokenizer,
-        std::slice::from_ref(&args.prompt),
-        &scfg,
-        1024,
-        sz.dtype,
-        &device,
+        stoke_engine::EngineConfig {
+            max_running: 1,
+            context: 1024,
+            kv_pages: Some(1024 / stoke::DEFAULT_PAGE_SIZE + 1),
+            eos: served.config.eos_token_ids.clone(),
+            ..Default::default()
+        },
+        Some(std::sync::Arc::new(stoke_llama::run::TokenizerText(
+            served.tokenizer.clone(),
+        ))),
+    )?;
+    let (outputs, timings) = stoke_llama::run::complete(
+        &mut engine,
+        vec![prompt_ids],
+        &[stoke_engine::Params::greedy(args.max_tokens)],
         |_, _| {},
     )?;
+    drop(engine);
     stage("generate_s", t);
     println!("{}{}", args.prompt, outputs[0].text);
     eprintln!(
         "served on {}: decode {} tokens at {:.1} tokens/s",
         names[1],
-        timings.decode_tokens,
-        timings.decode_tokens_per_s()
+        timings.generated_tokens.saturating_sub(1),
+        timings.decode_tokens_per_s(1)
     );
     let t = Instant::now();
     let p_quant = perplexity(
@@ -754,8 +758,8 @@ where
             "generation": {
                 "prompt": args.prompt,
                 "text": outputs[0].text,
-                "decode_tokens": timings.decode_tokens,
-                "decode_tokens_per_s": timings.decode_tokens_per_s(),
+                "decode_tokens": timings.generated_tokens.saturating_sub(1),
+                "decode_tokens_per_s": timings.decode_tokens_per_s(1),
             },
             "stages_s": stages,
         });

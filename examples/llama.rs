@@ -12,7 +12,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use stoke::FusedOps;
-use stoke_llama::generate::{self, SamplingConfig};
+use stoke_engine::Params;
+use stoke_llama::run::{GenerateOptions, chatml, generate};
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
 enum Device {
@@ -66,7 +67,7 @@ struct Args {
     temperature: f32,
     /// Sample only among the k most likely tokens.
     #[arg(long)]
-    top_k: Option<usize>,
+    top_k: Option<u32>,
     /// Sample only among the most likely tokens whose probabilities sum to p.
     #[arg(long)]
     top_p: Option<f32>,
@@ -511,12 +512,11 @@ fn generate_on<B: FusedOps>(
                 .expect("a valid template"),
         );
         bar.set_prefix(backend.clone());
-        let points =
-            stoke_llama::bench::run(&loaded.model, &cfg, dtype, &device, |name, done, total| {
-                bar.set_length(total as u64);
-                bar.set_position(done as u64);
-                bar.set_message(name.to_string());
-            })?;
+        let points = stoke_llama::bench::run(&loaded.model, &cfg, |name, done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+            bar.set_message(name.to_string());
+        })?;
         bar.finish_and_clear();
         return Ok(Some(BenchRun { backend, points }));
     }
@@ -591,30 +591,30 @@ fn generate_on<B: FusedOps>(
         }
         return Ok(None);
     }
-    let cfg = SamplingConfig {
+    // Every flag of a request is checked by the engine (a typed error naming it).
+    let params = Params {
+        max_tokens: args.max_tokens,
         temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
+        top_k: args.top_k.unwrap_or(0),
+        top_p: args.top_p.unwrap_or(1.0),
         repetition_penalty: args.repetition_penalty,
-        seed: args.seed,
-        max_new_tokens: args.max_tokens,
-        stop_strings: args.stop.clone(),
-        eos_token_ids: loaded.config.eos_token_ids.clone(),
-        kv_cache: kv_format(args),
-        eager: args.eager,
+        seed: Some(args.seed),
+        stop: args.stop.clone(),
+        ..Params::default()
     };
     let prompts: Vec<String> = args
         .prompt
         .iter()
-        .map(|p| {
-            if args.chat {
-                generate::chatml(p)
-            } else {
-                p.clone()
-            }
-        })
+        .map(|p| if args.chat { chatml(p) } else { p.clone() })
         .collect();
-    let single = prompts.len() == 1;
+    let opts = GenerateOptions {
+        context: args.context,
+        kv_format: kv_format(args),
+        eager: args.eager,
+        eos: loaded.config.eos_token_ids.clone(),
+    };
+    let n = prompts.len();
+    let single = n == 1;
     if single {
         print!("{}", args.prompt[0]);
         if args.chat {
@@ -622,14 +622,12 @@ fn generate_on<B: FusedOps>(
         }
     }
     let mut stdout = std::io::stdout();
-    let (outputs, t) = generate::generate(
+    let (outputs, t) = generate(
         &loaded.model,
         &loaded.tokenizer,
         &prompts,
-        &cfg,
-        args.context,
-        dtype,
-        &device,
+        &params,
+        &opts,
         |_, piece| {
             if single {
                 print!("{piece}");
@@ -645,16 +643,16 @@ fn generate_on<B: FusedOps>(
         }
     }
     eprintln!(
-        "load {:.2} s | prefill {} tokens, first token after {:.1} ms ({:.1} tokens/s) | decode {} tokens in {:.1} ms ({:.1} tokens/s, {} steps of {} sequences)",
+        "load {:.2} s | prefill {} tokens, first token after {:.1} ms ({:.1} tokens/s) | decode {} tokens in {:.1} ms ({:.1} tokens/s, {} steps, {} sequences)",
         load.as_secs_f64(),
-        t.prefill_tokens,
-        t.prefill.as_secs_f64() * 1e3,
+        t.prompt_tokens,
+        t.first_token.as_secs_f64() * 1e3,
         t.prefill_tokens_per_s(),
-        t.decode_tokens,
-        t.decode.as_secs_f64() * 1e3,
-        t.decode_tokens_per_s(),
-        t.decode_steps,
-        prompts.len(),
+        t.generated_tokens.saturating_sub(n),
+        (t.wall - t.first_token).as_secs_f64() * 1e3,
+        t.decode_tokens_per_s(n),
+        t.steps,
+        n,
     );
     Ok(None)
 }

@@ -3,11 +3,13 @@
 // (conversions, rotation, loads, mma operands, shared-memory layouts, the kernel's parameters)
 // are in decode_attention.cuh.
 //
-// Formats (docs/KV_CACHE_FORMAT.md; crates/stoke-formats/src/kv.rs is the specification):
-//   BF16  the main cache:  k, v  [slots, kv_heads, cap, d] bf16
-//   FP8   E4M3 mirror:     k, v  [slots, kv_heads, cap, d] u8 codes, ks, vs [slots, kv_heads, cap]
+// Formats (docs/KV_CACHE_FORMAT.md; crates/stoke-formats/src/kv.rs is the specification), each
+// a pool of pages of P = 2^page_shift positions found through the slots' page tables (kv_row in
+// kv_row.cuh):
+//   BF16  the main cache:  k, v  [pages, kv_heads, P, d] bf16
+//   FP8   E4M3 mirror:     k, v  [pages, kv_heads, P, d] u8 codes, ks, vs [pages, kv_heads, P]
 //                          f32 scales (amax / 448), value = e4m3(code) * scale
-//   INT4  mirror:          k, v [slots, kv_heads, cap, d / 2] bytes, value 2j in the low nibble
+//   INT4  mirror:          k, v [pages, kv_heads, P, d / 2] bytes, value 2j in the low nibble
 //                          of byte j, ks, vs f32 scales (amax / 7), value = q * scale
 // The mirrors hold rows rotated by the normalized block-diagonal Walsh-Hadamard transform of
 // `block` (0: no rotation); the query is rotated the same way and the output rotated back, so
@@ -157,10 +159,10 @@ struct RopeAppendParams {
     KvCache mirror;
     u32 batch, heads, block, max_pos;
 };
-static_assert(sizeof(KvCache) == 48, "KvCache layout");
-static_assert(sizeof(AppendParams) == 136, "AppendParams layout");
-static_assert(sizeof(RopeAppendParams) == 160, "RopeAppendParams layout");
-static_assert(sizeof(AttnParams) == 128, "AttnParams layout");
+static_assert(sizeof(KvCache) == 64, "KvCache layout");
+static_assert(sizeof(AppendParams) == 168, "AppendParams layout");
+static_assert(sizeof(RopeAppendParams) == 192, "RopeAppendParams layout");
+static_assert(sizeof(AttnParams) == 144, "AttnParams layout");
 
 #include "decode_attention.cuh"
 
@@ -175,7 +177,7 @@ __device__ __forceinline__ void append_words(const KvCache& main, const KvCache&
                                              u32 is_v, u32 kvh, u32 lane, const u32 (&w)[D / 64]) {
     constexpr int E = D / 32;
     if (main.k) {
-        store_words<E / 2>(static_cast<u16*>(is_v ? main.v : main.k) + ((u64(slot) * kvh + h) * main.cap + pos) * D + lane * E, w);
+        store_words<E / 2>(static_cast<u16*>(is_v ? main.v : main.k) + kv_row(main, slot, h, pos) * D + lane * E, w);
     }
     if (!m.k) return;
     float x[E];
@@ -187,7 +189,7 @@ __device__ __forceinline__ void append_words(const KvCache& main, const KvCache&
     for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(x[e]));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const u64 r = (u64(slot) * kvh + h) * m.cap + pos;
+    const u64 r = kv_row(m, slot, h, pos);
     if (m.format == FMT_FP8) {
         const float s = kv_fp8_scale(amax);
         u32 codes = 0;
@@ -358,9 +360,9 @@ __device__ __noinline__ void cluster_merge(const AttnParams& p, u32 part, u32 ml
 
 // The mirrors' kernels (AttnShape::PDL): lets the next kernel launch, asks the L2 for this
 // warp's first batch of cache rows (keys and values; positions from the split alone, clipped to
-// the slot's capacity: no length is read), then waits for the previous kernel. Nothing before
+// the slot's page table: no length is read), then waits for the previous kernel. Nothing before
 // the wait reads what another kernel writes except the slot index, and that only places the
-// hints.
+// hints (the page table is written by copies before the step, never by a kernel).
 template <int FMT, int D>
 __device__ __forceinline__ void attn_pdl_prologue(const AttnParams& p) {
     using S = AttnShape<FMT, D>;
@@ -374,12 +376,14 @@ __device__ __forceinline__ void attn_pdl_prologue(const AttnParams& p) {
     // serve the kernel's own read after it with a value an earlier kernel has since changed.
     u32 slot;
     asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(slot) : "l"(p.slot_of + blockIdx.z));
-    const u64 row0 = (u64(slot) * c.kv_heads + head_cta(p.heads, c.kv_heads, blockIdx.y).kvh) * c.cap;
+    const u32 kvh = head_cta(p.heads, c.kv_heads, blockIdx.y).kvh;
     const u32 r0 = blockIdx.x * p.chunk + warp * 16 * S::TILES;
     for (u32 i = lane; i < u32(LINES); i += 32) {
-        const u32 row = r0 + i * 128 / KB;
-        if (row >= c.cap) break;
-        const u64 at = (row0 + r0) * KB + u64(i) * 128;
+        // Line i of the batch: key r0 + i 128 / KB, byte i 128 % KB of its row (a line holding
+        // several rows holds keys of one 16-key tile, so of one page).
+        const u32 key = r0 + i * 128 / KB;
+        if (key >= c.max_pages << c.page_shift) break;
+        const u64 at = kv_row(c, slot, kvh, key) * KB + (i * 128) % KB;
         prefetch_l2(static_cast<const u8*>(c.k) + at);
         prefetch_l2(static_cast<const u8*>(c.v) + at);
     }
@@ -431,7 +435,7 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     const u32 kvh = cta.kvh, group = cta.group;
     const u32 len = p.len[b];
     const u32 k0 = split * p.chunk, k1 = min(len, k0 + p.chunk);
-    const u64 row0 = (u64(p.slot_of[b]) * c.kv_heads + kvh) * c.cap;
+    const u32 slot = p.slot_of[b];
 
     // The query rows of this warp's heads (h = warp + WARPS r; lane l: dims l E .. l E + E - 1),
     // requested first; they are used after the first tiles' loads are queued.
@@ -460,38 +464,31 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
     u16* vt = reinterpret_cast<u16*>(vt_raw) + warp * VTILES * 16 * VP;
     // The warp's keys: every WARPS-th batch of TILES tiles of the CTA's [k0, k1), from kw0 in
-    // steps of kstep. The lane's pointers at its warp's first tile: key row g, its value pieces,
-    // the scales of key g; and where its value pieces land in the warp's BF16 tiles.
+    // steps of kstep. The lane's offsets in a tile: key row g, its value pieces, the scales of
+    // key g; and where its value pieces land in the warp's BF16 tiles.
     const u32 kw0 = k0 + warp * 16 * TILES, kstep = WARPS * 16 * TILES;
-    const u64 first = row0 + kw0;
-    const u8* kp = static_cast<const u8*>(c.k) + (first + g) * KB + t * KP;
     // Value rows: BF16 row lane / CPR, 16-byte chunk lane % CPR (whole rows per instruction);
     // INT4 key row 2t, the lane's D / 16 bytes from byte g D / 16 (int4_key_pairs); FP8 row
     // lane / 2, piece lane % 2.
     const u32 vrow = FMT == FMT_BF16 ? lane / (KB / 16) : FMT == FMT_INT4 ? 2 * t : lane >> 1;
     const u32 vcol = FMT == FMT_BF16 ? (lane % (KB / 16)) * 16 : FMT == FMT_INT4 ? g * (D / 16) : (lane & 1) * VP2;  // bytes
-    const u8* vp = static_cast<const u8*>(c.v) + (first + vrow) * KB + vcol;
-    const float* ksp = F16 ? c.ks + first + g : nullptr;
-    const float* vsp = F16 ? c.vs + first + g : nullptr;
     const u32 vdst = smem_u32(vt + vrow * VP + vcol / 2);
     Raw<FMT, D> raw[TILES];
-    // Queues the loads of tile ti of the batch at key bb0 into raw[ti], from the lane's pointers
-    // (at that batch). BF16 commits one cp.async group per call, empty past the end, so that a
-    // slot's group is always followed by the same number of groups.
+    // Queues the loads of tile ti of the batch at key bb0 into raw[ti]: a whole tile from the
+    // lane's pointers at the tile's first row (a tile lies in one page), the last one row by
+    // row. BF16 commits one cp.async group per call, empty past the end, so that a slot's group
+    // is always followed by the same number of groups.
     auto issue = [&](int ti, u32 bb0) {
-        if (bb0 + 16 * TILES <= k1)
-            load_tile_fast<FMT, D, VP>(kp, vp, ksp, vsp, ti, raw[ti], vdst + (FMT == FMT_BF16 ? ti : 0) * 16 * VP * 2);
-        else if (bb0 + 16 * ti < k1)  // rows past the end read row k0
-            load_tile<FMT, D, VP>(c, row0, bb0 + 16 * ti, k0, k1, lane, raw[ti], vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP);
-        if (FMT == FMT_BF16) asm volatile("cp.async.commit_group;" ::: "memory");
-    };
-    auto advance = [&]() {  // the pointers to the warp's next batch
-        kp += u64(kstep) * KB;
-        vp += u64(kstep) * KB;
-        if (F16) {
-            ksp += kstep;
-            vsp += kstep;
+        const u32 tb = bb0 + 16 * ti;
+        if (bb0 + 16 * TILES <= k1) {
+            const u64 tr = kv_row(c, slot, kvh, tb);
+            load_tile_fast<FMT, D, VP>(static_cast<const u8*>(c.k) + (tr + g) * KB + t * KP,
+                                       static_cast<const u8*>(c.v) + (tr + vrow) * KB + vcol, F16 ? c.ks + tr + g : nullptr,
+                                       F16 ? c.vs + tr + g : nullptr, raw[ti], vdst + (FMT == FMT_BF16 ? ti : 0) * 16 * VP * 2);
+        } else if (tb < k1) {  // rows past the end read row k0
+            load_tile<FMT, D, VP>(c, slot, kvh, tb, k0, k1, lane, raw[ti], vt + (FMT == FMT_BF16 ? ti : 0) * 16 * VP);
         }
+        if (FMT == FMT_BF16) asm volatile("cp.async.commit_group;" ::: "memory");
     };
     // RING: a slot is refilled with the same tile of the next batch as soon as it has been used,
     // so TILES - 1 tiles are always in flight; else a batch's TILES tiles are queued together.
@@ -499,7 +496,6 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
     if (base0 < k1) {  // the first batch, queued before the query is set up
 #pragma unroll
         for (int ti = 0; ti < TILES; ++ti) issue(ti, base0);
-        advance();
     }
     // 2. The query operand: the query heads, rotated like the mirrors' rows (registers and
     // shuffles), into qs (heads past the group are zero), then the lane's B fragments.
@@ -547,7 +543,6 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
         if (!RING && !first_batch) {
 #pragma unroll
             for (int ti = 0; ti < TILES; ++ti) issue(ti, base0);
-            advance();
         }
 #pragma unroll
         for (int t0 = 0; t0 < TILES; ++t0) {
@@ -645,7 +640,6 @@ __device__ __forceinline__ void decode_attn(const AttnParams& p) {
             }
             if (RING) issue(t0, base0 + kstep);
         }
-        if (RING) advance();
     }
 
     // 4. The CTA's warps merged. The row sums over the 8 lanes of each head; each warp's (max,

@@ -226,36 +226,39 @@ __device__ __forceinline__ void load_pieces(const u8* p, u32 stride, u32 (&w)[N]
 }
 
 // cp.async of a tile's 16 rows of KB bytes, whole rows per instruction (lane: 16-byte chunk
-// lane % CPR of rows RPI i + lane / CPR), rows past k1 read row k0; dst(row, chunk) is the
-// chunk's shared-memory address.
-template <int KB, typename Dst>
-__device__ __forceinline__ void copy_tile_rows(const void* src, u64 row0, u32 base, u32 k0, u32 k1, u32 lane, Dst dst) {
+// lane % CPR of rows RPI i + lane / CPR), rows past k1 read row k0; row(key) is a key's row in
+// the pool, dst(row, chunk) the chunk's shared-memory address.
+template <int KB, typename Row, typename Dst>
+__device__ __forceinline__ void copy_tile_rows(const void* src, Row row, u32 base, u32 k0, u32 k1, u32 lane, Dst dst) {
     constexpr int CPR = KB / 16, RPI = 32 / CPR;
     const u32 r0 = lane / CPR, col = lane % CPR;
 #pragma unroll
     for (int i = 0; i < 16 / RPI; ++i) {
         const u32 kr = RPI * i + r0;
-        const u64 row = row0 + (base + kr < k1 ? base + kr : k0);
-        cp_async16_l2pf(dst(kr, col), static_cast<const u8*>(src) + row * KB + col * 16);
+        const u64 at = row(base + kr < k1 ? base + kr : k0);
+        cp_async16_l2pf(dst(kr, col), static_cast<const u8*>(src) + at * KB + col * 16);
     }
 }
 
-// Queues the loads of the tile at key `base`: K slices into r, V (BF16: cp.async into `tile`;
-// mirrors: into r). Rows past k1 read row k0: finite values under masked (zero) probabilities.
+// Queues the loads of the tile at key `base` of (slot, kv head kvh): K slices into r, V (BF16:
+// cp.async into `tile`; mirrors: into r). Rows past k1 read row k0: finite values under masked
+// (zero) probabilities. Each row is looked up in the page table (the tile at the end of a range,
+// whose rows may fall back to k0's page).
 template <int FMT, int D, int VP>
-__device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, u32 k0, u32 k1, u32 lane,
+__device__ __forceinline__ void load_tile(const KvCache& c, u32 slot, u32 kvh, u32 base, u32 k0, u32 k1, u32 lane,
                                          Raw<FMT, D>& r, u16* tile) {
     const u32 g = lane >> 2, t = lane & 3;
     constexpr int KB = row_bytes<FMT, D>();
     constexpr int KP = Piece<KB / 4>::BYTES, VP2 = Piece<KB / 2>::BYTES;
+    auto row = [&](u32 key) { return kv_row(c, slot, kvh, key < k1 ? key : k0); };
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-        const u32 key = base + 8 * nt + g;
-        const u8* rowp = static_cast<const u8*>(c.k) + (row0 + (key < k1 ? key : k0)) * KB;
+        const u8* rowp = static_cast<const u8*>(c.k) + row(base + 8 * nt + g) * KB;
         load_pieces(rowp + t * KP, 4 * KP, r.k[nt]);
     }
     if (FMT == FMT_BF16) {
-        copy_tile_rows<KB>(c.v, row0, base, k0, k1, lane, [&](u32 row, u32 chunk) { return smem_u32(tile + row * VP + chunk * 8); });
+        copy_tile_rows<KB>(c.v, [&](u32 key) { return kv_row(c, slot, kvh, key); }, base, k0, k1, lane,
+                           [&](u32 rw, u32 chunk) { return smem_u32(tile + rw * VP + chunk * 8); });
         return;
     }
     if (FMT == FMT_INT4) {
@@ -263,14 +266,12 @@ __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, 
         constexpr int VK = Raw<FMT, D>::VK;
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-            const u32 vk = base + 2 * t + int4_value_key(kk);
-            const u8* src = static_cast<const u8*>(c.v) + (row0 + (vk < k1 ? vk : k0)) * KB + g * (D / 16);
+            const u8* src = static_cast<const u8*>(c.v) + row(base + 2 * t + int4_value_key(kk)) * KB + g * (D / 16);
             load_words<VK>(src, &r.v[kk * VK]);
         }
     } else {  // FP8: half a value row (lane = 2 key + half)
         const u32 key = lane >> 1, half = lane & 1;
-        const u64 row = row0 + (base + key < k1 ? base + key : k0);
-        load_pieces(static_cast<const u8*>(c.v) + row * KB + half * VP2, 2 * VP2, r.v);
+        load_pieces(static_cast<const u8*>(c.v) + row(base + key) * KB + half * VP2, 2 * VP2, r.v);
     }
     // The scales travel with their tile: loaded here, they are in flight with the codes instead
     // of costing a dependent round trip when the tile is used.
@@ -279,8 +280,7 @@ __device__ __forceinline__ void load_tile(const KvCache& c, u64 row0, u32 base, 
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             // The K (i = 0) and V (i = 1) scales of key 8 nt + g, the lane's score rows.
-            const u32 kk = base + 8 * nt + g;
-            r.ks[nt][i] = ldg_cache((i ? c.vs : c.ks) + row0 + (kk < k1 ? kk : k0));
+            r.ks[nt][i] = ldg_cache((i ? c.vs : c.ks) + row(base + 8 * nt + g));
         }
 }
 
@@ -336,33 +336,33 @@ __device__ __forceinline__ void operand_values(int R, int& e0, int& e1, float& q
     }
 }
 
-// The loads of tile ti of a batch that lies wholly below the end of the range, from the lane's
-// running pointers (its key row g, value row and scales at the batch's first tile; BF16 values:
-// vdst, the lane's place in the tile): constant offsets, no clamping.
+// The loads of a tile that lies wholly below the end of the range (so in one page), from the
+// lane's pointers into it (its key row g, value row and scales; BF16 values: vdst, the lane's
+// place in the tile): constant offsets, no clamping.
 template <int FMT, int D, int VP>
 __device__ __forceinline__ void load_tile_fast(const u8* kp, const u8* vp, const float* ksp, const float* vsp,
-                                              int ti, Raw<FMT, D>& r, u32 vdst) {
+                                              Raw<FMT, D>& r, u32 vdst) {
     constexpr int KB = row_bytes<FMT, D>();
     constexpr int KP = Piece<KB / 4>::BYTES, VP2 = Piece<KB / 2>::BYTES;
-    load_pieces(kp + ti * 16 * KB, 4 * KP, r.k[0]);
-    load_pieces(kp + (ti * 16 + 8) * KB, 4 * KP, r.k[1]);
+    load_pieces(kp, 4 * KP, r.k[0]);
+    load_pieces(kp + 8 * KB, 4 * KP, r.k[1]);
     if (FMT == FMT_BF16) {
         constexpr int RPI = 32 / (KB / 16);  // whole rows per instruction (see copy_tile_rows)
 #pragma unroll
-        for (int i = 0; i < 16 / RPI; ++i) cp_async16_l2pf(vdst + RPI * i * VP * 2, vp + (ti * 16 + RPI * i) * KB);
+        for (int i = 0; i < 16 / RPI; ++i) cp_async16_l2pf(vdst + RPI * i * VP * 2, vp + RPI * i * KB);
         return;
     }
-    if (FMT == FMT_INT4) {  // vp: key row 2t of the batch, at the lane's bytes (load_tile)
+    if (FMT == FMT_INT4) {  // vp: key row 2t of the tile, at the lane's bytes (load_tile)
         constexpr int VK = Raw<FMT, D>::VK;
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) load_words<VK>(vp + (ti * 16 + int4_value_key(kk)) * KB, &r.v[kk * VK]);
+        for (int kk = 0; kk < 4; ++kk) load_words<VK>(vp + int4_value_key(kk) * KB, &r.v[kk * VK]);
     } else {
-        load_pieces(vp + ti * 16 * KB, 2 * VP2, r.v);
+        load_pieces(vp, 2 * VP2, r.v);
     }
-    r.ks[0][0] = ldg_cache(ksp + 16 * ti);
-    r.ks[1][0] = ldg_cache(ksp + 16 * ti + 8);
-    r.ks[0][1] = ldg_cache(vsp + 16 * ti);
-    r.ks[1][1] = ldg_cache(vsp + 16 * ti + 8);
+    r.ks[0][0] = ldg_cache(ksp);
+    r.ks[1][0] = ldg_cache(ksp + 8);
+    r.ks[0][1] = ldg_cache(vsp);
+    r.ks[1][1] = ldg_cache(vsp + 8);
 }
 
 // FP8: the lane's half value row as exact f16 codes (the E4M3 values) in `tile`, in dim order.

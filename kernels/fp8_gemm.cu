@@ -142,7 +142,7 @@ struct Fp8GemmParams {
     u32 group;              // rows of k per scale
     u32 i4_flags;           // I4_F16 | I4_OFFSETS
 };
-static_assert(sizeof(Fp8GemmParams) == 832, "Fp8GemmParams layout (64-byte aligned maps)");
+static_assert(sizeof(Fp8GemmParams) == 896, "Fp8GemmParams layout (64-byte aligned maps)");
 
 enum { I4_F16 = 1, I4_OFFSETS = 2 };
 
@@ -349,7 +349,7 @@ __device__ __forceinline__ void qkv_epilogue(const Fp8GemmParams& p, const float
                 continue;
             }
             const u32 is_v = head >= heads + kvh;
-            const u64 r = (u64(slot) * kvh + (head - heads - is_v * kvh)) * kv.cap + pos;
+            const u64 r = kv_row(kv, slot, head - heads - is_v * kvh, pos);
             if (valid && p.main.k) {
                 u16* dst = static_cast<u16*>(is_v ? p.main.v : p.main.k) + r * D + 2 * q;
 #pragma unroll

@@ -12,13 +12,27 @@ __host__ __device__ constexpr int row_bytes() {
     return FMT == FMT_BF16 ? 2 * D : FMT == FMT_FP8 ? D : D / 2;
 }
 
+// A paged cache: a pool of pages of 2^page_shift positions, each holding every kv head's rows
+// for those positions, and a page table per sequence slot (the page of its positions
+// i 2^page_shift .. (i + 1) 2^page_shift - 1 at pages[slot * max_pages + i]). Every kernel that
+// reads or writes cache rows finds them through kv_row, so sequences share pages (a common
+// prompt prefix) and grow page by page without moving.
 struct KvCache {
-    void* k;         // [slots, kv_heads, cap, d]: bf16 rows, fp8 codes or int4 bytes (format)
+    void* k;            // [pages, kv_heads, 2^page_shift, d]: bf16 rows, fp8 codes or int4 bytes (format)
     void* v;
-    float* ks;       // [slots, kv_heads, cap] (FP8 and INT4)
+    float* ks;          // [pages, kv_heads, 2^page_shift] (FP8 and INT4)
     float* vs;
-    u32 kv_heads, cap, d, format;
+    const u32* pages;   // [slots, max_pages] the page table
+    u32 kv_heads, page_shift, d, format, max_pages, pad;
 };
+
+// Row of (slot, kv head h, position pos) in the pool: rows of one page and head are contiguous,
+// so a 16-key tile starting at a multiple of 16 lies in one page (pages hold at least 16
+// positions).
+__device__ __forceinline__ u64 kv_row(const KvCache& c, u32 slot, u32 h, u32 pos) {
+    const u32 page = __ldg(c.pages + u64(slot) * c.max_pages + (pos >> c.page_shift));
+    return ((u64(page) * c.kv_heads + h) << c.page_shift) + (pos & ((1u << c.page_shift) - 1u));
+}
 
 // Nearest E4M3 code of x (saturating, ties to even), as the hardware does it.
 __device__ __forceinline__ u32 f32_to_e4m3(float x) {

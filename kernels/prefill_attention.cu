@@ -4,9 +4,11 @@
 // A prefill batch is a list of sequences packed row after row without padding: sequence s owns
 // rows [first, first + rows) of the query and output tensors, lives in cache slot `slot`, and
 // its first row sits at cache position `pos0` (0 for a fresh prompt; the tokens already cached
-// for a chunk appended to a longer prompt). Row i of the sequence is at position pos0 + i and
-// attends to cache positions 0 ..= pos0 + i of its slot: the prompt's own keys and everything
-// cached before it, so chunked prefill is the same kernel.
+// for a chunk appended to a longer prompt, or a prompt prefix shared with another sequence).
+// Row i of the sequence is at position pos0 + i and attends to cache positions 0 ..= pos0 + i
+// of its slot: the prompt's own keys and everything cached before it, so chunked prefill is the
+// same kernel. The cache is paged (kv_row.cuh): each key row is found through the slot's page
+// table.
 //
 // Entry points:
 //   prefill_attn_bf16_dD  (D 64 / 128) grid (query tiles, heads, sequences), two warpgroups. A
@@ -33,18 +35,18 @@
 // the other's MMAs; nothing schedules that, and the barrier lines them up again every tile.
 
 #include "ptx.cuh"
+#include "kv_row.cuh"
 
 struct PrefillAttnParams {
     const u16* q;     // [rows, heads, D] bf16, RoPE applied
-    const u16* k;     // [slots, kv_heads, cap, D] bf16: the main cache
-    const u16* v;     // [slots, kv_heads, cap, D] bf16
     u16* out;         // [rows, heads, D] bf16
     const u32* seqs;  // [n_seqs][4]: first row, rows, slot, pos0
-    u32 n_seqs, heads, kv_heads, cap;
+    KvCache cache;    // the BF16 main cache (k, v: [pages, kv_heads, P, D] bf16)
+    u32 n_seqs, heads;
     float scale_log2;  // log2(e) / sqrt(D)
     u32 pad;
 };
-static_assert(sizeof(PrefillAttnParams) == 64, "PrefillAttnParams layout");
+static_assert(sizeof(PrefillAttnParams) == 104, "PrefillAttnParams layout");
 
 constexpr int PA_BM = 128;   // query rows per CTA (64 per warpgroup)
 constexpr int PA_BN = 128;   // keys per tile
@@ -115,10 +117,10 @@ __device__ __forceinline__ void prefill_attn(const PrefillAttnParams& p, u32 sme
     const u32 head = blockIdx.y;
     const u32 kend = pos0 + min(nrows, m0 + PA_BM);  // keys [0, kend)
     const u32 ntiles = (kend + PA_BN - 1) / PA_BN;
-    const u32 kvhead = head / (p.heads / p.kv_heads);
-    const u64 cache_row = (u64(slot) * p.kv_heads + kvhead) * p.cap;
-    const u16* kbase = p.k + cache_row * D;
-    const u16* vbase = p.v + cache_row * D;
+    const KvCache& kc = p.cache;
+    const u32 kvhead = head / (p.heads / kc.kv_heads);
+    const u16* kbase = static_cast<const u16*>(kc.k);
+    const u16* vbase = static_cast<const u16*>(kc.v);
     const u32 qs = (smem + 1023u) & ~1023u, ks = qs + PA_BM * D * 2, vs = ks + 2 * S::TILE;
 
     for (u32 c = tid; c < PA_BM * CH; c += PA_WARPS * 32) {
@@ -132,7 +134,7 @@ __device__ __forceinline__ void prefill_attn(const PrefillAttnParams& p, u32 sme
             const u32 r = c / CH, col = c % CH;
             const u32 key = j * PA_BN + r;
             const bool ok = key < kend;
-            const u64 off = u64(ok ? key : 0) * D + col * 8;
+            const u64 off = kv_row(kc, slot, kvhead, ok ? key : 0) * D + col * 8;
             const u32 dst = stage * S::TILE + swz(r, col, S::PANEL_K);
             cp_async16(ks + dst, kbase + off, ok ? 16 : 0);
             cp_async16(vs + dst, vbase + off, ok ? 16 : 0);

@@ -9,6 +9,18 @@
 // `SampleParams` by value. block = (1024, 1, 1); grid.x = rows (any grid.x >= 1 is correct:
 // CTAs stride over rows). One CTA samples one row; rows == 0 is a no-op.
 //
+// Row r of the logits belongs to lane lane_of[r] (lane_of null: lane r): the lane's id, draw
+// counter, presence words and settings are read and written. Settings: row_cfg[lane] when given
+// (each request its own; counter word 1 is its `stream`; a lane without ROW_ACTIVE, a step's
+// padding, is skipped: nothing drawn, nothing written), else the launch's for every row with
+// stream = r.
+//
+// `logprobs_f32` / `logprobs_bf16` (LogprobParams, the same launch shape) run after a sampling:
+// for each row whose settings ask for them, the log-softmax of the raw logits (no penalty, no
+// temperature) at the chosen token ids[lane] and at the `top` largest logits (ties to the lower
+// index), written to out[row] as (id, logprob) pairs: the chosen token first, then the top ones
+// in order.
+//
 // Semantics (crates/stoke-formats/src/sample.rs is the CPU reference; the two agree exactly):
 //   1. NaN logits count as -inf. A token whose presence bit is set gets the repetition penalty
 //      p: its logit l becomes l / p if l > 0, else l * p (skipped when p == 1).
@@ -51,11 +63,24 @@
 
 #include "ptx.cuh"
 
+// One lane's settings (a request's).
+struct RowSample {
+    unsigned long long seed;   // Philox key
+    float temperature;         // <= 0: greedy
+    unsigned int top_k;        // 0 or >= vocab: off
+    float top_p;               // >= 1 (or NaN): off
+    float repetition_penalty;  // 1: off; > 0
+    unsigned int stream;       // Philox counter word 1
+    unsigned int flags;        // ROW_ACTIVE | ROW_LOGPROB | top logprobs << 8
+};
+enum { ROW_ACTIVE = 1, ROW_LOGPROB = 2 };
+constexpr unsigned int kMaxTopLogprobs = 20;
+
 struct SampleParams {
     const void* logits;       // [rows, row_stride] f32 or bf16 (by entry point); vocab used
-    unsigned int* ids_out;    // [rows]: the chosen token
-    unsigned int* pos;        // [rows] or nullptr: the draw counter, advanced by 1
-    unsigned int* presence;   // [rows, (vocab + 31) / 32] bitmap or nullptr; chosen bit set
+    unsigned int* ids_out;    // [lanes]: the chosen token
+    unsigned int* pos;        // [lanes] or nullptr: the draw counter, advanced by 1
+    unsigned int* presence;   // [lanes, (vocab + 31) / 32] bitmap or nullptr; chosen bit set
     unsigned long long seed;  // Philox key: low 32 bits, high 32 bits
     unsigned int row_stride;  // elements between rows, >= vocab
     unsigned int vocab;       // >= 1, < 2^24
@@ -64,13 +89,27 @@ struct SampleParams {
     unsigned int top_k;        // 0 or >= vocab: off
     float top_p;               // >= 1 (or NaN): off
     float repetition_penalty;  // 1: off; > 0
+    const RowSample* row_cfg;  // [lanes] or nullptr: the settings above for every row
+    const unsigned int* lane_of;  // [rows] or nullptr: row r is lane r
 };
 // The Rust mirror (crates/stoke-cuda/src/kernels/sample.rs) asserts the same layout.
 static_assert(sizeof(void*) == 8, "64-bit device pointers expected");
-static_assert(sizeof(SampleParams) == 72, "SampleParams: 4 pointers, u64, 7 x 32-bit, padded to 72");
+static_assert(sizeof(RowSample) == 32, "RowSample: u64, 6 x 32-bit");
+static_assert(sizeof(SampleParams) == 88, "SampleParams: 4 pointers, u64, 7 x 32-bit, padding, 2 pointers");
 static_assert(alignof(SampleParams) == 8, "SampleParams is 8-byte aligned");
 // Field offsets: logits 0, ids_out 8, pos 16, presence 24, seed 32, row_stride 40, vocab 44,
-// rows 48, temperature 52, top_k 56, top_p 60, repetition_penalty 64, then 4 bytes of padding.
+// rows 48, temperature 52, top_k 56, top_p 60, repetition_penalty 64, 4 bytes of padding,
+// row_cfg 72, lane_of 80.
+
+struct LogprobParams {
+    const void* logits;           // [rows, row_stride] f32 or bf16
+    const unsigned int* ids;      // [lanes]: the chosen tokens
+    const RowSample* row_cfg;     // [lanes]: ROW_LOGPROB and the top count
+    const unsigned int* lane_of;  // [rows] or nullptr
+    float* out;                   // [rows, 1 + kMaxTopLogprobs, 2]: (id bits, logprob)
+    unsigned int row_stride, vocab, rows, pad;
+};
+static_assert(sizeof(LogprobParams) == 56, "LogprobParams: 5 pointers, 4 x 32-bit");
 
 namespace stoke_sample {
 
@@ -440,10 +479,10 @@ __device__ __forceinline__ u32 greedy_row(const Row& r, Shared& s) {
 }
 
 template <class D>
-__device__ __forceinline__ u32 sample_row(const SampleParams& p, const Row& r, Shared& s, u32 row, u32 ctr) {
+__device__ __forceinline__ u32 sample_row(const RowSample& p, const Row& r, Shared& s, u32 ctr) {
     const float t = p.temperature;
     const u32 beg = min(threadIdx.x * r.chunk, r.vocab), end = min(beg + r.chunk, r.vocab);
-    const bool top_k = p.top_k > 0 && p.top_k < p.vocab;
+    const bool top_k = p.top_k > 0 && p.top_k < r.vocab;
     const bool top_p = p.top_p < 1.f;
     auto row_keys = [&](auto&& f) { each_logit<D>(r, beg, end, [&](u32 i, float l) { f(scaled_key(l, t), i); }); };
     auto list_keys = [&](auto&& f) {
@@ -510,7 +549,7 @@ __device__ __forceinline__ u32 sample_row(const SampleParams& p, const Row& r, S
     }
     u64 total;
     const u64 incl = block_scan(mine, s, total);
-    const u64 target = target_of(uniform_bits(p.seed, ctr, row), total);
+    const u64 target = target_of(uniform_bits(p.seed, ctr, p.stream), total);
     if (mine > 0 && incl - mine <= target && target < incl) {
         s.val[0] = threadIdx.x;
         s.val[1] = target - (incl - mine);
@@ -553,28 +592,113 @@ __device__ __forceinline__ u32 sample_row(const SampleParams& p, const Row& r, S
     return u32(s.val[2]);
 }
 
+// Row `row`'s lane and settings (the launch's, with stream = row, where no lane has its own).
+__device__ __forceinline__ RowSample row_settings(const SampleParams& p, u32 row, u32& lane) {
+    lane = p.lane_of ? p.lane_of[row] : row;
+    if (p.row_cfg) return p.row_cfg[lane];
+    return RowSample{p.seed, p.temperature, p.top_k, p.top_p, p.repetition_penalty, row, ROW_ACTIVE};
+}
+
 template <class D>
 __device__ __forceinline__ void sample_kernel(const SampleParams& p) {
     __shared__ Shared s;
     const u32 words = (p.vocab + 31) / 32;
     const u32 chunk = ((p.vocab + kThreads - 1) / kThreads + D::kVec - 1) / D::kVec * D::kVec;
-    const bool penalty = p.presence != nullptr && p.repetition_penalty != 1.f;
     if (p.vocab == 0) return;
     for (u32 row = blockIdx.x; row < p.rows; row += gridDim.x) {
+        u32 lane;
+        const RowSample cfg = row_settings(p, row, lane);
+        // A lane with no active sequence (a step's padding rows): nothing drawn, nothing written
+        // (its presence words may be a prompt's, waiting for its prefill).
+        if (!(cfg.flags & ROW_ACTIVE)) continue;
+        const bool penalty = p.presence != nullptr && cfg.repetition_penalty != 1.f;
         Row r;
         r.logits = static_cast<const char*>(p.logits) + u64(row) * p.row_stride * D::kBytes;
-        r.pres = penalty ? p.presence + u64(row) * words : nullptr;
-        r.penalty = p.repetition_penalty;
+        r.pres = penalty ? p.presence + u64(lane) * words : nullptr;
+        r.penalty = cfg.repetition_penalty;
         r.vocab = p.vocab;
         r.chunk = chunk;
         r.vec = (reinterpret_cast<unsigned long long>(r.logits) & 15u) == 0;
         // Read by every thread before any writes it (thread 0, after the row's barriers).
-        const u32 ctr = p.pos ? p.pos[row] : 0u;
-        const u32 id = p.temperature > 0.f ? sample_row<D>(p, r, s, row, ctr) : greedy_row<D>(r, s);
+        const u32 ctr = p.pos ? p.pos[lane] : 0u;
+        const u32 id = cfg.temperature > 0.f ? sample_row<D>(cfg, r, s, ctr) : greedy_row<D>(r, s);
         if (threadIdx.x == 0) {
-            p.ids_out[row] = id;
-            if (p.presence) atomicOr(p.presence + u64(row) * words + (id >> 5), 1u << (id & 31));
-            if (p.pos) p.pos[row] = ctr + 1;
+            p.ids_out[lane] = id;
+            if (p.presence) atomicOr(p.presence + u64(lane) * words + (id >> 5), 1u << (id & 31));
+            if (p.pos) p.pos[lane] = ctr + 1;
+        }
+        __syncthreads();
+    }
+}
+
+// Sum over the block, returned to every thread.
+__device__ __forceinline__ float block_sum(float v, Shared& s) {
+    const u32 lane = threadIdx.x & 31u, w = threadIdx.x >> 5;
+#pragma unroll
+    for (u32 o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) s.warp[w] = __float_as_uint(v);
+    __syncthreads();
+    v = __uint_as_float(u32(s.warp[lane]));
+#pragma unroll
+    for (u32 o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    return v;
+}
+
+// Log-probabilities of one row (see the file's head): max, then the sum of exp(l - max) in f32,
+// then the top tokens one block argmax at a time, each below the one before in (logit, lower
+// index) order.
+template <class D>
+__device__ __forceinline__ void logprobs_kernel(const LogprobParams& p) {
+    __shared__ Shared s;
+    const u32 chunk = ((p.vocab + kThreads - 1) / kThreads + D::kVec - 1) / D::kVec * D::kVec;
+    if (p.vocab == 0) return;
+    for (u32 row = blockIdx.x; row < p.rows; row += gridDim.x) {
+        const u32 lane = p.lane_of ? p.lane_of[row] : row;
+        const u32 flags = p.row_cfg[lane].flags;
+        const u32 top = min(flags >> 8 & 0xffu, kMaxTopLogprobs);
+        if (!(flags & ROW_LOGPROB)) continue;  // the same for every thread: no barrier skipped
+        Row r;
+        r.logits = static_cast<const char*>(p.logits) + u64(row) * p.row_stride * D::kBytes;
+        r.pres = nullptr;
+        r.penalty = 1.f;
+        r.vocab = p.vocab;
+        r.chunk = chunk;
+        r.vec = (reinterpret_cast<unsigned long long>(r.logits) & 15u) == 0;
+        const u32 beg = min(threadIdx.x * chunk, p.vocab), end = min(beg + chunk, p.vocab);
+        u64 best = 0;
+        each_logit<D>(r, beg, end, [&](u32 i, float l) {
+            const u64 c = (u64(key_of(__fadd_rn(l, 0.f))) << 32) | u32(~i);
+            best = c > best ? c : best;
+        });
+        best = block_max(best, s);
+        const float mx = value_of(u32(best >> 32));
+        float sum = 0.f;
+        each_logit<D>(r, beg, end, [&](u32, float l) { sum += __expf(l - mx); });
+        sum = block_sum(sum, s);
+        const float lse = mx + __logf(sum);
+        float* out = p.out + u64(row) * (1 + kMaxTopLogprobs) * 2;
+        if (threadIdx.x == 0) {
+            const u32 id = p.ids[lane];
+            out[0] = __uint_as_float(id);
+            out[1] = (id < p.vocab ? clean(D::load(r.logits, id)) : __uint_as_float(0xff800000u)) - lse;
+        }
+        u64 prev = ~0ull;
+        for (u32 j = 0; j < top; ++j) {
+            u64 c = best;
+            if (j > 0) {
+                c = 0;
+                each_logit<D>(r, beg, end, [&](u32 i, float l) {
+                    const u64 k = (u64(key_of(__fadd_rn(l, 0.f))) << 32) | u32(~i);
+                    if (k < prev && k > c) c = k;
+                });
+                c = block_max(c, s);
+            }
+            prev = c;
+            if (threadIdx.x == 0) {
+                out[2 + 2 * j] = __uint_as_float(~u32(c));
+                out[3 + 2 * j] = value_of(u32(c >> 32)) - lse;
+            }
         }
         __syncthreads();
     }
@@ -590,4 +714,12 @@ extern "C" __global__ void __launch_bounds__(1024, 1) sample_f32(const SamplePar
 
 extern "C" __global__ void __launch_bounds__(1024, 1) sample_bf16(const SampleParams p) {
     stoke_sample::sample_kernel<stoke_sample::BF16>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(1024, 1) logprobs_f32(const LogprobParams p) {
+    stoke_sample::logprobs_kernel<stoke_sample::F32>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(1024, 1) logprobs_bf16(const LogprobParams p) {
+    stoke_sample::logprobs_kernel<stoke_sample::BF16>(p);
 }

@@ -66,17 +66,39 @@ struct Filled {
     slot_of: Vec<u32>,
 }
 
-/// Builds the cache through the append kernel: every (sequence, position) row in one launch.
+/// Pages of the KV pool in the paged kernels' tests and benchmarks (the engine's default).
+pub const PAGE: u32 = 64;
+
+/// A cache of `slots` slots of `cap` positions whose pages are the pool's in a random order, so
+/// that every slot's positions lie on scattered pages (what a pool looks like after requests
+/// came and went).
+pub fn scattered_cache(
+    rt: &Arc<Runtime>,
+    rng: &mut StdRng,
+    format: KvFormat,
+    (slots, kvh, cap, d): (u32, u32, u32, u32),
+    block: u32,
+) -> DeviceKvCache {
+    let n = slots * cap.div_ceil(PAGE).max(1);
+    let mut order: Vec<u32> = (0..n).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.random_range(0..=i));
+    }
+    DeviceKvCache::with_order(rt, format, (slots, kvh, cap, d), block, PAGE, &order).unwrap()
+}
+
+/// Builds the cache through the append kernel: every (sequence, position) row in one launch,
+/// each sequence's rows on scattered pages.
 fn fill(rt: &Arc<Runtime>, rng: &mut StdRng, c: &Case, format: KvFormat, block: u32) -> Filled {
     let batch = c.lens.len();
     let cap = c.lens.iter().copied().max().unwrap().max(1) as u32;
-    let cache = DeviceKvCache::new(
+    let cache = scattered_cache(
         rt,
+        rng,
         format,
         (batch as u32, c.kv_heads as u32, cap, c.d as u32),
         block,
-    )
-    .unwrap();
+    );
     let slot_of: Vec<u32> = (0..batch).map(|b| (batch - 1 - b) as u32).collect();
     let (mut k, mut v) = (Vec::new(), Vec::new());
     let (mut rows_k, mut rows_v, mut slots, mut pos) =
@@ -147,18 +169,18 @@ fn download(c: &DeviceKvCache) -> HostCache {
 /// (still rotated for the mirrors).
 fn read_back(f: &Filled, host: &HostCache, b: usize, len: usize) -> (Vec<f32>, Vec<f32>) {
     let c = &f.cache;
-    let (kvh, cap, d) = (c.kv_heads as usize, c.cap as usize, c.d as usize);
-    let slot = f.slot_of[b] as usize;
+    let (kvh, d) = (c.kv_heads as usize, c.d as usize);
+    let slot = f.slot_of[b];
     let mut k = vec![0f32; len * kvh * d];
     let mut v = vec![0f32; len * kvh * d];
-    let rows_of = |h: usize| (slot * kvh + h) * cap;
+    let row = |h: usize, p: usize| c.row(slot, h as u32, p as u32) as usize;
     match host {
         HostCache::Bf16(kk, vv) => {
             for h in 0..kvh {
                 for p in 0..len {
                     for i in 0..d {
-                        k[(p * kvh + h) * d + i] = kk[(rows_of(h) + p) * d + i] as f32;
-                        v[(p * kvh + h) * d + i] = vv[(rows_of(h) + p) * d + i] as f32;
+                        k[(p * kvh + h) * d + i] = kk[row(h, p) * d + i] as f32;
+                        v[(p * kvh + h) * d + i] = vv[row(h, p) * d + i] as f32;
                     }
                 }
             }
@@ -166,7 +188,7 @@ fn read_back(f: &Filled, host: &HostCache, b: usize, len: usize) -> (Vec<f32>, V
         HostCache::Mirror(kb, vb, ks, vs) => {
             for h in 0..kvh {
                 for p in 0..len {
-                    let r = rows_of(h) + p;
+                    let r = row(h, p);
                     let (kr, vr) = match c.format {
                         KvFormat::Fp8 => (
                             kv::dequantize_fp8(&kb[r * d..(r + 1) * d], &ks[r..r + 1], d),
@@ -664,7 +686,7 @@ fn time_point(
     let one = 2 * batch as usize * ctx as usize * kvh as usize * format.row_bytes(d as usize);
     let copies = 160_000_000usize.div_ceil(one).clamp(1, 64);
     let caches: Vec<DeviceKvCache> = (0..copies)
-        .map(|_| DeviceKvCache::new(rt, format, (batch, kvh, ctx, d), block).unwrap())
+        .map(|_| scattered_cache(rt, rng, format, (batch, kvh, ctx, d), block))
         .collect();
     let step = BenchStep::new(rt, rng, (heads, kvh, d), batch, ctx);
     for c in &caches {
@@ -747,7 +769,7 @@ pub fn profile_launches(shape: &str, batch: u32, ctx: u32, formats: &[String]) {
             continue;
         }
         let block = if format == KvFormat::Bf16 { 0 } else { d };
-        let cache = DeviceKvCache::new(&rt, format, (batch, kvh, ctx, d), block).unwrap();
+        let cache = scattered_cache(&rt, &mut rng, format, (batch, kvh, ctx, d), block);
         step.fill(&rt, &cache);
         for _ in 0..2 {
             step.attend(&rt, &cache, None);
@@ -944,14 +966,14 @@ fn time_prefill(
 ) -> (f64, f64) {
     let cap = *lens.iter().max().unwrap() as u32;
     let n = lens.len() as u32;
-    let cache = DeviceKvCache::new(rt, KvFormat::Bf16, (n, kvh, cap, d), 0).unwrap();
+    let cache = scattered_cache(rt, rng, KvFormat::Bf16, (n, kvh, cap, d), 0);
     let rows: usize = lens.iter().sum();
     let seqs = packed(
         &lens.iter().map(|&l| (l, 0)).collect::<Vec<_>>(),
         &(0..n).collect::<Vec<_>>(),
     );
     // The cache's K and V are random: filled in place, every value a finite bf16.
-    let kv_vals = (n * kvh * cap * d) as usize;
+    let kv_vals = cache.k.bytes() / 2;
     for buf in [&cache.k, &cache.v] {
         let vals = to_bf16(&bf16s(rng, kv_vals, 1.0));
         let bytes: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();

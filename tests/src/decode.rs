@@ -5,7 +5,7 @@ use crate::{PlainCuda, StokeCuda};
 use burn::tensor::DType;
 use serde_json::{Value, json};
 use std::path::Path;
-use stoke::{FusedOps, KvCacheFormat, Sampling};
+use stoke::{FusedOps, KvCacheFormat};
 use stoke_llama::load::load_gguf_packed;
 use stoke_llama::model::{Llama, PREFILL_CHUNK};
 use stoke_llama::synthetic::{Tiny, gguf_q4_1, weights};
@@ -47,7 +47,7 @@ pub fn run<B: FusedOps>(
 ) -> Result<Run, String> {
     let dtype = model.embed_tokens.val().dtype();
     let device = model.embed_tokens.device();
-    let mut spec = model.decode_spec(prompts.len(), capacity, kv, Sampling::GREEDY, eager);
+    let mut spec = model.decode_spec(prompts.len(), capacity, kv, eager);
     spec.keep_logits = true;
     let mut dec = stoke::decoder::<B>(spec, dtype, &device).map_err(|e| e.to_string())?;
     model
@@ -469,11 +469,33 @@ fn time_steps(
     let rt = crate::gpu()?;
     let device = Default::default();
     let capacity = ctx + steps + 16;
-    let spec = model.decode_spec(batch, capacity, kv, Sampling::GREEDY, false);
+    let spec = model.decode_spec(batch, capacity, kv, false);
     let mut dec =
         stoke::decoder::<StokeCuda>(spec, DType::BF16, &device).map_err(|e| e.to_string())?;
-    let prompts = vec![vec![1u32; ctx]; batch];
-    stoke::decoder_begin::<StokeCuda>(&mut dec, &prompts).map_err(|e| e.to_string())?;
+    // Each lane at position `ctx` on pages of its own (its keys before it are the pool's
+    // zeros: the time does not depend on the values).
+    let max_pages = stoke::decoder_spec::<StokeCuda>(&dec).max_pages();
+    let pages: Vec<Vec<u32>> = (0..batch)
+        .map(|b| {
+            (0..max_pages)
+                .map(|j| (1 + b * max_pages + j) as u32)
+                .collect()
+        })
+        .collect();
+    let ops: Vec<stoke::LaneOp> = (0..batch)
+        .flat_map(|lane| {
+            [
+                stoke::LaneOp::Set {
+                    lane,
+                    pages: &pages[lane],
+                    tokens: &[],
+                    sampling: stoke::LaneSampling::GREEDY,
+                },
+                stoke::LaneOp::Activate { lane, pos: ctx },
+            ]
+        })
+        .collect();
+    stoke::decoder_update::<StokeCuda>(&mut dec, &ops).map_err(|e| e.to_string())?;
     let step = |dec: &mut <StokeCuda as FusedOps>::Decoder| {
         stoke::decode_step::<StokeCuda>(dec, &mut |d| model.decode_forward(d))
             .map_err(|e| e.to_string())
@@ -722,13 +744,7 @@ fn time_prefill(
         })
         .collect();
     let longest = lens.iter().copied().max().unwrap_or(0);
-    let spec = model.decode_spec(
-        lens.len(),
-        longest + 1,
-        KvCacheFormat::Bf16,
-        Sampling::GREEDY,
-        false,
-    );
+    let spec = model.decode_spec(lens.len(), longest + 1, KvCacheFormat::Bf16, false);
     let mut dec = stoke::decoder::<StokeCuda>(spec, DType::BF16, &Default::default())
         .map_err(|e| e.to_string())?;
     let mut prefill = || -> Result<f64, String> {

@@ -5,9 +5,9 @@ use burn::tensor::DType;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use stoke::FusedOps;
-use stoke_llama::generate::{SamplingConfig, generate};
 use stoke_llama::load::load_gguf;
 use stoke_llama::model::Llama;
+use stoke_llama::run::{GenerateOptions, generate};
 
 /// The greedy continuation of "Once upon a time" (no BOS) that an independent f32 forward of
 /// the dequantized model gives.
@@ -53,20 +53,19 @@ fn greedy_on<B: FusedOps>(
     max_tokens: usize,
     eager: bool,
 ) -> Result<String, String> {
-    let cfg = SamplingConfig {
-        max_new_tokens: max_tokens,
-        eos_token_ids: l.config.eos_token_ids.clone(),
+    let _ = (dtype, device);
+    let opts = GenerateOptions {
+        context: 256,
+        kv_format: stoke::KvCacheFormat::Bf16,
         eager,
-        ..Default::default()
+        eos: l.config.eos_token_ids.clone(),
     };
     let (out, _) = generate(
         &l.model,
         &l.tokenizer,
         &[prompt.to_string()],
-        &cfg,
-        256,
-        dtype,
-        device,
+        &stoke_engine::Params::greedy(max_tokens),
+        &opts,
         |_, _| {},
     )
     .map_err(|e| e.to_string())?;
@@ -94,9 +93,11 @@ fn speed<B: FusedOps>(
     let prompt = l.tokenizer.decode(&ids, false).unwrap();
     let prompts = vec![prompt; batch];
     // No EOS stop: every run decodes exactly `new_tokens` steps.
-    let cfg = SamplingConfig {
-        max_new_tokens: new_tokens,
-        ..Default::default()
+    let opts = GenerateOptions {
+        context: 2048,
+        kv_format: stoke::KvCacheFormat::Bf16,
+        eager: false,
+        eos: Vec::new(),
     };
     let mut runs = Vec::new();
     for _ in 0..4 {
@@ -104,10 +105,8 @@ fn speed<B: FusedOps>(
             &l.model,
             &l.tokenizer,
             &prompts,
-            &cfg,
-            2048,
-            dtype,
-            &device,
+            &stoke_engine::Params::greedy(new_tokens),
+            &opts,
             |_, _| {},
         )
         .unwrap();
@@ -115,7 +114,7 @@ fn speed<B: FusedOps>(
     }
     runs.remove(0);
     let mut prefill: Vec<f64> = runs.iter().map(|t| t.prefill_tokens_per_s()).collect();
-    let mut decode: Vec<f64> = runs.iter().map(|t| t.decode_tokens_per_s()).collect();
+    let mut decode: Vec<f64> = runs.iter().map(|t| t.decode_tokens_per_s(batch)).collect();
     prefill.sort_by(f64::total_cmp);
     decode.sort_by(f64::total_cmp);
     let step_ms = 1e3 * batch as f64 / decode[decode.len() / 2];
@@ -402,13 +401,7 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
         (batch, len): (usize, usize),
         device: &B::Device,
     ) -> Result<Vec<f32>, String> {
-        let spec = m.decode_spec(
-            1,
-            len + 1,
-            stoke::KvCacheFormat::Bf16,
-            stoke::Sampling::GREEDY,
-            false,
-        );
+        let spec = m.decode_spec(1, len + 1, stoke::KvCacheFormat::Bf16, false);
         let mut dec = stoke::decoder::<B>(spec, DType::BF16, device).map_err(|e| e.to_string())?;
         let mut out = Vec::with_capacity(batch * len);
         for b in 0..batch {

@@ -297,11 +297,16 @@ fn reference_head(
 
 /// A cache of 3 slots for the case, every byte poisoned with `byte`.
 fn poisoned_cache(rt: &Arc<Runtime>, c: &Case, cap: u32, byte: u8) -> DeviceKvCache {
-    let cache = DeviceKvCache::new(
+    // Slot s's pages lie in reverse order in the pool: positions run across scattered pages.
+    let pages = 3 * cap.div_ceil(64);
+    let order: Vec<u32> = (0..pages).rev().collect();
+    let cache = DeviceKvCache::with_order(
         rt,
         c.format,
         (3, c.kv_heads as u32, cap, c.d as u32),
         c.block,
+        64,
+        &order,
     )
     .expect("cache");
     let mut bufs = vec![&cache.k, &cache.v];
@@ -470,7 +475,7 @@ pub fn qkv_epilogue_matches_rope_append() -> Result<Value, String> {
                             qv[(r * h + head) * d + i]
                         } else {
                             let kv_head = (head - h) % kvh;
-                            let row = (slot_of[r] as usize * kvh + kv_head) * cap as usize + p;
+                            let row = got.row(slot_of[r], kv_head as u32, p as u32) as usize;
                             if head < h + kvh {
                                 kc[row * d + i]
                             } else {

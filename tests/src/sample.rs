@@ -94,6 +94,8 @@ fn launch<T: SampleElem>(
         pos: pos.map_or(DevicePtrMut::NULL, |b| b.as_mut_ptr()),
         presence: presence.map_or(DevicePtrMut::NULL, |b| b.as_mut_ptr()),
         params,
+        row_cfg: stoke_cuda::DevicePtr::NULL,
+        lane_of: stoke_cuda::DevicePtr::NULL,
     };
     // SAFETY: every buffer is allocated at the sizes the call names and outlives the kernel
     // (freed on Stoke's stream).

@@ -1,9 +1,15 @@
-//! The KV cache on the GPU (`kernels/decode_attention.cu`): the BF16 main cache, an optional
-//! FP8 or INT4 mirror, the append of each step's K and V rows, and split-KV decode attention.
+//! The KV cache on the GPU (`kernels/decode_attention.cu`): a pool of pages holding the BF16
+//! main cache and an optional FP8 or INT4 mirror, the append of each step's K and V rows, and
+//! split-KV decode attention.
 //!
-//! Slots are stable batch indices; which slot each row of a step belongs to, where it writes
-//! and how many keys it attends to are device buffers (`slot_of`, `pos`, `len`), so a captured
-//! decode step replays with new positions.
+//! A page holds `page` consecutive positions of every kv head. Each sequence slot has a row of
+//! the [`PageTable`] (shared by every layer's cache of a decoder): entry `i` names the page of its
+//! positions `i page .. (i + 1) page`. Kernels find every row through it (`kv_row` in
+//! `kernels/kv_row.cuh`), so sequences grow page by page without moving and share the pages of
+//! a common prompt prefix. Which slot each row of a step belongs to, where it writes and how
+//! many keys it attends to are device buffers (`slot_of`, `pos`, `len`), so a captured decode
+//! step replays with new positions; the page table is written by stream-ordered copies between
+//! steps.
 
 use crate::kernels::decode_attention::{
     AppendParams, AttnParams, KvCacheParams, KvFormat, RopeAppendParams, append_entry_point,
@@ -12,7 +18,9 @@ use crate::kernels::decode_attention::{
 };
 use crate::kernels::fp8_gemm::QkvEpilogue;
 use crate::kernels::prefill_attention::{self, PrefillAttnParams, PrefillSeq};
-use crate::{DeviceBuffer, DevicePtr, DevicePtrMut, Error, Kernel, LaunchShape, Result, Runtime};
+use crate::{
+    DeviceBuffer, DevicePtr, DevicePtrMut, Error, Kernel, LaunchShape, Result, Runtime, ShapeError,
+};
 use half::bf16;
 use std::sync::Arc;
 
@@ -26,6 +34,152 @@ fn warp_per_item(items: u32) -> LaunchShape {
     }
 }
 
+/// Positions per page the kernels take: a power of two from 16 (one key tile of decode
+/// attention lies in one page) to 4096.
+pub fn check_page_size(page: u32) -> std::result::Result<(), ShapeError> {
+    if !page.is_power_of_two() || !(16..=4096).contains(&page) {
+        return Err(ShapeError::new(
+            "KV cache page size",
+            "a power of two from 16 to 4096 positions",
+            page.to_string(),
+        ));
+    }
+    Ok(())
+}
+
+/// The page table of a decoder's caches: `[slots, max_pages]` u32 page ids in device memory,
+/// entry `(s, i)` the page of slot `s`'s positions `i page .. (i + 1) page`. Every entry names a
+/// page of the pool (unused ones a spare page), so no lookup leaves the pool.
+#[derive(Debug)]
+pub struct PageTable {
+    pub buf: DeviceBuffer,
+    pub slots: u32,
+    pub max_pages: u32,
+    /// Positions per page.
+    pub page: u32,
+    /// Pages in the pool the entries name.
+    pub pages: u32,
+    /// The entries as written (the device's once the queued copies land).
+    host: std::sync::Mutex<Vec<u32>>,
+}
+
+impl PageTable {
+    /// A table with every entry `fill`.
+    pub fn new(
+        rt: &Arc<Runtime>,
+        slots: u32,
+        max_pages: u32,
+        page: u32,
+        pages: u32,
+        fill: u32,
+    ) -> Result<Self> {
+        check_page_size(page).map_err(Error::Shape)?;
+        if slots == 0 || max_pages == 0 || fill >= pages {
+            return Err(Error::Shape(ShapeError::new(
+                "KV page table",
+                "at least one slot and one page per slot, entries inside the pool",
+                format!("{slots} slots x {max_pages} pages, fill {fill} of {pages} pages"),
+            )));
+        }
+        let n = slots as usize * max_pages as usize;
+        let buf = rt.alloc_unpooled(n * 4)?;
+        let t = Self {
+            buf,
+            slots,
+            max_pages,
+            page,
+            pages,
+            host: std::sync::Mutex::new(vec![fill; n]),
+        };
+        // SAFETY: the table holds `n` entries.
+        unsafe { rt.copy_htod(t.buf.ptr(), &words(&vec![fill; n])) }?;
+        Ok(t)
+    }
+
+    /// A table of `slots` slots of `cap` positions whose pages are the pool's in the order of
+    /// `order` (a permutation of `0 .. slots ceil(cap / page)`: slot `s`'s entry `i` is
+    /// `order[s max_pages + i]`), so that a slot's positions lie on scattered pages (tests and
+    /// benchmarks of the paged kernels).
+    pub fn with_order(
+        rt: &Arc<Runtime>,
+        slots: u32,
+        cap: u32,
+        page: u32,
+        order: &[u32],
+    ) -> Result<Self> {
+        check_page_size(page).map_err(Error::Shape)?;
+        let max_pages = cap.div_ceil(page).max(1);
+        let n = slots * max_pages;
+        let mut sorted = order.to_vec();
+        sorted.sort_unstable();
+        if sorted != (0..n).collect::<Vec<_>>() {
+            return Err(Error::Shape(ShapeError::new(
+                "KV page order",
+                format!("a permutation of 0 .. {n}"),
+                format!("{} entries", order.len()),
+            )));
+        }
+        let t = Self::new(rt, slots, max_pages, page, n, 0)?;
+        // SAFETY: the table holds slots x max_pages entries.
+        unsafe { rt.copy_htod(t.buf.ptr(), &words(order)) }?;
+        t.host.lock().unwrap().copy_from_slice(order);
+        Ok(t)
+    }
+
+    /// The pool row of (slot, kv head `h`, position `pos`) in a pool of `kv_heads` heads: the
+    /// kernels' `kv_row`, from the entries as written.
+    pub fn row(&self, kv_heads: u32, slot: u32, h: u32, pos: u32) -> u64 {
+        let host = self.host.lock().unwrap();
+        let page = host[(slot * self.max_pages + pos / self.page) as usize];
+        (u64::from(page) * u64::from(kv_heads) + u64::from(h)) * u64::from(self.page)
+            + u64::from(pos % self.page)
+    }
+
+    /// A contiguous table: slot `s` owns pages `s max_pages .. (s + 1) max_pages` of a pool of
+    /// `slots max_pages` pages, enough for `cap` positions (a slot of the unpaged layout).
+    pub fn contiguous(rt: &Arc<Runtime>, slots: u32, cap: u32, page: u32) -> Result<Self> {
+        check_page_size(page).map_err(Error::Shape)?;
+        let max_pages = cap.div_ceil(page).max(1);
+        let t = Self::new(rt, slots, max_pages, page, slots * max_pages, 0)?;
+        let ids: Vec<u32> = (0..slots * max_pages).collect();
+        // SAFETY: the table holds slots x max_pages entries.
+        unsafe { rt.copy_htod(t.buf.ptr(), &words(&ids)) }?;
+        t.host.lock().unwrap().copy_from_slice(&ids);
+        Ok(t)
+    }
+
+    /// Positions a slot reaches.
+    pub fn cap(&self) -> u32 {
+        self.max_pages * self.page
+    }
+
+    /// Writes slot `slot`'s entries from entry `first` on, stream-ordered (after the work queued
+    /// so far, before the work queued next).
+    pub fn write(&self, rt: &Runtime, slot: u32, first: u32, ids: &[u32]) -> Result<()> {
+        if slot >= self.slots
+            || first as usize + ids.len() > self.max_pages as usize
+            || ids.iter().any(|&p| p >= self.pages)
+        {
+            return Err(Error::Shape(ShapeError::new(
+                "KV page table entries",
+                format!(
+                    "slot < {}, entries inside {} pages per slot, pages < {}",
+                    self.slots, self.max_pages, self.pages
+                ),
+                format!("slot {slot}, {} entries from {first}", ids.len()),
+            )));
+        }
+        let first_entry = slot as usize * self.max_pages as usize + first as usize;
+        self.host.lock().unwrap()[first_entry..first_entry + ids.len()].copy_from_slice(ids);
+        // SAFETY: the range lies inside the table (checked above).
+        unsafe { rt.copy_htod_async(self.buf.ptr() + first_entry as u64 * 4, &words(ids)) }
+    }
+}
+
+fn words(v: &[u32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
 /// One mirror's buffers: K and V rows, and their per-row f32 scales.
 #[derive(Debug)]
 pub struct Mirror {
@@ -35,33 +189,34 @@ pub struct Mirror {
     pub vs: DeviceBuffer,
 }
 
-/// A KV cache of `slots` sequences x `kv_heads` x `cap` positions x `d` dims.
+/// One layer's KV cache: a pool of `pages` pages of `kv_heads` x `page` positions x `d` dims,
+/// found through `table`.
 #[derive(Debug)]
 pub struct DeviceKvCache {
     /// The format decode attention reads: the BF16 main cache itself, or a mirror.
     pub format: KvFormat,
-    pub slots: u32,
     pub kv_heads: u32,
-    pub cap: u32,
     pub d: u32,
     /// Hadamard block of the mirror rows (0: not rotated).
     pub block: u32,
     pub k: DeviceBuffer,
     pub v: DeviceBuffer,
     pub mirror: Option<Mirror>,
+    pub table: Arc<PageTable>,
 }
 
 impl DeviceKvCache {
-    /// Allocates a zeroed cache. `block` is the rotation block for the FP8/INT4 mirror (0 for
-    /// none; ignored for BF16).
+    /// Allocates a zeroed pool of `table.pages` pages for `table`. `block` is the rotation block
+    /// for the FP8/INT4 mirror (0 for none; ignored for BF16).
     pub fn new(
         rt: &Arc<Runtime>,
         format: KvFormat,
-        (slots, kv_heads, cap, d): (u32, u32, u32, u32),
+        (kv_heads, d): (u32, u32),
         block: u32,
+        table: Arc<PageTable>,
     ) -> Result<Self> {
         check_shape(kv_heads, kv_heads, d, block).map_err(Error::Shape)?;
-        let rows = slots as usize * kv_heads as usize * cap as usize;
+        let rows = table.pages as usize * kv_heads as usize * table.page as usize;
         let zeroed = |bytes: usize| -> Result<DeviceBuffer> {
             let b = rt.alloc(bytes.max(4))?;
             // SAFETY: the buffer holds at least `bytes` bytes.
@@ -87,28 +242,97 @@ impl DeviceKvCache {
         };
         Ok(Self {
             format,
-            slots,
             kv_heads,
-            cap,
             d,
             block: if format == KvFormat::Bf16 { 0 } else { block },
             k: zeroed(rows * d_us * 2)?,
             v: zeroed(rows * d_us * 2)?,
             mirror,
+            table,
         })
     }
 
-    fn main_params(&self) -> KvCacheParams {
+    /// A cache of `slots` sequences of `cap` positions each, every slot on its own pages
+    /// ([`PageTable::contiguous`], pages of 64 positions): the unpaged layout, for tests and
+    /// benchmarks.
+    pub fn contiguous(
+        rt: &Arc<Runtime>,
+        format: KvFormat,
+        (slots, kv_heads, cap, d): (u32, u32, u32, u32),
+        block: u32,
+    ) -> Result<Self> {
+        let table = PageTable::contiguous(rt, slots, cap, 64)?;
+        Self::new(rt, format, (kv_heads, d), block, Arc::new(table))
+    }
+
+    /// The same cache with its slots' pages in the pool order `order` ([`PageTable::with_order`]).
+    pub fn with_order(
+        rt: &Arc<Runtime>,
+        format: KvFormat,
+        (slots, kv_heads, cap, d): (u32, u32, u32, u32),
+        block: u32,
+        page: u32,
+        order: &[u32],
+    ) -> Result<Self> {
+        let table = PageTable::with_order(rt, slots, cap, page, order)?;
+        Self::new(rt, format, (kv_heads, d), block, Arc::new(table))
+    }
+
+    /// The pool row of (slot, kv head `h`, position `pos`) ([`PageTable::row`]).
+    pub fn row(&self, slot: u32, h: u32, pos: u32) -> u64 {
+        self.table.row(self.kv_heads, slot, h, pos)
+    }
+
+    /// Sequence slots (rows of the page table).
+    pub fn slots(&self) -> u32 {
+        self.table.slots
+    }
+
+    /// Positions a slot reaches.
+    pub fn cap(&self) -> u32 {
+        self.table.cap()
+    }
+
+    /// Positions per page.
+    pub fn page(&self) -> u32 {
+        self.table.page
+    }
+
+    /// Bytes of one page of this cache (K and V, mirror included).
+    pub fn page_bytes(format: KvFormat, kv_heads: u32, page: u32, d: u32) -> usize {
+        let rows = kv_heads as usize * page as usize;
+        let mirror = match format {
+            KvFormat::Bf16 => 0,
+            KvFormat::Fp8 => d as usize + 4,
+            KvFormat::Int4 => d as usize / 2 + 4,
+        };
+        2 * rows * (2 * d as usize + mirror)
+    }
+
+    fn params(
+        &self,
+        k: &DeviceBuffer,
+        v: &DeviceBuffer,
+        scales: Option<(&DeviceBuffer, &DeviceBuffer)>,
+        format: KvFormat,
+    ) -> KvCacheParams {
         KvCacheParams {
-            k: self.k.as_mut_ptr(),
-            v: self.v.as_mut_ptr(),
-            ks: DevicePtrMut::NULL,
-            vs: DevicePtrMut::NULL,
+            k: k.as_mut_ptr(),
+            v: v.as_mut_ptr(),
+            ks: scales.map_or(DevicePtrMut::NULL, |s| s.0.as_mut_ptr()),
+            vs: scales.map_or(DevicePtrMut::NULL, |s| s.1.as_mut_ptr()),
+            pages: self.table.buf.as_ptr(),
             kv_heads: self.kv_heads,
-            cap: self.cap,
+            page_shift: self.table.page.trailing_zeros(),
             d: self.d,
-            format: KvFormat::Bf16 as u32,
+            format: format as u32,
+            max_pages: self.table.max_pages,
+            pad: 0,
         }
+    }
+
+    fn main_params(&self) -> KvCacheParams {
+        self.params(&self.k, &self.v, None, KvFormat::Bf16)
     }
 
     /// The mirror's parameters for the append kernels (null pointers: no mirror).
@@ -124,16 +348,7 @@ impl DeviceKvCache {
     fn read_params(&self) -> KvCacheParams {
         match &self.mirror {
             None => self.main_params(),
-            Some(m) => KvCacheParams {
-                k: m.k.as_mut_ptr(),
-                v: m.v.as_mut_ptr(),
-                ks: m.ks.as_mut_ptr(),
-                vs: m.vs.as_mut_ptr(),
-                kv_heads: self.kv_heads,
-                cap: self.cap,
-                d: self.d,
-                format: self.format as u32,
-            },
+            Some(m) => self.params(&m.k, &m.v, Some((&m.ks, &m.vs)), self.format),
         }
     }
 
@@ -143,7 +358,7 @@ impl DeviceKvCache {
     ///
     /// # Safety
     /// The pointers must be valid device memory of those sizes until the kernel finishes, with
-    /// every slot below `slots` and every position below `cap`.
+    /// every slot below [`Self::slots`] and every position below [`Self::cap`].
     pub unsafe fn append(
         &self,
         rt: &Arc<Runtime>,
@@ -181,7 +396,7 @@ impl DeviceKvCache {
     ///
     /// # Safety
     /// The pointers must be valid device memory of those sizes until the kernel finishes, with
-    /// every slot below `slots` and every position below `cap` and `max_pos`.
+    /// every slot below [`Self::slots`] and every position below [`Self::cap`] and `max_pos`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn rope_append(
         &self,
@@ -289,10 +504,10 @@ impl DeviceKvCache {
         splits: Option<u32>,
     ) -> Result<()> {
         check_shape(heads, self.kv_heads, self.d, self.block).map_err(Error::Shape)?;
-        if max_len > self.cap {
+        if max_len > self.cap() {
             return Err(Error::Shape(crate::ShapeError::new(
                 "decode attention max_len",
-                format!("at most the cache capacity {}", self.cap),
+                format!("at most a slot's capacity {}", self.cap()),
                 max_len.to_string(),
             )));
         }
@@ -425,22 +640,20 @@ impl DeviceKvCache {
         out: DevicePtrMut<bf16>,
     ) -> Result<()> {
         prefill_attention::check_shape(heads, self.kv_heads, self.d).map_err(Error::Shape)?;
-        prefill_attention::check_seqs(seqs, rows, self.slots, self.cap).map_err(Error::Shape)?;
+        prefill_attention::check_seqs(seqs, rows, self.slots(), self.cap())
+            .map_err(Error::Shape)?;
         let p = PrefillAttnParams {
             q,
-            k: self.k.as_ptr(),
-            v: self.v.as_ptr(),
             out,
             seqs: seqs_dev,
+            cache: self.main_params(),
             n_seqs: seqs.len() as u32,
             heads,
-            kv_heads: self.kv_heads,
-            cap: self.cap,
             scale_log2: std::f32::consts::LOG2_E / (self.d as f32).sqrt(),
             pad: 0,
         };
-        // SAFETY: the caller's guarantees; the cache buffers are owned by self and hold
-        // slots x kv_heads x cap x d bf16.
+        // SAFETY: the caller's guarantees; the pool is owned by self and every page-table entry
+        // names one of its pages.
         unsafe { prefill_attention::prefill_attention(rt, &p, seqs, self.d) }
     }
 

@@ -7,8 +7,12 @@
 //! samples the next position with the updated history. `stoke_formats::sample::sample_row` is
 //! the CPU reference, token for token.
 
-pub use crate::kernels::sample::SampleElem;
-use crate::kernels::sample::{MAX_VOCAB, SampleParams, THREADS, entry_point};
+use crate::kernels::sample::{
+    LogprobParams, MAX_VOCAB, SampleParams, THREADS, entry_point, logprobs_entry_point,
+};
+pub use crate::kernels::sample::{
+    MAX_TOP_LOGPROBS, ROW_ACTIVE, ROW_LOGPROB, RowSample, SampleElem,
+};
 use crate::{DevicePtr, DevicePtrMut, Error, LaunchShape, Result, Runtime, ShapeError};
 
 /// Sampling settings of one launch; every row uses the same (the CPU reference's type).
@@ -59,7 +63,13 @@ pub struct SampleCall<T> {
     /// the sequence (the repetition penalty applies to it); the chosen token's bit is set.
     /// Null: no penalty, nothing written.
     pub presence: DevicePtrMut<u32>,
+    /// The settings of every row where `row_cfg` is null (stream = row).
     pub params: SamplingParams,
+    /// `[lanes]` each lane's own settings; null: `params`.
+    pub row_cfg: DevicePtr<RowSample>,
+    /// `[rows]` the lane whose id, counter, presence words and settings row `r` uses; null:
+    /// lane `r`. (`ids_out`, `pos` and `presence` then hold lanes, not rows.)
+    pub lane_of: DevicePtr<u32>,
 }
 
 impl<T: SampleElem> SampleCall<T> {
@@ -107,8 +117,66 @@ impl<T: SampleElem> SampleCall<T> {
             top_k: self.params.top_k,
             top_p: self.params.top_p,
             repetition_penalty: self.params.repetition_penalty,
+            row_cfg: self.row_cfg,
+            lane_of: self.lane_of,
         })
     }
+}
+
+/// Checks one lane's settings as [`check_params`] does.
+pub fn check_row(r: &RowSample) -> std::result::Result<(), ShapeError> {
+    check_params(&SamplingParams {
+        temperature: r.temperature,
+        top_k: r.top_k,
+        top_p: r.top_p,
+        repetition_penalty: r.repetition_penalty,
+        seed: r.seed,
+    })
+}
+
+/// Queues the log-probabilities of the rows of `call` whose lane settings ask for them
+/// ([`ROW_LOGPROB`], up to [`MAX_TOP_LOGPROBS`] top tokens) after the sampling `call` made:
+/// `out [rows, 1 + MAX_TOP_LOGPROBS, 2]` (id bits, log-probability) of the chosen token, then
+/// of the top tokens, the log-softmax of the raw logits. `call.row_cfg` must be set.
+///
+/// # Safety
+/// As for [`sample`]; `out` holds `rows x (1 + MAX_TOP_LOGPROBS) x 2` f32.
+pub unsafe fn logprobs<T: SampleElem>(
+    rt: &Runtime,
+    call: &SampleCall<T>,
+    out: DevicePtrMut<f32>,
+) -> Result<()> {
+    call.kernel_params()?;
+    if call.row_cfg.is_null() || out.is_null() {
+        return Err(Error::Shape(ShapeError::new(
+            "log-probabilities",
+            "per-lane settings and an output buffer",
+            format!("row_cfg {:?}, out {:?}", call.row_cfg, out),
+        )));
+    }
+    if call.rows == 0 {
+        return Ok(());
+    }
+    let params = LogprobParams {
+        logits: call.logits,
+        ids: call.ids_out.as_const(),
+        row_cfg: call.row_cfg,
+        lane_of: call.lane_of,
+        out,
+        row_stride: call.row_stride,
+        vocab: call.vocab,
+        rows: call.rows,
+        pad: 0,
+    };
+    let kernel = rt.kernel(logprobs_entry_point::<T>())?;
+    let shape = LaunchShape {
+        grid: (call.rows, 1, 1),
+        block: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the params mirror the kernel's struct (layout test); the caller guarantees the
+    // buffers.
+    unsafe { rt.launch(&kernel, shape, &params) }
 }
 
 /// Queues the sampling of `call.rows` rows on Stoke's stream (one CTA per row). Works inside a
@@ -149,6 +217,8 @@ mod tests {
             pos: DevicePtrMut::NULL,
             presence: DevicePtrMut::NULL,
             params,
+            row_cfg: DevicePtr::NULL,
+            lane_of: DevicePtr::NULL,
         }
     }
 

@@ -193,8 +193,9 @@ pub fn argmax(v: &[f32]) -> u32 {
 
 /// Picks the token of one row of `logits` (`[vocab]`, f32: bf16 logits widened), given the
 /// row's presence bitmap (`[(vocab + 31) / 32]` words, bit `i % 32` of word `i / 32` for token
-/// `i`; `None`: no token present), the draw `counter` (the row's position) and `row` (its index
-/// in the batch, part of the Philox counter). The module doc states the algorithm.
+/// `i`; `None`: no token present), the draw `counter` (the row's position) and `row` (the
+/// draw's stream, Philox counter word 1: the row's index in the batch, or a request's own).
+/// The module doc states the algorithm.
 ///
 /// # Panics
 /// If `logits` is empty or `presence` is shorter than `(vocab + 31) / 32`.
@@ -270,9 +271,54 @@ pub fn sample_row(
     unreachable!("the largest logit always weighs WEIGHT_ONE")
 }
 
+/// Log-probabilities of one row of raw logits (the log-softmax, no penalty, no temperature; NaN
+/// counts as `-inf`), computed in f64: of token `id` (`-inf` past the vocabulary), and of the
+/// `top` largest logits in order (ties to the lower index) as `(token, logprob)`. The reference
+/// of the log-probability kernel (`kernels/sample.cu`), which sums in f32.
+pub fn logprobs_row(logits: &[f32], id: u32, top: usize) -> (f32, Vec<(u32, f32)>) {
+    let clean = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { x };
+    let max = logits
+        .iter()
+        .map(|&x| clean(x))
+        .fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&x| (clean(x) as f64 - max).exp()).sum();
+    let lse = max + sum.ln();
+    let lp = |x: f32| (clean(x) as f64 - lse) as f32;
+    let chosen = logits
+        .get(id as usize)
+        .map_or(f32::NEG_INFINITY, |&x| lp(x));
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    order.sort_by(|&a, &b| {
+        clean(logits[b as usize])
+            .total_cmp(&clean(logits[a as usize]))
+            .then(a.cmp(&b))
+    });
+    let tops = order
+        .into_iter()
+        .take(top)
+        .map(|i| (i, lp(logits[i as usize])))
+        .collect();
+    (chosen, tops)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn logprobs_are_the_log_softmax_with_the_top_in_order() {
+        let l = [1.0f32, 3.0, f32::NAN, 3.0, -2.0];
+        let (c, top) = logprobs_row(&l, 1, 3);
+        let z: f64 = [1.0f64, 3.0, 3.0, -2.0].iter().map(|x| x.exp()).sum();
+        assert!((c as f64 - (3.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3, 0]);
+        assert!((top[2].1 as f64 - (1.0 - z.ln())).abs() < 1e-6);
+        let total: f64 = (0..5)
+            .map(|i| (logprobs_row(&l, i, 0).0 as f64).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert_eq!(logprobs_row(&l, 9, 0).0, f32::NEG_INFINITY);
+    }
 
     /// A small deterministic generator for test logits (SplitMix64).
     struct Mix(u64);

@@ -1,12 +1,19 @@
-//! The decode step's fused ops: a decoder (the KV cache of every layer, the step's token ids and
-//! positions, the sampling state) owned by the backend, and the ops of one step that use it.
+//! The decode step's fused ops: a decoder (the paged KV cache of every layer, each lane's token
+//! id, position and sampling settings) owned by the backend, and the ops of one step that use
+//! it.
 //!
-//! Model code calls [`decode_embed`], [`decode_attention`] and [`decode_sample`] between its
-//! projections and norms, and runs the step through [`decode_step`]. On any backend the
-//! [`RefDecoder`] runs them as plain Burn compositions (host-side ids and positions, the cache
-//! as Burn tensors, sampling on the host with the device sampler's algorithm); `Stoke<Cuda>`
-//! keeps everything in its own device memory and replays the step as a CUDA graph
-//! (`cuda::decoder`).
+//! A decoder runs up to [`DecodeSpec::lanes`] sequences at once, each in a *lane*. The caller
+//! (an engine's scheduler) owns the pages of the KV pool: it gives a lane the pages of its
+//! sequence ([`LaneOp::Set`], [`LaneOp::Pages`]), prefills the prompt into them (packed, several
+//! sequences per forward: [`prefill_attention`]), activates the lane ([`LaneOp::Activate`]) and
+//! samples its first token ([`prefill_sample`]); from then on every decode step ([`decode_step`])
+//! feeds each active lane its last token and samples the next one, each lane with its own
+//! settings ([`LaneSampling`]). Lanes join and leave between steps; sequences share the pages of
+//! a common prompt prefix. Model code calls [`decode_embed`], [`decode_attention`] and
+//! [`decode_sample`] between its projections and norms. On any backend the [`RefDecoder`] runs
+//! them as plain Burn compositions (the page pool as Burn tensors, sampling on the host with the
+//! device sampler's algorithm); `Stoke<Cuda>` keeps everything in its own device memory and
+//! replays the step as a CUDA graph (`cuda::decoder`).
 
 use crate::fused::{FusedOps, rms_norm_reference};
 use burn::tensor::{Bool, Int, Tensor, TensorData, TensorPrimitive, module};
@@ -44,6 +51,68 @@ impl std::str::FromStr for KvCacheFormat {
 /// How the next token is picked ([`stoke_formats::sample`] is the algorithm).
 pub type Sampling = stoke_formats::sample::SamplingParams;
 
+/// Positions per KV page unless a decoder is made with another size.
+pub const DEFAULT_PAGE_SIZE: usize = 64;
+
+/// The page that page-table entries name when they hold no sequence's positions (lanes without
+/// a sequence, entries past a sequence's pages). It never holds a sequence's rows: a pool's
+/// usable pages are `1 .. pages`.
+pub const SPARE_PAGE: u32 = 0;
+
+/// Most top log-probabilities a lane may ask for.
+pub const MAX_TOP_LOGPROBS: usize = stoke_cuda::sample::MAX_TOP_LOGPROBS as usize;
+
+/// One lane's sampling settings: a request's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LaneSampling {
+    /// `<= 0`: greedy.
+    pub temperature: f32,
+    /// 0: off.
+    pub top_k: u32,
+    /// `>= 1`: off.
+    pub top_p: f32,
+    /// 1: off.
+    pub repetition_penalty: f32,
+    /// The draws' key: a request's seed.
+    pub seed: u64,
+    /// The draws' stream (Philox counter word 1): two requests with one seed draw differently
+    /// when their streams differ (the choices of one request).
+    pub stream: u32,
+    /// Log-probabilities of each sampled token and of this many most likely ones (at most
+    /// [`MAX_TOP_LOGPROBS`]); `None`: none.
+    pub logprobs: Option<u32>,
+}
+
+impl LaneSampling {
+    /// Argmax, no penalty, no log-probabilities.
+    pub const GREEDY: Self = Self {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        repetition_penalty: 1.0,
+        seed: 0,
+        stream: 0,
+        logprobs: None,
+    };
+
+    /// The settings of the sampling algorithm.
+    pub fn params(&self) -> Sampling {
+        Sampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+        }
+    }
+}
+
+impl Default for LaneSampling {
+    fn default() -> Self {
+        Self::GREEDY
+    }
+}
+
 /// What a decoder is built for.
 #[derive(Clone, Debug)]
 pub struct DecodeSpec {
@@ -53,16 +122,19 @@ pub struct DecodeSpec {
     pub head_dim: usize,
     pub hidden: usize,
     pub vocab: usize,
-    /// Sequences decoded together.
-    pub batch: usize,
-    /// Positions per sequence (prompt and generated tokens).
+    /// Sequences decoded together at most.
+    pub lanes: usize,
+    /// Positions per sequence at most (prompt and generated tokens).
     pub capacity: usize,
+    /// Positions per KV page: a power of two from 16 to 4096.
+    pub page_size: usize,
+    /// Pages in the pool of every layer (page [`SPARE_PAGE`] included).
+    pub pages: usize,
     /// RoPE angles: `[positions, head_dim / 2, 2]` (cos, sin), `positions >= capacity`.
     pub rope: Arc<Vec<f32>>,
     pub kv_format: KvCacheFormat,
     /// Hadamard block of the FP8/INT4 rows (0: no rotation).
     pub rotate_block: usize,
-    pub sampling: Sampling,
     pub rms_norm_eps: f64,
     /// Run every step as it is queued, without CUDA graphs (for debugging).
     pub eager: bool,
@@ -70,7 +142,7 @@ pub struct DecodeSpec {
     pub keep_logits: bool,
 }
 
-/// Why a decoder cannot be made or a step cannot run.
+/// Why a decoder cannot be made or an op cannot run.
 #[derive(Debug, thiserror::Error)]
 pub enum DecodeError {
     #[error("{what}: expected {expected}, got {got}")]
@@ -83,11 +155,17 @@ pub enum DecodeError {
         "context overflow: a sequence needs position {needed}, the decoder holds {capacity} per sequence"
     )]
     ContextOverflow { needed: usize, capacity: usize },
+    #[error("lane {lane}: {reason}")]
+    Lane { lane: usize, reason: String },
     #[error("stoke: {0}")]
     Cuda(#[from] stoke_cuda::Error),
 }
 
-fn shape_err(what: &'static str, expected: impl ToString, got: impl ToString) -> DecodeError {
+pub(crate) fn shape_err(
+    what: &'static str,
+    expected: impl ToString,
+    got: impl ToString,
+) -> DecodeError {
     DecodeError::Shape {
         what,
         expected: expected.to_string(),
@@ -95,9 +173,16 @@ fn shape_err(what: &'static str, expected: impl ToString, got: impl ToString) ->
     }
 }
 
+fn lane_err(lane: usize, reason: impl ToString) -> DecodeError {
+    DecodeError::Lane {
+        lane,
+        reason: reason.to_string(),
+    }
+}
+
 /// One sequence's part of a packed prefill: `rows` consecutive rows of the packed batch that go
-/// to the decoder's sequence `slot` at positions `pos0 .. pos0 + rows` (`pos0 > 0`: the
-/// positions before it are already in the cache, from an earlier chunk).
+/// to the sequence in lane `slot` at positions `pos0 .. pos0 + rows` (`pos0 > 0`: the positions
+/// before it are already in the lane's pages, from an earlier chunk or a shared prefix).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PackedSeq {
     pub slot: usize,
@@ -105,7 +190,7 @@ pub struct PackedSeq {
     pub rows: usize,
 }
 
-/// Packs prompts of `lens` tokens (sequence `i` in slot `i`, from position 0) into chunks of
+/// Packs prompts of `lens` tokens (sequence `i` in lane `i`, from position 0) into chunks of
 /// at most `chunk` rows, without padding: a chunk holds whole prompts and the pieces of the ones
 /// that do not fit, which continue in the next chunk. Empty prompts get no rows.
 pub fn pack_prompts(lens: &[usize], chunk: usize) -> Vec<Vec<PackedSeq>> {
@@ -130,43 +215,340 @@ pub fn pack_prompts(lens: &[usize], chunk: usize) -> Vec<Vec<PackedSeq>> {
     chunks
 }
 
-/// Checks a packed prefill's layout against the decoder and the `rows` of its input: every
-/// sequence non-empty, in its own slot below the batch, inside the capacity, and the rows
-/// adding up.
-pub(crate) fn check_packed(
-    seqs: &[PackedSeq],
-    spec: &DecodeSpec,
-    rows: usize,
-) -> Result<(), DecodeError> {
-    let total: usize = seqs.iter().map(|s| s.rows).sum();
-    if total != rows {
-        return Err(shape_err(
-            "packed prefill rows",
-            format!("{total} (the sequences' rows)"),
-            rows,
-        ));
+/// A change to the decoder's lanes, queued in order with its steps (stream-ordered on the GPU:
+/// a step queued before it does not see it, one queued after does).
+#[derive(Clone, Copy, Debug)]
+pub enum LaneOp<'a> {
+    /// A sequence takes the free lane `lane`: its pages (entry `i` holds positions `i page ..
+    /// (i + 1) page`), the tokens its repetition penalty sees (the prompt) and its sampling
+    /// settings. The lane is prefilled next; steps pass it by until it is activated.
+    Set {
+        lane: usize,
+        pages: &'a [u32],
+        tokens: &'a [u32],
+        sampling: LaneSampling,
+    },
+    /// More pages for `lane`'s sequence, from page-table entry `first` on.
+    Pages {
+        lane: usize,
+        first: usize,
+        pages: &'a [u32],
+    },
+    /// `lane`'s sequence is prefilled through position `pos` (its last token's): its next
+    /// sampling ([`prefill_sample`]) draws with counter `pos`, and every step after it decodes
+    /// the lane.
+    Activate { lane: usize, pos: usize },
+    /// `lane` holds no sequence any more.
+    Clear { lane: usize },
+    /// The sequence in `from` moves to the free lane `to`: its last sampled token, its tokens,
+    /// pages, settings and position (compacting the lanes a step runs over).
+    Move { from: usize, to: usize },
+}
+
+/// Log-probabilities of one sampled token: the log-softmax of the raw logits at the token, and
+/// at the most likely tokens, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The tokens one sampling drew ([`decode_take`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Sampled {
+    /// The lanes sampled: a step's active lanes, or the lanes a prefill sampling was given.
+    pub lanes: Vec<usize>,
+    /// Each lane's token, in `lanes` order.
+    pub ids: Vec<u32>,
+    /// Each lane's log-probabilities, where it asks for them.
+    pub logprobs: Vec<Option<TokenLogprobs>>,
+}
+
+/// Rows a step of lanes `0 .. lanes` runs with: the next bucket of 1, 2, 4, 8, 16, 32, 64, ...
+pub fn batch_bucket(lanes: usize) -> usize {
+    lanes.next_power_of_two().max(1)
+}
+
+/// One lane as the host knows it.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Lane {
+    /// Whether a sequence holds the lane.
+    pub held: bool,
+    /// Whether steps decode it.
+    pub active: bool,
+    pub pages: Vec<u32>,
+    /// The position of the token the next step feeds (its last token's once activated).
+    pub pos: usize,
+    pub sampling: LaneSampling,
+}
+
+/// The lanes of a decoder: what each holds, checked as ops arrive. Both decoders keep one and
+/// mirror it into their own storage.
+#[derive(Clone, Debug)]
+pub(crate) struct Lanes {
+    pub lanes: Vec<Lane>,
+    page: usize,
+    max_pages: usize,
+    pages: usize,
+    capacity: usize,
+    vocab: usize,
+}
+
+impl Lanes {
+    pub fn new(spec: &DecodeSpec) -> Self {
+        Self {
+            lanes: vec![Lane::default(); spec.lanes],
+            page: spec.page_size,
+            max_pages: spec.capacity.div_ceil(spec.page_size),
+            pages: spec.pages,
+            capacity: spec.capacity,
+            vocab: spec.vocab,
+        }
     }
-    for (i, s) in seqs.iter().enumerate() {
-        if s.rows == 0 || s.slot >= spec.batch {
-            return Err(shape_err(
-                "packed prefill sequence",
-                format!("at least one row, slot below the batch {}", spec.batch),
-                format!("sequence {i}: {s:?}"),
+
+    fn lane(&self, lane: usize) -> Result<&Lane, DecodeError> {
+        self.lanes.get(lane).ok_or_else(|| {
+            lane_err(
+                lane,
+                format!("past the decoder's {} lanes", self.lanes.len()),
+            )
+        })
+    }
+
+    fn check_pages(&self, lane: usize, first: usize, pages: &[u32]) -> Result<(), DecodeError> {
+        if first + pages.len() > self.max_pages {
+            return Err(lane_err(
+                lane,
+                format!(
+                    "pages {first} .. {} past the {} a sequence holds",
+                    first + pages.len(),
+                    self.max_pages
+                ),
             ));
         }
-        if s.pos0 + s.rows > spec.capacity {
-            return Err(DecodeError::ContextOverflow {
-                needed: s.pos0 + s.rows,
-                capacity: spec.capacity,
-            });
-        }
-        if seqs[..i].iter().any(|o| o.slot == s.slot) {
-            return Err(shape_err(
-                "packed prefill sequence",
-                "one part per slot",
-                format!("sequence {i}: slot {} twice", s.slot),
+        if let Some(p) = pages
+            .iter()
+            .find(|&&p| p == SPARE_PAGE || p as usize >= self.pages)
+        {
+            return Err(lane_err(
+                lane,
+                format!("page {p} is not one of the pool's 1 .. {}", self.pages),
             ));
         }
+        Ok(())
+    }
+
+    /// Checks `op` and applies it to the host's view.
+    pub fn apply(&mut self, op: &LaneOp) -> Result<(), DecodeError> {
+        match *op {
+            LaneOp::Set {
+                lane,
+                pages,
+                tokens,
+                sampling,
+            } => {
+                if self.lane(lane)?.held {
+                    return Err(lane_err(lane, "already holds a sequence"));
+                }
+                self.check_pages(lane, 0, pages)?;
+                if let Some(t) = tokens.iter().find(|&&t| t as usize >= self.vocab) {
+                    return Err(lane_err(
+                        lane,
+                        format!("token {t} past the vocabulary of {}", self.vocab),
+                    ));
+                }
+                check_sampling(lane, &sampling)?;
+                self.lanes[lane] = Lane {
+                    held: true,
+                    active: false,
+                    pages: pages.to_vec(),
+                    pos: 0,
+                    sampling,
+                };
+            }
+            LaneOp::Pages { lane, first, pages } => {
+                let l = self.lane(lane)?;
+                if !l.held {
+                    return Err(lane_err(lane, "holds no sequence to give pages to"));
+                }
+                if first > l.pages.len() {
+                    return Err(lane_err(
+                        lane,
+                        format!("pages from {first} leave a gap after its {}", l.pages.len()),
+                    ));
+                }
+                self.check_pages(lane, first, pages)?;
+                let l = &mut self.lanes[lane];
+                l.pages.truncate(first);
+                l.pages.extend_from_slice(pages);
+            }
+            LaneOp::Activate { lane, pos } => {
+                let l = self.lane(lane)?;
+                if !l.held {
+                    return Err(lane_err(lane, "holds no sequence to activate"));
+                }
+                if pos >= self.capacity {
+                    return Err(DecodeError::ContextOverflow {
+                        needed: pos + 1,
+                        capacity: self.capacity,
+                    });
+                }
+                let l = &mut self.lanes[lane];
+                l.active = true;
+                l.pos = pos;
+            }
+            LaneOp::Clear { lane } => {
+                self.lane(lane)?;
+                self.lanes[lane] = Lane::default();
+            }
+            LaneOp::Move { from, to } => {
+                if !self.lane(from)?.held {
+                    return Err(lane_err(from, "holds no sequence to move"));
+                }
+                if self.lane(to)?.held {
+                    return Err(lane_err(to, "already holds a sequence"));
+                }
+                self.lanes[to] = std::mem::take(&mut self.lanes[from]);
+            }
+        }
+        Ok(())
+    }
+
+    /// The lanes a step decodes.
+    pub fn active(&self) -> Vec<usize> {
+        (0..self.lanes.len())
+            .filter(|&i| self.lanes[i].active)
+            .collect()
+    }
+
+    /// Rows of the next step (lanes `0 ..` the last active one, in a bucket), after checking
+    /// that every active lane has a page for the position it writes.
+    pub fn step_rows(&self) -> Result<usize, DecodeError> {
+        let active = self.active();
+        let Some(&last) = active.last() else {
+            return Err(shape_err("decode step", "an active lane", "none"));
+        };
+        for &i in &active {
+            let l = &self.lanes[i];
+            if l.pos >= self.capacity {
+                return Err(DecodeError::ContextOverflow {
+                    needed: l.pos + 1,
+                    capacity: self.capacity,
+                });
+            }
+            if l.pos / self.page >= l.pages.len() {
+                return Err(lane_err(
+                    i,
+                    format!(
+                        "no page for position {} ({} pages of {})",
+                        l.pos,
+                        l.pages.len(),
+                        self.page
+                    ),
+                ));
+            }
+        }
+        Ok(batch_bucket(last + 1).min(self.lanes.len()))
+    }
+
+    /// The largest position an active lane writes next.
+    pub fn max_position(&self) -> usize {
+        self.lanes
+            .iter()
+            .filter(|l| l.active)
+            .map(|l| l.pos)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// After a step: every active lane moves on one position.
+    pub fn advance(&mut self) {
+        for l in self.lanes.iter_mut().filter(|l| l.active) {
+            l.pos += 1;
+        }
+    }
+
+    /// Checks a packed prefill's layout against the lanes and the `rows` of its input: every
+    /// sequence non-empty, in a held lane of its own, inside the lane's pages.
+    pub fn check_packed(&self, seqs: &[PackedSeq], rows: usize) -> Result<(), DecodeError> {
+        let total: usize = seqs.iter().map(|s| s.rows).sum();
+        if total != rows {
+            return Err(shape_err(
+                "packed prefill rows",
+                format!("{total} (the sequences' rows)"),
+                rows,
+            ));
+        }
+        for (i, s) in seqs.iter().enumerate() {
+            if s.rows == 0 || s.slot >= self.lanes.len() {
+                return Err(shape_err(
+                    "packed prefill sequence",
+                    format!("at least one row, a lane below {}", self.lanes.len()),
+                    format!("sequence {i}: {s:?}"),
+                ));
+            }
+            if s.pos0 + s.rows > self.capacity {
+                return Err(DecodeError::ContextOverflow {
+                    needed: s.pos0 + s.rows,
+                    capacity: self.capacity,
+                });
+            }
+            let l = &self.lanes[s.slot];
+            if !l.held || s.pos0 + s.rows > l.pages.len() * self.page {
+                return Err(lane_err(
+                    s.slot,
+                    format!(
+                        "prefill of positions {} .. {} past its {} pages of {}",
+                        s.pos0,
+                        s.pos0 + s.rows,
+                        l.pages.len(),
+                        self.page
+                    ),
+                ));
+            }
+            if seqs[..i].iter().any(|o| o.slot == s.slot) {
+                return Err(shape_err(
+                    "packed prefill sequence",
+                    "one part per lane",
+                    format!("sequence {i}: lane {} twice", s.slot),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the lanes of a prefill sampling of `rows` rows.
+    pub fn check_sample_lanes(&self, lanes: &[usize], rows: usize) -> Result<(), DecodeError> {
+        if lanes.len() != rows {
+            return Err(shape_err(
+                "prefill sampling lanes",
+                format!("one per row of logits ({rows})"),
+                lanes.len(),
+            ));
+        }
+        for (i, &lane) in lanes.iter().enumerate() {
+            if !self.lane(lane)?.held {
+                return Err(lane_err(lane, "holds no sequence to sample"));
+            }
+            if lanes[..i].contains(&lane) {
+                return Err(lane_err(lane, "sampled twice in one call"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks a lane's sampling settings (what the kernels take).
+fn check_sampling(lane: usize, s: &LaneSampling) -> Result<(), DecodeError> {
+    stoke_cuda::sample::check_params(&s.params()).map_err(|e| lane_err(lane, e))?;
+    if s.logprobs.is_some_and(|n| n as usize > MAX_TOP_LOGPROBS) {
+        return Err(lane_err(
+            lane,
+            format!(
+                "top log-probabilities {:?} past {MAX_TOP_LOGPROBS}",
+                s.logprobs
+            ),
+        ));
     }
     Ok(())
 }
@@ -185,8 +567,26 @@ impl DecodeSpec {
                 format!("{} over {} kv heads", self.heads, self.kv_heads),
             ));
         }
-        if self.batch == 0 {
-            return Err(shape_err("decoder batch", "at least 1", 0));
+        if self.lanes == 0 {
+            return Err(shape_err("decoder lanes", "at least 1", 0));
+        }
+        let page = self.page_size;
+        if !page.is_power_of_two() || !(16..=4096).contains(&page) {
+            return Err(shape_err(
+                "decoder page size",
+                "a power of two from 16 to 4096 positions",
+                page,
+            ));
+        }
+        if self.capacity == 0 {
+            return Err(shape_err("decoder capacity", "at least 1 position", 0));
+        }
+        if self.pages < 2 || self.pages > u32::MAX as usize {
+            return Err(shape_err(
+                "decoder pages",
+                "at least 2 (one is the spare page)",
+                self.pages,
+            ));
         }
         let positions = self.rope.len() / d.max(1);
         if !self.rope.len().is_multiple_of(d) || positions < self.capacity {
@@ -203,38 +603,19 @@ impl DecodeSpec {
     pub fn rope_positions(&self) -> usize {
         self.rope.len() / self.head_dim
     }
+
+    /// Pages a sequence of `capacity` positions holds at most.
+    pub fn max_pages(&self) -> usize {
+        self.capacity.div_ceil(self.page_size)
+    }
 }
 
-/// The decoder of any backend: Burn tensors for the cache, ids and positions on the host.
-#[derive(Debug)]
-pub struct RefDecoder<B: Backend> {
-    pub spec: DecodeSpec,
-    /// Each layer's cache `[batch, kv_heads, capacity, head_dim]`; `None` only while a row is
-    /// written (see [`assign_rows`]).
-    keys: Vec<Option<Tensor<B, 4>>>,
-    values: Vec<Option<Tensor<B, 4>>>,
-    /// With an FP8/INT4 mirror: the exact cache beside it (`keys` / `values` then hold the
-    /// mirror's values), which prefill attention reads as the kernels' does; empty for BF16.
-    exact_keys: Vec<Option<Tensor<B, 4>>>,
-    exact_values: Vec<Option<Tensor<B, 4>>>,
-    /// Where each sequence's current token goes (the tokens before it are in the cache).
-    pos: Vec<usize>,
-    ids: Vec<u32>,
-    presence: Vec<Vec<u32>>,
-    cos: Tensor<B, 2>,
-    sin: Tensor<B, 2>,
-    pending: VecDeque<Vec<u32>>,
-    in_step: bool,
-    last_logits: Option<Vec<f32>>,
-    device: B::Device,
-}
-
-/// Checks ids given to [`decode_force_ids`]: one per sequence, each in the vocabulary.
-pub(crate) fn check_forced(ids: &[u32], batch: usize, vocab: usize) -> Result<(), DecodeError> {
-    if ids.len() != batch {
+/// Checks ids given to [`decode_force_ids`]: one per lane from lane 0, each in the vocabulary.
+pub(crate) fn check_forced(ids: &[u32], lanes: usize, vocab: usize) -> Result<(), DecodeError> {
+    if ids.len() > lanes {
         return Err(shape_err(
             "forced ids",
-            format!("{batch} (one per sequence)"),
+            format!("at most one per lane ({lanes})"),
             ids.len(),
         ));
     }
@@ -248,53 +629,29 @@ pub(crate) fn check_forced(ids: &[u32], batch: usize, vocab: usize) -> Result<()
     Ok(())
 }
 
-/// The state `prompts` start a decoder of `rows` sequences in, checked against its batch and
-/// capacity: each row's next position (the prompt's length; 0 past the prompts) and the
-/// presence words of the tokens the repetition penalty sees (`rows x ceil(vocab / 32)`).
-pub(crate) fn prompt_state(
-    prompts: &[Vec<u32>],
-    spec: &DecodeSpec,
-    rows: usize,
-) -> Result<(Vec<usize>, Vec<u32>), DecodeError> {
-    if prompts.len() > spec.batch {
-        return Err(shape_err(
-            "prompts for the decoder",
-            format!("at most its batch {}", spec.batch),
-            prompts.len(),
-        ));
+/// Presence words (`ceil(vocab / 32)`) with the bits of `tokens` set.
+pub(crate) fn presence_words(tokens: &[u32], vocab: usize) -> Vec<u32> {
+    let mut w = vec![0u32; words(vocab)];
+    for &t in tokens.iter().filter(|&&t| (t as usize) < vocab) {
+        w[t as usize / 32] |= 1 << (t % 32);
     }
-    let words = words(spec.vocab);
-    let mut pos = vec![0; rows];
-    let mut presence = vec![0u32; rows * words];
-    for (i, p) in prompts.iter().enumerate() {
-        if p.len() >= spec.capacity {
-            return Err(DecodeError::ContextOverflow {
-                needed: p.len() + 1,
-                capacity: spec.capacity,
-            });
-        }
-        pos[i] = p.len();
-        for &t in p.iter().filter(|&&t| (t as usize) < spec.vocab) {
-            presence[i * words + t as usize / 32] |= 1 << (t % 32);
-        }
-    }
-    Ok((pos, presence))
+    w
 }
 
-/// `slot[rows] = value`, with the cache tensor moved out of `slot` rather than cloned: held
+pub(crate) fn words(vocab: usize) -> usize {
+    vocab.div_ceil(32)
+}
+
+/// `slot[rows] = value`, with the pool tensor moved out of `slot` rather than cloned: held
 /// once, it is updated in place (a backend with copy-on-write storage, NdArray, would otherwise
-/// copy the whole layer cache for each row written).
+/// copy the whole layer pool for each row written).
 fn assign_rows<B: Backend>(
     slot: &mut Option<Tensor<B, 4>>,
     rows: [std::ops::Range<usize>; 4],
     value: Tensor<B, 4>,
 ) {
-    let cache = slot.take().expect("the cache is in place between writes");
-    *slot = Some(cache.slice_assign(rows, value));
-}
-
-fn words(vocab: usize) -> usize {
-    vocab.div_ceil(32)
+    let pool = slot.take().expect("the pool is in place between writes");
+    *slot = Some(pool.slice_assign(rows, value));
 }
 
 /// Rotate-half RoPE of `x [rows, heads, d]` by per-row angles `[rows, 1, d / 2]`, in f32 and
@@ -315,12 +672,46 @@ fn rope_rows<B: Backend>(x: Tensor<B, 3>, cos: &Tensor<B, 3>, sin: &Tensor<B, 3>
     .cast(dtype)
 }
 
+/// A lane's state that only the reference decoder keeps (the GPU decoder keeps it on the
+/// device): its last sampled token and the presence words of its tokens.
+#[derive(Clone, Debug, Default)]
+struct RefLane {
+    id: u32,
+    presence: Vec<u32>,
+}
+
+/// The decoder of any backend: each layer's page pool as Burn tensors, the lanes on the host.
+#[derive(Debug)]
+pub struct RefDecoder<B: Backend> {
+    pub spec: DecodeSpec,
+    /// Each layer's pool `[pages, kv_heads, page, head_dim]`; `None` only while a row is
+    /// written (see [`assign_rows`]).
+    keys: Vec<Option<Tensor<B, 4>>>,
+    values: Vec<Option<Tensor<B, 4>>>,
+    /// With an FP8/INT4 mirror: the exact pool beside it (`keys` / `values` then hold the
+    /// mirror's values), which prefill attention reads as the kernels' does; empty for BF16.
+    exact_keys: Vec<Option<Tensor<B, 4>>>,
+    exact_values: Vec<Option<Tensor<B, 4>>>,
+    lanes: Lanes,
+    state: Vec<RefLane>,
+    /// Rows of the step being run, and its active lanes.
+    rows: usize,
+    step_lanes: Vec<usize>,
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+    pending: VecDeque<Sampled>,
+    in_step: bool,
+    last_logits: Option<Vec<f32>>,
+    device: B::Device,
+}
+
 impl<B: Backend> RefDecoder<B> {
     pub fn new(spec: DecodeSpec, dtype: DType, device: &B::Device) -> Result<Self, DecodeError> {
         spec.validate()?;
-        let (b, kvh, cap, d) = (spec.batch, spec.kv_heads, spec.capacity, spec.head_dim);
-        let z = || Some(Tensor::<B, 4>::zeros([b, kvh, cap, d], device).cast(dtype));
+        let (pages, kvh, page, d) = (spec.pages, spec.kv_heads, spec.page_size, spec.head_dim);
+        let z = || Some(Tensor::<B, 4>::zeros([pages, kvh, page, d], device).cast(dtype));
         let half = d / 2;
+        let cap = spec.capacity;
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
         for pair in spec.rope[..cap * d].chunks(2) {
             cos.push(pair[0]);
@@ -336,9 +727,10 @@ impl<B: Backend> RefDecoder<B> {
             values: (0..spec.layers).map(|_| z()).collect(),
             exact_keys: (0..exact).map(|_| z()).collect(),
             exact_values: (0..exact).map(|_| z()).collect(),
-            pos: vec![0; b],
-            ids: vec![0; b],
-            presence: vec![vec![0; words(spec.vocab)]; b],
+            lanes: Lanes::new(&spec),
+            state: vec![RefLane::default(); spec.lanes],
+            rows: 0,
+            step_lanes: Vec::new(),
             cos: Tensor::from_data(TensorData::new(cos, [cap, half]), device),
             sin: Tensor::from_data(TensorData::new(sin, [cap, half]), device),
             pending: VecDeque::new(),
@@ -349,42 +741,102 @@ impl<B: Backend> RefDecoder<B> {
         })
     }
 
-    /// Replaces the ids the next step reads (one per sequence; see [`decode_force_ids`]).
-    pub fn force_ids(&mut self, ids: &[u32]) -> Result<(), DecodeError> {
-        check_forced(ids, self.ids.len(), self.spec.vocab)?;
-        self.ids.copy_from_slice(ids);
-        for (r, &t) in ids.iter().enumerate() {
-            self.presence[r][t as usize / 32] |= 1 << (t % 32);
+    /// Applies lane changes in order.
+    pub fn update(&mut self, ops: &[LaneOp]) -> Result<(), DecodeError> {
+        for op in ops {
+            self.lanes.apply(op)?;
+            match *op {
+                LaneOp::Set { lane, tokens, .. } => {
+                    self.state[lane] = RefLane {
+                        id: 0,
+                        presence: presence_words(tokens, self.spec.vocab),
+                    };
+                }
+                LaneOp::Clear { lane } => self.state[lane] = RefLane::default(),
+                LaneOp::Move { from, to } => {
+                    self.state[to] = std::mem::take(&mut self.state[from]);
+                }
+                LaneOp::Pages { .. } | LaneOp::Activate { .. } => {}
+            }
         }
         Ok(())
     }
 
-    /// The largest position a sequence's current token goes to.
-    pub fn max_position(&self) -> usize {
-        self.pos.iter().max().copied().unwrap_or(0)
+    /// Starts a step over the active lanes (checked: each has a page for its position).
+    pub(crate) fn begin_step(&mut self) -> Result<(), DecodeError> {
+        self.rows = self.lanes.step_rows()?;
+        self.step_lanes = self.lanes.active();
+        self.in_step = true;
+        Ok(())
     }
 
-    /// Marks the ops that follow as inside a step (sampling then advances positions).
-    pub fn set_in_step(&mut self, in_step: bool) {
-        self.in_step = in_step;
+    /// Ends a step: every active lane moves on one position.
+    pub(crate) fn end_step(&mut self) {
+        self.in_step = false;
+        self.lanes.advance();
     }
 
-    /// Writes keys and values `[1, kvh, n, d]` at `rows` of `layer`'s cache: the exact values,
-    /// and what the mirror holds of them.
+    /// Replaces the ids the next step reads (lanes `0 .. ids.len()`; see [`decode_force_ids`]).
+    pub fn force_ids(&mut self, ids: &[u32]) -> Result<(), DecodeError> {
+        check_forced(ids, self.state.len(), self.spec.vocab)?;
+        for (s, &t) in self.state.iter_mut().zip(ids) {
+            s.id = t;
+            if !s.presence.is_empty() {
+                s.presence[t as usize / 32] |= 1 << (t % 32);
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes keys and values `[1, kvh, n, d]` of positions `pos0 .. pos0 + n` into `pages` of
+    /// `layer`'s pool, page by page: the exact values, and what the mirror holds of them.
     fn store(
         &mut self,
         layer: usize,
-        rows: [std::ops::Range<usize>; 4],
+        pages: &[u32],
+        pos0: usize,
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
     ) {
-        if !self.exact_keys.is_empty() {
-            assign_rows(&mut self.exact_keys[layer], rows.clone(), k.clone());
-            assign_rows(&mut self.exact_values[layer], rows.clone(), v.clone());
+        let (kvh, d, page) = (self.spec.kv_heads, self.spec.head_dim, self.spec.page_size);
+        let n = k.dims()[2];
+        let (kq, vq) = if self.exact_keys.is_empty() {
+            (k.clone(), v.clone())
+        } else {
+            (
+                self.through_format(k.clone()),
+                self.through_format(v.clone()),
+            )
+        };
+        let mut done = 0;
+        while done < n {
+            let pos = pos0 + done;
+            let (p, off) = (pages[pos / page] as usize, pos % page);
+            let take = (page - off).min(n - done);
+            let rows = [p..p + 1, 0..kvh, off..off + take, 0..d];
+            let part = |t: &Tensor<B, 4>| t.clone().narrow(2, done, take);
+            if !self.exact_keys.is_empty() {
+                assign_rows(&mut self.exact_keys[layer], rows.clone(), part(&k));
+                assign_rows(&mut self.exact_values[layer], rows.clone(), part(&v));
+            }
+            assign_rows(&mut self.keys[layer], rows.clone(), part(&kq));
+            assign_rows(&mut self.values[layer], rows, part(&vq));
+            done += take;
         }
-        let (kq, vq) = (self.through_format(k), self.through_format(v));
-        assign_rows(&mut self.keys[layer], rows.clone(), kq);
-        assign_rows(&mut self.values[layer], rows, vq);
+    }
+
+    /// Positions `0 .. len` of a sequence on `pages` from `pool`: `[1, kvh, len, d]`.
+    fn gather(&self, pool: &Option<Tensor<B, 4>>, pages: &[u32], len: usize) -> Tensor<B, 4> {
+        let (kvh, d, page) = (self.spec.kv_heads, self.spec.head_dim, self.spec.page_size);
+        let pool = pool.as_ref().expect("the pool is in place between writes");
+        let np = len.div_ceil(page);
+        let ids: Vec<i64> = pages[..np].iter().map(|&p| p as i64).collect();
+        let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [np]), &self.device);
+        pool.clone()
+            .select(0, ids)
+            .swap_dims(0, 1)
+            .reshape([1, kvh, np * page, d])
+            .narrow(2, 0, len)
     }
 
     /// The simulated mirror format applied to rows `[.., d]` (quantized and back, rotated and
@@ -418,24 +870,14 @@ impl<B: Backend> RefDecoder<B> {
         Tensor::<B, 4>::from_data(TensorData::new(v, dims), &self.device).cast(dtype)
     }
 
-    fn begin(&mut self, prompts: &[Vec<u32>]) -> Result<(), DecodeError> {
-        let (pos, presence) = prompt_state(prompts, &self.spec, self.pos.len())?;
-        self.pos = pos;
-        let words = words(self.spec.vocab);
-        for (row, w) in self.presence.iter_mut().zip(presence.chunks(words)) {
-            row.copy_from_slice(w);
-        }
-        Ok(())
-    }
-
     fn embed(
         &self,
         table: Tensor<B, 2>,
         gamma: Tensor<B, 1>,
         eps: f64,
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-        let b = self.ids.len();
-        let ids: Vec<i64> = self.ids.iter().map(|&t| t as i64).collect();
+        let b = self.rows;
+        let ids: Vec<i64> = self.state[..b].iter().map(|s| s.id as i64).collect();
         let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [b]), &self.device);
         let hidden = table.dims()[1];
         let x = table.select(0, ids).reshape([b, 1, hidden]);
@@ -454,53 +896,95 @@ impl<B: Backend> RefDecoder<B> {
         (angle(&self.cos), angle(&self.sin))
     }
 
+    /// Keys in whole blocks of 256 (zeros past the length), so a backend that compiles per shape
+    /// (burn-cuda) sees a new shape every 256 positions, not every one.
+    fn padded(&self, t: Tensor<B, 4>, len: usize) -> Tensor<B, 4> {
+        let [a, b, n, e] = t.dims();
+        if n == len {
+            return t;
+        }
+        let z = Tensor::<B, 4>::zeros([a, b, len - n, e], &self.device).cast(t.dtype());
+        Tensor::cat(vec![t, z], 2)
+    }
+
+    /// One step's attention: each active lane's row rotated at its position, its key and value
+    /// written to its page, and attention over its positions `0 ..= pos`; inactive rows give 0.
     fn attention(&mut self, layer: usize, qkv: Tensor<B, 3>) -> Tensor<B, 3> {
         let (h, kvh, d) = (self.spec.heads, self.spec.kv_heads, self.spec.head_dim);
-        let b = self.spec.batch;
+        let b = self.rows;
+        let dtype = qkv.dtype();
         let qkv = qkv.reshape([b, h + 2 * kvh, d]);
-        let (cos, sin) = self.angles(self.pos.clone());
-        let q = rope_rows(qkv.clone().narrow(1, 0, h), &cos, &sin);
-        let k = rope_rows(qkv.clone().narrow(1, h, kvh), &cos, &sin);
-        let v = qkv.narrow(1, h + kvh, kvh);
-        for i in 0..b {
-            let p = self.pos[i];
-            #[allow(clippy::single_range_in_vec_init)]
-            let (ki, vi) = (
-                k.clone().slice([i..i + 1]).reshape([1, kvh, 1, d]),
-                v.clone().slice([i..i + 1]).reshape([1, kvh, 1, d]),
-            );
-            self.store(layer, [i..i + 1, 0..kvh, p..p + 1, 0..d], ki, vi);
+        let active = self.step_lanes.clone();
+        if active.is_empty() {
+            return Tensor::<B, 3>::zeros([b, 1, h * d], &self.device).cast(dtype);
         }
-        // Keys in whole blocks of 256 (masked past each sequence's position), so a backend that
-        // compiles per shape (burn-cuda) sees a new shape every 256 steps, not every step.
-        let keys = (self.max_position() + 1)
-            .next_multiple_of(256)
-            .min(self.spec.capacity);
-        let hidden: Vec<bool> = self
-            .pos
+        let n = active.len();
+        let rows: Vec<i64> = active.iter().map(|&i| i as i64).collect();
+        let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [n]), &self.device);
+        let x = qkv.select(0, rows);
+        let pos: Vec<usize> = active.iter().map(|&i| self.lanes.lanes[i].pos).collect();
+        let (cos, sin) = self.angles(pos.iter().copied());
+        let q = rope_rows(x.clone().narrow(1, 0, h), &cos, &sin);
+        let k = rope_rows(x.clone().narrow(1, h, kvh), &cos, &sin);
+        let v = x.narrow(1, h + kvh, kvh);
+        for (j, &lane) in active.iter().enumerate() {
+            #[allow(clippy::single_range_in_vec_init)]
+            let (kj, vj) = (
+                k.clone().slice([j..j + 1]).reshape([1, kvh, 1, d]),
+                v.clone().slice([j..j + 1]).reshape([1, kvh, 1, d]),
+            );
+            let pages = self.lanes.lanes[lane].pages.clone();
+            self.store(layer, &pages, pos[j], kj, vj);
+        }
+        let keys = (pos.iter().max().unwrap() + 1).next_multiple_of(256);
+        let mut kk = Vec::with_capacity(n);
+        let mut vv = Vec::with_capacity(n);
+        for (j, &lane) in active.iter().enumerate() {
+            let pages = &self.lanes.lanes[lane].pages;
+            kk.push(self.padded(self.gather(&self.keys[layer], pages, pos[j] + 1), keys));
+            vv.push(self.padded(self.gather(&self.values[layer], pages, pos[j] + 1), keys));
+        }
+        let hidden: Vec<bool> = pos
             .iter()
             .flat_map(|&p| (0..keys).map(move |j| j > p))
             .collect();
         // Grouped-query attention without repeating the cache: the `h / kvh` query heads of a
-        // kv head are its query rows (one position each), so keys and values are read as they
-        // lie, `[b, kvh, keys, d]`.
+        // kv head are its query rows (one position each).
         let g = h / kvh;
         let mask =
-            Tensor::<B, 4, Bool>::from_data(TensorData::new(hidden, [b, 1, 1, keys]), &self.device)
-                .expand([b, kvh, g, keys]);
-        let window = |t: &Option<Tensor<B, 4>>| {
-            let t = t.as_ref().expect("the cache is in place between writes");
-            t.clone().slice([0..b, 0..kvh, 0..keys, 0..d])
-        };
-        let (kk, vv) = (window(&self.keys[layer]), window(&self.values[layer]));
-        let q = q.reshape([b, kvh, g, d]);
-        let out = module::attention(q, kk, vv, Some(mask), None, Default::default());
-        out.reshape([b, 1, h * d])
+            Tensor::<B, 4, Bool>::from_data(TensorData::new(hidden, [n, 1, 1, keys]), &self.device)
+                .expand([n, kvh, g, keys]);
+        let q = q.reshape([n, kvh, g, d]);
+        let out = module::attention(
+            q,
+            Tensor::cat(kk, 0),
+            Tensor::cat(vv, 0),
+            Some(mask),
+            None,
+            Default::default(),
+        )
+        .reshape([n, 1, h * d]);
+        if n == b {
+            return out;
+        }
+        // Active rows in lane order, zeros elsewhere.
+        let mut parts = Vec::new();
+        let mut j = 0;
+        for r in 0..b {
+            if j < n && active[j] == r {
+                #[allow(clippy::single_range_in_vec_init)]
+                parts.push(out.clone().slice([j..j + 1]));
+                j += 1;
+            } else {
+                parts.push(Tensor::<B, 3>::zeros([1, 1, h * d], &self.device).cast(dtype));
+            }
+        }
+        Tensor::cat(parts, 0)
     }
 
     /// Packed prefill attention (see [`prefill_attention`]): per sequence, RoPE at its
-    /// positions, its keys and values written to its slot (exact, and through the mirror
-    /// format), and causal attention over its earlier exact cached keys and its own.
+    /// positions, its keys and values written to its lane's pages (exact, and through the
+    /// mirror format), and causal attention over its earlier exact cached keys and its own.
     fn prefill_attention(
         &mut self,
         layer: usize,
@@ -518,7 +1002,7 @@ impl<B: Backend> RefDecoder<B> {
                 format!("{lead:?}"),
             ));
         }
-        check_packed(seqs, &self.spec, rows)?;
+        self.lanes.check_packed(seqs, rows)?;
         let qkv = qkv.reshape([rows, h + 2 * kvh, d]);
         let mut outs = Vec::with_capacity(seqs.len());
         let mut first = 0;
@@ -528,19 +1012,18 @@ impl<B: Backend> RefDecoder<B> {
             first += r;
             let (cos, sin) = self.angles(p0..p0 + r);
             let q = rope_rows(x.clone().narrow(1, 0, h), &cos, &sin);
-            // [r, kvh, d] -> [1, kvh, r, d], the cache's layout.
+            // [r, kvh, d] -> [1, kvh, r, d], the pool's layout.
             let heads_first = |t: Tensor<B, 3>| t.reshape([1, r, kvh, d]).swap_dims(1, 2);
             let k = heads_first(rope_rows(x.clone().narrow(1, h, kvh), &cos, &sin));
             let v = heads_first(x.narrow(1, h + kvh, kvh));
-            let earlier = |t: &Option<Tensor<B, 4>>, new: Tensor<B, 4>| {
+            let pages = self.lanes.lanes[s.slot].pages.clone();
+            // Earlier positions from the exact pool, as the kernel reads them.
+            let earlier = |pool: &Option<Tensor<B, 4>>, new: Tensor<B, 4>| {
                 if p0 == 0 {
                     return new;
                 }
-                let t = t.as_ref().expect("the cache is in place between writes");
-                let t = t.clone().slice([s.slot..s.slot + 1, 0..kvh, 0..p0, 0..d]);
-                Tensor::cat(vec![t, new], 2)
+                Tensor::cat(vec![self.gather(pool, &pages, p0), new], 2)
             };
-            // Earlier chunks' keys from the exact cache, as the kernel reads them.
             let (ek, ev) = if self.exact_keys.is_empty() {
                 (&self.keys[layer], &self.values[layer])
             } else {
@@ -549,23 +1032,15 @@ impl<B: Backend> RefDecoder<B> {
             // Query rows padded to a multiple of 64 and keys to one of 256 (zeros, masked), so a
             // backend that compiles per shape (burn-cuda) sees few shapes across pieces.
             let (rp, keys) = (r.next_multiple_of(64), (p0 + r).next_multiple_of(256));
-            let device = self.device.clone();
-            let pad = |t: Tensor<B, 4>, len: usize| {
-                let [a, b, n, e] = t.dims();
-                if n == len {
-                    return t;
-                }
-                let z = Tensor::<B, 4>::zeros([a, b, len - n, e], &device).cast(t.dtype());
-                Tensor::cat(vec![t, z], 2)
-            };
             let (kk, vv) = (
-                pad(earlier(ek, k.clone()), keys),
-                pad(earlier(ev, v.clone()), keys),
+                self.padded(earlier(ek, k.clone()), keys),
+                self.padded(earlier(ev, v.clone()), keys),
             );
-            self.store(layer, [s.slot..s.slot + 1, 0..kvh, p0..p0 + r, 0..d], k, v);
+            self.store(layer, &pages, p0, k, v);
             // The g query heads of a kv head as its query rows: [1, kvh, g rp, d], row
             // (j, i) at position p0 + i sees keys 0 ..= p0 + i (a padding row: key 0).
-            let q = pad(q.reshape([1, 1, r, h * d]), rp)
+            let pad_rows = |t: Tensor<B, 4>| self.padded(t, rp);
+            let q = pad_rows(q.reshape([1, 1, r, h * d]))
                 .reshape([rp, kvh, g, d])
                 .permute([1, 2, 0, 3])
                 .reshape([1, kvh, g * rp, d]);
@@ -592,35 +1067,55 @@ impl<B: Backend> RefDecoder<B> {
         Ok(Tensor::cat(outs, 0).reshape([lead[0], lead[1], h * d]))
     }
 
-    fn sample(&mut self, logits: Tensor<B, 3>) {
-        let [rows, _, vocab] = logits.dims();
+    /// Samples row `i` of `logits [rows, 1, vocab]` for lane `lanes[i]` with the lane's
+    /// settings; each lane's draw counter is its position, advanced where the lane is active.
+    fn sample(&mut self, logits: Tensor<B, 3>, lanes: &[usize]) {
+        let [_, _, vocab] = logits.dims();
         let host = logits
             .into_data()
             .convert::<f32>()
             .to_vec::<f32>()
             .expect("f32 logits");
-        let advance = self.in_step;
-        for r in 0..rows.min(self.spec.batch) {
-            let counter = if advance { self.pos[r] as u32 } else { 0 };
+        let mut out = Sampled::default();
+        for (r, &lane) in lanes.iter().enumerate() {
+            let row = &host[r * vocab..(r + 1) * vocab];
+            let l = &self.lanes.lanes[lane];
+            let s = l.sampling;
+            let counter = l.pos as u32;
+            let st = &mut self.state[lane];
             let id = stoke_formats::sample::sample_row(
-                &host[r * vocab..(r + 1) * vocab],
-                Some(&self.presence[r]),
-                &self.spec.sampling,
+                row,
+                Some(&st.presence),
+                &s.params(),
                 counter,
-                r as u32,
+                s.stream,
             );
-            self.ids[r] = id;
+            st.id = id;
             if (id as usize) < self.spec.vocab {
-                self.presence[r][id as usize / 32] |= 1 << (id % 32);
+                st.presence[id as usize / 32] |= 1 << (id % 32);
             }
-            if advance {
-                self.pos[r] += 1;
+            out.lanes.push(lane);
+            out.ids.push(id);
+            out.logprobs.push(s.logprobs.map(|top| {
+                let (logprob, top) = stoke_formats::sample::logprobs_row(row, id, top as usize);
+                TokenLogprobs { logprob, top }
+            }));
+            if l.active && !self.in_step {
+                // A prefill sampling moves the lane past its last prompt token; a step's
+                // lanes move on in `step`.
+                self.lanes.lanes[lane].pos += 1;
             }
         }
-        self.pending.push_back(self.ids.clone());
         if self.spec.keep_logits {
-            self.last_logits = Some(host[..rows.min(self.spec.batch) * vocab].to_vec());
+            self.last_logits = Some(
+                lanes
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(r, _)| host[r * vocab..(r + 1) * vocab].to_vec())
+                    .collect(),
+            );
         }
+        self.pending.push_back(out);
     }
 }
 
@@ -640,11 +1135,15 @@ macro_rules! reference_decoder_ops {
             $crate::decode::RefDecoder::new(spec, dtype, device)
         }
 
-        fn decoder_begin(
+        fn decoder_spec(dec: &Self::Decoder) -> &$crate::decode::DecodeSpec {
+            &dec.spec
+        }
+
+        fn decoder_update(
             dec: &mut Self::Decoder,
-            prompts: &[Vec<u32>],
+            ops: &[$crate::decode::LaneOp],
         ) -> Result<(), $crate::decode::DecodeError> {
-            $crate::decode::ref_ops::begin(dec, prompts)
+            dec.update(ops)
         }
 
         fn prefill_attention(
@@ -683,6 +1182,14 @@ macro_rules! reference_decoder_ops {
             $crate::decode::ref_ops::sample(dec, logits)
         }
 
+        fn prefill_sample(
+            dec: &mut Self::Decoder,
+            logits: $crate::burn_backend::tensor::FloatTensor<Self>,
+            lanes: &[usize],
+        ) -> Result<(), $crate::decode::DecodeError> {
+            $crate::decode::ref_ops::prefill_sample(dec, logits, lanes)
+        }
+
         fn decode_step(
             dec: &mut Self::Decoder,
             body: &mut dyn FnMut(&mut Self::Decoder),
@@ -690,8 +1197,8 @@ macro_rules! reference_decoder_ops {
             $crate::decode::ref_ops::step(dec, body)
         }
 
-        fn decode_take_ids(dec: &mut Self::Decoder) -> Option<Vec<u32>> {
-            $crate::decode::ref_ops::take_ids(dec)
+        fn decode_take(dec: &mut Self::Decoder) -> Option<$crate::decode::Sampled> {
+            $crate::decode::ref_ops::take(dec)
         }
 
         fn decode_last_logits(dec: &mut Self::Decoder) -> Option<Vec<f32>> {
@@ -711,13 +1218,6 @@ macro_rules! reference_decoder_ops {
 #[doc(hidden)]
 pub mod ref_ops {
     use super::*;
-
-    pub fn begin<B: Backend>(
-        dec: &mut RefDecoder<B>,
-        prompts: &[Vec<u32>],
-    ) -> Result<(), DecodeError> {
-        dec.begin(prompts)
-    }
 
     pub fn prefill_attention<B: Backend>(
         dec: &mut RefDecoder<B>,
@@ -746,33 +1246,45 @@ pub mod ref_ops {
         float(dec.attention(layer, tensor(qkv)))
     }
 
-    pub fn sample<B: Backend>(dec: &mut RefDecoder<B>, logits: FloatTensor<B>) {
+    fn rows3<B: Backend>(logits: FloatTensor<B>) -> Tensor<B, 3> {
         let dims = logits.shape();
         let vocab = *dims.as_slice().last().expect("rank >= 1");
         let rows = dims.num_elements() / vocab.max(1);
-        let l = tensor::<B, 1>(B::float_reshape(logits, [rows * vocab].into()))
-            .reshape([rows, 1, vocab]);
-        dec.sample(l)
+        tensor::<B, 1>(B::float_reshape(logits, [rows * vocab].into())).reshape([rows, 1, vocab])
+    }
+
+    pub fn sample<B: Backend>(dec: &mut RefDecoder<B>, logits: FloatTensor<B>) {
+        let l = rows3(logits);
+        // A step's active lanes are its rows of the same index.
+        let lanes = dec.step_lanes.clone();
+        let rows: Vec<i64> = lanes.iter().map(|&i| i as i64).collect();
+        let n = rows.len();
+        let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [n]), &dec.device);
+        dec.sample(l.select(0, rows), &lanes)
+    }
+
+    pub fn prefill_sample<B: Backend>(
+        dec: &mut RefDecoder<B>,
+        logits: FloatTensor<B>,
+        lanes: &[usize],
+    ) -> Result<(), DecodeError> {
+        let l = rows3(logits);
+        dec.lanes.check_sample_lanes(lanes, l.dims()[0])?;
+        dec.sample(l, lanes);
+        Ok(())
     }
 
     pub fn step<B: Backend>(
         dec: &mut RefDecoder<B>,
         body: &mut dyn FnMut(&mut RefDecoder<B>),
     ) -> Result<(), DecodeError> {
-        let needed = dec.max_position() + 1;
-        if needed > dec.spec.capacity {
-            return Err(DecodeError::ContextOverflow {
-                needed,
-                capacity: dec.spec.capacity,
-            });
-        }
-        dec.in_step = true;
+        dec.begin_step()?;
         body(dec);
-        dec.in_step = false;
+        dec.end_step();
         Ok(())
     }
 
-    pub fn take_ids<B: Backend>(dec: &mut RefDecoder<B>) -> Option<Vec<u32>> {
+    pub fn take<B: Backend>(dec: &mut RefDecoder<B>) -> Option<Sampled> {
         dec.pending.pop_front()
     }
 
@@ -789,7 +1301,7 @@ pub(crate) fn tensor<B: Backend, const D: usize>(p: FloatTensor<B>) -> Tensor<B,
     Tensor::from_primitive(TensorPrimitive::Float(p))
 }
 
-/// Makes a decoder for `spec` on `device` (cache values in `dtype` on the reference path).
+/// Makes a decoder for `spec` on `device` (pool values in `dtype` on the reference path).
 pub fn decoder<B: FusedOps>(
     spec: DecodeSpec,
     dtype: DType,
@@ -798,22 +1310,24 @@ pub fn decoder<B: FusedOps>(
     B::decoder_new(spec, dtype, device)
 }
 
-/// Sets the decoder's sequences to `prompts` (their keys and values are written by
-/// [`prefill_attention`]): each sequence's next position and the tokens the repetition penalty
-/// sees.
-pub fn decoder_begin<B: FusedOps>(
+/// What `dec` was made for.
+pub fn decoder_spec<B: FusedOps>(dec: &B::Decoder) -> &DecodeSpec {
+    B::decoder_spec(dec)
+}
+
+/// Applies lane changes in order ([`LaneOp`]), queued with the decoder's work.
+pub fn decoder_update<B: FusedOps>(
     dec: &mut B::Decoder,
-    prompts: &[Vec<u32>],
+    ops: &[LaneOp],
 ) -> Result<(), DecodeError> {
-    B::decoder_begin(dec, prompts)
+    B::decoder_update(dec, ops)
 }
 
 /// Attention of a packed prefill in layer `layer`: `qkv [1, rows, (heads + 2 kv_heads)
 /// head_dim]` holds the q|k|v projections of the sequences of `seqs`, one after another
 /// ([`pack_prompts`] makes the layout). Each sequence's rows are rotated (RoPE at positions
-/// `pos0 ..`), its keys and values written into its slot of the decoder's cache, and each row
-/// attends causally to its sequence's positions `0 ..= pos0 + i`. Returns `[1, rows, heads
-/// head_dim]`.
+/// `pos0 ..`), its keys and values written into its lane's pages, and each row attends causally
+/// to its sequence's positions `0 ..= pos0 + i`. Returns `[1, rows, heads head_dim]`.
 pub fn prefill_attention<B: FusedOps>(
     dec: &mut B::Decoder,
     layer: usize,
@@ -826,9 +1340,9 @@ pub fn prefill_attention<B: FusedOps>(
 /// The q|k|v projection `x W` (`linear`, `[hidden, (heads + 2 kv_heads) head_dim]`, no bias)
 /// of the packed rows `x [1, rows, hidden]`, then [`prefill_attention`] on it. On
 /// `Stoke<Cuda>`, where the prefill GEMM takes the projection, its epilogue rotates q and k and
-/// writes k and v straight into the decoder's cache (the same bits as projecting first), so
-/// no q|k|v tensor is written; elsewhere the projection runs, then [`prefill_attention`]. A
-/// linear with a bias projects first.
+/// writes k and v straight into the lanes' pages (the same bits as projecting first), so no
+/// q|k|v tensor is written; elsewhere the projection runs, then [`prefill_attention`]. A linear
+/// with a bias projects first.
 pub fn prefill_qkv_attention<B: FusedOps>(
     dec: &mut B::Decoder,
     layer: usize,
@@ -842,8 +1356,8 @@ pub fn prefill_qkv_attention<B: FusedOps>(
     B::prefill_qkv_attention(dec, layer, float(x), float(linear.weight.val()), seqs).map(tensor)
 }
 
-/// The step's input: the embedding rows of the decoder's current token ids, and their RMSNorm
-/// with `gamma`: `(x, normed)`, each `[batch, 1, hidden]`.
+/// The step's input: the embedding rows of each lane's last token, and their RMSNorm with
+/// `gamma`: `(x, normed)`, each `[rows, 1, hidden]` (the step's rows: lanes `0 ..`).
 pub fn decode_embed<B: FusedOps>(
     dec: &B::Decoder,
     table: Tensor<B, 2>,
@@ -854,9 +1368,9 @@ pub fn decode_embed<B: FusedOps>(
     (tensor(x), tensor(n))
 }
 
-/// RoPE on a q|k|v projection's output `[batch, 1, (heads + 2 kv_heads) head_dim]` at each
-/// sequence's position, the append of k and v to layer `layer`'s cache, and attention over
-/// the sequence's keys: `[batch, 1, heads head_dim]`.
+/// RoPE on a q|k|v projection's output `[rows, 1, (heads + 2 kv_heads) head_dim]` at each
+/// lane's position, the append of k and v to layer `layer`'s pages, and attention over the
+/// lane's keys: `[rows, 1, heads head_dim]`.
 pub fn decode_attention<B: FusedOps>(
     dec: &mut B::Decoder,
     layer: usize,
@@ -865,13 +1379,25 @@ pub fn decode_attention<B: FusedOps>(
     tensor(B::decode_attention(dec, layer, float(qkv)))
 }
 
-/// Picks each sequence's next token from `logits [batch, 1, vocab]` into the decoder (inside
-/// a step, each sequence's position advances by one).
+/// Picks each active lane's next token from a step's `logits [rows, 1, vocab]` into the
+/// decoder, with the lane's settings (each lane's position moves on by one).
 pub fn decode_sample<B: FusedOps>(dec: &mut B::Decoder, logits: Tensor<B, 3>) {
     B::decode_sample(dec, float(logits))
 }
 
-/// Runs one decode step: `body` is the model's decode forward over the decoder.
+/// Picks the first token of each lane of `lanes` from `logits [lanes.len(), .., vocab]` (row
+/// `i` for lane `lanes[i]`; a prefill's last rows), with the lanes' settings, drawing at each
+/// lane's position; an active lane then moves on one position.
+pub fn prefill_sample<B: FusedOps, const D: usize>(
+    dec: &mut B::Decoder,
+    logits: Tensor<B, D>,
+    lanes: &[usize],
+) -> Result<(), DecodeError> {
+    B::prefill_sample(dec, float(logits), lanes)
+}
+
+/// Runs one decode step over the active lanes: `body` is the model's decode forward over the
+/// decoder.
 pub fn decode_step<B: FusedOps>(
     dec: &mut B::Decoder,
     body: &mut dyn FnMut(&mut B::Decoder),
@@ -879,19 +1405,24 @@ pub fn decode_step<B: FusedOps>(
     B::decode_step(dec, body)
 }
 
-/// The token ids of the oldest sampling whose ids were not taken yet (one per sequence), or
-/// `None` when there is none. Waits only for that sampling.
-pub fn decode_take_ids<B: FusedOps>(dec: &mut B::Decoder) -> Option<Vec<u32>> {
-    B::decode_take_ids(dec)
+/// The tokens of the oldest sampling not taken yet, or `None` when there is none. Waits only
+/// for that sampling.
+pub fn decode_take<B: FusedOps>(dec: &mut B::Decoder) -> Option<Sampled> {
+    B::decode_take(dec)
 }
 
-/// The logits of the latest sampling (`[batch, vocab]` f32, real sequences only) when the
+/// [`decode_take`]'s token ids alone.
+pub fn decode_take_ids<B: FusedOps>(dec: &mut B::Decoder) -> Option<Vec<u32>> {
+    B::decode_take(dec).map(|s| s.ids)
+}
+
+/// The logits of the latest sampling (`[rows, vocab]` f32, the sampled lanes' rows) when the
 /// decoder keeps them ([`DecodeSpec::keep_logits`]); waits for the queued work.
 pub fn decode_last_logits<B: FusedOps>(dec: &mut B::Decoder) -> Option<Vec<f32>> {
     B::decode_last_logits(dec)
 }
 
-/// Makes the next step read `ids` (one per sequence) instead of the sampled ones: teacher
+/// Makes the next step read `ids` (lanes `0 .. ids.len()`) instead of the sampled ones: teacher
 /// forcing, to evaluate a model on given text through the decode step (the sampled tokens still
 /// count for the repetition penalty). Call it between steps, after taking the ids.
 pub fn decode_force_ids<B: FusedOps>(dec: &mut B::Decoder, ids: &[u32]) -> Result<(), DecodeError> {
@@ -941,5 +1472,110 @@ mod tests {
             }
             assert_eq!(next, lens);
         }
+    }
+
+    fn spec() -> DecodeSpec {
+        DecodeSpec {
+            layers: 1,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            hidden: 8,
+            vocab: 40,
+            lanes: 4,
+            capacity: 64,
+            page_size: 16,
+            pages: 9,
+            rope: Arc::new(vec![0.0; 64 * 4]),
+            kv_format: KvCacheFormat::Bf16,
+            rotate_block: 0,
+            rms_norm_eps: 1e-5,
+            eager: false,
+            keep_logits: false,
+        }
+    }
+
+    #[test]
+    fn lane_ops_are_checked_and_tracked() {
+        let mut l = Lanes::new(&spec());
+        let set = |lane, pages: &'static [u32]| LaneOp::Set {
+            lane,
+            pages,
+            tokens: &[1, 2],
+            sampling: LaneSampling::GREEDY,
+        };
+        l.apply(&set(1, &[3, 4])).unwrap();
+        // The same lane twice, the spare page, a page past the pool, more pages than a
+        // sequence holds, a lane past the decoder's.
+        for bad in [
+            set(1, &[5]),
+            set(2, &[0]),
+            set(2, &[9]),
+            set(2, &[1, 2, 3, 5, 6]),
+            set(4, &[1]),
+        ] {
+            assert!(
+                matches!(l.apply(&bad), Err(DecodeError::Lane { .. })),
+                "{bad:?}"
+            );
+        }
+        let e = l.apply(&LaneOp::Set {
+            lane: 2,
+            pages: &[5],
+            tokens: &[40],
+            sampling: LaneSampling::GREEDY,
+        });
+        assert!(matches!(e, Err(DecodeError::Lane { .. })));
+        let e = l.apply(&LaneOp::Set {
+            lane: 2,
+            pages: &[5],
+            tokens: &[],
+            sampling: LaneSampling {
+                top_p: 0.0,
+                ..LaneSampling::GREEDY
+            },
+        });
+        assert!(matches!(e, Err(DecodeError::Lane { .. })));
+        // Nothing active: no step.
+        assert!(l.step_rows().is_err());
+        l.apply(&LaneOp::Activate { lane: 1, pos: 31 }).unwrap();
+        assert_eq!(l.step_rows().unwrap(), 2);
+        l.advance();
+        // Position 32 needs a third page.
+        assert!(matches!(
+            l.step_rows(),
+            Err(DecodeError::Lane { lane: 1, .. })
+        ));
+        assert!(
+            l.apply(&LaneOp::Pages {
+                lane: 1,
+                first: 3,
+                pages: &[5]
+            })
+            .is_err()
+        );
+        l.apply(&LaneOp::Pages {
+            lane: 1,
+            first: 2,
+            pages: &[5],
+        })
+        .unwrap();
+        assert_eq!(l.step_rows().unwrap(), 2);
+        // Packed prefill layouts inside the lane's pages only.
+        assert!(l.check_packed(&[seq(1, 0, 48)], 48).is_ok());
+        assert!(l.check_packed(&[seq(1, 40, 9)], 9).is_err());
+        assert!(l.check_packed(&[seq(0, 0, 2)], 2).is_err());
+        assert!(l.check_packed(&[seq(1, 0, 2)], 3).is_err());
+        // Moving to a held lane fails; to a free one carries everything.
+        l.apply(&set(0, &[6])).unwrap();
+        assert!(l.apply(&LaneOp::Move { from: 1, to: 0 }).is_err());
+        l.apply(&LaneOp::Move { from: 1, to: 3 }).unwrap();
+        assert_eq!(l.active(), vec![3]);
+        assert_eq!(l.lanes[3].pages, vec![3, 4, 5]);
+        assert_eq!(l.step_rows().unwrap(), 4);
+        l.apply(&LaneOp::Clear { lane: 3 }).unwrap();
+        assert!(l.active().is_empty());
+        let e = l.apply(&LaneOp::Activate { lane: 0, pos: 64 });
+        assert!(matches!(e, Err(DecodeError::ContextOverflow { .. })));
     }
 }

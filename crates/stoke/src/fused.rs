@@ -76,9 +76,17 @@ pub trait FusedOps: Backend {
         weight
     }
 
+    /// The device's free and total memory in bytes, where the backend knows them (an engine
+    /// sizes its KV pool from them); `None` elsewhere.
+    fn device_memory(device: &Self::Device) -> Option<(usize, usize)> {
+        let _ = device;
+        None
+    }
+
     // ---- the decode step (see `crate::decode`) ----
 
-    /// The backend's decoder: the KV cache of every layer, ids, positions, sampling state.
+    /// The backend's decoder: the paged KV cache of every layer and its lanes (each lane's
+    /// token id, position, pages and sampling settings).
     type Decoder: Send + std::fmt::Debug;
 
     /// A decoder for `spec` (cache values in `dtype` where the backend keeps Burn tensors).
@@ -88,10 +96,13 @@ pub trait FusedOps: Backend {
         device: &Self::Device,
     ) -> Result<Self::Decoder, crate::decode::DecodeError>;
 
-    /// Sets the sequences to `prompts`: next positions and the repetition penalty's tokens.
-    fn decoder_begin(
+    /// What the decoder was made for.
+    fn decoder_spec(dec: &Self::Decoder) -> &crate::decode::DecodeSpec;
+
+    /// Applies lane changes in order (`crate::decode::LaneOp`).
+    fn decoder_update(
         dec: &mut Self::Decoder,
-        prompts: &[Vec<u32>],
+        ops: &[crate::decode::LaneOp],
     ) -> Result<(), crate::decode::DecodeError>;
 
     /// RoPE, cache write and causal attention of a packed prefill
@@ -132,8 +143,15 @@ pub trait FusedOps: Backend {
         qkv: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
 
-    /// Picks the next ids from `logits [batch, 1, vocab]`.
+    /// Picks each active lane's next id from a step's `logits [rows, 1, vocab]`.
     fn decode_sample(dec: &mut Self::Decoder, logits: FloatTensor<Self>);
+
+    /// Picks the first id of each of `lanes` from a prefill's logits, row `i` for `lanes[i]`.
+    fn prefill_sample(
+        dec: &mut Self::Decoder,
+        logits: FloatTensor<Self>,
+        lanes: &[usize],
+    ) -> Result<(), crate::decode::DecodeError>;
 
     /// Runs one decode step (`Stoke<Cuda>`: as a replayed CUDA graph).
     fn decode_step(
@@ -141,8 +159,8 @@ pub trait FusedOps: Backend {
         body: &mut dyn FnMut(&mut Self::Decoder),
     ) -> Result<(), crate::decode::DecodeError>;
 
-    /// The ids of the oldest sampling not taken yet.
-    fn decode_take_ids(dec: &mut Self::Decoder) -> Option<Vec<u32>>;
+    /// The tokens of the oldest sampling not taken yet.
+    fn decode_take(dec: &mut Self::Decoder) -> Option<crate::decode::Sampled>;
 
     /// The latest sampling's logits, where the decoder keeps them.
     fn decode_last_logits(dec: &mut Self::Decoder) -> Option<Vec<f32>>;
@@ -207,6 +225,10 @@ impl<I: Backend> FusedOps for Stoke<I> {
 
     fn prepare_weight(weight: FloatTensor<Self>) -> FloatTensor<Self> {
         crate::cuda::pin_tensor(weight)
+    }
+
+    fn device_memory(device: &Self::Device) -> Option<(usize, usize)> {
+        crate::cuda::runtime_for::<I>(device)?.memory_info().ok()
     }
 
     fn packed_int4_weight(

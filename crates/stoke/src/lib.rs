@@ -31,10 +31,11 @@ pub use backend::Stoke;
 #[doc(hidden)]
 pub use burn_backend;
 pub use decode::{
-    DecodeError, DecodeSpec, KvCacheFormat, PackedSeq, RefDecoder, Sampling, decode_attention,
-    decode_embed, decode_force_ids, decode_last_logits, decode_sample, decode_step,
-    decode_take_ids, decoder, decoder_begin, pack_prompts, prefill_attention,
-    prefill_qkv_attention,
+    DEFAULT_PAGE_SIZE, DecodeError, DecodeSpec, KvCacheFormat, LaneOp, LaneSampling,
+    MAX_TOP_LOGPROBS, PackedSeq, RefDecoder, SPARE_PAGE, Sampled, Sampling, TokenLogprobs,
+    decode_attention, decode_embed, decode_force_ids, decode_last_logits, decode_sample,
+    decode_step, decode_take, decode_take_ids, decoder, decoder_spec, decoder_update, pack_prompts,
+    prefill_attention, prefill_qkv_attention, prefill_sample,
 };
 pub use fused::{
     FusedOps, linear_residual, linear_swiglu, output_head, residual_rms_norm, rms_norm,

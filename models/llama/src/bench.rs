@@ -4,18 +4,20 @@
 //! at batch 1, 8, 32), each the median of repetitions with their spread, on whatever backend
 //! the model is loaded on.
 //!
-//! Prompts are random token ids from a seeded generator (the same ids for every backend, so
-//! two backends compare on the same work). A prefill point times `Llama::prefill` of its
-//! prompts up to their first sampled tokens on the host. A decode point prefills `batch` prompts
-//! of `decode_prompt` tokens, runs one warm-up step (on `Stoke<Cuda>` the step's capture), and
-//! times `decode_tokens` steps up to the last step's ids on the host.
+//! Every point runs on the engine (`stoke_engine::Engine`), as serving does. Prompts are random
+//! token ids from a seeded generator (the same ids for every backend, so two backends compare on
+//! the same work). A prefill point times its prompts, added together, up to their first tokens
+//! on the host (one packed prefill). A decode point adds `batch` requests of `decode_prompt`
+//! tokens and times the `decode_tokens` steps after each has its first two tokens (the
+//! prefill's and one warm-up step's: on `Stoke<Cuda>` the step's capture), up to the last
+//! token on the host.
 
-use crate::generate::GenerateError;
 use crate::model::Llama;
-use burn::tensor::DType;
+use crate::run::complete;
 use rand::{Rng, SeedableRng};
 use std::time::Instant;
 use stoke::FusedOps;
+use stoke_engine::{Engine, EngineConfig, EngineError, Event, Params};
 
 #[derive(Clone, Debug)]
 pub struct BenchConfig {
@@ -159,15 +161,39 @@ impl Point {
     }
 }
 
-/// Runs every point of `cfg` on `model`. `progress(point_name, done, total)` is called before
-/// each timed or warm-up run.
+/// An engine over `model` for one benchmark point: `lanes` requests of up to `context` tokens,
+/// the prompts' pages private (no prefix sharing: every repetition computes its prompts), the
+/// whole of a point's prompts in one prefill chunk.
+fn engine<'m, B: FusedOps>(
+    model: &'m Llama<B>,
+    cfg: &BenchConfig,
+    lanes: usize,
+    context: usize,
+    prefill: usize,
+) -> Result<Engine<B, &'m Llama<B>>, EngineError> {
+    Engine::new(
+        model,
+        EngineConfig {
+            max_running: lanes,
+            context,
+            kv_pages: Some(lanes * context.div_ceil(stoke::DEFAULT_PAGE_SIZE) + 1),
+            max_prefill_tokens: prefill.max(1),
+            prefix_caching: false,
+            kv_format: cfg.kv_cache,
+            eager: cfg.eager,
+            ..Default::default()
+        },
+        None,
+    )
+}
+
+/// Runs every point of `cfg` on `model`, each on the engine (`stoke_engine::Engine`).
+/// `progress(point_name, done, total)` is called before each timed or warm-up run.
 pub fn run<B: FusedOps>(
     model: &Llama<B>,
     cfg: &BenchConfig,
-    dtype: DType,
-    device: &B::Device,
     mut progress: impl FnMut(&str, usize, usize),
-) -> Result<Vec<Point>, GenerateError> {
+) -> Result<Vec<Point>, EngineError> {
     let vocab = model.embed_tokens.dims()[0] as u32;
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
     let mut prompt =
@@ -176,26 +202,26 @@ pub fn run<B: FusedOps>(
     let total = points * (cfg.reps + 1);
     let mut done = 0;
     let mut points = Vec::new();
-    let sampling = stoke::Sampling::GREEDY;
-    // One prompt per `prompt_lens` point, then the packed mixes: each one packed prefill.
+    // One prompt per `prompt_lens` point, then the packed mixes: each one packed prefill up to
+    // every prompt's first token.
     let singles = cfg.prompt_lens.iter().map(|&len| vec![len]);
     for lens in singles.chain(cfg.prefill_mixes.iter().cloned()) {
         let name = format!("pp{}", mix_name(&lens));
         let prompts: Vec<Vec<u32>> = lens.iter().map(|&n| prompt(n)).collect();
         let tokens: usize = lens.iter().sum();
         let longest = lens.iter().max().copied().unwrap_or(0);
-        let spec = model.decode_spec(lens.len(), longest + 1, cfg.kv_cache, sampling, cfg.eager);
-        let mut dec = stoke::decoder::<B>(spec, dtype, device)?;
+        let mut eng = engine(model, cfg, lens.len(), longest + 2, tokens)?;
+        let params = [Params {
+            ignore_eos: true,
+            ..Params::greedy(1)
+        }];
         let mut samples = Vec::with_capacity(cfg.reps);
         for rep in 0..=cfg.reps {
             progress(&name, done, total);
             done += 1;
-            let t = Instant::now();
-            model.prefill(&prompts, &mut dec)?;
-            stoke::decode_take_ids::<B>(&mut dec).expect("the prefill sampled");
-            let s = t.elapsed().as_secs_f64();
+            let (_, s) = complete(&mut eng, prompts.clone(), &params, |_, _| {})?;
             if rep > 0 {
-                samples.push(tokens as f64 / s);
+                samples.push(tokens as f64 / s.wall.as_secs_f64());
             }
         }
         points.push(Point::new(
@@ -210,30 +236,49 @@ pub fn run<B: FusedOps>(
     for &batch in &cfg.batches {
         let name = format!("tg{} b{batch}", cfg.decode_tokens);
         let prompts: Vec<Vec<u32>> = (0..batch).map(|_| prompt(cfg.decode_prompt)).collect();
-        let capacity = cfg.decode_prompt + cfg.decode_tokens + 2;
-        let spec = model.decode_spec(batch, capacity, cfg.kv_cache, sampling, cfg.eager);
-        let mut dec = stoke::decoder::<B>(spec, dtype, device)?;
+        // The prefill's token, one warm-up step (module loads, tuning, the step's capture),
+        // then the timed steps.
+        let max_tokens = cfg.decode_tokens + 2;
+        let mut eng = engine(
+            model,
+            cfg,
+            batch,
+            cfg.decode_prompt + max_tokens,
+            batch * cfg.decode_prompt,
+        )?;
+        let params = Params {
+            ignore_eos: true,
+            ..Params::greedy(max_tokens)
+        };
         let mut samples = Vec::with_capacity(cfg.reps);
         for rep in 0..=cfg.reps {
             progress(&name, done, total);
             done += 1;
-            model.prefill(&prompts, &mut dec)?;
-            stoke::decode_take_ids::<B>(&mut dec).expect("the prefill sampled");
-            // The warm-up step (tuning, module loads, the step's capture) is not timed.
-            stoke::decode_step::<B>(&mut dec, &mut |d| model.decode_forward(d))?;
-            stoke::decode_take_ids::<B>(&mut dec).expect("a step was queued");
-            let t = Instant::now();
-            for step in 0..cfg.decode_tokens {
-                stoke::decode_step::<B>(&mut dec, &mut |d| model.decode_forward(d))?;
-                // Ids are taken one step late, as generation does.
-                if step > 0 {
-                    stoke::decode_take_ids::<B>(&mut dec).expect("a step was queued");
+            for p in &prompts {
+                eng.add(p.clone(), params.clone())?;
+            }
+            // Steps until every request has its first two tokens; the steps after them are
+            // timed, up to the last token on the host.
+            let mut got = std::collections::HashMap::<u64, usize>::new();
+            let mut start = None;
+            let mut timed = 0usize;
+            while eng.has_work() {
+                for e in eng.step()? {
+                    if let Event::Token { id, .. } = e {
+                        let n = got.entry(id).or_default();
+                        *n += 1;
+                        if *n > 2 {
+                            timed += 1;
+                        }
+                    }
+                }
+                if start.is_none() && got.len() == batch && got.values().all(|&n| n >= 2) {
+                    start = Some(Instant::now());
                 }
             }
-            stoke::decode_take_ids::<B>(&mut dec).expect("a step was queued");
-            let s = t.elapsed().as_secs_f64();
+            let s = start.map_or(0.0, |t| t.elapsed().as_secs_f64());
             if rep > 0 {
-                samples.push((batch * cfg.decode_tokens) as f64 / s);
+                samples.push(timed as f64 / s.max(1e-9));
             }
         }
         points.push(Point::new(

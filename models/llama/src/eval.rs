@@ -57,13 +57,7 @@ pub fn perplexity<B: FusedOps>(
     // covers a window and the position after it.
     let mut decoder = match (cache_quant, fp8) {
         (None, None) => {
-            let spec = model.decode_spec(
-                1,
-                window + 1,
-                stoke::KvCacheFormat::Bf16,
-                stoke::Sampling::GREEDY,
-                false,
-            );
+            let spec = model.decode_spec(1, window + 1, stoke::KvCacheFormat::Bf16, false);
             stoke::decoder::<B>(spec, dtype, device).ok()
         }
         _ => None,

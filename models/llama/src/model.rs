@@ -515,16 +515,9 @@ impl<B: FusedOps> Llama<B> {
         }
     }
 
-    /// What a decoder for this model needs: `batch` sequences of up to `capacity` positions.
-    /// The RoPE table is read from the model's own (one copy to the host).
-    pub fn decode_spec(
-        &self,
-        batch: usize,
-        capacity: usize,
-        kv_format: stoke::KvCacheFormat,
-        sampling: stoke::Sampling,
-        eager: bool,
-    ) -> stoke::DecodeSpec {
+    /// A decoder spec for this model (its dims, RoPE table and norm epsilon) with the given
+    /// sizes.
+    pub fn spec_with(&self, sizes: stoke_engine::DecoderSizes) -> stoke::DecodeSpec {
         let a = &self.layers[0].attn;
         let [vocab, hidden] = self.embed_tokens.dims();
         stoke::DecodeSpec {
@@ -534,20 +527,48 @@ impl<B: FusedOps> Llama<B> {
             head_dim: a.head_dim,
             hidden,
             vocab,
-            batch,
-            capacity,
+            lanes: sizes.lanes,
+            capacity: sizes.capacity,
+            page_size: sizes.page_size,
+            pages: sizes.pages,
             rope: std::sync::Arc::new(self.rope.table()),
-            kv_format,
-            rotate_block: if kv_format == stoke::KvCacheFormat::Bf16 {
+            kv_format: sizes.kv_format,
+            rotate_block: if sizes.kv_format == stoke::KvCacheFormat::Bf16 {
                 0
             } else {
                 a.head_dim
             },
-            sampling,
             rms_norm_eps: self.rms_norm_eps,
-            eager,
+            eager: sizes.eager,
             keep_logits: false,
         }
+    }
+
+    /// A decoder spec for a fixed batch: `lanes` sequences of up to `capacity` positions, every
+    /// lane with pages of its own for all of them (what
+    /// [`Llama::prefill`] gives them). Tests, benchmarks and perplexity use it; serving sizes
+    /// the pool for the workload (`stoke_engine::Engine`).
+    pub fn decode_spec(
+        &self,
+        lanes: usize,
+        capacity: usize,
+        kv_format: stoke::KvCacheFormat,
+        eager: bool,
+    ) -> stoke::DecodeSpec {
+        let page = stoke::DEFAULT_PAGE_SIZE;
+        self.spec_with(stoke_engine::DecoderSizes {
+            lanes,
+            capacity,
+            page_size: page,
+            pages: lanes * capacity.div_ceil(page) + 1,
+            kv_format,
+            eager,
+        })
+    }
+
+    /// The positions the model's RoPE table covers.
+    pub fn max_positions(&self) -> usize {
+        self.rope.cos.dims()[0]
     }
 
     /// Every layer over `x` and its normed copy `normed` (`[batch, rows, hidden]`), with
@@ -594,18 +615,21 @@ impl<B: FusedOps> Llama<B> {
         stoke::decode_sample::<B>(dec, logits);
     }
 
-    /// Prefill of `prompts` (token ids, one sequence each, in the decoder's sequences `0 ..`):
-    /// the prompts run packed, one after another without padding, in chunks of at most
-    /// [`PREFILL_CHUNK`] tokens (a longer prompt continues in the next chunk, attending to what
-    /// the earlier ones cached); each layer writes its keys and values straight into the
-    /// decoder's cache ([`stoke::prefill_qkv_attention`]); the head runs on each prompt's last
-    /// token only, and the first generated token of each is sampled into the decoder.
+    /// A fixed batch: `prompts` (token ids, one sequence each) take lanes `0 ..` of `dec`, each
+    /// with its own pages for every position the decoder holds (a decoder from
+    /// [`Llama::decode_spec`]), and are prefilled packed, one after another without padding, in
+    /// chunks of at most [`PREFILL_CHUNK`] tokens (a longer prompt continues in the next chunk,
+    /// attending to what the earlier ones cached); each layer writes its keys and values straight
+    /// into the lanes' pages ([`stoke::prefill_qkv_attention`]); the head runs on each prompt's
+    /// last token only, and the first generated token of each is sampled greedily into its lane,
+    /// which decode steps then continue.
     pub fn prefill(
         &self,
         prompts: &[Vec<u32>],
         dec: &mut B::Decoder,
     ) -> Result<(), stoke::DecodeError> {
-        self.prefill_chunked(prompts, dec, PREFILL_CHUNK)
+        let greedy = vec![stoke::LaneSampling::GREEDY; prompts.len()];
+        self.prefill_with(prompts, dec, PREFILL_CHUNK, &greedy)
     }
 
     /// [`Llama::prefill`] in chunks of at most `chunk` tokens.
@@ -615,53 +639,74 @@ impl<B: FusedOps> Llama<B> {
         dec: &mut B::Decoder,
         chunk: usize,
     ) -> Result<(), stoke::DecodeError> {
+        let greedy = vec![stoke::LaneSampling::GREEDY; prompts.len()];
+        self.prefill_with(prompts, dec, chunk, &greedy)
+    }
+
+    /// [`Llama::prefill`] in chunks of at most `chunk` tokens, lane `i` sampling with
+    /// `sampling[i]`.
+    pub fn prefill_with(
+        &self,
+        prompts: &[Vec<u32>],
+        dec: &mut B::Decoder,
+        chunk: usize,
+        sampling: &[stoke::LaneSampling],
+    ) -> Result<(), stoke::DecodeError> {
+        self.take_lanes(prompts, dec, sampling)?;
         let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
-        // Each prompt's last row after the final norm, as its chunk produces it.
+        let activate: Vec<stoke::LaneOp> = lens
+            .iter()
+            .enumerate()
+            .map(|(lane, &len)| stoke::LaneOp::Activate { lane, pos: len - 1 })
+            .collect();
+        stoke::decoder_update::<B>(dec, &activate)?;
+        // Each prompt's last row after the final norm, as its chunk produces it; one sampling
+        // of every prompt's first token at the end.
         let mut last: Vec<Option<Tensor<B, 3>>> = vec![None; prompts.len()];
-        self.prefill_rows(prompts, dec, chunk, |seqs, normed| {
+        for seqs in stoke::pack_prompts(&lens, chunk) {
+            let ids: Vec<u32> = seqs
+                .iter()
+                .flat_map(|s| &prompts[s.slot][s.pos0..s.pos0 + s.rows])
+                .copied()
+                .collect();
+            let normed = self.prefill_rows(dec, &ids, &seqs)?;
             let mut end = 0;
-            for s in seqs {
+            for s in &seqs {
                 end += s.rows;
                 if s.pos0 + s.rows == lens[s.slot] {
                     last[s.slot] = Some(normed.clone().narrow(1, end - 1, 1));
                 }
             }
-        })?;
+        }
         let last: Vec<Tensor<B, 3>> = last
             .into_iter()
             .map(|r| r.expect("every prompt ends in a chunk"))
             .collect();
         let logits = stoke::output_head(&self.lm_head, Tensor::cat(last, 0));
-        stoke::decode_sample::<B>(dec, logits);
-        Ok(())
+        let lanes: Vec<usize> = (0..prompts.len()).collect();
+        stoke::prefill_sample::<B, 3>(dec, logits, &lanes)
     }
 
-    /// The logits of every position of `prompt` (`[1, len, vocab]`) through the prefill
-    /// [`Llama::prefill`] runs (in chunks of at most `chunk` tokens), as the decoder's sequence
-    /// 0; nothing is sampled. Perplexity through the path that serves
-    /// (`crate::eval::perplexity`).
-    pub fn prefill_logits(
-        &self,
-        prompt: &[u32],
-        dec: &mut B::Decoder,
-        chunk: usize,
-    ) -> Result<Tensor<B, 3>, stoke::DecodeError> {
-        let mut rows = Vec::new();
-        self.prefill_rows(&[prompt.to_vec()], dec, chunk, |_, normed| {
-            rows.push(normed)
-        })?;
-        Ok(stoke::output_head(&self.lm_head, Tensor::cat(rows, 1)))
-    }
-
-    /// The packed prefill of `prompts` into `dec` (see [`Llama::prefill`]): `chunk_done(seqs,
-    /// normed)` gets each chunk's layout and its rows after the final norm, `[1, rows, hidden]`.
-    fn prefill_rows(
+    /// Gives `prompts` lanes `0 ..` of `dec`, each the pages of its own for every position (a
+    /// decoder from [`Llama::decode_spec`]); lanes that held a sequence are cleared first.
+    fn take_lanes(
         &self,
         prompts: &[Vec<u32>],
         dec: &mut B::Decoder,
-        chunk: usize,
-        mut chunk_done: impl FnMut(&[stoke::PackedSeq], Tensor<B, 3>),
+        sampling: &[stoke::LaneSampling],
     ) -> Result<(), stoke::DecodeError> {
+        let spec = stoke::decoder_spec::<B>(dec);
+        let mp = spec.max_pages();
+        let (lanes, pages) = (spec.lanes, spec.pages);
+        if prompts.len() > lanes || prompts.len() * mp + 1 > pages {
+            return Err(stoke::DecodeError::Shape {
+                what: "prompts for the decoder",
+                expected: format!(
+                    "at most its {lanes} lanes, each with {mp} pages of its own ({pages} pages)"
+                ),
+                got: format!("{} prompts", prompts.len()),
+            });
+        }
         if let Some(i) = prompts.iter().position(Vec::is_empty) {
             return Err(stoke::DecodeError::Shape {
                 what: "prompt",
@@ -669,27 +714,140 @@ impl<B: FusedOps> Llama<B> {
                 got: format!("prompt {i} is empty"),
             });
         }
-        stoke::decoder_begin::<B>(dec, prompts)?;
+        if let Some(p) = prompts.iter().find(|p| p.len() >= spec.capacity) {
+            return Err(stoke::DecodeError::ContextOverflow {
+                needed: p.len() + 1,
+                capacity: spec.capacity,
+            });
+        }
+        let clear: Vec<stoke::LaneOp> = (0..lanes)
+            .map(|lane| stoke::LaneOp::Clear { lane })
+            .collect();
+        stoke::decoder_update::<B>(dec, &clear)?;
+        let pages: Vec<Vec<u32>> = (0..prompts.len())
+            .map(|i| (0..mp).map(|j| (1 + i * mp + j) as u32).collect())
+            .collect();
+        let set: Vec<stoke::LaneOp> = prompts
+            .iter()
+            .enumerate()
+            .map(|(lane, p)| stoke::LaneOp::Set {
+                lane,
+                pages: &pages[lane],
+                tokens: p,
+                sampling: sampling
+                    .get(lane)
+                    .copied()
+                    .unwrap_or(stoke::LaneSampling::GREEDY),
+            })
+            .collect();
+        stoke::decoder_update::<B>(dec, &set)
+    }
+
+    /// One packed prefill chunk into `dec`: `ids` the rows' tokens, `seqs` the layout (each
+    /// piece's lane and first position); the pieces of `ends` (indices into `seqs`) end their
+    /// sequence's prompt: the head runs on their last rows and samples each sequence's first
+    /// token into its lane ([`stoke::prefill_sample`]).
+    pub fn prefill_packed(
+        &self,
+        dec: &mut B::Decoder,
+        ids: &[u32],
+        seqs: &[stoke::PackedSeq],
+        ends: &[usize],
+    ) -> Result<(), stoke::DecodeError> {
+        let normed = self.prefill_rows(dec, ids, seqs)?;
+        if ends.is_empty() {
+            return Ok(());
+        }
+        let mut last = Vec::with_capacity(ends.len());
+        let mut row = 0;
+        for (i, s) in seqs.iter().enumerate() {
+            row += s.rows;
+            if ends.contains(&i) {
+                last.push(normed.clone().narrow(1, row - 1, 1));
+            }
+        }
+        let lanes: Vec<usize> = ends.iter().map(|&i| seqs[i].slot).collect();
+        let logits = stoke::output_head(&self.lm_head, Tensor::cat(last, 0));
+        stoke::prefill_sample::<B, 3>(dec, logits, &lanes)
+    }
+
+    /// The logits of every position of `prompt` (`[1, len, vocab]`) through the prefill
+    /// [`Llama::prefill`] runs (in chunks of at most `chunk` tokens), in lane 0 of `dec`;
+    /// nothing is sampled. Perplexity through the path that serves (`crate::eval::perplexity`).
+    pub fn prefill_logits(
+        &self,
+        prompt: &[u32],
+        dec: &mut B::Decoder,
+        chunk: usize,
+    ) -> Result<Tensor<B, 3>, stoke::DecodeError> {
+        let prompts = [prompt.to_vec()];
+        self.take_lanes(&prompts, dec, &[stoke::LaneSampling::GREEDY])?;
+        let mut rows = Vec::new();
+        for seqs in stoke::pack_prompts(&[prompt.len()], chunk) {
+            let ids: Vec<u32> = seqs
+                .iter()
+                .flat_map(|s| &prompt[s.pos0..s.pos0 + s.rows])
+                .copied()
+                .collect();
+            rows.push(self.prefill_rows(dec, &ids, &seqs)?);
+        }
+        Ok(stoke::output_head(&self.lm_head, Tensor::cat(rows, 1)))
+    }
+
+    /// The packed prefill of one chunk into `dec` (see [`Llama::prefill_packed`]): its rows
+    /// after the final norm, `[1, rows, hidden]`.
+    fn prefill_rows(
+        &self,
+        dec: &mut B::Decoder,
+        ids: &[u32],
+        seqs: &[stoke::PackedSeq],
+    ) -> Result<Tensor<B, 3>, stoke::DecodeError> {
         let device = self.embed_tokens.device();
         let embed = self.embed_tokens.val();
         let hidden = embed.dims()[1];
-        let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
-        for seqs in stoke::pack_prompts(&lens, chunk) {
-            let ids: Vec<i64> = seqs
-                .iter()
-                .flat_map(|s| &prompts[s.slot][s.pos0..s.pos0 + s.rows])
-                .map(|&t| t as i64)
-                .collect();
-            let rows = ids.len();
-            let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [rows]), &device);
-            let x = embed.clone().select(0, ids).reshape([1, rows, hidden]);
-            let normed =
-                stoke::rms_norm(x.clone(), self.layers[0].attn_norm.val(), self.rms_norm_eps);
-            let normed = self.layers_forward(x, normed, |l, normed, qkv_proj| {
-                stoke::prefill_qkv_attention::<B>(dec, l, normed, qkv_proj, &seqs)
-            })?;
-            chunk_done(&seqs, normed);
-        }
-        Ok(())
+        let rows = ids.len();
+        let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+        let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [rows]), &device);
+        let x = embed.select(0, ids).reshape([1, rows, hidden]);
+        let normed = stoke::rms_norm(x.clone(), self.layers[0].attn_norm.val(), self.rms_norm_eps);
+        self.layers_forward(x, normed, |l, normed, qkv_proj| {
+            stoke::prefill_qkv_attention::<B>(dec, l, normed, qkv_proj, seqs)
+        })
+    }
+}
+
+impl<B: FusedOps> stoke_engine::EngineModel<B> for Llama<B> {
+    fn decode_spec(&self, sizes: stoke_engine::DecoderSizes) -> stoke::DecodeSpec {
+        self.spec_with(sizes)
+    }
+
+    fn max_positions(&self) -> usize {
+        Llama::max_positions(self)
+    }
+
+    fn vocab(&self) -> usize {
+        self.embed_tokens.dims()[0]
+    }
+
+    fn dtype(&self) -> burn::tensor::DType {
+        self.embed_tokens.val().dtype()
+    }
+
+    fn device(&self) -> B::Device {
+        self.embed_tokens.device()
+    }
+
+    fn prefill(
+        &self,
+        dec: &mut B::Decoder,
+        ids: &[u32],
+        seqs: &[stoke::PackedSeq],
+        sample: &[usize],
+    ) -> Result<(), stoke::DecodeError> {
+        self.prefill_packed(dec, ids, seqs, sample)
+    }
+
+    fn decode_forward(&self, dec: &mut B::Decoder) {
+        Llama::decode_forward(self, dec)
     }
 }

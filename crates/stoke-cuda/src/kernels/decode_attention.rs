@@ -6,8 +6,9 @@ use super::{DECODE_ATTENTION, EntryPoint, KernelParams};
 use crate::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-/// `struct KvCache` in the `.cu` file: the cache rows as bytes (bf16 values, FP8 codes or INT4
-/// nibbles by `format`) and the mirrors' per-row scales.
+/// `struct KvCache` in `kernels/kv_row.cuh`: a pool of pages of `2^page_shift` positions (the
+/// cache rows as bytes: bf16 values, FP8 codes or INT4 nibbles by `format`; the mirrors' per-row
+/// scales) and the page table of its slots, `[slots, max_pages]` page ids.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct KvCacheParams {
@@ -15,10 +16,13 @@ pub struct KvCacheParams {
     pub v: DevicePtrMut<u8>,
     pub ks: DevicePtrMut<f32>,
     pub vs: DevicePtrMut<f32>,
+    pub pages: DevicePtr<u32>,
     pub kv_heads: u32,
-    pub cap: u32,
+    pub page_shift: u32,
     pub d: u32,
     pub format: u32,
+    pub max_pages: u32,
+    pub pad: u32,
 }
 
 /// `struct AppendParams`.
@@ -283,15 +287,15 @@ mod tests {
 
     #[test]
     fn params_layout_matches_c() {
-        assert_eq!(std::mem::size_of::<KvCacheParams>(), 48);
-        assert_eq!(std::mem::size_of::<AppendParams>(), 136);
-        assert_eq!(std::mem::size_of::<AttnParams>(), 128);
-        assert_eq!(std::mem::size_of::<RopeAppendParams>(), 160);
+        assert_eq!(std::mem::size_of::<KvCacheParams>(), 64);
+        assert_eq!(std::mem::size_of::<AppendParams>(), 168);
+        assert_eq!(std::mem::size_of::<AttnParams>(), 144);
+        assert_eq!(std::mem::size_of::<RopeAppendParams>(), 192);
         for (name, size) in [
-            ("KvCache", 48),
-            ("AppendParams", 136),
-            ("AttnParams", 128),
-            ("RopeAppendParams", 160),
+            ("KvCache", 64),
+            ("AppendParams", 168),
+            ("AttnParams", 144),
+            ("RopeAppendParams", 192),
         ] {
             assert!(
                 SOURCE.contains(&format!("static_assert(sizeof({name}) == {size}")),

@@ -10,7 +10,7 @@ use super::{EntryPoint, FP8_GEMM, KernelParams};
 use crate::{DevicePtr, DevicePtrMut, LaunchShape, Result, Runtime, ShapeError, TensorMap};
 use half::bf16;
 
-/// `struct Fp8GemmParams` of kernels/fp8_gemm.cu (832 bytes; the `.cu` file asserts it).
+/// `struct Fp8GemmParams` of kernels/fp8_gemm.cu (896 bytes; the `.cu` file asserts it).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct Fp8GemmParams {
@@ -399,18 +399,31 @@ fn check_qkv(what: &str, n: u32, ldo: u32, e: &QkvEpilogue) -> std::result::Resu
     }
     if !e.main.k.is_null()
         && !e.mirror.k.is_null()
-        && (e.mirror.kv_heads, e.mirror.cap, e.mirror.d) != (kvh, e.main.cap, d)
+        && (
+            e.mirror.kv_heads,
+            e.mirror.page_shift,
+            e.mirror.d,
+            e.mirror.pages,
+            e.mirror.max_pages,
+        ) != (kvh, e.main.page_shift, d, e.main.pages, e.main.max_pages)
     {
         return err(
             "mirror",
             format!(
-                "the main cache's kv heads {kvh}, capacity {}, d {d}",
-                e.main.cap
+                "the main cache's kv heads {kvh}, page of 2^{}, d {d} and page table",
+                e.main.page_shift
             ),
             format!(
-                "kv heads {}, capacity {}, d {}",
-                e.mirror.kv_heads, e.mirror.cap, e.mirror.d
+                "kv heads {}, page of 2^{}, d {}",
+                e.mirror.kv_heads, e.mirror.page_shift, e.mirror.d
             ),
+        );
+    }
+    if c.pages.is_null() || c.max_pages == 0 {
+        return err(
+            "page table",
+            "a page table of at least one page per slot".into(),
+            format!("{:?} of {} pages per slot", c.pages, c.max_pages),
         );
     }
     check_head_dim(&what, d)?;
@@ -777,10 +790,10 @@ mod tests {
 
     #[test]
     fn params_layout_matches_the_kernel() {
-        assert_eq!(std::mem::size_of::<Fp8GemmParams>(), 832);
-        assert_eq!(std::mem::offset_of!(Fp8GemmParams, d_map), 512);
-        assert_eq!(std::mem::offset_of!(Fp8GemmParams, a_sums), 768);
-        assert_eq!(std::mem::offset_of!(Fp8GemmParams, i4_flags), 780);
+        assert_eq!(std::mem::size_of::<Fp8GemmParams>(), 896);
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, d_map), 576);
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, a_sums), 832);
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, i4_flags), 844);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, w_map), 128);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, a_scale), 256);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, out), 272);
@@ -788,11 +801,11 @@ mod tests {
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, m), 320);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, a_scale_stride), 340);
         assert_eq!(std::mem::offset_of!(Fp8GemmParams, main), 344);
-        assert_eq!(std::mem::offset_of!(Fp8GemmParams, mirror), 392);
-        assert_eq!(std::mem::offset_of!(Fp8GemmParams, rope), 440);
-        assert_eq!(std::mem::offset_of!(Fp8GemmParams, len), 464);
-        assert_eq!(std::mem::offset_of!(Fp8GemmParams, max_pos), 480);
-        assert!(SOURCE.contains("static_assert(sizeof(Fp8GemmParams) == 832"));
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, mirror), 408);
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, rope), 472);
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, len), 496);
+        assert_eq!(std::mem::offset_of!(Fp8GemmParams, max_pos), 512);
+        assert!(SOURCE.contains("static_assert(sizeof(Fp8GemmParams) == 896"));
         for (name, v) in [("BM", BM), ("BK", BK)] {
             assert!(SOURCE.contains(&format!("{name} = {v}")), "{name}");
         }
@@ -1009,8 +1022,10 @@ mod tests {
         let cache = |d: u32, kv_heads: u32| KvCacheParams {
             k: DevicePtrMut::new(1 << 20),
             v: DevicePtrMut::new(2 << 20),
+            pages: DevicePtr::new(3 << 20),
             kv_heads,
-            cap: 64,
+            page_shift: 6,
+            max_pages: 1,
             d,
             ..Default::default()
         };

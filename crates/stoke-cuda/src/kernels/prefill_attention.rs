@@ -1,28 +1,26 @@
 //! Causal prefill attention over packed variable-length sequences: params mirror and launch of
 //! `kernels/prefill_attention.cu` (its header documents the algorithm).
 
+use super::decode_attention::KvCacheParams;
 use super::{EntryPoint, KernelParams, PREFILL_ATTENTION};
 use crate::{DevicePtr, DevicePtrMut, LaunchShape, Result, Runtime, ShapeError};
 use half::bf16;
 
-/// `struct PrefillAttnParams` of kernels/prefill_attention.cu (64 bytes; the `.cu` file asserts
+/// `struct PrefillAttnParams` of kernels/prefill_attention.cu (104 bytes; the `.cu` file asserts
 /// it).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct PrefillAttnParams {
     /// `[rows, heads, d]` bf16 queries (RoPE applied).
     pub q: DevicePtr<bf16>,
-    /// `[slots, kv_heads, cap, d]` bf16: the main KV cache.
-    pub k: DevicePtr<bf16>,
-    pub v: DevicePtr<bf16>,
     /// `[rows, heads, d]` bf16.
     pub out: DevicePtrMut<bf16>,
     /// `[n_seqs]` x [`PrefillSeq`].
     pub seqs: DevicePtr<PrefillSeq>,
+    /// The BF16 main cache (its pages and page table).
+    pub cache: KvCacheParams,
     pub n_seqs: u32,
     pub heads: u32,
-    pub kv_heads: u32,
-    pub cap: u32,
     /// `log2(e) / sqrt(d)`.
     pub scale_log2: f32,
     pub pad: u32,
@@ -91,9 +89,9 @@ pub fn check_shape(heads: u32, kv_heads: u32, d: u32) -> std::result::Result<(),
     Ok(())
 }
 
-/// Checks `seqs` against a cache of `slots` x `cap` positions and `rows` packed rows: each
-/// sequence's rows inside the packed tensors, its slot below `slots`, its last position below
-/// `cap`.
+/// Checks `seqs` against a cache of `slots` slots of `cap` positions (their page tables' reach)
+/// and `rows` packed rows: each sequence's rows inside the packed tensors, its slot below
+/// `slots`, its last position below `cap`.
 pub fn check_seqs(
     seqs: &[PrefillSeq],
     rows: u32,
@@ -126,7 +124,7 @@ pub unsafe fn prefill_attention(
     seqs: &[PrefillSeq],
     d: u32,
 ) -> Result<()> {
-    check_shape(p.heads, p.kv_heads, d)?;
+    check_shape(p.heads, p.cache.kv_heads, d)?;
     let longest = seqs.iter().map(|s| s.rows).max().unwrap_or(0);
     if longest == 0 {
         return Ok(());
@@ -155,8 +153,8 @@ mod tests {
 
     #[test]
     fn params_layout_matches_c() {
-        assert_eq!(std::mem::size_of::<PrefillAttnParams>(), 64);
-        assert!(SOURCE.contains("static_assert(sizeof(PrefillAttnParams) == 64"));
+        assert_eq!(std::mem::size_of::<PrefillAttnParams>(), 104);
+        assert!(SOURCE.contains("static_assert(sizeof(PrefillAttnParams) == 104"));
         assert!(SOURCE.contains(&format!("PA_BM = {BM};")));
         assert!(SOURCE.contains(&format!("PA_BN = {BN};")));
         assert!(SOURCE.contains(&format!("PA_WARPS = {};", THREADS / 32)));

@@ -126,6 +126,51 @@ impl Runtime {
         self.record(event)
     }
 
+    /// Queues a copy of `src` into device memory at `dst` on Stoke's stream and returns at once:
+    /// the bytes go through a page-locked staging buffer (reused once the copy that last used
+    /// it has completed), so the copy lands after the work queued before it and before the
+    /// work queued after it, with no host synchronization. Not for use while capturing.
+    ///
+    /// # Safety
+    /// `dst` must be valid device memory of at least `src.len()` bytes until the copy is done.
+    pub unsafe fn copy_htod_async(&self, dst: u64, src: &[u8]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        let mut staging = self.staging.lock().unwrap();
+        let free = staging
+            .iter()
+            .position(|(e, h)| h.bytes >= src.len() && e.is_complete());
+        let (event, host) = match free {
+            Some(i) => staging.swap_remove(i),
+            None => (
+                self.ctx.new_event(None).call("cuEventCreate")?,
+                self.pinned_host(src.len().next_power_of_two().max(4096))?,
+            ),
+        };
+        // SAFETY: `host` holds at least `src.len()` bytes and no copy reads it (its last
+        // copy's event completed, or it is new).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), host.as_mut_ptr(), src.len()) };
+        // SAFETY: `dst` is the caller's; `host` stays alive (in `staging`) until the event
+        // recorded after the copy completes.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, host.as_mut_ptr().cast(), src.len(), self.cu_stream())
+        }
+        .result()
+        .call("cuMemcpyHtoDAsync")?;
+        event.record(&self.stream).call("cuEventRecord")?;
+        staging.push((event, host));
+        // Buffers beyond a few dozen are not kept: the oldest finished ones go.
+        while staging.len() > 64 {
+            match staging.iter().position(|(e, _)| e.is_complete()) {
+                Some(i) => drop(staging.remove(i)),
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
     /// Page-locked host memory of `bytes` bytes (for [`Runtime::copy_dtoh_async`]).
     pub fn pinned_host(&self, bytes: usize) -> Result<PinnedHost> {
         self.bind()?;

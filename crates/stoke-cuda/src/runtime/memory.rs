@@ -178,6 +178,17 @@ impl Runtime {
         Ok(())
     }
 
+    /// The device's free and total memory in bytes (`cuMemGetInfo`).
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: writes two integers.
+        unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }
+            .result()
+            .call("cuMemGetInfo")?;
+        Ok((free, total))
+    }
+
     /// Queues a device-to-device copy on Stoke's stream.
     ///
     /// # Safety

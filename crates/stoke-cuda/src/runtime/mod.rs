@@ -113,6 +113,9 @@ pub struct Runtime {
     /// The timed launches: (entry point, event before, event after).
     #[allow(clippy::type_complexity)]
     profile: Mutex<Option<Vec<(&'static str, CudaEvent, CudaEvent)>>>,
+    /// Page-locked staging buffers of stream-ordered uploads ([`Runtime::copy_htod_async`]),
+    /// each free again once the event after its copy completes.
+    staging: Mutex<Vec<(CudaEvent, graph::PinnedHost)>>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -190,6 +193,7 @@ impl Runtime {
             crossings_total: Default::default(),
             profiling: Default::default(),
             profile: Mutex::new(None),
+            staging: Mutex::new(Vec::new()),
         }))
     }
 

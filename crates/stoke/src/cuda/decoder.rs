@@ -1,55 +1,66 @@
 //! `Stoke<I>`'s decoder: the decode step in Stoke's own memory, on Stoke's stream, replayed as a
 //! CUDA graph.
 //!
-//! The decoder owns the KV cache of every layer ([`DeviceKvCache`]: BF16, and an FP8 or INT4
-//! mirror that attention reads), the step's token ids, positions and attention lengths, the
-//! repetition penalty's token sets and the RoPE table, all in device buffers. A step is the
-//! model's own decode forward (Burn code over the fused ops); its ops read those buffers on the
-//! device, so the same work replays with new positions:
+//! The decoder owns the paged KV cache of every layer ([`DeviceKvCache`]: a pool of BF16 pages,
+//! and an FP8 or INT4 mirror that attention reads, found through one [`PageTable`] of a row per
+//! lane), each lane's token id, position, attention length, sampling settings and repetition
+//! penalty's token set, and the RoPE table, all in device buffers. Lane changes
+//! ([`LaneOp`]) are stream-ordered copies into those buffers, queued between steps. A step is
+//! the model's own decode forward (Burn code over the fused ops); its ops read the buffers on the
+//! device, so the same work replays with new positions and new lanes:
 //!
-//! - the first step runs eagerly (kernels load, the W4A16 plans are tuned);
+//! - the first step of each row bucket runs eagerly (kernels load, the W4A16 plans for its row
+//!   count are tuned);
 //! - the next one is captured ([`Runtime::capture_into`], strict: a crossing to burn-cuda fails
-//!   the capture with the op named) into a graph per attention-length bucket (the split-KV grid
-//!   is planned for the bucket's longest context: 256, 512, ... up to the capacity), every
-//!   buffer it allocates taken from the decoder's [`GraphArena`];
-//! - every later step replays the graph of its bucket;
-//! - after each step the sampled ids are copied to page-locked memory with an event; the host
-//!   takes them one step later ([`decode_take_ids`](crate::decode::decode_take_ids)), so it
+//!   the capture with the op named) into a graph per (row bucket, attention-length bucket,
+//!   log-probabilities on or off) (the split-KV grid is planned for the bucket's longest
+//!   context: 256, 512, ... up to the capacity), every buffer it allocates taken from the
+//!   decoder's [`GraphArena`];
+//! - every later step replays the graph of its buckets;
+//! - after each sampling the ids (and log-probabilities) are copied to page-locked memory with
+//!   an event; the host takes them later ([`decode_take`](crate::decode::decode_take)), so it
 //!   never waits for the step it just queued.
 //!
-//! Batches run padded to the next bucket of 1, 2, 4, 8, 16, 32 or 64 rows; padding rows decode
-//! token 0 in their own cache slots and are never returned. Where the step cannot run on
-//! Stoke's kernels (no runtime, not bf16, a head size or GQA ratio without a kernel, more than
-//! 64 sequences) the decoder is the reference one, with the reason logged.
+//! A step runs lanes `0 ..` its last active lane, padded to the next bucket of 1, 2, 4, 8, 16,
+//! 32 or 64 rows; a row whose lane is not active reads and writes the spare page through the
+//! table's spare row and is not sampled. Where the step cannot run on Stoke's kernels (no
+//! runtime, not bf16, a head size or GQA ratio without a kernel, more than 64 lanes) the
+//! decoder is the reference one, with the reason logged.
 
 use super::bridge::{DeviceTensor, KernelInput, runtime_for};
 use crate::backend::Stoke;
-use crate::decode::{DecodeError, DecodeSpec, KvCacheFormat, PackedSeq, RefDecoder};
+use crate::decode::{
+    DecodeError, DecodeSpec, KvCacheFormat, LaneOp, LaneSampling, Lanes, PackedSeq, RefDecoder,
+    SPARE_PAGE, Sampled, TokenLogprobs,
+};
 use crate::tensor::StokeTensor;
 use burn_backend::{Backend, DType, Shape, TensorMetadata};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use stoke_cuda::kernels::decode_attention::KvFormat;
 use stoke_cuda::kernels::prefill_attention::PrefillSeq;
-use stoke_cuda::kv::DeviceKvCache;
+use stoke_cuda::kv::{DeviceKvCache, PageTable};
+use stoke_cuda::sample::{MAX_TOP_LOGPROBS, ROW_ACTIVE, ROW_LOGPROB, RowSample};
 use stoke_cuda::{CudaEvent, CudaGraph};
 use stoke_cuda::{DeviceBuffer, DevicePtr, DevicePtrMut, GraphArena, PinnedHost, Runtime};
 
-/// Rows a step of `batch` sequences runs with.
-pub fn batch_bucket(batch: usize) -> Option<usize> {
-    [1, 2, 4, 8, 16, 32, 64].into_iter().find(|&b| b >= batch)
-}
+/// Most lanes the GPU decoder runs (the W4A16 kernels' rows).
+pub const MAX_LANES: usize = 64;
 
 /// Longest context a step's attention is planned for, given the longest sequence it attends to.
 fn context_bucket(needed: usize, capacity: usize) -> usize {
     needed.next_power_of_two().max(256).min(capacity)
 }
 
+/// f32 values per row of the log-probability kernel's output: (id, logprob) of the chosen token
+/// and of the top ones.
+const LOGPROB_ROW: usize = 2 * (1 + MAX_TOP_LOGPROBS as usize);
+
 /// Counts of what the decoder's steps did (for tests and benchmarks).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DecodeStats {
     pub steps: u64,
-    /// Steps run eagerly (the warm-up, `eager` decoders).
+    /// Steps run eagerly (the warm-up of each row bucket, `eager` decoders).
     pub eager_steps: u64,
     pub captures: u64,
     pub replays: u64,
@@ -62,6 +73,9 @@ pub struct DecodeStats {
     /// Host synchronizations inside eager steps (the warm-up tunes the W4A16 plans, timing
     /// them).
     pub host_syncs_in_eager_steps: u64,
+    /// Host synchronizations by lane changes and samplings outside steps (0 is the contract:
+    /// they are stream-ordered copies).
+    pub host_syncs_outside_steps: u64,
 }
 
 /// A captured step. The graph is only launched through the runtime that made it, which binds its
@@ -71,28 +85,44 @@ struct StepGraph(CudaGraph);
 // (`Runtime::replay` makes it current); the decoder owning it is used by one thread at a time.
 unsafe impl Send for StepGraph {}
 
+/// A sampling whose results are on their way to page-locked memory.
+struct Pending {
+    host: PinnedHost,
+    event: CudaEvent,
+    lanes: Vec<usize>,
+    /// Each lane's row of log-probabilities in the copy (`None`: it asked for none).
+    rows: Vec<Option<(usize, u32)>>,
+    /// Lanes whose ids were copied (ids of lanes `0 .. ids`, then the log-probability rows).
+    ids: usize,
+}
+
 /// The decoder on Stoke's kernels.
 pub struct GpuDecoder {
     rt: Arc<Runtime>,
     spec: DecodeSpec,
-    /// Rows of every step (the batch bucket).
-    rows: usize,
+    lanes: Lanes,
     caches: Vec<DeviceKvCache>,
+    table: Arc<PageTable>,
+    /// Each lane's table row in a step: its own, or the spare row while it is not active.
     slot_of: DeviceBuffer,
     pos: DeviceBuffer,
     len: DeviceBuffer,
     ids: DeviceBuffer,
     presence: DeviceBuffer,
+    cfg: DeviceBuffer,
+    logprobs: DeviceBuffer,
     rope: DeviceBuffer,
-    /// The host's copy of `pos` (advanced by one per step).
-    host_pos: Vec<usize>,
+    /// The step being built: its rows, active lanes, whether it writes log-probabilities, and
+    /// the keys its attention is planned for.
     in_step: bool,
-    /// Keys the step being built plans its attention for.
+    rows: usize,
+    step_lanes: Vec<usize>,
+    step_logprobs: bool,
     ctx_bucket: usize,
-    warmed: bool,
-    graphs: HashMap<usize, StepGraph>,
+    warmed: HashSet<usize>,
+    graphs: HashMap<(usize, usize, bool), StepGraph>,
     arena: Arc<GraphArena>,
-    pending: VecDeque<(PinnedHost, CudaEvent)>,
+    pending: VecDeque<Pending>,
     spare: Vec<(PinnedHost, CudaEvent)>,
     /// The latest sampling's logits as they came (`keep_logits`), and how many rows they hold.
     logits: Option<(DeviceBuffer, usize)>,
@@ -106,9 +136,11 @@ impl std::fmt::Debug for GpuDecoder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "GpuDecoder({} rows, {} layers, capacity {}, {:?}, {} graphs, {:?})",
-            self.rows,
+            "GpuDecoder({} lanes, {} layers, {} pages of {}, capacity {}, {:?}, {} graphs, {:?})",
+            self.spec.lanes,
             self.caches.len(),
+            self.spec.pages,
+            self.spec.page_size,
             self.spec.capacity,
             self.spec.kv_format,
             self.graphs.len(),
@@ -166,6 +198,43 @@ fn upload(rt: &Arc<Runtime>, bytes: &[u8]) -> stoke_cuda::Result<DeviceBuffer> {
     Ok(b)
 }
 
+/// A pooled buffer holding `bytes`, copied in stream order (no host synchronization).
+fn upload_async(rt: &Arc<Runtime>, bytes: &[u8]) -> stoke_cuda::Result<DeviceBuffer> {
+    let b = rt.alloc(bytes.len().max(4))?;
+    // SAFETY: the buffer holds at least `bytes.len()` bytes and is only used on Stoke's stream.
+    unsafe { rt.copy_htod_async(b.ptr(), bytes) }?;
+    Ok(b)
+}
+
+/// A lane's settings as the sampling kernels read them.
+fn row_sample(s: &LaneSampling, active: bool) -> RowSample {
+    let mut flags = if active { ROW_ACTIVE } else { 0 };
+    if let Some(top) = s.logprobs {
+        flags |= ROW_LOGPROB | top.min(MAX_TOP_LOGPROBS) << 8;
+    }
+    RowSample {
+        seed: s.seed,
+        temperature: s.temperature,
+        top_k: s.top_k,
+        top_p: s.top_p,
+        repetition_penalty: s.repetition_penalty,
+        stream: s.stream,
+        flags,
+    }
+}
+
+fn row_sample_bytes(r: &RowSample) -> Vec<u8> {
+    let mut b = Vec::with_capacity(32);
+    b.extend(r.seed.to_le_bytes());
+    b.extend(r.temperature.to_le_bytes());
+    b.extend(r.top_k.to_le_bytes());
+    b.extend(r.top_p.to_le_bytes());
+    b.extend(r.repetition_penalty.to_le_bytes());
+    b.extend(r.stream.to_le_bytes());
+    b.extend(r.flags.to_le_bytes());
+    b
+}
+
 impl GpuDecoder {
     /// The GPU decoder, or why the reference one runs instead (`Ok(Err(reason))`).
     fn new(
@@ -178,12 +247,12 @@ impl GpuDecoder {
                 "the model runs in {dtype:?}; the kernels take bf16"
             )));
         }
-        let Some(rows) = batch_bucket(spec.batch) else {
+        if spec.lanes > MAX_LANES {
             return Ok(Err(format!(
-                "{} sequences; the step's kernels take at most 64",
-                spec.batch
+                "{} lanes; the step's kernels take at most {MAX_LANES}",
+                spec.lanes
             )));
-        };
+        }
         let format = match spec.kv_format {
             KvCacheFormat::Bf16 => KvFormat::Bf16,
             KvCacheFormat::Fp8 => KvFormat::Fp8,
@@ -197,45 +266,56 @@ impl GpuDecoder {
         ) {
             return Ok(Err(e.to_string()));
         }
+        let lanes = spec.lanes;
+        // One table row per lane and the spare row, every entry the spare page at first.
+        let table = Arc::new(PageTable::new(
+            &rt,
+            lanes as u32 + 1,
+            spec.max_pages() as u32,
+            spec.page_size as u32,
+            spec.pages as u32,
+            SPARE_PAGE,
+        )?);
         let caches = (0..spec.layers)
             .map(|_| {
                 DeviceKvCache::new(
                     &rt,
                     format,
-                    (
-                        rows as u32,
-                        spec.kv_heads as u32,
-                        spec.capacity as u32,
-                        spec.head_dim as u32,
-                    ),
+                    (spec.kv_heads as u32, spec.head_dim as u32),
                     spec.rotate_block as u32,
+                    table.clone(),
                 )
             })
             .collect::<stoke_cuda::Result<Vec<_>>>()?;
-        let slots: Vec<u32> = (0..rows as u32).collect();
-        let zeros = vec![0u32; rows];
-        let words = spec.vocab.div_ceil(32);
+        let spare_rows = vec![lanes as u32; lanes];
+        let zeros = vec![0u32; lanes];
+        let words = crate::decode::words(spec.vocab);
         let rope: Vec<u8> = spec.rope[..spec.rope_positions() * spec.head_dim]
             .iter()
             .flat_map(|x| x.to_le_bytes())
             .collect();
         Ok(Ok(Self {
-            slot_of: upload(&rt, &u32_bytes(&slots))?,
+            slot_of: upload(&rt, &u32_bytes(&spare_rows))?,
             pos: upload(&rt, &u32_bytes(&zeros))?,
             len: upload(&rt, &u32_bytes(&zeros))?,
             ids: upload(&rt, &u32_bytes(&zeros))?,
-            presence: upload(&rt, &vec![0u8; rows * words * 4])?,
+            presence: upload(&rt, &vec![0u8; lanes * words * 4])?,
+            cfg: upload(&rt, &vec![0u8; lanes * 32])?,
+            logprobs: rt.alloc_unpooled(lanes * LOGPROB_ROW * 4)?,
             rope: upload(&rt, &rope)?,
-            host_pos: vec![0; rows],
+            lanes: Lanes::new(&spec),
             in_step: false,
+            rows: 0,
+            step_lanes: Vec::new(),
+            step_logprobs: false,
             ctx_bucket: spec.capacity,
-            warmed: false,
+            warmed: HashSet::new(),
             graphs: HashMap::new(),
             arena: GraphArena::new(&rt),
             pending: VecDeque::new(),
             spare: Vec::new(),
             logits: if spec.keep_logits {
-                Some((rt.alloc_unpooled(rows * spec.vocab * 4)?, 0))
+                Some((rt.alloc_unpooled(lanes * spec.vocab * 4)?, 0))
             } else {
                 None
             },
@@ -243,56 +323,155 @@ impl GpuDecoder {
             packed: None,
             stats: DecodeStats::default(),
             caches,
-            rows,
+            table,
             spec,
             rt,
         }))
     }
 
-    fn begin(&mut self, prompts: &[Vec<u32>]) -> Result<(), DecodeError> {
-        let (pos, presence) = crate::decode::prompt_state(prompts, &self.spec, self.rows)?;
-        self.host_pos = pos;
-        let pos: Vec<u32> = self.host_pos.iter().map(|&p| p as u32).collect();
-        let rt = &self.rt;
-        // SAFETY: the buffers hold `rows` u32 and `rows * words` u32.
-        unsafe {
-            rt.copy_htod(self.pos.ptr(), &u32_bytes(&pos))?;
-            rt.copy_htod(self.ids.ptr(), &u32_bytes(&vec![0; self.rows]))?;
-            rt.copy_htod(self.presence.ptr(), &u32_bytes(&presence))?;
+    /// What the decoder was made for.
+    pub fn spec(&self) -> &DecodeSpec {
+        &self.spec
+    }
+
+    /// `bytes` into `buf` from byte `at`, stream-ordered.
+    fn put(&self, buf: &DeviceBuffer, at: usize, bytes: &[u8]) -> stoke_cuda::Result<()> {
+        debug_assert!(at + bytes.len() <= buf.bytes());
+        // SAFETY: the range lies inside the decoder's buffer, which outlives every copy (they
+        // are queued on Stoke's stream, which the buffer's drop waits for).
+        unsafe { self.rt.copy_htod_async(buf.ptr() + at as u64, bytes) }
+    }
+
+    /// The lane's settings, position and table row as the host knows them, onto the device.
+    fn put_lane(&self, lane: usize) -> stoke_cuda::Result<()> {
+        let l = &self.lanes.lanes[lane];
+        let mut row = l.pages.clone();
+        row.resize(self.spec.max_pages(), SPARE_PAGE);
+        self.table.write(&self.rt, lane as u32, 0, &row)?;
+        let slot = if l.active { lane } else { self.spec.lanes } as u32;
+        let pos = if l.active { l.pos } else { 0 } as u32;
+        self.put(&self.slot_of, lane * 4, &slot.to_le_bytes())?;
+        self.put(&self.pos, lane * 4, &pos.to_le_bytes())?;
+        self.put(
+            &self.cfg,
+            lane * 32,
+            &row_sample_bytes(&row_sample(&l.sampling, l.active)),
+        )
+    }
+
+    fn update(&mut self, ops: &[LaneOp]) -> Result<(), DecodeError> {
+        let words = crate::decode::words(self.spec.vocab);
+        for op in ops {
+            self.lanes.apply(op)?;
+            match *op {
+                LaneOp::Set { lane, tokens, .. } => {
+                    let p = crate::decode::presence_words(tokens, self.spec.vocab);
+                    self.put(&self.presence, lane * words * 4, &u32_bytes(&p))?;
+                    self.put_lane(lane)?;
+                }
+                LaneOp::Pages { lane, first, pages } => {
+                    self.table
+                        .write(&self.rt, lane as u32, first as u32, pages)?;
+                }
+                LaneOp::Activate { lane, .. } | LaneOp::Clear { lane } => self.put_lane(lane)?,
+                LaneOp::Move { from, to } => {
+                    // SAFETY: both ranges lie inside the decoder's buffers.
+                    unsafe {
+                        self.rt.copy_dtod(
+                            self.ids.ptr() + to as u64 * 4,
+                            self.ids.ptr() + from as u64 * 4,
+                            4,
+                        )?;
+                        let w = words as u64 * 4;
+                        self.rt.copy_dtod(
+                            self.presence.ptr() + to as u64 * w,
+                            self.presence.ptr() + from as u64 * w,
+                            w as usize,
+                        )?;
+                    }
+                    self.put_lane(to)?;
+                    self.put_lane(from)?;
+                }
+            }
         }
-        self.pending.clear();
         Ok(())
     }
 
-    /// Queues the copy of the step's ids to page-locked memory and its event.
-    fn queue_ids(&mut self) -> stoke_cuda::Result<()> {
-        let (host, event) = match self.spare.pop() {
-            Some(s) => s,
-            None => (self.rt.pinned_host(self.rows * 4)?, self.rt.timing_event()?),
+    /// Queues the copy of the latest sampling's ids (lanes `0 .. ids`) and of the
+    /// log-probability rows of `rows` to page-locked memory, and its event.
+    fn queue_results(
+        &mut self,
+        lanes: Vec<usize>,
+        ids: usize,
+        rows: Vec<Option<(usize, u32)>>,
+    ) -> stoke_cuda::Result<()> {
+        let lp_rows = rows.iter().flatten().map(|r| r.0 + 1).max().unwrap_or(0);
+        let bytes = ids * 4 + lp_rows * LOGPROB_ROW * 4;
+        let (host, event) = match self
+            .spare
+            .iter()
+            .position(|(h, _)| h.bytes().len() >= bytes)
+        {
+            Some(i) => self.spare.swap_remove(i),
+            None => (
+                self.rt.pinned_host(bytes.next_power_of_two().max(256))?,
+                self.rt.timing_event()?,
+            ),
         };
-        // SAFETY: `ids` holds `rows` u32; `host` is page-locked, `rows * 4` bytes, read only
-        // after the event.
+        // SAFETY: `host` is page-locked and holds `bytes`; both device ranges are the decoder's;
+        // the host reads only after the event, recorded after both copies.
         unsafe {
+            if lp_rows > 0 {
+                let lp = lp_rows * LOGPROB_ROW * 4;
+                let at = host.as_mut_ptr().add(ids * 4);
+                // The event is recorded again after the ids' copy below.
+                self.rt
+                    .copy_dtoh_async(at, self.logprobs.ptr(), lp, &event)?;
+            }
             self.rt
-                .copy_dtoh_async(host.as_mut_ptr(), self.ids.ptr(), self.rows * 4, &event)
-        }?;
-        self.pending.push_back((host, event));
+                .copy_dtoh_async(host.as_mut_ptr(), self.ids.ptr(), ids * 4, &event)?;
+        }
+        self.pending.push_back(Pending {
+            host,
+            event,
+            lanes,
+            rows,
+            ids,
+        });
         Ok(())
     }
 
-    fn take_ids(&mut self) -> Option<Vec<u32>> {
-        let (host, event) = self.pending.pop_front()?;
-        if let Err(e) = event.synchronize() {
-            fatal("waiting for a step's ids", e);
+    fn take(&mut self) -> Option<Sampled> {
+        let p = self.pending.pop_front()?;
+        if let Err(e) = p.event.synchronize() {
+            fatal("waiting for a sampling's ids", e);
         }
-        let ids = host
-            .bytes()
-            .chunks_exact(4)
-            .take(self.spec.batch)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        let b = p.host.bytes();
+        let word =
+            |i: usize| u32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
+        let ids = p.lanes.iter().map(|&l| word(l)).collect();
+        let logprobs = p
+            .rows
+            .iter()
+            .map(|r| {
+                r.map(|(row, top)| {
+                    let at = p.ids + row * LOGPROB_ROW;
+                    let f = |i: usize| f32::from_bits(word(at + i));
+                    TokenLogprobs {
+                        logprob: f(1),
+                        top: (0..top as usize)
+                            .map(|j| (word(at + 2 + 2 * j), f(3 + 2 * j)))
+                            .collect(),
+                    }
+                })
+            })
             .collect();
-        self.spare.push((host, event));
-        Some(ids)
+        self.spare.push((p.host, p.event));
+        Some(Sampled {
+            lanes: p.lanes,
+            ids,
+            logprobs,
+        })
     }
 }
 
@@ -322,13 +501,18 @@ pub(crate) fn decoder_new<I: Backend>(
     )?)))
 }
 
-pub(crate) fn decoder_begin<I: Backend>(
+pub(crate) fn decoder_update<I: Backend>(
     dec: &mut StokeDecoder<I>,
-    prompts: &[Vec<u32>],
+    ops: &[LaneOp],
 ) -> Result<(), DecodeError> {
     match dec {
-        StokeDecoder::Gpu(g) => g.begin(prompts),
-        StokeDecoder::Reference(r) => crate::decode::ref_ops::begin(r, prompts),
+        StokeDecoder::Gpu(g) => {
+            let (syncs0, _) = g.rt.counters();
+            let r = g.update(ops);
+            g.stats.host_syncs_outside_steps += g.rt.counters().0 - syncs0;
+            r
+        }
+        StokeDecoder::Reference(r) => r.update(ops),
     }
 }
 
@@ -358,10 +542,10 @@ impl PackedLayout {
             pos.extend((s.pos0..s.pos0 + s.rows).map(|p| p as u32));
         }
         Ok(Self {
-            seqs_dev: upload(rt, &PrefillSeq::bytes(&kernel_seqs))?,
-            len: upload(rt, &u32_bytes(&pos))?,
-            slot_of: upload(rt, &u32_bytes(&slot_of))?,
-            pos: upload(rt, &u32_bytes(&pos))?,
+            seqs_dev: upload_async(rt, &PrefillSeq::bytes(&kernel_seqs))?,
+            len: upload_async(rt, &u32_bytes(&pos))?,
+            slot_of: upload_async(rt, &u32_bytes(&slot_of))?,
+            pos: upload_async(rt, &u32_bytes(&pos))?,
             seqs: seqs.to_vec(),
             kernel_seqs,
         })
@@ -372,7 +556,7 @@ impl GpuDecoder {
     /// Checks the packed layout `seqs` of `rows` rows against the decoder and uploads its
     /// tables where they differ from the latest prefill's (`self.packed`).
     fn use_packed(&mut self, seqs: &[PackedSeq], rows: usize) -> Result<(), DecodeError> {
-        crate::decode::check_packed(seqs, &self.spec, rows)?;
+        self.lanes.check_packed(seqs, rows)?;
         if self.packed.as_ref().is_none_or(|l| l.seqs != seqs) {
             self.packed = Some(PackedLayout::new(&self.rt, seqs)?);
         }
@@ -609,8 +793,9 @@ pub(crate) fn decode_attention<I: Backend>(
     let cache = &g.caches[layer];
     let rows = g.rows as u32;
     // SAFETY: x holds rows x width bf16; q and out are Stoke buffers of rows x h x d; the
-    // decoder's buffers hold `rows` entries; positions stay below the capacity (checked per
-    // step) and the context bucket is at most the capacity.
+    // decoder's buffers hold a lane per row; every row's table row (its lane's, or the spare
+    // row) covers its position (checked per step) and the context bucket is at most the
+    // capacity.
     let r = unsafe {
         cache
             .rope_append(
@@ -644,93 +829,140 @@ pub(crate) fn decode_attention<I: Backend>(
     StokeTensor::owned(out)
 }
 
-pub(crate) fn decode_sample<I: Backend>(dec: &mut StokeDecoder<I>, logits: StokeTensor<I>) {
-    let g = match dec {
-        StokeDecoder::Gpu(g) => g,
-        StokeDecoder::Reference(r) => return crate::decode::ref_ops::sample(r, logits),
-    };
-    let vocab = *logits.shape().as_slice().last().expect("rank >= 1");
-    let rows = logits.shape().num_elements() / vocab.max(1);
-    if vocab != g.spec.vocab || rows > g.rows {
-        fatal(
-            "logits",
-            format!(
-                "{:?} for {} rows of {} tokens",
-                logits.shape(),
-                g.rows,
-                g.spec.vocab
-            ),
-        );
+/// The sampling call of `logits` (`rows` rows of `vocab`) into the decoder's lane buffers, with
+/// each lane's settings; `lane_of`: the lane of each row (null: row = lane).
+fn sample_call<T>(
+    g: &GpuDecoder,
+    logits: u64,
+    rows: usize,
+    lane_of: DevicePtr<u32>,
+) -> stoke_cuda::sample::SampleCall<T> {
+    stoke_cuda::sample::SampleCall {
+        logits: DevicePtr::new(logits),
+        row_stride: g.spec.vocab as u32,
+        vocab: g.spec.vocab as u32,
+        rows: rows as u32,
+        ids_out: g.ids.as_mut_ptr(),
+        pos: g.pos.as_mut_ptr(),
+        presence: g.presence.as_mut_ptr(),
+        params: stoke_cuda::sample::SamplingParams::GREEDY,
+        row_cfg: g.cfg.as_ptr(),
+        lane_of,
     }
-    let device = super::float_device(&logits);
+}
+
+/// Samples `rows` rows of logits (their lanes: `lane_of`, null for row = lane) and, with
+/// `logprobs`, writes their log-probability rows; keeps the logits where the decoder does.
+fn sample_rows<I: Backend>(
+    g: &mut GpuDecoder,
+    logits: &StokeTensor<I>,
+    rows: usize,
+    lane_of: DevicePtr<u32>,
+    logprobs: bool,
+) -> stoke_cuda::Result<()> {
+    let device = super::float_device(logits);
     let rt = g.rt.clone();
-    let l = KernelInput::resolve(&rt, &logits, &device);
-    let params = g.spec.sampling;
-    // Inside a step each row's position advances (the token just sampled goes one further);
-    // after the prefill the position stays the prompt's length.
-    let pos = if g.in_step {
-        g.pos.as_mut_ptr()
-    } else {
-        DevicePtrMut::NULL
-    };
-    fn call<T>(
-        logits: u64,
-        rows: usize,
-        vocab: usize,
-        g: &GpuDecoder,
-        pos: DevicePtrMut<u32>,
-        params: stoke_cuda::sample::SamplingParams,
-    ) -> stoke_cuda::sample::SampleCall<T> {
-        stoke_cuda::sample::SampleCall {
-            logits: DevicePtr::new(logits),
-            row_stride: vocab as u32,
-            vocab: vocab as u32,
-            rows: rows as u32,
-            ids_out: g.ids.as_mut_ptr(),
-            pos,
-            presence: g.presence.as_mut_ptr(),
-            params,
-        }
-    }
-    // SAFETY: logits hold rows x vocab values of their dtype; the decoder's buffers hold
-    // `rows` ids and positions and `rows x ceil(vocab / 32)` presence words.
-    let r = unsafe {
+    let l = KernelInput::resolve(&rt, logits, &device);
+    let lp = g.logprobs.as_mut_ptr();
+    // SAFETY: logits hold rows x vocab values of their dtype; the decoder's buffers hold a lane
+    // per row (lane_of names lanes below the decoder's), the presence words and settings of
+    // each, and `rows` log-probability rows.
+    unsafe {
         match logits.dtype() {
             DType::F32 => {
-                stoke_cuda::sample::sample::<f32>(&rt, &call(l.ptr, rows, vocab, g, pos, params))
+                let call = sample_call::<f32>(g, l.ptr, rows, lane_of);
+                stoke_cuda::sample::sample(&rt, &call)?;
+                if logprobs {
+                    stoke_cuda::sample::logprobs(&rt, &call, lp)?;
+                }
             }
-            DType::BF16 => stoke_cuda::sample::sample::<half::bf16>(
-                &rt,
-                &call(l.ptr, rows, vocab, g, pos, params),
-            ),
+            DType::BF16 => {
+                let call = sample_call::<half::bf16>(g, l.ptr, rows, lane_of);
+                stoke_cuda::sample::sample(&rt, &call)?;
+                if logprobs {
+                    stoke_cuda::sample::logprobs(&rt, &call, lp)?;
+                }
+            }
             other => fatal(
                 "logits",
                 format!("{other:?}: the sampler takes f32 or bf16"),
             ),
         }
-    };
-    if let Err(e) = r {
-        fatal("sampling", e);
     }
     if let Some((keep, kept_rows)) = &mut g.logits {
         *kept_rows = rows;
-        let n = rows * vocab;
-        // SAFETY: both hold n values of the logits' dtype (f32 kept as is, bf16 widened below).
-        let r = match logits.dtype() {
-            DType::F32 => unsafe { rt.copy_dtod(keep.ptr(), l.ptr, n * 4) },
-            _ => unsafe { rt.copy_dtod(keep.ptr(), l.ptr, n * 2) },
-        };
-        if let Err(e) = r {
-            fatal("keeping logits", e);
-        }
+        let n = rows * g.spec.vocab;
+        let elem = if logits.dtype() == DType::F32 { 4 } else { 2 };
+        // SAFETY: both hold n values of the logits' dtype (kept as they are).
+        unsafe { rt.copy_dtod(keep.ptr(), l.ptr, n * elem) }?;
         g.logits_bf16 = logits.dtype() == DType::BF16;
     }
     drop(l);
-    if !g.in_step
-        && let Err(e) = g.queue_ids()
-    {
-        fatal("queueing the ids copy", e);
+    Ok(())
+}
+
+fn check_logits<I: Backend>(g: &GpuDecoder, logits: &StokeTensor<I>, most: usize) -> usize {
+    let vocab = *logits.shape().as_slice().last().expect("rank >= 1");
+    let rows = logits.shape().num_elements() / vocab.max(1);
+    if vocab != g.spec.vocab || rows > most {
+        fatal(
+            "logits",
+            format!(
+                "{:?} for at most {most} rows of {} tokens",
+                logits.shape(),
+                g.spec.vocab
+            ),
+        );
     }
+    rows
+}
+
+pub(crate) fn decode_sample<I: Backend>(dec: &mut StokeDecoder<I>, logits: StokeTensor<I>) {
+    let g = match dec {
+        StokeDecoder::Gpu(g) => g,
+        StokeDecoder::Reference(r) => return crate::decode::ref_ops::sample(r, logits),
+    };
+    let rows = check_logits(g, &logits, g.rows);
+    let logprobs = g.step_logprobs;
+    if let Err(e) = sample_rows(g, &logits, rows, DevicePtr::NULL, logprobs) {
+        fatal("sampling", e);
+    }
+}
+
+pub(crate) fn prefill_sample<I: Backend>(
+    dec: &mut StokeDecoder<I>,
+    logits: StokeTensor<I>,
+    lanes: &[usize],
+) -> Result<(), DecodeError> {
+    let g = match dec {
+        StokeDecoder::Gpu(g) => g,
+        StokeDecoder::Reference(r) => {
+            return crate::decode::ref_ops::prefill_sample(r, logits, lanes);
+        }
+    };
+    let (syncs0, _) = g.rt.counters();
+    let rows = check_logits(g, &logits, g.spec.lanes);
+    g.lanes.check_sample_lanes(lanes, rows)?;
+    let lane_of: Vec<u32> = lanes.iter().map(|&l| l as u32).collect();
+    let lane_of = upload_async(&g.rt, &u32_bytes(&lane_of))?;
+    let want: Vec<Option<(usize, u32)>> = lanes
+        .iter()
+        .enumerate()
+        .map(|(row, &l)| g.lanes.lanes[l].sampling.logprobs.map(|top| (row, top)))
+        .collect();
+    let logprobs = want.iter().any(Option::is_some);
+    sample_rows(g, &logits, rows, lane_of.as_ptr(), logprobs)?;
+    drop(lane_of);
+    // A prefill sampling moves each active lane past its last prompt token (the kernel did so
+    // on the device).
+    for &l in lanes {
+        if g.lanes.lanes[l].active {
+            g.lanes.lanes[l].pos += 1;
+        }
+    }
+    g.queue_results(lanes.to_vec(), g.spec.lanes, want)?;
+    g.stats.host_syncs_outside_steps += g.rt.counters().0 - syncs0;
+    Ok(())
 }
 
 pub(crate) fn decode_step<I: Backend>(
@@ -742,42 +974,42 @@ pub(crate) fn decode_step<I: Backend>(
         let StokeDecoder::Reference(r) = dec else {
             unreachable!()
         };
-        let needed = r.max_position() + 1;
-        if needed > r.spec.capacity {
-            return Err(DecodeError::ContextOverflow {
-                needed,
-                capacity: r.spec.capacity,
-            });
-        }
-        r.set_in_step(true);
+        r.begin_step()?;
         body(dec);
         if let StokeDecoder::Reference(r) = dec {
-            r.set_in_step(false);
+            r.end_step();
         }
         return Ok(());
     }
     let g = gpu(dec);
-    let needed = g.host_pos.iter().max().copied().unwrap_or(0) + 1;
-    if needed > g.spec.capacity {
-        return Err(DecodeError::ContextOverflow {
-            needed,
-            capacity: g.spec.capacity,
-        });
-    }
+    let rows = g.lanes.step_rows()?;
+    let active = g.lanes.active();
+    let needed = g.lanes.max_position() + 1;
     let bucket = context_bucket(needed, g.spec.capacity);
+    let logprobs = active
+        .iter()
+        .any(|&l| g.lanes.lanes[l].sampling.logprobs.is_some());
+    let want: Vec<Option<(usize, u32)>> = active
+        .iter()
+        .map(|&l| g.lanes.lanes[l].sampling.logprobs.map(|top| (l, top)))
+        .collect();
+    g.rows = rows;
+    g.step_lanes = active.clone();
+    g.step_logprobs = logprobs;
     g.ctx_bucket = bucket;
     let rt = g.rt.clone();
     let (syncs0, crossings0) = rt.counters();
-    let eager = g.spec.eager || !g.warmed;
+    let eager = g.spec.eager || !g.warmed.contains(&rows);
+    let key = (rows, bucket, logprobs);
     if eager {
         g.in_step = true;
         body(dec);
         let g = gpu(dec);
         g.in_step = false;
-        g.warmed = true;
+        g.warmed.insert(rows);
         g.stats.eager_steps += 1;
     } else {
-        if !g.graphs.contains_key(&bucket) {
+        if !g.graphs.contains_key(&key) {
             let arena = g.arena.clone();
             g.in_step = true;
             let (graph, inner_ops) = crate::route::strict_capture(|| {
@@ -798,16 +1030,16 @@ pub(crate) fn decode_step<I: Backend>(
                 }
                 .into());
             }
-            g.graphs.insert(bucket, StepGraph(graph));
+            g.graphs.insert(key, StepGraph(graph));
             g.stats.captures += 1;
         }
         let g = gpu(dec);
-        rt.replay(&g.graphs[&bucket].0)?;
+        rt.replay(&g.graphs[&key].0)?;
         g.stats.replays += 1;
     }
     let g = gpu(dec);
-    g.queue_ids()?;
-    g.host_pos.iter_mut().for_each(|p| *p += 1);
+    g.queue_results(active, rows, want)?;
+    g.lanes.advance();
     let (syncs1, crossings1) = rt.counters();
     g.stats.steps += 1;
     if eager {
@@ -825,7 +1057,7 @@ pub(crate) fn decode_last_logits<I: Backend>(dec: &mut StokeDecoder<I>) -> Optio
         StokeDecoder::Reference(r) => return crate::decode::ref_ops::last_logits(r),
     };
     let (buf, rows) = g.logits.as_ref()?;
-    let n = rows.min(&g.spec.batch) * g.spec.vocab;
+    let n = rows * g.spec.vocab;
     let elem = if g.logits_bf16 { 2 } else { 4 };
     let mut bytes = vec![0u8; n * elem];
     // SAFETY: the buffer holds at least n values of that size.
@@ -853,33 +1085,31 @@ pub(crate) fn decode_force_ids<I: Backend>(
         StokeDecoder::Gpu(g) => g,
         StokeDecoder::Reference(r) => return r.force_ids(ids),
     };
-    crate::decode::check_forced(ids, g.spec.batch, g.spec.vocab)?;
-    let words = g.spec.vocab.div_ceil(32);
-    // The presence words of the forced tokens: read, set, written back (rows beyond the
-    // batch keep theirs).
-    let mut presence = vec![0u8; g.rows * words * 4];
-    // SAFETY: the buffers hold `rows` ids and `rows * words` presence words; both copies wait
-    // for the queued steps.
+    crate::decode::check_forced(ids, g.spec.lanes, g.spec.vocab)?;
+    let words = crate::decode::words(g.spec.vocab);
+    // The presence words of the forced tokens: read, set, written back (lanes past `ids` keep
+    // theirs).
+    let mut presence = vec![0u8; ids.len() * words * 4];
+    // SAFETY: the buffers hold a lane's id and presence words per lane; both copies wait for
+    // the queued steps.
     unsafe { g.rt.copy_dtoh(&mut presence, g.presence.ptr()) }?;
     for (r, &t) in ids.iter().enumerate() {
         let at = (r * words + t as usize / 32) * 4;
         let w = u32::from_le_bytes(presence[at..at + 4].try_into().unwrap()) | 1 << (t % 32);
         presence[at..at + 4].copy_from_slice(&w.to_le_bytes());
     }
-    let mut all = ids.to_vec();
-    all.resize(g.rows, 0);
     // SAFETY: as above.
     unsafe {
-        g.rt.copy_htod(g.ids.ptr(), &u32_bytes(&all))?;
+        g.rt.copy_htod(g.ids.ptr(), &u32_bytes(ids))?;
         g.rt.copy_htod(g.presence.ptr(), &presence)?;
     }
     Ok(())
 }
 
-pub(crate) fn decode_take_ids<I: Backend>(dec: &mut StokeDecoder<I>) -> Option<Vec<u32>> {
+pub(crate) fn decode_take<I: Backend>(dec: &mut StokeDecoder<I>) -> Option<Sampled> {
     match dec {
-        StokeDecoder::Gpu(g) => g.take_ids(),
-        StokeDecoder::Reference(r) => crate::decode::ref_ops::take_ids(r),
+        StokeDecoder::Gpu(g) => g.take(),
+        StokeDecoder::Reference(r) => crate::decode::ref_ops::take(r),
     }
 }
 
@@ -896,11 +1126,18 @@ macro_rules! stoke_decoder_ops {
             crate::cuda::decoder::decoder_new::<I>(spec, dtype, device)
         }
 
-        fn decoder_begin(
+        fn decoder_spec(dec: &Self::Decoder) -> &crate::decode::DecodeSpec {
+            match dec {
+                crate::cuda::decoder::StokeDecoder::Gpu(g) => g.spec(),
+                crate::cuda::decoder::StokeDecoder::Reference(r) => &r.spec,
+            }
+        }
+
+        fn decoder_update(
             dec: &mut Self::Decoder,
-            prompts: &[Vec<u32>],
+            ops: &[crate::decode::LaneOp],
         ) -> Result<(), crate::decode::DecodeError> {
-            crate::cuda::decoder::decoder_begin(dec, prompts)
+            crate::cuda::decoder::decoder_update(dec, ops)
         }
 
         fn prefill_attention(
@@ -951,6 +1188,14 @@ macro_rules! stoke_decoder_ops {
             crate::cuda::decoder::decode_sample(dec, logits)
         }
 
+        fn prefill_sample(
+            dec: &mut Self::Decoder,
+            logits: FloatTensor<Self>,
+            lanes: &[usize],
+        ) -> Result<(), crate::decode::DecodeError> {
+            crate::cuda::decoder::prefill_sample(dec, logits, lanes)
+        }
+
         fn decode_step(
             dec: &mut Self::Decoder,
             body: &mut dyn FnMut(&mut Self::Decoder),
@@ -958,8 +1203,8 @@ macro_rules! stoke_decoder_ops {
             crate::cuda::decoder::decode_step(dec, body)
         }
 
-        fn decode_take_ids(dec: &mut Self::Decoder) -> Option<Vec<u32>> {
-            crate::cuda::decoder::decode_take_ids(dec)
+        fn decode_take(dec: &mut Self::Decoder) -> Option<crate::decode::Sampled> {
+            crate::cuda::decoder::decode_take(dec)
         }
 
         fn decode_last_logits(dec: &mut Self::Decoder) -> Option<Vec<f32>> {
