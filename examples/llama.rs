@@ -297,8 +297,6 @@ fn pick_device(args: &mut Args) {
 fn run(mut args: Args) -> Result<(), Box<dyn std::error::Error>> {
     pick_device(&mut args);
     let fp8 = matches!(args.prefill, PrefillArg::Fp8 | PrefillArg::Fp8Int4);
-    stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
-    stoke::cuda::fp8_linear::set_fp8_prefill_int4(args.prefill == PrefillArg::Fp8Int4);
     if fp8 && (args.device != Device::Cuda || args.backend != Backend::Stoke) {
         eprintln!(
             "--prefill {:?}: Stoke's FP8 GEMM runs on Stoke<Cuda> only; this run prefills in the \
@@ -484,7 +482,8 @@ fn generate_on<B: FusedOps>(
         loaded.model = stoke_llama::quant::quantize_lm_head(loaded.model, args.group, scale_type)?;
         eprintln!("quantized the output head to INT4 (RTN)");
     }
-    loaded.model = loaded.model.pinned();
+    // The model's plan: its projections' prefill mode and its KV cache format.
+    loaded.model = loaded.model.prepared(plan(args));
     B::sync(&device)?;
     let load = t0.elapsed();
     eprintln!(
@@ -502,7 +501,6 @@ fn generate_on<B: FusedOps>(
             decode_tokens: args.bench_tokens,
             decode_prompt: BENCH_DECODE_PROMPT,
             reps: args.bench_reps,
-            kv_cache: kv_format(args),
             eager: args.eager,
             seed: args.seed,
         };
@@ -581,12 +579,22 @@ fn generate_on<B: FusedOps>(
             );
         }
         if args.prefill == PrefillArg::Fp8 {
-            let scales = stoke::cuda::fp8_linear::delayed_scales()?;
+            let scales: Vec<stoke_formats::fp8::DelayedScale> = loaded
+                .model
+                .layers
+                .iter()
+                .filter_map(|l| {
+                    let w = l.mlp.gate_up_proj.weight.val().into_primitive().tensor();
+                    let w: &dyn std::any::Any = &w;
+                    let w = w.downcast_ref::<stoke::StokeTensor<burn_cuda::Cuda>>()?;
+                    stoke::cuda::fp8_linear::delayed_scale(w)
+                })
+                .collect::<Result<_, _>>()?;
             println!(
                 "{} delayed FP8 scales (SwiGLU outputs into the down projections): {} invocations, {} values saturated",
                 scales.len(),
-                scales.iter().map(|d| d.state.invocations).sum::<u64>(),
-                scales.iter().map(|d| d.state.saturated).sum::<u64>()
+                scales.iter().map(|d| d.invocations).sum::<u64>(),
+                scales.iter().map(|d| d.saturated).sum::<u64>()
             );
         }
         return Ok(None);
@@ -609,7 +617,6 @@ fn generate_on<B: FusedOps>(
         .collect();
     let opts = GenerateOptions {
         context: args.context,
-        kv_format: kv_format(args),
         eager: args.eager,
         eos: loaded.config.eos_token_ids.clone(),
     };
@@ -655,6 +662,18 @@ fn generate_on<B: FusedOps>(
         n,
     );
     Ok(None)
+}
+
+/// The model's plan from the flags.
+fn plan(args: &Args) -> stoke::Plan {
+    stoke::Plan {
+        prefill: match args.prefill {
+            PrefillArg::Bf16 => stoke::PrefillMode::Bf16,
+            PrefillArg::Fp8 => stoke::PrefillMode::Fp8,
+            PrefillArg::Fp8Int4 => stoke::PrefillMode::Fp8Int4,
+        },
+        kv_format: kv_format(args),
+    }
 }
 
 fn kv_format(args: &Args) -> stoke::KvCacheFormat {

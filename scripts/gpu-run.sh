@@ -28,6 +28,12 @@
 #          the FP8 projections; the mixes' names also pick the layers' prompts), then the PyTorch peers: the FP8
 #          block (compiled, graphed; 8B / 70B / 405B shapes) and transformers (padded batches);
 #          STOKE_NO_PEERS=1 skips them
+#   engine: the engine's GPU tests (two plans in one process, SmolLM2 on the engine against an
+#          f32 reference), then the serving benchmark (Poisson arrivals at fractions of the
+#          saturating rate, closed-loop concurrency 32 beside the static batch; SmolLM2 and an
+#          8B-shaped model; STOKE_SERVING_MODELS=smollm2 picks a part; schedules in
+#          STOKE_SCHEDULES, default OUTDIR/schedules), then transformers' continuous batching on
+#          the SmolLM2 schedules (scripts/peers/engine_torch.py; STOKE_NO_PEERS=1 skips it)
 #   decode: the decode-step tests, then the step benchmark (SmolLM2, 8B/70B-shaped models), then
 #          the PyTorch decode-step and transformers peers (STOKE_NO_PEERS=1 skips them)
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
@@ -146,6 +152,16 @@ if [ "$what" = prefill ] && [ -z "${STOKE_NO_PEERS:-}" ]; then
 fi
 if [ "$what" = prefill-attention ] && [ -z "${STOKE_NO_PEERS:-}" ]; then
   python3 scripts/peers/prefill_attention_torch.py "$out/torch-prefill-attention.json" 2>&1 | tee "$out/torch-prefill-attention.log" || status=1
+fi
+if [ "$what" = engine ] && [ -z "${STOKE_NO_PEERS:-}" ]; then
+  # transformers' continuous batching on the same SmolLM2 schedules (its GGUF loader needs the
+  # `gguf` wheel, carried in .whl).
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  fi
+  sched=()
+  for f in "${STOKE_SCHEDULES:-$out/schedules}"/smollm2-*.json; do [ -f "$f" ] && sched+=(--schedule "$f"); done
+  python3 scripts/peers/engine_torch.py "${sched[@]}" --out "$out/torch-engine.json" 2>&1 | tee "$out/torch-engine.log" || status=1
 fi
 if [ "$what" = attention ]; then
   python3 scripts/peers/attention_torch.py "$out/torch-attention.json" 2>&1 | tee "$out/torch-attention.log" || status=1

@@ -1,7 +1,7 @@
 //! The decode step on `Stoke<Cuda>` (graphed and eager) against the reference decoder on plain
 //! burn-cuda, and the decode-step benchmark.
 
-use crate::{PlainCuda, StokeCuda};
+use crate::{Cpu, PlainCuda, StokeCuda};
 use burn::tensor::DType;
 use serde_json::{Value, json};
 use std::path::Path;
@@ -155,15 +155,46 @@ fn load_as<B: FusedOps>(path: &Path, capacity: usize, dtype: DType) -> Result<Ll
         .pinned())
 }
 
+/// How close a bf16 run must stay to the f32 reference: the largest relative error of a
+/// sampling's logits, and the least share of argmax tokens equal to the reference's.
+#[derive(Clone, Copy)]
+struct Bound {
+    rel_err: f64,
+    agree: f64,
+}
+
+/// A random deep model amplifies bf16 rounding (recorded at 66d67d0 on an H200 against an f32
+/// reference: relative errors 0.23-0.40 with a BF16 cache, 0.80 FP8, 1.26 INT4; argmax
+/// agreement 74-97%, 64%, 45%): the bounds catch a broken integration (wrong pages, a wrong
+/// row or position), not bf16's rounding.
+const RANDOM_BF16: Bound = Bound {
+    rel_err: 0.6,
+    agree: 0.6,
+};
+const RANDOM_FP8: Bound = Bound {
+    rel_err: 1.2,
+    agree: 0.45,
+};
+const RANDOM_INT4: Bound = Bound {
+    rel_err: 2.0,
+    agree: 0.3,
+};
+/// SmolLM2 itself (recorded: 0.015-0.025, 93-97% agreement).
+const SMOLLM2: Bound = Bound {
+    rel_err: 0.06,
+    agree: 0.85,
+};
+
 /// Compares graphed, eager and reference runs of one model, teacher-forced with the same
-/// tokens; returns the report.
+/// tokens; returns the report. The reference is the reference decoder in f32 on the CPU
+/// (NdArray, the GPU machine's cores).
 fn compare(
     path: &Path,
     vocab: usize,
     (p, chunk): (Vec<Vec<u32>>, usize),
     steps: usize,
     kv: KvCacheFormat,
-    tol: f64,
+    bound: Bound,
 ) -> Result<Value, String> {
     let capacity = 512;
     let batch = p.len();
@@ -191,33 +222,10 @@ fn compare(
         stoke_stats,
     )?;
     drop(stoke_model);
-    let plain = load::<PlainCuda>(path, capacity)?;
-    let reference = run(
-        &plain,
-        p,
-        steps,
-        capacity,
-        kv,
-        false,
-        f,
-        no_stats::<PlainCuda>,
-    )?;
-    drop(plain);
-    // The same reference in f32: the yardstick both bf16 paths are measured against (a random
-    // deep model amplifies bf16 rounding; Stoke's kernels also read the exact Q4_1 values
-    // where burn-cuda's bf16 weights are rounded).
-    let plain32 = load_as::<PlainCuda>(path, capacity, DType::F32)?;
-    let exact = run(
-        &plain32,
-        p,
-        steps,
-        capacity,
-        kv,
-        false,
-        f,
-        no_stats::<PlainCuda>,
-    )?;
-    drop(plain32);
+    // The reference in f32 on the CPU (Stoke's kernels read the exact Q4_1 values).
+    let cpu32 = load_as::<Cpu>(path, capacity, DType::F32)?;
+    let exact = run(&cpu32, p, steps, capacity, kv, false, f, no_stats::<Cpu>)?;
+    drop(cpu32);
     let what = format!("batch {batch}, {kv:?} cache, prefill chunks of {chunk}");
     for st in [graphed.stats, free.stats] {
         let st = st.ok_or(format!("{what}: the reference decoder ran on Stoke"))?;
@@ -237,7 +245,7 @@ fn compare(
             "{what}: {advancing} of {steps} steps changed the logits"
         ));
     }
-    for r in [&graphed, &reference, &exact] {
+    for r in [&graphed, &exact] {
         if r.logits.len() != steps + 1 {
             return Err(format!("{what}: missing logits"));
         }
@@ -251,23 +259,27 @@ fn compare(
     };
     let max = |v: &[f64]| v.iter().copied().fold(0f64, f64::max);
     let vs_eager = max(&per_step(&graphed, &eager));
-    let (stoke_vs_exact, bf16_vs_exact) =
-        (per_step(&graphed, &exact), per_step(&reference, &exact));
-    let (vs_exact, noise) = (max(&stoke_vs_exact), max(&bf16_vs_exact));
-    let vs_burn = max(&per_step(&graphed, &reference));
+    let stoke_vs_exact = per_step(&graphed, &exact);
+    let vs_exact = max(&stoke_vs_exact);
     let round3 = |v: &[f64]| {
         v.iter()
             .map(|e| (e * 1e3).round() / 1e3)
             .collect::<Vec<_>>()
     };
+    let agree = graphed
+        .ids
+        .iter()
+        .zip(&exact.ids)
+        .map(|(x, y)| x.iter().zip(y).filter(|(p, q)| p == q).count())
+        .sum::<usize>();
+    let total = (steps + 1) * batch;
     let report = json!({
         "batch": batch, "kv_cache": format!("{kv:?}"), "prefill_chunk": chunk, "steps": steps,
         "max_rel_err_vs_f32_reference": vs_exact,
-        "max_rel_err_burn_cuda_bf16_vs_f32_reference": noise,
-        "max_rel_err_vs_burn_cuda_bf16": vs_burn,
         "max_rel_err_graphed_vs_eager": vs_eager,
         "rel_err_vs_f32_per_step": round3(&stoke_vs_exact),
-        "burn_cuda_bf16_rel_err_vs_f32_per_step": round3(&bf16_vs_exact),
+        "argmax_equal_to_f32_reference": agree, "argmax_total": total,
+        "bound": {"rel_err": bound.rel_err, "agree": bound.agree},
         "stats": format!("{:?}", graphed.stats),
     });
     if !(vs_eager < 1e-2) {
@@ -275,31 +287,18 @@ fn compare(
             "{what}: graphed vs eager logits differ by {vs_eager:.3e}"
         ));
     }
-    // Stoke's bf16 step may stray from the f32 reference by at most `tol`, or by 1.5x as much
-    // as burn-cuda's own bf16 run of the same reference does.
-    let bound = tol.max(1.5 * noise);
-    if !(vs_exact <= bound) {
+    if !(vs_exact <= bound.rel_err) || (agree as f64) < bound.agree * total as f64 {
         return Err(format!(
-            "{what}: logits differ from the f32 reference by {vs_exact:.3e} (bound {bound:.3e}; \
-             burn-cuda bf16 {noise:.3e}); per step {report}"
+            "{what}: {vs_exact:.3e} from the f32 reference, {agree} of {total} argmax equal \
+             (bounds {} and {}); {report}",
+            bound.rel_err, bound.agree
         ));
     }
-    let greedy_agree = |a: &Run, b: &Run| {
-        a.ids
-            .iter()
-            .zip(&b.ids)
-            .map(|(x, y)| x.iter().zip(y).filter(|(p, q)| p == q).count())
-            .sum::<usize>()
-    };
-    let mut report = report;
-    report["argmax_equal_to_f32_reference"] = json!(greedy_agree(&graphed, &exact));
-    report["argmax_total"] = json!((steps + 1) * batch);
     Ok(report)
 }
 
-/// The graphed decode step equals the eager Stoke step and stays as close to the reference
-/// decoder run in f32 on plain burn-cuda as that decoder's own bf16 run does (or within the
-/// case's tolerance), step by step (teacher-forced, so all see the same tokens): 64 steps on a
+/// The graphed decode step equals the eager Stoke step and stays within the case's bounds of
+/// the reference decoder run in f32 on the CPU, step by step (teacher-forced, so all see the same tokens): 64 steps on a
 /// SmolLM2-shaped random Q4_1 model at batch 1, 3 (padded to 4), 8 and 32 with prompts that
 /// cross the 256-key attention bucket, FP8 and INT4 caches against their simulation, and
 /// SmolLM2 itself at batch 1 and 8; a greedy run shows zero host synchronizations and
@@ -318,12 +317,15 @@ pub fn decode_step_matches_reference() -> Result<Value, String> {
             whole(prompts(batch, 220, cfg.vocab)),
             64,
             KvCacheFormat::Bf16,
-            5e-2,
+            RANDOM_BF16,
         ));
     }
-    for kv in [KvCacheFormat::Fp8, KvCacheFormat::Int4] {
+    for (kv, bound) in [
+        (KvCacheFormat::Fp8, RANDOM_FP8),
+        (KvCacheFormat::Int4, RANDOM_INT4),
+    ] {
         let p = whole(prompts(8, 220, cfg.vocab));
-        cases.push(compare(&path, cfg.vocab, p, 64, kv, 2e-1));
+        cases.push(compare(&path, cfg.vocab, p, 64, kv, bound));
     }
     let _ = std::fs::remove_file(&path);
     let smol = crate::llama::model_path()?;
@@ -334,7 +336,7 @@ pub fn decode_step_matches_reference() -> Result<Value, String> {
             whole(prompts(batch, 30, 49152)),
             64,
             KvCacheFormat::Bf16,
-            5e-2,
+            SMOLLM2,
         ));
     }
     all_passed(cases)
@@ -361,7 +363,7 @@ fn all_passed(cases: Vec<Result<Value, String>>) -> Result<Value, String> {
 
 /// Packed prefill on `Stoke<Cuda>` (the q|k|v rows of all prompts in one batch, RoPE and the
 /// cache write in one launch, the prefill attention kernel over the cache) against the
-/// reference decoder's prefill on plain burn-cuda, then 16 teacher-forced decode steps that
+/// reference decoder's prefill in f32 on the CPU, then 16 teacher-forced decode steps that
 /// read what it cached: prompts of 300, 1, 65, 128, 7 and 200 tokens whole and in chunks of
 /// 37 tokens (prompts split across chunks, later chunks attending to earlier ones) with a BF16
 /// cache, in chunks of 100 with an INT4 cache, on the SmolLM2-shaped random model, and in
@@ -388,7 +390,7 @@ pub fn packed_prefill_matches_reference() -> Result<Value, String> {
             (p.clone(), chunk),
             16,
             KvCacheFormat::Bf16,
-            5e-2,
+            RANDOM_BF16,
         );
         cases.push(c);
     }
@@ -398,7 +400,7 @@ pub fn packed_prefill_matches_reference() -> Result<Value, String> {
         (p.clone(), 100),
         16,
         KvCacheFormat::Int4,
-        2e-1,
+        RANDOM_INT4,
     ));
     let _ = std::fs::remove_file(&path);
     // head_dim 128 (Llama 3's), the prefill kernel's other instantiation, in chunks of 37.
@@ -419,7 +421,7 @@ pub fn packed_prefill_matches_reference() -> Result<Value, String> {
         (p, 37),
         16,
         KvCacheFormat::Bf16,
-        5e-2,
+        RANDOM_BF16,
     ));
     let _ = std::fs::remove_file(&path);
     all_passed(cases)
@@ -581,13 +583,15 @@ pub fn prefill_bench(_copy_gbps: f64) -> Value {
 }
 
 /// The prefill benchmarks' projection modes: bf16 copies of the weights, E4M3 copies, and the
-/// packed INT4 weights read as they are by the FP8 GEMM (`set_fp8_prefill_int4`).
+/// packed INT4 weights read as they are by the FP8 GEMM (`PrefillMode::Fp8Int4`).
 const PREFILL_MODES: [&str; 3] = ["bf16", "fp8", "fp8-int4"];
 
-/// Sets the prefill GEMMs to one of [`PREFILL_MODES`].
-fn set_prefill_mode(mode: &str) {
-    stoke::cuda::fp8_linear::set_fp8_prefill(mode != "bf16");
-    stoke::cuda::fp8_linear::set_fp8_prefill_int4(mode == "fp8-int4");
+/// `model` prepared with the prefill mode named `mode` (one of [`PREFILL_MODES`]).
+fn with_prefill_mode(model: &Llama<StokeCuda>, mode: &str) -> Llama<StokeCuda> {
+    model.clone().prepared(stoke::Plan {
+        prefill: mode.parse().expect("a prefill mode"),
+        ..model.plan
+    })
 }
 
 /// Whether the prefill benchmarks keep `name`: the environment variable `var` (comma-separated
@@ -618,7 +622,7 @@ fn prefill_8b_bench() -> Value {
         if !prefill_env_keeps("STOKE_PREFILL_MODES", mode) {
             continue;
         }
-        set_prefill_mode(mode);
+        let model = with_prefill_mode(&model, mode);
         let points: Vec<Value> = mixes
             .iter()
             .map(|lens| {
@@ -632,7 +636,6 @@ fn prefill_8b_bench() -> Value {
             .collect();
         out[mode] = json!(points);
     }
-    set_prefill_mode("bf16");
     out
 }
 
@@ -675,13 +678,16 @@ fn prefill_layer_bench(name: &str, hidden: usize, inter: usize, heads: usize) ->
         if !prefill_env_keeps("STOKE_PREFILL_MODES", mode) {
             continue;
         }
-        set_prefill_mode(mode);
+        let planned: Vec<Llama<StokeCuda>> = models
+            .iter()
+            .map(|(_, m)| with_prefill_mode(m, mode))
+            .collect();
         let points: Vec<Value> = lens
             .iter()
             .map(|&s| {
                 let point = (|| -> Result<Value, String> {
-                    let a = time_prefill(&models[0].1, &models[0].0, &[s])?;
-                    let b = time_prefill(&models[1].1, &models[1].0, &[s])?;
+                    let a = time_prefill(&planned[0], &models[0].0, &[s])?;
+                    let b = time_prefill(&planned[1], &models[1].0, &[s])?;
                     let per = |key: &str| {
                         (b[key].as_f64().unwrap_or(f64::NAN) - a[key].as_f64().unwrap_or(f64::NAN))
                             * 1e3
@@ -722,7 +728,6 @@ fn prefill_layer_bench(name: &str, hidden: usize, inter: usize, heads: usize) ->
             .collect();
         out[mode] = json!(points);
     }
-    set_prefill_mode("bf16");
     out
 }
 
@@ -816,7 +821,7 @@ fn smol_bench(path: &Path, packed: bool) -> Result<Value, String> {
     Ok(json!(points))
 }
 
-fn llama_config(
+pub(crate) fn llama_config(
     layers: usize,
     hidden: usize,
     inter: usize,
@@ -910,3 +915,227 @@ pub fn bench(copy_gbps: f64) -> Value {
     out["llama_70b_layers"] = json!(layers70);
     out
 }
+
+/// Two copies of one model prepared with different plans (bf16 and FP8 prefill) in one process,
+/// their prefills interleaved: each copy gives, call for call, the logits a copy with its plan
+/// gives alone (bitwise: the FP8 copy's delayed scales are its own), the two plans differ, and
+/// only the FP8 copy's projections ran on the FP8 GEMM.
+pub fn two_plans_in_one_process() -> Result<Value, String> {
+    use stoke::PrefillMode::{Bf16, Fp8};
+    let cfg = SMOL_SHAPES;
+    let path = std::env::temp_dir().join(format!("stoke-plans-{}.gguf", std::process::id()));
+    std::fs::write(&path, gguf_q4_1(&cfg, &weights(&cfg, true, 12))).map_err(|e| e.to_string())?;
+    let base = load::<StokeCuda>(&path, 512)?;
+    let _ = std::fs::remove_file(&path);
+    let plan = |prefill| stoke::Plan {
+        prefill,
+        ..Default::default()
+    };
+    let prompt: Vec<u32> = (0..200)
+        .map(|i| ((i * 37 + 11) % (cfg.vocab - 1) + 1) as u32)
+        .collect();
+    let logits = |m: &Llama<StokeCuda>| -> Result<Vec<f32>, String> {
+        let spec = m.decode_spec(1, 256, KvCacheFormat::Bf16, false);
+        let mut dec = stoke::decoder::<StokeCuda>(spec, DType::BF16, &Default::default())
+            .map_err(|e| e.to_string())?;
+        let l = m
+            .prefill_logits(&prompt, &mut dec, PREFILL_CHUNK)
+            .map_err(|e| e.to_string())?;
+        l.into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .map_err(|e| format!("{e:?}"))
+    };
+    let alone = |mode| -> Result<(Vec<f32>, Vec<f32>), String> {
+        let m = base.clone().prepared(plan(mode));
+        Ok((logits(&m)?, logits(&m)?))
+    };
+    let ((a1, a2), (b1, b2)) = (alone(Bf16)?, alone(Fp8)?);
+    let (ma, mb) = (
+        base.clone().prepared(plan(Bf16)),
+        base.clone().prepared(plan(Fp8)),
+    );
+    let calls = stoke::cuda::fp8_linear::kernel_calls;
+    let c0 = calls();
+    let ia1 = logits(&ma)?;
+    let bf16_calls = calls() - c0;
+    let ib1 = logits(&mb)?;
+    let fp8_calls = calls() - c0 - bf16_calls;
+    let (ia2, ib2) = (logits(&ma)?, logits(&mb)?);
+    let same = |x: &[f32], y: &[f32]| {
+        x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+    };
+    for (what, got, want) in [
+        ("bf16 copy, first call", &ia1, &a1),
+        ("FP8 copy, first call", &ib1, &b1),
+        ("bf16 copy, second call", &ia2, &a2),
+        ("FP8 copy, second call", &ib2, &b2),
+    ] {
+        if !same(got, want) {
+            return Err(format!("{what}: the logits differ from the copy run alone"));
+        }
+    }
+    if same(&a1, &b1) || bf16_calls != 0 || fp8_calls == 0 {
+        return Err(format!(
+            "the plans did not take their paths: FP8 GEMM calls {bf16_calls} (bf16 copy), \
+             {fp8_calls} (FP8 copy), logits equal: {}",
+            same(&a1, &b1)
+        ));
+    }
+    Ok(json!({"fp8_gemm_calls_of_the_fp8_copy": fp8_calls,
+        "max_abs_diff_bf16_vs_fp8": a1.iter().zip(&b1).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)}))
+}
+
+/// SmolLM2 on the engine (`Stoke<Cuda>`): nine greedy requests (two sharing a prompt prefix)
+/// arriving over several steps into four lanes, against the same requests one at a time on a
+/// one-lane engine and against an f32 reference on the CPU (the reference decoder, NdArray).
+/// Passes when every request's tokens equal the reference's up to where they part, and they
+/// only part where the reference's top-2 margin is within bf16 noise (below
+/// [`NOISE_MARGIN`]); reports where each parts, its margin, and whether the batched run equals
+/// the one-at-a-time one.
+pub fn engine_matches_f32_reference() -> Result<Value, String> {
+    use stoke_engine::{Engine, EngineConfig, Event, Params};
+    let path = crate::llama::model_path()?;
+    let device = Default::default();
+    let l = load_gguf_packed::<StokeCuda>(&path, &device, DType::BF16, 512)
+        .map_err(|e| e.to_string())?;
+    let model = l.model.pinned();
+    let texts = [
+        "Once upon a time",
+        "The capital of France is",
+        "A recipe for",
+        "def fibonacci(n):",
+        "The three laws of robotics",
+        "In 1969,",
+        "Water boils at",
+        "My favourite book is",
+        "Once upon a time, in a land far away",
+    ];
+    let prompts: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| l.tokenizer.encode(*t, false).map(|e| e.get_ids().to_vec()))
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
+    let max_tokens = 48;
+    let params = Params {
+        ignore_eos: true,
+        ..Params::greedy(max_tokens)
+    };
+    let engine_cfg = |lanes| EngineConfig {
+        max_running: lanes,
+        context: 256,
+        kv_pages: Some(lanes * 4 + 1),
+        ..Default::default()
+    };
+    let drive = |eng: &mut Engine<StokeCuda, &Llama<StokeCuda>>,
+                 arrivals: &[Vec<usize>]|
+     -> Result<Vec<Vec<u32>>, String> {
+        let mut index = std::collections::HashMap::new();
+        let mut got = vec![Vec::new(); prompts.len()];
+        let mut step = 0;
+        while step < arrivals.len() || eng.has_work() {
+            for &i in arrivals.get(step).map(Vec::as_slice).unwrap_or(&[]) {
+                let id = eng
+                    .add(prompts[i].clone(), params.clone())
+                    .map_err(|e| e.to_string())?;
+                index.insert(id, i);
+            }
+            for e in eng.step().map_err(|e| e.to_string())? {
+                if let Event::Token { id, token, .. } = e {
+                    got[index[&id]].push(token);
+                }
+            }
+            step += 1;
+        }
+        Ok(got)
+    };
+    let t0 = std::time::Instant::now();
+    let mut eng = Engine::new(&model, engine_cfg(4), None).map_err(|e| e.to_string())?;
+    let batched = drive(
+        &mut eng,
+        &[
+            vec![0, 1],
+            vec![],
+            vec![],
+            vec![2, 3],
+            vec![],
+            vec![],
+            vec![4, 5, 6, 7, 8],
+        ],
+    )?;
+    let stats = eng.stats();
+    drop(eng);
+    let engine_s = t0.elapsed().as_secs_f64();
+    let mut alone = Vec::new();
+    for i in 0..prompts.len() {
+        let mut eng = Engine::new(&model, engine_cfg(1), None).map_err(|e| e.to_string())?;
+        let mut arr = vec![Vec::new(); i + 1];
+        arr[i].push(i);
+        alone.push(drive(&mut eng, &arr)?.swap_remove(i));
+    }
+    drop(model);
+    // The f32 reference on the CPU, greedy, every step's logits kept for the margins.
+    let t1 = std::time::Instant::now();
+    let cpu = stoke_llama::load::load_gguf::<Cpu>(&path, &Default::default(), DType::F32, 512)
+        .map_err(|e| e.to_string())?
+        .model;
+    let mut spec = cpu.decode_spec(prompts.len(), 256, KvCacheFormat::Bf16, false);
+    spec.keep_logits = true;
+    let mut dec =
+        stoke::decoder::<Cpu>(spec, DType::F32, &Default::default()).map_err(|e| e.to_string())?;
+    cpu.prefill(&prompts, &mut dec).map_err(|e| e.to_string())?;
+    let vocab = 49152;
+    let mut reference: Vec<Vec<(u32, f32)>> = vec![Vec::new(); prompts.len()];
+    for step in 0..max_tokens {
+        if step > 0 {
+            stoke::decode_step::<Cpu>(&mut dec, &mut |d| cpu.decode_forward(d))
+                .map_err(|e| e.to_string())?;
+        }
+        let ids = stoke::decode_take_ids::<Cpu>(&mut dec).ok_or("no ids")?;
+        let logits = stoke::decode_last_logits::<Cpu>(&mut dec).ok_or("no logits")?;
+        for (r, row) in logits.chunks(vocab).enumerate() {
+            let mut top = [f32::NEG_INFINITY; 2];
+            for &v in row {
+                if v > top[0] {
+                    top = [v, top[0]];
+                } else if v > top[1] {
+                    top[1] = v;
+                }
+            }
+            reference[r].push((ids[r], top[0] - top[1]));
+        }
+    }
+    let reference_s = t1.elapsed().as_secs_f64();
+    let mut rows = Vec::new();
+    let mut failures = Vec::new();
+    for (i, text) in texts.iter().enumerate() {
+        let want: Vec<u32> = reference[i].iter().map(|r| r.0).collect();
+        let parts = batched[i].iter().zip(&want).position(|(a, b)| a != b);
+        let margin = parts.map(|k| reference[i][k].1);
+        if batched[i].len() != max_tokens {
+            failures.push(format!("{text:?}: {} tokens", batched[i].len()));
+        } else if let Some(m) = margin
+            && m >= NOISE_MARGIN
+        {
+            failures.push(format!(
+                "{text:?}: parts from the f32 reference at token {} where its top-2 margin is {m:.3}",
+                parts.unwrap()
+            ));
+        }
+        rows.push(
+            json!({"prompt": text, "equal_tokens": parts.unwrap_or(max_tokens),
+            "parts_at_margin": margin, "batched_equals_alone": batched[i] == alone[i],
+            "alone_equal_tokens": alone[i].iter().zip(&want).take_while(|(a, b)| a == b).count()}),
+        );
+    }
+    let report = json!({"requests": rows, "engine_s": engine_s, "reference_s": reference_s,
+        "prefix_hits": stats.prefix_hits, "noise_margin": NOISE_MARGIN});
+    if !failures.is_empty() {
+        return Err(format!("{}; {report}", failures.join("; ")));
+    }
+    Ok(report)
+}
+
+/// A top-2 logit margin of the f32 reference that bf16 arithmetic may overturn on SmolLM2 (its
+/// bf16 logits stray by about 2% of their largest value, recorded relative errors 0.015-0.025).
+pub const NOISE_MARGIN: f32 = 0.5;

@@ -1130,22 +1130,32 @@ pub fn fp8_folded_norm_matches_reference() -> Result<Value, String> {
         Tensor::<crate::StokeCuda, 2>::from_data(TensorData::new(v.to_vec(), d), &device)
             .cast(DType::BF16)
     };
+    // The gains' plan folds them into FP8 projections; the weight's runs its prefill in FP8.
+    let fold = stoke::WeightPlan {
+        fold_into_fp8: true,
+        ..Default::default()
+    };
     let tensor1 = |v: &[f32]| {
-        stoke::cuda::pin(
+        stoke::cuda::prepare(
             Tensor::<crate::StokeCuda, 1>::from_data(TensorData::new(v.to_vec(), [k]), &device)
                 .cast(DType::BF16),
+            fold,
         )
     };
     let xt = tensor2(&xs, [m, k]);
-    let wt = stoke::cuda::pin(tensor2(&w, [k, n]));
+    let wt = stoke::cuda::prepare(
+        tensor2(&w, [k, n]),
+        stoke::WeightPlan {
+            prefill: stoke::PrefillMode::Fp8,
+            ..Default::default()
+        },
+    );
     let linear = burn::nn::Linear {
         weight: Param::from_tensor(wt.clone()),
         bias: None,
     };
     let (gt, gt2) = (tensor1(&gamma), tensor1(&gamma2));
 
-    let was = fl::fp8_prefill();
-    fl::set_fp8_prefill(true);
     let folded0 = fl::folded_norm_calls();
     let normed = stoke::rms_norm(xt.clone(), gt, eps);
     let y = burn::tensor::module::linear(normed.clone(), wt.clone(), None);
@@ -1162,7 +1172,6 @@ pub fn fp8_folded_norm_matches_reference() -> Result<Value, String> {
     let normed2 = stoke::rms_norm(xt, gt2, eps);
     let got2 = crate::f64s(burn::tensor::module::linear(normed2, wt, None).into_data());
     let folded2 = fl::folded_norm_calls() - folded_after;
-    fl::set_fp8_prefill(was);
     rt.set_poison_allocations(false);
     let what = format!("seed {seed}: x [{m}, {k}], W [{k}, {n}]");
     if folded != 3 || folded2 != 0 {

@@ -82,8 +82,20 @@ pub const CASES: &[(&str, Case)] = &[
         crate::decode::smollm2_graphed_text_matches_burn_cuda,
     ),
     (
+        "two_plans_in_one_process",
+        crate::decode::two_plans_in_one_process,
+    ),
+    (
+        "engine_matches_f32_reference",
+        crate::decode::engine_matches_f32_reference,
+    ),
+    (
         "sample_matches_reference",
         crate::sample::sample_matches_reference,
+    ),
+    (
+        "lane_sampling_matches_reference",
+        crate::sample::lane_sampling_matches_reference,
     ),
     (
         "fp8_rows_match_reference",

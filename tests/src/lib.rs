@@ -28,6 +28,7 @@ pub mod loader_fuzz;
 pub mod pairs;
 pub mod qkv;
 pub mod sample;
+pub mod serving;
 pub mod suite;
 
 use std::sync::Arc;

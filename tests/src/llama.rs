@@ -56,7 +56,6 @@ fn greedy_on<B: FusedOps>(
     let _ = (dtype, device);
     let opts = GenerateOptions {
         context: 256,
-        kv_format: stoke::KvCacheFormat::Bf16,
         eager,
         eos: l.config.eos_token_ids.clone(),
     };
@@ -95,7 +94,6 @@ fn speed<B: FusedOps>(
     // No EOS stop: every run decodes exactly `new_tokens` steps.
     let opts = GenerateOptions {
         context: 2048,
-        kv_format: stoke::KvCacheFormat::Bf16,
         eager: false,
         eos: Vec::new(),
     };
@@ -344,8 +342,8 @@ fn kernels_vs_dequantized(
 /// reported). The packed model also runs the prefill that serves (`Llama::prefill_logits`, a
 /// window per prefill: the q|k|v epilogue writes the decoder's cache, Stoke's prefill attention
 /// reads it) in FP8 and bf16, and both of the packed model's FP8 prefills again with its INT4
-/// weights read as they are (`set_fp8_prefill_int4`). The output heads stay on bf16
-/// (`stoke::output_head`). Passes when the FP8 GEMM ran, on the same projections in both models
+/// weights read as they are (`PrefillMode::Fp8Int4`). Each mode is its own copy of the model,
+/// prepared with that plan (the output heads stay on bf16 in every plan). Passes when the FP8 GEMM ran, on the same projections in both models
 /// (with INT4 weights: on every packed one), every norm's gain was folded into the projections
 /// it feeds, FP8's perplexity is within 5% of bf16's, and its top-1 agreement
 /// with f32 is at most 0.15 below bf16's, on each path. These bounds catch a broken integration
@@ -424,9 +422,21 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
         .map_err(|e| e.to_string())?
         .model
         .pinned();
-    let was = stoke::cuda::fp8_linear::fp8_prefill();
-    let run = |m: &Llama<crate::StokeCuda>, fp8: bool| {
-        stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
+    let plan = |prefill| stoke::Plan {
+        prefill,
+        ..Default::default()
+    };
+    use stoke::PrefillMode::{Bf16, Fp8, Fp8Int4};
+    let (packed_fp8, packed_bf16, packed_int4) = (
+        packed.model.clone().prepared(plan(Fp8)),
+        packed.model.clone().prepared(plan(Bf16)),
+        packed.model.clone().prepared(plan(Fp8Int4)),
+    );
+    let (dense_fp8, dense_bf16) = (
+        dense.clone().prepared(plan(Fp8)),
+        dense.clone().prepared(plan(Bf16)),
+    );
+    let run = |m: &Llama<crate::StokeCuda>| {
         let calls0 = stoke::cuda::fp8_linear::kernel_calls();
         let folded0 = stoke::cuda::fp8_linear::folded_norm_calls();
         let logits = prefill(m, &ids, (batch, len), DType::BF16, &device);
@@ -437,34 +447,38 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
             stoke::cuda::fp8_linear::folded_norm_calls() - folded0,
         )
     };
-    let (fp8_first, _, _) = run(&packed.model, true);
-    let (fp8, fp8_calls, folded_calls) = run(&packed.model, true);
-    let (bf16, _, _) = run(&packed.model, false);
-    run(&dense, true);
-    let (fp8_dense, fp8_dense_calls, folded_dense_calls) = run(&dense, true);
-    let (bf16_dense, _, _) = run(&dense, false);
-    let run_packed = |fp8: bool| {
-        stoke::cuda::fp8_linear::set_fp8_prefill(fp8);
+    let (fp8_first, _, _) = run(&packed_fp8);
+    let (fp8, fp8_calls, folded_calls) = run(&packed_fp8);
+    let (bf16, _, _) = run(&packed_bf16);
+    run(&dense_fp8);
+    let (fp8_dense, fp8_dense_calls, folded_dense_calls) = run(&dense_fp8);
+    let (bf16_dense, _, _) = run(&dense_bf16);
+    let run_packed = |m: &Llama<crate::StokeCuda>| {
         let folded0 = stoke::cuda::fp8_linear::folded_norm_calls();
-        let logits = prefill_packed(&packed.model, &ids, (batch, len), &device);
+        let logits = prefill_packed(m, &ids, (batch, len), &device);
         (
             logits,
             stoke::cuda::fp8_linear::folded_norm_calls() - folded0,
         )
     };
-    let (served_fp8, served_folded) = run_packed(true);
-    let (served_bf16, _) = run_packed(false);
+    let (served_fp8, served_folded) = run_packed(&packed_fp8);
+    let (served_bf16, _) = run_packed(&packed_bf16);
     // The packed weights read as they are by the FP8 GEMM (no E4M3 copy): the same windows,
     // and served (the q|k|v epilogue on the INT4 weight).
-    stoke::cuda::fp8_linear::set_fp8_prefill_int4(true);
     let int4_calls0 = stoke::cuda::fp8_linear::int4_kernel_calls();
-    let (int4, int4_all_calls, _) = run(&packed.model, true);
+    let (int4, int4_all_calls, _) = run(&packed_int4);
     let int4_calls = stoke::cuda::fp8_linear::int4_kernel_calls() - int4_calls0;
-    let (served_int4, _) = run_packed(true);
-    stoke::cuda::fp8_linear::set_fp8_prefill_int4(false);
-    let delayed = stoke::cuda::fp8_linear::delayed_scales()?;
-    let saturated: u64 = delayed.iter().map(|d| d.state.saturated).sum();
-    stoke::cuda::fp8_linear::set_fp8_prefill(was);
+    let (served_int4, _) = run_packed(&packed_int4);
+    // The delayed scales of the FP8 models' gate|up weights.
+    let delayed: Vec<stoke_formats::fp8::DelayedScale> = [&packed_fp8, &dense_fp8]
+        .iter()
+        .flat_map(|m| m.layers.iter())
+        .filter_map(|l| {
+            let w = l.mlp.gate_up_proj.weight.val().into_primitive().tensor();
+            stoke::cuda::fp8_linear::delayed_scale(&w)
+        })
+        .collect::<Result<_, _>>()?;
+    let saturated: u64 = delayed.iter().map(|d| d.saturated).sum();
     let f32 = prefill(&plain32.model, &ids, (batch, len), DType::F32, &device);
     // Mean NLL of the next token and top-1 agreement with f32, per model.
     let argmax = stoke_formats::sample::argmax;

@@ -416,3 +416,207 @@ pub fn sample_matches_reference() -> Result<Value, String> {
         json!({"seed": seed, "draws_per_config": DRAWS, "agreement": agreement, "launch_us": timings}),
     )
 }
+
+/// Each lane its own settings (`row_cfg`), rows scattered to lanes (`lane_of`), an inactive
+/// lane skipped, and the log-probability kernel: 6 rows of f32 and of bf16 logits (vocab
+/// 49152) into 10 lanes, 4 draws each, against the reference with every lane's own settings,
+/// counter and stream; the inactive lane's id, counter and presence words untouched; the
+/// log-probabilities of the chosen and the top tokens against `logprobs_row` (f64).
+pub fn lane_sampling_matches_reference() -> Result<Value, String> {
+    use stoke_cuda::DevicePtr;
+    use stoke_cuda::sample::{ROW_ACTIVE, ROW_LOGPROB, RowSample, logprobs};
+    let rt = crate::gpu()?;
+    let seed = crate::seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (vocab, rows, lanes) = (49152u32, 6usize, 10usize);
+    let words = vocab.div_ceil(32) as usize;
+    let lane_of: [u32; 6] = [7, 2, 9, 0, 5, 3];
+    let (mut agree, mut draws, mut lp_worst) = (0usize, 0usize, 0f32);
+    for dtype in ["f32", "bf16"] {
+        let host = logits(&mut rng, rows as u32, vocab, vocab, dtype == "bf16");
+        let dev = if dtype == "f32" {
+            let b: Vec<u8> = host.iter().flat_map(|x| x.to_le_bytes()).collect();
+            crate::int4::put_u8(&rt, &b)
+        } else {
+            let b: Vec<u8> = host
+                .iter()
+                .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
+                .collect();
+            crate::int4::put_u8(&rt, &b)
+        };
+        // Settings: greedy, sampled with each filter, a penalty, log-probabilities on some;
+        // row 4's lane inactive.
+        let cfg: Vec<RowSample> = (0..lanes)
+            .map(|l| RowSample {
+                seed: rng.random(),
+                temperature: if l % 3 == 0 {
+                    0.0
+                } else {
+                    0.7 + 0.1 * l as f32
+                },
+                top_k: if l % 4 == 1 { 40 } else { 0 },
+                top_p: if l % 4 == 2 { 0.9 } else { 1.0 },
+                repetition_penalty: if l % 2 == 0 { 1.2 } else { 1.0 },
+                stream: l as u32 * 7,
+                flags: if l == 5 {
+                    0
+                } else {
+                    ROW_ACTIVE
+                        | if l % 2 == 1 {
+                            ROW_LOGPROB | (3 + l as u32) << 8
+                        } else {
+                            0
+                        }
+                },
+            })
+            .collect();
+        let cfg_bytes: Vec<u8> = cfg
+            .iter()
+            .flat_map(|r| {
+                let mut b = r.seed.to_le_bytes().to_vec();
+                for w in [
+                    r.temperature.to_bits(),
+                    r.top_k,
+                    r.top_p.to_bits(),
+                    r.repetition_penalty.to_bits(),
+                    r.stream,
+                    r.flags,
+                ] {
+                    b.extend(w.to_le_bytes());
+                }
+                b
+            })
+            .collect();
+        let cfg_dev = crate::int4::put_u8(&rt, &cfg_bytes);
+        let lane_dev = put_u32(&rt, &lane_of);
+        let mut pos: Vec<u32> = (0..lanes).map(|_| rng.random_range(0..100_000)).collect();
+        let mut presence: Vec<u32> = (0..lanes * words)
+            .map(|_| (0..4).fold(rng.random::<u32>(), |a, _| a & rng.random::<u32>()))
+            .collect();
+        let mut ids: Vec<u32> = vec![0xdead_beef; lanes];
+        let (pos_dev, pres_dev, ids_dev) = (
+            put_u32(&rt, &pos),
+            put_u32(&rt, &presence),
+            put_u32(&rt, &ids),
+        );
+        let lp_dev = rt.alloc(rows * 42 * 4).map_err(|e| e.to_string())?;
+        for draw in 0..4 {
+            let run = |call: &SampleCall<f32>| unsafe {
+                sample(&rt, call).and_then(|_| logprobs(&rt, call, lp_dev.as_mut_ptr()))
+            };
+            let call = SampleCall::<f32> {
+                logits: dev.as_ptr(),
+                row_stride: vocab,
+                vocab,
+                rows: rows as u32,
+                ids_out: ids_dev.as_mut_ptr(),
+                pos: pos_dev.as_mut_ptr(),
+                presence: pres_dev.as_mut_ptr(),
+                params: SamplingParams::GREEDY,
+                row_cfg: cfg_dev.as_ptr(),
+                lane_of: lane_dev.as_ptr(),
+            };
+            let r = if dtype == "f32" {
+                run(&call)
+            } else {
+                let c = SampleCall::<half::bf16> {
+                    logits: DevicePtr::new(call.logits.addr()),
+                    row_stride: call.row_stride,
+                    vocab: call.vocab,
+                    rows: call.rows,
+                    ids_out: call.ids_out,
+                    pos: call.pos,
+                    presence: call.presence,
+                    params: call.params,
+                    row_cfg: call.row_cfg,
+                    lane_of: call.lane_of,
+                };
+                unsafe { sample(&rt, &c).and_then(|_| logprobs(&rt, &c, lp_dev.as_mut_ptr())) }
+            };
+            r.map_err(|e| e.to_string())?;
+            let (got_ids, got_pos, got_pres) =
+                (get_u32(&ids_dev)?, get_u32(&pos_dev)?, get_u32(&pres_dev)?);
+            let lp = get_u32(&lp_dev)?;
+            for (r, &lane) in lane_of.iter().enumerate() {
+                let l = lane as usize;
+                let c = cfg[l];
+                let row = &host[r * vocab as usize..(r + 1) * vocab as usize];
+                let what = format!("seed {seed} {dtype} draw {draw} row {r} lane {l}");
+                if c.flags & ROW_ACTIVE == 0 {
+                    if got_ids[l] != ids[l]
+                        || got_pos[l] != pos[l]
+                        || got_pres[l * words..(l + 1) * words]
+                            != presence[l * words..(l + 1) * words]
+                    {
+                        return Err(format!("{what}: an inactive lane was written"));
+                    }
+                    continue;
+                }
+                let params = reference::SamplingParams {
+                    temperature: c.temperature,
+                    top_k: c.top_k,
+                    top_p: c.top_p,
+                    repetition_penalty: c.repetition_penalty,
+                    seed: c.seed,
+                };
+                let want = reference::sample_row(
+                    row,
+                    Some(&presence[l * words..(l + 1) * words]),
+                    &params,
+                    pos[l],
+                    c.stream,
+                );
+                let got = got_ids[l];
+                if got >= vocab {
+                    return Err(format!("{what}: token {got}"));
+                }
+                if c.temperature <= 0.0 && got != want {
+                    return Err(format!("{what}: greedy picked {got}, not {want}"));
+                }
+                draws += 1;
+                agree += usize::from(got == want);
+                ids[l] = got;
+                pos[l] += 1;
+                presence[l * words + got as usize / 32] |= 1 << (got % 32);
+                if got_pos[l] != pos[l] {
+                    return Err(format!("{what}: counter {} not {}", got_pos[l], pos[l]));
+                }
+                if c.flags & ROW_LOGPROB != 0 {
+                    let top = (c.flags >> 8) as usize;
+                    let (want_lp, want_top) = reference::logprobs_row(row, got, top);
+                    let at = r * 42;
+                    let f = |i: usize| f32::from_bits(lp[at + i]);
+                    let mut worst = (f(1) - want_lp).abs();
+                    if lp[at] != got {
+                        return Err(format!(
+                            "{what}: log-probability row names token {}",
+                            lp[at]
+                        ));
+                    }
+                    for (j, &(tok, v)) in want_top.iter().enumerate() {
+                        let (gt, gv) = (lp[at + 2 + 2 * j], f(3 + 2 * j));
+                        if gt != tok {
+                            return Err(format!("{what}: top {j} is {gt}, not {tok}"));
+                        }
+                        worst = worst.max((gv - v).abs());
+                    }
+                    if !(worst < 2e-3) {
+                        return Err(format!("{what}: log-probabilities off by {worst}"));
+                    }
+                    lp_worst = lp_worst.max(worst);
+                }
+            }
+            if got_pres != presence {
+                return Err(format!(
+                    "seed {seed} {dtype} draw {draw}: presence words differ"
+                ));
+            }
+        }
+    }
+    if (agree as f64) < MIN_AGREEMENT * draws as f64 {
+        return Err(format!(
+            "seed {seed}: {agree} of {draws} draws agree with the reference"
+        ));
+    }
+    Ok(json!({"seed": seed, "draws": draws, "agree": agree, "logprob_max_abs_err": lp_worst}))
+}

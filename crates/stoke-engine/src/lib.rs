@@ -38,6 +38,8 @@ pub trait EngineModel<B: FusedOps> {
     /// Positions the model's RoPE table covers (the longest context it can run).
     fn max_positions(&self) -> usize;
     fn vocab(&self) -> usize;
+    /// What its ops compute (the engine's decoder takes its KV cache format).
+    fn plan(&self) -> stoke::Plan;
     /// The dtype its decoder computes in, and its device.
     fn dtype(&self) -> DType;
     fn device(&self) -> B::Device;
@@ -65,6 +67,9 @@ impl<B: FusedOps, M: EngineModel<B>> EngineModel<B> for &M {
     }
     fn vocab(&self) -> usize {
         (**self).vocab()
+    }
+    fn plan(&self) -> stoke::Plan {
+        (**self).plan()
     }
     fn dtype(&self) -> DType {
         (**self).dtype()
@@ -117,7 +122,6 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// Share pages of identical prompt prefixes.
     pub prefix_caching: bool,
-    pub kv_format: KvCacheFormat,
     /// Decode steps without CUDA graphs.
     pub eager: bool,
     /// The model's end-of-sequence tokens (a request stops on them unless it ignores them).
@@ -137,7 +141,6 @@ impl Default for EngineConfig {
             max_prefill_tokens: 2048,
             max_waiting: 4096,
             prefix_caching: true,
-            kv_format: KvCacheFormat::Bf16,
             eager: false,
             eos: Vec::new(),
             seed: 0,
@@ -311,6 +314,20 @@ pub struct Engine<B: FusedOps, M: EngineModel<B>> {
     vocab: usize,
     stats: EngineStats,
     finished: Vec<Event>,
+    /// Row buckets a decode step has run at: the first step at a new one warms up (loads,
+    /// tunes, captures), so the tokens before it are taken first.
+    buckets: std::collections::HashSet<usize>,
+    /// Until the first token: when the engine was made and what its start took.
+    startup: Option<Startup>,
+}
+
+/// What the first token waited for (logged at `info` under the target `stoke`).
+#[derive(Clone, Copy, Debug)]
+struct Startup {
+    made: Instant,
+    decoder: std::time::Duration,
+    queue: std::time::Duration,
+    wait: std::time::Duration,
 }
 
 impl<B: FusedOps, M: EngineModel<B>> Engine<B, M> {
@@ -341,7 +358,7 @@ impl<B: FusedOps, M: EngineModel<B>> Engine<B, M> {
                 capacity,
                 page_size: page,
                 pages,
-                kv_format: cfg.kv_format,
+                kv_format: model.plan().kv_format,
                 eager: cfg.eager,
             })
         };
@@ -360,7 +377,14 @@ impl<B: FusedOps, M: EngineModel<B>> Engine<B, M> {
         };
         let pages = pages.min(u32::MAX as usize);
         let spec = spec_for(pages);
+        let t0 = Instant::now();
         let dec = stoke::decoder::<B>(spec, model.dtype(), &device)?;
+        let startup = Startup {
+            made: t0,
+            decoder: t0.elapsed(),
+            queue: Default::default(),
+            wait: Default::default(),
+        };
         tracing::info!(
             "stoke engine: {} lanes, context {context}, {pages} KV pages of {page} positions ({} positions)",
             cfg.max_running,
@@ -386,6 +410,8 @@ impl<B: FusedOps, M: EngineModel<B>> Engine<B, M> {
                 ..Default::default()
             },
             finished: Vec::new(),
+            buckets: Default::default(),
+            startup: Some(startup),
             cfg: EngineConfig { context, ..cfg },
             model,
         })
@@ -504,6 +530,7 @@ impl<B: FusedOps, M: EngineModel<B>> Engine<B, M> {
     /// prefill chunk, one decode step; then the tokens of the previous iteration's samplings as
     /// events (and the requests that ended).
     pub fn step(&mut self) -> Result<Vec<Event>, EngineError> {
+        let t0 = Instant::now();
         self.grow()?;
         self.admit()?;
         let (ids, seqs, sample, activate) = self.plan_prefill();
@@ -516,7 +543,8 @@ impl<B: FusedOps, M: EngineModel<B>> Engine<B, M> {
                 pos,
             })
             .collect();
-        let queued_before = self.issued.len();
+        // Samplings queued in this iteration (taken by the next one).
+        let mut fresh = 0;
         self.apply(&act)?;
         if !seqs.is_empty() {
             self.model.prefill(&mut self.dec, &ids, &seqs, &sample)?;
@@ -525,6 +553,7 @@ impl<B: FusedOps, M: EngineModel<B>> Engine<B, M> {
             if !sample.is_empty() {
                 let owners = sample.iter().map(|&i| self.owner(seqs[i].slot)).collect();
                 self.issued.push_back(Issued { owners });
+                fresh += 1;
             }
         }
         for &(rid, pos) in &activate {
@@ -545,11 +574,24 @@ impl<B: FusedOps, M: EngineModel<B>> Engine<B, M> {
                     .is_some_and(|id| matches!(self.requests[&id].state, State::Running { .. }))
             })
             .collect();
-        if !running.is_empty() {
+        let mut events = std::mem::take(&mut self.finished);
+        if let Some(&last) = running.last() {
+            // The first step at a new row bucket warms up: the tokens queued before it (a
+            // prefill's first tokens) are taken first, so that they do not wait for it.
+            let bucket = stoke::decode::batch_bucket(last + 1);
+            if self.buckets.insert(bucket) {
+                let t = Instant::now();
+                while !self.issued.is_empty() {
+                    self.take_one(&mut events)?;
+                }
+                fresh = 0;
+                self.startup_wait(t);
+            }
             let model = &self.model;
             stoke::decode_step::<B>(&mut self.dec, &mut |d| model.decode_forward(d))?;
             let owners = running.iter().map(|&l| self.owner(l)).collect();
             self.issued.push_back(Issued { owners });
+            fresh += 1;
             for &l in &running {
                 let id = self.lanes[l].expect("running lanes are held");
                 self.requests.get_mut(&id).expect("held").pos += 1;
@@ -557,20 +599,44 @@ impl<B: FusedOps, M: EngineModel<B>> Engine<B, M> {
             self.stats.steps += 1;
         }
         // The samplings of earlier iterations (all of them when nothing new was queued).
-        let mut events = std::mem::take(&mut self.finished);
-        let keep = if self.issued.len() > queued_before {
-            self.issued.len() - queued_before
-        } else {
-            0
-        };
-        while self.issued.len() > keep {
-            let issued = self.issued.pop_front().expect("counted");
-            let sampled = stoke::decode_take::<B>(&mut self.dec)
-                .ok_or_else(|| EngineError::Config("a queued sampling is missing".into()))?;
-            self.credit(issued, sampled, &mut events)?;
+        let queued = t0.elapsed();
+        let t = Instant::now();
+        // With nothing new queued, everything on its way back is taken now.
+        while self.issued.len() > fresh {
+            self.take_one(&mut events)?;
         }
         events.append(&mut self.finished);
+        self.startup_wait(t);
+        if let Some(s) = &mut self.startup {
+            s.queue += queued;
+            if events.iter().any(|e| matches!(e, Event::Token { .. })) {
+                tracing::info!(
+                    target: "stoke",
+                    "first token {:.1} ms after the engine was made: decoder and kernels {:.1} ms \
+                     (at its making), steps' host work {:.1} ms, waiting for the device {:.1} ms",
+                    s.made.elapsed().as_secs_f64() * 1e3,
+                    s.decoder.as_secs_f64() * 1e3,
+                    s.queue.as_secs_f64() * 1e3,
+                    s.wait.as_secs_f64() * 1e3,
+                );
+                self.startup = None;
+            }
+        }
         Ok(events)
+    }
+
+    /// Takes the oldest sampling on its way back and credits its tokens.
+    fn take_one(&mut self, events: &mut Vec<Event>) -> Result<(), EngineError> {
+        let issued = self.issued.pop_front().expect("a sampling was issued");
+        let sampled = stoke::decode_take::<B>(&mut self.dec)
+            .ok_or_else(|| EngineError::Config("a queued sampling is missing".into()))?;
+        self.credit(issued, sampled, events)
+    }
+
+    fn startup_wait(&mut self, since: Instant) {
+        if let Some(s) = &mut self.startup {
+            s.wait += since.elapsed();
+        }
     }
 
     fn owner(&self, lane: usize) -> (usize, (RequestId, u64)) {

@@ -936,14 +936,31 @@ impl<B: Backend> RefDecoder<B> {
             let pages = self.lanes.lanes[lane].pages.clone();
             self.store(layer, &pages, pos[j], kj, vj);
         }
-        let keys = (pos.iter().max().unwrap() + 1).next_multiple_of(256);
-        let mut kk = Vec::with_capacity(n);
-        let mut vv = Vec::with_capacity(n);
-        for (j, &lane) in active.iter().enumerate() {
-            let pages = &self.lanes.lanes[lane].pages;
-            kk.push(self.padded(self.gather(&self.keys[layer], pages, pos[j] + 1), keys));
-            vv.push(self.padded(self.gather(&self.values[layer], pages, pos[j] + 1), keys));
-        }
+        // Every active lane's pages in one gather, padded with the spare page (masked) to a
+        // whole number of 256-position blocks, so that a backend that compiles per shape
+        // (burn-cuda) sees a new shape every 256 positions, not every one.
+        let page = self.spec.page_size;
+        let np = (pos.iter().max().unwrap() + 1)
+            .next_multiple_of(256)
+            .div_ceil(page);
+        let keys = np * page;
+        let ids: Vec<i64> = active
+            .iter()
+            .flat_map(|&lane| {
+                let pages = &self.lanes.lanes[lane].pages;
+                (0..np).map(move |i| *pages.get(i).unwrap_or(&SPARE_PAGE) as i64)
+            })
+            .collect();
+        let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [n * np]), &self.device);
+        let window = |pool: &Option<Tensor<B, 4>>| {
+            let pool = pool.as_ref().expect("the pool is in place between writes");
+            pool.clone()
+                .select(0, ids.clone())
+                .reshape([n, np, kvh, page, d])
+                .swap_dims(1, 2)
+                .reshape([n, kvh, keys, d])
+        };
+        let (kk, vv) = (window(&self.keys[layer]), window(&self.values[layer]));
         let hidden: Vec<bool> = pos
             .iter()
             .flat_map(|&p| (0..keys).map(move |j| j > p))
@@ -955,15 +972,11 @@ impl<B: Backend> RefDecoder<B> {
             Tensor::<B, 4, Bool>::from_data(TensorData::new(hidden, [n, 1, 1, keys]), &self.device)
                 .expand([n, kvh, g, keys]);
         let q = q.reshape([n, kvh, g, d]);
-        let out = module::attention(
-            q,
-            Tensor::cat(kk, 0),
-            Tensor::cat(vv, 0),
-            Some(mask),
-            None,
-            Default::default(),
-        )
-        .reshape([n, 1, h * d]);
+        let out = module::attention(q, kk, vv, Some(mask), None, Default::default()).reshape([
+            n,
+            1,
+            h * d,
+        ]);
         if n == b {
             return out;
         }

@@ -47,9 +47,8 @@ pub trait FusedOps: Backend {
         swiglu_reference::<Self>(Self::linear(x, weight, None))
     }
 
-    /// A model's output head `x W (+ bias)`, its logits: `linear`, except that `Stoke<Cuda>`
-    /// keeps it off the FP8 prefill GEMM (the logits take the head's rounding directly; under
-    /// FP8 prefill it runs on the bf16 one).
+    /// A model's output head `x W (+ bias)`, its logits: `linear` (the head's weight is
+    /// prepared with the head's plan, which keeps it off the FP8 prefill GEMM).
     fn output_head(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -70,9 +69,14 @@ pub trait FusedOps: Backend {
         None
     }
 
-    /// A weight made ready for the backend's kernels once, at load (`Stoke<I>` resolves its
-    /// device pointer); the same tensor elsewhere.
-    fn prepare_weight(weight: FloatTensor<Self>) -> FloatTensor<Self> {
+    /// A weight made ready for the backend's kernels once, at load, as `plan` says
+    /// (`Stoke<I>` resolves its device pointer and keeps the plan with it: how its prefill
+    /// GEMMs run, whether a norm's gain folds into FP8 projections); the same tensor elsewhere.
+    fn prepare_weight(
+        weight: FloatTensor<Self>,
+        plan: crate::plan::WeightPlan,
+    ) -> FloatTensor<Self> {
+        let _ = plan;
         weight
     }
 
@@ -223,8 +227,11 @@ pub fn rms_norm_reference<B: Backend>(
 impl<I: Backend> FusedOps for Stoke<I> {
     crate::cuda::decoder::stoke_decoder_ops!();
 
-    fn prepare_weight(weight: FloatTensor<Self>) -> FloatTensor<Self> {
-        crate::cuda::pin_tensor(weight)
+    fn prepare_weight(
+        weight: FloatTensor<Self>,
+        plan: crate::plan::WeightPlan,
+    ) -> FloatTensor<Self> {
+        crate::cuda::prepare_tensor(weight, plan)
     }
 
     fn device_memory(device: &Self::Device) -> Option<(usize, usize)> {
@@ -261,17 +268,9 @@ impl<I: Backend> FusedOps for Stoke<I> {
             .unwrap_or_else(|| swiglu_reference::<Self>(Self::linear(x, weight, None)))
     }
 
-    fn output_head(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
-    ) -> FloatTensor<Self> {
-        crate::cuda::fp8_linear::without_fp8(|| Self::linear(x, weight, bias))
-    }
-
     fn rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
-        // FP8 prefill: deferred, so that the projection it feeds reads x with the gain folded
-        // into its weight.
+        // A gain whose plan folds it into FP8 projections: deferred, so that the projection it
+        // feeds reads x with the gain folded into its weight.
         if let Some(n) = crate::cuda::fp8_linear::RmsNormed::defer(&x, &gamma, eps) {
             return crate::tensor::StokeTensor::owned(n);
         }
@@ -360,8 +359,7 @@ pub fn linear_residual<B: FusedOps, const D: usize>(
     ))
 }
 
-/// A model's output head: `linear.forward(x)`, kept off the FP8 prefill GEMM
-/// ([`FusedOps::output_head`]).
+/// A model's output head: `linear.forward(x)` ([`FusedOps::output_head`]).
 pub fn output_head<B: FusedOps, const D: usize>(
     linear: &burn::nn::Linear<B>,
     x: Tensor<B, D>,

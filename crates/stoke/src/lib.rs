@@ -24,6 +24,7 @@ pub mod decode;
 pub mod fused;
 mod ops;
 pub mod packed;
+pub mod plan;
 mod route;
 pub mod tensor;
 
@@ -40,4 +41,5 @@ pub use decode::{
 pub use fused::{
     FusedOps, linear_residual, linear_swiglu, output_head, residual_rms_norm, rms_norm,
 };
+pub use plan::{Plan, PrefillMode, WeightPlan, WeightRole};
 pub use tensor::{StokeData, StokeTensor};

@@ -17,6 +17,8 @@ pub struct PackedWeight<I: Backend> {
     pub packed: Arc<PackedInt4>,
     dtype: DType,
     device: I::Device,
+    /// How its prefill GEMMs run (its model's plan).
+    pub prefill_mode: crate::plan::PrefillMode,
     materialized: OnceLock<I::FloatTensorPrimitive>,
     /// The packed weight in device memory, uploaded at the first kernel call (`None`: the
     /// upload failed, and was logged).
@@ -34,6 +36,22 @@ impl<I: Backend> PackedWeight<I> {
             packed: Arc::new(packed),
             dtype,
             device,
+            prefill_mode: Default::default(),
+            materialized: OnceLock::new(),
+            gpu: OnceLock::new(),
+            prefill: Default::default(),
+            cpu: OnceLock::new(),
+        }
+    }
+
+    /// The same packed weight with its prefill GEMMs run as `mode` says (the copies and uploads
+    /// are made afresh, at first use; the packed data is shared).
+    pub fn with_prefill(&self, mode: crate::plan::PrefillMode) -> Self {
+        Self {
+            packed: self.packed.clone(),
+            dtype: self.dtype,
+            device: self.device.clone(),
+            prefill_mode: mode,
             materialized: OnceLock::new(),
             gpu: OnceLock::new(),
             prefill: Default::default(),

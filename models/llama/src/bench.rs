@@ -33,7 +33,6 @@ pub struct BenchConfig {
     pub decode_prompt: usize,
     /// Timed repetitions of each point (after one untimed warm-up).
     pub reps: usize,
-    pub kv_cache: stoke::KvCacheFormat,
     pub eager: bool,
     pub seed: u64,
 }
@@ -47,7 +46,6 @@ impl Default for BenchConfig {
             decode_tokens: 128,
             decode_prompt: 16,
             reps: 5,
-            kv_cache: stoke::KvCacheFormat::Bf16,
             eager: false,
             seed: 1,
         }
@@ -179,7 +177,6 @@ fn engine<'m, B: FusedOps>(
             kv_pages: Some(lanes * context.div_ceil(stoke::DEFAULT_PAGE_SIZE) + 1),
             max_prefill_tokens: prefill.max(1),
             prefix_caching: false,
-            kv_format: cfg.kv_cache,
             eager: cfg.eager,
             ..Default::default()
         },

@@ -319,6 +319,7 @@ fn build<B: Backend>(
             device,
         ),
         rms_norm_eps: cfg.rms_norm_eps,
+        plan: stoke::Plan::default(),
     })
 }
 

@@ -369,29 +369,77 @@ pub struct Llama<B: Backend> {
     pub lm_head: Linear<B>,
     pub rope: Rope<B>,
     pub rms_norm_eps: f64,
+    /// What its ops compute ([`Llama::prepared`] applies it to the weights).
+    pub plan: stoke::Plan,
+}
+
+/// `param`'s tensor made ready for the backend's kernels as `plan` says.
+fn prepare<B: FusedOps, const D: usize>(
+    param: Param<Tensor<B, D>>,
+    plan: stoke::WeightPlan,
+) -> Param<Tensor<B, D>> {
+    param.map(|t| {
+        let p = B::prepare_weight(t.into_primitive().tensor(), plan);
+        Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(p))
+    })
 }
 
 impl<B: FusedOps> Llama<B> {
-    /// Every weight made ready for the backend's kernels once (`Stoke<Cuda>` resolves each
-    /// weight's device pointer; other backends get the model back unchanged).
+    /// Every weight made ready for the backend's kernels once, as the model's plan says
+    /// ([`Llama::prepared`] with [`Llama::plan`]).
     pub fn pinned(self) -> Self {
-        use burn::module::ModuleMapper;
-        struct Prepare;
-        impl<B: FusedOps> ModuleMapper<B> for Prepare {
-            fn map_float<const D: usize>(
-                &mut self,
-                param: Param<Tensor<B, D>>,
-            ) -> Param<Tensor<B, D>> {
-                let (id, tensor, mapper) = param.consume();
-                let t = B::prepare_weight(tensor.into_primitive().tensor());
-                Param::from_mapped_value(
-                    id,
-                    Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(t)),
-                    mapper,
-                )
-            }
-        }
-        self.map(&mut Prepare)
+        let plan = self.plan;
+        self.prepared(plan)
+    }
+
+    /// The model with `plan`: every weight made ready for the backend's kernels once, as the
+    /// plan says for its role (`Stoke<Cuda>` resolves each weight's device pointer and keeps
+    /// the plan with it: the projections' prefill mode, whether a norm's gain folds into the FP8
+    /// projections it feeds; the output head and the other weights stay on bf16); other
+    /// backends get the weights back unchanged.
+    pub fn prepared(mut self, plan: stoke::Plan) -> Self {
+        use stoke::WeightRole;
+        let w = |role| plan.weight(role);
+        let other = w(WeightRole::Other);
+        let linear = |l: Linear<B>, role| Linear {
+            weight: prepare(l.weight, w(role)),
+            bias: l.bias.map(|b| prepare(b, other)),
+        };
+        let n = self.layers.len();
+        self.layers = std::mem::take(&mut self.layers)
+            .into_iter()
+            .map(|b| {
+                let proj = WeightRole::Projection;
+                let gain = w(WeightRole::NormGain {
+                    feeds_projections: true,
+                });
+                Block {
+                    attn_norm: prepare(b.attn_norm, gain),
+                    attn: Attention {
+                        qkv_proj: linear(b.attn.qkv_proj, proj),
+                        o_proj: linear(b.attn.o_proj, proj),
+                        ..b.attn
+                    },
+                    mlp_norm: prepare(b.mlp_norm, gain),
+                    mlp: Mlp {
+                        gate_up_proj: linear(b.mlp.gate_up_proj, proj),
+                        down_proj: linear(b.mlp.down_proj, proj),
+                    },
+                }
+            })
+            .collect();
+        debug_assert_eq!(self.layers.len(), n);
+        // The final norm feeds the head, which stays on bf16.
+        self.norm = prepare(
+            self.norm,
+            w(WeightRole::NormGain {
+                feeds_projections: false,
+            }),
+        );
+        self.lm_head = linear(self.lm_head, WeightRole::Head);
+        self.embed_tokens = prepare(self.embed_tokens, other);
+        self.plan = plan;
+        self
     }
 
     /// Runs `tokens: [batch, seq]` (row `b` holding `new_lens[b]` real tokens, the rest padding),
@@ -827,6 +875,10 @@ impl<B: FusedOps> stoke_engine::EngineModel<B> for Llama<B> {
 
     fn vocab(&self) -> usize {
         self.embed_tokens.dims()[0]
+    }
+
+    fn plan(&self) -> stoke::Plan {
+        self.plan
     }
 
     fn dtype(&self) -> burn::tensor::DType {

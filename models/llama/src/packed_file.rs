@@ -750,6 +750,7 @@ impl PackedModel {
                 device,
             ),
             rms_norm_eps: c.rms_norm_eps,
+            plan: stoke::Plan::default(),
         }
     }
 

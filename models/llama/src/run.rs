@@ -163,13 +163,12 @@ pub enum GenerateError {
     Engine(#[from] EngineError),
 }
 
-/// How [`generate`] sizes its engine.
+/// How [`generate`] sizes its engine (the KV cache format is the model's plan's).
 #[derive(Clone, Debug)]
 pub struct GenerateOptions {
     /// Tokens per prompt at most (prompt and output); the pool holds every prompt's whole
     /// context at once.
     pub context: usize,
-    pub kv_format: stoke::KvCacheFormat,
     pub eager: bool,
     /// The model's end-of-sequence tokens.
     pub eos: Vec<u32>,
@@ -207,7 +206,6 @@ pub fn generate<B: FusedOps>(
             context: opts.context,
             kv_pages: Some(n * opts.context.div_ceil(page) + 1),
             max_prefill_tokens: crate::model::PREFILL_CHUNK,
-            kv_format: opts.kv_format,
             eager: opts.eager,
             eos: opts.eos.clone(),
             ..Default::default()

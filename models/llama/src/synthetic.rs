@@ -566,5 +566,6 @@ pub fn random_int4_model<B: stoke::FusedOps>(
         lm_head,
         rope: Rope::new(cfg, max_positions, device),
         rms_norm_eps: cfg.rms_norm_eps,
+        plan: stoke::Plan::default(),
     }
 }

@@ -411,3 +411,61 @@ fn bad_requests_get_typed_errors() {
         EngineError::QueueFull { waiting: 1 }
     ));
 }
+
+#[test]
+fn two_models_with_different_plans_live_in_one_process() {
+    // One set of weights prepared twice: a BF16 KV cache, and an INT4 one (each model's plan;
+    // the engines take their decoders' formats from it). Their engines step in turn, each
+    // giving the tokens it gives alone.
+    let l = loaded::<stoke::Stoke<B>>();
+    let plan = |kv_format| stoke::Plan {
+        kv_format,
+        ..Default::default()
+    };
+    let a = l.model.clone().prepared(plan(stoke::KvCacheFormat::Bf16));
+    let b = l.model.clone().prepared(plan(stoke::KvCacheFormat::Int4));
+    let p = prompts();
+    let arrivals =
+        || -> Vec<Vec<(usize, Params)>> { vec![(0..p.len()).map(|i| (i, greedy(i))).collect()] };
+    let alone = |m: &Llama<stoke::Stoke<B>>| {
+        let mut e = Engine::new(m, config(3, None), None).unwrap();
+        let mut index = HashMap::new();
+        for (i, par) in arrivals().remove(0) {
+            index.insert(e.add(p[i].clone(), par).unwrap(), i);
+        }
+        let mut got: HashMap<usize, Vec<u32>> = HashMap::new();
+        while e.has_work() {
+            for ev in e.step().unwrap() {
+                if let Event::Token { id, token, .. } = ev {
+                    got.entry(index[&id]).or_default().push(token);
+                }
+            }
+        }
+        got
+    };
+    let (want_a, want_b) = (alone(&a), alone(&b));
+    assert_ne!(want_a, want_b, "the plans compute the same");
+    let mut ea = Engine::new(&a, config(3, None), None).unwrap();
+    let mut eb = Engine::new(&b, config(3, None), None).unwrap();
+    let (mut ia, mut ib) = (HashMap::new(), HashMap::new());
+    for (i, par) in arrivals().remove(0) {
+        ia.insert(ea.add(p[i].clone(), par.clone()).unwrap(), i);
+        ib.insert(eb.add(p[i].clone(), par).unwrap(), i);
+    }
+    let (mut got_a, mut got_b): (HashMap<usize, Vec<u32>>, HashMap<usize, Vec<u32>>) =
+        Default::default();
+    while ea.has_work() || eb.has_work() {
+        for (e, index, got) in [(&mut ea, &ia, &mut got_a), (&mut eb, &ib, &mut got_b)] {
+            if !e.has_work() {
+                continue;
+            }
+            for ev in e.step().unwrap() {
+                if let Event::Token { id, token, .. } = ev {
+                    got.entry(index[&id]).or_default().push(token);
+                }
+            }
+        }
+    }
+    assert_eq!(got_a, want_a);
+    assert_eq!(got_b, want_b);
+}

@@ -15,7 +15,6 @@ fn smollm2_greedy_continuation_on_the_cpu() {
     let l = stoke_llama::load::load_gguf::<B>(&path, &device, DType::F32, 64).unwrap();
     let opts = GenerateOptions {
         context: 64,
-        kv_format: stoke::KvCacheFormat::Bf16,
         eager: false,
         eos: l.config.eos_token_ids.clone(),
     };

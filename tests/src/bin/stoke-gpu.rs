@@ -44,6 +44,11 @@ enum Command {
     /// A decode step's RMSNorm then the W4A16 GEMM it feeds: the ordering test, then the
     /// pairs' benchmark beside each kernel alone.
     Pairs,
+    /// The engine: its GPU tests, then the serving benchmark (Poisson arrivals at fractions of
+    /// the saturating rate, closed-loop concurrency 32 beside the static batch; SmolLM2 and an
+    /// 8B-shaped model), the schedules written to OUT/schedules (STOKE_SCHEDULES) for the
+    /// peer.
+    Engine,
     /// A few W4A16 launches (every variant and word order) for a profiler such as `ncu`.
     Int4Profile {
         /// Rows of x.
@@ -262,6 +267,29 @@ fn main() -> ExitCode {
             "decode",
             stoke_tests::decode::bench,
         ),
+        Command::Engine => {
+            let tests = if std::env::var("STOKE_BENCH_ONLY").as_deref() == Ok("1") {
+                true
+            } else {
+                run_tests(
+                    &cli,
+                    &[
+                        "two_plans_in_one_process".to_string(),
+                        "engine_matches_f32_reference".to_string(),
+                    ],
+                )
+            };
+            // The schedules go beside the results, for the peer (STOKE_SCHEDULES moves them).
+            let dir = std::env::var_os("STOKE_SCHEDULES")
+                .map_or_else(|| cli.out.join("schedules"), PathBuf::from);
+            let v = stoke_tests::serving::bench(&dir);
+            write(
+                &cli.out,
+                "engine.json",
+                &json!({ "meta": meta(&cli.commit), "engine": v }),
+            );
+            tests
+        }
         Command::Pairs => run_kernel(
             &cli,
             &["rms_norm_then_int4_gemm_matches_synchronized"],

@@ -3,7 +3,7 @@
 
 use super::Runtime;
 use crate::kernels::{EntryPoint, KernelParams, KernelSource};
-use crate::{DriverContext, Error, Result};
+use crate::{CompileReport, DriverContext, Error, Result};
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, sys};
 use std::sync::Arc;
 
@@ -88,6 +88,67 @@ pub(super) fn module_symbol<'a>(
 }
 
 impl Runtime {
+    /// Compiles (through the disk cache) and loads every module of `sources` not loaded yet,
+    /// the compilations in parallel on the host's cores (one thread per module), so that the
+    /// first call of each kernel finds its module ready. Returns the wall time and the slowest
+    /// module's compile time (both zero where everything was loaded already).
+    pub fn preload(
+        &self,
+        sources: &[&'static KernelSource],
+    ) -> Result<(std::time::Duration, std::time::Duration)> {
+        let t0 = std::time::Instant::now();
+        let todo: Vec<&'static KernelSource> = {
+            let modules = self.modules.lock().unwrap();
+            sources
+                .iter()
+                .copied()
+                .filter(|s| !modules.contains_key(s.file))
+                .collect()
+        };
+        if todo.is_empty() {
+            return Ok(Default::default());
+        }
+        type Compiled = Result<((Vec<u8>, Vec<CompileReport>, bool), std::time::Duration)>;
+        let compiled: Vec<Compiled> = std::thread::scope(|scope| {
+            let handles: Vec<_> = todo
+                .iter()
+                .map(|src| {
+                    let arch = self.arch.clone();
+                    scope.spawn(move || {
+                        let t = std::time::Instant::now();
+                        crate::compile_cubin(src.file, src.source, &arch, &[])
+                            .map(|c| (c, t.elapsed()))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a compile thread panicked"))
+                .collect()
+        });
+        let mut slowest = std::time::Duration::ZERO;
+        let mut modules = self.modules.lock().unwrap();
+        self.bind()?;
+        for (src, c) in todo.iter().zip(compiled) {
+            let ((cubin, report, cached), took) = c?;
+            slowest = slowest.max(took);
+            if modules.contains_key(src.file) {
+                continue;
+            }
+            let module = self
+                .ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                .call("cuModuleLoadData")?;
+            tracing::debug!(
+                "loaded kernels/{} in {took:?}{}",
+                src.file,
+                if cached { " (disk cache)" } else { "" }
+            );
+            modules.insert(src.file, (module, report));
+        }
+        Ok((t0.elapsed(), slowest))
+    }
+
     /// Loads (compiling on first use, through the disk cache) one kernel entry point.
     pub fn kernel<P: KernelParams>(&self, entry: EntryPoint<P>) -> Result<Kernel<P>> {
         Ok(Kernel {

@@ -239,12 +239,14 @@ impl<I: Backend> StokeData<I> for DeviceTensor<I> {
     }
 }
 
-/// A burn-cuda tensor whose device pointer Stoke resolved once (weights, caches).
+/// A burn-cuda tensor whose device pointer Stoke resolved once (weights, caches), with the plan
+/// its model prepared it with.
 pub struct ResidentTensor<I: Backend> {
     tensor: I::FloatTensorPrimitive,
     device: I::Device,
     pin: Pin,
-    /// Its copies for the prefill GEMMs and the FP8 SwiGLU output's delayed scales, made at
+    pub(crate) plan: crate::plan::WeightPlan,
+    /// Its copies for the prefill GEMMs and the FP8 SwiGLU output's delayed scale, made at
     /// first use.
     pub(crate) prefill: super::fp8_linear::PrefillCopies,
 }
@@ -258,6 +260,11 @@ impl<I: Backend> std::fmt::Debug for ResidentTensor<I> {
 impl<I: Backend> ResidentTensor<I> {
     pub fn ptr(&self) -> u64 {
         self.pin.ptr
+    }
+
+    /// The plan it was prepared with.
+    pub fn plan(&self) -> crate::plan::WeightPlan {
+        self.plan
     }
 }
 
@@ -279,11 +286,29 @@ impl<I: Backend> StokeData<I> for ResidentTensor<I> {
     }
 }
 
-/// Pins a float primitive for Stoke's kernels; returns it unchanged where Stoke's kernels
-/// don't run or it is already Stoke-owned.
+/// Pins a float primitive for Stoke's kernels (with the default plan); returns it unchanged
+/// where Stoke's kernels don't run or it is already Stoke-owned.
 pub fn pin_tensor<I: Backend>(t: StokeTensor<I>) -> StokeTensor<I> {
-    let StokeTensor::Inner(inner) = t else {
-        return t;
+    prepare_tensor(t, crate::plan::WeightPlan::default())
+}
+
+/// Prepares a weight with `plan`: an inner tensor is pinned ([`ResidentTensor`]) where Stoke's
+/// kernels run; a packed weight takes the plan (a new handle on the same packed data, nothing
+/// uploaded yet); a pinned one is pinned again with the plan (sharing the burn-cuda buffer).
+/// Anything else is returned unchanged.
+pub fn prepare_tensor<I: Backend>(
+    t: StokeTensor<I>,
+    plan: crate::plan::WeightPlan,
+) -> StokeTensor<I> {
+    if let Some(p) = t.downcast_ref::<crate::packed::PackedWeight<I>>() {
+        return StokeTensor::owned(p.with_prefill(plan.prefill));
+    }
+    let inner = match t {
+        StokeTensor::Inner(inner) => inner,
+        StokeTensor::Owned(ref data) => match data.as_any().downcast_ref::<ResidentTensor<I>>() {
+            Some(r) => r.tensor.clone(),
+            None => return t,
+        },
     };
     let device = I::float_device(&inner);
     let Some(rt) = runtime_for::<I>(&device) else {
@@ -294,6 +319,7 @@ pub fn pin_tensor<I: Backend>(t: StokeTensor<I>) -> StokeTensor<I> {
         tensor: inner,
         device,
         pin,
+        plan,
         prefill: Default::default(),
     })
 }
@@ -303,6 +329,19 @@ pub fn pin_tensor<I: Backend>(t: StokeTensor<I>) -> StokeTensor<I> {
 pub fn pin<I: Backend, const D: usize>(t: Tensor<Stoke<I>, D>) -> Tensor<Stoke<I>, D> {
     match t.into_primitive() {
         TensorPrimitive::Float(p) => Tensor::from_primitive(TensorPrimitive::Float(pin_tensor(p))),
+        q => Tensor::from_primitive(q),
+    }
+}
+
+/// [`pin`] with `plan` ([`prepare_tensor`]): a weight made ready as its model's plan says.
+pub fn prepare<I: Backend, const D: usize>(
+    t: Tensor<Stoke<I>, D>,
+    plan: crate::plan::WeightPlan,
+) -> Tensor<Stoke<I>, D> {
+    match t.into_primitive() {
+        TensorPrimitive::Float(p) => {
+            Tensor::from_primitive(TensorPrimitive::Float(prepare_tensor(p, plan)))
+        }
         q => Tensor::from_primitive(q),
     }
 }

@@ -1,31 +1,30 @@
 //! `linear` for prefill-sized inputs through Stoke's persistent wgmma GEMM (`stoke_cuda::fp8`),
 //! on a packed INT4 weight or a pinned dense bf16 one, with the residual or SwiGLU epilogue on
-//! chip. The weight's values (a packed weight's dequantized ones) are copied once, at the first
-//! call, beside the weight (`PrefillCopies`):
-//! - in bf16 as `[n, k]` (the default): each call reads its bf16 rows as they are;
-//! - with FP8 prefill on ([`set_fp8_prefill`]), in E4M3 with one scale per output channel
-//!   (`stoke_formats::fp8::Fp8Weight`): each call quantizes its rows to E4M3 with one scale
-//!   per row first, except the down projection's: the gate|up GEMM's SwiGLU epilogue writes
-//!   them in E4M3 with a delayed per-tensor scale ([`Fp8Activation`]), kept per weight and
-//!   request group ([`set_fp8_scale_group`]);
-//! - with FP8 prefill on and [`set_fp8_prefill_int4`], a packed weight is not copied: the FP8
-//!   GEMM reads its INT4 words and group scales as they are and expands them to E4M3 inside
-//!   its mainloop; its rows are quantized in the words' k order, with an RMSNorm's gain.
+//! chip. How a weight runs is its plan's prefill mode (`crate::plan::PrefillMode`, given when
+//! its model prepared it). The weight's values (a packed weight's dequantized ones) are copied
+//! once, at the first call, beside the weight (`PrefillCopies`):
+//! - `Bf16`: in bf16 as `[n, k]`; each call reads its bf16 rows as they are;
+//! - `Fp8`: in E4M3 with one scale per output channel (`stoke_formats::fp8::Fp8Weight`): each
+//!   call quantizes its rows to E4M3 with one scale per row first, except the down
+//!   projection's: the gate|up GEMM's SwiGLU epilogue writes them in E4M3 with a delayed
+//!   per-tensor scale ([`Fp8Activation`]), kept with the gate|up weight;
+//! - `Fp8Int4`: a packed weight is not copied: the FP8 GEMM reads its INT4 words and group
+//!   scales as they are and expands them to E4M3 inside its mainloop; its rows are quantized in
+//!   the words' k order, with an RMSNorm's gain.
 //!
-//! With FP8 prefill on, an RMSNorm of prefill rows is deferred ([`RmsNormed`]): a projection
-//! that reads it reads a second E4M3 copy with the norm's gain folded into its rows
-//! (`diag(gamma) W`, quantized after the fold) and quantizes the norm's input with the row
-//! factor carried in the row scales, so no normalized activation is written. Anything else
-//! that reads the norm's output gets it from the RMSNorm kernel, once.
+//! An RMSNorm of prefill rows whose gain's plan folds it into FP8 projections is deferred
+//! ([`RmsNormed`]): a projection that reads it reads a second E4M3 copy with the norm's gain
+//! folded into its rows (`diag(gamma) W`, quantized after the fold) and quantizes the norm's
+//! input with the row factor carried in the row scales, so no normalized activation is
+//! written. Anything else that reads the norm's output gets it from the RMSNorm kernel, once.
 
 use super::bridge::{DeviceTensor, KernelInput, ResidentTensor, runtime_for};
 use crate::packed::PackedWeight;
 use crate::tensor::{StokeData, StokeTensor};
 use burn_backend::{Backend, DType, Shape, TensorMetadata};
 use std::any::Any;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use stoke_cuda::fp8::{
     DeviceBf16Weight, DeviceDelayedScale, DeviceFp8Rows, DeviceFp8Weight, Fp8LinearEpilogue,
     bf16_linear, fp8_linear_rows, fp8_swiglu_delayed_rows, int4_fp8_linear_rows, int4_fp8_takes,
@@ -35,19 +34,15 @@ use stoke_cuda::kernels::int4_gemm::Epilogue;
 use stoke_cuda::{DevicePtr, DevicePtrMut, Runtime};
 use stoke_formats::fp8::Fp8Weight;
 
-static ENABLED: AtomicBool = AtomicBool::new(false);
-static INT4_WEIGHTS: AtomicBool = AtomicBool::new(false);
+// Counters of the calls each path took (diagnostics for tests and reports; no op reads them).
 static INT4_CALLS: AtomicU64 = AtomicU64::new(0);
 static KERNEL_CALLS: AtomicU64 = AtomicU64::new(0);
 static BF16_CALLS: AtomicU64 = AtomicU64::new(0);
 static FOLDED_CALLS: AtomicU64 = AtomicU64::new(0);
-static SCALE_GROUP: AtomicU64 = AtomicU64::new(0);
-/// Every delayed scale made in this process (for [`delayed_scales`]).
-static DELAYED: Mutex<Vec<(u64, Weak<DeviceDelayedScale>)>> = Mutex::new(Vec::new());
 
 /// The copies of one weight that the prefill GEMMs read (made at first use; `None` inside: it
-/// could not be made, and that was logged), and the delayed scales of the E4M3 SwiGLU output
-/// a gate|up weight writes, one per request group.
+/// could not be made, and that was logged), and the delayed scale of the E4M3 SwiGLU output a
+/// gate|up weight writes.
 #[derive(Default)]
 pub(crate) struct PrefillCopies {
     fp8: OnceLock<Option<Arc<DeviceFp8Weight>>>,
@@ -55,25 +50,21 @@ pub(crate) struct PrefillCopies {
     /// gain it is called with; calls after a different norm read the plain copy).
     fp8_folded: OnceLock<Option<FoldedFp8>>,
     bf16_nk: OnceLock<Option<Arc<DeviceBf16Weight>>>,
-    delayed: Mutex<HashMap<u64, Arc<DeviceDelayedScale>>>,
+    delayed: Mutex<Option<Arc<DeviceDelayedScale>>>,
 }
 
 impl PrefillCopies {
-    /// The delayed scale of the current request group (made at its first use: no history, so
-    /// that invocation runs per row and starts it; `None`, logged, where it cannot be made).
+    /// The weight's delayed scale (made at its first use: no history, so that invocation runs
+    /// per row and starts it; `None`, logged, where it cannot be made).
     fn delayed(&self, rt: &Arc<Runtime>) -> Option<Arc<DeviceDelayedScale>> {
-        let group = fp8_scale_group();
-        let mut map = self.delayed.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(d) = map.get(&group) {
+        let mut slot = self.delayed.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = slot.as_ref() {
             return Some(d.clone());
         }
         match DeviceDelayedScale::new(rt, 1.0, 1.0) {
             Ok(d) => {
                 let d = Arc::new(d);
-                map.insert(group, d.clone());
-                let mut all = DELAYED.lock().unwrap_or_else(|e| e.into_inner());
-                all.retain(|(_, w)| w.strong_count() > 0);
-                all.push((group, Arc::downgrade(&d)));
+                *slot = Some(d.clone());
                 Some(d)
             }
             Err(e) => {
@@ -92,8 +83,8 @@ struct FoldedFp8 {
     w: Arc<DeviceFp8Weight>,
 }
 
-/// The output of an RMSNorm of prefill rows with FP8 prefill on, not yet computed: the
-/// projections that read it (the prefill GEMM's `linear` and q|k|v calls) take `x` and
+/// The output of an RMSNorm of prefill rows whose gain folds into FP8 projections, not yet
+/// computed: the projections that read it (the prefill GEMM's `linear` and q|k|v calls) take `x` and
 /// the gain folded into their E4M3 copy; anything else reads the normalized bf16 rows, which
 /// the RMSNorm kernel computes at the first such read (on Stoke's stream).
 pub struct RmsNormed<I: Backend> {
@@ -111,18 +102,18 @@ impl<I: Backend> std::fmt::Debug for RmsNormed<I> {
 }
 
 impl<I: Backend> RmsNormed<I> {
-    /// `rms_norm(x, gamma, eps)` deferred, where FP8 prefill is on for this thread, `x` is
-    /// bf16 `[.., hidden]` with more rows than the W4A16 kernels take and `hidden` a multiple
-    /// of 16, `gamma` a pinned bf16 `[hidden]` weight and Stoke's runtime runs on the device;
-    /// `None` otherwise.
+    /// `rms_norm(x, gamma, eps)` deferred, where `gamma` is a pinned bf16 `[hidden]` weight
+    /// whose plan folds it into FP8 projections, `x` is bf16 `[.., hidden]` with more rows than
+    /// the W4A16 kernels take and `hidden` a multiple of 16, and Stoke's runtime runs on the
+    /// device; `None` otherwise.
     pub(crate) fn defer(x: &StokeTensor<I>, gamma: &StokeTensor<I>, eps: f64) -> Option<Self> {
-        if !fp8_prefill() || HEAD.get() || x.dtype() != DType::BF16 {
+        let g = gamma.downcast_ref::<ResidentTensor<I>>()?;
+        if !g.plan.fold_into_fp8 || x.dtype() != DType::BF16 {
             return None;
         }
         let shape = x.shape();
         let hidden = *shape.as_slice().last()?;
         let rows = shape.num_elements() / hidden.max(1);
-        let g = gamma.downcast_ref::<ResidentTensor<I>>()?;
         if hidden == 0
             || !hidden.is_multiple_of(16)
             || rows <= super::int4_linear::MAX_KERNEL_ROWS
@@ -168,45 +159,22 @@ impl<I: Backend> StokeData<I> for RmsNormed<I> {
     }
 }
 
-/// Sets the request group whose delayed FP8 scales the following prefills use and update (0
-/// at start). The SwiGLU output of FP8 prefill goes to the down projection in E4M3 with one
-/// scale per tensor, derived from the largest values of that layer's last
-/// [`stoke_formats::fp8::DELAYED_HISTORY`] invocations in the same group: requests of
-/// different kinds (languages, tasks, tenants) kept in separate groups do not widen each
-/// other's scales. A group's first invocation in each layer runs per row and starts its
-/// history.
-pub fn set_fp8_scale_group(group: u64) {
-    SCALE_GROUP.store(group, Ordering::Relaxed);
-}
-
-/// See [`set_fp8_scale_group`].
-pub fn fp8_scale_group() -> u64 {
-    SCALE_GROUP.load(Ordering::Relaxed)
-}
-
-/// One delayed scale's state, read back from the device.
-#[derive(Clone, Debug)]
-pub struct DelayedScaleState {
-    pub group: u64,
-    pub state: stoke_formats::fp8::DelayedScale,
-}
-
-/// The state of every live delayed FP8 scale (one per gate|up weight and request group that
-/// ran FP8 prefill), after Stoke's queued work: their invocations, saturated values and next
-/// scales. Waits for the device.
-pub fn delayed_scales() -> Result<Vec<DelayedScaleState>, String> {
-    let all: Vec<(u64, Arc<DeviceDelayedScale>)> = DELAYED
+/// The state of `weight`'s delayed FP8 scale (a gate|up weight that ran FP8 prefill: the scale
+/// of its SwiGLU output), after Stoke's queued work: its invocations, saturated values and next
+/// scale; `None` for a weight without one. Waits for the device.
+pub fn delayed_scale<I: Backend>(
+    weight: &StokeTensor<I>,
+) -> Option<Result<stoke_formats::fp8::DelayedScale, String>> {
+    let copies = match weight.downcast_ref::<PackedWeight<I>>() {
+        Some(p) => &p.prefill,
+        None => &weight.downcast_ref::<ResidentTensor<I>>()?.prefill,
+    };
+    let d = copies
+        .delayed
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .filter_map(|(g, w)| Some((*g, w.upgrade()?)))
-        .collect();
-    all.into_iter()
-        .map(|(group, d)| {
-            let state = d.read().map_err(|e| e.to_string())?;
-            Ok(DelayedScaleState { group, state })
-        })
-        .collect()
+        .clone()?;
+    Some(d.read().map_err(|e| e.to_string()))
 }
 
 /// The E4M3 SwiGLU output of an FP8 gate|up projection (`[.., inter]`, presenting as bf16):
@@ -262,58 +230,9 @@ impl<I: Backend> StokeData<I> for Fp8Activation<I> {
     }
 }
 
-/// Whether prefill-sized `linear` calls on packed or pinned bf16 weights run on the FP8 GEMM
-/// or on the bf16 one (the default). Off by default: on SmolLM2 FP8 prefill raises perplexity
-/// by 1.2% over bf16 with the norms' gains folded and the delayed scales
-/// (`results/h100-fp8-wide-fold-9f354c9.json`), much of it the E4M3 rounding of the
-/// already-INT4 weights. A model's output head stays on bf16 (`FusedOps::output_head`).
-pub fn set_fp8_prefill(on: bool) {
-    ENABLED.store(on, Ordering::Relaxed);
-}
-
-/// See [`set_fp8_prefill`].
-pub fn fp8_prefill() -> bool {
-    ENABLED.load(Ordering::Relaxed)
-}
-
-/// With FP8 prefill on: whether packed INT4 weights are read as they are, expanded to E4M3
-/// inside the FP8 GEMM's mainloop (`stoke_cuda::fp8::int4_fp8_linear_rows`), instead of from
-/// an E4M3 copy of their dequantized values. No weight value is rounded a second time and no
-/// copy is made; an RMSNorm's gain goes into the activations' quantization (an INT4 weight
-/// cannot hold it), and a gate|up projection's SwiGLU output is written in bf16 and quantized
-/// by the down projection's call. Weights the kernel does not take (groups that are not a
-/// multiple of 32, `n` not a multiple of 64) keep the E4M3 copy. Off by default.
-pub fn set_fp8_prefill_int4(on: bool) {
-    INT4_WEIGHTS.store(on, Ordering::Relaxed);
-}
-
-/// See [`set_fp8_prefill_int4`].
-pub fn fp8_prefill_int4() -> bool {
-    INT4_WEIGHTS.load(Ordering::Relaxed)
-}
-
-/// How many of the [`kernel_calls`] read a packed INT4 weight as it is
-/// ([`set_fp8_prefill_int4`]).
+/// How many of the [`kernel_calls`] read a packed INT4 weight as it is (`PrefillMode::Fp8Int4`).
 pub fn int4_kernel_calls() -> u64 {
     INT4_CALLS.load(Ordering::Relaxed)
-}
-
-thread_local! {
-    /// Set while an output head runs on this thread ([`without_fp8`]).
-    static HEAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Runs `f` with this thread's prefill GEMMs on bf16 whatever [`set_fp8_prefill`] says: a
-/// model's output head (`FusedOps::output_head`), whose logits take its rounding directly.
-pub(crate) fn without_fp8<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            HEAD.set(self.0);
-        }
-    }
-    let _restore = Restore(HEAD.replace(true));
-    f()
 }
 
 /// How many `linear` calls have run on the FP8 GEMM in this process.
@@ -600,8 +519,8 @@ fn fold_gain(t: &mut [f32], gamma: &[f32]) {
     });
 }
 
-/// The prefill GEMM's copy of `weight` for `x` (FP8 when FP8 prefill is on,
-/// [`set_fp8_prefill`], else bf16; the gain-folded FP8 copy for an [`RmsNormed`] `x`), when
+/// The prefill GEMM's copy of `weight` for `x` (by the weight's plan: bf16, E4M3, or the packed
+/// INT4 weight itself; the gain-folded FP8 copy for an [`RmsNormed`] `x`), when
 /// `weight` is a [`PackedWeight`] or a pinned bf16 weight `[k, n]` (`k` a multiple of 16, `n`
 /// even), `x` is bf16 `[.., k]` with more rows than the W4A16 kernels take, `takes_n` accepts
 /// the weight's `n` columns, Stoke's runtime runs on the device and the copy could be made (at
@@ -611,7 +530,6 @@ fn prepare<'a, I: Backend>(
     weight: &'a StokeTensor<I>,
     takes_n: impl FnOnce(usize) -> bool,
 ) -> Option<Prepared<'a, I>> {
-    let fp8 = fp8_prefill() && !HEAD.get();
     // The weight's shape and the slots its E4M3 and bf16 [n, k] copies are kept in.
     let source = match weight.downcast_ref::<PackedWeight<I>>() {
         Some(pw) => Source::Packed(pw),
@@ -621,6 +539,11 @@ fn prepare<'a, I: Backend>(
                 .filter(|r| r.dtype() == DType::BF16)?,
         ),
     };
+    let mode = match source {
+        Source::Packed(pw) => pw.prefill_mode,
+        Source::Resident(rw) => rw.plan.prefill,
+    };
+    let fp8 = mode.is_fp8();
     let (k, n, copies) = match source {
         Source::Packed(pw) => (pw.packed.k, pw.packed.n, &pw.prefill),
         Source::Resident(rw) => match rw.shape().as_slice() {
@@ -651,8 +574,7 @@ fn prepare<'a, I: Backend>(
     };
     let normed = x.downcast_ref::<RmsNormed<I>>().filter(|_| fp8);
     // A packed weight read as it is: the gain (if any) goes into the activations.
-    if fp8
-        && fp8_prefill_int4()
+    if mode == crate::plan::PrefillMode::Fp8Int4
         && let Source::Packed(pw) = source
         && int4_fp8_takes(k, n, pw.packed.group)
         && let Some(w) = super::int4_linear::device_int4(pw, &rt)
@@ -799,7 +721,7 @@ pub(crate) fn try_prefill_linear_with<I: Backend>(
 /// The weight copy one call reads.
 enum Copy {
     Fp8(Arc<DeviceFp8Weight>),
-    /// The packed weight itself ([`set_fp8_prefill_int4`]).
+    /// The packed weight itself (`PrefillMode::Fp8Int4`).
     Int4(Arc<DeviceInt4>),
     Bf16(Arc<DeviceBf16Weight>),
 }
@@ -889,19 +811,5 @@ mod tests {
             super::fp8_of_values(&t, k, n).unwrap(),
             Fp8Weight::quantize(&want, n, k, None).unwrap()
         );
-    }
-
-    #[test]
-    fn an_output_head_holds_fp8_off_for_its_call_only() {
-        let on = || super::HEAD.get();
-        assert!(!on());
-        assert_eq!(
-            super::without_fp8(|| (on(), super::without_fp8(on), on())),
-            (true, true, true)
-        );
-        assert!(!on());
-        // A head that panics does not leave the thread's later prefills on bf16.
-        assert!(std::panic::catch_unwind(|| super::without_fp8(|| panic!("head"))).is_err());
-        assert!(!on());
     }
 }

@@ -25,7 +25,8 @@ pub mod int4_linear;
 pub(crate) mod rms_norm;
 
 pub use bridge::{
-    DeviceTensor, ResidentTensor, pin, pin_module, pin_tensor, runtime_for, runtime_status,
+    DeviceTensor, ResidentTensor, pin, pin_module, pin_tensor, prepare, prepare_tensor,
+    runtime_for, runtime_status,
 };
 pub(crate) use bridge::{float_device, float_into_data, memory_cleanup, sync_device};
 pub use stoke_cuda::Unavailable;

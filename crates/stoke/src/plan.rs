@@ -1,0 +1,133 @@
+//! What a model's ops compute, as data: a [`Plan`] is decided when the model is loaded and owned
+//! by the model (or its engine); it reaches the ops through the weights it prepares
+//! ([`FusedOps::prepare_weight`](crate::FusedOps::prepare_weight) with a [`WeightPlan`]) and the
+//! decoder made for it, never through a process-wide switch, so two models with different plans
+//! live in one process.
+
+use crate::decode::KvCacheFormat;
+
+/// How a projection runs in prefill-sized calls (more than the decode kernels' rows) on
+/// `Stoke<Cuda>`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum PrefillMode {
+    /// Stoke's wgmma GEMM on a bf16 copy of the weight (made at its first prefill).
+    #[default]
+    Bf16,
+    /// The FP8 GEMM on an E4M3 copy of the weight (one scale per output channel) and E4M3
+    /// activations; an RMSNorm before it folds its gain into a second copy.
+    Fp8,
+    /// The FP8 GEMM reading a packed INT4 weight as it is (expanded to E4M3 in its mainloop; no
+    /// copy); dense weights and groups the kernel does not take use an E4M3 copy.
+    Fp8Int4,
+}
+
+impl PrefillMode {
+    /// Whether the prefill GEMM runs in FP8.
+    pub fn is_fp8(self) -> bool {
+        self != Self::Bf16
+    }
+}
+
+impl std::str::FromStr for PrefillMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" => Ok(Self::Bf16),
+            "fp8" => Ok(Self::Fp8),
+            "fp8-int4" => Ok(Self::Fp8Int4),
+            other => Err(format!(
+                "unknown prefill mode {other:?} (bf16, fp8, fp8-int4)"
+            )),
+        }
+    }
+}
+
+/// A model's plan.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// The projections' prefill mode (the output head always runs on bf16: its logits take its
+    /// rounding directly).
+    pub prefill: PrefillMode,
+    /// The format of the KV cache decode attention reads.
+    pub kv_format: KvCacheFormat,
+}
+
+/// What a weight is to its model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightRole {
+    /// A projection inside a layer (q|k|v, o, gate|up, down).
+    Projection,
+    /// The output head.
+    Head,
+    /// An RMSNorm's gain; `feeds_projections`: its output goes to projections (not the head).
+    NormGain { feeds_projections: bool },
+    /// Anything else (embeddings, tables, biases).
+    Other,
+}
+
+/// What the plan decides for one weight.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WeightPlan {
+    /// Its prefill mode, where it is a projection's weight.
+    pub prefill: PrefillMode,
+    /// For a norm's gain: the norm is deferred where its rows go to FP8 projections, which fold
+    /// the gain into their weights (no normalized activation is written).
+    pub fold_into_fp8: bool,
+}
+
+impl Plan {
+    /// The plan of a weight of `role`.
+    pub fn weight(&self, role: WeightRole) -> WeightPlan {
+        match role {
+            WeightRole::Projection => WeightPlan {
+                prefill: self.prefill,
+                fold_into_fp8: false,
+            },
+            WeightRole::NormGain { feeds_projections } => WeightPlan {
+                prefill: PrefillMode::Bf16,
+                fold_into_fp8: feeds_projections && self.prefill.is_fp8(),
+            },
+            WeightRole::Head | WeightRole::Other => WeightPlan::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_head_and_other_weights_stay_on_bf16() {
+        let plan = Plan {
+            prefill: PrefillMode::Fp8,
+            ..Plan::default()
+        };
+        assert_eq!(
+            plan.weight(WeightRole::Projection).prefill,
+            PrefillMode::Fp8
+        );
+        assert_eq!(plan.weight(WeightRole::Head), WeightPlan::default());
+        assert!(
+            plan.weight(WeightRole::NormGain {
+                feeds_projections: true
+            })
+            .fold_into_fp8
+        );
+        assert!(
+            !plan
+                .weight(WeightRole::NormGain {
+                    feeds_projections: false
+                })
+                .fold_into_fp8
+        );
+        assert!(
+            !Plan::default()
+                .weight(WeightRole::NormGain {
+                    feeds_projections: true
+                })
+                .fold_into_fp8
+        );
+        assert_eq!("fp8-int4".parse::<PrefillMode>(), Ok(PrefillMode::Fp8Int4));
+        assert!("fp4".parse::<PrefillMode>().is_err());
+    }
+}
