@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Builds Stoke's GPU test and benchmark binary in release on this (GPU-less) machine and packs
-# it into DIR (default .bundle/, git-ignored), small and self-contained: the kernels are compiled
+# Builds Stoke's GPU test and benchmark binary and the main job (the `llama` example) in release
+# on this (GPU-less) machine and packs them into DIR (default .bundle/, git-ignored), small and
+# self-contained: the kernels are compiled
 # into the binary as source and built by NVRTC on the GPU machine; the binary is stripped and
-# xz-compressed (about 6 MB; gpu-run.sh unpacks it). Carry DIR to the GPU machine and run
+# xz-compressed (about 6 MB each; gpu-run.sh unpacks them). Carry DIR to the GPU machine and run
 # `bash scripts/gpu-run.sh OUTDIR` there. A second bundle (another commit, e.g. DIR .carry/base,
 # git-ignored) runs there with `STOKE_BUNDLE=.carry/base bash scripts/gpu-run.sh ...`, so two
 # commits are timed in one call on one card.
@@ -11,12 +12,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-.bundle}
 cargo build --release -p stoke-tests --bin stoke-gpu
+# The main job too (the README's `llama` example), for its cold and warm first token there.
+cargo build --release -p stoke-llama --example llama
+target=${CARGO_TARGET_DIR:-target}
 rm -rf "$dir"
 mkdir -p "$dir"
-strip -o "$dir/stoke-gpu" target/release/stoke-gpu
+strip -o "$dir/stoke-gpu" "$target/release/stoke-gpu"
+strip -o "$dir/llama" "$target/release/examples/llama"
 git rev-parse --short=12 HEAD > "$dir/COMMIT" 2>/dev/null || echo unknown > "$dir/COMMIT"
 if ! git diff --quiet HEAD 2>/dev/null; then sed -i 's/$/-dirty/' "$dir/COMMIT"; fi
-(cd "$dir" && sha256sum stoke-gpu > SHA256SUMS)
-xz -9 -T2 "$dir/stoke-gpu"
-du -sh "$dir/stoke-gpu.xz"
+(cd "$dir" && sha256sum stoke-gpu llama > SHA256SUMS)
+xz -9 -T2 "$dir/stoke-gpu" "$dir/llama"
+du -sh "$dir"/*.xz
 echo "bundle ready in $dir: commit $(cat "$dir/COMMIT")"

@@ -39,6 +39,8 @@
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
 #   STOKE_BENCH_ONLY=1 skips the int4 / attention test (run it first with `test NAME`).
 #   llama: the SmolLM2 prefill/decode baseline alone (needs the model in STOKE_MODEL_CACHE)
+#   main-job [FLAGS...]: the README's main job (the bundle's `llama`) twice, first on empty kernel
+#          and burn-cuda caches (a fresh machine), then warm: OUTDIR/main-job-{cold,warm}.log
 #   sanitize [TOOL...]: the GPU tests of every shipped kernel under compute-sanitizer, each
 #          TOOL (default: memcheck racecheck synccheck initcheck) on Stoke's kernels only
 #          (burn-cuda's run uninstrumented); logs in OUTDIR/sanitize-TOOL.log, the summary in
@@ -73,7 +75,9 @@ TOML
 pack_cache() { tar -czf "$out/gpucache.tar.gz" -C "$cache" . ; }
 trap pack_cache EXIT
 bundle=${STOKE_BUNDLE:-.bundle}
-if [ -f "$bundle/stoke-gpu.xz" ]; then xz -dkf "$bundle/stoke-gpu.xz" && chmod +x "$bundle/stoke-gpu"; fi
+for b in stoke-gpu llama; do
+  if [ -f "$bundle/$b.xz" ]; then xz -dkf "$bundle/$b.xz" && chmod +x "$bundle/$b"; fi
+done
 (cd "$bundle" && sha256sum -c SHA256SUMS) || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$out/gpu.txt"
 commit=$(cat "$bundle/COMMIT")
@@ -132,6 +136,19 @@ if [ "$what" = sanitize ]; then
   echo ']' >> "$out/sanitize.json"
   exit $status
 fi
+if [ "$what" = main-job ]; then
+  # The README's main job on an empty kernel cache and burn-cuda cache (a fresh machine: nothing
+  # compiled, nothing autotuned), then again on the caches it left (warm); RUST_LOG=stoke=info
+  # prints the first token's parts.
+  cold=/tmp/stoke-cold
+  rm -rf "$cold" && mkdir -p "$cold"
+  here=$PWD
+  for run in cold warm; do
+    (cd "$cold" && STOKE_KERNEL_CACHE="$cold/kernels" RUST_LOG=stoke=info \
+      "$here/$bundle/llama" --prompt "Once upon a time" --max-tokens 32 "$@") 2>&1 | tee "$out/main-job-$run.log" || status=1
+  done
+  exit $status
+fi
 if [ "$what" = llama ]; then
   "$bundle/stoke-gpu" --out "$out" --commit "$commit" llama 2>&1 | tee "$out/llama.log" || status=1
   exit $status
@@ -161,9 +178,11 @@ if [ "$what" = engine ] && [ -z "${STOKE_NO_PEERS:-}" ]; then
   fi
   sched=()
   for f in "${STOKE_SCHEDULES:-$out/schedules}"/smollm2-*.json; do [ -f "$f" ] && sched+=(--schedule "$f"); done
-  python3 scripts/peers/engine_torch.py "${sched[@]}" --out "$out/torch-engine.json" 2>&1 | tee "$out/torch-engine.log" || status=1
+  # STOKE_PEER_ARGS: more flags for the peer (e.g. --time-limit 30).
+  # shellcheck disable=SC2086
+  python3 scripts/peers/engine_torch.py "${sched[@]}" ${STOKE_PEER_ARGS:-} --out "$out/torch-engine.json" 2>&1 | tee "$out/torch-engine.log" || status=1
 fi
-if [ "$what" = attention ]; then
+if [ "$what" = attention ] && [ -z "${STOKE_NO_PEERS:-}" ]; then
   python3 scripts/peers/attention_torch.py "$out/torch-attention.json" 2>&1 | tee "$out/torch-attention.log" || status=1
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then

@@ -14,10 +14,11 @@ gives a ContinuousBatchingManager; `warmup()` (pre-captures its CUDA graphs wher
 streaming=True, record_timestamps=True)`; `get_result(timeout=)` yields a GenerationOutput per new
 token (generated_tokens so far, status, error, and at the end the engine's per-token timestamps);
 `cancel_request` at the time limit, `stop()` at the end. Attention, CUDA graphs, compilation and
-async batching are transformers' defaults unless a flag sets them. Where the manager is missing or
-cannot start, the schedule is replayed on `model.generate` instead, one request at a time in arrival
-order (min_new_tokens = max_new_tokens, a streamer stamping each token): timing only, no batching.
-`mode` says which ran.
+async batching are transformers' defaults unless a flag sets them. Where the manager is missing,
+cannot start or fails (`cb_error` says why; a schedule it failed keeps its `error`), the schedules
+from then on are replayed on `model.generate` instead, one request at a time in arrival order
+(min_new_tokens = max_new_tokens, a streamer stamping each token): timing only, no batching. `mode`
+says which ran.
 
 Metrics per schedule (those of vLLM's benchmark_serving): `completed`; `duration_s`, the schedule's
 first arrival to the last token of a completed request; `requests_per_s` and `output_tokens_per_s`
@@ -52,7 +53,7 @@ import torch  # noqa: E402
 TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=128)
 WAKE_S = 0.05  # longest wait for a result before the replay loop looks at the clock again
-DRAIN_S = 5.0  # how long cancelled requests may take to leave before the next schedule
+QUIET_S, DRAIN_S = 0.5, 10.0  # after cancelling: wait for this long without output, at most DRAIN_S
 
 
 def err(ex):
@@ -169,19 +170,19 @@ def replay_cb(manager, requests, limit, tag):
                 if recs[out.request_id].done:
                     live.discard(out.request_id)
             out = manager.get_result(timeout=0)
-    for rid in live:
-        manager.cancel_request(rid)
-    drain(manager, live)
+    if live:
+        for rid in live:
+            manager.cancel_request(rid)
+        settle(manager)
     return recs
 
 
-def drain(manager, ids):
-    """Wait (up to DRAIN_S) for cancelled requests to leave, so that the next schedule starts idle."""
+def settle(manager):
+    """Discard outputs until none came for QUIET_S (cancelled requests give none; streaming live ones
+    give one a step), at most DRAIN_S, so that the next schedule starts on an idle manager."""
     end = time.perf_counter() + DRAIN_S
-    while ids and time.perf_counter() < end and manager.is_running():
-        out = manager.get_result(timeout=0.05)
-        if out is not None and out.is_finished():
-            ids.discard(out.request_id)
+    while time.perf_counter() < end and manager.is_running() and manager.get_result(timeout=QUIET_S):
+        pass
 
 
 # ---------------------------------------------------------------- fallback: generate, one request at a time
@@ -269,18 +270,15 @@ def summarize(entry, recs):
 
 
 class Runner:
-    """Replays schedules on the manager while it works, else on generate; records why it changed."""
+    """Replays schedules on the manager while it works, else on generate(); `cb_error` says why not."""
 
     def __init__(self, model, a, schedules, res):
-        self.model, self.a, self.res, self.manager = model, a, res, None
-        attn = model.config._attn_implementation
+        self.model, self.res, self.manager = model, res, None
+        self.attn = model.config._attn_implementation
         try:
             self.manager, res["cb_config"] = start_manager(model, a, schedules)
         except Exception as ex:  # noqa: BLE001 - no manager in this version, or it failed: fall back
-            res["cb_error"] = err(ex)
-            if model.config._attn_implementation != attn:  # the manager switched it to a paged one
-                model.set_attn_implementation(attn)
-            print(f"continuous batching unavailable ({res['cb_error'][:300]}); replaying on generate()")
+            self.fall_back(ex)
 
     @property
     def mode(self):
@@ -293,9 +291,17 @@ class Runner:
             return replay_generate(self.model, requests, limit, tag)
         try:
             return replay_cb(self.manager, requests, limit, tag)
-        except Exception:
-            self.close()
+        except Exception as ex:
+            self.fall_back(ex)
             raise
+
+    def fall_back(self, ex):
+        """Drop the manager (if any) for generate(), the model's attention as it was loaded."""
+        self.res["cb_error"] = err(ex)
+        print(f"continuous batching dropped ({self.res['cb_error'][:300]}); replaying on generate()")
+        self.close()
+        if self.model.config._attn_implementation != self.attn:  # a manager that failed to start set a paged one
+            self.model.set_attn_implementation(self.attn)
 
     def close(self):
         if self.manager is not None:
@@ -307,19 +313,31 @@ class Runner:
 
 
 def warm_up(runner, vocab):
-    """Two short requests through the replay path, before the timed schedules."""
+    """Two short requests through the replay path, before the timed schedules; where the manager
+    fails them, it is dropped and generate() warmed up instead. Seconds taken."""
     reqs = [{"arrival_s": 0.0, "prompt": [(7 * i + 3) % vocab for i in range(16 + 8 * k)], "max_tokens": 8}
             for k in range(2)]
-    t0 = time.perf_counter()
-    recs = runner.replay(reqs, 600.0, "warmup")
-    bad = [r.error or "not finished" for r in recs.values() if not r.done or r.error]
-    if bad:
-        raise RuntimeError(f"warm-up request failed: {bad[0]}")
+
+    def attempt():
+        bad = [r.error or "not finished" for r in runner.replay(reqs, 600.0, "warmup").values()
+               if not r.done or r.error]
+        if bad:
+            raise RuntimeError(f"warm-up request failed: {bad[0]}")
+
+    t0, on_manager = time.perf_counter(), runner.manager is not None
+    try:
+        attempt()
+    except Exception as ex:  # noqa: BLE001 - retried on generate() where the manager failed
+        if not on_manager:
+            raise
+        if runner.manager is not None:  # its requests failed, it did not raise
+            runner.fall_back(ex)
+        attempt()
     return time.perf_counter() - t0
 
 
 def run_schedule(runner, sched, limit, tag):
-    entry = {"name": sched.get("name"), "rate": sched.get("rate"), "seed": sched.get("seed"),
+    entry = {"name": sched.get("name"), "file": sched["file"], "rate": sched.get("rate"), "seed": sched.get("seed"),
              "requests": len(sched["requests"]), "mode": runner.mode}
     try:
         recs = runner.replay(sched["requests"], limit, tag)
@@ -370,7 +388,7 @@ def table(entries):
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--schedule", action="append", required=True, help="schedule JSON (repeatable)")
+    ap.add_argument("--schedule", action="append", default=[], help="schedule JSON (repeatable)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default=default_model(), help="GGUF file")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -392,7 +410,7 @@ def main():
     a = parse_args()
     res = {"torch": torch.__version__, "model": "tiny-random" if a.tiny_random else a.model,
            "device": torch.cuda.get_device_name() if a.device == "cuda" and torch.cuda.is_available()
-           else platform.processor() or "cpu", "time_limit_s": a.time_limit, "schedules": []}
+           else platform.processor() or "cpu", "time_limit_s": a.time_limit}
 
     def dump():
         with open(a.out, "w") as f:
@@ -404,11 +422,12 @@ def main():
         import transformers
         res["transformers"] = transformers.__version__
         print(f"transformers {res['transformers']}, torch {res['torch']} on {res['device']}")
+        if not schedules:
+            raise ValueError("no schedule to replay")
         model, res["load_s"] = load_model(a)
         print(f"loaded {res['model']} in {res['load_s']:.1f} s")
-        if schedules:
-            runner = Runner(model, a, schedules, res)
-            res["warmup_s"] = warm_up(runner, model.config.vocab_size)
+        runner = Runner(model, a, schedules, res)
+        res["warmup_s"] = warm_up(runner, model.config.vocab_size)
     except Exception as ex:  # noqa: BLE001 - no transformers, no model, or no working replay path
         res["error"] = err(ex)
         print(f"error: {res['error'][:500]}")

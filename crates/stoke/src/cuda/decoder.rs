@@ -124,8 +124,9 @@ pub struct GpuDecoder {
     arena: Arc<GraphArena>,
     pending: VecDeque<Pending>,
     spare: Vec<(PinnedHost, CudaEvent)>,
-    /// The latest sampling's logits as they came (`keep_logits`), and how many rows they hold.
-    logits: Option<(DeviceBuffer, usize)>,
+    /// The latest sampling's logits as they came (`keep_logits`), and the rows of its sampled
+    /// lanes (a step's active lanes; every row of a prefill sampling).
+    logits: Option<(DeviceBuffer, Vec<usize>)>,
     logits_bf16: bool,
     /// The latest packed prefill's layout on the device.
     packed: Option<PackedLayout>,
@@ -327,7 +328,7 @@ impl GpuDecoder {
             pending: VecDeque::new(),
             spare: Vec::new(),
             logits: if spec.keep_logits {
-                Some((rt.alloc_unpooled(lanes * spec.vocab * 4)?, 0))
+                Some((rt.alloc_unpooled(lanes * spec.vocab * 4)?, Vec::new()))
             } else {
                 None
             },
@@ -871,6 +872,7 @@ fn sample_rows<I: Backend>(
     rows: usize,
     lane_of: DevicePtr<u32>,
     logprobs: bool,
+    kept: Vec<usize>,
 ) -> stoke_cuda::Result<()> {
     let device = super::float_device(logits);
     let rt = g.rt.clone();
@@ -902,7 +904,7 @@ fn sample_rows<I: Backend>(
         }
     }
     if let Some((keep, kept_rows)) = &mut g.logits {
-        *kept_rows = rows;
+        *kept_rows = kept;
         let n = rows * g.spec.vocab;
         let elem = if logits.dtype() == DType::F32 { 4 } else { 2 };
         // SAFETY: both hold n values of the logits' dtype (kept as they are).
@@ -936,7 +938,8 @@ pub(crate) fn decode_sample<I: Backend>(dec: &mut StokeDecoder<I>, logits: Stoke
     };
     let rows = check_logits(g, &logits, g.rows);
     let logprobs = g.step_logprobs;
-    if let Err(e) = sample_rows(g, &logits, rows, DevicePtr::NULL, logprobs) {
+    let kept = g.step_lanes.clone();
+    if let Err(e) = sample_rows(g, &logits, rows, DevicePtr::NULL, logprobs, kept) {
         fatal("sampling", e);
     }
 }
@@ -963,7 +966,7 @@ pub(crate) fn prefill_sample<I: Backend>(
         .map(|(row, &l)| g.lanes.lanes[l].sampling.logprobs.map(|top| (row, top)))
         .collect();
     let logprobs = want.iter().any(Option::is_some);
-    sample_rows(g, &logits, rows, lane_of.as_ptr(), logprobs)?;
+    sample_rows(g, &logits, rows, lane_of.as_ptr(), logprobs, (0..rows).collect())?;
     drop(lane_of);
     // A prefill sampling moves each active lane past its last prompt token (the kernel did so
     // on the device).
@@ -1069,14 +1072,15 @@ pub(crate) fn decode_last_logits<I: Backend>(dec: &mut StokeDecoder<I>) -> Optio
         StokeDecoder::Reference(r) => return crate::decode::ref_ops::last_logits(r),
     };
     let (buf, rows) = g.logits.as_ref()?;
-    let n = rows * g.spec.vocab;
+    let vocab = g.spec.vocab;
+    let n = (rows.iter().max().map_or(0, |r| r + 1)) * vocab;
     let elem = if g.logits_bf16 { 2 } else { 4 };
     let mut bytes = vec![0u8; n * elem];
     // SAFETY: the buffer holds at least n values of that size.
     if let Err(e) = unsafe { g.rt.copy_dtoh(&mut bytes, buf.ptr()) } {
         fatal("reading logits", e);
     }
-    Some(if g.logits_bf16 {
+    let all: Vec<f32> = if g.logits_bf16 {
         bytes
             .chunks_exact(2)
             .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
@@ -1086,7 +1090,12 @@ pub(crate) fn decode_last_logits<I: Backend>(dec: &mut StokeDecoder<I>) -> Optio
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect()
-    })
+    };
+    Some(
+        rows.iter()
+            .flat_map(|&r| all[r * vocab..(r + 1) * vocab].iter().copied())
+            .collect(),
+    )
 }
 
 pub(crate) fn decode_force_ids<I: Backend>(
