@@ -966,7 +966,14 @@ pub(crate) fn prefill_sample<I: Backend>(
         .map(|(row, &l)| g.lanes.lanes[l].sampling.logprobs.map(|top| (row, top)))
         .collect();
     let logprobs = want.iter().any(Option::is_some);
-    sample_rows(g, &logits, rows, lane_of.as_ptr(), logprobs, (0..rows).collect())?;
+    sample_rows(
+        g,
+        &logits,
+        rows,
+        lane_of.as_ptr(),
+        logprobs,
+        (0..rows).collect(),
+    )?;
     drop(lane_of);
     // A prefill sampling moves each active lane past its last prompt token (the kernel did so
     // on the device).
