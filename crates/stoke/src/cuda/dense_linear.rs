@@ -1,5 +1,5 @@
 //! `linear` on a pinned bf16 weight through the dense bf16 GEMM (`kernels/bf16_gemm.cu`), for
-//! decode-sized inputs (up to 32 rows).
+//! decode-sized inputs (up to 64 rows: the kernel's 32 at a time).
 
 use super::bridge::{DeviceTensor, KernelInput, ResidentTensor, runtime_for};
 use crate::tensor::{StokeData, StokeTensor};
@@ -10,7 +10,8 @@ use stoke_cuda::{DevicePtr, DevicePtrMut};
 
 /// `epilogue(x @ W)` on the dense kernel when `weight` is a pinned ([`ResidentTensor`]) bf16
 /// `[k, n]` weight the kernel takes (`k` and `n` multiples of 8, 16-byte aligned), `x` is bf16
-/// `[.., k]` with 1 to 32 rows, and Stoke's runtime runs on the device; `None` otherwise (the
+/// `[.., k]` with 1 to 64 rows (a decode step's rows; above 32, two launches of up to 32), and
+/// Stoke's runtime runs on the device; `None` otherwise (the
 /// caller's reference path). `Residual` adds `residual` (bf16, shaped like the output), `SwiGlu`
 /// returns `silu(g) * u` of the interleaved gate/up columns (`[.., n / 2]`).
 pub(crate) fn try_dense_linear_with<I: Backend>(
@@ -33,11 +34,11 @@ pub(crate) fn try_dense_linear_with<I: Backend>(
         return None;
     }
     let m = shape.num_elements() / k;
-    if m == 0 || m > MAX_ROWS as usize || k > u32::MAX as usize || n > u32::MAX as usize {
+    if m == 0 || m > 2 * MAX_ROWS as usize || k > u32::MAX as usize || n > u32::MAX as usize {
         return None;
     }
-    if check_shape(m as u32, k as u32, n as u32, epilogue).is_err() || !rw.ptr().is_multiple_of(16)
-    {
+    let rows = m.min(MAX_ROWS as usize) as u32;
+    if check_shape(rows, k as u32, n as u32, epilogue).is_err() || !rw.ptr().is_multiple_of(16) {
         tracing::debug!(
             "stoke linear: bf16 weight [{k}, {n}] at {:#x} not one the dense kernel takes",
             rw.ptr()
@@ -56,25 +57,32 @@ pub(crate) fn try_dense_linear_with<I: Backend>(
     if !x_in.ptr.is_multiple_of(4) || res_in.as_ref().is_some_and(|r| !r.ptr.is_multiple_of(4)) {
         return None;
     }
-    let out_shape = super::with_cols(dims, epilogue.out_cols(n));
+    let cols = epilogue.out_cols(n);
+    let out_shape = super::with_cols(dims, cols);
     let out = DeviceTensor::<I>::alloc(&rt, out_shape, DType::BF16, device);
-    let call = Bf16Gemm {
-        x: DevicePtr::new(x_in.ptr),
-        m: m as u32,
-        k: k as u32,
-        n: n as u32,
-        w: DevicePtr::new(rw.ptr()),
-        out: DevicePtrMut::new(out.ptr()),
-        epilogue,
-        residual: res_in
-            .as_ref()
-            .map_or(DevicePtr::NULL, |r| DevicePtr::new(r.ptr)),
-    };
-    // SAFETY: x and the residual are pinned (or Stoke-owned) until the kernel is done, the
-    // weight is pinned for the life of its tensor (released after Stoke's queued work), out is
-    // a Stoke buffer of m * out_cols bf16.
-    if let Err(e) = unsafe { bf16_gemm(&rt, &call) } {
-        panic!("stoke linear (bf16): {e}");
+    // Up to 32 rows per launch, each its own rows of x, out and the residual.
+    let mut first = 0usize;
+    while first < m {
+        let rows = (m - first).min(MAX_ROWS as usize);
+        let call = Bf16Gemm {
+            x: DevicePtr::new(x_in.ptr + (first * k * 2) as u64),
+            m: rows as u32,
+            k: k as u32,
+            n: n as u32,
+            w: DevicePtr::new(rw.ptr()),
+            out: DevicePtrMut::new(out.ptr() + (first * cols * 2) as u64),
+            epilogue,
+            residual: res_in.as_ref().map_or(DevicePtr::NULL, |r| {
+                DevicePtr::new(r.ptr + (first * cols * 2) as u64)
+            }),
+        };
+        // SAFETY: x and the residual are pinned (or Stoke-owned) until the kernel is done, the
+        // weight is pinned for the life of its tensor (released after Stoke's queued work),
+        // out is a Stoke buffer of m * cols bf16; the launch's rows lie inside all three.
+        if let Err(e) = unsafe { bf16_gemm(&rt, &call) } {
+            panic!("stoke linear (bf16): {e}");
+        }
+        first += rows;
     }
     drop((x_in, res_in));
     Some(StokeTensor::owned(out))
