@@ -547,6 +547,10 @@ fn tuned_plan(
     if let Some(r) = tune_table().lock().unwrap().get(&key) {
         return Ok((r.wg_rows, r.splits));
     }
+    // A choice an earlier process made on this GPU (the kernel cache's tuning file).
+    if let Some(plan) = saved_choice(rt, &key) {
+        return Ok(plan);
+    }
     // Candidates: the plan, the warpgroup kernels at every row count (where allowed), and
     // none, each with its planned split count and one split fewer and more; the same launches
     // once. Without the warpgroup kernels (asymmetric weights, unaligned x, or none asked for):
@@ -629,7 +633,76 @@ fn tuned_plan(
     );
     let plan = (record.wg_rows, record.splits);
     tune_table().lock().unwrap().insert(key, record);
+    save_choice(rt, &key, plan);
     Ok(plan)
+}
+
+/// The tuning file of `rt`'s GPU in the kernel cache (`STOKE_KERNEL_CACHE`): one line per tuned
+/// shape, `key -> wg_rows splits`, so that a later process on the same GPU model skips the
+/// timing (a first call's tens of milliseconds per shape).
+fn tune_file(rt: &Runtime) -> Option<std::path::PathBuf> {
+    let gpu: String = rt
+        .name
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    Some(crate::compile::cache_dir()?.join(format!("int4-tune-{gpu}-{}.txt", rt.arch)))
+}
+
+fn key_text(k: &TuneKey) -> String {
+    format!(
+        "m {} k {} n {} group {} f16 {} order {:?} epilogue {} wg_rows {}",
+        k.m,
+        k.k,
+        k.n,
+        k.group,
+        k.f16_scales,
+        k.order,
+        k.epilogue.name(),
+        k.wg_rows
+    )
+}
+
+/// Choices read from the tuning files, by GPU ordinal (read once per ordinal).
+type SavedChoices = std::collections::HashMap<usize, std::collections::HashMap<String, (u32, u32)>>;
+
+fn saved_choice(rt: &Runtime, key: &TuneKey) -> Option<(u32, u32)> {
+    static SAVED: std::sync::OnceLock<std::sync::Mutex<SavedChoices>> = std::sync::OnceLock::new();
+    let mut saved = SAVED.get_or_init(Default::default).lock().unwrap();
+    let table = saved.entry(rt.ordinal).or_insert_with(|| {
+        let text = tune_file(rt)
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .unwrap_or_default();
+        text.lines()
+            .filter_map(|l| {
+                let (k, v) = l.split_once(" -> ")?;
+                let mut v = v.split_whitespace().map(|x| x.parse::<u32>());
+                Some((k.to_string(), (v.next()?.ok()?, v.next()?.ok()?)))
+            })
+            .collect()
+    });
+    table.get(&key_text(key)).copied()
+}
+
+/// Appends a tuned choice to the tuning file (best effort: the file only saves time).
+fn save_choice(rt: &Runtime, key: &TuneKey, (wg_rows, splits): (u32, u32)) {
+    use std::io::Write;
+    let Some(path) = tune_file(rt) else { return };
+    let line = format!("{} -> {wg_rows} {splits}\n", key_text(key));
+    let written = std::fs::create_dir_all(path.parent().expect("a file in a directory"))
+        .and_then(|_| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+        })
+        .and_then(|mut f| f.write_all(line.as_bytes()));
+    if let Err(e) = written {
+        tracing::debug!(
+            "stoke int4: tuning file {} not written: {e}",
+            path.display()
+        );
+    }
 }
 
 /// µs per launch of each plan of `call`, measured as the benchmarks and a decode step meet
