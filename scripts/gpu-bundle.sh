@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds Stoke's GPU test and benchmark binary and the main job (the `llama` example) in release
 # on this (GPU-less) machine and packs them into DIR (default .bundle/, git-ignored), small and
-# self-contained: the kernels are compiled
-# into the binary as source and built by NVRTC on the GPU machine; the binary is stripped and
-# xz-compressed (about 6 MB each; gpu-run.sh unpacks them). Carry DIR to the GPU machine and run
+# self-contained: the kernels are built into the binary as sm_90a cubins (stoke-cuda's build.rs,
+# with the pinned NVRTC wheel of scripts/cuda-venv.sh), so the GPU machine compiles none of them;
+# the binary is stripped and xz-compressed (gpu-run.sh unpacks them). Carry DIR to the GPU machine and run
 # `bash scripts/gpu-run.sh OUTDIR` there. A second bundle (another commit, e.g. DIR .carry/base,
 # git-ignored) runs there with `STOKE_BUNDLE=.carry/base bash scripts/gpu-run.sh ...`, so two
 # commits are timed in one call on one card.
@@ -11,6 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-.bundle}
+eval "$(scripts/cuda-venv.sh | tail -n 1)"
+export LD_LIBRARY_PATH="$STOKE_CUDA_HOME/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 cargo build --release -p stoke-tests --bin stoke-gpu
 # The main job too (the README's `llama` example), for its cold and warm first token there.
 cargo build --release -p stoke-llama --example llama

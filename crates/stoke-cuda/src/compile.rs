@@ -1,17 +1,11 @@
-//! NVRTC compilation to cubin, with a disk cache and the ptxas resource report.
+//! Kernel cubins: the ones built into the library (see `build.rs`), else NVRTC compilation
+//! with a disk cache; and the ptxas resource report.
 
+use crate::cubin::{cubin_key, nvrtc_compile, nvrtc_options};
 use crate::{Error, Result};
-use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
-use sha2::{Digest, Sha256};
-use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 
-/// Options every kernel is compiled with. Part of the cache key.
-pub const BASE_OPTIONS: &[&str] = &[
-    "--std=c++17",
-    "-default-device",
-    "--ptxas-options=--verbose",
-];
+pub use crate::cubin::BASE_OPTIONS;
 
 /// Resources ptxas reports for one entry point.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -24,23 +18,65 @@ pub struct CompileReport {
     pub spill_load_bytes: u32,
 }
 
+/// Where a module's cubin came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CubinOrigin {
+    /// Compiled when the library was built (no NVRTC needed at run time).
+    Built,
+    /// The disk cache of an earlier process's compilation.
+    DiskCache,
+    /// Compiled by NVRTC now.
+    Compiled,
+}
+
+impl std::fmt::Display for CubinOrigin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CubinOrigin::Built => "built in",
+            CubinOrigin::DiskCache => "disk cache",
+            CubinOrigin::Compiled => "compiled",
+        })
+    }
+}
+
+/// A cubin the build compiled into the library (`build.rs`).
+struct BuiltCubin {
+    file: &'static str,
+    arch: &'static str,
+    key: &'static str,
+    cubin: &'static [u8],
+    log: &'static str,
+}
+
+// `BUILT: &[BuiltCubin]`, written by `build.rs` (empty where NVRTC was not found at build time).
+include!(concat!(env!("OUT_DIR"), "/built_cubins.rs"));
+
+/// The architectures the library carries compiled kernels for (empty where it was built
+/// without NVRTC: then every kernel is compiled at first use).
+pub fn built_archs() -> Vec<&'static str> {
+    let mut archs: Vec<&str> = BUILT.iter().map(|c| c.arch).collect();
+    archs.dedup();
+    archs
+}
+
 /// NVRTC's version, e.g. (13, 0). Errors if libnvrtc cannot be loaded.
 pub fn nvrtc_version() -> Result<(i32, i32)> {
-    // SAFETY: only checks whether the shared library can be opened.
-    if !unsafe { nvrtc_sys::is_culib_present() } {
+    if !crate::cubin::nvrtc_present() {
         return Err(Error::NvrtcMissing(
             "libnvrtc.so was not found on the library path (set LD_LIBRARY_PATH)".into(),
         ));
     }
     let (mut major, mut minor) = (0, 0);
     // SAFETY: plain out-parameters.
-    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) }
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
         .result()
         .map_err(|e| Error::NvrtcMissing(format!("nvrtcVersion: {e:?}")))?;
     Ok((major, minor))
 }
 
-fn cache_dir() -> Option<PathBuf> {
+/// The kernel cache directory (`STOKE_KERNEL_CACHE`, else `~/.cache/stoke/kernels`); `None`
+/// where caching is off (`STOKE_KERNEL_CACHE=`) or no home is known.
+pub(crate) fn cache_dir() -> Option<PathBuf> {
     if let Ok(dir) = std::env::var("STOKE_KERNEL_CACHE") {
         return (!dir.is_empty()).then(|| PathBuf::from(dir));
     }
@@ -50,24 +86,31 @@ fn cache_dir() -> Option<PathBuf> {
     Some(base.join("stoke").join("kernels"))
 }
 
-/// Compiles `source` (the file `file` under `kernels/`, its `#include`s of
-/// [`crate::kernels::HEADERS`] written in place) to a cubin for `arch` (e.g. `sm_90a`).
-/// Returns the cubin, the per-entry resource report and whether it came from the disk cache.
-/// Set `STOKE_KERNEL_CACHE=` (empty) to disable the cache.
+/// The cubin of `source` (the file `file` under `kernels/`, its `#include`s of
+/// [`crate::kernels::HEADERS`] written in place) for `arch` (e.g. `sm_90a`): the one built into
+/// the library where its source, options and arch match, else NVRTC's through the disk cache.
+/// Returns the cubin, the per-entry resource report and where it came from. Set
+/// `STOKE_KERNEL_CACHE=` (empty) to disable the disk cache.
 pub fn compile_cubin(
     file: &str,
     source: &str,
     arch: &str,
     extra_options: &[&str],
-) -> Result<(Vec<u8>, Vec<CompileReport>, bool)> {
-    let version = nvrtc_version()?;
+) -> Result<(Vec<u8>, Vec<CompileReport>, CubinOrigin)> {
     let options = nvrtc_options(arch, extra_options);
     let source = &*crate::kernels::expand_includes(source);
+    if BUILT.iter().any(|c| c.file == file && c.arch == arch) {
+        let key = cubin_key(source, &options, arch, None);
+        if let Some(c) = BUILT
+            .iter()
+            .find(|c| c.file == file && c.arch == arch && c.key == key)
+        {
+            return Ok((c.cubin.to_vec(), parse_ptxas_log(c.log), CubinOrigin::Built));
+        }
+    }
 
-    let mut hasher = Sha256::new();
-    hasher.update(source.as_bytes());
-    hasher.update(format!("{options:?}|{arch}|nvrtc {}.{}", version.0, version.1).as_bytes());
-    let key = format!("{:x}", hasher.finalize());
+    let version = nvrtc_version()?;
+    let key = cubin_key(source, &options, arch, Some(version));
     let cached = cache_dir().map(|d| {
         let stem = file.trim_end_matches(".cu");
         (
@@ -78,7 +121,7 @@ pub fn compile_cubin(
     if let Some((cubin_path, log_path)) = &cached
         && let (Ok(cubin), Ok(log)) = (std::fs::read(cubin_path), std::fs::read_to_string(log_path))
     {
-        return Ok((cubin, parse_ptxas_log(&log), true));
+        return Ok((cubin, parse_ptxas_log(&log), CubinOrigin::DiskCache));
     }
 
     let (cubin, log) = nvrtc_compile(file, source, &options).map_err(|log| Error::Compile {
@@ -99,17 +142,11 @@ pub fn compile_cubin(
             tracing::debug!("kernel cache not written at {}: {e}", cubin_path.display());
         }
     }
-    Ok((cubin, parse_ptxas_log(&log), false))
+    Ok((cubin, parse_ptxas_log(&log), CubinOrigin::Compiled))
 }
 
-fn nvrtc_options(arch: &str, extra_options: &[&str]) -> Vec<String> {
-    let mut options: Vec<String> = BASE_OPTIONS.iter().map(|s| s.to_string()).collect();
-    options.push(format!("--gpu-architecture={arch}"));
-    options.extend(extra_options.iter().map(|s| s.to_string()));
-    options
-}
-
-/// Compiles with no disk cache (the precompile check must really compile).
+/// Compiles with NVRTC, neither the built-in cubins nor the disk cache (the precompile check
+/// must really compile).
 pub fn compile_uncached(
     file: &str,
     source: &str,
@@ -125,49 +162,6 @@ pub fn compile_uncached(
         log,
     })?;
     Ok((cubin, parse_ptxas_log(&log)))
-}
-
-/// Runs NVRTC; on failure returns the program log.
-fn nvrtc_compile(
-    file: &str,
-    source: &str,
-    options: &[String],
-) -> std::result::Result<(Vec<u8>, String), String> {
-    let src = CString::new(source).map_err(|_| "source contains a NUL byte".to_string())?;
-    let name = CString::new(file).unwrap();
-    let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| format!("{e:?}"))?;
-    struct Guard(nvrtc_sys::nvrtcProgram);
-    impl Drop for Guard {
-        fn drop(&mut self) {
-            // SAFETY: the program was created above and is destroyed once.
-            let _ = unsafe { nvrtc::destroy_program(self.0) };
-        }
-    }
-    let prog = Guard(prog);
-    // SAFETY: `prog` is a live program; options are valid C strings.
-    let compiled = unsafe { nvrtc::compile_program(prog.0, options) };
-    // SAFETY: `prog` is live; the log is a NUL-terminated string NVRTC owns a copy of.
-    let log = unsafe { nvrtc::get_program_log(prog.0) }
-        .map(|raw| {
-            unsafe { CStr::from_ptr(raw.as_ptr()) }
-                .to_string_lossy()
-                .into_owned()
-        })
-        .unwrap_or_default();
-    if let Err(e) = compiled {
-        return Err(format!("{e:?}\n{log}"));
-    }
-    let mut size = 0usize;
-    // SAFETY: out-parameter on a compiled program.
-    unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size) }
-        .result()
-        .map_err(|e| format!("nvrtcGetCUBINSize: {e:?} (was a real sm_XX arch given?)"))?;
-    let mut cubin = vec![0u8; size];
-    // SAFETY: `cubin` has exactly the size NVRTC reported.
-    unsafe { nvrtc_sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr() as *mut _) }
-        .result()
-        .map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))?;
-    Ok((cubin, log))
 }
 
 /// Parses ptxas' `--verbose` lines:
@@ -210,6 +204,39 @@ pub fn parse_ptxas_log(log: &str) -> Vec<CompileReport> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every shipped kernel loads from the cubins built into the library (none compiled at run
+    /// time), with the entry points its Rust side names, where the build found NVRTC.
+    #[test]
+    fn built_cubins_are_the_kernels() {
+        if !built_archs().contains(&"sm_90a") {
+            eprintln!("skipped: the kernels were not built in (no NVRTC at build time)");
+            return;
+        }
+        for src in crate::kernels::ALL {
+            let (cubin, reports, origin) =
+                compile_cubin(src.file, src.source, "sm_90a", &[]).unwrap();
+            assert_eq!(origin, CubinOrigin::Built, "kernels/{}", src.file);
+            assert!(cubin.len() > 1000, "kernels/{}", src.file);
+            for entry in (src.entries)() {
+                assert!(
+                    reports.iter().any(|r| r.entry == entry),
+                    "kernels/{}: {entry} missing from the built cubin",
+                    src.file
+                );
+            }
+        }
+        // Other options (a benchmark's variant) are not the built cubin.
+        let src = &crate::kernels::ALL[0];
+        let options = crate::cubin::nvrtc_options("sm_90a", &["-DSTOKE_VARIANT=1"]);
+        let key = crate::cubin::cubin_key(
+            &crate::kernels::expand_includes(src.source),
+            &options,
+            "sm_90a",
+            None,
+        );
+        assert!(!BUILT.iter().any(|c| c.key == key));
+    }
 
     #[test]
     fn parses_ptxas_verbose_output() {

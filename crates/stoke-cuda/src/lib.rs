@@ -2,8 +2,10 @@
 //!
 //! - Runs in the device's primary context, the one burn-cuda (cubecl) uses, so device pointers
 //!   pass freely between the two; Stoke's kernels run on a stream of Stoke's own.
-//! - Compiles the kernel sources under `kernels/` with NVRTC for the device's architecture at
-//!   first use, and caches the cubin on disk keyed by source, options, arch and NVRTC version.
+//! - Loads the kernels under `kernels/` as cubins the build compiled for Hopper (`build.rs`,
+//!   where NVRTC was found at build time); otherwise compiles them with NVRTC for the device's
+//!   architecture at first use, and caches the cubin on disk keyed by source, options, arch and
+//!   NVRTC version.
 //! - Launches with one flat `#[repr(C)]` parameter struct per kernel, holding typed device
 //!   pointers ([`DevicePtr`], [`DevicePtrMut`]); a [`Kernel`] is typed by its struct, so a
 //!   launch with another struct does not compile.
@@ -14,6 +16,7 @@
 
 pub mod bf16;
 pub mod compile;
+mod cubin;
 pub mod fp8;
 pub mod int4;
 pub mod kernels;
@@ -22,12 +25,12 @@ mod ptr;
 mod runtime;
 pub mod sample;
 
-pub use compile::{CompileReport, compile_cubin, nvrtc_version};
+pub use compile::{CompileReport, CubinOrigin, built_archs, compile_cubin, nvrtc_version};
 pub use cudarc::driver::{CudaEvent, CudaGraph};
 pub use ptr::{DevicePtr, DevicePtrMut};
 pub use runtime::{
     DeviceBuffer, GraphArena, Kernel, KernelInfo, LaunchShape, MAX_CLUSTER_CTAS, PinnedHost,
-    Runtime, TensorMap, Unavailable,
+    Preloaded, Runtime, TensorMap, Unavailable,
 };
 
 use cudarc::driver::DriverError;

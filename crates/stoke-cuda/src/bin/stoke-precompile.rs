@@ -58,6 +58,7 @@ fn main() -> ExitCode {
     );
     for src in ALL.iter().chain(BENCH) {
         let label = src.file;
+        let t0 = std::time::Instant::now();
         match stoke_cuda::compile::compile_uncached(src.file, src.source, &arch, &[]) {
             Ok((cubin, reports)) => {
                 for r in &reports {
@@ -92,7 +93,11 @@ fn main() -> ExitCode {
                         failed = true;
                     }
                 }
-                println!("{label:<16} cubin {} bytes", cubin.len());
+                println!(
+                    "{label:<16} cubin {} bytes, compiled in {:.1} s",
+                    cubin.len(),
+                    t0.elapsed().as_secs_f64()
+                );
                 if let Some(out) = &cubin_out {
                     let path = out.join(src.file.replace(".cu", ".cubin"));
                     if let Err(e) =

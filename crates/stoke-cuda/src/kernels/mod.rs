@@ -42,29 +42,7 @@ pub fn expand_includes(source: &str) -> std::borrow::Cow<'_, str> {
 
 /// [`expand_includes`] with the headers looked up by `lookup` (the SASS comparison compiles
 /// the kernel files of another commit, with that commit's headers).
-pub fn expand_includes_from<'a, 'h>(
-    source: &'a str,
-    lookup: impl Fn(&str) -> Option<&'h str>,
-) -> std::borrow::Cow<'a, str> {
-    let header = |line: &str| {
-        let name = line.trim().strip_prefix("#include \"")?.strip_suffix('"')?;
-        lookup(name)
-    };
-    if !source.lines().any(|l| header(l).is_some()) {
-        return source.into();
-    }
-    let mut out = String::with_capacity(source.len() + 4096);
-    for line in source.lines() {
-        match header(line) {
-            Some(text) => out.push_str(text),
-            None => {
-                out.push_str(line);
-                out.push('\n');
-            }
-        }
-    }
-    out.into()
-}
+pub use crate::cubin::expand_includes_from;
 
 /// A kernel source file compiled as one module.
 #[derive(Clone, Copy, Debug)]

@@ -24,7 +24,7 @@ mod occupancy;
 pub use graph::PinnedHost;
 pub use launch::{LaunchShape, MAX_CLUSTER_CTAS};
 pub use memory::{DeviceBuffer, GraphArena};
-pub use modules::{Kernel, KernelInfo};
+pub use modules::{Kernel, KernelInfo, Preloaded};
 pub use occupancy::TensorMap;
 
 use crate::compile::CompileReport;
@@ -138,7 +138,10 @@ impl Runtime {
         if !unsafe { sys::is_culib_present() } {
             return Err(Unavailable::NoDriver);
         }
-        crate::compile::nvrtc_version().map_err(|e| Unavailable::NoNvrtc(e.to_string()))?;
+        // Kernels built into the library need no NVRTC; without them every kernel compiles.
+        if !crate::compile::built_archs().contains(&"sm_90a") {
+            crate::compile::nvrtc_version().map_err(|e| Unavailable::NoNvrtc(e.to_string()))?;
+        }
         let no_device = |e: cudarc::driver::DriverError| Unavailable::NoDevice {
             ordinal,
             reason: e.to_string(),

@@ -87,15 +87,22 @@ pub(super) fn module_symbol<'a>(
     }
 }
 
+/// What [`Runtime::preload`] did: how long it took and where the modules' cubins came from.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Preloaded {
+    pub wall: std::time::Duration,
+    /// The slowest module's cubin (its compilation, where one was compiled).
+    pub slowest: std::time::Duration,
+    pub built: usize,
+    pub disk_cache: usize,
+    pub compiled: usize,
+}
+
 impl Runtime {
-    /// Compiles (through the disk cache) and loads every module of `sources` not loaded yet,
-    /// the compilations in parallel on the host's cores (one thread per module), so that the
-    /// first call of each kernel finds its module ready. Returns the wall time and the slowest
-    /// module's compile time (both zero where everything was loaded already).
-    pub fn preload(
-        &self,
-        sources: &[&'static KernelSource],
-    ) -> Result<(std::time::Duration, std::time::Duration)> {
+    /// Loads every module of `sources` not loaded yet (built in, or compiled through the disk
+    /// cache, the compilations in parallel on the host's cores, one thread per module), so
+    /// that the first call of each kernel finds its module ready.
+    pub fn preload(&self, sources: &[&'static KernelSource]) -> Result<Preloaded> {
         let t0 = std::time::Instant::now();
         let todo: Vec<&'static KernelSource> = {
             let modules = self.modules.lock().unwrap();
@@ -105,10 +112,14 @@ impl Runtime {
                 .filter(|s| !modules.contains_key(s.file))
                 .collect()
         };
+        let mut done = Preloaded::default();
         if todo.is_empty() {
-            return Ok(Default::default());
+            return Ok(done);
         }
-        type Compiled = Result<((Vec<u8>, Vec<CompileReport>, bool), std::time::Duration)>;
+        type Compiled = Result<(
+            (Vec<u8>, Vec<CompileReport>, crate::CubinOrigin),
+            std::time::Duration,
+        )>;
         let compiled: Vec<Compiled> = std::thread::scope(|scope| {
             let handles: Vec<_> = todo
                 .iter()
@@ -126,12 +137,16 @@ impl Runtime {
                 .map(|h| h.join().expect("a compile thread panicked"))
                 .collect()
         });
-        let mut slowest = std::time::Duration::ZERO;
         let mut modules = self.modules.lock().unwrap();
         self.bind()?;
         for (src, c) in todo.iter().zip(compiled) {
-            let ((cubin, report, cached), took) = c?;
-            slowest = slowest.max(took);
+            let ((cubin, report, origin), took) = c?;
+            done.slowest = done.slowest.max(took);
+            match origin {
+                crate::CubinOrigin::Built => done.built += 1,
+                crate::CubinOrigin::DiskCache => done.disk_cache += 1,
+                crate::CubinOrigin::Compiled => done.compiled += 1,
+            }
             if modules.contains_key(src.file) {
                 continue;
             }
@@ -139,14 +154,11 @@ impl Runtime {
                 .ctx
                 .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
                 .call("cuModuleLoadData")?;
-            tracing::debug!(
-                "loaded kernels/{} in {took:?}{}",
-                src.file,
-                if cached { " (disk cache)" } else { "" }
-            );
+            tracing::debug!("loaded kernels/{} in {took:?} ({origin})", src.file);
             modules.insert(src.file, (module, report));
         }
-        Ok((t0.elapsed(), slowest))
+        done.wall = t0.elapsed();
+        Ok(done)
     }
 
     /// Loads (compiling on first use, through the disk cache) one kernel entry point.
@@ -166,7 +178,7 @@ impl Runtime {
         let mut modules = self.modules.lock().unwrap();
         if !modules.contains_key(src.file) {
             let t0 = std::time::Instant::now();
-            let (cubin, report, cached) =
+            let (cubin, report, origin) =
                 crate::compile_cubin(src.file, src.source, &self.arch, &[])?;
             self.bind()?;
             let module = self
@@ -174,11 +186,10 @@ impl Runtime {
                 .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
                 .call("cuModuleLoadData")?;
             tracing::debug!(
-                "loaded kernels/{} for {} in {:?}{}",
+                "loaded kernels/{} for {} in {:?} ({origin})",
                 src.file,
                 self.arch,
-                t0.elapsed(),
-                if cached { " (disk cache)" } else { "" }
+                t0.elapsed()
             );
             modules.insert(src.file, (module, report));
         }

@@ -267,16 +267,22 @@ impl GpuDecoder {
         ) {
             return Ok(Err(e.to_string()));
         }
-        // Every module a model's prefill and decode steps launch, compiled in parallel now (a
-        // fresh machine's first token waits for the slowest one, not for their sum).
+        // Every module a model's prefill and decode steps launch, loaded now: built in, or
+        // compiled in parallel (a fresh machine's first token then waits for the slowest one,
+        // not for their sum).
         let sources: Vec<&'static stoke_cuda::kernels::KernelSource> =
             stoke_cuda::kernels::ALL.iter().collect();
-        let (took, slowest) = rt.preload(&sources)?;
-        if !took.is_zero() {
+        let loaded = rt.preload(&sources)?;
+        if !loaded.wall.is_zero() {
             tracing::info!(
-                "stoke decoder: kernels compiled and loaded in {:.2} s (the slowest module {:.2} s)",
-                took.as_secs_f64(),
-                slowest.as_secs_f64()
+                target: "stoke",
+                "kernels loaded in {:.3} s: {} built in, {} from the disk cache, {} compiled \
+                 (the slowest module {:.2} s)",
+                loaded.wall.as_secs_f64(),
+                loaded.built,
+                loaded.disk_cache,
+                loaded.compiled,
+                loaded.slowest.as_secs_f64()
             );
         }
         let lanes = spec.lanes;
