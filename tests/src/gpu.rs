@@ -74,6 +74,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::decode::decode_step_matches_reference,
     ),
     (
+        "smollm2_decode_matches_reference",
+        crate::decode::smollm2_decode_matches_reference,
+    ),
+    (
         "packed_prefill_matches_reference",
         crate::decode::packed_prefill_matches_reference,
     ),

@@ -32,6 +32,7 @@ gpu_tests!(
     decode_attention_matches_reference,
     prefill_attention_matches_reference,
     decode_step_matches_reference,
+    smollm2_decode_matches_reference,
     packed_prefill_matches_reference,
     smollm2_graphed_text_matches_burn_cuda,
     two_plans_in_one_process,

@@ -262,6 +262,7 @@ fn main() -> ExitCode {
             &cli,
             &[
                 "decode_step_matches_reference",
+                "smollm2_decode_matches_reference",
                 "smollm2_graphed_text_matches_burn_cuda",
             ],
             "decode",
