@@ -238,6 +238,8 @@ fn main() {
         .with_writer(std::io::stderr)
         .try_init();
     let args = Args::parse();
+    // burn-cuda's kernels compiled once per machine, not once per run.
+    stoke::cuda::cache_burn_kernels();
     let result = match pick(args.device) {
         Picked::Cpu => {
             pipeline::<burn_ndarray::NdArray<f32>, stoke::Stoke<burn_ndarray::NdArray<f32>>>(

@@ -259,6 +259,8 @@ fn main() {
         .with_writer(std::io::stderr)
         .try_init();
     let args = Args::parse();
+    // burn-cuda's kernels compiled once per machine, not once per run.
+    stoke::cuda::cache_burn_kernels();
     if let Err(e) = run(args) {
         eprintln!("error: {e}");
         std::process::exit(1);

@@ -76,7 +76,7 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
 
 /// The kernel cache directory (`STOKE_KERNEL_CACHE`, else `~/.cache/stoke/kernels`); `None`
 /// where caching is off (`STOKE_KERNEL_CACHE=`) or no home is known.
-pub(crate) fn cache_dir() -> Option<PathBuf> {
+pub fn kernel_cache_dir() -> Option<PathBuf> {
     if let Ok(dir) = std::env::var("STOKE_KERNEL_CACHE") {
         return (!dir.is_empty()).then(|| PathBuf::from(dir));
     }
@@ -111,7 +111,7 @@ pub fn compile_cubin(
 
     let version = nvrtc_version()?;
     let key = cubin_key(source, &options, arch, Some(version));
-    let cached = cache_dir().map(|d| {
+    let cached = kernel_cache_dir().map(|d| {
         let stem = file.trim_end_matches(".cu");
         (
             d.join(format!("{stem}-{arch}-{}.cubin", &key[..16])),

@@ -646,7 +646,7 @@ fn tune_file(rt: &Runtime) -> Option<std::path::PathBuf> {
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
         .collect();
-    Some(crate::compile::cache_dir()?.join(format!("int4-tune-{gpu}-{}.txt", rt.arch)))
+    Some(crate::compile::kernel_cache_dir()?.join(format!("int4-tune-{gpu}-{}.txt", rt.arch)))
 }
 
 fn key_text(k: &TuneKey) -> String {

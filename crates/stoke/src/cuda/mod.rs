@@ -31,6 +31,30 @@ pub use bridge::{
 pub(crate) use bridge::{float_device, float_into_data, memory_cleanup, sync_device};
 pub use stoke_cuda::Unavailable;
 
+/// Turns on cubecl's compiled-kernel cache (the PTX of burn-cuda's kernels) under Stoke's kernel
+/// cache (`STOKE_KERNEL_CACHE`, else `~/.cache/stoke/kernels`, in `cubecl/`), so that a process
+/// after the first compiles none of burn-cuda's kernels again. Leaves cubecl as it is where a
+/// `cubecl.toml` / `burn.toml` above the working directory sets a cache, where the cache
+/// directory is off, or where cubecl's configuration has been read already (call it first in
+/// `main`). Returns whether it set the cache.
+pub fn cache_burn_kernels() -> bool {
+    use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig, cache::CacheConfig};
+    let Some(dir) = stoke_cuda::compile::kernel_cache_dir() else {
+        return false;
+    };
+    let mut cfg = CubeClRuntimeConfig::from_current_dir().override_from_env();
+    if cfg.compilation.cache.is_some() {
+        return false;
+    }
+    cfg.compilation.cache = Some(CacheConfig::File(dir.join("cubecl")));
+    let mut slot = CubeClRuntimeConfig::storage().lock();
+    if slot.is_some() {
+        return false;
+    }
+    *slot = Some(std::sync::Arc::new(cfg));
+    true
+}
+
 /// `epilogue(x @ W)` on Stoke's GEMMs: the W4A16 kernels for a packed INT4 weight (decode
 /// rows), the persistent wgmma GEMM on the weight's bf16 or E4M3 copy (prefill rows), the
 /// dense bf16 kernel for a pinned bf16 weight (decode rows); `None` where none applies (the caller's reference path).
