@@ -975,6 +975,68 @@ def render_fp8_int4(w, res, path):
             w("")
 
 
+def render_engine(w, res, path):
+    """A paged-cache / engine results file: paged against contiguous decode attention and decode
+    steps, the main job's first token, the serving benchmark and its peer, the tests."""
+    m = res["meta"]
+    w(f"## Paged KV cache and the engine ({m['gpu']}, commit `{m['commit']}`, {m['date_utc'][:10]})")
+    w("")
+    w(f"From [`{path}`](../{path}). {m.get('note', '')}")
+    w("")
+    if res.get("decode_attention"):
+        w("| decode attention | batch | context | cache | contiguous µs | paged µs | paged / contiguous | paged, % of copy rate |")
+        w("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+        for a in res["decode_attention"]:
+            w(f"| {a['shape']} | {a['batch']} | {a['context']} | {a['kv']} | {a['contiguous_us']:.2f} | {a['paged_us']:.2f} | {a['paged_over_contiguous']:.3f} | {a['paged_copy_pct']:.1f} |")
+        w("")
+    if res.get("decode_step"):
+        w("| decode step | batch | context | cache | contiguous µs | paged µs | paged / contiguous | launches | tokens/s |")
+        w("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        for a in res["decode_step"]:
+            w(f"| {a['model']} | {a['batch']} | {a['context']} | {a['kv']} | {a['contiguous_us']:.1f} | {a['paged_us']:.1f} | {a['paged_over_contiguous']:.3f} | {a['launches_per_step']} | {a['tokens_per_s']:.0f} |")
+        w("")
+    if res.get("main_job"):
+        w("| main job (`llama`, 4-token prompt) | load s | kernels s | first token ms | of which host work ms | decode tokens/s |")
+        w("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for run, r in res["main_job"].items():
+            w(f"| {run} | {r.get('load_s', 0):.2f} | {r.get('kernels_s', 0):.2f} | {r.get('first_token_ms', 0):.1f} | {r.get('host_work_ms', 0):.1f} | {r.get('decode_tokens_per_s', 0):.0f} |")
+        w("")
+    for model, b in res.get("serving", {}).items():
+        if "error" in b:
+            w(f"Serving {model}: error `{b['error']}`")
+            w("")
+            continue
+        w(f"Serving {model} ({b['requests_per_schedule']} requests per schedule, prompts {b['prompt_tokens']}, outputs {b['output_tokens']} tokens):")
+        w("")
+        w("| schedule | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
+        w("| --- | ---: | ---: | ---: | ---: |")
+        def row(label, r):
+            t, i = r.get("ttft_ms", {}), r.get("itl_ms", {})
+            w(f"| {label} | {r.get('requests_per_s', 0):.1f} | {r.get('output_tokens_per_s', 0):.0f} | {t.get('p50', 0):.1f} / {t.get('p99', 0):.1f} | {i.get('p50', 0):.2f} / {i.get('p99', 0):.2f} |")
+        row("all at once (saturating)", b["saturating"])
+        for r in b["rates"]:
+            row(f"{r['fraction_of_saturating']:.2f} x saturating ({r['rate']:.1f}/s)", r["result"])
+        row("closed loop, concurrency 32", b["concurrency_32"])
+        w("")
+        w(f"Concurrency 32 against the static batch of 32 (`llama --bench`, {b['static_batch_32_decode_tokens_per_s']:.0f} tokens/s): {b['concurrency_32_over_static_32']:.2f}.")
+        w("")
+    if res.get("peer"):
+        w("transformers continuous batching on the same SmolLM2 schedules:")
+        w("")
+        w("| schedule | mode | requests/s | output tokens/s | TTFT p50 ms | finished |")
+        w("| --- | --- | ---: | ---: | ---: | ---: |")
+        for r in res["peer"]:
+            if "completed" not in r:
+                w(f"| {r.get('name') or r.get('file')} | error: {r.get('error', '?')[:80]} | | | | |")
+                continue
+            w(f"| {r.get('name', '')} | {r.get('mode', '')} | {r['requests_per_s'] or 0:.2f} | {r['output_tokens_per_s'] or 0:.0f} | {(r.get('ttft_ms') or {}).get('p50', 0):.0f} | {r['completed']}/{r['requests']} |")
+        w("")
+    if res.get("tests"):
+        render_tests(w, [{"name": t["name"], "status": t["status"], "seconds": t.get("seconds", 0.0),
+                          "message": t.get("message") or "", "details": t.get("details", {})}
+                         for t in res["tests"]], max_details=200)
+
+
 def render(res, results_path, extras=()):
     m, b = res["meta"], res["bench"]
     out = []
@@ -1065,7 +1127,9 @@ def render(res, results_path, extras=()):
         render_llama(w, res, results_path)
     for path in extras:
         extra = json.loads(Path(path).read_text())
-        if any(k.startswith("coalesced_") for k in extra):
+        if "decode_step" in extra or "serving" in extra:
+            render_engine(w, extra, path)
+        elif any(k.startswith("coalesced_") for k in extra):
             render_coalesced(w, extra, path)
         elif any(k.startswith("swiglu_stores_") for k in extra.get("summary", {})):
             render_swiglu_stores(w, extra, path)
