@@ -571,8 +571,8 @@ fn generate_on<B: FusedOps>(
                 "Llama::forward"
             },
             t1.elapsed().as_secs_f64(),
-            stoke::cuda::fp8_linear::kernel_calls(),
-            stoke::cuda::fp8_linear::int4_kernel_calls()
+            stoke::cuda::prefill_linear::kernel_calls(),
+            stoke::cuda::prefill_linear::int4_kernel_calls()
         );
         if args.fp8_delayed_down {
             println!(
@@ -589,7 +589,7 @@ fn generate_on<B: FusedOps>(
                     let w = l.mlp.gate_up_proj.weight.val().into_primitive().tensor();
                     let w: &dyn std::any::Any = &w;
                     let w = w.downcast_ref::<stoke::StokeTensor<burn_cuda::Cuda>>()?;
-                    stoke::cuda::fp8_linear::delayed_scale(w)
+                    stoke::cuda::prefill_linear::delayed_scale(w)
                 })
                 .collect::<Result<_, _>>()?;
             println!(

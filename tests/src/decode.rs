@@ -963,7 +963,7 @@ pub fn two_plans_in_one_process() -> Result<Value, String> {
         base.clone().prepared(plan(Bf16)),
         base.clone().prepared(plan(Fp8)),
     );
-    let calls = stoke::cuda::fp8_linear::kernel_calls;
+    let calls = stoke::cuda::prefill_linear::kernel_calls;
     let c0 = calls();
     let ia1 = logits(&ma)?;
     let bf16_calls = calls() - c0;

@@ -909,12 +909,12 @@ const DELAYED_INVOCATIONS: &[(usize, f32)] = &[
 ];
 
 /// The gate|up projection's SwiGLU written in E4M3 with a delayed scale
-/// (`stoke_cuda::fp8::fp8_swiglu_delayed`) and the down projection reading those rows
+/// (`stoke_cuda::prefill_gemm::fp8_swiglu_delayed`) and the down projection reading those rows
 /// (`fp8_linear_rows`), invocation after invocation (`DELAYED_INVOCATIONS`), against f64
 /// references on the same operands; the rows' bf16 dequantization exactly; and the record step
 /// alone against the reference state machine (`delayed_record_matches_reference`).
 pub fn fp8_delayed_swiglu_matches_reference() -> Result<Value, String> {
-    use stoke_cuda::fp8::{
+    use stoke_cuda::prefill_gemm::{
         DeviceDelayedScale, DeviceFp8Weight, Fp8LinearEpilogue, fp8_linear_rows, fp8_swiglu_delayed,
     };
     use stoke_formats::fp8::{DELAYED_HISTORY, DelayedScale};
@@ -1105,7 +1105,7 @@ pub fn fp8_delayed_swiglu_matches_reference() -> Result<Value, String> {
 pub fn fp8_folded_norm_matches_reference() -> Result<Value, String> {
     use burn::module::Param;
     use burn::tensor::{DType, Tensor, TensorData};
-    use stoke::cuda::fp8_linear as fl;
+    use stoke::cuda::prefill_linear as fl;
     let rt = crate::gpu()?;
     rt.set_poison_allocations(true);
     let seed = crate::seed();

@@ -437,14 +437,14 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
         dense.clone().prepared(plan(Bf16)),
     );
     let run = |m: &Llama<crate::StokeCuda>| {
-        let calls0 = stoke::cuda::fp8_linear::kernel_calls();
-        let folded0 = stoke::cuda::fp8_linear::folded_norm_calls();
+        let calls0 = stoke::cuda::prefill_linear::kernel_calls();
+        let folded0 = stoke::cuda::prefill_linear::folded_norm_calls();
         let logits = prefill(m, &ids, (batch, len), DType::BF16, &device);
-        let calls = stoke::cuda::fp8_linear::kernel_calls() - calls0;
+        let calls = stoke::cuda::prefill_linear::kernel_calls() - calls0;
         (
             logits,
             calls,
-            stoke::cuda::fp8_linear::folded_norm_calls() - folded0,
+            stoke::cuda::prefill_linear::folded_norm_calls() - folded0,
         )
     };
     let (fp8_first, _, _) = run(&packed_fp8);
@@ -454,20 +454,20 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
     let (fp8_dense, fp8_dense_calls, folded_dense_calls) = run(&dense_fp8);
     let (bf16_dense, _, _) = run(&dense_bf16);
     let run_packed = |m: &Llama<crate::StokeCuda>| {
-        let folded0 = stoke::cuda::fp8_linear::folded_norm_calls();
+        let folded0 = stoke::cuda::prefill_linear::folded_norm_calls();
         let logits = prefill_packed(m, &ids, (batch, len), &device);
         (
             logits,
-            stoke::cuda::fp8_linear::folded_norm_calls() - folded0,
+            stoke::cuda::prefill_linear::folded_norm_calls() - folded0,
         )
     };
     let (served_fp8, served_folded) = run_packed(&packed_fp8);
     let (served_bf16, _) = run_packed(&packed_bf16);
     // The packed weights read as they are by the FP8 GEMM (no E4M3 copy): the same windows,
     // and served (the q|k|v epilogue on the INT4 weight).
-    let int4_calls0 = stoke::cuda::fp8_linear::int4_kernel_calls();
+    let int4_calls0 = stoke::cuda::prefill_linear::int4_kernel_calls();
     let (int4, int4_all_calls, _) = run(&packed_int4);
-    let int4_calls = stoke::cuda::fp8_linear::int4_kernel_calls() - int4_calls0;
+    let int4_calls = stoke::cuda::prefill_linear::int4_kernel_calls() - int4_calls0;
     let (served_int4, _) = run_packed(&packed_int4);
     // The delayed scales of the FP8 models' gate|up weights.
     let delayed: Vec<stoke_formats::fp8::DelayedScale> = [&packed_fp8, &dense_fp8]
@@ -475,7 +475,7 @@ pub fn fp8_prefill_matches_bf16() -> Result<Value, String> {
         .flat_map(|m| m.layers.iter())
         .filter_map(|l| {
             let w = l.mlp.gate_up_proj.weight.val().into_primitive().tensor();
-            stoke::cuda::fp8_linear::delayed_scale(&w)
+            stoke::cuda::prefill_linear::delayed_scale(&w)
         })
         .collect::<Result<_, _>>()?;
     let saturated: u64 = delayed.iter().map(|d| d.saturated).sum();

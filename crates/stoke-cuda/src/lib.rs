@@ -17,10 +17,10 @@
 pub mod bf16;
 pub mod compile;
 mod cubin;
-pub mod fp8;
 pub mod int4;
 pub mod kernels;
 pub mod kv;
+pub mod prefill_gemm;
 mod ptr;
 mod runtime;
 pub mod sample;

@@ -271,7 +271,7 @@ impl<I: Backend> FusedOps for Stoke<I> {
     fn rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
         // A gain whose plan folds it into FP8 projections: deferred, so that the projection it
         // feeds reads x with the gain folded into its weight.
-        if let Some(n) = crate::cuda::fp8_linear::RmsNormed::defer(&x, &gamma, eps) {
+        if let Some(n) = crate::cuda::prefill_linear::RmsNormed::defer(&x, &gamma, eps) {
             return crate::tensor::StokeTensor::owned(n);
         }
         crate::cuda::rms_norm::rms_norm_now::<I>(x, gamma, eps)

@@ -1,7 +1,7 @@
 //! Weights in Stoke's packed INT4 format (`stoke_formats::int4`) behind a float tensor.
 //!
 //! `linear` hands these to the W4A16 kernels (`cuda::int4_linear`) for bf16 activations of up
-//! to 64 rows and to the prefill GEMMs (`cuda::fp8_linear`: a bf16 copy, or with FP8 prefill on
+//! to 64 rows and to the prefill GEMMs (`cuda::prefill_linear`: a bf16 copy, or with FP8 prefill on
 //! an E4M3 one, made once) for more; every other use, and every backend or GPU where those kernels don't run, sees the
 //! dequantized values (`d * q + m`, computed in f32 exactly as the format's reference does),
 //! materialized once and cached (prefill-sized inputs use a dense GEMM on them).
@@ -25,7 +25,7 @@ pub struct PackedWeight<I: Backend> {
     pub(crate) gpu: OnceLock<Option<Arc<stoke_cuda::int4::DeviceInt4>>>,
     /// The copies the prefill GEMMs read and the FP8 SwiGLU output's delayed scales, made
     /// at first use.
-    pub(crate) prefill: crate::cuda::fp8_linear::PrefillCopies,
+    pub(crate) prefill: crate::cuda::prefill_linear::PrefillCopies,
     /// The CPU kernel's layout of the same nibbles, made at the first CPU call.
     pub(crate) cpu: OnceLock<Arc<crate::cpu::int4::CpuInt4>>,
 }

@@ -1085,7 +1085,10 @@ mod tests {
         // A mirror alone sets the layout; the q columns follow the head dim.
         e.mirror = cache(128, 2);
         assert!(check_call(FP8, 100, n, 256, 1024, Fp8Epilogue::Qkv(e)).is_ok());
-        assert_eq!(crate::fp8::Fp8LinearEpilogue::Qkv(e).out_cols(n), 8 * 128);
+        assert_eq!(
+            crate::prefill_gemm::Fp8LinearEpilogue::Qkv(e).out_cols(n),
+            8 * 128
+        );
     }
 
     fn residual_ok() -> Fp8Epilogue {

@@ -248,7 +248,7 @@ pub struct ResidentTensor<I: Backend> {
     pub(crate) plan: crate::plan::WeightPlan,
     /// Its copies for the prefill GEMMs and the FP8 SwiGLU output's delayed scale, made at
     /// first use.
-    pub(crate) prefill: super::fp8_linear::PrefillCopies,
+    pub(crate) prefill: super::prefill_linear::PrefillCopies,
 }
 
 impl<I: Backend> std::fmt::Debug for ResidentTensor<I> {
@@ -366,14 +366,14 @@ impl KernelInput {
                 _pin: None,
             };
         }
-        if let Some(a) = t.downcast_ref::<super::fp8_linear::Fp8Activation<I>>() {
+        if let Some(a) = t.downcast_ref::<super::prefill_linear::Fp8Activation<I>>() {
             // Its bf16 values, dequantized on Stoke's stream and kept as long as `t`.
             return Self {
                 ptr: a.bf16().ptr(),
                 _pin: None,
             };
         }
-        if let Some(n) = t.downcast_ref::<super::fp8_linear::RmsNormed<I>>() {
+        if let Some(n) = t.downcast_ref::<super::prefill_linear::RmsNormed<I>>() {
             // Its normalized rows, computed on Stoke's stream and kept as long as `t`.
             return Self::resolve(rt, n.normed(), device);
         }
@@ -406,7 +406,7 @@ pub(crate) async fn float_into_data<I: Backend>(
     t: StokeTensor<I>,
 ) -> Result<TensorData, ExecutionError> {
     let d = t.downcast_ref::<DeviceTensor<I>>().or_else(|| {
-        t.downcast_ref::<super::fp8_linear::Fp8Activation<I>>()
+        t.downcast_ref::<super::prefill_linear::Fp8Activation<I>>()
             .map(|a| a.bf16())
     });
     if let Some(d) = d

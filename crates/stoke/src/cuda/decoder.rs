@@ -714,7 +714,7 @@ pub(crate) fn try_prefill_qkv_attention<I: Backend>(
     };
     // SAFETY: the layout's tables hold `rows` entries, checked against the decoder's slots and
     // capacity (the RoPE table covers the capacity); the cache is the decoder's.
-    let q = match unsafe { super::fp8_linear::try_prefill_qkv(x, weight, target) }? {
+    let q = match unsafe { super::prefill_linear::try_prefill_qkv(x, weight, target) }? {
         Ok(q) => q,
         Err(e) => return Some(Err(e.into())),
     };

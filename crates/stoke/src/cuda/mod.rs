@@ -20,8 +20,8 @@
 mod bridge;
 pub mod decoder;
 pub(crate) mod dense_linear;
-pub mod fp8_linear;
 pub mod int4_linear;
+pub mod prefill_linear;
 pub(crate) mod rms_norm;
 
 pub use bridge::{
@@ -66,7 +66,7 @@ pub(crate) fn try_linear<I: burn_backend::Backend>(
     residual: Option<&crate::tensor::StokeTensor<I>>,
 ) -> Option<crate::tensor::StokeTensor<I>> {
     int4_linear::try_linear_with(x, weight, epilogue, residual)
-        .or_else(|| fp8_linear::try_prefill_linear_with(x, weight, epilogue, residual))
+        .or_else(|| prefill_linear::try_prefill_linear_with(x, weight, epilogue, residual))
         .or_else(|| dense_linear::try_dense_linear_with(x, weight, epilogue, residual))
 }
 

@@ -1,3 +1,5 @@
+//! The prefill GEMMs, bf16 and FP8, on one persistent wgmma mainloop (`kernels/fp8_gemm.cu`).
+//!
 //! The FP8 prefill linear: a weight's E4M3 codes and per-channel scales in device memory
 //! ([`DeviceFp8Weight`]), bf16 rows quantized to E4M3 with one scale per row
 //! ([`DeviceFp8Rows::quantize`], or an RMSNorm's input with its row factor:

@@ -1,4 +1,4 @@
-//! `linear` for prefill-sized inputs through Stoke's persistent wgmma GEMM (`stoke_cuda::fp8`),
+//! `linear` for prefill-sized inputs through Stoke's persistent wgmma GEMM (`stoke_cuda::prefill_gemm`),
 //! on a packed INT4 weight or a pinned dense bf16 one, with the residual or SwiGLU epilogue on
 //! chip. How a weight runs is its plan's prefill mode (`crate::plan::PrefillMode`, given when
 //! its model prepared it). The weight's values (a packed weight's dequantized ones) are copied
@@ -25,12 +25,12 @@ use burn_backend::{Backend, DType, Shape, TensorMetadata};
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use stoke_cuda::fp8::{
+use stoke_cuda::int4::DeviceInt4;
+use stoke_cuda::kernels::int4_gemm::Epilogue;
+use stoke_cuda::prefill_gemm::{
     DeviceBf16Weight, DeviceDelayedScale, DeviceFp8Rows, DeviceFp8Weight, Fp8LinearEpilogue,
     bf16_linear, fp8_linear_rows, fp8_swiglu_delayed_rows, int4_fp8_linear_rows, int4_fp8_takes,
 };
-use stoke_cuda::int4::DeviceInt4;
-use stoke_cuda::kernels::int4_gemm::Epilogue;
 use stoke_cuda::{DevicePtr, DevicePtrMut, Runtime};
 use stoke_formats::fp8::Fp8Weight;
 
