@@ -60,35 +60,11 @@ struct Built {
 /// per kernel, writing `<stem>-<arch>.cubin` and `.log` into `out`. A kernel that does not
 /// compile is left out with a warning (its first use then reports NVRTC's full log).
 fn compile_all(dir: &Path, out: &Path) -> Vec<Built> {
-    let read =
-        |p: &Path| std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .collect();
-    files.sort();
-    let headers: Vec<(String, String)> = files
-        .iter()
-        .filter(|p| p.extension().is_some_and(|x| x == "cuh"))
-        .map(|p| {
-            (
-                p.file_name().unwrap().to_string_lossy().into_owned(),
-                read(p),
-            )
-        })
-        .collect();
-    let jobs: Vec<(String, String, &'static str)> = files
-        .iter()
-        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
-        .flat_map(|p| {
-            let name = p.file_name().unwrap().to_string_lossy().into_owned();
-            let source = cubin::expand_includes_from(&read(p), |h| {
-                headers
-                    .iter()
-                    .find(|(n, _)| n == h)
-                    .map(|(_, t)| t.as_str())
-            })
-            .into_owned();
+    let sources = cubin::kernel_dir_sources(dir)
+        .unwrap_or_else(|e| panic!("reading the kernels in {}: {e}", dir.display()));
+    let jobs: Vec<(String, String, &'static str)> = sources
+        .into_iter()
+        .flat_map(|(name, source)| {
             cubin::EMBEDDED_ARCHS
                 .iter()
                 .map(move |arch| (name.clone(), source.clone(), *arch))

@@ -70,6 +70,41 @@ pub fn expand_includes_from<'a, 'h>(
     out.into()
 }
 
+/// Every `*.cu` file directly in `dir`, by name, with its `#include "NAME"` lines filled from the
+/// `*.cuh` files in `dir`: `(file name, expanded source)`.
+pub fn kernel_dir_sources(dir: &std::path::Path) -> std::io::Result<Vec<(String, String)>> {
+    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(dir)?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<std::io::Result<_>>()?;
+    files.sort();
+    let with_ext = |x: &'static str| {
+        files
+            .iter()
+            .filter(move |p| p.extension().is_some_and(|e| e == x))
+    };
+    let name = |p: &std::path::Path| {
+        p.file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned()
+    };
+    let headers: Vec<(String, String)> = with_ext("cuh")
+        .map(|p| Ok((name(p), std::fs::read_to_string(p)?)))
+        .collect::<std::io::Result<_>>()?;
+    with_ext("cu")
+        .map(|p| {
+            let text = std::fs::read_to_string(p)?;
+            let source = expand_includes_from(&text, |h| {
+                headers
+                    .iter()
+                    .find(|(n, _)| n == h)
+                    .map(|(_, t)| t.as_str())
+            });
+            Ok((name(p), source.into_owned()))
+        })
+        .collect()
+}
+
 /// Runs NVRTC on `source` (named `file` in its messages) with `options`; returns the cubin and
 /// ptxas' log, or on failure the program log.
 pub fn nvrtc_compile(

@@ -124,45 +124,20 @@ fn main() -> ExitCode {
 /// Compiles every `*.cu` file directly in `dir` (headers from the same directory) to
 /// `out/<stem>.cubin`.
 fn compile_dir(dir: &std::path::Path, out: &std::path::Path, arch: &str) -> ExitCode {
-    let read = |p: &std::path::Path| std::fs::read_to_string(p);
-    let mut files: Vec<_> = match std::fs::read_dir(dir) {
-        Ok(entries) => entries.filter_map(|e| e.ok().map(|e| e.path())).collect(),
+    let sources = match stoke_cuda::kernels::kernel_dir_sources(dir) {
+        Ok(s) => s,
         Err(e) => {
             eprintln!("{}: {e}", dir.display());
             return ExitCode::FAILURE;
         }
     };
-    files.sort();
-    let headers: Vec<(String, String)> = files
-        .iter()
-        .filter(|p| p.extension().is_some_and(|x| x == "cuh"))
-        .filter_map(|p| Some((p.file_name()?.to_str()?.to_string(), read(p).ok()?)))
-        .collect();
     if let Err(e) = std::fs::create_dir_all(out) {
         eprintln!("{}: {e}", out.display());
         return ExitCode::FAILURE;
     }
     let mut failed = false;
-    for path in files
-        .iter()
-        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
-    {
-        let name = path.file_name().unwrap().to_string_lossy().to_string();
-        let source = match read(path) {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("{}: {e}", path.display());
-                failed = true;
-                continue;
-            }
-        };
-        let source = stoke_cuda::kernels::expand_includes_from(&source, |h| {
-            headers
-                .iter()
-                .find(|(n, _)| n == h)
-                .map(|(_, t)| t.as_str())
-        });
-        match stoke_cuda::compile::compile_uncached(&name, &source, arch, &[]) {
+    for (name, source) in &sources {
+        match stoke_cuda::compile::compile_uncached(name, source, arch, &[]) {
             Ok((cubin, reports)) => {
                 let target = out.join(name.replace(".cu", ".cubin"));
                 if let Err(e) = std::fs::write(&target, &cubin) {

@@ -44,6 +44,10 @@ pub fn expand_includes(source: &str) -> std::borrow::Cow<'_, str> {
 /// the kernel files of another commit, with that commit's headers).
 pub use crate::cubin::expand_includes_from;
 
+/// The kernel files of a directory, their includes written in place (the SASS comparison
+/// compiles another commit's `kernels/`; the build compiles this one's).
+pub use crate::cubin::kernel_dir_sources;
+
 /// A kernel source file compiled as one module.
 #[derive(Clone, Copy, Debug)]
 pub struct KernelSource {
