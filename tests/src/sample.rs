@@ -470,23 +470,7 @@ pub fn lane_sampling_matches_reference() -> Result<Value, String> {
                 },
             })
             .collect();
-        let cfg_bytes: Vec<u8> = cfg
-            .iter()
-            .flat_map(|r| {
-                let mut b = r.seed.to_le_bytes().to_vec();
-                for w in [
-                    r.temperature.to_bits(),
-                    r.top_k,
-                    r.top_p.to_bits(),
-                    r.repetition_penalty.to_bits(),
-                    r.stream,
-                    r.flags,
-                ] {
-                    b.extend(w.to_le_bytes());
-                }
-                b
-            })
-            .collect();
+        let cfg_bytes: Vec<u8> = cfg.iter().flat_map(|r| r.to_le_bytes()).collect();
         let cfg_dev = crate::int4::put_u8(&rt, &cfg_bytes);
         let lane_dev = put_u32(&rt, &lane_of);
         let mut pos: Vec<u32> = (0..lanes).map(|_| rng.random_range(0..100_000)).collect();

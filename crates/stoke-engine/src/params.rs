@@ -157,11 +157,13 @@ impl Params {
     /// drew).
     pub fn lane_sampling(&self, seed: u64) -> stoke::LaneSampling {
         stoke::LaneSampling {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            repetition_penalty: self.repetition_penalty,
-            seed,
+            params: stoke::Sampling {
+                temperature: self.temperature,
+                top_k: self.top_k,
+                top_p: self.top_p,
+                repetition_penalty: self.repetition_penalty,
+                seed,
+            },
             stream: self.choice,
             logprobs: self.logprobs,
         }

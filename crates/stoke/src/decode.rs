@@ -65,16 +65,9 @@ pub const MAX_TOP_LOGPROBS: usize = stoke_cuda::sample::MAX_TOP_LOGPROBS as usiz
 /// One lane's sampling settings: a request's.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LaneSampling {
-    /// `<= 0`: greedy.
-    pub temperature: f32,
-    /// 0: off.
-    pub top_k: u32,
-    /// `>= 1`: off.
-    pub top_p: f32,
-    /// 1: off.
-    pub repetition_penalty: f32,
-    /// The draws' key: a request's seed.
-    pub seed: u64,
+    /// The algorithm's settings (temperature, top-k, top-p, repetition penalty; the draws' key,
+    /// a request's seed).
+    pub params: Sampling,
     /// The draws' stream (Philox counter word 1): two requests with one seed draw differently
     /// when their streams differ (the choices of one request).
     pub stream: u32,
@@ -86,25 +79,10 @@ pub struct LaneSampling {
 impl LaneSampling {
     /// Argmax, no penalty, no log-probabilities.
     pub const GREEDY: Self = Self {
-        temperature: 0.0,
-        top_k: 0,
-        top_p: 1.0,
-        repetition_penalty: 1.0,
-        seed: 0,
+        params: Sampling::GREEDY,
         stream: 0,
         logprobs: None,
     };
-
-    /// The settings of the sampling algorithm.
-    pub fn params(&self) -> Sampling {
-        Sampling {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            repetition_penalty: self.repetition_penalty,
-            seed: self.seed,
-        }
-    }
 }
 
 impl Default for LaneSampling {
@@ -540,7 +518,7 @@ impl Lanes {
 
 /// Checks a lane's sampling settings (what the kernels take).
 fn check_sampling(lane: usize, s: &LaneSampling) -> Result<(), DecodeError> {
-    stoke_cuda::sample::check_params(&s.params()).map_err(|e| lane_err(lane, e))?;
+    stoke_cuda::sample::check_params(&s.params).map_err(|e| lane_err(lane, e))?;
     if s.logprobs.is_some_and(|n| n as usize > MAX_TOP_LOGPROBS) {
         return Err(lane_err(
             lane,
@@ -1099,7 +1077,7 @@ impl<B: Backend> RefDecoder<B> {
             let id = stoke_formats::sample::sample_row(
                 row,
                 Some(&st.presence),
-                &s.params(),
+                &s.params,
                 counter,
                 s.stream,
             );
@@ -1544,7 +1522,10 @@ mod tests {
             pages: &[5],
             tokens: &[],
             sampling: LaneSampling {
-                top_p: 0.0,
+                params: Sampling {
+                    top_p: 0.0,
+                    ..Sampling::GREEDY
+                },
                 ..LaneSampling::GREEDY
             },
         });

@@ -676,8 +676,7 @@ impl<B: FusedOps> Llama<B> {
         prompts: &[Vec<u32>],
         dec: &mut B::Decoder,
     ) -> Result<(), stoke::DecodeError> {
-        let greedy = vec![stoke::LaneSampling::GREEDY; prompts.len()];
-        self.prefill_with(prompts, dec, PREFILL_CHUNK, &greedy)
+        self.prefill_chunked(prompts, dec, PREFILL_CHUNK)
     }
 
     /// [`Llama::prefill`] in chunks of at most `chunk` tokens.

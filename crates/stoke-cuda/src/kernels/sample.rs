@@ -30,6 +30,26 @@ pub struct RowSample {
     pub flags: u32,
 }
 
+impl RowSample {
+    /// The struct as the kernels read it from device memory (little-endian, 32 bytes).
+    pub fn to_le_bytes(&self) -> [u8; 32] {
+        let mut b = [0u8; 32];
+        b[..8].copy_from_slice(&self.seed.to_le_bytes());
+        let words = [
+            self.temperature.to_bits(),
+            self.top_k,
+            self.top_p.to_bits(),
+            self.repetition_penalty.to_bits(),
+            self.stream,
+            self.flags,
+        ];
+        for (i, w) in words.iter().enumerate() {
+            b[8 + 4 * i..12 + 4 * i].copy_from_slice(&w.to_le_bytes());
+        }
+        b
+    }
+}
+
 /// [`RowSample::flags`]: the lane's draw counter advances (a lane with no request keeps it).
 pub const ROW_ACTIVE: u32 = 1;
 /// [`RowSample::flags`]: the log-probability kernel writes this lane's row.
@@ -148,6 +168,22 @@ pub const MAX_VOCAB: u32 = (1 << 24) - 1;
 mod tests {
     use super::*;
     use std::mem::{align_of, offset_of, size_of};
+
+    #[test]
+    fn row_sample_bytes_are_its_memory() {
+        let r = RowSample {
+            seed: 0x0102_0304_0506_0708,
+            temperature: 0.7,
+            top_k: 40,
+            top_p: 0.9,
+            repetition_penalty: 1.1,
+            stream: 3,
+            flags: ROW_ACTIVE | 5 << 8,
+        };
+        // SAFETY: RowSample is #[repr(C)], 32 bytes with no padding (the layout test).
+        let mem: [u8; 32] = unsafe { std::mem::transmute(r) };
+        assert_eq!(r.to_le_bytes(), mem);
+    }
 
     #[test]
     fn params_layout_matches_c() {

@@ -213,27 +213,16 @@ fn row_sample(s: &LaneSampling, active: bool) -> RowSample {
     if let Some(top) = s.logprobs {
         flags |= ROW_LOGPROB | top.min(MAX_TOP_LOGPROBS) << 8;
     }
+    let p = &s.params;
     RowSample {
-        seed: s.seed,
-        temperature: s.temperature,
-        top_k: s.top_k,
-        top_p: s.top_p,
-        repetition_penalty: s.repetition_penalty,
+        seed: p.seed,
+        temperature: p.temperature,
+        top_k: p.top_k,
+        top_p: p.top_p,
+        repetition_penalty: p.repetition_penalty,
         stream: s.stream,
         flags,
     }
-}
-
-fn row_sample_bytes(r: &RowSample) -> Vec<u8> {
-    let mut b = Vec::with_capacity(32);
-    b.extend(r.seed.to_le_bytes());
-    b.extend(r.temperature.to_le_bytes());
-    b.extend(r.top_k.to_le_bytes());
-    b.extend(r.top_p.to_le_bytes());
-    b.extend(r.repetition_penalty.to_le_bytes());
-    b.extend(r.stream.to_le_bytes());
-    b.extend(r.flags.to_le_bytes());
-    b
 }
 
 impl GpuDecoder {
@@ -374,7 +363,7 @@ impl GpuDecoder {
         self.put(
             &self.cfg,
             lane * 32,
-            &row_sample_bytes(&row_sample(&l.sampling, l.active)),
+            &row_sample(&l.sampling, l.active).to_le_bytes(),
         )
     }
 
