@@ -395,15 +395,9 @@ fn generate_on<B: FusedOps>(
     // RoPE positions: the context, and for `--perplexity` one more, so that a window runs
     // through the decoder's prefill (which keeps a position for the token after it).
     let positions = args.context + usize::from(args.perplexity.is_some());
-    let mut loaded = if stoke_llama::packed_file::is_packed_file(path) {
-        // A Stoke packed model (`finetune_serve` writes one): INT4 projections stay packed
-        // where the backend keeps packed weights, whatever `--dense` says.
-        stoke_llama::packed_file::load::<B>(path, &device, dtype, positions)?
-    } else if packed && !path.is_dir() {
-        stoke_llama::load::load_gguf_packed::<B>(path, &device, dtype, positions)?
-    } else {
-        stoke_llama::load::load::<B>(path, &device, dtype, positions)?
-    };
+    // A Stoke packed model (`finetune_serve` writes one) keeps its INT4 projections packed
+    // where the backend keeps packed weights, whatever `--dense` says.
+    let mut loaded = stoke_llama::load::open::<B>(path, packed, &device, dtype, positions)?;
     if args.fold_gains {
         loaded.model = stoke_llama::quant::fold_norm_gains(loaded.model);
     }

@@ -613,7 +613,7 @@ pub(crate) fn prefill_env_keeps(var: &str, name: &str) -> bool {
 fn prefill_8b_bench() -> Value {
     let report = |r: Result<Value, String>| r.unwrap_or_else(|e| json!({ "error": e }));
     let device = Default::default();
-    let cfg = llama_config(32, 4096, 14336, 32, 128256);
+    let cfg = stoke_llama::synthetic::llama_3_1_8b();
     let model =
         stoke_llama::synthetic::random_int4_model::<StokeCuda>(&cfg, 128, false, 8200, 3, &device)
             .pinned();
@@ -836,27 +836,7 @@ pub(crate) fn llama_config(
     heads: usize,
     vocab: usize,
 ) -> stoke_llama::config::LlamaConfig {
-    stoke_llama::config::LlamaConfig {
-        vocab_size: vocab,
-        hidden_size: hidden,
-        intermediate_size: inter,
-        num_hidden_layers: layers,
-        num_attention_heads: heads,
-        num_key_value_heads: 8,
-        head_dim: 128,
-        rope_theta: 500000.0,
-        rope_scaling: Some(stoke_llama::config::Llama3RopeScaling {
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position_embeddings: 8192,
-        }),
-        rms_norm_eps: 1e-5,
-        max_position_embeddings: 131072,
-        tie_word_embeddings: false,
-        bos_token_id: None,
-        eos_token_ids: vec![],
-    }
+    stoke_llama::synthetic::llama3_shape(layers, hidden, inter, heads, vocab)
 }
 
 /// The decode-step benchmark: SmolLM2 (packed Q4_1 and bf16) at batch 1, 8, 32, context 1024;
@@ -885,7 +865,7 @@ pub fn bench(copy_gbps: f64) -> Value {
         if !on(if int4_head { "8b_int4_head" } else { "8b" }) {
             continue;
         }
-        let cfg = llama_config(32, 4096, 14336, 32, 128256);
+        let cfg = stoke_llama::synthetic::llama_3_1_8b();
         let model = stoke_llama::synthetic::random_int4_model::<StokeCuda>(
             &cfg, 128, int4_head, 4300, 1, &device,
         )

@@ -5,55 +5,12 @@
 //! are written as JSON for the transformers peer (`scripts/peers/engine_torch.py`), which
 //! replays them on transformers' continuous batching.
 
-use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use stoke::FusedOps;
 use stoke_engine::{Engine, EngineModel, Event, Params};
-
-/// One request of a schedule.
-#[derive(Clone, Debug)]
-pub struct Arrival {
-    /// Seconds from the schedule's start.
-    pub at: f64,
-    pub prompt: Vec<u32>,
-    pub max_tokens: usize,
-}
-
-/// A seeded workload: `n` requests, exponential gaps at `rate` per second (`f64::INFINITY`:
-/// all at once), prompt lengths log-uniform in `prompt` and outputs in `output`, token ids
-/// below `vocab`.
-pub fn schedule(
-    n: usize,
-    rate: f64,
-    prompt: (usize, usize),
-    output: (usize, usize),
-    vocab: usize,
-    seed: u64,
-) -> Vec<Arrival> {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let log_uniform = |rng: &mut rand::rngs::StdRng, (lo, hi): (usize, usize)| {
-        let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
-        (rng.random_range(a..=b).exp().round() as usize).clamp(lo, hi)
-    };
-    let mut t = 0.0;
-    (0..n)
-        .map(|_| {
-            if rate.is_finite() {
-                t += -(1.0 - rng.random::<f64>()).ln() / rate;
-            }
-            let len = log_uniform(&mut rng, prompt);
-            Arrival {
-                at: t,
-                prompt: (0..len)
-                    .map(|_| rng.random_range(1..vocab as u32))
-                    .collect(),
-                max_tokens: log_uniform(&mut rng, output),
-            }
-        })
-        .collect()
-}
+pub use stoke_serve::loadgen::{Arrival, percentiles, schedule};
 
 /// The schedule as the peer reads it.
 pub fn schedule_json(name: &str, rate: f64, seed: u64, s: &[Arrival]) -> Value {
@@ -61,16 +18,6 @@ pub fn schedule_json(name: &str, rate: f64, seed: u64, s: &[Arrival]) -> Value {
         "seed": seed,
         "requests": s.iter().map(|a| json!({"arrival_s": a.at, "prompt": a.prompt,
             "max_tokens": a.max_tokens})).collect::<Vec<_>>()})
-}
-
-/// Percentiles p50, p90, p99 of `v` (nearest rank), in the values' unit.
-pub fn percentiles(mut v: Vec<f64>) -> Value {
-    if v.is_empty() {
-        return json!(null);
-    }
-    v.sort_by(f64::total_cmp);
-    let at = |p: f64| v[((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
-    json!({"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "mean": v.iter().sum::<f64>() / v.len() as f64})
 }
 
 /// Replays `s` open-loop on `engine` (each request added once its arrival time has passed, the
@@ -269,7 +216,7 @@ pub fn bench(dir: &std::path::Path) -> Value {
         })());
     }
     if on("8b") {
-        let cfg = crate::decode::llama_config(32, 4096, 14336, 32, 128256);
+        let cfg = stoke_llama::synthetic::llama_3_1_8b();
         let model = stoke_llama::synthetic::random_int4_model::<crate::StokeCuda>(
             &cfg, 128, false, 2600, 1, &device,
         )
@@ -277,38 +224,4 @@ pub fn bench(dir: &std::path::Path) -> Value {
         res["llama_8b_int4"] = report(model_bench("8b", &model, 128, dir));
     }
     res
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn schedules_are_seeded_and_in_range() {
-        let a = schedule(500, 10.0, (32, 2048), (16, 512), 1000, 7);
-        let b = schedule(500, 10.0, (32, 2048), (16, 512), 1000, 7);
-        assert_eq!(a.len(), 500);
-        assert!(
-            a.iter()
-                .zip(&b)
-                .all(|(x, y)| x.at == y.at && x.prompt == y.prompt)
-        );
-        assert!(a.windows(2).all(|w| w[0].at <= w[1].at));
-        assert!(a.iter().all(|r| (32..=2048).contains(&r.prompt.len())
-            && (16..=512).contains(&r.max_tokens)
-            && r.prompt.iter().all(|&t| (1..1000).contains(&t))));
-        // About `rate` arrivals per second.
-        let rate = a.len() as f64 / a.last().unwrap().at;
-        assert!((7.0..14.0).contains(&rate), "{rate}");
-        assert!(
-            schedule(4, f64::INFINITY, (1, 2), (1, 2), 9, 1)
-                .iter()
-                .all(|r| r.at == 0.0)
-        );
-        let p = percentiles((1..=100).map(f64::from).collect());
-        assert_eq!(
-            (p["p50"].as_f64(), p["p99"].as_f64()),
-            (Some(50.0), Some(99.0))
-        );
-    }
 }

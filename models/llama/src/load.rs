@@ -84,6 +84,10 @@ pub struct Loaded<B: Backend> {
     pub config: LlamaConfig,
     pub model: Llama<B>,
     pub tokenizer: tokenizers::Tokenizer,
+    /// The chat template the file carries (Jinja, as Hugging Face writes it): GGUF
+    /// `tokenizer.chat_template`, or a model directory's `tokenizer_config.json` /
+    /// `chat_template.jinja`.
+    pub chat_template: Option<String>,
 }
 
 /// The weights the model needs, independent of any file's naming.
@@ -422,11 +426,71 @@ fn load_gguf_with<B: Backend>(
     };
     let keep = |p: PackedInt4| keep_packed(p, dtype, device);
     let model = build::<B>(&cfg, device, dtype, max_positions, get, packed, keep)?;
+    let chat_template = g
+        .metadata
+        .get("tokenizer.chat_template")
+        .and_then(stoke_formats::gguf::Value::as_str)
+        .map(str::to_string);
     Ok(Loaded {
         config: cfg,
         model,
         tokenizer,
+        chat_template,
     })
+}
+
+/// The chat template of a Hugging Face model directory: `chat_template.jinja`, else
+/// `tokenizer_config.json`'s `chat_template` (a string, or a list of named templates: the one
+/// named `default`, else the first).
+fn hf_chat_template(dir: &Path) -> Result<Option<String>, LoadError> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.exists() {
+        return std::fs::read_to_string(&jinja)
+            .map(Some)
+            .map_err(|source| LoadError::Io {
+                file: jinja.display().to_string(),
+                source,
+            });
+    }
+    let path = dir.join("tokenizer_config.json");
+    if !path.exists() {
+        return Ok(None);
+    }
+    let json = read_json(&path)?;
+    Ok(match &json["chat_template"] {
+        serde_json::Value::String(t) => Some(t.clone()),
+        serde_json::Value::Array(named) => named
+            .iter()
+            .find(|t| t["name"] == "default")
+            .or(named.first())
+            .and_then(|t| t["template"].as_str())
+            .map(str::to_string),
+        _ => None,
+    })
+}
+
+/// Loads `path` as the bundled programs do: a Stoke packed model file keeps its INT4
+/// projections packed where the backend keeps packed weights; with `packed`, a GGUF file's
+/// Q4_0/Q4_1 projections do too ([`load_gguf_packed`]); anything else goes through [`load`].
+pub fn open<B: FusedOps>(
+    path: &Path,
+    packed: bool,
+    device: &B::Device,
+    dtype: DType,
+    max_positions: usize,
+) -> Result<Loaded<B>, LoadError> {
+    if crate::packed_file::is_packed_file(path) {
+        Ok(crate::packed_file::load::<B>(
+            path,
+            device,
+            dtype,
+            max_positions,
+        )?)
+    } else if packed && !path.is_dir() {
+        load_gguf_packed::<B>(path, device, dtype, max_positions)
+    } else {
+        load::<B>(path, device, dtype, max_positions)
+    }
 }
 
 /// Loads `path`: a Hugging Face model directory, a Stoke packed model (`.safetensors`, see
@@ -880,6 +944,7 @@ pub fn load_hf_dir<B: Backend>(
         config: cfg,
         model,
         tokenizer,
+        chat_template: hf_chat_template(dir)?,
     })
 }
 

@@ -777,6 +777,7 @@ fn loaded<B: Backend>(
         model: model(&packed),
         config: packed.config,
         tokenizer,
+        chat_template: None,
     })
 }
 

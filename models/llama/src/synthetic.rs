@@ -466,6 +466,43 @@ pub fn q4_1_bytes(w: &[f64], cols: usize) -> Vec<u8> {
     out
 }
 
+/// A Llama-3.1-shaped configuration (8 KV heads of 128, RoPE theta 500,000 with Llama-3
+/// scaling, untied head) of the given sizes; [`llama_3_1_8b`] is the 8B one.
+pub fn llama3_shape(
+    layers: usize,
+    hidden: usize,
+    inter: usize,
+    heads: usize,
+    vocab: usize,
+) -> crate::config::LlamaConfig {
+    crate::config::LlamaConfig {
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: inter,
+        num_hidden_layers: layers,
+        num_attention_heads: heads,
+        num_key_value_heads: 8,
+        head_dim: 128,
+        rope_theta: 500000.0,
+        rope_scaling: Some(crate::config::Llama3RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        }),
+        rms_norm_eps: 1e-5,
+        max_position_embeddings: 131072,
+        tie_word_embeddings: false,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+    }
+}
+
+/// Llama-3.1-8B's shape: 32 layers, hidden 4096, MLP 14336, 32 heads, 128,256 tokens.
+pub fn llama_3_1_8b() -> crate::config::LlamaConfig {
+    llama3_shape(32, 4096, 14336, 32, 128256)
+}
+
 /// A Llama of `cfg`'s shapes with random packed INT4 projections (group `group`, bf16 scales,
 /// random nibbles and small scales written straight into the packed layout, so an 8B or 70B
 /// shape builds in seconds), a bf16 random embedding, an untied head (bf16, or packed INT4 with
