@@ -36,6 +36,14 @@
 #          the SmolLM2 schedules (scripts/peers/engine_torch.py; STOKE_NO_PEERS=1 skips it)
 #   decode: the decode-step tests, then the step benchmark (SmolLM2, 8B/70B-shaped models), then
 #          the PyTorch decode-step and transformers peers (STOKE_NO_PEERS=1 skips them)
+#   serve: stoke-serve (started under setsid) under stoke-load, the saturating rate and fractions of
+#          it (SmolLM2, then the 8B-shaped random-INT4 model; STOKE_SERVE_MODELS=smollm2 picks
+#          a part; STOKE_LOAD_REQUESTS per rate, default 256), each server then stopped with
+#          SIGTERM (its exit status recorded); then transformers' continuous batching on the same
+#          SmolLM2 schedules (STOKE_NO_PEERS=1 skips it): OUTDIR/load-MODEL.json, serve-MODEL.log
+#   soak [SECONDS]: stoke-serve with SmolLM2 at STOKE_SOAK_FRACTION (default 0.7) of the
+#          saturating rate for SECONDS (default 480): OUTDIR/soak.json (errors, p99 and memory
+#          over time)
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
 #   STOKE_BENCH_ONLY=1 skips the int4 / attention test (run it first with `test NAME`).
 #   llama: the SmolLM2 prefill/decode baseline alone (needs the model in STOKE_MODEL_CACHE)
@@ -75,7 +83,7 @@ TOML
 pack_cache() { tar -czf "$out/gpucache.tar.gz" -C "$cache" . ; }
 trap pack_cache EXIT
 bundle=${STOKE_BUNDLE:-.bundle}
-for b in stoke-gpu llama; do
+for b in stoke-gpu llama stoke-serve stoke-load; do
   if [ -f "$bundle/$b.xz" ]; then xz -dkf "$bundle/$b.xz" && chmod +x "$bundle/$b"; fi
 done
 (cd "$bundle" && sha256sum -c SHA256SUMS) || exit 1
@@ -147,6 +155,63 @@ if [ "$what" = main-job ]; then
     (cd "$cold" && STOKE_KERNEL_CACHE="$cold/kernels" RUST_LOG=stoke=info \
       "$here/$bundle/llama" --prompt "Once upon a time" --max-tokens 32 "$@") 2>&1 | tee "$out/main-job-$run.log" || status=1
   done
+  exit $status
+fi
+# Starts stoke-serve (FLAGS...) under setsid on port 8000, logging to OUTDIR/serve-NAME.log;
+# sets server_pid once /health answers (600 s at most).
+start_server() {
+  local name=$1; shift
+  setsid "$bundle/stoke-serve" --port 8000 "$@" > "$out/serve-$name.log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 600); do
+    curl -sf http://127.0.0.1:8000/health > /dev/null && return 0
+    kill -0 "$server_pid" 2>/dev/null || { echo "stoke-serve $name exited"; tail -20 "$out/serve-$name.log"; return 1; }
+    sleep 1
+  done
+  echo "stoke-serve $name did not answer within 600 s"; return 1
+}
+# SIGTERM, then the exit status (and the time it took) into OUTDIR/serve-NAME.exit.
+stop_server() {
+  local name=$1 t0
+  t0=$(date +%s.%N)
+  kill -TERM "$server_pid"
+  wait "$server_pid"
+  local rc=$?
+  echo "exit $rc after $(awk "BEGIN{print $(date +%s.%N) - $t0}") s" | tee "$out/serve-$name.exit"
+}
+if [ "$what" = serve ]; then
+  parts=${STOKE_SERVE_MODELS:-smollm2,8b}
+  n=${STOKE_LOAD_REQUESTS:-256}
+  for m in ${parts//,/ }; do
+    case $m in
+      smollm2) flags=(); vocab=49152; reqs=$n ;;
+      8b) flags=(--synthetic llama-3.1-8b); vocab=49152; reqs=$(( n / 2 )) ;;
+      *) echo "unknown model $m"; status=1; continue ;;
+    esac
+    start_server "$m" --context 4096 "${flags[@]}" || { status=1; continue; }
+    "$bundle/stoke-load" --url http://127.0.0.1:8000 --rates inf,0.25x,0.5x,0.75x         --requests "$reqs" --vocab "$vocab" --server-pid "$server_pid" --name "$m"         --schedules "$out/schedules" --json "$out/load-$m.json" > /dev/null 2> "$out/load-$m.log" || status=1
+    cat "$out/load-$m.log"
+    curl -s http://127.0.0.1:8000/metrics > "$out/metrics-$m.txt"
+    stop_server "$m"
+  done
+  if [ -z "${STOKE_NO_PEERS:-}" ] && [[ ",$parts," == *",smollm2,"* ]]; then
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    fi
+    sched=()
+    for f in "$out"/schedules/smollm2-*.json; do [ -f "$f" ] && sched+=(--schedule "$f"); done
+    # shellcheck disable=SC2086
+    python3 scripts/peers/engine_torch.py "${sched[@]}" ${STOKE_PEER_ARGS:-} --out "$out/torch-engine.json" 2>&1 | tee "$out/torch-engine.log" || status=1
+  fi
+  exit $status
+fi
+if [ "$what" = soak ]; then
+  secs=${1:-480}
+  start_server soak --context 4096 || exit 1
+  "$bundle/stoke-load" --url http://127.0.0.1:8000 --rates inf,"${STOKE_SOAK_FRACTION:-0.7}x"       --requests 256 --duration "$secs" --window 60 --server-pid "$server_pid" --name soak       --json "$out/soak.json" > /dev/null 2> "$out/soak.log" || status=1
+  cat "$out/soak.log"
+  curl -s http://127.0.0.1:8000/metrics > "$out/metrics-soak.txt"
+  stop_server soak
   exit $status
 fi
 if [ "$what" = llama ]; then

@@ -10,15 +10,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use stoke::FusedOps;
 use stoke_engine::{Engine, EngineModel, Event, Params};
-pub use stoke_serve::loadgen::{Arrival, percentiles, schedule};
-
-/// The schedule as the peer reads it.
-pub fn schedule_json(name: &str, rate: f64, seed: u64, s: &[Arrival]) -> Value {
-    json!({"name": name, "rate": if rate.is_finite() { json!(rate) } else { json!("inf") },
-        "seed": seed,
-        "requests": s.iter().map(|a| json!({"arrival_s": a.at, "prompt": a.prompt,
-            "max_tokens": a.max_tokens})).collect::<Vec<_>>()})
-}
+pub use stoke_serve::loadgen::{Arrival, percentiles, schedule, schedule_json};
 
 /// Replays `s` open-loop on `engine` (each request added once its arrival time has passed, the
 /// engine stepped whenever it has work), or, with `concurrency`, closed-loop: that many

@@ -51,6 +51,15 @@ pub fn schedule(
         .collect()
 }
 
+/// A schedule as JSON (`{"name", "rate", "seed", "requests": [{"arrival_s", "prompt",
+/// "max_tokens"}]}`), as the transformers peer (`scripts/peers/engine_torch.py`) replays it.
+pub fn schedule_json(name: &str, rate: f64, seed: u64, s: &[Arrival]) -> Value {
+    json!({"name": name, "rate": if rate.is_finite() { json!(rate) } else { json!("inf") },
+        "seed": seed,
+        "requests": s.iter().map(|a| json!({"arrival_s": a.at, "prompt": a.prompt,
+            "max_tokens": a.max_tokens})).collect::<Vec<_>>()})
+}
+
 /// Percentiles p50, p90, p99 of `v` (nearest rank) and the mean, in the values' unit.
 pub fn percentiles(mut v: Vec<f64>) -> Value {
     if v.is_empty() {

@@ -138,24 +138,48 @@ impl Drop for Server {
 const GOOD: &str = r#"{"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}"#;
 
 /// The `openai` package's Python: `STOKE_OPENAI_PYTHON`, or `.venv-openai` at the workspace
-/// root (`scripts/openai-venv.sh` makes it).
-fn openai_python() -> Option<String> {
+/// root, made by `scripts/openai-venv.sh` (pip) where it is missing. `Err`: why there is none.
+fn openai_python() -> Result<String, String> {
     if let Ok(p) = std::env::var("STOKE_OPENAI_PYTHON") {
-        return Some(p);
+        return Ok(p);
     }
-    let p = concat!(env!("CARGO_MANIFEST_DIR"), "/../../.venv-openai/bin/python");
-    std::path::Path::new(p).exists().then(|| p.to_string())
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+    let python = format!("{root}/.venv-openai/bin/python");
+    let ok = |p: &str| {
+        Command::new(p)
+            .args(["-c", "import openai"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if ok(&python) {
+        return Ok(python);
+    }
+    let out = Command::new("bash")
+        .arg(format!("{root}/scripts/openai-venv.sh"))
+        .output()
+        .map_err(|e| format!("running scripts/openai-venv.sh: {e}"))?;
+    if out.status.success() && ok(&python) {
+        Ok(python)
+    } else {
+        Err(format!(
+            "scripts/openai-venv.sh failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
 }
 
 #[test]
 fn the_openai_client_gets_what_it_asks_for() {
-    let Some(python) = openai_python() else {
-        assert!(
-            std::env::var("STOKE_REQUIRE_OPENAI").is_err(),
-            "STOKE_REQUIRE_OPENAI is set but no openai client was found"
-        );
-        println!("skipped: no openai Python client (scripts/openai-venv.sh makes one)");
-        return;
+    let python = match openai_python() {
+        Ok(p) => p,
+        Err(why) => {
+            assert!(
+                std::env::var("STOKE_REQUIRE_OPENAI").is_err(),
+                "STOKE_REQUIRE_OPENAI is set and there is no openai client: {why}"
+            );
+            println!("skipped: no openai Python client ({why})");
+            return;
+        }
     };
     let server = Server::start(&["--max-running", "8"]);
     let model = stoke_llama::fetch::DEFAULT_MODEL_FILE;

@@ -9,7 +9,7 @@ use clap::Parser;
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::time::Duration;
-use stoke_serve::loadgen::{Target, over_time, replay, schedule, summarize};
+use stoke_serve::loadgen::{Target, over_time, replay, schedule, schedule_json, summarize};
 
 #[derive(Parser, Debug)]
 #[command(version, about, long_about = None)]
@@ -56,6 +56,13 @@ struct Args {
     /// Write the results as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Write each rate's schedule into this directory as `NAME-RATE.json` (the transformers
+    /// peer replays them: scripts/peers/engine_torch.py).
+    #[arg(long)]
+    schedules: Option<PathBuf>,
+    /// The NAME of the schedule files.
+    #[arg(long, default_value = "load")]
+    name: String,
 }
 
 fn range(s: &str) -> Result<(usize, usize), String> {
@@ -141,6 +148,17 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         };
         let seed = args.seed + i as u64;
         let s = schedule(n, rate, args.prompt, args.output, args.vocab, seed);
+        if let Some(dir) = &args.schedules {
+            std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            let tag = if rate.is_finite() {
+                format!("rate{}", r.trim_end_matches('x').replace('.', "_"))
+            } else {
+                "max".into()
+            };
+            let f = dir.join(format!("{}-{tag}.json", args.name));
+            std::fs::write(&f, schedule_json(&args.name, rate, seed, &s).to_string())
+                .map_err(|e| format!("{}: {e}", f.display()))?;
+        }
         let before = memory(args.server_pid);
         let (o, wall) = replay(&client, &target, &s).await;
         let summary = summarize(&o, wall);
