@@ -1037,6 +1037,57 @@ def render_engine(w, res, path):
                          for t in res["tests"]], max_details=200)
 
 
+def render_serve(w, res, path):
+    """An HTTP serving results file: stoke-load against stoke-serve at rates up to saturation
+    (per model), the transformers peer on the same schedules, soak runs over time."""
+    m = res["meta"]
+    w(f"## The HTTP server under load ({m['gpu']}, commit `{m['commit']}`, {m['date_utc'][:10]})")
+    w("")
+    w(f"From [`{path}`](../{path}). {m.get('note', '')}")
+    w("")
+    def ms(d, k):
+        d = d.get(k) or {}
+        return f"{d.get('p50', 0):.1f} / {d.get('p90', 0):.1f} / {d.get('p99', 0):.1f}"
+    for model, load in res.get("http_serving", {}).items():
+        w(f"stoke-load against stoke-serve, {model} (prompts {load['prompt_tokens']}, outputs {load['output_tokens']} tokens, streamed):")
+        w("")
+        w("| rate | requests | errors | requests/s | output tokens/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms |")
+        w("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in load["runs"]:
+            x = r["result"]
+            rate = "all at once" if r["rate"] == "inf" else f"{r['rate_arg']} ({r['rate']:.1f}/s)"
+            w(f"| {rate} | {x['requests']} | {x['errors']} | {x['requests_per_s']:.1f} | {x['output_tokens_per_s']:.0f} | {ms(x, 'ttft_ms')} | {ms(x, 'itl_ms')} |")
+        w("")
+    if res.get("shutdown"):
+        w("SIGTERM after each load: " + "; ".join(f"{k}: {v}" for k, v in res["shutdown"].items()) + ".")
+        w("")
+    if res.get("peer"):
+        w("transformers continuous batching, in process, on the same SmolLM2 schedules:")
+        w("")
+        w("| schedule | mode | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | finished |")
+        w("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in res["peer"]:
+            if "completed" not in r:
+                w(f"| {r.get('name') or r.get('file')} | error: {r.get('error', '?')[:80]} | | | | | |")
+                continue
+            t, i = r.get("ttft_ms") or {}, r.get("itl_ms") or {}
+            w(f"| {r.get('name', '')} | {r.get('mode', '')} | {r['requests_per_s'] or 0:.2f} | {r['output_tokens_per_s'] or 0:.0f} | {t.get('p50', 0):.0f} / {t.get('p99', 0):.0f} | {i.get('p50', 0):.1f} / {i.get('p99', 0):.1f} | {r['completed']}/{r['requests']} |")
+        w("")
+    for key, label in (("soak_gpu", "Soak on the GPU"), ("soak_cpu", "Soak on the CPU")):
+        soak = res.get(key)
+        if not soak:
+            continue
+        run = soak["runs"][-1]
+        x = run["result"]
+        w(f"{label} ({soak.get('where', '')}): {x['requests']} requests at {run['rate']:.2f}/s ({run['rate_arg']} of the saturating rate) over {x['wall_s']:.0f} s, {x['errors']} errors, {x['output_tokens_per_s']:.0f} output tokens/s, TTFT p99 {(x.get('ttft_ms') or {}).get('p99', 0):.1f} ms, ITL p99 {(x.get('itl_ms') or {}).get('p99', 0):.1f} ms; memory at the start {run['memory_start']}, at the end {run['memory_end']}.")
+        w("")
+        w("| from s | requests | errors | TTFT p99 ms | ITL p99 ms |")
+        w("| ---: | ---: | ---: | ---: | ---: |")
+        for win in run["over_time"]:
+            w(f"| {win['from_s']:.0f} | {win['requests']} | {win['errors']} | {win['ttft_p99_ms'] or 0:.1f} | {win['itl_p99_ms'] or 0:.1f} |")
+        w("")
+
+
 def render(res, results_path, extras=()):
     m, b = res["meta"], res["bench"]
     out = []
@@ -1127,7 +1178,9 @@ def render(res, results_path, extras=()):
         render_llama(w, res, results_path)
     for path in extras:
         extra = json.loads(Path(path).read_text())
-        if "decode_step" in extra or "serving" in extra:
+        if "http_serving" in extra or "soak_cpu" in extra:
+            render_serve(w, extra, path)
+        elif "decode_step" in extra or "serving" in extra:
             render_engine(w, extra, path)
         elif any(k.startswith("coalesced_") for k in extra):
             render_coalesced(w, extra, path)
