@@ -1,28 +1,11 @@
-//! The `Stoke<I>` type and its `Backend` impl. The op-trait impls live in `ops/`, generated.
+//! `Stoke<I>`'s `Backend` impl: everything goes to the inner backend, and the device's hooks
+//! (Stoke's stream and buffer pool, through [`crate::device::Kernels`]) run beside it. The
+//! op-trait impls live in `ops/` (generated) and `route.rs`.
 
-use crate::tensor::StokeTensor;
-use burn_backend::{Backend, BackendTypes, DTypeUsageSet, ExecutionError, TensorData};
-use core::marker::PhantomData;
-
-/// The Stoke backend decorator around an inner backend `I` (burn-cuda's `Cuda` on the GPU,
-/// any Burn backend elsewhere).
-#[derive(Clone, Copy, Default, Debug)]
-pub struct Stoke<I> {
-    _inner: PhantomData<I>,
-}
-
-impl<I: Backend> BackendTypes for Stoke<I> {
-    type Device = I::Device;
-    /// Stoke's own float primitive: the inner backend's tensor, or data that Stoke owns (a
-    /// buffer on Stoke's stream, a packed weight) that materializes on demand.
-    type FloatTensorPrimitive = StokeTensor<I>;
-    type FloatElem = I::FloatElem;
-    type IntTensorPrimitive = I::IntTensorPrimitive;
-    type IntElem = I::IntElem;
-    type BoolTensorPrimitive = I::BoolTensorPrimitive;
-    type BoolElem = I::BoolElem;
-    type QuantizedTensorPrimitive = I::QuantizedTensorPrimitive;
-}
+use crate::device::Kernels;
+use crate::route::Active;
+use crate::stoke::Stoke;
+use burn_backend::{Backend, DTypeUsageSet, ExecutionError, TensorData};
 
 impl<I: Backend> Backend for Stoke<I> {
     fn ad_enabled(device: &Self::Device) -> bool {
@@ -43,7 +26,7 @@ impl<I: Backend> Backend for Stoke<I> {
 
     /// Also returns the buffers Stoke pooled on this device to the driver.
     fn memory_cleanup(device: &Self::Device) {
-        crate::cuda::memory_cleanup::<I>(device);
+        Active::memory_cleanup::<I>(device);
         I::memory_cleanup(device)
     }
 
@@ -57,7 +40,7 @@ impl<I: Backend> Backend for Stoke<I> {
 
     /// Waits for the inner backend and for every kernel Stoke queued on this device.
     fn sync(device: &Self::Device) -> Result<(), ExecutionError> {
-        crate::cuda::sync_device::<I>(device)?;
+        Active::sync::<I>(device)?;
         I::sync(device)
     }
 

@@ -3,11 +3,10 @@
 //! Each method's default body is the plain reference composition in Burn ops (f32 math), so
 //! model code written against [`FusedOps`] runs on any backend that implements it (an impl that
 //! only names the reference decoder: `stoke::reference_decoder_ops!()`); `Stoke<I>` overrides
-//! them with its kernels where they apply and falls back to the same composition elsewhere.
+//! them with its kernels where they apply and falls back to the same composition elsewhere
+//! (`route.rs`).
 
-use crate::backend::Stoke;
 use burn::tensor::{Tensor, TensorPrimitive};
-use burn_backend::ops::{FloatTensorOps, ModuleOps};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, FloatDType, Scalar, Shape, TensorMetadata};
 
@@ -221,75 +220,6 @@ pub fn rms_norm_reference<B: Backend>(
         y
     } else {
         B::float_cast(y, FloatDType::from(dtype))
-    }
-}
-
-impl<I: Backend> FusedOps for Stoke<I> {
-    crate::cuda::decoder::stoke_decoder_ops!();
-
-    fn prepare_weight(
-        weight: FloatTensor<Self>,
-        plan: crate::plan::WeightPlan,
-    ) -> FloatTensor<Self> {
-        crate::cuda::prepare_tensor(weight, plan)
-    }
-
-    fn device_memory(device: &Self::Device) -> Option<(usize, usize)> {
-        crate::cuda::runtime_for::<I>(device)?.memory_info().ok()
-    }
-
-    fn packed_int4_weight(
-        packed: stoke_formats::int4::PackedInt4,
-        dtype: DType,
-        device: &Self::Device,
-    ) -> Option<FloatTensor<Self>> {
-        Some(crate::tensor::StokeTensor::owned(
-            crate::packed::PackedWeight::<I>::new(packed, dtype, device.clone()),
-        ))
-    }
-
-    fn linear_residual(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        residual: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        use stoke_cuda::kernels::int4_gemm::Epilogue;
-        crate::cuda::try_linear::<I>(&x, &weight, Epilogue::Residual, Some(&residual))
-            .or_else(|| {
-                crate::cpu::try_linear::<I>(&x, &weight, Epilogue::Residual, Some(&residual))
-            })
-            .unwrap_or_else(|| Self::float_add(Self::linear(x, weight, None), residual))
-    }
-
-    fn linear_swiglu(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
-        use stoke_cuda::kernels::int4_gemm::Epilogue;
-        crate::cuda::try_linear::<I>(&x, &weight, Epilogue::SwiGlu, None)
-            .or_else(|| crate::cpu::try_linear::<I>(&x, &weight, Epilogue::SwiGlu, None))
-            .unwrap_or_else(|| swiglu_reference::<Self>(Self::linear(x, weight, None)))
-    }
-
-    fn rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
-        // A gain whose plan folds it into FP8 projections: deferred, so that the projection it
-        // feeds reads x with the gain folded into its weight.
-        if let Some(n) = crate::cuda::prefill_linear::RmsNormed::defer(&x, &gamma, eps) {
-            return crate::tensor::StokeTensor::owned(n);
-        }
-        crate::cuda::rms_norm::rms_norm_now::<I>(x, gamma, eps)
-    }
-
-    fn residual_rms_norm(
-        x: FloatTensor<Self>,
-        residual: FloatTensor<Self>,
-        gamma: FloatTensor<Self>,
-        eps: f64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        match crate::cuda::rms_norm::try_rms_norm::<I>(&x, Some(&residual), &gamma, eps) {
-            Some((normed, Some(sum))) => (sum, normed),
-            _ => {
-                let sum = Self::float_add(x, residual);
-                (sum.clone(), rms_norm_reference::<Self>(sum, gamma, eps))
-            }
-        }
     }
 }
 

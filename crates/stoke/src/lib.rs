@@ -17,18 +17,23 @@
 //! logs the reason once). With `Stoke<NdArray>` the fused ops run their reference compositions
 //! on the CPU, so model code is written once.
 
-mod backend;
-pub mod cpu;
-pub mod cuda;
+// The core: the types and traits, the reference compositions, what a device is asked for.
+mod capture;
 pub mod decode;
+mod device;
 pub mod fused;
-mod ops;
 pub mod packed;
 pub mod plan;
-mod route;
+mod stoke;
 pub mod tensor;
+// The devices: Stoke's CUDA kernels and its CPU kernels (`device::Kernels`).
+pub mod cpu;
+pub mod cuda;
+// The backend assembled from both: `Stoke<I>`'s trait impls.
+mod backend;
+mod ops;
+mod route;
 
-pub use backend::Stoke;
 #[doc(hidden)]
 pub use burn_backend;
 pub use decode::{
@@ -42,4 +47,5 @@ pub use fused::{
     FusedOps, linear_residual, linear_swiglu, output_head, residual_rms_norm, rms_norm,
 };
 pub use plan::{Plan, PrefillMode, WeightPlan, WeightRole};
+pub use stoke::Stoke;
 pub use tensor::{StokeData, StokeTensor};

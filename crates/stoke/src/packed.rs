@@ -1,11 +1,13 @@
 //! Weights in Stoke's packed INT4 format (`stoke_formats::int4`) behind a float tensor.
 //!
-//! `linear` hands these to the W4A16 kernels (`cuda::int4_linear`) for bf16 activations of up
-//! to 64 rows and to the prefill GEMMs (`cuda::prefill_linear`: a bf16 copy, or with FP8 prefill on
-//! an E4M3 one, made once) for more; every other use, and every backend or GPU where those kernels don't run, sees the
-//! dequantized values (`d * q + m`, computed in f32 exactly as the format's reference does),
-//! materialized once and cached (prefill-sized inputs use a dense GEMM on them).
+//! `linear` hands these to a device's kernels (on Hopper: the W4A16 kernels for bf16
+//! activations of up to 64 rows, the prefill GEMMs on a bf16 or E4M3 copy made once for more;
+//! on the CPU: a reordered copy of the nibbles); every other use, and every backend or GPU where
+//! those kernels don't run, sees the dequantized values (`d * q + m`, computed in f32 exactly as
+//! the format's reference does), materialized once and cached (prefill-sized inputs use a dense
+//! GEMM on them). What a device derives from the weight lives in its [`DeviceSlots`].
 
+use crate::device::DeviceSlots;
 use crate::tensor::StokeData;
 use burn_backend::{Backend, DType, FloatDType, Shape, TensorData};
 use std::any::Any;
@@ -20,14 +22,9 @@ pub struct PackedWeight<I: Backend> {
     /// How its prefill GEMMs run (its model's plan).
     pub prefill_mode: crate::plan::PrefillMode,
     materialized: OnceLock<I::FloatTensorPrimitive>,
-    /// The packed weight in device memory, uploaded at the first kernel call (`None`: the
-    /// upload failed, and was logged).
-    pub(crate) gpu: OnceLock<Option<Arc<stoke_cuda::int4::DeviceInt4>>>,
-    /// The copies the prefill GEMMs read and the FP8 SwiGLU output's delayed scales, made
-    /// at first use.
-    pub(crate) prefill: crate::cuda::prefill_linear::PrefillCopies,
-    /// The CPU kernel's layout of the same nibbles, made at the first CPU call.
-    pub(crate) cpu: OnceLock<Arc<crate::cpu::int4::CpuInt4>>,
+    /// What the devices' kernels derive from it at first use (its upload, the prefill GEMMs'
+    /// copies and delayed scales, the CPU kernel's layout of the nibbles).
+    pub(crate) slots: DeviceSlots,
 }
 
 impl<I: Backend> PackedWeight<I> {
@@ -38,9 +35,7 @@ impl<I: Backend> PackedWeight<I> {
             device,
             prefill_mode: Default::default(),
             materialized: OnceLock::new(),
-            gpu: OnceLock::new(),
-            prefill: Default::default(),
-            cpu: OnceLock::new(),
+            slots: DeviceSlots::default(),
         }
     }
 
@@ -53,9 +48,7 @@ impl<I: Backend> PackedWeight<I> {
             device: self.device.clone(),
             prefill_mode: mode,
             materialized: OnceLock::new(),
-            gpu: OnceLock::new(),
-            prefill: Default::default(),
-            cpu: OnceLock::new(),
+            slots: DeviceSlots::default(),
         }
     }
 }

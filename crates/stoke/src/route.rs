@@ -1,10 +1,16 @@
-//! The ops Stoke intercepts instead of forwarding (named in `stoke-forwardgen`'s table).
-//! Each either runs a Stoke kernel or forwards to the inner backend.
+//! The ops Stoke intercepts instead of forwarding (named in `stoke-forwardgen`'s table) and
+//! `Stoke<I>`'s [`FusedOps`]: each runs on the first device in [`Active`] that takes it, else on
+//! the inner backend (or the fused op's reference composition).
 
-use crate::cuda;
+pub(crate) use crate::capture::inner_op;
+use crate::device::Kernels;
+use crate::fused::{FusedOps, rms_norm_reference, swiglu_reference};
+use crate::stoke::Stoke;
 use crate::tensor::{StokeTensor, lift_float, lower_float};
-use burn_backend::ops::AttentionModuleOptions;
+use burn_backend::DType;
+use burn_backend::ops::{AttentionModuleOptions, FloatTensorOps, ModuleOps};
 use burn_backend::tensor::BoolTensor;
+use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, ExecutionError, TensorData, TensorMetadata};
 
 /// `ModuleOps::linear` (weight `[d_in, d_out]`). A packed INT4 weight with decode-sized bf16
@@ -17,9 +23,7 @@ pub(crate) fn linear<I: Backend>(
     bias: Option<StokeTensor<I>>,
 ) -> StokeTensor<I> {
     use stoke_cuda::kernels::int4_gemm::Epilogue;
-    if let Some(y) = cuda::try_linear::<I>(&x, &weight, Epilogue::Plain, None)
-        .or_else(|| crate::cpu::try_linear::<I>(&x, &weight, Epilogue::Plain, None))
-    {
+    if let Some(y) = Active::linear::<I>(&x, &weight, Epilogue::Plain, None) {
         return match bias {
             None => y,
             Some(b) => {
@@ -37,6 +41,74 @@ pub(crate) fn linear<I: Backend>(
         lower_float(weight),
         bias.map(lower_float),
     ))
+}
+
+impl<I: Backend> FusedOps for Stoke<I> {
+    crate::cuda::decoder::stoke_decoder_ops!();
+
+    fn prepare_weight(
+        weight: FloatTensor<Self>,
+        plan: crate::plan::WeightPlan,
+    ) -> FloatTensor<Self> {
+        Active::prepare_weight(weight, plan).unwrap_or_else(|w| w)
+    }
+
+    fn device_memory(device: &Self::Device) -> Option<(usize, usize)> {
+        Active::memory_info::<I>(device)
+    }
+
+    fn packed_int4_weight(
+        packed: stoke_formats::int4::PackedInt4,
+        dtype: DType,
+        device: &Self::Device,
+    ) -> Option<FloatTensor<Self>> {
+        Some(crate::tensor::StokeTensor::owned(
+            crate::packed::PackedWeight::<I>::new(packed, dtype, device.clone()),
+        ))
+    }
+
+    fn linear_residual(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        use stoke_cuda::kernels::int4_gemm::Epilogue;
+        Active::linear::<I>(&x, &weight, Epilogue::Residual, Some(&residual))
+            .unwrap_or_else(|| Self::float_add(Self::linear(x, weight, None), residual))
+    }
+
+    fn linear_swiglu(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        use stoke_cuda::kernels::int4_gemm::Epilogue;
+        Active::linear::<I>(&x, &weight, Epilogue::SwiGlu, None)
+            .unwrap_or_else(|| swiglu_reference::<Self>(Self::linear(x, weight, None)))
+    }
+
+    fn rms_norm(x: FloatTensor<Self>, gamma: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        // A gain whose plan folds it into FP8 projections: deferred, so that the projection it
+        // feeds reads x with the gain folded into its weight.
+        if let Some(n) = Active::defer_rms_norm::<I>(&x, &gamma, eps) {
+            return n;
+        }
+        match Active::rms_norm::<I>(&x, None, &gamma, eps) {
+            Some((normed, _)) => normed,
+            None => rms_norm_reference::<Self>(x, gamma, eps),
+        }
+    }
+
+    fn residual_rms_norm(
+        x: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        match Active::rms_norm::<I>(&x, Some(&residual), &gamma, eps) {
+            Some((normed, Some(sum))) => (sum, normed),
+            _ => {
+                let sum = Self::float_add(x, residual);
+                (sum.clone(), rms_norm_reference::<Self>(sum, gamma, eps))
+            }
+        }
+    }
 }
 
 /// `ModuleOps::attention`: forwarded until Stoke's attention kernels apply.
@@ -58,9 +130,12 @@ pub(crate) fn attention<I: Backend>(
     ))
 }
 
+/// The devices Stoke's ops try, in order: its CUDA kernels, then its CPU kernels.
+pub(crate) type Active = (crate::cuda::Gpu, crate::cpu::Host);
+
 /// The device, without materializing Stoke-owned data.
 pub(crate) fn float_device<I: Backend>(tensor: &StokeTensor<I>) -> I::Device {
-    cuda::float_device(tensor)
+    crate::tensor::float_device(tensor)
 }
 
 /// Stoke-owned data is never tracked by an autodiff decorator inside Stoke.
@@ -85,45 +160,13 @@ pub(crate) fn float_set_require_grad<I: Backend>(
 }
 
 /// Reads values; Stoke's own buffers are copied straight to the host.
-pub(crate) fn float_into_data<I: Backend>(
+pub(crate) async fn float_into_data<I: Backend>(
     tensor: StokeTensor<I>,
-) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-    cuda::float_into_data(tensor)
-}
-
-/// Set while a strict decode-step capture runs ([`strict_capture`]).
-static STRICT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-/// The forwarded ops called during a strict capture.
-static INNER_OPS: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
-
-/// Called by every generated forwarding (`ops/*.rs`) before it calls the inner backend.
-#[inline]
-pub(crate) fn inner_op(name: &'static str) {
-    if STRICT.load(std::sync::atomic::Ordering::Relaxed) {
-        INNER_OPS.lock().unwrap().push(name);
+) -> Result<TensorData, ExecutionError> {
+    if let StokeTensor::Owned(d) = &tensor
+        && let Some(data) = d.read()
+    {
+        return Ok(data);
     }
-}
-
-/// Runs `body` with forwarded ops recorded; returns its result and the ops the inner backend
-/// ran meanwhile (a decode step captured into a CUDA graph must have none: they run on the inner
-/// backend's stream, outside the graph).
-pub(crate) fn strict_capture<T>(body: impl FnOnce() -> T) -> (T, Vec<&'static str>) {
-    INNER_OPS.lock().unwrap().clear();
-    STRICT.store(true, std::sync::atomic::Ordering::SeqCst);
-    let out = body();
-    STRICT.store(false, std::sync::atomic::Ordering::SeqCst);
-    (out, std::mem::take(&mut *INNER_OPS.lock().unwrap()))
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn forwarded_ops_are_recorded_during_a_strict_capture() {
-        type S = crate::Stoke<burn_ndarray::NdArray<f32>>;
-        let (_, ops) = super::strict_capture(|| {
-            burn::tensor::Tensor::<S, 1>::ones([4], &Default::default()).exp()
-        });
-        assert!(ops.contains(&"float_ones"), "{ops:?}");
-        assert!(ops.contains(&"float_exp"), "{ops:?}");
-    }
+    I::float_into_data(tensor.into_inner()).await
 }

@@ -7,7 +7,7 @@
 //! Stoke-owned data into an ordinary inner tensor, so an unmodified Burn model keeps working
 //! whatever its tensors hold.
 
-use burn_backend::{Backend, DType, Shape, TensorMetadata};
+use burn_backend::{Backend, DType, Shape, TensorData, TensorMetadata};
 use std::any::Any;
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -20,6 +20,11 @@ pub trait StokeData<I: Backend>: Send + Sync + Debug + 'static {
     /// The same values as an ordinary tensor of the inner backend. Called whenever an op that
     /// Stoke does not handle receives this tensor; implementations should cache the result.
     fn materialize(&self) -> I::FloatTensorPrimitive;
+    /// The values, read where they are without materializing (a device buffer copied to the
+    /// host); `None`: read through [`StokeData::materialize`].
+    fn read(&self) -> Option<TensorData> {
+        None
+    }
     /// For the ops that recognize this kind of data.
     fn as_any(&self) -> &dyn Any;
 }
@@ -81,4 +86,12 @@ pub fn lower_float<I: Backend>(t: StokeTensor<I>) -> I::FloatTensorPrimitive {
 #[inline]
 pub fn lift_float<I: Backend>(t: I::FloatTensorPrimitive) -> StokeTensor<I> {
     StokeTensor::Inner(t)
+}
+
+/// The device of a Stoke tensor, without materializing it.
+pub(crate) fn float_device<I: Backend>(t: &StokeTensor<I>) -> I::Device {
+    match t {
+        StokeTensor::Inner(t) => I::float_device(t),
+        StokeTensor::Owned(d) => d.device(),
+    }
 }

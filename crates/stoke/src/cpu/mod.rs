@@ -15,7 +15,6 @@ use crate::tensor::StokeTensor;
 use burn_backend::{Backend, TensorData};
 use burn_ndarray::NdArrayTensor;
 use std::any::Any;
-use std::sync::Arc;
 use stoke_cuda::kernels::int4_gemm::Epilogue;
 
 /// A contiguous f32 copy-or-borrow of an NdArray f32 tensor, with its shape.
@@ -63,6 +62,21 @@ fn enabled() -> bool {
     })
 }
 
+/// Stoke's CPU kernels as a device ([`crate::device::Kernels`]): `linear` under
+/// `Stoke<NdArray>`.
+pub(crate) struct Host;
+
+impl crate::device::Kernels for Host {
+    fn linear<I: Backend>(
+        x: &StokeTensor<I>,
+        weight: &StokeTensor<I>,
+        epilogue: Epilogue,
+        residual: Option<&StokeTensor<I>>,
+    ) -> Option<StokeTensor<I>> {
+        try_linear::<I>(x, weight, epilogue, residual)
+    }
+}
+
 /// `linear` with `epilogue` on the CPU, or `None` where these kernels do not apply.
 pub(crate) fn try_linear<I: Backend>(
     x: &StokeTensor<I>,
@@ -90,8 +104,8 @@ pub(crate) fn try_linear<I: Backend>(
                 return None;
             }
             let cpu = p
-                .cpu
-                .get_or_init(|| Arc::new(int4::CpuInt4::from_packed(&p.packed)));
+                .slots
+                .get_or_init(|| int4::CpuInt4::from_packed(&p.packed));
             return Some((cpu.matmul(xs, rows), dims.to_vec(), p.packed.n));
         }
         let StokeTensor::Inner(wi) = weight else {

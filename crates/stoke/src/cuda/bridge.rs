@@ -1,6 +1,6 @@
 //! Runtime lookup, Stoke-owned tensors and the crossings between burn-cuda and Stoke.
 
-use crate::backend::Stoke;
+use crate::stoke::Stoke;
 use crate::tensor::{StokeData, StokeTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_backend::{Backend, DType, DeviceOps, ExecutionError, Shape, TensorData, TensorMetadata};
@@ -204,6 +204,13 @@ impl<I: Backend> StokeData<I> for DeviceTensor<I> {
     fn device(&self) -> I::Device {
         self.device.clone()
     }
+    /// Straight from Stoke's buffer, unless it has crossed out already.
+    fn read(&self) -> Option<TensorData> {
+        self.materialized
+            .get()
+            .is_none()
+            .then(|| DeviceTensor::read(self))
+    }
     /// The crossing out of Stoke; see the module docs.
     fn materialize(&self) -> I::FloatTensorPrimitive {
         self.materialized
@@ -248,7 +255,7 @@ pub struct ResidentTensor<I: Backend> {
     pub(crate) plan: crate::plan::WeightPlan,
     /// Its copies for the prefill GEMMs and the FP8 SwiGLU output's delayed scale, made at
     /// first use.
-    pub(crate) prefill: super::prefill_linear::PrefillCopies,
+    pub(crate) prefill: Arc<super::prefill_linear::PrefillCopies>,
 }
 
 impl<I: Backend> std::fmt::Debug for ResidentTensor<I> {
@@ -391,30 +398,6 @@ impl KernelInput {
             _pin: Some(pin),
         }
     }
-}
-
-/// Device of a Stoke tensor without materializing it.
-pub(crate) fn float_device<I: Backend>(t: &StokeTensor<I>) -> I::Device {
-    match t {
-        StokeTensor::Inner(t) => I::float_device(t),
-        StokeTensor::Owned(d) => d.device(),
-    }
-}
-
-/// Reads a Stoke tensor; Stoke's own buffers go straight to the host.
-pub(crate) async fn float_into_data<I: Backend>(
-    t: StokeTensor<I>,
-) -> Result<TensorData, ExecutionError> {
-    let d = t.downcast_ref::<DeviceTensor<I>>().or_else(|| {
-        t.downcast_ref::<super::prefill_linear::Fp8Activation<I>>()
-            .map(|a| a.bf16())
-    });
-    if let Some(d) = d
-        && d.materialized.get().is_none()
-    {
-        return Ok(d.read());
-    }
-    I::float_into_data(t.into_inner()).await
 }
 
 /// `Backend::sync` for `Stoke<I>`: also waits for Stoke's stream on that device.

@@ -28,11 +28,11 @@
 //! decoder is the reference one, with the reason logged.
 
 use super::bridge::{DeviceTensor, KernelInput, runtime_for};
-use crate::backend::Stoke;
 use crate::decode::{
     DecodeError, DecodeSpec, KvCacheFormat, LaneOp, LaneSampling, Lanes, PackedSeq, RefDecoder,
     SPARE_PAGE, Sampled, TokenLogprobs,
 };
+use crate::stoke::Stoke;
 use crate::tensor::StokeTensor;
 use burn_backend::{Backend, DType, Shape, TensorMetadata};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -1029,7 +1029,7 @@ pub(crate) fn decode_step<I: Backend>(
         if !g.graphs.contains_key(&key) {
             let arena = g.arena.clone();
             g.in_step = true;
-            let (graph, inner_ops) = crate::route::strict_capture(|| {
+            let (graph, inner_ops) = crate::capture::strict_capture(|| {
                 rt.capture_into(&arena, || {
                     body(dec);
                     Ok(())

@@ -88,16 +88,24 @@ pub(crate) fn device_int4<I: Backend>(
     pw: &PackedWeight<I>,
     rt: &Arc<Runtime>,
 ) -> Option<Arc<DeviceInt4>> {
-    pw.gpu
+    pw.slots
         .get_or_init(|| {
-            DeviceInt4::upload_packed(rt, &pw.packed, WordOrder::default())
-                .map(Arc::new)
-                .map_err(|e| {
-                    tracing::warn!(
-                        "stoke linear: INT4 weight upload failed ({e}); dequantized weight instead"
-                    )
-                })
-                .ok()
+            GpuInt4(
+                DeviceInt4::upload_packed(rt, &pw.packed, WordOrder::default())
+                    .map(Arc::new)
+                    .map_err(|e| {
+                        tracing::warn!(
+                            "stoke linear: INT4 weight upload failed ({e}); dequantized weight \
+                             instead"
+                        )
+                    })
+                    .ok(),
+            )
         })
+        .0
         .clone()
 }
+
+/// A packed weight's upload, in its [`crate::device::DeviceSlots`] (`None`: the upload failed,
+/// and was logged).
+struct GpuInt4(Option<Arc<DeviceInt4>>);

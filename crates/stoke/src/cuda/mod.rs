@@ -24,11 +24,12 @@ pub mod int4_linear;
 pub mod prefill_linear;
 pub(crate) mod rms_norm;
 
+pub(crate) use crate::tensor::float_device;
 pub use bridge::{
     DeviceTensor, ResidentTensor, pin, pin_module, pin_tensor, prepare, prepare_tensor,
     runtime_for, runtime_status,
 };
-pub(crate) use bridge::{float_device, float_into_data, memory_cleanup, sync_device};
+pub(crate) use bridge::{memory_cleanup, sync_device};
 pub use stoke_cuda::Unavailable;
 
 /// Turns on cubecl's compiled-kernel cache (the PTX of burn-cuda's kernels) under Stoke's kernel
@@ -53,6 +54,62 @@ pub fn cache_burn_kernels() -> bool {
     }
     *slot = Some(std::sync::Arc::new(cfg));
     true
+}
+
+/// Stoke's CUDA kernels as a device ([`crate::device::Kernels`]): they run where a Hopper GPU
+/// and Stoke's runtime are present, and decline everything elsewhere.
+pub(crate) struct Gpu;
+
+impl crate::device::Kernels for Gpu {
+    fn linear<I: burn_backend::Backend>(
+        x: &crate::tensor::StokeTensor<I>,
+        weight: &crate::tensor::StokeTensor<I>,
+        epilogue: stoke_cuda::kernels::int4_gemm::Epilogue,
+        residual: Option<&crate::tensor::StokeTensor<I>>,
+    ) -> Option<crate::tensor::StokeTensor<I>> {
+        try_linear::<I>(x, weight, epilogue, residual)
+    }
+
+    fn rms_norm<I: burn_backend::Backend>(
+        x: &crate::tensor::StokeTensor<I>,
+        residual: Option<&crate::tensor::StokeTensor<I>>,
+        gamma: &crate::tensor::StokeTensor<I>,
+        eps: f64,
+    ) -> Option<(
+        crate::tensor::StokeTensor<I>,
+        Option<crate::tensor::StokeTensor<I>>,
+    )> {
+        rms_norm::try_rms_norm::<I>(x, residual, gamma, eps)
+    }
+
+    fn defer_rms_norm<I: burn_backend::Backend>(
+        x: &crate::tensor::StokeTensor<I>,
+        gamma: &crate::tensor::StokeTensor<I>,
+        eps: f64,
+    ) -> Option<crate::tensor::StokeTensor<I>> {
+        prefill_linear::RmsNormed::defer(x, gamma, eps).map(crate::tensor::StokeTensor::owned)
+    }
+
+    fn prepare_weight<I: burn_backend::Backend>(
+        weight: crate::tensor::StokeTensor<I>,
+        plan: crate::plan::WeightPlan,
+    ) -> Result<crate::tensor::StokeTensor<I>, crate::tensor::StokeTensor<I>> {
+        Ok(prepare_tensor(weight, plan))
+    }
+
+    fn memory_info<I: burn_backend::Backend>(device: &I::Device) -> Option<(usize, usize)> {
+        runtime_for::<I>(device)?.memory_info().ok()
+    }
+
+    fn memory_cleanup<I: burn_backend::Backend>(device: &I::Device) {
+        memory_cleanup::<I>(device)
+    }
+
+    fn sync<I: burn_backend::Backend>(
+        device: &I::Device,
+    ) -> Result<(), burn_backend::ExecutionError> {
+        sync_device::<I>(device)
+    }
 }
 
 /// `epilogue(x @ W)` on Stoke's GEMMs: the W4A16 kernels for a packed INT4 weight (decode

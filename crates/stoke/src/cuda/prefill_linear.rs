@@ -21,7 +21,7 @@
 use super::bridge::{DeviceTensor, KernelInput, ResidentTensor, runtime_for};
 use crate::packed::PackedWeight;
 use crate::tensor::{StokeData, StokeTensor};
-use burn_backend::{Backend, DType, Shape, TensorMetadata};
+use burn_backend::{Backend, DType, Shape, TensorData, TensorMetadata};
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -165,8 +165,12 @@ impl<I: Backend> StokeData<I> for RmsNormed<I> {
 pub fn delayed_scale<I: Backend>(
     weight: &StokeTensor<I>,
 ) -> Option<Result<stoke_formats::fp8::DelayedScale, String>> {
+    let packed_copies;
     let copies = match weight.downcast_ref::<PackedWeight<I>>() {
-        Some(p) => &p.prefill,
+        Some(p) => {
+            packed_copies = p.slots.get_or_init(PrefillCopies::default);
+            &*packed_copies
+        }
         None => &weight.downcast_ref::<ResidentTensor<I>>()?.prefill,
     };
     let d = copies
@@ -224,6 +228,9 @@ impl<I: Backend> StokeData<I> for Fp8Activation<I> {
     }
     fn materialize(&self) -> I::FloatTensorPrimitive {
         self.bf16().materialize()
+    }
+    fn read(&self) -> Option<TensorData> {
+        self.bf16().read()
     }
     fn as_any(&self) -> &dyn Any {
         self
@@ -335,7 +342,7 @@ fn resident_values_nk<I: Backend>(
 struct Prepared<'a, I: Backend> {
     rt: Arc<Runtime>,
     copy: Copy,
-    copies: &'a PrefillCopies,
+    copies: Arc<PrefillCopies>,
     device: I::Device,
     m: usize,
     n: usize,
@@ -545,9 +552,13 @@ fn prepare<'a, I: Backend>(
     };
     let fp8 = mode.is_fp8();
     let (k, n, copies) = match source {
-        Source::Packed(pw) => (pw.packed.k, pw.packed.n, &pw.prefill),
+        Source::Packed(pw) => (
+            pw.packed.k,
+            pw.packed.n,
+            pw.slots.get_or_init(PrefillCopies::default),
+        ),
         Source::Resident(rw) => match rw.shape().as_slice() {
-            &[k, n] => (k, n, &rw.prefill),
+            &[k, n] => (k, n, rw.prefill.clone()),
             _ => return None,
         },
     };
@@ -590,7 +601,7 @@ fn prepare<'a, I: Backend>(
         });
     }
     if let Some(nx) = normed
-        && let Some(w) = folded_copy(&rt, copies, nx, k, n, values)
+        && let Some(w) = folded_copy(&rt, &copies, nx, k, n, values)
     {
         return Some(Prepared {
             rt,

@@ -2,7 +2,7 @@
 //! float tensors. The generated forwarding calls `Lower::lower` on arguments and `Lift::lift`
 //! on results of these types; the tensor conversions themselves are `lower_float`/`lift_float`.
 
-use crate::backend::Stoke;
+use crate::stoke::Stoke;
 use crate::tensor::{lift_float, lower_float};
 use burn_backend::Backend;
 use burn_backend::TensorPrimitive;

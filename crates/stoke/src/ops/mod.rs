@@ -13,7 +13,7 @@ mod transaction;
 /// Names the generated files use.
 pub(crate) mod prelude {
     pub use super::convert::{Lift, Lower};
-    pub use crate::backend::Stoke;
+    pub use crate::stoke::Stoke;
     pub use crate::tensor::{lift_float, lower_float};
     pub use burn_backend::ops::*;
     pub use burn_backend::quantization::*;
