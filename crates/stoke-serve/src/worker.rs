@@ -350,3 +350,139 @@ fn deliver(e: Event, now: Instant, active: &mut HashMap<RequestId, Active>, metr
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::DType;
+    use stoke::DecodeError;
+    use stoke_engine::DecoderSizes;
+
+    type B = burn_ndarray::NdArray<f32>;
+
+    /// A model whose prefill panics on a prompt holding token 7 (a kernel failing, say).
+    struct Panicky(stoke_llama::model::Llama<B>);
+
+    impl EngineModel<B> for Panicky {
+        fn decode_spec(&self, sizes: DecoderSizes) -> stoke::DecodeSpec {
+            EngineModel::<B>::decode_spec(&self.0, sizes)
+        }
+        fn max_positions(&self) -> usize {
+            EngineModel::<B>::max_positions(&self.0)
+        }
+        fn vocab(&self) -> usize {
+            EngineModel::<B>::vocab(&self.0)
+        }
+        fn plan(&self) -> stoke::Plan {
+            EngineModel::<B>::plan(&self.0)
+        }
+        fn dtype(&self) -> DType {
+            EngineModel::<B>::dtype(&self.0)
+        }
+        fn device(&self) -> <B as burn::tensor::backend::BackendTypes>::Device {
+            EngineModel::<B>::device(&self.0)
+        }
+        fn prefill(
+            &self,
+            dec: &mut <B as FusedOps>::Decoder,
+            ids: &[u32],
+            seqs: &[stoke::PackedSeq],
+            sample: &[usize],
+        ) -> Result<(), DecodeError> {
+            assert!(!ids.contains(&7), "token 7 breaks this model");
+            EngineModel::<B>::prefill(&self.0, dec, ids, seqs, sample)
+        }
+        fn decode_forward(&self, dec: &mut <B as FusedOps>::Decoder) {
+            EngineModel::<B>::decode_forward(&self.0, dec)
+        }
+    }
+
+    struct Bytes;
+    impl Detokenize for Bytes {
+        fn decode(&self, ids: &[u32]) -> String {
+            ids.iter()
+                .map(|&i| char::from(b'a' + (i % 26) as u8))
+                .collect()
+        }
+    }
+
+    fn model() -> Panicky {
+        use stoke_llama::synthetic::{PACKABLE, gguf, weights};
+        let path =
+            std::env::temp_dir().join(format!("stoke-serve-worker-{}.gguf", std::process::id()));
+        std::fs::write(&path, gguf(&PACKABLE, &weights(&PACKABLE, true, 5))).unwrap();
+        let l =
+            stoke_llama::load::load_gguf::<B>(&path, &Default::default(), DType::F32, 128).unwrap();
+        let _ = std::fs::remove_file(&path);
+        Panicky(l.model.pinned())
+    }
+
+    /// Submits `prompt` and collects its updates until it ends.
+    fn ask(w: &Worker, prompt: Vec<u32>, max_tokens: usize) -> Vec<Update> {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        assert!(w.submit(Submit {
+            prompt,
+            params: Params::greedy(max_tokens),
+            choice: 0,
+            deadline: Instant::now() + std::time::Duration::from_secs(60),
+            updates: tx,
+        }));
+        let mut out = Vec::new();
+        while let Some((_, u)) = rx.blocking_recv() {
+            let end = matches!(
+                u,
+                Update::Finished { .. } | Update::Failed(_) | Update::Rejected(_)
+            );
+            out.push(u);
+            if end {
+                break;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_failing_step_fails_its_requests_and_serving_goes_on() {
+        let (worker, inbox) = channel();
+        let metrics = Arc::new(Metrics::new());
+        let m = metrics.clone();
+        let thread = std::thread::spawn(move || {
+            let cfg = EngineConfig {
+                max_running: 2,
+                context: 96,
+                page_size: 16,
+                kv_pages: Some(20),
+                ..Default::default()
+            };
+            run::<B, _>(model(), cfg, Arc::new(Bytes), m, inbox, |_| {})
+        });
+        let good = ask(&worker, vec![1, 2, 3], 4);
+        assert!(matches!(good[0], Update::Accepted), "{good:?}");
+        assert_eq!(
+            good.iter()
+                .filter(|u| matches!(u, Update::Token { .. }))
+                .count(),
+            4
+        );
+        let bad = ask(&worker, vec![1, 7, 3], 4);
+        assert!(
+            matches!(bad.last(), Some(Update::Failed(why)) if why.contains("token 7")),
+            "{bad:?}"
+        );
+        assert_eq!(metrics.engine_restarts.get(), 1);
+        // The engine was made again: the same request as before gets the same tokens.
+        let again = ask(&worker, vec![1, 2, 3], 4);
+        let tokens = |v: &[Update]| {
+            v.iter()
+                .filter_map(|u| match u {
+                    Update::Token { token, .. } => Some(*token),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(tokens(&again), tokens(&good));
+        assert!(worker.alive());
+        drop(worker);
+        thread.join().unwrap().unwrap();
+    }
+}
