@@ -1055,11 +1055,11 @@ def render_serve(w, res, path):
         w("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in load["runs"]:
             x = r["result"]
-            rate = "all at once" if r["rate"] == "inf" else f"{r['rate_arg']} ({r['rate']:.1f}/s)"
-            w(f"| {rate} | {x['requests']} | {x['errors']} | {x['requests_per_s']:.1f} | {x['output_tokens_per_s']:.0f} | {ms(x, 'ttft_ms')} | {ms(x, 'itl_ms')} |")
+            rate = "all at once" if r["rate"] == "inf" else f"{r['rate_arg']} ({r['rate']:.3g}/s)"
+            w(f"| {rate} | {x['requests']} | {x['errors']} | {x['requests_per_s']:.3g} | {x['output_tokens_per_s']:.0f} | {ms(x, 'ttft_ms')} | {ms(x, 'itl_ms')} |")
         w("")
     if res.get("shutdown"):
-        w("SIGTERM after each load: " + "; ".join(f"{k}: {v}" for k, v in res["shutdown"].items()) + ".")
+        w("Shutdown (SIGTERM): " + "; ".join(f"{k}, {v}" for k, v in res["shutdown"].items()) + ".")
         w("")
     if res.get("peer"):
         w("transformers continuous batching, in process, on the same SmolLM2 schedules:")
@@ -1079,7 +1079,10 @@ def render_serve(w, res, path):
             continue
         run = soak["runs"][-1]
         x = run["result"]
-        w(f"{label} ({soak.get('where', '')}): {x['requests']} requests at {run['rate']:.2f}/s ({run['rate_arg']} of the saturating rate) over {x['wall_s']:.0f} s, {x['errors']} errors, {x['output_tokens_per_s']:.0f} output tokens/s, TTFT p99 {(x.get('ttft_ms') or {}).get('p99', 0):.1f} ms, ITL p99 {(x.get('itl_ms') or {}).get('p99', 0):.1f} ms; memory at the start {run['memory_start']}, at the end {run['memory_end']}.")
+        def mem(m):
+            parts = [f"{m[k]:.1f} MiB {name}" for k, name in (("host_rss_mib", "resident"), ("gpu_used_mib", "GPU")) if m.get(k) is not None]
+            return ", ".join(parts) or "not read"
+        w(f"{label} ({soak.get('where', '')}): {x['requests']} requests at {run['rate']:.3g}/s over {x['wall_s']:.0f} s, {x['errors']} errors, {x['output_tokens_per_s']:.0f} output tokens/s, TTFT p50 / p99 {(x.get('ttft_ms') or {}).get('p50', 0):.0f} / {(x.get('ttft_ms') or {}).get('p99', 0):.0f} ms, ITL p50 / p99 {(x.get('itl_ms') or {}).get('p50', 0):.0f} / {(x.get('itl_ms') or {}).get('p99', 0):.0f} ms; server memory at the start {mem(run['memory_start'])}, at the end {mem(run['memory_end'])}.")
         w("")
         w("| from s | requests | errors | TTFT p99 ms | ITL p99 ms |")
         w("| ---: | ---: | ---: | ---: | ---: |")

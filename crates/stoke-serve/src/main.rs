@@ -243,7 +243,9 @@ fn run(mut args: Args) -> Result<(), Box<dyn std::error::Error>> {
         stoke_serve::serve(listener, state, Duration::from_secs(args.shutdown_grace)).await?;
         Ok::<_, Box<dyn std::error::Error>>(())
     })?;
-    // Every handle on the engine is gone: its thread ends once its requests have.
+    // The runtime's last tasks (the grace-period timer) hold a handle on the engine: once they
+    // and the state are gone, its thread ends.
+    drop(rt);
     let _ = engine.join();
     eprintln!("stopped");
     Ok(())
