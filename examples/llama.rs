@@ -13,35 +13,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use stoke::FusedOps;
 use stoke_engine::Params;
+use stoke_llama::cli::{Backend, Device, KvCache as KvArg, Precision, Prefill as PrefillArg};
 use stoke_llama::run::{GenerateOptions, chatml, generate};
-
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
-enum Device {
-    /// CUDA when a driver and a GPU are present (Stoke on Hopper, plain burn-cuda on other
-    /// GPUs), the CPU otherwise.
-    Auto,
-    /// The CPU: `Stoke<NdArray>` (Stoke's CPU kernels for the projections, packed INT4 weights
-    /// read in place), or plain burn-ndarray with `--backend burn`.
-    Cpu,
-    /// GPU 0 through CUDA.
-    Cuda,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
-enum Backend {
-    /// Stoke<Cuda> / Stoke<NdArray>: Stoke's kernels where they apply, the inner backend for
-    /// the rest.
-    Stoke,
-    /// Plain burn-cuda (burn-ndarray on the CPU), for comparison.
-    Burn,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
-enum Precision {
-    F32,
-    Bf16,
-    F16,
-}
 
 /// Generate text with a Llama-family model on Burn, accelerated by Stoke on Hopper GPUs.
 #[derive(Parser, Debug, Clone)]
@@ -217,26 +190,9 @@ enum Fp8SimPart {
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
-enum PrefillArg {
-    Fp8,
-    Fp8Int4,
-    Bf16,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
 enum CompareArg {
     /// The plain inner backend.
     Burn,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
-enum KvArg {
-    /// The bf16 cache itself.
-    Bf16,
-    /// Signed INT4, one amax/7 scale per token and kv head.
-    Int4,
-    /// FP8 E4M3, one amax/448 scale per token and kv head.
-    Fp8,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
@@ -267,37 +223,8 @@ fn main() {
     }
 }
 
-/// The device `--device auto` picks (`stoke_llama::device::auto_device`), and the backend with
-/// it: plain burn-cuda on a GPU Stoke does not run on.
-fn pick_device(args: &mut Args) {
-    use stoke_llama::device::AutoDevice;
-    if args.device != Device::Auto {
-        return;
-    }
-    let (picked, reason) = stoke_llama::device::auto_device();
-    let device = match picked {
-        AutoDevice::StokeCuda => Device::Cuda,
-        AutoDevice::BurnCuda => {
-            args.backend = Backend::Burn;
-            Device::Cuda
-        }
-        AutoDevice::Cpu => Device::Cpu,
-    };
-    args.device = device;
-    let chosen = match (device, args.backend) {
-        (Device::Cuda, Backend::Stoke) => "CUDA GPU 0, Stoke<Cuda>",
-        (Device::Cuda, Backend::Burn) => "CUDA GPU 0, plain burn-cuda",
-        (_, Backend::Stoke) => "CPU, Stoke<NdArray>",
-        (_, Backend::Burn) => "CPU, burn-ndarray",
-    };
-    match reason {
-        None => eprintln!("device: {chosen}"),
-        Some(r) => eprintln!("device: {chosen} ({r})"),
-    }
-}
-
 fn run(mut args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    pick_device(&mut args);
+    (args.device, args.backend) = stoke_llama::cli::pick(args.device, args.backend);
     let fp8 = matches!(args.prefill, PrefillArg::Fp8 | PrefillArg::Fp8Int4);
     if fp8 && (args.device != Device::Cuda || args.backend != Backend::Stoke) {
         eprintln!(
@@ -310,11 +237,7 @@ fn run(mut args: Args) -> Result<(), Box<dyn std::error::Error>> {
         Some(p) => p.clone(),
         None => stoke_llama::fetch::default_model(|m| eprintln!("{m}"))?,
     };
-    let dtype = match (args.dtype, args.device) {
-        (Some(Precision::F32), _) | (None, Device::Cpu | Device::Auto) => DType::F32,
-        (Some(Precision::Bf16), _) | (None, Device::Cuda) => DType::BF16,
-        (Some(Precision::F16), _) => DType::F16,
-    };
+    let dtype = stoke_llama::cli::dtype(args.dtype, args.device);
     if args.bench {
         // The rope table and the decoder must hold the longest prompt and the decode points.
         let longest = args
@@ -662,22 +585,11 @@ fn generate_on<B: FusedOps>(
 
 /// The model's plan from the flags.
 fn plan(args: &Args) -> stoke::Plan {
-    stoke::Plan {
-        prefill: match args.prefill {
-            PrefillArg::Bf16 => stoke::PrefillMode::Bf16,
-            PrefillArg::Fp8 => stoke::PrefillMode::Fp8,
-            PrefillArg::Fp8Int4 => stoke::PrefillMode::Fp8Int4,
-        },
-        kv_format: kv_format(args),
-    }
+    stoke_llama::cli::plan(args.prefill, args.kv_cache)
 }
 
 fn kv_format(args: &Args) -> stoke::KvCacheFormat {
-    match args.kv_cache {
-        None | Some(KvArg::Bf16) => stoke::KvCacheFormat::Bf16,
-        Some(KvArg::Fp8) => stoke::KvCacheFormat::Fp8,
-        Some(KvArg::Int4) => stoke::KvCacheFormat::Int4,
-    }
+    stoke_llama::cli::kv_format(args.kv_cache)
 }
 
 /// The machine the benchmark ran on: the GPU Stoke opened, or the CPU's model and threads.

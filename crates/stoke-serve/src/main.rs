@@ -9,49 +9,11 @@ use std::sync::Arc;
 use std::time::Duration;
 use stoke::FusedOps;
 use stoke_engine::EngineConfig;
+use stoke_llama::cli::{Backend, Device, KvCache, Precision, Prefill};
 use stoke_serve::chat::{CHATML, ChatTemplate};
 use stoke_serve::metrics::Metrics;
 use stoke_serve::server::{AppState, ModelInfo, ServerConfig};
 use stoke_serve::worker::{self, Inbox};
-
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
-enum Device {
-    /// `Stoke<Cuda>` on a Hopper GPU, plain burn-cuda on another GPU, else the CPU.
-    Auto,
-    /// `Stoke<NdArray>` (or burn-ndarray with `--backend burn`).
-    Cpu,
-    /// GPU 0.
-    Cuda,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
-enum Backend {
-    /// Stoke's kernels where they apply, the inner backend for the rest.
-    Stoke,
-    /// The plain inner backend (burn-cuda, or burn-ndarray on the CPU).
-    Burn,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
-enum Precision {
-    F32,
-    Bf16,
-    F16,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
-enum KvArg {
-    Bf16,
-    Fp8,
-    Int4,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
-enum PrefillArg {
-    Bf16,
-    Fp8,
-    Fp8Int4,
-}
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
 enum Synthetic {
@@ -108,11 +70,11 @@ struct Args {
     #[arg(long, default_value_t = 0.8)]
     kv_memory: f64,
     /// The KV cache format decode attention reads.
-    #[arg(long, value_enum, default_value_t = KvArg::Bf16)]
-    kv_cache: KvArg,
+    #[arg(long, value_enum, default_value_t = KvCache::Bf16)]
+    kv_cache: KvCache,
     /// Prefill precision on `Stoke<Cuda>`.
-    #[arg(long, value_enum, default_value_t = PrefillArg::Bf16)]
-    prefill: PrefillArg,
+    #[arg(long, value_enum, default_value_t = Prefill::Bf16)]
+    prefill: Prefill,
     /// Do not share KV pages of identical prompt prefixes.
     #[arg(long)]
     no_prefix_caching: bool,
@@ -161,7 +123,7 @@ fn main() {
 }
 
 fn run(mut args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    pick_device(&mut args);
+    (args.device, args.backend) = stoke_llama::cli::pick(args.device, args.backend);
     let metrics = Arc::new(Metrics::new());
     let (worker, inbox) = worker::channel();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Ready, String>>();
@@ -251,33 +213,6 @@ fn run(mut args: Args) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// Where `--device auto` runs, and the backend with it.
-fn pick_device(args: &mut Args) {
-    use stoke_llama::device::AutoDevice;
-    if args.device != Device::Auto {
-        return;
-    }
-    let (picked, reason) = stoke_llama::device::auto_device();
-    args.device = match picked {
-        AutoDevice::StokeCuda => Device::Cuda,
-        AutoDevice::BurnCuda => {
-            args.backend = Backend::Burn;
-            Device::Cuda
-        }
-        AutoDevice::Cpu => Device::Cpu,
-    };
-    let chosen = match (args.device, args.backend) {
-        (Device::Cuda, Backend::Stoke) => "CUDA GPU 0, Stoke<Cuda>",
-        (Device::Cuda, Backend::Burn) => "CUDA GPU 0, plain burn-cuda",
-        (_, Backend::Stoke) => "CPU, Stoke<NdArray>",
-        (_, Backend::Burn) => "CPU, burn-ndarray",
-    };
-    match reason {
-        None => eprintln!("device: {chosen}"),
-        Some(r) => eprintln!("device: {chosen} ({r})"),
-    }
-}
-
 /// Loads the model on backend `B`, makes the engine, reports `Ready` and serves until the
 /// server drops its handles.
 fn engine_thread<B: FusedOps>(
@@ -287,11 +222,7 @@ fn engine_thread<B: FusedOps>(
     ready: std::sync::mpsc::Sender<Result<Ready, String>>,
 ) {
     let device = B::Device::default();
-    let dtype = match (args.dtype, args.device) {
-        (Some(Precision::F32), _) | (None, Device::Cpu | Device::Auto) => DType::F32,
-        (Some(Precision::Bf16), _) | (None, Device::Cuda) => DType::BF16,
-        (Some(Precision::F16), _) => DType::F16,
-    };
+    let dtype = stoke_llama::cli::dtype(args.dtype, args.device);
     let t0 = std::time::Instant::now();
     let loaded = (|| -> Result<_, Box<dyn std::error::Error>> {
         let default = || stoke_llama::fetch::default_model(|m| eprintln!("{m}"));
@@ -344,18 +275,7 @@ fn engine_thread<B: FusedOps>(
             .map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into()),
         (None, None) => stoke_llama::fetch::DEFAULT_MODEL_FILE.to_string(),
     };
-    let plan = stoke::Plan {
-        prefill: match args.prefill {
-            PrefillArg::Bf16 => stoke::PrefillMode::Bf16,
-            PrefillArg::Fp8 => stoke::PrefillMode::Fp8,
-            PrefillArg::Fp8Int4 => stoke::PrefillMode::Fp8Int4,
-        },
-        kv_format: match args.kv_cache {
-            KvArg::Bf16 => stoke::KvCacheFormat::Bf16,
-            KvArg::Fp8 => stoke::KvCacheFormat::Fp8,
-            KvArg::Int4 => stoke::KvCacheFormat::Int4,
-        },
-    };
+    let plan = stoke_llama::cli::plan(args.prefill, Some(args.kv_cache));
     let model = loaded.model.prepared(plan);
     eprintln!(
         "{name} on {}: loaded in {:.2} s",

@@ -121,11 +121,7 @@ async fn frame(State(s): State<Arc<AppState>>, mut req: Request, next: Next) -> 
     {
         Ok(r) => r,
         Err(p) => {
-            let msg = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
+            let msg = stoke_llama::panic_message(p.as_ref());
             tracing::error!("stoke serve: request {id} panicked: {msg}");
             ApiError::internal(&id, "an internal error (the server logged it)").into_response()
         }
@@ -199,6 +195,19 @@ fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
             ..ApiError::status(status, "invalid_request_error", msg)
         }
     })
+}
+
+/// A generation request's fields, once the server is taking requests, the body is read and
+/// parsed and its `model` is this server's.
+fn request<T: serde::de::DeserializeOwned>(
+    s: &AppState,
+    b: Result<Bytes, BytesRejection>,
+) -> Result<(Common, T), ApiError> {
+    check_open(s)?;
+    let b = body(b)?;
+    let (c, r): (Common, T) = api::parse(&b)?;
+    check_model(s, &c.model)?;
+    Ok((c, r))
 }
 
 fn check_model(s: &AppState, model: &Option<String>) -> Result<(), ApiError> {
@@ -340,10 +349,7 @@ async fn completions(
     Extension(id): Extension<RequestId>,
     b: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    check_open(&s)?;
-    let b = body(b)?;
-    let (c, r): (Common, CompletionRequest) = api::parse(&b)?;
-    check_model(&s, &c.model)?;
+    let (c, r): (Common, CompletionRequest) = request(&s, b)?;
     if r.echo {
         return Err(ApiError::invalid("echo", "echo is not supported"));
     }
@@ -392,10 +398,7 @@ async fn chat_completions(
     Extension(id): Extension<RequestId>,
     b: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    check_open(&s)?;
-    let b = body(b)?;
-    let (c, r): (Common, ChatRequest) = api::parse(&b)?;
-    check_model(&s, &c.model)?;
+    let (c, r): (Common, ChatRequest) = request(&s, b)?;
     if r.tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::invalid("tools", "tools are not supported"));
     }

@@ -242,12 +242,10 @@ fn serve<B: FusedOps, M: EngineModel<B>>(
         if engine.has_work() {
             let events = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.step()))
                 .map_err(|p| {
-                    let msg = p
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| p.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "a panic".into());
-                    format!("the engine panicked: {msg}")
+                    format!(
+                        "the engine panicked: {}",
+                        stoke_llama::panic_message(p.as_ref())
+                    )
                 })?
                 .map_err(|e| e.to_string())?;
             let now = Instant::now();

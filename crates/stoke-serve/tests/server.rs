@@ -99,12 +99,7 @@ impl Server {
         .unwrap();
         let mut out = String::new();
         let _ = s.read_to_string(&mut out);
-        let status = out
-            .strip_prefix("HTTP/1.1 ")
-            .and_then(|r| r.get(..3))
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        (status, out)
+        (status_of(&out), out)
     }
 }
 
@@ -120,12 +115,16 @@ fn post(addr: &str, path: &str, body: &str) -> (u16, String) {
     s.write_all(req.as_bytes()).unwrap();
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
-    let status = out
+    (status_of(&out), out)
+}
+
+/// A response's status (0: none).
+fn status_of(response: &str) -> u16 {
+    response
         .strip_prefix("HTTP/1.1 ")
         .and_then(|r| r.get(..3))
         .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (status, out)
+        .unwrap_or(0)
 }
 
 impl Drop for Server {
@@ -549,7 +548,11 @@ fn limits_queue_deadline_body_and_sigterm() {
     };
     assert!(status.success(), "exit status {status:?}");
     // The grace period (1 s) and the in-flight request's end, not a wait on idle handles.
-    assert!(t.elapsed() < Duration::from_secs(20), "exit took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "exit took {:?}",
+        t.elapsed()
+    );
     let (code, body) = inflight.join().unwrap();
     assert_eq!(code, 200, "{body}");
     assert!(

@@ -49,14 +49,10 @@ fn guard<T>(
     };
     match std::panic::catch_unwind(f) {
         Ok(r) => r.map_err(build),
-        Err(p) => {
-            let msg = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            Err(build(format!("the tokenizers crate panicked: {msg}")))
-        }
+        Err(p) => Err(build(format!(
+            "the tokenizers crate panicked: {}",
+            crate::panic_message(p.as_ref())
+        ))),
     }
 }
 
