@@ -20,7 +20,7 @@ pub enum Device {
 /// Which backend runs the model.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum Backend {
-    /// Stoke<Cuda> / Stoke<NdArray>: Stoke's kernels where they apply, the inner backend for
+    /// `Stoke<Cuda>` / `Stoke<NdArray>`: Stoke's kernels where they apply, the inner backend for
     /// the rest.
     Stoke,
     /// Plain burn-cuda (burn-ndarray on the CPU), for comparison.
