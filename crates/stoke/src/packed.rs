@@ -5,7 +5,7 @@
 //! on the CPU: a reordered copy of the nibbles); every other use, and every backend or GPU where
 //! those kernels don't run, sees the dequantized values (`d * q + m`, computed in f32 exactly as
 //! the format's reference does), materialized once and cached (prefill-sized inputs use a dense
-//! GEMM on them). What a device derives from the weight lives in its [`DeviceSlots`].
+//! GEMM on them). What a device derives from the weight lives in its `DeviceSlots` (`device.rs`).
 
 use crate::device::DeviceSlots;
 use crate::tensor::StokeData;
