@@ -19,4 +19,6 @@ parts: $(ls .carry | tr '\n' ' ')
 2) carry [".carry/p1", ".carry/p2"]: mv .carry/p1 .carry/p2 /tmp/m/
 3) carry [".carry/p3", ".carry/eval.txt"]: mv .carry/p3 /tmp/m/ && mkdir -p /tmp/models && cat /tmp/m/p0 /tmp/m/p1 /tmp/m/p2 /tmp/m/p3 > /tmp/models/$(basename "$model") && echo "$sha  /tmp/models/$(basename "$model")" | sha256sum -c && export STOKE_MODEL_CACHE=/tmp/models STOKE_EVAL_TEXT=\$PWD/.carry/eval.txt && bash scripts/gpu-run.sh \$OUT llama
    (or, for the model tests: ... && bash scripts/gpu-run.sh \$OUT test smollm2_int4_decode_matches_dequantized smollm2_greedy_on_gpu)
+   (or, for the server under load and its peer, with .whl carried too: ... && STOKE_PEER_ARGS="--time-limit 15" bash scripts/gpu-run.sh \$OUT serve;
+    then, on the same warm machine: STOKE_MODEL_CACHE=/tmp/models bash scripts/gpu-run.sh \$OUT soak 480)
 MSG
