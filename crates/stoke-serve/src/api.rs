@@ -352,8 +352,10 @@ pub struct Generation {
 }
 
 /// The engine's parameters from the common fields; `max_tokens` as the endpoint resolved it
-/// (`None`: the rest of the context), `logprobs` as the endpoint reads it.
+/// (`None`: the rest of the context), `logprobs` as the endpoint reads it; errors name the
+/// endpoint's fields (`prompt_field`: `prompt` or `messages`).
 pub fn generation(
+    prompt_field: &str,
     c: &Common,
     max_tokens: Option<u64>,
     logprobs: Option<u32>,
@@ -379,7 +381,7 @@ pub fn generation(
         return Err(ApiError {
             code: Some("context_length_exceeded"),
             ..ApiError::invalid(
-                "prompt",
+                prompt_field,
                 format!(
                     "the prompt has {prompt_tokens} tokens; the context holds {context} (prompt \
                      and output)"
@@ -415,10 +417,9 @@ pub fn generation(
         ignore_eos: c.ignore_eos,
         logprobs,
     };
-    params.validate(vocab).map_err(|e| {
-        let field = e.field;
-        ApiError::invalid(field, e.to_string())
-    })?;
+    params
+        .validate(vocab)
+        .map_err(|e| ApiError::invalid(api_field(e.field, prompt_field), e.to_string()))?;
     if params.max_tokens > room {
         return Err(ApiError {
             code: Some("context_length_exceeded"),
@@ -480,6 +481,7 @@ mod tests {
     fn generation_checks_ranges_and_the_context() {
         let c = |j: &str| parse::<CompletionRequest>(j.as_bytes()).unwrap().0;
         let g = generation(
+            "prompt",
             &c(r#"{"prompt": "", "max_tokens": 5}"#),
             Some(5),
             None,
@@ -491,7 +493,7 @@ mod tests {
         assert_eq!(g.params.max_tokens, 5);
         assert_eq!(g.params.temperature, 1.0);
         let field = |j: &str, max: Option<u64>| {
-            generation(&c(j), max, None, 100, 10, 50)
+            generation("prompt", &c(j), max, None, 100, 10, 50)
                 .unwrap_err()
                 .param
                 .unwrap()
@@ -517,10 +519,34 @@ mod tests {
             "stream_options"
         );
         // Without max_tokens: the rest of the context.
-        let g = generation(&c(r#"{"prompt": ""}"#), None, None, 100, 10, 50).unwrap();
+        let g = generation("prompt", &c(r#"{"prompt": ""}"#), None, None, 100, 10, 50).unwrap();
         assert_eq!(g.params.max_tokens, 90);
-        let e = generation(&c(r#"{"prompt": ""}"#), None, None, 100, 100, 50).unwrap_err();
+        let e =
+            generation("prompt", &c(r#"{"prompt": ""}"#), None, None, 100, 100, 50).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("prompt"));
         assert_eq!(e.code, Some("context_length_exceeded"));
+        // The chat endpoint's names.
+        let e = generation(
+            "messages",
+            &c(r#"{"prompt": ""}"#),
+            None,
+            None,
+            100,
+            100,
+            50,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        let e = generation(
+            "messages",
+            &c(r#"{"prompt": ""}"#),
+            None,
+            Some(21),
+            100,
+            10,
+            50,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("top_logprobs"));
     }
 }

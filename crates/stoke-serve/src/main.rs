@@ -2,7 +2,6 @@
 //!
 //! cargo run --release -p stoke-serve -- --model FILE_OR_DIR
 
-use burn::tensor::DType;
 use clap::{Parser, ValueEnum};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -228,13 +227,7 @@ fn engine_thread<B: FusedOps>(
         let default = || stoke_llama::fetch::default_model(|m| eprintln!("{m}"));
         Ok(match args.synthetic {
             Some(Synthetic::Llama31_8b) => {
-                let text = stoke_llama::load::open::<burn_ndarray::NdArray<f32>>(
-                    &default()?,
-                    true,
-                    &Default::default(),
-                    DType::F32,
-                    1,
-                )?;
+                let tokenizer = stoke_llama::load::gguf_tokenizer(&default()?)?;
                 let cfg = stoke_llama::synthetic::llama_3_1_8b();
                 let model = stoke_llama::synthetic::random_int4_model::<B>(
                     &cfg,
@@ -247,7 +240,7 @@ fn engine_thread<B: FusedOps>(
                 stoke_llama::load::Loaded {
                     config: cfg,
                     model,
-                    tokenizer: text.tokenizer,
+                    tokenizer,
                     chat_template: None,
                 }
             }

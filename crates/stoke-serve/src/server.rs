@@ -383,6 +383,7 @@ async fn completions(
     // The legacy endpoint's default is 16 tokens.
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let g = api::generation(
+        "prompt",
         &c,
         Some(c.max_tokens.unwrap_or(16)),
         r.logprobs,
@@ -430,22 +431,14 @@ async fn chat_completions(
     let logprobs = r.logprobs.then(|| r.top_logprobs.unwrap_or(0));
     let max_tokens = r.max_completion_tokens.or(c.max_tokens);
     let g = api::generation(
+        "messages",
         &c,
         max_tokens,
         logprobs,
         s.model.context,
         prompt.len(),
         s.model.vocab,
-    )
-    .map_err(|mut e| {
-        if e.param.as_deref() == Some("prompt") {
-            e.param = Some("messages".into());
-        }
-        if e.param.as_deref() == Some("logprobs") {
-            e.param = Some("top_logprobs".into());
-        }
-        e
-    })?;
+    )?;
     generate(
         s,
         id,

@@ -338,6 +338,13 @@ fn mmap(path: &Path) -> Result<memmap2::Mmap, LoadError> {
     unsafe { memmap2::Mmap::map(&f) }.map_err(io)
 }
 
+/// The tokenizer a GGUF file's metadata describes, without loading its weights.
+pub fn gguf_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, LoadError> {
+    let map = mmap(path)?;
+    let g = Gguf::parse(&path.display().to_string(), &map)?;
+    Ok(tokenizer::from_gguf(&g)?)
+}
+
 /// Loads a llama-architecture GGUF file onto `device`, weights in `dtype` (F32, F16 or BF16).
 /// `max_positions` bounds the rotary tables (and so the context length used).
 pub fn load_gguf<B: Backend>(
@@ -951,6 +958,29 @@ pub fn load_hf_dir<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::Fp8Scales;
+
+    #[test]
+    fn a_gguf_tokenizer_alone_is_the_loaded_models() {
+        use crate::synthetic::{PACKABLE, gguf, weights};
+        let path =
+            std::env::temp_dir().join(format!("stoke-gguf-tokenizer-{}.gguf", std::process::id()));
+        std::fs::write(&path, gguf(&PACKABLE, &weights(&PACKABLE, true, 3))).unwrap();
+        let alone = super::gguf_tokenizer(&path).unwrap();
+        let loaded = super::load_gguf::<burn_ndarray::NdArray<f32>>(
+            &path,
+            &Default::default(),
+            burn::tensor::DType::F32,
+            16,
+        )
+        .unwrap()
+        .tokenizer;
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(alone.get_vocab_size(true), loaded.get_vocab_size(true));
+        let ids =
+            |t: &tokenizers::Tokenizer| t.encode("hello world", false).unwrap().get_ids().to_vec();
+        assert_eq!(ids(&alone), ids(&loaded));
+        assert!(!ids(&alone).is_empty());
+    }
 
     #[test]
     fn fp8_scale_layouts_follow_their_shapes() {

@@ -185,7 +185,7 @@ impl<I: Backend> DeviceTensor<I> {
     }
 
     /// Copies the values to the host (after Stoke's queued work).
-    fn read(&self) -> TensorData {
+    fn copy_to_host(&self) -> TensorData {
         let mut bytes = vec![0u8; self.buf.bytes()];
         // SAFETY: the buffer holds exactly `bytes()` bytes and lives for the copy.
         unsafe { self.buf.runtime().copy_dtoh(&mut bytes, self.buf.ptr()) }
@@ -209,7 +209,7 @@ impl<I: Backend> StokeData<I> for DeviceTensor<I> {
         self.materialized
             .get()
             .is_none()
-            .then(|| DeviceTensor::read(self))
+            .then(|| self.copy_to_host())
     }
     /// The crossing out of Stoke; see the module docs.
     fn materialize(&self) -> I::FloatTensorPrimitive {

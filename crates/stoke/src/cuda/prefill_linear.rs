@@ -230,7 +230,7 @@ impl<I: Backend> StokeData<I> for Fp8Activation<I> {
         self.bf16().materialize()
     }
     fn read(&self) -> Option<TensorData> {
-        self.bf16().read()
+        StokeData::read(self.bf16())
     }
     fn as_any(&self) -> &dyn Any {
         self
