@@ -1054,6 +1054,9 @@ def render_serve(w, res, path):
         w("| rate | requests | errors | requests/s | output tokens/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms |")
         w("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in load["runs"]:
+            if "result" not in r:
+                w(f"| {r['rate_arg']} | | | | | {r.get('error', 'not run')} | |")
+                continue
             x = r["result"]
             rate = "all at once" if r["rate"] == "inf" else f"{r['rate_arg']} ({r['rate']:.3g}/s)"
             w(f"| {rate} | {x['requests']} | {x['errors']} | {x['requests_per_s']:.3g} | {x['output_tokens_per_s']:.0f} | {ms(x, 'ttft_ms')} | {ms(x, 'itl_ms')} |")

@@ -321,6 +321,42 @@ pub struct Engine<B: FusedOps, M: EngineModel<B>> {
     startup: Option<Startup>,
 }
 
+/// Runs one request through a small engine over `model` before the KV pool is sized from the
+/// device's free memory: a prompt of the longest prefill chunk (or the context, less one
+/// token), then a decode step. The weights' device copies that kernels make at their first call
+/// (a packed weight's upload, its prefill copy) and the step's working memory are then taken,
+/// so the pool leaves them room, and the first real request finds the kernels loaded.
+fn profile<B: FusedOps, M: EngineModel<B>>(
+    model: &M,
+    cfg: &EngineConfig,
+) -> Result<(), EngineError> {
+    let context = cfg.context.min(model.max_positions());
+    let prompt = cfg.max_prefill_tokens.min(context.saturating_sub(2)).max(1);
+    let small = EngineConfig {
+        kv_pages: Some((prompt + 2).div_ceil(cfg.page_size.max(1)) + 1),
+        max_waiting: 1,
+        prefix_caching: false,
+        ..cfg.clone()
+    };
+    let mut engine = Engine::<B, &M>::build(model, small, None)?;
+    let vocab = model.vocab().max(1);
+    let ids = (0..prompt)
+        .map(|i| ((i * 7919 + 1) % vocab) as u32)
+        .collect();
+    engine.add(
+        ids,
+        Params {
+            max_tokens: 2,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    )?;
+    while engine.has_work() {
+        engine.step()?;
+    }
+    Ok(())
+}
+
 /// What the first token waited for (logged at `info` under the target `stoke`).
 #[derive(Clone, Copy, Debug)]
 struct Startup {
@@ -334,6 +370,23 @@ impl<B: FusedOps, M: EngineModel<B>> Engine<B, M> {
     /// An engine over `model`, its decoder sized by `cfg`; `detok` turns tokens into text
     /// (needed for stop strings; without it events carry no text).
     pub fn new(
+        model: M,
+        cfg: EngineConfig,
+        detok: Option<Arc<dyn Detokenize>>,
+    ) -> Result<Self, EngineError> {
+        let device = model.device();
+        if cfg.kv_pages.is_none() && B::device_memory(&device).is_some() {
+            // The pool is sized from the memory left free: what the weights and a step take
+            // is known only once they ran (a packed weight's device copies are made at its
+            // first kernel call).
+            profile(&model, &cfg)?;
+            B::memory_cleanup(&device);
+        }
+        Self::build(model, cfg, detok)
+    }
+
+    /// [`Engine::new`] without the profiling run.
+    fn build(
         model: M,
         cfg: EngineConfig,
         detok: Option<Arc<dyn Detokenize>>,

@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod server;
 pub mod worker;
 
+use axum::serve::ListenerExt;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -43,6 +44,13 @@ pub async fn serve(
             worker.abort_all();
         });
     };
+    // Each streamed token is a small write: without TCP_NODELAY, Nagle's algorithm holds one
+    // until the client acknowledges the previous (a delayed ACK: tens of milliseconds).
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!("stoke serve: TCP_NODELAY not set on a connection: {e}");
+        }
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await

@@ -142,6 +142,13 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         } else {
             r.parse().map_err(|e| format!("rate `{r}`: {e}"))?
         };
+        if rate.is_nan() || rate <= 0.0 {
+            // A saturating run that completed nothing leaves no rate to take a share of.
+            let error = format!("rate `{r}` is {rate} requests/s: not run");
+            eprintln!("{error}");
+            runs.push(json!({"rate_arg": r, "error": error}));
+            continue;
+        }
         let n = match args.duration {
             Some(d) if rate.is_finite() => (rate * d).ceil() as usize,
             _ => args.requests,
