@@ -38,7 +38,8 @@
 #          the PyTorch decode-step and transformers peers (STOKE_NO_PEERS=1 skips them)
 #   serve: stoke-serve (started under setsid) under stoke-load, the saturating rate and fractions of
 #          it (SmolLM2, then the 8B-shaped random-INT4 model; STOKE_SERVE_MODELS=smollm2 picks
-#          a part; STOKE_LOAD_REQUESTS per rate, default 256), each server then stopped with
+#          a part; STOKE_LOAD_REQUESTS per rate, default 256; STOKE_SERVE_FLAGS: more server
+#          flags, e.g. --max-running 64), each server then stopped with
 #          SIGTERM (its exit status recorded); then transformers' continuous batching on the same
 #          SmolLM2 schedules (STOKE_NO_PEERS=1 skips it): OUTDIR/load-MODEL.json, serve-MODEL.log
 #   soak [SECONDS]: stoke-serve with SmolLM2 at STOKE_SOAK_FRACTION (default 0.7) of the
@@ -188,7 +189,8 @@ if [ "$what" = serve ]; then
       8b) flags=(--synthetic llama-3.1-8b); vocab=49152; reqs=$(( n / 2 )) ;;
       *) echo "unknown model $m"; status=1; continue ;;
     esac
-    start_server "$m" --context 4096 "${flags[@]}" || { status=1; continue; }
+    # shellcheck disable=SC2086
+    start_server "$m" --context 4096 "${flags[@]}" ${STOKE_SERVE_FLAGS:-} || { status=1; continue; }
     "$bundle/stoke-load" --url http://127.0.0.1:8000 --rates inf,0.25x,0.5x,0.75x         --requests "$reqs" --vocab "$vocab" --server-pid "$server_pid" --name "$m"         --schedules "$out/schedules" --json "$out/load-$m.json" > /dev/null 2> "$out/load-$m.log" || status=1
     cat "$out/load-$m.log"
     curl -s http://127.0.0.1:8000/metrics > "$out/metrics-$m.txt"

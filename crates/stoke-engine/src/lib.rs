@@ -621,12 +621,7 @@ impl<B: FusedOps, M: EngineModel<B>> Engine<B, M> {
             r.state = State::Running { lane };
             r.pos = pos + 1;
         }
-        let running: Vec<usize> = (0..self.lanes.len())
-            .filter(|&l| {
-                self.lanes[l]
-                    .is_some_and(|id| matches!(self.requests[&id].state, State::Running { .. }))
-            })
-            .collect();
+        let mut running = self.running_lanes();
         let mut events = std::mem::take(&mut self.finished);
         if let Some(&last) = running.last() {
             // The first step at a new row bucket warms up: the tokens queued before it (a
@@ -639,7 +634,11 @@ impl<B: FusedOps, M: EngineModel<B>> Engine<B, M> {
                 }
                 fresh = 0;
                 self.startup_wait(t);
+                // Those tokens may have ended requests: their lanes are free now.
+                running = self.running_lanes();
             }
+        }
+        if !running.is_empty() {
             let model = &self.model;
             stoke::decode_step::<B>(&mut self.dec, &mut |d| model.decode_forward(d))?;
             let owners = running.iter().map(|&l| self.owner(l)).collect();
@@ -690,6 +689,16 @@ impl<B: FusedOps, M: EngineModel<B>> Engine<B, M> {
         if let Some(s) = &mut self.startup {
             s.wait += since.elapsed();
         }
+    }
+
+    /// The lanes whose requests decode (their prompts done), in order.
+    fn running_lanes(&self) -> Vec<usize> {
+        (0..self.lanes.len())
+            .filter(|&l| {
+                self.lanes[l]
+                    .is_some_and(|id| matches!(self.requests[&id].state, State::Running { .. }))
+            })
+            .collect()
     }
 
     fn owner(&self, lane: usize) -> (usize, (RequestId, u64)) {

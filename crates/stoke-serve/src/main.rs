@@ -65,7 +65,8 @@ struct Args {
     /// KV pages in the pool (default: from --kv-memory and the device's free memory).
     #[arg(long)]
     kv_pages: Option<usize>,
-    /// Share of the device's free memory the KV pool may take.
+    /// Share of the device's free memory the KV pool may take (measured after one warm-up
+    /// request has made the weights' device copies).
     #[arg(long, default_value_t = 0.8)]
     kv_memory: f64,
     /// The KV cache format decode attention reads.

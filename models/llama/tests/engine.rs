@@ -143,6 +143,40 @@ fn staggered_requests_get_the_tokens_they_get_alone() {
     }
 }
 
+/// Requests that end on a token taken while the decode step warms up at a new row bucket (the
+/// engine takes the tokens already queued first): one token only on a fresh engine, and short
+/// requests whose arrivals open new buckets while others end. Each ends with its tokens, and
+/// the ones still running go on.
+#[test]
+fn requests_ending_while_a_new_bucket_warms_up() {
+    let l = loaded::<B>();
+    let p = prompts();
+    let one = |i| Params {
+        max_tokens: 1,
+        ..greedy(i)
+    };
+    let mut e = Engine::new(&l.model, config(4, None), None).unwrap();
+    let (done, _) = drive(&mut e, &p, &[vec![(0, one(0))]]);
+    assert_eq!(done[&0].0.len(), 1);
+    assert_eq!(done[&0].1, FinishReason::MaxTokens);
+    // Lanes 0..3 fill one by one while requests of 1 to 3 tokens end.
+    let short = |i: usize| Params {
+        max_tokens: 1 + i % 3,
+        ..greedy(i)
+    };
+    let mut arrivals = vec![Vec::new(); 8];
+    for (i, step) in [0, 1, 1, 2, 3, 5].into_iter().enumerate() {
+        arrivals[step].push((i, short(i)));
+    }
+    let mut e = Engine::new(&l.model, config(4, None), None).unwrap();
+    let (done, _) = drive(&mut e, &p, &arrivals);
+    let want = alone(&l.model, &p, &short);
+    for i in 0..p.len() {
+        assert_eq!(done[&i].0, want[i], "request {i}");
+        assert_eq!(done[&i].1, FinishReason::MaxTokens, "request {i}");
+    }
+}
+
 #[test]
 fn stoke_ndarray_engine_matches_ndarray() {
     // The same requests on Stoke's CPU kernels give the same greedy tokens.
