@@ -1029,7 +1029,9 @@ def render_engine(w, res, path):
             if "completed" not in r:
                 w(f"| {r.get('name') or r.get('file')} | error: {r.get('error', '?')[:80]} | | | | |")
                 continue
-            w(f"| {r.get('name', '')} | {r.get('mode', '')} | {r['requests_per_s'] or 0:.2f} | {r['output_tokens_per_s'] or 0:.0f} | {(r.get('ttft_ms') or {}).get('p50', 0):.0f} | {r['completed']}/{r['requests']} |")
+            rate = r.get("rate")
+            rate = "all at once" if rate in (None, "inf") else f"{rate:.3g}/s"
+            w(f"| {r.get('name', '')}, {rate} | {r.get('mode', '')} | {r['requests_per_s'] or 0:.2f} | {r['output_tokens_per_s'] or 0:.0f} | {(r.get('ttft_ms') or {}).get('p50', 0):.0f} | {r['completed']}/{r['requests']} |")
         w("")
     if res.get("tests"):
         render_tests(w, [{"name": t["name"], "status": t["status"], "seconds": t.get("seconds", 0.0),
@@ -1074,7 +1076,9 @@ def render_serve(w, res, path):
                 w(f"| {r.get('name') or r.get('file')} | error: {r.get('error', '?')[:80]} | | | | | |")
                 continue
             t, i = r.get("ttft_ms") or {}, r.get("itl_ms") or {}
-            w(f"| {r.get('name', '')} | {r.get('mode', '')} | {r['requests_per_s'] or 0:.2f} | {r['output_tokens_per_s'] or 0:.0f} | {t.get('p50', 0):.0f} / {t.get('p99', 0):.0f} | {i.get('p50', 0):.1f} / {i.get('p99', 0):.1f} | {r['completed']}/{r['requests']} |")
+            rate = r.get("rate")
+            rate = "all at once" if rate in (None, "inf") else f"{rate:.3g}/s"
+            w(f"| {r.get('name', '')}, {rate} | {r.get('mode', '')} | {r['requests_per_s'] or 0:.2f} | {r['output_tokens_per_s'] or 0:.0f} | {t.get('p50', 0):.0f} / {t.get('p99', 0):.0f} | {i.get('p50', 0):.1f} / {i.get('p99', 0):.1f} | {r['completed']}/{r['requests']} |")
         w("")
     for key, label in (("soak_gpu", "Soak on the GPU"), ("soak_cpu", "Soak on the CPU")):
         soak = res.get(key)
@@ -1085,12 +1089,16 @@ def render_serve(w, res, path):
         def mem(m):
             parts = [f"{m[k]:.1f} MiB {name}" for k, name in (("host_rss_mib", "resident"), ("gpu_used_mib", "GPU")) if m.get(k) is not None]
             return ", ".join(parts) or "not read"
-        w(f"{label} ({soak.get('where', '')}): {x['requests']} requests at {run['rate']:.3g}/s over {x['wall_s']:.0f} s, {x['errors']} errors, {x['output_tokens_per_s']:.0f} output tokens/s, TTFT p50 / p99 {(x.get('ttft_ms') or {}).get('p50', 0):.0f} / {(x.get('ttft_ms') or {}).get('p99', 0):.0f} ms, ITL p50 / p99 {(x.get('itl_ms') or {}).get('p50', 0):.0f} / {(x.get('itl_ms') or {}).get('p99', 0):.0f} ms; server memory at the start {mem(run['memory_start'])}, at the end {mem(run['memory_end'])}.")
+        w(f"{label} ({soak.get('where', '')}): {x['requests']} requests at {run['rate']:.3g}/s over {x['wall_s']:.0f} s, {x['errors']} errors, {x['output_tokens_per_s']:.0f} output tokens/s, TTFT p50 / p99 {(x.get('ttft_ms') or {}).get('p50', 0):.0f} / {(x.get('ttft_ms') or {}).get('p99', 0):.0f} ms, ITL p50 / p99 {(x.get('itl_ms') or {}).get('p50', 0):.1f} / {(x.get('itl_ms') or {}).get('p99', 0):.1f} ms; server memory at the start {mem(run['memory_start'])}, at the end {mem(run['memory_end'])}.")
         w("")
-        w("| from s | requests | errors | TTFT p99 ms | ITL p99 ms |")
-        w("| ---: | ---: | ---: | ---: | ---: |")
-        for win in run["over_time"]:
-            w(f"| {win['from_s']:.0f} | {win['requests']} | {win['errors']} | {win['ttft_p99_ms'] or 0:.1f} | {win['itl_p99_ms'] or 0:.1f} |")
+        mem_t = run.get("memory_over_time") or []
+        def at_end(i, k):
+            v = (mem_t[i] or {}).get(k) if i < len(mem_t) else None
+            return "" if v is None else f"{v:.0f}"
+        w("| from s | requests | errors | TTFT p99 ms | ITL p99 ms | resident MiB at its end | GPU MiB at its end |")
+        w("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for i, win in enumerate(run["over_time"]):
+            w(f"| {win['from_s']:.0f} | {win['requests']} | {win['errors']} | {win['ttft_p99_ms'] or 0:.1f} | {win['itl_p99_ms'] or 0:.1f} | {at_end(i, 'host_rss_mib')} | {at_end(i, 'gpu_used_mib')} |")
         w("")
 
 

@@ -167,7 +167,25 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
                 .map_err(|e| format!("{}: {e}", f.display()))?;
         }
         let before = memory(args.server_pid);
+        // The server's memory every window while the rate runs (nvidia-smi is a process: read
+        // off the runtime's threads).
+        let samples = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Value>::new()));
+        let sampler = {
+            let (pid, window, samples) = (args.server_pid, args.window, samples.clone());
+            tokio::spawn(async move {
+                let t0 = std::time::Instant::now();
+                loop {
+                    tokio::time::sleep(Duration::from_secs_f64(window)).await;
+                    let mut m = tokio::task::spawn_blocking(move || memory(pid))
+                        .await
+                        .unwrap_or(Value::Null);
+                    m["t_s"] = json!(t0.elapsed().as_secs_f64());
+                    samples.lock().expect("the sampler's list").push(m);
+                }
+            })
+        };
         let (o, wall) = replay(&client, &target, &s).await;
+        sampler.abort();
         let summary = summarize(&o, wall);
         if rate.is_infinite() {
             saturating = summary["requests_per_s"].as_f64();
@@ -176,7 +194,8 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         runs.push(
             json!({"rate_arg": r, "rate": if rate.is_finite() { json!(rate) } else { json!("inf") },
             "seed": seed, "result": summary, "over_time": over_time(&o, args.window),
-            "memory_start": before, "memory_end": memory(args.server_pid)}),
+            "memory_start": before, "memory_end": memory(args.server_pid),
+            "memory_over_time": std::mem::take(&mut *samples.lock().expect("the sampler's list"))}),
         );
     }
     let out = json!({"url": args.url, "prompt_tokens": [args.prompt.0, args.prompt.1],
