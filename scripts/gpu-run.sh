@@ -44,7 +44,7 @@
 #          SmolLM2 schedules (STOKE_NO_PEERS=1 skips it): OUTDIR/load-MODEL.json, serve-MODEL.log
 #   soak [SECONDS]: stoke-serve with SmolLM2 at STOKE_SOAK_FRACTION (default 0.7) of the
 #          saturating rate for SECONDS (default 480): OUTDIR/soak.json (errors, p99 and memory
-#          over time)
+#          over time; STOKE_SOAK_WINDOW: seconds per window, default 60)
 #   all:   GPU tests, kernel benchmarks, PyTorch peers (fits one 10-minute call)
 #   STOKE_BENCH_ONLY=1 skips the int4 / attention test (run it first with `test NAME`).
 #   llama: the SmolLM2 prefill/decode baseline alone (needs the model in STOKE_MODEL_CACHE)
@@ -210,7 +210,7 @@ fi
 if [ "$what" = soak ]; then
   secs=${1:-480}
   start_server soak --context 4096 || exit 1
-  "$bundle/stoke-load" --url http://127.0.0.1:8000 --rates inf,"${STOKE_SOAK_FRACTION:-0.7}x"       --requests 256 --duration "$secs" --window 60 --server-pid "$server_pid" --name soak       --json "$out/soak.json" > /dev/null 2> "$out/soak.log" || status=1
+  "$bundle/stoke-load" --url http://127.0.0.1:8000 --rates inf,"${STOKE_SOAK_FRACTION:-0.7}x"       --requests 256 --duration "$secs" --window "${STOKE_SOAK_WINDOW:-60}" --server-pid "$server_pid" --name soak       --json "$out/soak.json" > /dev/null 2> "$out/soak.log" || status=1
   cat "$out/soak.log"
   curl -s http://127.0.0.1:8000/metrics > "$out/metrics-soak.txt"
   stop_server soak
