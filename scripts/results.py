@@ -1192,7 +1192,7 @@ def render(res, results_path, extras=()):
         render_llama(w, res, results_path)
     for path in extras:
         extra = json.loads(Path(path).read_text())
-        if "http_serving" in extra or "soak_cpu" in extra:
+        if any(k in extra for k in ("http_serving", "soak_cpu", "soak_gpu")):
             render_serve(w, extra, path)
         elif "decode_step" in extra or "serving" in extra:
             render_engine(w, extra, path)
