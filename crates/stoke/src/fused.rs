@@ -24,9 +24,7 @@ pub trait FusedOps: Backend {
         gamma: FloatTensor<Self>,
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let sum = Self::float_add(x, residual);
-        let normed = rms_norm_reference::<Self>(sum.clone(), gamma, eps);
-        (sum, normed)
+        residual_rms_norm_reference::<Self>(x, residual, gamma, eps)
     }
 
     /// `residual + x W` for a linear weight `W [k, n]` (Burn's layout): the residual add of an
@@ -188,6 +186,18 @@ pub fn swiglu_reference<B: Backend>(y: FloatTensor<B>) -> FloatTensor<B> {
     let mut out_dims = dims;
     *out_dims.last_mut().unwrap() = n / 2;
     B::float_reshape(float(out), Shape::from(out_dims))
+}
+
+/// The reference residual RMSNorm composition on any backend: `(x + residual, normed)`.
+pub fn residual_rms_norm_reference<B: Backend>(
+    x: FloatTensor<B>,
+    residual: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    eps: f64,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let sum = B::float_add(x, residual);
+    let normed = rms_norm_reference::<B>(sum.clone(), gamma, eps);
+    (sum, normed)
 }
 
 /// The reference RMSNorm composition on any backend.

@@ -4,7 +4,7 @@
 
 pub(crate) use crate::capture::inner_op;
 use crate::device::Kernels;
-use crate::fused::{FusedOps, rms_norm_reference, swiglu_reference};
+use crate::fused::{FusedOps, residual_rms_norm_reference, rms_norm_reference, swiglu_reference};
 use crate::stoke::Stoke;
 use crate::tensor::{StokeTensor, lift_float, lower_float};
 use burn_backend::DType;
@@ -103,10 +103,7 @@ impl<I: Backend> FusedOps for Stoke<I> {
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         match Active::rms_norm::<I>(&x, Some(&residual), &gamma, eps) {
             Some((normed, Some(sum))) => (sum, normed),
-            _ => {
-                let sum = Self::float_add(x, residual);
-                (sum.clone(), rms_norm_reference::<Self>(sum, gamma, eps))
-            }
+            _ => residual_rms_norm_reference::<Self>(x, residual, gamma, eps),
         }
     }
 }
