@@ -14,8 +14,16 @@
 //        residual  out[r, c] = acc[r, c] + residual[r, c]          (sum in f32, rounded once)
 //        swiglu    out[r, j] = silu(acc[r, 2j]) * acc[r, 2j + 1]   (gate/up interleaved; out is
 //                                                                    [m, n / 2])
-//        where acc = (x W)[r, c] * row_scale[r] when row_scale is non-null (the RMSNorm row
-//        factor when the norm's gain is folded into W), else (x W)[r, c].
+//        where acc = (x W)[r, c] * f[r], f[r] the product of row_scale[r] (when non-null) and
+//        the row factor of a folded RMSNorm (when ss_in is non-null, below), else 1.
+//   The RMSNorm fold, which takes the norm between two GEMMs off its own launch:
+//        producer (norm_gain non-null; residual and plain epilogues): besides out, writes
+//          gained[r, c] = out[r, c] * norm_gain[c] (bf16, from the rounded out) and, per 64-column
+//          slab j, norm_ss[j * norm_stride + r] = sum over the slab of out[r, c]^2 (f32, from the
+//          rounded out; one warp stores each (slab, row), so no atomics and no zeroing);
+//        consumer (ss_in non-null, x = the producer's gained): the row factor
+//          f[r] = rsqrt(sum_j ss_in[j * norm_stride + r] / k + eps), j < k / 64, so that
+//          f[r] (gained W)[r, c] = (rms_norm(out, norm_gain, eps) W)[r, c] up to bf16 rounding.
 //   SC   bf16s / f16s: the type of the group scales and offsets.
 //
 // Work split: block = (128, 1, 1) (4 warps); grid = (n / 64, splits, 1). Each CTA owns a
@@ -52,13 +60,19 @@ struct Int4GemmParams {
     const float* row_scale; // [m] or null
     float* workspace;       // [m, n] f32 zeros (splits != 1 without clusters)
     u32* counters;          // [n / 64 * 2] zeros (splits != 1; one per CTA column)
+    const void* norm_gain;  // [n] bf16, or null: no folded RMSNorm reads out (producer side)
+    void* gained;           // [m, n] bf16 out * norm_gain (with norm_gain)
+    float* norm_ss;         // [n / 64][norm_stride] f32 slab sums of out^2 (with norm_gain)
+    const float* ss_in;     // [k / 64][norm_stride] f32, or null: x is not a folded norm's input
     u32 m, k, n, group;
     u32 fold_kt;            // k-tiles per fold unit
     u32 splits;             // CTAs per slab along k (gridDim.y)
     u32 kt_stride;          // 512-byte blocks between k-tiles of one slab (the word order:
     u32 slab_stride;        //   n / 64 and 1 k-tile major, 1 and k / 16 slab major)
+    u32 norm_stride;        // rows between slabs of norm_ss and ss_in (the call's rows)
+    float eps;              // the folded norm's epsilon (with ss_in)
 };
-static_assert(sizeof(Int4GemmParams) == 104, "Int4GemmParams layout");
+static_assert(sizeof(Int4GemmParams) == 144, "Int4GemmParams layout");
 
 constexpr int WARPS = 4;
 enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
@@ -89,14 +103,28 @@ __device__ __forceinline__ u32 nibble_pair(u32 w) {
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
 
-// Epilogue for columns (c, c + 1) of row r, c even.
+// A folded norm's producer side for columns (c, c + 1) of row r (their rounded values in
+// packed): the gained pair, and the slab's sum of squares of the row, reduced across the warp
+// (see store_pair). Kept out of line: the kernels' main loops stay at their register budget.
+__device__ __noinline__ void norm_out(const u32* gain, u32* gained, float* norm_ss, u32 n, u32 stride, u32 r, u32 c,
+                                      u32 packed) {
+    // The rounded values, as a norm reading out would see them.
+    const float h0 = bf16_lo(packed), h1 = bf16_hi(packed);
+    const u32 g = gain[c / 2];
+    gained[(u64(r) * n + c) / 2] = pack_bf16x2(h0 * bf16_lo(g), h1 * bf16_hi(g));
+    float ss = fmaf(h0, h0, h1 * h1);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if ((threadIdx.x & 31) == 0) norm_ss[u64(c / 64) * stride + r] = ss;
+}
+
+// Epilogue for columns (c, c + 1) of row r, c even, with the row's factor f. The 32 lanes of a
+// warp call it together for the 32 column pairs of one row of one slab (every caller deals
+// (row, pair) items to consecutive threads, 32 per row), which the folded norm's slab sums use.
 template <int EPI>
-__device__ __forceinline__ void store_pair(const Int4GemmParams& p, u32 r, u32 c, float v0, float v1) {
-    if (p.row_scale != nullptr) {
-        const float s = p.row_scale[r];
-        v0 *= s;
-        v1 *= s;
-    }
+__device__ __forceinline__ void store_pair(const Int4GemmParams& p, u32 r, u32 c, float v0, float v1, float f) {
+    v0 *= f;
+    v1 *= f;
     if (EPI == EPI_SWIGLU) {
         static_cast<u16*>(p.out)[u64(r) * (p.n / 2) + c / 2] = to_bf16(silu(v0) * v1);
     } else {
@@ -105,8 +133,36 @@ __device__ __forceinline__ void store_pair(const Int4GemmParams& p, u32 r, u32 c
             v0 += bf16_lo(res);
             v1 += bf16_hi(res);
         }
-        static_cast<u32*>(p.out)[(u64(r) * p.n + c) / 2] = pack_bf16x2(v0, v1);
+        const u32 packed = pack_bf16x2(v0, v1);
+        static_cast<u32*>(p.out)[(u64(r) * p.n + c) / 2] = packed;
+        if (p.norm_gain != nullptr) {
+            norm_out(static_cast<const u32*>(p.norm_gain), static_cast<u32*>(p.gained), p.norm_ss, p.n, p.norm_stride,
+                     r, c, packed);
+        }
     }
+}
+
+// Each row's factor f (store_pair) for rows row0 .. row0 + rows - 1 into f[0 .. rows): the
+// product of row_scale and a folded norm's row factor, 1 without either. Every thread of the
+// CTA calls it; the caller synchronizes before reading f.
+__device__ __noinline__ void row_factors_of(const float* ss_in, const float* row_scale, u32 k, u32 stride, float eps,
+                                            u32 row0, u32 rows, float* f) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (u32 r = warp; r < rows; r += blockDim.x >> 5) {
+        float v = 1.0f;
+        if (ss_in != nullptr) {
+            float s = 0.0f;
+            for (u32 j = lane; j < k / 64; j += 32) s += ss_in[u64(j) * stride + row0 + r];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            v = rsqrtf(s / float(k) + eps);
+        }
+        if (row_scale != nullptr) v *= row_scale[row0 + r];
+        if (lane == 0) f[r] = v;
+    }
+}
+__device__ __forceinline__ void row_factors(const Int4GemmParams& p, u32 row0, u32 rows, float* f) {
+    row_factors_of(p.ss_in, p.row_scale, p.k, p.norm_stride, p.eps, row0, rows, f);
 }
 
 __device__ __forceinline__ u32 frag_col(int n8, u32 t) { return (n8 >> 1) * 16 + (n8 & 1) * 8 + 2 * t; }
@@ -141,14 +197,14 @@ struct GroupWalk {
 // zeros back: items i0, i0 + step, ... of its (row, column pair) items.
 template <int EPI>
 __device__ __forceinline__ void store_from_workspace(const Int4GemmParams& p, u32 slab, u32 row0, u32 rows, u32 i0,
-                                                     u32 step) {
+                                                     u32 step, const float* f) {
     for (u32 i = i0; i < rows * 32; i += step) {
         const u32 r = i / 32, c = 2 * (i % 32);
         float* ws = p.workspace + u64(row0 + r) * p.n + slab * 64 + c;
         const float v0 = load_cg(ws), v1 = load_cg(ws + 1);
         ws[0] = 0.0f;
         ws[1] = 0.0f;
-        store_pair<EPI>(p, row0 + r, slab * 64 + c, v0, v1);
+        store_pair<EPI>(p, row0 + r, slab * 64 + c, v0, v1, f[r]);
     }
 }
 
@@ -162,11 +218,13 @@ constexpr int RED_PITCH = 64 + 4;
 template <int MT, int EPI, int SLOTS = WARPS>
 __device__ __forceinline__ void reduce_and_store(const Int4GemmParams& p, float* red, u32 slab, u32 row0) {
     __shared__ u32 last_cta;
+    __shared__ float f[MT * 16];
     auto at = [&](u32 w, u32 row, u32 col) -> float& {
         return red[(w * (MT * 16) + row) * RED_PITCH + col];
     };
-    __syncthreads();
     const u32 rows = min(p.m - row0, u32(MT * 16));
+    row_factors(p, row0, rows, f);
+    __syncthreads();
     const u32 pairs = rows * 32;  // (row, column pair) items of this slab
     // Sum of the warps' values at (r, c) and (r, c + 1).
     auto warp_sum = [&](u32 r, u32 c, float& v0, float& v1) {
@@ -184,7 +242,7 @@ __device__ __forceinline__ void reduce_and_store(const Int4GemmParams& p, float*
         float v0, v1;
         warp_sum(r, c, v0, v1);
         if (p.splits == 1) {
-            store_pair<EPI>(p, row0 + r, slab * 64 + c, v0, v1);
+            store_pair<EPI>(p, row0 + r, slab * 64 + c, v0, v1, f[r]);
         } else if (dsmem) {
             // Warp 0's slot of (r, c) holds the CTA's sum from here on (only this thread reads
             // or writes it).
@@ -212,7 +270,7 @@ __device__ __forceinline__ void reduce_and_store(const Int4GemmParams& p, float*
                     v1 += v.y;
                 }
             }
-            store_pair<EPI>(p, row0 + r, slab * 64 + c, v0, v1);
+            store_pair<EPI>(p, row0 + r, slab * 64 + c, v0, v1, f[r]);
         }
         cluster_sync();  // every CTA's tile stays until the cluster has read it
         return;
@@ -223,7 +281,7 @@ __device__ __forceinline__ void reduce_and_store(const Int4GemmParams& p, float*
     __syncthreads();
     if (!last_cta) return;
     __threadfence();
-    store_from_workspace<EPI>(p, slab, row0, rows, threadIdx.x, blockDim.x);
+    store_from_workspace<EPI>(p, slab, row0, rows, threadIdx.x, blockDim.x, f);
     if (threadIdx.x == 0) p.counters[blockIdx.x] = 0;
 }
 

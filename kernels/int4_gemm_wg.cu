@@ -52,7 +52,7 @@ struct Int4WgParams {
     Int4GemmParams p;
     TensorMap x_map;
 };
-static_assert(sizeof(Int4WgParams) == 256, "Int4WgParams layout");
+static_assert(sizeof(Int4WgParams) == 320, "Int4WgParams layout");
 
 static_assert(WG_BATCH % 4 == 0, "x comes in boxes of 4 steps");
 

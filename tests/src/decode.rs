@@ -210,6 +210,20 @@ fn compare(
     let stoke_model = load::<StokeCuda>(path, capacity)?;
     let graphed = run(&stoke_model, p, steps, capacity, kv, false, f, stoke_stats)?;
     let eager = run(&stoke_model, p, steps, capacity, kv, true, f, stoke_stats)?;
+    // The step with each RMSNorm a launch of its own (the reference layout of the step).
+    let mut separate_model = stoke_model.clone();
+    separate_model.plan.separate_norms = true;
+    let separate = run(
+        &separate_model,
+        p,
+        steps,
+        capacity,
+        kv,
+        false,
+        f,
+        stoke_stats,
+    )?;
+    drop(separate_model);
     // Greedy, ids taken one step late as generation takes them.
     let free = run(
         &stoke_model,
@@ -259,6 +273,7 @@ fn compare(
     };
     let max = |v: &[f64]| v.iter().copied().fold(0f64, f64::max);
     let vs_eager = max(&per_step(&graphed, &eager));
+    let vs_separate = max(&per_step(&graphed, &separate));
     let stoke_vs_exact = per_step(&graphed, &exact);
     let vs_exact = max(&stoke_vs_exact);
     let round3 = |v: &[f64]| {
@@ -277,6 +292,7 @@ fn compare(
         "batch": batch, "kv_cache": format!("{kv:?}"), "prefill_chunk": chunk, "steps": steps,
         "max_rel_err_vs_f32_reference": vs_exact,
         "max_rel_err_graphed_vs_eager": vs_eager,
+        "max_rel_err_folded_vs_separate_norms": vs_separate,
         "rel_err_vs_f32_per_step": round3(&stoke_vs_exact),
         "argmax_equal_to_f32_reference": agree, "argmax_total": total,
         "bound": {"rel_err": bound.rel_err, "agree": bound.agree},
@@ -285,6 +301,11 @@ fn compare(
     if !(vs_eager < 1e-2) {
         return Err(format!(
             "{what}: graphed vs eager logits differ by {vs_eager:.3e}"
+        ));
+    }
+    if !(vs_separate < 2e-2) || separate.logits.len() != graphed.logits.len() {
+        return Err(format!(
+            "{what}: folded vs separate norms: logits differ by {vs_separate:.3e}"
         ));
     }
     if !(vs_exact <= bound.rel_err) || (agree as f64) < bound.agree * total as f64 {
@@ -823,10 +844,22 @@ fn smol_bench(path: &Path, packed: bool) -> Result<Value, String> {
     .map_err(|e| e.to_string())?;
     let model = l.model.pinned();
     let mut points = Vec::new();
-    for batch in [1, 8, 32] {
-        points.push(time_steps(&model, batch, 1024, KvCacheFormat::Bf16, 200)?);
+    for (m, norms) in [(&model, "folded"), (&separate_norms(&model), "separate")] {
+        for batch in [1, 8, 32] {
+            let mut p = time_steps(m, batch, 1024, KvCacheFormat::Bf16, 200)?;
+            p["norms"] = json!(norms);
+            points.push(p);
+        }
     }
     Ok(json!(points))
+}
+
+/// `model` with each RMSNorm between two projections a launch of its own (the plan's
+/// `separate_norms`): the step before the norms were folded, for comparison.
+fn separate_norms(model: &Llama<StokeCuda>) -> Llama<StokeCuda> {
+    let mut m = model.clone();
+    m.plan.separate_norms = true;
+    m
 }
 
 pub(crate) fn llama_config(
@@ -874,6 +907,18 @@ pub fn bench(copy_gbps: f64) -> Value {
         for (batch, ctx) in [(1, 1024), (8, 1024), (32, 4096)] {
             for kv in [KvCacheFormat::Bf16, KvCacheFormat::Int4] {
                 points.push(report(time_steps(&model, batch, ctx, kv, 50)));
+            }
+        }
+        // The same model with each RMSNorm a launch of its own, at the ends of the range.
+        if !int4_head {
+            let separate = separate_norms(&model);
+            for (batch, ctx, kv) in [
+                (1, 1024, KvCacheFormat::Bf16),
+                (32, 4096, KvCacheFormat::Int4),
+            ] {
+                let mut p = report(time_steps(&separate, batch, ctx, kv, 50));
+                p["norms"] = json!("separate");
+                points.push(p);
             }
         }
         out[key] = json!(points);

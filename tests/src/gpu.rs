@@ -46,6 +46,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::int4::int4_linear_epilogues_match_reference,
     ),
     (
+        "int4_folded_norm_matches_reference",
+        crate::int4::int4_folded_norm_matches_reference,
+    ),
+    (
         "bf16_gemm_matches_reference",
         crate::dense::bf16_gemm_matches_reference,
     ),

@@ -279,6 +279,7 @@ fn gemm_matches_reference() -> Result<Value, String> {
                             epilogue: epi,
                             residual: rb.as_ref().map_or(DevicePtr::NULL, |b| b.as_ptr()),
                             row_scale: sb.as_ref().map_or(DevicePtr::NULL, |b| b.as_ptr()),
+                            norm: stoke_cuda::int4::NormFold::NONE,
                             splits,
                             wg_rows: u32::from(wg),
                             tune: false,
@@ -384,6 +385,7 @@ pub fn int4_tuned_plan_matches_reference() -> Result<Value, String> {
                     epilogue: epi,
                     residual: rb.as_ref().map_or(DevicePtr::NULL, |b| b.as_ptr()),
                     row_scale: sb.as_ref().map_or(DevicePtr::NULL, |b| b.as_ptr()),
+                    norm: stoke_cuda::int4::NormFold::NONE,
                     splits: 0,
                     wg_rows: stoke_cuda::int4::wg_rows_default(),
                     tune: true,
@@ -905,4 +907,179 @@ pub fn int4_linear_epilogues_match_reference() -> Result<Value, String> {
         ));
     }
     Ok(report)
+}
+
+/// The RMSNorm folded across two W4A16 calls (`NormFold`): a residual producer writes `h`, the
+/// gained rows `h * gain` and the per-slab sums of `h^2`; a consumer reads the gained rows and
+/// scales each row by `rsqrt(mean(h^2) + eps)` in its epilogue (plain, residual and SwiGLU).
+/// Against f64 over the dequantized weights on fresh random data with poisoned buffers: the
+/// producer's `h` against `x W1 + r`, its gained rows against `h * gain` rounded, its sums
+/// against `h^2` by slab; the consumer against `f (gained W2)` (the kernel's arithmetic) and
+/// against `rms_norm(h) W2` (the norm it stands for; bf16 rounding of the normed rows apart).
+/// Rows 1-64 (the swapped, warpgroup and batched kernels; two launches past 32), the plan's
+/// splits and one, symmetric groups of 64 and asymmetric GGUF groups of 32.
+pub fn int4_folded_norm_matches_reference() -> Result<Value, String> {
+    let rt = crate::gpu()?;
+    rt.set_poison_allocations(true);
+    let seed = crate::seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let eps = 1e-5f64;
+    let mut worst = [0f64; 4];
+    let mut checked = 0usize;
+    // (k of the producer, its n = the consumer's k, the consumer's n, group, asymmetric)
+    for (k1, n, n2, group, asym) in [
+        (576usize, 576usize, 1536usize, 32usize, true),
+        (1024, 2048, 1024, 64, false),
+    ] {
+        let st = ScaleType::F16;
+        let p1 = random_weight(&mut rng, k1, n, group, st, asym);
+        let p2 = random_weight(&mut rng, n, n2, group, st, asym);
+        let (w1, w2) = (p1.dequantize(), p2.dequantize());
+        let (d1, d2) = (upload(&rt, &p1), upload(&rt, &p2));
+        let gain: Vec<f32> = (0..n)
+            .map(|_| bf16::round(rng.random_range(0.5f32..1.5)))
+            .collect();
+        let gb = put_u16(
+            &rt,
+            &gain.iter().map(|v| bf16::from_f32(*v)).collect::<Vec<_>>(),
+        );
+        for m in [1usize, 3, 8, 16, 32, 64] {
+            let x: Vec<f32> = (0..m * k1)
+                .map(|_| bf16::round(rng.random_range(-2.0f32..2.0)))
+                .collect();
+            let xb = put_u16(
+                &rt,
+                &x.iter().map(|v| bf16::from_f32(*v)).collect::<Vec<_>>(),
+            );
+            let EpilogueInputs { residual, rb, .. } =
+                epilogue_inputs(&rt, &mut rng, (m, n), Epilogue::Residual, false);
+            for (splits, wg) in [(0u32, false), (1, false), (0, true)] {
+                let what = format!(
+                    "seed {seed}: m {m} k {k1} n {n} n2 {n2} group {group}{} splits {splits}{}",
+                    if asym { " asymmetric" } else { "" },
+                    if wg { " warpgroup" } else { "" }
+                );
+                let h = rt.alloc(m * n * 2).map_err(|e| e.to_string())?;
+                let gained = rt.alloc(m * n * 2).map_err(|e| e.to_string())?;
+                let ss = rt.alloc(n / 64 * m * 4).map_err(|e| e.to_string())?;
+                let producer = Int4Gemm {
+                    x: xb.as_ptr(),
+                    m: m as u32,
+                    out: h.as_mut_ptr(),
+                    epilogue: Epilogue::Residual,
+                    residual: rb.as_ref().map_or(DevicePtr::NULL, |b| b.as_ptr()),
+                    row_scale: DevicePtr::NULL,
+                    norm: stoke_cuda::int4::NormFold {
+                        gain: gb.as_ptr(),
+                        gained: gained.as_mut_ptr(),
+                        ss_out: ss.as_mut_ptr(),
+                        ..stoke_cuda::int4::NormFold::NONE
+                    },
+                    splits,
+                    wg_rows: u32::from(wg),
+                    tune: false,
+                };
+                unsafe { int4_gemm(&rt, &d1, &producer) }.map_err(|e| format!("{what}: {e}"))?;
+                let hv = try_get_bf16(&h).map_err(|e| format!("{what}: {e}"))?;
+                let gv = get_bf16(&gained);
+                let sv = get_f32(&ss);
+                if hv.iter().chain(&gv).chain(&sv).any(|v| !v.is_finite()) {
+                    return Err(format!("{what}: unwritten (poisoned) producer outputs"));
+                }
+                let want_h = reference(&x, m, &w1, k1, n, Epilogue::Residual, &residual, None);
+                let e_h = relative_error(&hv, &want_h);
+                let want_g: Vec<f64> = (0..m * n)
+                    .map(|i| bf16::round((hv[i] * gain[i % n] as f64) as f32) as f64)
+                    .collect();
+                let e_g = relative_error(&gv, &want_g);
+                let want_ss: Vec<f64> = (0..n / 64 * m)
+                    .map(|i| {
+                        let (slab, r) = (i / m, i % m);
+                        (0..64).map(|c| hv[r * n + slab * 64 + c].powi(2)).sum()
+                    })
+                    .collect();
+                let e_ss = relative_error(&sv, &want_ss);
+                if !(e_h < TOLERANCE && e_g < 1e-3 && e_ss < 1e-5) {
+                    return Err(format!(
+                        "{what}: producer relative errors h {e_h:.3e}, gained {e_g:.3e}, sums {e_ss:.3e}"
+                    ));
+                }
+                // The row factors from the rounded h, and the rows the norm stands for.
+                let f: Vec<f32> = (0..m)
+                    .map(|r| {
+                        let ms =
+                            hv[r * n..(r + 1) * n].iter().map(|v| v * v).sum::<f64>() / n as f64;
+                        (1.0 / (ms + eps).sqrt()) as f32
+                    })
+                    .collect();
+                let gained_x: Vec<f32> = gv.iter().map(|v| *v as f32).collect();
+                let normed: Vec<f32> = (0..m * n)
+                    .map(|i| hv[i] as f32 * f[i / n] * gain[i % n])
+                    .collect();
+                for epi in [Epilogue::Plain, Epilogue::Residual, Epilogue::SwiGlu] {
+                    let EpilogueInputs {
+                        residual: r2,
+                        rb: rb2,
+                        ..
+                    } = epilogue_inputs(&rt, &mut rng, (m, n2), epi, false);
+                    let y = rt
+                        .alloc(m * epi.out_cols(n2) * 2)
+                        .map_err(|e| e.to_string())?;
+                    let consumer = Int4Gemm {
+                        x: gained.as_ptr(),
+                        m: m as u32,
+                        out: y.as_mut_ptr(),
+                        epilogue: epi,
+                        residual: rb2.as_ref().map_or(DevicePtr::NULL, |b| b.as_ptr()),
+                        row_scale: DevicePtr::NULL,
+                        norm: stoke_cuda::int4::NormFold {
+                            ss_in: ss.as_ptr(),
+                            eps: eps as f32,
+                            ..stoke_cuda::int4::NormFold::NONE
+                        },
+                        splits,
+                        wg_rows: u32::from(wg),
+                        tune: false,
+                    };
+                    unsafe { int4_gemm(&rt, &d2, &consumer) }
+                        .map_err(|e| format!("{what} {epi:?}: {e}"))?;
+                    let yv = try_get_bf16(&y).map_err(|e| format!("{what} {epi:?}: {e}"))?;
+                    if yv.iter().any(|v| !v.is_finite()) {
+                        return Err(format!("{what} {epi:?}: unwritten (poisoned) outputs"));
+                    }
+                    let exact = reference(&gained_x, m, &w2, n, n2, epi, &r2, Some(&f));
+                    let meant = reference(&normed, m, &w2, n, n2, epi, &r2, None);
+                    let (e_y, e_meant) = (relative_error(&yv, &exact), relative_error(&yv, &meant));
+                    worst = [
+                        worst[0].max(e_h),
+                        worst[1].max(e_ss),
+                        worst[2].max(e_y),
+                        worst[3].max(e_meant),
+                    ];
+                    checked += 1;
+                    if !(e_y < TOLERANCE && e_meant < 1e-2) {
+                        return Err(format!(
+                            "{what} {epi:?}: consumer relative error {e_y:.3e} (kernel \
+                             arithmetic), {e_meant:.3e} (the norm's rows)"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    rt.set_poison_allocations(false);
+    Ok(json!({
+        "seed": seed, "cases": checked, "max_rel_err_h": worst[0], "max_rel_err_sums": worst[1],
+        "max_rel_err_consumer": worst[2], "max_rel_err_vs_normed_rows": worst[3],
+        "tolerance": TOLERANCE,
+    }))
+}
+
+fn get_f32(buf: &DeviceBuffer) -> Vec<f64> {
+    let mut bytes = vec![0u8; buf.bytes()];
+    unsafe { buf.runtime().copy_dtoh(&mut bytes, buf.ptr()) }.unwrap();
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+        .collect()
 }

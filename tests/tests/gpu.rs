@@ -25,6 +25,7 @@ gpu_tests!(
     int4_gemm_matches_dequantized_reference,
     int4_tuned_plan_matches_reference,
     int4_linear_epilogues_match_reference,
+    int4_folded_norm_matches_reference,
     bf16_gemm_matches_reference,
     rms_norm_then_int4_gemm_matches_synchronized,
     smollm2_int4_decode_matches_dequantized,

@@ -183,6 +183,8 @@ pub struct Int4Gemm {
     pub epilogue: Epilogue,
     pub residual: DevicePtr<bf16>,
     pub row_scale: DevicePtr<f32>,
+    /// An RMSNorm folded across this call (its output's norm, or its input's).
+    pub norm: NormFold,
     /// CTAs per 64-column slab along k; 0 lets the plan choose (benchmarks sweep it).
     pub splits: u32,
     /// Launches of at least this many rows use the warpgroup kernels (`int4_gemm_wg_*`) where
@@ -192,6 +194,36 @@ pub struct Int4Gemm {
     /// Time the candidate plans on the first call of each shape and row count and use the
     /// fastest from then on (calls with `splits` 0, up to 32 rows; see [`tune_default`]).
     pub tune: bool,
+}
+
+/// An RMSNorm between two W4A16 calls folded into them, so that it takes no launch of its own
+/// (`kernels/int4_gemm.cuh`): the call that writes the norm's input `h` also writes `h * gain`
+/// (`gained`) and per-row sums of `h^2` by 64-column slab (`ss_out`, `[n / 64][m]` f32); the
+/// call that reads the normalized rows reads `gained` as its `x` and those sums (`ss_in`), and
+/// scales each row by `rsqrt(sum / k + eps)` in its epilogue. [`NormFold::NONE`]: neither.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NormFold {
+    /// Producer: the norm's gain `[n]` bf16 (null: this call's output feeds no folded norm).
+    pub gain: DevicePtr<bf16>,
+    /// Producer: `[m, n]` bf16, `out * gain`.
+    pub gained: DevicePtrMut<bf16>,
+    /// Producer: `[n / 64][m]` f32.
+    pub ss_out: DevicePtrMut<f32>,
+    /// Consumer: `[k / 64][m]` f32 from the producer (null: `x` is plain).
+    pub ss_in: DevicePtr<f32>,
+    /// Consumer: the norm's epsilon.
+    pub eps: f32,
+}
+
+impl NormFold {
+    /// No folded norm on either side.
+    pub const NONE: Self = Self {
+        gain: DevicePtr::NULL,
+        gained: DevicePtrMut::NULL,
+        ss_out: DevicePtrMut::NULL,
+        ss_in: DevicePtr::NULL,
+        eps: 0.0,
+    };
 }
 
 impl Int4Gemm {
@@ -205,6 +237,7 @@ impl Int4Gemm {
             epilogue: Epilogue::Plain,
             residual: DevicePtr::NULL,
             row_scale: DevicePtr::NULL,
+            norm: NormFold::NONE,
             splits: 0,
             wg_rows: 0,
             tune: false,
@@ -396,6 +429,22 @@ unsafe fn launch_planned(
             },
             workspace,
             counters,
+            norm_gain: call.norm.gain,
+            gained: if call.norm.gain.is_null() {
+                DevicePtrMut::NULL
+            } else {
+                call.norm.gained.add(r0 * w.n as usize)
+            },
+            norm_ss: if call.norm.gain.is_null() {
+                DevicePtrMut::NULL
+            } else {
+                call.norm.ss_out.add(r0)
+            },
+            ss_in: if call.norm.ss_in.is_null() {
+                DevicePtr::NULL
+            } else {
+                call.norm.ss_in.add(r0)
+            },
             m: l.rows,
             k: w.k,
             n: w.n,
@@ -404,6 +453,8 @@ unsafe fn launch_planned(
             splits: l.splits,
             kt_stride,
             slab_stride,
+            norm_stride: call.m,
+            eps: call.norm.eps,
         };
         // The launch shape (the m32 and warpgroup kernels' shared memory: their `_dyn_smem`
         // global) and cluster of the loaded kernel.
@@ -824,6 +875,24 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
             "INT4 GEMM residual epilogue",
             "a residual input",
             "none",
+        )));
+    }
+    if !call.norm.gain.is_null()
+        && (call.epilogue == Epilogue::SwiGlu
+            || call.norm.gained.is_null()
+            || call.norm.ss_out.is_null())
+    {
+        return Err(Error::Shape(ShapeError::new(
+            "INT4 GEMM folded norm output",
+            "a plain or residual epilogue with gained and slab-sum outputs",
+            format!("{:?} epilogue", call.epilogue),
+        )));
+    }
+    if !call.norm.ss_in.is_null() && !w.k.is_multiple_of(64) {
+        return Err(Error::Shape(ShapeError::new(
+            "INT4 GEMM folded norm input",
+            "k a multiple of 64 (the producer's slabs)",
+            format!("k {}", w.k),
         )));
     }
     // The warpgroup kernels take symmetric weights only, and x through the copy engine

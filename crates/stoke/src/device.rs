@@ -26,6 +26,18 @@ pub(crate) trait Kernels {
         None
     }
 
+    /// `s = residual + x @ weight` and `rms_norm(s, gamma, eps)` with the norm folded into the
+    /// GEMMs around it: `(s, normed)`, or `None` where no kernel applies.
+    fn linear_residual_rms_norm<I: Backend>(
+        _x: &StokeTensor<I>,
+        _weight: &StokeTensor<I>,
+        _residual: &StokeTensor<I>,
+        _gamma: &StokeTensor<I>,
+        _eps: f64,
+    ) -> Option<(StokeTensor<I>, StokeTensor<I>)> {
+        None
+    }
+
     /// RMSNorm of `x` (plus `residual`): `(normed, sum)`, `sum` only with a residual; `None`
     /// where no kernel applies.
     fn rms_norm<I: Backend>(
@@ -80,6 +92,17 @@ impl<A: Kernels, B: Kernels> Kernels for (A, B) {
     ) -> Option<StokeTensor<I>> {
         A::linear(x, weight, epilogue, residual)
             .or_else(|| B::linear(x, weight, epilogue, residual))
+    }
+
+    fn linear_residual_rms_norm<I: Backend>(
+        x: &StokeTensor<I>,
+        weight: &StokeTensor<I>,
+        residual: &StokeTensor<I>,
+        gamma: &StokeTensor<I>,
+        eps: f64,
+    ) -> Option<(StokeTensor<I>, StokeTensor<I>)> {
+        A::linear_residual_rms_norm(x, weight, residual, gamma, eps)
+            .or_else(|| B::linear_residual_rms_norm(x, weight, residual, gamma, eps))
     }
 
     fn rms_norm<I: Backend>(

@@ -37,6 +37,22 @@ pub trait FusedOps: Backend {
         Self::float_add(Self::linear(x, weight, None), residual)
     }
 
+    /// `s = residual + x W` and `rms_norm(s, gamma, eps)`; returns `(s, normed)`. Where a kernel
+    /// applies the norm takes no launch of its own: the GEMM writes what the projection that
+    /// reads `normed` needs (`s * gamma` and `s`'s row statistics), and that projection applies
+    /// the row factor in its epilogue; anything else reading `normed` normalizes it first.
+    fn linear_residual_rms_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let s = Self::linear_residual(x, weight, residual);
+        let normed = Self::rms_norm(s.clone(), gamma, eps);
+        (s, normed)
+    }
+
     /// SwiGLU of a gate/up projection whose columns are interleaved (gate `j` at column `2j`,
     /// up `j` at `2j + 1`; see `PackedInt4::interleave_columns`): `silu(x W[:, 2j]) * x W[:, 2j + 1]`,
     /// shape `[.., n / 2]`.
@@ -297,6 +313,30 @@ pub fn linear_residual<B: FusedOps, const D: usize>(
         float(linear.weight.val()),
         float(residual),
     ))
+}
+
+/// `s = residual + linear(x)` (the linear's bias included) and `rms_norm(s, gamma, eps)`, the
+/// norm folded into the GEMMs around it where kernels apply
+/// ([`FusedOps::linear_residual_rms_norm`]). Returns `(s, normed)`.
+pub fn linear_residual_rms_norm<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    linear: &burn::nn::Linear<B>,
+    residual: Tensor<B, D>,
+    gamma: Tensor<B, 1>,
+    eps: f64,
+) -> (Tensor<B, D>, Tensor<B, D>) {
+    let residual = match &linear.bias {
+        Some(b) => residual + b.val().unsqueeze(),
+        None => residual,
+    };
+    let (s, normed) = B::linear_residual_rms_norm(
+        float(x),
+        float(linear.weight.val()),
+        float(residual),
+        float(gamma),
+        eps,
+    );
+    (tensor(s), tensor(normed))
 }
 
 /// A model's output head: `linear.forward(x)` ([`FusedOps::output_head`]).

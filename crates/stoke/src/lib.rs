@@ -44,7 +44,8 @@ pub use decode::{
     prefill_attention, prefill_qkv_attention, prefill_sample,
 };
 pub use fused::{
-    FusedOps, linear_residual, linear_swiglu, output_head, residual_rms_norm, rms_norm,
+    FusedOps, linear_residual, linear_residual_rms_norm, linear_swiglu, output_head,
+    residual_rms_norm, rms_norm,
 };
 pub use plan::{Plan, PrefillMode, WeightPlan, WeightRole};
 pub use stoke::Stoke;

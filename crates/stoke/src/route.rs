@@ -77,6 +77,22 @@ impl<I: Backend> FusedOps for Stoke<I> {
             .unwrap_or_else(|| Self::float_add(Self::linear(x, weight, None), residual))
     }
 
+    fn linear_residual_rms_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if let Some(r) = Active::linear_residual_rms_norm::<I>(&x, &weight, &residual, &gamma, eps)
+        {
+            return r;
+        }
+        let s = Self::linear_residual(x, weight, residual);
+        let normed = Self::rms_norm(s.clone(), gamma, eps);
+        (s, normed)
+    }
+
     fn linear_swiglu(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
         use stoke_cuda::kernels::int4_gemm::Epilogue;
         Active::linear::<I>(&x, &weight, Epilogue::SwiGlu, None)

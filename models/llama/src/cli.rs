@@ -99,6 +99,7 @@ pub fn plan(prefill: Prefill, kv: Option<KvCache>) -> stoke::Plan {
             Prefill::Fp8Int4 => stoke::PrefillMode::Fp8Int4,
         },
         kv_format: kv_format(kv),
+        ..stoke::Plan::default()
     }
 }
 

@@ -631,13 +631,21 @@ impl<B: FusedOps> Llama<B> {
         mut attend: impl FnMut(usize, Tensor<B, 3>, &Linear<B>) -> Result<Tensor<B, 3>, E>,
     ) -> Result<Tensor<B, 3>, E> {
         let eps = self.rms_norm_eps;
+        // A residual projection and the norm of its output: folded into the GEMMs around the
+        // norm unless the plan keeps each norm a launch of its own.
+        let project_norm = |a: Tensor<B, 3>, proj: &Linear<B>, res: Tensor<B, 3>, gain| {
+            if self.plan.separate_norms {
+                let s = stoke::linear_residual(a, proj, res);
+                (s.clone(), stoke::rms_norm(s, gain, eps))
+            } else {
+                stoke::linear_residual_rms_norm(a, proj, res, gain, eps)
+            }
+        };
         for (l, layer) in self.layers.iter().enumerate() {
             let attn = attend(l, normed, &layer.attn.qkv_proj)?;
-            let h = stoke::linear_residual(attn, &layer.attn.o_proj, x);
-            let n = stoke::rms_norm(h.clone(), layer.mlp_norm.val(), eps);
+            let (h, n) = project_norm(attn, &layer.attn.o_proj, x, layer.mlp_norm.val());
             let g = stoke::linear_swiglu(n, &layer.mlp.gate_up_proj);
-            x = stoke::linear_residual(g, &layer.mlp.down_proj, h);
-            normed = stoke::rms_norm(x.clone(), self.next_gamma(l), eps);
+            (x, normed) = project_norm(g, &layer.mlp.down_proj, h, self.next_gamma(l));
         }
         Ok(normed)
     }

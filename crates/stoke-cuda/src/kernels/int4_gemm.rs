@@ -7,7 +7,7 @@
 //!
 
 /// The kernels' single argument, passed by value. Mirrors `struct Int4GemmParams` in
-/// `kernels/int4_gemm.cuh` field for field (the header asserts `sizeof == 104`).
+/// `kernels/int4_gemm.cuh` field for field (the header asserts `sizeof == 144`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Int4GemmParams {
@@ -30,6 +30,17 @@ pub struct Int4GemmParams {
     pub workspace: DevicePtrMut<f32>,
     /// [`counters_len`] u32, all zeros on entry (left zeroed); needed when `splits != 1`.
     pub counters: DevicePtrMut<u32>,
+    /// The gain `[n]` bf16 of an RMSNorm folded into the GEMM that reads `out` (null: none);
+    /// the kernel then also writes `gained` and `norm_ss` (`kernels/int4_gemm.cuh`).
+    pub norm_gain: DevicePtr<bf16>,
+    /// `[m, n]` bf16: `out * norm_gain` (with `norm_gain`).
+    pub gained: DevicePtrMut<bf16>,
+    /// `[n / 64][norm_stride]` f32: each 64-column slab's sum of `out^2` per row (with
+    /// `norm_gain`).
+    pub norm_ss: DevicePtrMut<f32>,
+    /// `[k / 64][norm_stride]` f32 slab sums of a folded norm's input, or null: `x` is the
+    /// producer's `gained`, and each row is scaled by `rsqrt(sum / k + eps)`.
+    pub ss_in: DevicePtr<f32>,
     pub m: u32,
     pub k: u32,
     pub n: u32,
@@ -41,6 +52,10 @@ pub struct Int4GemmParams {
     /// `(k / 16, 1)` swapped for [`WordOrder::SlabMajor`] (see [`WordOrder::strides`]).
     pub kt_stride: u32,
     pub slab_stride: u32,
+    /// Rows between slabs of `norm_ss` and `ss_in` (the call's rows).
+    pub norm_stride: u32,
+    /// The folded norm's epsilon (with `ss_in`).
+    pub eps: f32,
 }
 
 /// The order of the 512-byte blocks (one k-tile of 16 rows x one slab of 64 columns) of a
@@ -513,20 +528,23 @@ mod tests {
     #[test]
     fn params_layout_matches_c() {
         let header = include_str!("../../../../kernels/int4_gemm.cuh");
-        assert_eq!(std::mem::size_of::<Int4WgParams>(), 256);
-        assert_eq!(std::mem::offset_of!(Int4WgParams, x_map), 128);
+        assert_eq!(std::mem::size_of::<Int4WgParams>(), 320);
+        assert_eq!(std::mem::offset_of!(Int4WgParams, x_map), 192);
         assert!(
             super::super::INT4_GEMM_WG
                 .source
-                .contains(r#"static_assert(sizeof(Int4WgParams) == 256"#)
+                .contains(r#"static_assert(sizeof(Int4WgParams) == 320"#)
         );
         assert_eq!(wg_rows_of("int4_gemm_wg_swiglu_f16s_n32"), Some(32));
         assert_eq!(wg_rows_of("int4_gemm_swap_plain_bf16s"), None);
-        assert_eq!(std::mem::size_of::<Int4GemmParams>(), 104);
-        assert!(header.contains(r#"static_assert(sizeof(Int4GemmParams) == 104"#));
-        assert_eq!(std::mem::offset_of!(Int4GemmParams, m), 72);
-        assert_eq!(std::mem::offset_of!(Int4GemmParams, splits), 92);
-        assert_eq!(std::mem::offset_of!(Int4GemmParams, slab_stride), 100);
+        assert_eq!(std::mem::size_of::<Int4GemmParams>(), 144);
+        assert!(header.contains(r#"static_assert(sizeof(Int4GemmParams) == 144"#));
+        assert_eq!(std::mem::offset_of!(Int4GemmParams, norm_gain), 72);
+        assert_eq!(std::mem::offset_of!(Int4GemmParams, ss_in), 96);
+        assert_eq!(std::mem::offset_of!(Int4GemmParams, m), 104);
+        assert_eq!(std::mem::offset_of!(Int4GemmParams, splits), 124);
+        assert_eq!(std::mem::offset_of!(Int4GemmParams, slab_stride), 132);
+        assert_eq!(std::mem::offset_of!(Int4GemmParams, eps), 140);
     }
 
     #[test]

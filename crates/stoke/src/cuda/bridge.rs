@@ -380,6 +380,10 @@ impl KernelInput {
                 _pin: None,
             };
         }
+        if let Some(n) = t.downcast_ref::<super::int4_linear::FoldedNorm<I>>() {
+            // Its normalized rows, computed on Stoke's stream and kept as long as `t`.
+            return Self::resolve(rt, n.normed(), device);
+        }
         if let Some(n) = t.downcast_ref::<super::prefill_linear::RmsNormed<I>>() {
             // Its normalized rows, computed on Stoke's stream and kept as long as `t`.
             return Self::resolve(rt, n.normed(), device);

@@ -70,6 +70,16 @@ impl crate::device::Kernels for Gpu {
         try_linear::<I>(x, weight, epilogue, residual)
     }
 
+    fn linear_residual_rms_norm<I: burn_backend::Backend>(
+        x: &crate::tensor::StokeTensor<I>,
+        weight: &crate::tensor::StokeTensor<I>,
+        residual: &crate::tensor::StokeTensor<I>,
+        gamma: &crate::tensor::StokeTensor<I>,
+        eps: f64,
+    ) -> Option<(crate::tensor::StokeTensor<I>, crate::tensor::StokeTensor<I>)> {
+        int4_linear::try_linear_residual_rms_norm::<I>(x, weight, residual, gamma, eps)
+    }
+
     fn rms_norm<I: burn_backend::Backend>(
         x: &crate::tensor::StokeTensor<I>,
         residual: Option<&crate::tensor::StokeTensor<I>>,
