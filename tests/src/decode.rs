@@ -844,7 +844,14 @@ fn smol_bench(path: &Path, packed: bool) -> Result<Value, String> {
     .map_err(|e| e.to_string())?;
     let model = l.model.pinned();
     let mut points = Vec::new();
-    for (m, norms) in [(&model, "folded"), (&separate_norms(&model), "separate")] {
+    // The folded norms apply to the packed INT4 projections; the bf16 model runs them alone.
+    let separate = separate_norms(&model);
+    let variants = if packed {
+        vec![(&model, "folded"), (&separate, "separate")]
+    } else {
+        vec![(&model, "separate")]
+    };
+    for (m, norms) in variants {
         for batch in [1, 8, 32] {
             let mut p = time_steps(m, batch, 1024, KvCacheFormat::Bf16, 200)?;
             p["norms"] = json!(norms);
