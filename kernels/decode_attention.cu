@@ -170,52 +170,6 @@ static_assert(sizeof(AttnParams) == 144, "AttnParams layout");
 // Cache append
 // ---------------------------------------------------------------------------------------------
 
-// Writes one K or V row held by a warp (lane l: bf16 values l E .. l E + E - 1 in `w`) at
-// (slot, kv head h, pos) of the main cache and, rotated and quantized, of the mirror.
-template <int D>
-__device__ __forceinline__ void append_words(const KvCache& main, const KvCache& m, u32 block, u32 slot, u32 pos, u32 h,
-                                             u32 is_v, u32 kvh, u32 lane, const u32 (&w)[D / 64]) {
-    constexpr int E = D / 32;
-    if (main.k) {
-        store_words<E / 2>(static_cast<u16*>(is_v ? main.v : main.k) + kv_row(main, slot, h, pos) * D + lane * E, w);
-    }
-    if (!m.k) return;
-    float x[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) x[e] = bf16_lo(u16(w[e / 2] >> (16 * (e % 2))));
-    hadamard_regs<D>(x, block, lane);
-    float amax = 0.0f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(x[e]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const u64 r = kv_row(m, slot, h, pos);
-    if (m.format == FMT_FP8) {
-        const float s = kv_fp8_scale(amax);
-        u32 codes = 0;
-#pragma unroll
-        for (int e = 0; e < E; ++e) codes |= kv_fp8_code(x[e], s) << (8 * e);
-        u8* dst = static_cast<u8*>(is_v ? m.v : m.k) + r * D + lane * E;
-        if (E == 4)
-            *reinterpret_cast<u32*>(dst) = codes;
-        else
-            *reinterpret_cast<u16*>(dst) = u16(codes);
-        if (lane == 0) (is_v ? m.vs : m.ks)[r] = s;
-    } else {
-        const float s = kv_int4_scale(amax);
-        // Byte j: value 2j in the low nibble, 2j + 1 in the high one (keys and values alike).
-        u32 nib = 0;
-#pragma unroll
-        for (int e = 0; e < E; ++e) nib |= kv_int4_nibble(x[e], s) << (4 * e);
-        u8* dst = static_cast<u8*>(is_v ? m.v : m.k) + r * (D / 2) + lane * (E / 2);
-        if (E == 4)
-            *reinterpret_cast<u16*>(dst) = u16(nib);
-        else
-            *dst = u8(nib);
-        if (lane == 0) (is_v ? m.vs : m.ks)[r] = s;
-    }
-}
-
 // One warp per (slot, kv head, K or V) item.
 template <int D>
 __device__ __forceinline__ void append_row(const AppendParams& p, u32 b, u32 h, u32 is_v, u32 kvh, u32 lane) {

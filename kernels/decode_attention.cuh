@@ -5,38 +5,6 @@
 // the include line before NVRTC compiles (kernels::expand_includes).
 
 
-// In-place normalized Walsh-Hadamard transform of each `block` (a power of two up to D; 0: none)
-// consecutive values of a D-vector held by one warp in registers, lane l holding values
-// l E .. l E + E - 1 (E = D / 32): the butterflies of distance below E inside the lane, the
-// rest across lanes by shuffles (one per value and pass).
-template <int D>
-__device__ __forceinline__ void hadamard_regs(float (&x)[D / 32], u32 block, u32 lane) {
-    constexpr int E = D / 32;
-    if (block == 0) return;
-#pragma unroll
-    for (int h = 1; h < E; h <<= 1)
-#pragma unroll
-        for (int a = 0; a < E; ++a)
-            if (!(a & h) && u32(h) < block) {
-                const float u = x[a], v = x[a + h];
-                x[a] = u + v;
-                x[a + h] = u - v;
-            }
-#pragma unroll
-    for (u32 hl = 1; hl < 32; hl <<= 1) {  // lane distance hl: value distance hl E
-        if (hl * E >= block) break;
-        const bool upper = lane & hl;
-#pragma unroll
-        for (int a = 0; a < E; ++a) {
-            const float y = __shfl_xor_sync(0xffffffffu, x[a], hl);
-            x[a] = upper ? y - x[a] : x[a] + y;
-        }
-    }
-    const float norm = rsqrtf(float(block));
-#pragma unroll
-    for (int a = 0; a < E; ++a) x[a] *= norm;
-}
-
 // E consecutive floats at p (E = 2 or 4, aligned): shared memory, or with CG global memory
 // through the L2 only (data other CTAs wrote during this kernel).
 template <int E, bool CG = false>
@@ -60,15 +28,6 @@ __device__ __forceinline__ void store_floats(float* p, const float (&x)[E]) {
         *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1 % E], x[2 % E], x[3 % E]);
     else
         *reinterpret_cast<float2*>(p) = make_float2(x[0], x[E - 1]);
-}
-
-// N (1 or 2) words stored at p (aligned).
-template <int N>
-__device__ __forceinline__ void store_words(u16* p, const u32 (&w)[N]) {
-    if (N == 2)
-        *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[N - 1]);
-    else
-        *reinterpret_cast<u32*>(p) = w[0];
 }
 
 // E (2 or 4) floats as bf16 at p (aligned).

@@ -1,6 +1,6 @@
 // W4A16 GEMM, the part every kernel family shares: y = x W with x bf16 [m, k], W packed INT4
 // [k, n] (docs/INT4_FORMAT.md), f32 accumulation, bf16 output and a fused epilogue. Included
-// after ptx.cuh by int4_gemm_swap.cu, int4_gemm_wg.cu and int4_gemm_batched.cu.
+// after ptx.cuh and kv_row.cuh by int4_gemm_swap.cu, int4_gemm_wg.cu and int4_gemm_batched.cu.
 //
 // Three kernel families, one launch per 32-row chunk of x, chosen by the plan
 // (crates/stoke-cuda/src/kernels/int4_gemm.rs):
@@ -14,6 +14,7 @@
 //        residual  out[r, c] = acc[r, c] + residual[r, c]          (sum in f32, rounded once)
 //        swiglu    out[r, j] = silu(acc[r, 2j]) * acc[r, 2j + 1]   (gate/up interleaved; out is
 //                                                                    [m, n / 2])
+//        with qkv (plain only): the decode q|k|v epilogue (QkvRope below): out is q [m, heads * 64]
 //        where acc = (x W)[r, c] * f[r], f[r] the product of row_scale[r] (when non-null) and
 //        the row factor of a folded RMSNorm (when ss_in is non-null, below), else 1.
 //   The RMSNorm fold, which takes the norm between two GEMMs off its own launch:
@@ -50,6 +51,20 @@
 // with programmatic stream serialization), NAME_cluster (1: split-K launches may form clusters
 // along k), NAME_dyn_smem (dynamic shared memory the launch needs).
 
+// The decode q|k|v epilogue for heads of 64 (a 64-column slab is one head: q heads, then k, then
+// v): RoPE and the cache append of rope_append (decode_attention.cu) on the GEMM's rounded
+// outputs, with the same bits; q goes to out ([m, heads * 64]). One per layer in device memory.
+struct QkvRope {
+    const float* rope;    // [max_pos, 32, 2] (cos, sin)
+    const u32* slot_of;   // [rows of the call]
+    const u32* pos;       // [rows] position of each row's token
+    u32* len;             // [rows] written: pos + 1
+    KvCache main;         // kv_row.cuh
+    KvCache mirror;
+    u32 heads, block, max_pos, pad;
+};
+static_assert(sizeof(QkvRope) == 176, "QkvRope layout");
+
 struct Int4GemmParams {
     const void* x;          // [m, k] bf16, row-major
     const void* words;      // k * n / 8 words in fragment order
@@ -64,6 +79,7 @@ struct Int4GemmParams {
     void* gained;           // [m, n] bf16 out * norm_gain (with norm_gain)
     float* norm_ss;         // [n / 64][norm_stride] f32 slab sums of out^2 (with norm_gain)
     const float* ss_in;     // [k / 64][norm_stride] f32, or null: x is not a folded norm's input
+    const QkvRope* qkv;     // the decode q|k|v epilogue (plain epilogue), or null
     u32 m, k, n, group;
     u32 fold_kt;            // k-tiles per fold unit
     u32 splits;             // CTAs per slab along k (gridDim.y)
@@ -71,8 +87,10 @@ struct Int4GemmParams {
     u32 slab_stride;        //   n / 64 and 1 k-tile major, 1 and k / 16 slab major)
     u32 norm_stride;        // rows between slabs of norm_ss and ss_in (the call's rows)
     float eps;              // the folded norm's epsilon (with ss_in)
+    u32 row0;               // the launch's first row in the call (qkv's per-row arrays)
+    u32 pad;
 };
-static_assert(sizeof(Int4GemmParams) == 144, "Int4GemmParams layout");
+static_assert(sizeof(Int4GemmParams) == 160, "Int4GemmParams layout");
 
 constexpr int WARPS = 4;
 enum { EPI_PLAIN = 0, EPI_RESIDUAL = 1, EPI_SWIGLU = 2 };
@@ -118,6 +136,36 @@ __device__ __noinline__ void norm_out(const u32* gain, u32* gained, float* norm_
     if ((threadIdx.x & 31) == 0) norm_ss[u64(c / 64) * stride + r] = ss;
 }
 
+// The q|k|v epilogue of columns (c, c + 1) of row r (grow: the call's row) holding v0, v1: the
+// lanes of a warp hold one head's 64 values (see store_pair), as rope_append's warps do.
+__device__ __noinline__ void qkv_out(const QkvRope* qp, u16* q_out, u32 r, u32 grow, u32 c, float v0, float v1) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 item = c / 64, heads = qp->heads;
+    const u32 kvh = qp->main.k ? qp->main.kv_heads : qp->mirror.kv_heads;
+    const u32 pos = qp->pos[grow];
+    if (item == 0 && lane == 0) qp->len[grow] = pos + 1;
+    u32 w[1] = {pack_bf16x2(v0, v1)};
+    if (item < heads + kvh) {
+        // Lane l holds dims 2l, 2l + 1; their rotation partners (d +- 32) are in lane l ^ 16.
+        const float* cs = qp->rope + (u64(min(pos, qp->max_pos - 1)) * 32 + (lane & 15) * 2) * 2;
+        float y[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float x = bf16_lo(u16(w[0] >> (16 * e)));
+            const float other = __shfl_xor_sync(0xffffffffu, x, 16);
+            y[e] = rope_rotate(x, other, cs[2 * e], cs[2 * e + 1], lane >= 16);
+        }
+        w[0] = pack_bf16x2(y[0], y[1]);
+    }
+    if (item < heads) {
+        store_words<1>(q_out + (u64(r) * heads + item) * 64 + lane * 2, w);
+        return;
+    }
+    const u32 is_v = item >= heads + kvh;
+    append_words<64>(qp->main, qp->mirror, qp->block, qp->slot_of[grow], pos, item - heads - is_v * kvh, is_v, kvh,
+                     lane, w);
+}
+
 // Epilogue for columns (c, c + 1) of row r, c even, with the row's factor f. The 32 lanes of a
 // warp call it together for the 32 column pairs of one row of one slab (every caller deals
 // (row, pair) items to consecutive threads, 32 per row), which the folded norm's slab sums use.
@@ -128,6 +176,10 @@ __device__ __forceinline__ void store_pair(const Int4GemmParams& p, u32 r, u32 c
     if (EPI == EPI_SWIGLU) {
         static_cast<u16*>(p.out)[u64(r) * (p.n / 2) + c / 2] = to_bf16(silu(v0) * v1);
     } else {
+        if (EPI == EPI_PLAIN && p.qkv != nullptr) {
+            qkv_out(p.qkv, static_cast<u16*>(p.out), r, p.row0 + r, c, v0, v1);
+            return;
+        }
         if (EPI == EPI_RESIDUAL) {
             const u32 res = static_cast<const u32*>(p.residual)[(u64(r) * p.n + c) / 2];
             v0 += bf16_lo(res);

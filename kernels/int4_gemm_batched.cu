@@ -20,6 +20,7 @@
 //   Resident CTAs per SM: 3 at m16, 2 at m32 (the launch bounds).
 
 #include "ptx.cuh"
+#include "kv_row.cuh"
 #include "int4_gemm.cuh"
 
 constexpr int SMEM_STAGES = 4;

@@ -26,6 +26,7 @@
 // before griddepcontrol.wait; x and every write come after it.
 
 #include "ptx.cuh"
+#include "kv_row.cuh"
 #include "int4_gemm.cuh"
 
 constexpr int SWAP_KB = 4;

@@ -39,6 +39,7 @@
 //             clustered splits.
 
 #include "ptx.cuh"
+#include "kv_row.cuh"
 #include "int4_gemm.cuh"
 
 constexpr int WG_BATCH = 4;

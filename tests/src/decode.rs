@@ -210,9 +210,9 @@ fn compare(
     let stoke_model = load::<StokeCuda>(path, capacity)?;
     let graphed = run(&stoke_model, p, steps, capacity, kv, false, f, stoke_stats)?;
     let eager = run(&stoke_model, p, steps, capacity, kv, true, f, stoke_stats)?;
-    // The step with each RMSNorm a launch of its own (the reference layout of the step).
+    // The step in its reference layout (each RMSNorm, and RoPE with the append, a launch of its own).
     let mut separate_model = stoke_model.clone();
-    separate_model.plan.separate_norms = true;
+    separate_model.plan.separate_launches = true;
     let separate = run(
         &separate_model,
         p,
@@ -292,7 +292,7 @@ fn compare(
         "batch": batch, "kv_cache": format!("{kv:?}"), "prefill_chunk": chunk, "steps": steps,
         "max_rel_err_vs_f32_reference": vs_exact,
         "max_rel_err_graphed_vs_eager": vs_eager,
-        "max_rel_err_folded_vs_separate_norms": vs_separate,
+        "max_rel_err_fused_vs_separate_launches": vs_separate,
         "rel_err_vs_f32_per_step": round3(&stoke_vs_exact),
         "argmax_equal_to_f32_reference": agree, "argmax_total": total,
         "bound": {"rel_err": bound.rel_err, "agree": bound.agree},
@@ -305,7 +305,7 @@ fn compare(
     }
     if !(vs_separate < 2e-2) || separate.logits.len() != graphed.logits.len() {
         return Err(format!(
-            "{what}: folded vs separate norms: logits differ by {vs_separate:.3e}"
+            "{what}: fused vs separate launches: logits differ by {vs_separate:.3e}"
         ));
     }
     if !(vs_exact <= bound.rel_err) || (agree as f64) < bound.agree * total as f64 {
@@ -844,10 +844,11 @@ fn smol_bench(path: &Path, packed: bool) -> Result<Value, String> {
     .map_err(|e| e.to_string())?;
     let model = l.model.pinned();
     let mut points = Vec::new();
-    // The folded norms apply to the packed INT4 projections; the bf16 model runs them alone.
-    let separate = separate_norms(&model);
+    // The fused launches apply to the packed INT4 projections; the bf16 model runs the
+    // reference layout.
+    let separate = separate_launches(&model);
     let variants = if packed {
-        vec![(&model, "folded"), (&separate, "separate")]
+        vec![(&model, "fused"), (&separate, "separate")]
     } else {
         vec![(&model, "separate")]
     };
@@ -861,11 +862,11 @@ fn smol_bench(path: &Path, packed: bool) -> Result<Value, String> {
     Ok(json!(points))
 }
 
-/// `model` with each RMSNorm between two projections a launch of its own (the plan's
-/// `separate_norms`): the step before the norms were folded, for comparison.
-fn separate_norms(model: &Llama<StokeCuda>) -> Llama<StokeCuda> {
+/// `model` in the step's reference layout (the plan's `separate_launches`: each RMSNorm, and
+/// RoPE with the cache append, a launch of its own), for comparison.
+fn separate_launches(model: &Llama<StokeCuda>) -> Llama<StokeCuda> {
     let mut m = model.clone();
-    m.plan.separate_norms = true;
+    m.plan.separate_launches = true;
     m
 }
 
@@ -916,9 +917,9 @@ pub fn bench(copy_gbps: f64) -> Value {
                 points.push(report(time_steps(&model, batch, ctx, kv, 50)));
             }
         }
-        // The same model with each RMSNorm a launch of its own, at the ends of the range.
+        // The same model in the step's reference layout, at the ends of the range.
         if !int4_head {
-            let separate = separate_norms(&model);
+            let separate = separate_launches(&model);
             for (batch, ctx, kv) in [
                 (1, 1024, KvCacheFormat::Bf16),
                 (32, 4096, KvCacheFormat::Int4),

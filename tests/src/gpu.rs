@@ -50,6 +50,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::int4::int4_folded_norm_matches_reference,
     ),
     (
+        "int4_qkv_epilogue_matches_rope_append",
+        crate::qkv::int4_qkv_epilogue_matches_rope_append,
+    ),
+    (
         "bf16_gemm_matches_reference",
         crate::dense::bf16_gemm_matches_reference,
     ),

@@ -280,6 +280,7 @@ fn gemm_matches_reference() -> Result<Value, String> {
                             residual: rb.as_ref().map_or(DevicePtr::NULL, |b| b.as_ptr()),
                             row_scale: sb.as_ref().map_or(DevicePtr::NULL, |b| b.as_ptr()),
                             norm: stoke_cuda::int4::NormFold::NONE,
+                            qkv: DevicePtr::NULL,
                             splits,
                             wg_rows: u32::from(wg),
                             tune: false,
@@ -386,6 +387,7 @@ pub fn int4_tuned_plan_matches_reference() -> Result<Value, String> {
                     residual: rb.as_ref().map_or(DevicePtr::NULL, |b| b.as_ptr()),
                     row_scale: sb.as_ref().map_or(DevicePtr::NULL, |b| b.as_ptr()),
                     norm: stoke_cuda::int4::NormFold::NONE,
+                    qkv: DevicePtr::NULL,
                     splits: 0,
                     wg_rows: stoke_cuda::int4::wg_rows_default(),
                     tune: true,
@@ -975,6 +977,7 @@ pub fn int4_folded_norm_matches_reference() -> Result<Value, String> {
                         ss_out: ss.as_mut_ptr(),
                         ..stoke_cuda::int4::NormFold::NONE
                     },
+                    qkv: DevicePtr::NULL,
                     splits,
                     wg_rows: u32::from(wg),
                     tune: false,
@@ -1037,6 +1040,7 @@ pub fn int4_folded_norm_matches_reference() -> Result<Value, String> {
                             eps: eps as f32,
                             ..stoke_cuda::int4::NormFold::NONE
                         },
+                        qkv: DevicePtr::NULL,
                         splits,
                         wg_rows: u32::from(wg),
                         tune: false,

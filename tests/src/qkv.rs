@@ -528,3 +528,140 @@ pub fn qkv_epilogue_matches_rope_append() -> Result<Value, String> {
     }
     Ok(json!({ "cases": reports }))
 }
+
+/// The decode q|k|v epilogue of the W4A16 kernels (`QkvRope` in `kernels/int4_gemm.cuh`, heads
+/// of 64): every byte it writes (q, the BF16 cache, the FP8 / INT4 mirror rows and scales, the
+/// lengths) against the plain W4A16 call followed by `rope_append` into a second cache. SmolLM2's
+/// heads (9 / 3, k 576); rows 1-64 over three slots at scattered positions (the swapped,
+/// warpgroup and batched kernels, two launches past 32 rows); GGUF-style asymmetric groups of
+/// 32 and symmetric groups of 64; the plan's splits and one; every cache format.
+pub fn int4_qkv_epilogue_matches_rope_append() -> Result<Value, String> {
+    use stoke_cuda::DevicePtr;
+    use stoke_cuda::int4::{Int4Gemm, NormFold, int4_gemm};
+    use stoke_cuda::kernels::int4_gemm::{Epilogue, QkvRopeParams};
+    use stoke_formats::int4::ScaleType;
+    let rt = crate::gpu()?;
+    let seed = crate::seed();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (h, kvh, d, k) = (9usize, 3usize, 64usize, 576usize);
+    let n = (h + 2 * kvh) * d;
+    let mut checked = 0usize;
+    for (group, asym) in [(32usize, true), (64, false)] {
+        let p = crate::int4::random_weight(&mut rng, k, n, group, ScaleType::F16, asym);
+        let dw = crate::int4::upload(&rt, &p);
+        for (format, block) in [
+            (KvFormat::Bf16, 0u32),
+            (KvFormat::Fp8, 64),
+            (KvFormat::Int4, 64),
+            (KvFormat::Int4, 16),
+        ] {
+            let c = Case {
+                heads: h,
+                kv_heads: kvh,
+                d,
+                k,
+                format,
+                block,
+                fp8: false,
+                seqs: &[],
+            };
+            for m in [1usize, 3, 8, 16, 32, 64] {
+                // Row r: slot r % 3 at position 200 + 7 (r / 3) + r % 5 (distinct per slot).
+                let slot_of: Vec<u32> = (0..m).map(|r| (r % 3) as u32).collect();
+                let pos: Vec<u32> = (0..m).map(|r| (200 + 7 * (r / 3) + r % 5) as u32).collect();
+                let cap = pos.iter().max().unwrap() + 1;
+                let table = rope_table(cap as usize, d);
+                let rope = put_f32(&rt, &table);
+                let (slot_b, pos_b) = (put_u32(&rt, &slot_of), put_u32(&rt, &pos));
+                let x: Vec<u16> = crate::int4::random_bf16(&mut rng, m * k);
+                let xb = put_u16(&rt, &x);
+                let alloc = |bytes: usize, poison: u8| {
+                    let b = rt.alloc(bytes).expect("alloc");
+                    unsafe { rt.fill_bytes(b.ptr(), poison, bytes) }.expect("poison");
+                    b
+                };
+                for (splits, wg) in [(0u32, false), (1, false), (0, true)] {
+                    let what = format!(
+                        "seed {seed}: m {m} group {group}{} {format:?} block {block} splits {splits}{}",
+                        if asym { " asymmetric" } else { "" },
+                        if wg { " warpgroup" } else { "" }
+                    );
+                    let call = |x_out: DevicePtr<QkvRopeParams>, out: &DeviceBuffer| Int4Gemm {
+                        x: xb.as_ptr(),
+                        m: m as u32,
+                        out: out.as_mut_ptr(),
+                        epilogue: Epilogue::Plain,
+                        residual: DevicePtr::NULL,
+                        row_scale: DevicePtr::NULL,
+                        norm: NormFold::NONE,
+                        qkv: x_out,
+                        splits,
+                        wg_rows: u32::from(wg),
+                        tune: false,
+                    };
+                    // The plain call and rope_append, into cache `want`.
+                    let want = poisoned_cache(&rt, &c, cap, 0x5a);
+                    let qkv = alloc(m * n * 2, 0xff);
+                    let (q_want, len_want) = (alloc(m * h * d * 2, 0xff), alloc(m * 4, 0xff));
+                    unsafe { int4_gemm(&rt, &dw, &call(DevicePtr::NULL, &qkv)) }
+                        .map_err(|e| format!("{what}: plain: {e}"))?;
+                    unsafe {
+                        want.rope_append(
+                            &rt,
+                            qkv.as_ptr(),
+                            h as u32,
+                            (rope.as_ptr(), cap),
+                            slot_b.as_ptr(),
+                            pos_b.as_ptr(),
+                            len_want.as_mut_ptr(),
+                            m as u32,
+                            q_want.as_mut_ptr(),
+                        )
+                    }
+                    .map_err(|e| format!("{what}: rope_append: {e}"))?;
+                    // The epilogue, into cache `got`.
+                    let got = poisoned_cache(&rt, &c, cap, 0x5a);
+                    let (q_got, len_got) = (alloc(m * h * d * 2, 0xff), alloc(m * 4, 0xff));
+                    let e = got
+                        .qkv_epilogue(
+                            h as u32,
+                            (rope.as_ptr(), cap),
+                            slot_b.as_ptr(),
+                            pos_b.as_ptr(),
+                            len_got.as_mut_ptr(),
+                            stoke_cuda::DevicePtrMut::NULL,
+                        )
+                        .map_err(|e| format!("{what}: {e}"))?;
+                    let t =
+                        QkvRopeParams::from_epilogue(&e).ok_or("heads of 64 take the epilogue")?;
+                    let tb = alloc(std::mem::size_of::<QkvRopeParams>(), 0);
+                    // SAFETY: a #[repr(C)] struct of pointers and integers, fully initialized.
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts(
+                            (&t as *const QkvRopeParams).cast::<u8>(),
+                            std::mem::size_of::<QkvRopeParams>(),
+                        )
+                    };
+                    unsafe { rt.copy_htod(tb.ptr(), bytes) }.map_err(|e| e.to_string())?;
+                    unsafe { int4_gemm(&rt, &dw, &call(tb.as_ptr(), &q_got)) }
+                        .map_err(|e| format!("{what}: epilogue: {e}"))?;
+                    compare(
+                        &format!("{what}: q"),
+                        &get_bytes(&q_got),
+                        &get_bytes(&q_want),
+                    )?;
+                    compare(
+                        &format!("{what}: lengths"),
+                        &get_bytes(&len_got),
+                        &get_bytes(&len_want),
+                    )?;
+                    for ((name, g), (_, w)) in cache_bytes(&got).iter().zip(cache_bytes(&want)) {
+                        compare(&format!("{what}: cache {name}"), g, &w)?;
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    Ok(json!({ "seed": seed, "cases": checked, "heads": [h, kvh], "d": d, "k": k }))
+}

@@ -1,9 +1,9 @@
 //! Packed INT4 weights on the GPU and the W4A16 GEMM call (`kernels/int4_gemm_*.cu`).
 
 use crate::kernels::int4_gemm::{
-    Entry, Epilogue, Int4GemmParams, Int4WgParams, Launch, MAX_ROWS, WARPS, WG_ROWS_DEFAULT,
-    WordOrder, counters_len, launch_bound_ctas, launch_bound_slots, plan, source_of, wg_clustered,
-    wg_rows_of,
+    Entry, Epilogue, Int4GemmParams, Int4WgParams, Launch, MAX_ROWS, QkvRopeParams, WARPS,
+    WG_ROWS_DEFAULT, WordOrder, counters_len, launch_bound_ctas, launch_bound_slots, plan,
+    source_of, wg_clustered, wg_rows_of,
 };
 use crate::{
     DeviceBuffer, DevicePtr, DevicePtrMut, DriverContext, Error, KernelInfo, LaunchShape, Result,
@@ -185,6 +185,9 @@ pub struct Int4Gemm {
     pub row_scale: DevicePtr<f32>,
     /// An RMSNorm folded across this call (its output's norm, or its input's).
     pub norm: NormFold,
+    /// The decode q|k|v epilogue's targets in device memory (plain epilogue; `out` is then q,
+    /// `[m, heads * 64]`), or null.
+    pub qkv: DevicePtr<QkvRopeParams>,
     /// CTAs per 64-column slab along k; 0 lets the plan choose (benchmarks sweep it).
     pub splits: u32,
     /// Launches of at least this many rows use the warpgroup kernels (`int4_gemm_wg_*`) where
@@ -238,6 +241,7 @@ impl Int4Gemm {
             residual: DevicePtr::NULL,
             row_scale: DevicePtr::NULL,
             norm: NormFold::NONE,
+            qkv: DevicePtr::NULL,
             splits: 0,
             wg_rows: 0,
             tune: false,
@@ -445,6 +449,7 @@ unsafe fn launch_planned(
             } else {
                 call.norm.ss_in.add(r0)
             },
+            qkv: call.qkv,
             m: l.rows,
             k: w.k,
             n: w.n,
@@ -455,6 +460,8 @@ unsafe fn launch_planned(
             slab_stride,
             norm_stride: call.m,
             eps: call.norm.eps,
+            row0: l.row0,
+            pad: 0,
         };
         // The launch shape (the m32 and warpgroup kernels' shared memory: their `_dyn_smem`
         // global) and cluster of the loaded kernel.
@@ -885,6 +892,13 @@ pub unsafe fn int4_gemm(rt: &Arc<Runtime>, w: &DeviceInt4, call: &Int4Gemm) -> R
         return Err(Error::Shape(ShapeError::new(
             "INT4 GEMM folded norm output",
             "a plain or residual epilogue with gained and slab-sum outputs",
+            format!("{:?} epilogue", call.epilogue),
+        )));
+    }
+    if !call.qkv.is_null() && call.epilogue != Epilogue::Plain {
+        return Err(Error::Shape(ShapeError::new(
+            "INT4 GEMM q|k|v epilogue",
+            "the plain epilogue",
             format!("{:?} epilogue", call.epilogue),
         )));
     }

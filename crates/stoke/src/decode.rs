@@ -1370,6 +1370,26 @@ pub fn decode_attention<B: FusedOps>(
     tensor(B::decode_attention(dec, layer, float(qkv)))
 }
 
+/// The q|k|v projection of `x` (`[rows, 1, hidden]`) by `linear` and [`decode_attention`] of
+/// its output, RoPE and the cache append done by the projection's GEMM where a kernel applies
+/// ([`FusedOps::decode_qkv_attention`]).
+pub fn decode_qkv_attention<B: FusedOps>(
+    dec: &mut B::Decoder,
+    layer: usize,
+    x: Tensor<B, 3>,
+    linear: &burn::nn::Linear<B>,
+) -> Tensor<B, 3> {
+    match &linear.bias {
+        Some(_) => decode_attention::<B>(dec, layer, linear.forward(x)),
+        None => tensor(B::decode_qkv_attention(
+            dec,
+            layer,
+            float(x),
+            float(linear.weight.val()),
+        )),
+    }
+}
+
 /// Picks each active lane's next token from a step's `logits [rows, 1, vocab]` into the
 /// decoder, with the lane's settings (each lane's position moves on by one).
 pub fn decode_sample<B: FusedOps>(dec: &mut B::Decoder, logits: Tensor<B, 3>) {

@@ -160,6 +160,18 @@ pub trait FusedOps: Backend {
         qkv: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
 
+    /// The q|k|v projection `x W` and [`FusedOps::decode_attention`] of its output, the RoPE
+    /// and cache append done by the projection's GEMM where a kernel applies.
+    fn decode_qkv_attention(
+        dec: &mut Self::Decoder,
+        layer: usize,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let qkv = Self::linear(x, weight, None);
+        Self::decode_attention(dec, layer, qkv)
+    }
+
     /// Picks each active lane's next id from a step's `logits [rows, 1, vocab]`.
     fn decode_sample(dec: &mut Self::Decoder, logits: FloatTensor<Self>);
 

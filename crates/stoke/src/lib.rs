@@ -39,9 +39,9 @@ pub use burn_backend;
 pub use decode::{
     DEFAULT_PAGE_SIZE, DecodeError, DecodeSpec, KvCacheFormat, LaneOp, LaneSampling,
     MAX_TOP_LOGPROBS, PackedSeq, RefDecoder, SPARE_PAGE, Sampled, Sampling, TokenLogprobs,
-    decode_attention, decode_embed, decode_force_ids, decode_last_logits, decode_sample,
-    decode_step, decode_take, decode_take_ids, decoder, decoder_spec, decoder_update, pack_prompts,
-    prefill_attention, prefill_qkv_attention, prefill_sample,
+    decode_attention, decode_embed, decode_force_ids, decode_last_logits, decode_qkv_attention,
+    decode_sample, decode_step, decode_take, decode_take_ids, decoder, decoder_spec,
+    decoder_update, pack_prompts, prefill_attention, prefill_qkv_attention, prefill_sample,
 };
 pub use fused::{
     FusedOps, linear_residual, linear_residual_rms_norm, linear_swiglu, output_head,

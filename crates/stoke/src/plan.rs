@@ -50,10 +50,12 @@ pub struct Plan {
     pub prefill: PrefillMode,
     /// The format of the KV cache decode attention reads.
     pub kv_format: KvCacheFormat,
-    /// Each RMSNorm between two projections as a launch of its own (the step's reference
-    /// layout); `false` (the default): folded into the projections' GEMMs where their kernels
-    /// take it ([`FusedOps::linear_residual_rms_norm`](crate::FusedOps::linear_residual_rms_norm)).
-    pub separate_norms: bool,
+    /// The decode step's reference layout: each RMSNorm between two projections, and RoPE with
+    /// the cache append, a launch of its own. `false` (the default): folded into the
+    /// projections' GEMMs where their kernels take them
+    /// ([`FusedOps::linear_residual_rms_norm`](crate::FusedOps::linear_residual_rms_norm),
+    /// [`FusedOps::decode_qkv_attention`](crate::FusedOps::decode_qkv_attention)).
+    pub separate_launches: bool,
 }
 
 /// What a weight is to its model.

@@ -632,9 +632,9 @@ impl<B: FusedOps> Llama<B> {
     ) -> Result<Tensor<B, 3>, E> {
         let eps = self.rms_norm_eps;
         // A residual projection and the norm of its output: folded into the GEMMs around the
-        // norm unless the plan keeps each norm a launch of its own.
+        // norm unless the plan keeps the step's reference layout.
         let project_norm = |a: Tensor<B, 3>, proj: &Linear<B>, res: Tensor<B, 3>, gain| {
-            if self.plan.separate_norms {
+            if self.plan.separate_launches {
                 let s = stoke::linear_residual(a, proj, res);
                 (s.clone(), stoke::rms_norm(s, gain, eps))
             } else {
@@ -663,8 +663,11 @@ impl<B: FusedOps> Llama<B> {
         );
         let normed = self
             .layers_forward(x, normed, |l, normed, qkv_proj| {
-                let qkv = qkv_proj.forward(normed);
-                Ok::<_, std::convert::Infallible>(stoke::decode_attention::<B>(dec, l, qkv))
+                Ok::<_, std::convert::Infallible>(if self.plan.separate_launches {
+                    stoke::decode_attention::<B>(dec, l, qkv_proj.forward(normed))
+                } else {
+                    stoke::decode_qkv_attention::<B>(dec, l, normed, qkv_proj)
+                })
             })
             .unwrap_or_else(|never| match never {});
         let logits = stoke::output_head(&self.lm_head, normed);

@@ -7,7 +7,7 @@
 //!
 
 /// The kernels' single argument, passed by value. Mirrors `struct Int4GemmParams` in
-/// `kernels/int4_gemm.cuh` field for field (the header asserts `sizeof == 144`).
+/// `kernels/int4_gemm.cuh` field for field (the header asserts `sizeof == 160`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Int4GemmParams {
@@ -41,6 +41,8 @@ pub struct Int4GemmParams {
     /// `[k / 64][norm_stride]` f32 slab sums of a folded norm's input, or null: `x` is the
     /// producer's `gained`, and each row is scaled by `rsqrt(sum / k + eps)`.
     pub ss_in: DevicePtr<f32>,
+    /// The decode q|k|v epilogue ([`QkvRopeParams`] in device memory; plain epilogue), or null.
+    pub qkv: DevicePtr<QkvRopeParams>,
     pub m: u32,
     pub k: u32,
     pub n: u32,
@@ -56,6 +58,50 @@ pub struct Int4GemmParams {
     pub norm_stride: u32,
     /// The folded norm's epsilon (with `ss_in`).
     pub eps: f32,
+    /// The launch's first row in the call (`qkv`'s per-row arrays).
+    pub row0: u32,
+    pub pad: u32,
+}
+
+/// `struct QkvRope` of `kernels/int4_gemm.cuh`: the decode q|k|v epilogue's targets for heads of
+/// 64 (a 64-column slab is one head, q heads then k then v). Row `r`'s values are rounded to
+/// bf16, its q and k heads rotated (rotate-half RoPE) at `pos[r]` from `rope` (`[max_pos, 32,
+/// 2]` cos, sin), q written to the GEMM's `out` (`[m, heads * 64]`), k and v appended at slot
+/// `slot_of[r]`, position `pos[r]` of `main` and (rotated, quantized) `mirror`, and `len[r]` is
+/// `pos[r] + 1`: the bits of the plain epilogue followed by `rope_append`. The kernels read it
+/// from device memory (one per layer of a decoder).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct QkvRopeParams {
+    pub rope: DevicePtr<f32>,
+    pub slot_of: DevicePtr<u32>,
+    pub pos: DevicePtr<u32>,
+    pub len: DevicePtrMut<u32>,
+    pub main: super::decode_attention::KvCacheParams,
+    pub mirror: super::decode_attention::KvCacheParams,
+    pub heads: u32,
+    pub block: u32,
+    pub max_pos: u32,
+    pub pad: u32,
+}
+
+impl QkvRopeParams {
+    /// The targets of a prefill q|k|v epilogue, for the decode kernels (heads of 64; `None`
+    /// for other head dims, which span two slabs).
+    pub fn from_epilogue(e: &super::fp8_gemm::QkvEpilogue) -> Option<Self> {
+        (e.head_dim() == 64).then_some(Self {
+            rope: e.rope,
+            slot_of: e.slot_of,
+            pos: e.pos,
+            len: e.len,
+            main: e.main,
+            mirror: e.mirror,
+            heads: e.heads,
+            block: e.block,
+            max_pos: e.max_pos,
+            pad: 0,
+        })
+    }
 }
 
 /// The order of the 512-byte blocks (one k-tile of 16 rows x one slab of 64 columns) of a
@@ -537,14 +583,20 @@ mod tests {
         );
         assert_eq!(wg_rows_of("int4_gemm_wg_swiglu_f16s_n32"), Some(32));
         assert_eq!(wg_rows_of("int4_gemm_swap_plain_bf16s"), None);
-        assert_eq!(std::mem::size_of::<Int4GemmParams>(), 144);
-        assert!(header.contains(r#"static_assert(sizeof(Int4GemmParams) == 144"#));
+        assert_eq!(std::mem::size_of::<Int4GemmParams>(), 160);
+        assert!(header.contains(r#"static_assert(sizeof(Int4GemmParams) == 160"#));
         assert_eq!(std::mem::offset_of!(Int4GemmParams, norm_gain), 72);
         assert_eq!(std::mem::offset_of!(Int4GemmParams, ss_in), 96);
-        assert_eq!(std::mem::offset_of!(Int4GemmParams, m), 104);
-        assert_eq!(std::mem::offset_of!(Int4GemmParams, splits), 124);
-        assert_eq!(std::mem::offset_of!(Int4GemmParams, slab_stride), 132);
-        assert_eq!(std::mem::offset_of!(Int4GemmParams, eps), 140);
+        assert_eq!(std::mem::offset_of!(Int4GemmParams, qkv), 104);
+        assert_eq!(std::mem::offset_of!(Int4GemmParams, m), 112);
+        assert_eq!(std::mem::offset_of!(Int4GemmParams, splits), 132);
+        assert_eq!(std::mem::offset_of!(Int4GemmParams, slab_stride), 140);
+        assert_eq!(std::mem::offset_of!(Int4GemmParams, eps), 148);
+        assert_eq!(std::mem::offset_of!(Int4GemmParams, row0), 152);
+        assert_eq!(std::mem::size_of::<QkvRopeParams>(), 176);
+        assert!(header.contains(r#"static_assert(sizeof(QkvRope) == 176"#));
+        assert_eq!(std::mem::offset_of!(QkvRopeParams, main), 32);
+        assert_eq!(std::mem::offset_of!(QkvRopeParams, heads), 160);
     }
 
     #[test]

@@ -38,6 +38,7 @@ use burn_backend::{Backend, DType, Shape, TensorMetadata};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use stoke_cuda::kernels::decode_attention::KvFormat;
+use stoke_cuda::kernels::int4_gemm::QkvRopeParams;
 use stoke_cuda::kernels::prefill_attention::PrefillSeq;
 use stoke_cuda::kv::{DeviceKvCache, PageTable};
 use stoke_cuda::sample::{MAX_TOP_LOGPROBS, ROW_ACTIVE, ROW_LOGPROB, RowSample};
@@ -112,6 +113,9 @@ pub struct GpuDecoder {
     cfg: DeviceBuffer,
     logprobs: DeviceBuffer,
     rope: DeviceBuffer,
+    /// Each layer's targets of the W4A16 q|k|v epilogue (`QkvRopeParams`, heads of 64), one
+    /// after another; `None` for other head dims.
+    qkv_rope: Option<DeviceBuffer>,
     /// The step being built: its rows, active lanes, whether it writes log-probabilities, and
     /// the keys its attention is planned for.
     in_step: bool,
@@ -302,15 +306,52 @@ impl GpuDecoder {
             .iter()
             .flat_map(|x| x.to_le_bytes())
             .collect();
+        let (slot_of, pos, len) = (
+            upload(&rt, &u32_bytes(&spare_rows))?,
+            upload(&rt, &u32_bytes(&zeros))?,
+            upload(&rt, &u32_bytes(&zeros))?,
+        );
+        let rope = upload(&rt, &rope)?;
+        // The q|k|v epilogue's targets per layer: the decoder's own buffers, so they hold for
+        // its life (q comes with each call).
+        let mut targets = Vec::new();
+        for cache in &caches {
+            let e = cache.qkv_epilogue(
+                spec.heads as u32,
+                (rope.as_ptr(), spec.rope_positions() as u32),
+                slot_of.as_ptr(),
+                pos.as_ptr(),
+                len.as_mut_ptr(),
+                DevicePtrMut::NULL,
+            )?;
+            match QkvRopeParams::from_epilogue(&e) {
+                Some(t) => targets.push(t),
+                None => break,
+            }
+        }
+        let qkv_rope = if targets.len() == caches.len() && !targets.is_empty() {
+            // SAFETY: plain #[repr(C)] structs of pointers and integers, no padding left
+            // uninitialized (the explicit pad fields are zero).
+            let bytes = unsafe {
+                std::slice::from_raw_parts(
+                    targets.as_ptr().cast::<u8>(),
+                    std::mem::size_of_val(targets.as_slice()),
+                )
+            };
+            Some(upload(&rt, bytes)?)
+        } else {
+            None
+        };
         Ok(Ok(Self {
-            slot_of: upload(&rt, &u32_bytes(&spare_rows))?,
-            pos: upload(&rt, &u32_bytes(&zeros))?,
-            len: upload(&rt, &u32_bytes(&zeros))?,
+            slot_of,
+            pos,
+            len,
             ids: upload(&rt, &u32_bytes(&zeros))?,
             presence: upload(&rt, &vec![0u8; lanes * words * 4])?,
             cfg: upload(&rt, &vec![0u8; lanes * 32])?,
             logprobs: rt.alloc_unpooled(lanes * LOGPROB_ROW * 4)?,
-            rope: upload(&rt, &rope)?,
+            rope,
+            qkv_rope,
             lanes: Lanes::new(&spec),
             in_step: false,
             rows: 0,
@@ -797,44 +838,104 @@ pub(crate) fn decode_attention<I: Backend>(
     let q = rt
         .alloc(g.rows * h * d * 2)
         .unwrap_or_else(|e| fatal("allocating q", e));
-    let out = DeviceTensor::<I>::alloc(&rt, Shape::new([g.rows, 1, h * d]), DType::BF16, device);
     let cache = &g.caches[layer];
     let rows = g.rows as u32;
-    // SAFETY: x holds rows x width bf16; q and out are Stoke buffers of rows x h x d; the
-    // decoder's buffers hold a lane per row; every row's table row (its lane's, or the spare
-    // row) covers its position (checked per step) and the context bucket is at most the
-    // capacity.
+    // SAFETY: x holds rows x width bf16; q is a Stoke buffer of rows x h x d; the decoder's
+    // buffers hold a lane per row; every row's table row (its lane's, or the spare row) covers
+    // its position (checked per step); the RoPE table covers the capacity.
     let r = unsafe {
-        cache
-            .rope_append(
-                &rt,
-                DevicePtr::new(x.ptr),
-                h as u32,
-                (g.rope.as_ptr(), g.spec.rope_positions() as u32),
-                g.slot_of.as_ptr(),
-                g.pos.as_ptr(),
-                g.len.as_mut_ptr(),
-                rows,
-                q.as_mut_ptr(),
-            )
-            .and_then(|_| {
-                cache.attend(
-                    &rt,
-                    q.as_ptr(),
-                    h as u32,
-                    g.slot_of.as_ptr(),
-                    g.len.as_ptr(),
-                    rows,
-                    g.ctx_bucket as u32,
-                    DevicePtrMut::new(out.ptr()),
-                )
-            })
+        cache.rope_append(
+            &rt,
+            DevicePtr::new(x.ptr),
+            h as u32,
+            (g.rope.as_ptr(), g.spec.rope_positions() as u32),
+            g.slot_of.as_ptr(),
+            g.pos.as_ptr(),
+            g.len.as_mut_ptr(),
+            rows,
+            q.as_mut_ptr(),
+        )
+    };
+    if let Err(e) = r {
+        fatal("decode attention (RoPE and append)", e);
+    }
+    drop(x);
+    // SAFETY: q holds rows x h x d bf16 and is kept until the kernel is done.
+    unsafe { attend_q(g, layer, q.as_ptr(), device) }
+}
+
+/// Decode attention of layer `layer` for the step's rows over q (`rows x heads x d` bf16,
+/// RoPE applied, the rows' keys and values appended and their lengths written): a new
+/// `[rows, 1, heads x d]` bf16 tensor.
+///
+/// # Safety
+/// `q` must hold the step's rows until the kernel is done (a Stoke buffer freed on its stream).
+unsafe fn attend_q<I: Backend>(
+    g: &GpuDecoder,
+    layer: usize,
+    q: DevicePtr<half::bf16>,
+    device: I::Device,
+) -> StokeTensor<I> {
+    let (h, d) = (g.spec.heads, g.spec.head_dim);
+    let rt = &g.rt;
+    let out = DeviceTensor::<I>::alloc(rt, Shape::new([g.rows, 1, h * d]), DType::BF16, device);
+    // SAFETY: out is a Stoke buffer of rows x h x d; the decoder's buffers hold a lane per
+    // row; every row's table row covers its position and the context bucket is at most the
+    // capacity; q is the caller's.
+    let r = unsafe {
+        g.caches[layer].attend(
+            rt,
+            q,
+            h as u32,
+            g.slot_of.as_ptr(),
+            g.len.as_ptr(),
+            g.rows as u32,
+            g.ctx_bucket as u32,
+            DevicePtrMut::new(out.ptr()),
+        )
     };
     if let Err(e) = r {
         fatal("decode attention", e);
     }
-    drop((x, q));
     StokeTensor::owned(out)
+}
+
+/// The q|k|v projection of `x` by `weight` and decode attention, with the projection's W4A16
+/// GEMM doing RoPE, the cache append and the lengths in its epilogue (heads of 64; the bits of
+/// the plain projection then [`decode_attention`]'s `rope_append`); that composition where the
+/// epilogue does not apply (another head dim, a weight the W4A16 kernels do not take, the
+/// reference decoder).
+pub(crate) fn decode_qkv_attention<I: Backend>(
+    dec: &mut StokeDecoder<I>,
+    layer: usize,
+    x: StokeTensor<I>,
+    weight: StokeTensor<I>,
+) -> StokeTensor<I> {
+    if let StokeDecoder::Gpu(g) = &*dec
+        && let Some(targets) = &g.qkv_rope
+    {
+        let (h, kvh, d) = (g.spec.heads, g.spec.kv_heads, g.spec.head_dim);
+        let at = targets
+            .as_ptr::<QkvRopeParams>()
+            .add(layer.min(g.spec.layers - 1));
+        let rows =
+            x.shape().num_elements() / x.shape().as_slice().last().copied().unwrap_or(1).max(1);
+        if layer < g.spec.layers
+            && rows == g.rows
+            && let Some(q) =
+                super::int4_linear::try_qkv_rope(&x, &weight, at, (h + 2 * kvh) * d, h * d)
+        {
+            let device = super::float_device(&q);
+            let qp = KernelInput::resolve(&g.rt, &q, &device);
+            // SAFETY: q is the GEMM's Stoke-owned output of rows x h x d, held until attention
+            // is queued after it on Stoke's stream (its buffer is freed on that stream).
+            let out = unsafe { attend_q(g, layer, DevicePtr::new(qp.ptr), device) };
+            drop((qp, q));
+            return out;
+        }
+    }
+    let qkv = crate::route::linear::<I>(x, weight, None);
+    decode_attention(dec, layer, qkv)
 }
 
 /// The sampling call of `logits` (`rows` rows of `vocab`) into the decoder's lane buffers, with
@@ -1205,6 +1306,15 @@ macro_rules! stoke_decoder_ops {
             qkv: FloatTensor<Self>,
         ) -> FloatTensor<Self> {
             crate::cuda::decoder::decode_attention(dec, layer, qkv)
+        }
+
+        fn decode_qkv_attention(
+            dec: &mut Self::Decoder,
+            layer: usize,
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+        ) -> FloatTensor<Self> {
+            crate::cuda::decoder::decode_qkv_attention(dec, layer, x, weight)
         }
 
         fn decode_sample(dec: &mut Self::Decoder, logits: FloatTensor<Self>) {

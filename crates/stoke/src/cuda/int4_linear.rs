@@ -7,7 +7,7 @@ use burn_backend::{Backend, DType, Shape, TensorData, TensorMetadata};
 use std::any::Any;
 use std::sync::{Arc, OnceLock};
 use stoke_cuda::int4::{DeviceInt4, Int4Gemm, NormFold, int4_gemm};
-use stoke_cuda::kernels::int4_gemm::{Epilogue, WordOrder};
+use stoke_cuda::kernels::int4_gemm::{Epilogue, QkvRopeParams, WordOrder};
 use stoke_cuda::{DevicePtr, DevicePtrMut, Runtime};
 
 static KERNEL_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -32,7 +32,7 @@ pub(crate) fn try_linear_with<I: Backend>(
     epilogue: Epilogue,
     residual: Option<&StokeTensor<I>>,
 ) -> Option<StokeTensor<I>> {
-    run(x, weight, epilogue, residual, None).map(|(out, _)| out)
+    run(x, weight, epilogue, residual, None, None).map(|(out, _)| out)
 }
 
 /// `s = residual + x @ W` on the kernels (as [`try_linear_with`] takes them) with the RMSNorm
@@ -55,18 +55,46 @@ pub(crate) fn try_linear_residual_rms_norm<I: Backend>(
         Epilogue::Residual,
         Some(residual),
         Some((gamma, eps)),
+        None,
     )?;
     Some((s, StokeTensor::owned(normed?)))
 }
 
-/// The kernel call behind [`try_linear_with`] and [`try_linear_residual_rms_norm`] (`norm`:
-/// the gain and epsilon of the folded norm of the output, whose inputs it returns).
+/// The q|k|v projection `x @ W` (`n` = `width` columns, heads of 64) with the decode q|k|v
+/// epilogue (`targets`: a decoder's [`QkvRopeParams`] of one layer in device memory): RoPE, the
+/// cache append and the lengths written by the GEMM; returns q (`[.., q_cols]` bf16). `None`
+/// where the kernels do not take the call (as [`try_linear_with`]) or `W` is not `width` wide.
+pub(crate) fn try_qkv_rope<I: Backend>(
+    x: &StokeTensor<I>,
+    weight: &StokeTensor<I>,
+    targets: DevicePtr<QkvRopeParams>,
+    width: usize,
+    q_cols: usize,
+) -> Option<StokeTensor<I>> {
+    if weight.downcast_ref::<PackedWeight<I>>()?.packed.n != width {
+        return None;
+    }
+    run(
+        x,
+        weight,
+        Epilogue::Plain,
+        None,
+        None,
+        Some((targets, q_cols)),
+    )
+    .map(|(out, _)| out)
+}
+
+/// The kernel call behind [`try_linear_with`], [`try_linear_residual_rms_norm`] and
+/// [`try_qkv_rope`] (`norm`: the gain and epsilon of the folded norm of the output, whose
+/// inputs it returns; `qkv`: the q|k|v epilogue's targets and q's columns, the output).
 fn run<I: Backend>(
     x: &StokeTensor<I>,
     weight: &StokeTensor<I>,
     epilogue: Epilogue,
     residual: Option<&StokeTensor<I>>,
     norm: Option<(&StokeTensor<I>, f64)>,
+    qkv: Option<(DevicePtr<QkvRopeParams>, usize)>,
 ) -> Option<(StokeTensor<I>, Option<FoldedNorm<I>>)> {
     let pw = weight.downcast_ref::<PackedWeight<I>>()?;
     let device = super::float_device(x);
@@ -102,7 +130,7 @@ fn run<I: Backend>(
     let res_in = residual
         .filter(|_| epilogue == Epilogue::Residual)
         .map(|r| KernelInput::resolve(&rt, r, &device));
-    let out_shape = super::with_cols(dims, epilogue.out_cols(n));
+    let out_shape = super::with_cols(dims, qkv.map_or(epilogue.out_cols(n), |(_, q)| q));
     let mut fold = NormFold::NONE;
     if let Some(f) = folded {
         fold.ss_in = f.ss.as_ptr();
@@ -138,6 +166,7 @@ fn run<I: Backend>(
             .map_or(DevicePtr::NULL, |r| DevicePtr::new(r.ptr)),
         row_scale: DevicePtr::NULL,
         norm: fold,
+        qkv: qkv.map_or(DevicePtr::NULL, |(t, _)| t),
         splits: 0,
         wg_rows: stoke_cuda::int4::wg_rows_default(),
         tune: stoke_cuda::int4::tune_default(),
@@ -146,7 +175,8 @@ fn run<I: Backend>(
     // m * n bf16, the weight buffers are held by `dw` (freed on Stoke's stream); a folded
     // norm's gained rows are m x k bf16 and its sums [k / 64][m] f32 (checked above: its rows
     // are m); the produced norm's gain holds n bf16 (checked by the caller), its gained rows
-    // m x n bf16 and its sums [n / 64][m] f32.
+    // m x n bf16 and its sums [n / 64][m] f32; the q|k|v targets are the decoder's (its
+    // buffers hold a lane per row) and out holds m x q_cols bf16.
     if let Err(e) = unsafe { int4_gemm(&rt, &dw, &call) } {
         panic!("stoke linear (INT4): {e}");
     }
