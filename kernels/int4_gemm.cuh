@@ -15,6 +15,7 @@
 //        swiglu    out[r, j] = silu(acc[r, 2j]) * acc[r, 2j + 1]   (gate/up interleaved; out is
 //                                                                    [m, n / 2])
 //        with qkv (plain only): the decode q|k|v epilogue (QkvRope below): out is q [m, heads * 64]
+//        for the whole call (each launch places its rows by row0)
 //        where acc = (x W)[r, c] * f[r], f[r] the product of row_scale[r] (when non-null) and
 //        the row factor of a folded RMSNorm (when ss_in is non-null, below), else 1.
 //   The RMSNorm fold, which takes the norm between two GEMMs off its own launch:
@@ -136,13 +137,15 @@ __device__ __noinline__ void norm_out(const u32* gain, u32* gained, float* norm_
     if ((threadIdx.x & 31) == 0) norm_ss[u64(c / 64) * stride + r] = ss;
 }
 
-// The q|k|v epilogue of columns (c, c + 1) of row r (grow: the call's row) holding v0, v1: the
-// lanes of a warp hold one head's 64 values (see store_pair), as rope_append's warps do.
-__device__ __noinline__ void qkv_out(const QkvRope* qp, u16* q_out, u32 r, u32 grow, u32 c, float v0, float v1) {
+// The q|k|v epilogue of columns (c, c + 1) of the call's row grow holding v0, v1 (q_out: the
+// call's q, [m, heads * 64]): the lanes of a warp hold one head's 64 values (see store_pair),
+// as rope_append's warps do. The row's position is read through the L2 (.cg): the sampler of
+// the step before wrote it.
+__device__ __noinline__ void qkv_out(const QkvRope* qp, u16* q_out, u32 grow, u32 c, float v0, float v1) {
     const u32 lane = threadIdx.x & 31;
     const u32 item = c / 64, heads = qp->heads;
     const u32 kvh = qp->main.k ? qp->main.kv_heads : qp->mirror.kv_heads;
-    const u32 pos = qp->pos[grow];
+    const u32 pos = __ldcg(qp->pos + grow);
     if (item == 0 && lane == 0) qp->len[grow] = pos + 1;
     u32 w[1] = {pack_bf16x2(v0, v1)};
     if (item < heads + kvh) {
@@ -158,11 +161,11 @@ __device__ __noinline__ void qkv_out(const QkvRope* qp, u16* q_out, u32 r, u32 g
         w[0] = pack_bf16x2(y[0], y[1]);
     }
     if (item < heads) {
-        store_words<1>(q_out + (u64(r) * heads + item) * 64 + lane * 2, w);
+        store_words<1>(q_out + (u64(grow) * heads + item) * 64 + lane * 2, w);
         return;
     }
     const u32 is_v = item >= heads + kvh;
-    append_words<64>(qp->main, qp->mirror, qp->block, qp->slot_of[grow], pos, item - heads - is_v * kvh, is_v, kvh,
+    append_words<64>(qp->main, qp->mirror, qp->block, __ldcg(qp->slot_of + grow), pos, item - heads - is_v * kvh, is_v, kvh,
                      lane, w);
 }
 
@@ -177,7 +180,7 @@ __device__ __forceinline__ void store_pair(const Int4GemmParams& p, u32 r, u32 c
         static_cast<u16*>(p.out)[u64(r) * (p.n / 2) + c / 2] = to_bf16(silu(v0) * v1);
     } else {
         if (EPI == EPI_PLAIN && p.qkv != nullptr) {
-            qkv_out(p.qkv, static_cast<u16*>(p.out), r, p.row0 + r, c, v0, v1);
+            qkv_out(p.qkv, static_cast<u16*>(p.out), p.row0 + r, c, v0, v1);
             return;
         }
         if (EPI == EPI_RESIDUAL) {
@@ -204,7 +207,7 @@ __device__ __noinline__ void row_factors_of(const float* ss_in, const float* row
         float v = 1.0f;
         if (ss_in != nullptr) {
             float s = 0.0f;
-            for (u32 j = lane; j < k / 64; j += 32) s += ss_in[u64(j) * stride + row0 + r];
+            for (u32 j = lane; j < k / 64; j += 32) s += __ldcg(ss_in + u64(j) * stride + row0 + r);
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
             v = rsqrtf(s / float(k) + eps);

@@ -352,6 +352,90 @@ pub fn decode_step_matches_reference() -> Result<Value, String> {
     all_passed(cases)
 }
 
+/// The step's fused launches (the norms folded into the W4A16 GEMMs, RoPE and the cache append
+/// in the q|k|v GEMM's epilogue) against its reference layout (`Plan::separate_launches`), each
+/// graphed and eager, teacher-forced for 16 steps on a SmolLM2-shaped random Q4_1 model, batch
+/// 1, 3 and 8, every cache format: graphed equals eager in each layout (bitwise: the same
+/// launches), and the fused step stays within rounding of the reference layout at the first
+/// decode step (the random model amplifies rounding over later steps; `rel_err_per_step`
+/// reports each).
+pub fn fused_step_matches_separate_launches() -> Result<Value, String> {
+    let cfg = SMOL_SHAPES;
+    let path = std::env::temp_dir().join(format!("stoke-fused-{}.gguf", std::process::id()));
+    std::fs::write(&path, gguf_q4_1(&cfg, &weights(&cfg, true, 11))).map_err(|e| e.to_string())?;
+    let capacity = 512;
+    let steps = 16;
+    let fused = load::<StokeCuda>(&path, capacity)?;
+    let _ = std::fs::remove_file(&path);
+    let mut separate = fused.clone();
+    separate.plan.separate_launches = true;
+    let mut reports = Vec::new();
+    let mut failures = Vec::new();
+    for (batch, kv) in [
+        (1, KvCacheFormat::Bf16),
+        (3, KvCacheFormat::Bf16),
+        (8, KvCacheFormat::Bf16),
+        (8, KvCacheFormat::Fp8),
+        (8, KvCacheFormat::Int4),
+    ] {
+        let p = prompts(batch, 150, cfg.vocab);
+        let forced: Vec<Vec<u32>> = (0..steps)
+            .map(|s| {
+                (0..batch)
+                    .map(|b| ((s * 13 + b * 7 + 5) % (cfg.vocab - 1) + 1) as u32)
+                    .collect()
+            })
+            .collect();
+        let f = Some(forced.as_slice());
+        let pc = (p.as_slice(), PREFILL_CHUNK);
+        let mut runs = Vec::new();
+        for (m, eager) in [
+            (&fused, false),
+            (&fused, true),
+            (&separate, false),
+            (&separate, true),
+        ] {
+            runs.push(run(m, pc, steps, capacity, kv, eager, f, stoke_stats)?);
+        }
+        let per_step = |a: &Run, b: &Run| -> Vec<f64> {
+            a.logits
+                .iter()
+                .zip(&b.logits)
+                .map(|(x, y)| (rel_err(x, y, cfg.vocab) * 1e4).round() / 1e4)
+                .collect()
+        };
+        let max = |v: &[f64]| v.iter().copied().fold(0f64, f64::max);
+        let fused_ge = per_step(&runs[0], &runs[1]);
+        let sep_ge = per_step(&runs[2], &runs[3]);
+        let fused_sep = per_step(&runs[0], &runs[2]);
+        let what = format!("batch {batch}, {kv:?} cache");
+        // Index 0 is the prefill's sampling (the same launches in both layouts), 1 the first
+        // decode step.
+        let first = fused_sep.get(1).copied().unwrap_or(f64::INFINITY);
+        if !(max(&fused_ge) == 0.0) {
+            failures.push(format!("{what}: fused graphed vs eager {fused_ge:?}"));
+        }
+        if !(max(&sep_ge) == 0.0) {
+            failures.push(format!("{what}: separate graphed vs eager {sep_ge:?}"));
+        }
+        if !(first < 2e-2) {
+            failures.push(format!(
+                "{what}: fused vs separate at the first step {fused_sep:?}"
+            ));
+        }
+        reports.push(json!({
+            "batch": batch, "kv_cache": format!("{kv:?}"),
+            "fused_graphed_vs_eager": fused_ge, "separate_graphed_vs_eager": sep_ge,
+            "fused_vs_separate_per_step": fused_sep,
+        }));
+    }
+    if failures.is_empty() {
+        Ok(json!(reports))
+    } else {
+        Err(format!("{}; {}", failures.join("; "), json!(reports)))
+    }
+}
+
 /// [`decode_step_matches_reference`] on SmolLM2 itself (Q4_1 GGUF) at batch 1 and 8, prompts
 /// of 30 tokens.
 pub fn smollm2_decode_matches_reference() -> Result<Value, String> {

@@ -50,6 +50,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::int4::int4_folded_norm_matches_reference,
     ),
     (
+        "fused_step_matches_separate_launches",
+        crate::decode::fused_step_matches_separate_launches,
+    ),
+    (
         "int4_qkv_epilogue_matches_rope_append",
         crate::qkv::int4_qkv_epilogue_matches_rope_append,
     ),

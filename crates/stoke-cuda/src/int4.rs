@@ -420,7 +420,12 @@ unsafe fn launch_planned(
             words: ptrs.words,
             scales: ptrs.scales,
             offsets: ptrs.offsets,
-            out: out.add(r0 * out_cols as usize),
+            // The q|k|v epilogue places q by the call's row (q's pitch is not n).
+            out: if call.qkv.is_null() {
+                out.add(r0 * out_cols as usize)
+            } else {
+                out
+            },
             residual: if call.residual.is_null() {
                 DevicePtr::NULL
             } else {
