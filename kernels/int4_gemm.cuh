@@ -55,6 +55,10 @@
 // The decode q|k|v epilogue for heads of 64 (a 64-column slab is one head: q heads, then k, then
 // v): RoPE and the cache append of rope_append (decode_attention.cu) on the GEMM's rounded
 // outputs, with the same bits; q goes to out ([m, heads * 64]). One per layer in device memory.
+// QKV_NO_EARLY_TRIGGER: a launch with it lets the next kernel launch only when it is done (no
+// griddepcontrol.launch_dependents), as rope_append, which it replaces, did: each layer's chain
+// of programmatic launches ends there, as it did before. The loads of what earlier kernels
+// wrote that this epilogue and the norm fold add go through the L2 (.cg).
 struct QkvRope {
     const float* rope;    // [max_pos, 32, 2] (cos, sin)
     const u32* slot_of;   // [rows of the call]

@@ -265,7 +265,8 @@ __device__ __forceinline__ void int4_gemm_swap(const Int4GemmParams& p) {
     warp_units(p, warp, u_begin, u_end);
     // PDL: the next kernel on the stream may start launching now; its CTAs take SM slots as
     // this grid's CTAs exit and wait (griddepcontrol.wait) before touching what this one writes.
-    griddep_launch_dependents();
+    // Not with the q|k|v epilogue (QKV_NO_EARLY_TRIGGER in int4_gemm.cuh).
+    if (p.qkv == nullptr) griddep_launch_dependents();
     float acc[NT][4][4];
     swap_units<F16S, KB, NT>(p, slab, row0, groups, u_begin, u_end, acc);
     // Rows 8 nt + 2t, 8 nt + 2t + 1 of columns 16 j + g, 16 j + 8 + g into the reduction buffer

@@ -141,7 +141,7 @@ __device__ __forceinline__ void int4_gemm_wg(const Int4WgParams& wgp) {
     const u32 b0 = u32(u64(blocks) * blockIdx.y / p.splits), b1 = u32(u64(blocks) * (blockIdx.y + 1) / p.splits);
     const u32 kt0 = b0 * bkt, steps = (b1 - b0) * bkt / 4;
     const u32 batches = (steps + Q - 1) / Q;
-    griddep_launch_dependents();
+    if (p.qkv == nullptr) griddep_launch_dependents();  // see QKV_NO_EARLY_TRIGGER in int4_gemm.cuh
 
     const u32 smem = (smem_u32(int4_dyn_smem) + 1023) & ~1023u;
     const u32 xbuf = smem, wbuf = smem + 2 * L::X_BUF, bars = wbuf + 2 * L::W_BUF;

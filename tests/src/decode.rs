@@ -303,7 +303,9 @@ fn compare(
             "{what}: graphed vs eager logits differ by {vs_eager:.3e}"
         ));
     }
-    if !(vs_separate < 2e-2) || separate.logits.len() != graphed.logits.len() {
+    // Rounding apart (the folded norm rounds h * gain, not the normed rows), so bounded as the
+    // f32 reference is: this random model amplifies rounding over the steps.
+    if !(vs_separate <= bound.rel_err) || separate.logits.len() != graphed.logits.len() {
         return Err(format!(
             "{what}: fused vs separate launches: logits differ by {vs_separate:.3e}"
         ));
