@@ -920,6 +920,19 @@ fn eager_step(
     Ok(())
 }
 
+fn smol_shape_bench() -> Result<Value, String> {
+    let cfg = Tiny {
+        vocab: 49152,
+        layers: 30,
+        ..SMOL_SHAPES
+    };
+    let path = std::env::temp_dir().join(format!("stoke-smol-shape-{}.gguf", std::process::id()));
+    std::fs::write(&path, gguf_q4_1(&cfg, &weights(&cfg, true, 5))).map_err(|e| e.to_string())?;
+    let r = smol_bench(&path, true);
+    let _ = std::fs::remove_file(&path);
+    r
+}
+
 fn smol_bench(path: &Path, packed: bool) -> Result<Value, String> {
     let device = Default::default();
     let l = if packed {
@@ -966,7 +979,8 @@ pub(crate) fn llama_config(
     stoke_llama::synthetic::llama3_shape(layers, hidden, inter, heads, vocab)
 }
 
-/// The decode-step benchmark: SmolLM2 (packed Q4_1 and bf16) at batch 1, 8, 32, context 1024;
+/// The decode-step benchmark: SmolLM2 (packed Q4_1 and bf16) and a SmolLM2-shaped random Q4_1
+/// model (the fused step and its reference layout) at batch 1, 8, 32, context 1024;
 /// a Llama-3.1-8B-shaped model with random INT4 weights (batch 1 and 8 at context 1024, 32 at
 /// 4096; BF16 and INT4 caches), with a bf16 head and with an INT4 head; 70B-shaped layers (4
 /// and 8 layers: the difference is the time of 4 layers). Each point also gives its launches
@@ -975,10 +989,16 @@ pub(crate) fn llama_config(
 pub fn bench(copy_gbps: f64) -> Value {
     let mut out = json!({ "copy_gbps": copy_gbps });
     let report = |r: Result<Value, String>| r.unwrap_or_else(|e| json!({ "error": e }));
-    // STOKE_DECODE_SECTIONS (comma-separated: smollm2, 8b, 8b_int4_head, 70b) runs a part.
+    // STOKE_DECODE_SECTIONS (comma-separated: smollm2, smollm2_shape, 8b, 8b_int4_head, 70b)
+    // runs a part.
     let sections = std::env::var("STOKE_DECODE_SECTIONS")
-        .unwrap_or_else(|_| "smollm2,8b,8b_int4_head,70b".into());
+        .unwrap_or_else(|_| "smollm2,smollm2_shape,8b,8b_int4_head,70b".into());
     let on = |s: &str| sections.split(',').any(|x| x.trim() == s);
+    // SmolLM2-135M's shapes with random Q4_1 weights (30 layers, the full vocabulary, a tied
+    // bf16 head): the same step as the model's, without the model file.
+    if on("smollm2_shape") {
+        out["smollm2_shape_q4_1"] = report(smol_shape_bench());
+    }
     match crate::llama::model_path() {
         _ if !on("smollm2") => {}
         Ok(path) => {
