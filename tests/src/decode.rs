@@ -210,20 +210,11 @@ fn compare(
     let stoke_model = load::<StokeCuda>(path, capacity)?;
     let graphed = run(&stoke_model, p, steps, capacity, kv, false, f, stoke_stats)?;
     let eager = run(&stoke_model, p, steps, capacity, kv, true, f, stoke_stats)?;
-    // The step in its reference layout (each RMSNorm, and RoPE with the append, a launch of its own).
-    let mut separate_model = stoke_model.clone();
-    separate_model.plan.separate_launches = true;
-    let separate = run(
-        &separate_model,
-        p,
-        steps,
-        capacity,
-        kv,
-        false,
-        f,
-        stoke_stats,
-    )?;
-    drop(separate_model);
+    // The fused step (the norms folded, RoPE and the append in the q|k|v epilogue).
+    let mut fused_model = stoke_model.clone();
+    fused_model.plan.fused_step = true;
+    let fused = run(&fused_model, p, steps, capacity, kv, false, f, stoke_stats)?;
+    drop(fused_model);
     // Greedy, ids taken one step late as generation takes them.
     let free = run(
         &stoke_model,
@@ -273,7 +264,7 @@ fn compare(
     };
     let max = |v: &[f64]| v.iter().copied().fold(0f64, f64::max);
     let vs_eager = max(&per_step(&graphed, &eager));
-    let vs_separate = max(&per_step(&graphed, &separate));
+    let vs_fused = max(&per_step(&fused, &graphed));
     let stoke_vs_exact = per_step(&graphed, &exact);
     let vs_exact = max(&stoke_vs_exact);
     let round3 = |v: &[f64]| {
@@ -292,7 +283,7 @@ fn compare(
         "batch": batch, "kv_cache": format!("{kv:?}"), "prefill_chunk": chunk, "steps": steps,
         "max_rel_err_vs_f32_reference": vs_exact,
         "max_rel_err_graphed_vs_eager": vs_eager,
-        "max_rel_err_fused_vs_separate_launches": vs_separate,
+        "max_rel_err_fused_vs_separate_launches": vs_fused,
         "rel_err_vs_f32_per_step": round3(&stoke_vs_exact),
         "argmax_equal_to_f32_reference": agree, "argmax_total": total,
         "bound": {"rel_err": bound.rel_err, "agree": bound.agree},
@@ -305,9 +296,9 @@ fn compare(
     }
     // Rounding apart (the folded norm rounds h * gain, not the normed rows), so bounded as the
     // f32 reference is: this random model amplifies rounding over the steps.
-    if !(vs_separate <= bound.rel_err) || separate.logits.len() != graphed.logits.len() {
+    if !(vs_fused <= bound.rel_err) || fused.logits.len() != graphed.logits.len() {
         return Err(format!(
-            "{what}: fused vs separate launches: logits differ by {vs_separate:.3e}"
+            "{what}: fused vs separate launches: logits differ by {vs_fused:.3e}"
         ));
     }
     if !(vs_exact <= bound.rel_err) || (agree as f64) < bound.agree * total as f64 {
@@ -355,7 +346,7 @@ pub fn decode_step_matches_reference() -> Result<Value, String> {
 }
 
 /// The step's fused launches (the norms folded into the W4A16 GEMMs, RoPE and the cache append
-/// in the q|k|v GEMM's epilogue) against its reference layout (`Plan::separate_launches`), each
+/// in the q|k|v GEMM's epilogue, `Plan::fused_step`) against its reference layout, each
 /// graphed and eager, teacher-forced for 16 steps on a SmolLM2-shaped random Q4_1 model, batch
 /// 1, 3 and 8, every cache format: graphed equals eager in each layout (bitwise: the same
 /// launches), and the fused step stays within rounding of the reference layout at the first
@@ -367,10 +358,9 @@ pub fn fused_step_matches_separate_launches() -> Result<Value, String> {
     std::fs::write(&path, gguf_q4_1(&cfg, &weights(&cfg, true, 11))).map_err(|e| e.to_string())?;
     let capacity = 512;
     let steps = 16;
-    let fused = load::<StokeCuda>(&path, capacity)?;
+    let separate = load::<StokeCuda>(&path, capacity)?;
     let _ = std::fs::remove_file(&path);
-    let mut separate = fused.clone();
-    separate.plan.separate_launches = true;
+    let fused = fused_step(&separate);
     let mut reports = Vec::new();
     let mut failures = Vec::new();
     for (batch, kv) in [
@@ -945,9 +935,9 @@ fn smol_bench(path: &Path, packed: bool) -> Result<Value, String> {
     let mut points = Vec::new();
     // The fused launches apply to the packed INT4 projections; the bf16 model runs the
     // reference layout.
-    let separate = separate_launches(&model);
+    let fused = fused_step(&model);
     let variants = if packed {
-        vec![(&model, "fused"), (&separate, "separate")]
+        vec![(&fused, "fused"), (&model, "separate")]
     } else {
         vec![(&model, "separate")]
     };
@@ -961,11 +951,11 @@ fn smol_bench(path: &Path, packed: bool) -> Result<Value, String> {
     Ok(json!(points))
 }
 
-/// `model` in the step's reference layout (the plan's `separate_launches`: each RMSNorm, and
-/// RoPE with the cache append, a launch of its own), for comparison.
-fn separate_launches(model: &Llama<StokeCuda>) -> Llama<StokeCuda> {
+/// `model` with the decode step's fused launches (the plan's `fused_step`: the norms folded
+/// into the W4A16 GEMMs, RoPE and the cache append in the q|k|v epilogue).
+fn fused_step(model: &Llama<StokeCuda>) -> Llama<StokeCuda> {
     let mut m = model.clone();
-    m.plan.separate_launches = true;
+    m.plan.fused_step = true;
     m
 }
 
@@ -1023,15 +1013,15 @@ pub fn bench(copy_gbps: f64) -> Value {
                 points.push(report(time_steps(&model, batch, ctx, kv, 50)));
             }
         }
-        // The same model in the step's reference layout, at the ends of the range.
+        // The same model with the fused step, at the ends of the range.
         if !int4_head {
-            let separate = separate_launches(&model);
+            let fused = fused_step(&model);
             for (batch, ctx, kv) in [
                 (1, 1024, KvCacheFormat::Bf16),
                 (32, 4096, KvCacheFormat::Int4),
             ] {
-                let mut p = report(time_steps(&separate, batch, ctx, kv, 50));
-                p["norms"] = json!("separate");
+                let mut p = report(time_steps(&fused, batch, ctx, kv, 50));
+                p["norms"] = json!("fused");
                 points.push(p);
             }
         }

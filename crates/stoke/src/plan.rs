@@ -50,12 +50,13 @@ pub struct Plan {
     pub prefill: PrefillMode,
     /// The format of the KV cache decode attention reads.
     pub kv_format: KvCacheFormat,
-    /// The decode step's reference layout: each RMSNorm between two projections, and RoPE with
-    /// the cache append, a launch of its own. `false` (the default): folded into the
-    /// projections' GEMMs where their kernels take them
-    /// ([`FusedOps::linear_residual_rms_norm`](crate::FusedOps::linear_residual_rms_norm),
-    /// [`FusedOps::decode_qkv_attention`](crate::FusedOps::decode_qkv_attention)).
-    pub separate_launches: bool,
+    /// The decode step's fused launches: each RMSNorm between two projections folded into the
+    /// projections' W4A16 GEMMs
+    /// ([`FusedOps::linear_residual_rms_norm`](crate::FusedOps::linear_residual_rms_norm)) and,
+    /// for heads of 64, RoPE with the cache append in the q|k|v GEMM's epilogue
+    /// ([`FusedOps::decode_qkv_attention`](crate::FusedOps::decode_qkv_attention)). Off (the
+    /// default): the step's reference layout, each of them a launch of its own.
+    pub fused_step: bool,
 }
 
 /// What a weight is to its model.

@@ -632,9 +632,9 @@ impl<B: FusedOps> Llama<B> {
     ) -> Result<Tensor<B, 3>, E> {
         let eps = self.rms_norm_eps;
         // A residual projection and the norm of its output: folded into the GEMMs around the
-        // norm unless the plan keeps the step's reference layout.
+        // norm where the plan fuses the step.
         let project_norm = |a: Tensor<B, 3>, proj: &Linear<B>, res: Tensor<B, 3>, gain| {
-            if self.plan.separate_launches {
+            if !self.plan.fused_step {
                 let s = stoke::linear_residual(a, proj, res);
                 (s.clone(), stoke::rms_norm(s, gain, eps))
             } else {
@@ -663,7 +663,7 @@ impl<B: FusedOps> Llama<B> {
         );
         let normed = self
             .layers_forward(x, normed, |l, normed, qkv_proj| {
-                Ok::<_, std::convert::Infallible>(if self.plan.separate_launches {
+                Ok::<_, std::convert::Infallible>(if !self.plan.fused_step {
                     stoke::decode_attention::<B>(dec, l, qkv_proj.forward(normed))
                 } else {
                     stoke::decode_qkv_attention::<B>(dec, l, normed, qkv_proj)
