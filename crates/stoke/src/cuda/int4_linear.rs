@@ -199,8 +199,9 @@ fn run<I: Backend>(
 }
 
 /// `rms_norm(s, gamma, eps)` folded into the W4A16 GEMMs around it
-/// ([`try_linear_residual_rms_norm`]): the GEMM that wrote `s` also wrote `s * gamma` (`gained`)
-/// and each row's sums of `s^2` by 64-column slab (`ss`, `[n / 64][rows]` f32). A W4A16
+/// (`FusedOps::linear_residual_rms_norm` on `Stoke<Cuda>`): the GEMM that wrote `s` also wrote
+/// `s * gamma` (`gained`) and each row's sums of `s^2` by 64-column slab (`ss`, `[n / 64][rows]`
+/// f32). A W4A16
 /// projection that reads it reads `gained` and applies the row factor in its epilogue; anything
 /// else reads the normalized rows, which the RMSNorm kernel computes at the first such read.
 pub struct FoldedNorm<I: Backend> {
