@@ -48,9 +48,7 @@ pub trait FusedOps: Backend {
         gamma: FloatTensor<Self>,
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let s = Self::linear_residual(x, weight, residual);
-        let normed = Self::rms_norm(s.clone(), gamma, eps);
-        (s, normed)
+        linear_residual_then_rms_norm::<Self>(x, weight, residual, gamma, eps)
     }
 
     /// SwiGLU of a gate/up projection whose columns are interleaved (gate `j` at column `2j`,
@@ -214,6 +212,20 @@ pub fn swiglu_reference<B: Backend>(y: FloatTensor<B>) -> FloatTensor<B> {
     let mut out_dims = dims;
     *out_dims.last_mut().unwrap() = n / 2;
     B::float_reshape(float(out), Shape::from(out_dims))
+}
+
+/// `linear_residual` then `rms_norm` of its output, each as the backend runs it: the
+/// composition that [`FusedOps::linear_residual_rms_norm`] stands for. Returns `(s, normed)`.
+pub fn linear_residual_then_rms_norm<B: FusedOps>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    residual: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    eps: f64,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let s = B::linear_residual(x, weight, residual);
+    let normed = B::rms_norm(s.clone(), gamma, eps);
+    (s, normed)
 }
 
 /// The reference residual RMSNorm composition on any backend: `(x + residual, normed)`.

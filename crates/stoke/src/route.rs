@@ -88,9 +88,7 @@ impl<I: Backend> FusedOps for Stoke<I> {
         {
             return r;
         }
-        let s = Self::linear_residual(x, weight, residual);
-        let normed = Self::rms_norm(s.clone(), gamma, eps);
-        (s, normed)
+        crate::fused::linear_residual_then_rms_norm::<Self>(x, weight, residual, gamma, eps)
     }
 
     fn linear_swiglu(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
