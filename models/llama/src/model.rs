@@ -634,11 +634,11 @@ impl<B: FusedOps> Llama<B> {
         // A residual projection and the norm of its output: folded into the GEMMs around the
         // norm where the plan fuses the step.
         let project_norm = |a: Tensor<B, 3>, proj: &Linear<B>, res: Tensor<B, 3>, gain| {
-            if !self.plan.fused_step {
+            if self.plan.fused_step {
+                stoke::linear_residual_rms_norm(a, proj, res, gain, eps)
+            } else {
                 let s = stoke::linear_residual(a, proj, res);
                 (s.clone(), stoke::rms_norm(s, gain, eps))
-            } else {
-                stoke::linear_residual_rms_norm(a, proj, res, gain, eps)
             }
         };
         for (l, layer) in self.layers.iter().enumerate() {
@@ -663,10 +663,10 @@ impl<B: FusedOps> Llama<B> {
         );
         let normed = self
             .layers_forward(x, normed, |l, normed, qkv_proj| {
-                Ok::<_, std::convert::Infallible>(if !self.plan.fused_step {
-                    stoke::decode_attention::<B>(dec, l, qkv_proj.forward(normed))
-                } else {
+                Ok::<_, std::convert::Infallible>(if self.plan.fused_step {
                     stoke::decode_qkv_attention::<B>(dec, l, normed, qkv_proj)
+                } else {
+                    stoke::decode_attention::<B>(dec, l, qkv_proj.forward(normed))
                 })
             })
             .unwrap_or_else(|never| match never {});

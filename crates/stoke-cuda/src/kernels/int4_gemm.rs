@@ -86,6 +86,18 @@ pub struct QkvRopeParams {
 }
 
 impl QkvRopeParams {
+    /// `targets` (one per layer) as the bytes a device copy holds.
+    pub fn bytes(targets: &[Self]) -> &[u8] {
+        // SAFETY: #[repr(C)] structs of pointers and integers whose padding is explicit (the
+        // `pad` fields), so every byte is initialized; the length covers the same memory.
+        unsafe {
+            std::slice::from_raw_parts(
+                targets.as_ptr().cast::<u8>(),
+                std::mem::size_of_val(targets),
+            )
+        }
+    }
+
     /// The targets of a prefill q|k|v epilogue, for the decode kernels (heads of 64; `None`
     /// for other head dims, which span two slabs).
     pub fn from_epilogue(e: &super::fp8_gemm::QkvEpilogue) -> Option<Self> {

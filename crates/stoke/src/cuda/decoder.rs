@@ -312,35 +312,26 @@ impl GpuDecoder {
             upload(&rt, &u32_bytes(&zeros))?,
         );
         let rope = upload(&rt, &rope)?;
-        // The q|k|v epilogue's targets per layer: the decoder's own buffers, so they hold for
-        // its life (q comes with each call).
-        let mut targets = Vec::new();
-        for cache in &caches {
-            let e = cache.qkv_epilogue(
-                spec.heads as u32,
-                (rope.as_ptr(), spec.rope_positions() as u32),
-                slot_of.as_ptr(),
-                pos.as_ptr(),
-                len.as_mut_ptr(),
-                DevicePtrMut::NULL,
-            )?;
-            match QkvRopeParams::from_epilogue(&e) {
-                Some(t) => targets.push(t),
-                None => break,
-            }
-        }
-        let qkv_rope = if targets.len() == caches.len() && !targets.is_empty() {
-            // SAFETY: plain #[repr(C)] structs of pointers and integers, no padding left
-            // uninitialized (the explicit pad fields are zero).
-            let bytes = unsafe {
-                std::slice::from_raw_parts(
-                    targets.as_ptr().cast::<u8>(),
-                    std::mem::size_of_val(targets.as_slice()),
-                )
-            };
-            Some(upload(&rt, bytes)?)
-        } else {
-            None
+        // The q|k|v epilogue's targets per layer (heads of 64 only): the decoder's own buffers,
+        // so they hold for its life (q comes with each call).
+        let targets = caches
+            .iter()
+            .map(|cache| {
+                cache
+                    .qkv_epilogue(
+                        spec.heads as u32,
+                        (rope.as_ptr(), spec.rope_positions() as u32),
+                        slot_of.as_ptr(),
+                        pos.as_ptr(),
+                        len.as_mut_ptr(),
+                        DevicePtrMut::NULL,
+                    )
+                    .map(|e| QkvRopeParams::from_epilogue(&e))
+            })
+            .collect::<stoke_cuda::Result<Option<Vec<_>>>>()?;
+        let qkv_rope = match targets {
+            Some(t) if !t.is_empty() => Some(upload(&rt, QkvRopeParams::bytes(&t))?),
+            _ => None,
         };
         Ok(Ok(Self {
             slot_of,
@@ -915,15 +906,16 @@ pub(crate) fn decode_qkv_attention<I: Backend>(
         && let Some(targets) = &g.qkv_rope
     {
         let (h, kvh, d) = (g.spec.heads, g.spec.kv_heads, g.spec.head_dim);
-        let at = targets
-            .as_ptr::<QkvRopeParams>()
-            .add(layer.min(g.spec.layers - 1));
-        let rows =
-            x.shape().num_elements() / x.shape().as_slice().last().copied().unwrap_or(1).max(1);
+        // The targets' per-row arrays hold the step's rows.
         if layer < g.spec.layers
-            && rows == g.rows
-            && let Some(q) =
-                super::int4_linear::try_qkv_rope(&x, &weight, at, (h + 2 * kvh) * d, h * d)
+            && x.shape().num_elements() == g.rows * g.spec.hidden
+            && let Some(q) = super::int4_linear::try_qkv_rope(
+                &x,
+                &weight,
+                targets.as_ptr::<QkvRopeParams>().add(layer),
+                (h + 2 * kvh) * d,
+                h * d,
+            )
         {
             let device = super::float_device(&q);
             let qp = KernelInput::resolve(&g.rt, &q, &device);
