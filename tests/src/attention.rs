@@ -23,7 +23,7 @@ pub(crate) fn get_bytes(buf: &DeviceBuffer) -> Vec<u8> {
     bytes
 }
 
-fn get_f32(buf: &DeviceBuffer) -> Vec<f32> {
+pub(crate) fn get_f32(buf: &DeviceBuffer) -> Vec<f32> {
     get_bytes(buf)
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))

@@ -985,7 +985,10 @@ pub fn int4_folded_norm_matches_reference() -> Result<Value, String> {
                 unsafe { int4_gemm(&rt, &d1, &producer) }.map_err(|e| format!("{what}: {e}"))?;
                 let hv = try_get_bf16(&h).map_err(|e| format!("{what}: {e}"))?;
                 let gv = get_bf16(&gained);
-                let sv = get_f32(&ss);
+                let sv: Vec<f64> = crate::attention::get_f32(&ss)
+                    .into_iter()
+                    .map(f64::from)
+                    .collect();
                 if hv.iter().chain(&gv).chain(&sv).any(|v| !v.is_finite()) {
                     return Err(format!("{what}: unwritten (poisoned) producer outputs"));
                 }
@@ -1077,13 +1080,4 @@ pub fn int4_folded_norm_matches_reference() -> Result<Value, String> {
         "max_rel_err_consumer": worst[2], "max_rel_err_vs_normed_rows": worst[3],
         "tolerance": TOLERANCE,
     }))
-}
-
-fn get_f32(buf: &DeviceBuffer) -> Vec<f64> {
-    let mut bytes = vec![0u8; buf.bytes()];
-    unsafe { buf.runtime().copy_dtoh(&mut bytes, buf.ptr()) }.unwrap();
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
-        .collect()
 }

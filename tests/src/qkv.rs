@@ -295,6 +295,13 @@ fn reference_head(
         .collect()
 }
 
+/// A new buffer of `bytes`, every byte `poison`.
+fn poisoned(rt: &Arc<Runtime>, bytes: usize, poison: u8) -> DeviceBuffer {
+    let b = rt.alloc(bytes).expect("alloc");
+    unsafe { rt.fill_bytes(b.ptr(), poison, bytes) }.expect("poison");
+    b
+}
+
 /// A cache of 3 slots for the case, every byte poisoned with `byte`.
 fn poisoned_cache(rt: &Arc<Runtime>, c: &Case, cap: u32, byte: u8) -> DeviceKvCache {
     // Slot s's pages lie in reverse order in the pool: positions run across scattered pages.
@@ -377,11 +384,7 @@ pub fn qkv_epilogue_matches_rope_append() -> Result<Value, String> {
         let table = rope_table(cap as usize, d);
         let rope = put_f32(&rt, &table);
         let (slot_b, pos_b) = (put_u32(&rt, &slot_of), put_u32(&rt, &pos));
-        let alloc = |bytes: usize, poison: u8| {
-            let b = rt.alloc(bytes).expect("alloc");
-            unsafe { rt.fill_bytes(b.ptr(), poison, bytes) }.expect("poison");
-            b
-        };
+        let alloc = |bytes: usize, poison: u8| poisoned(&rt, bytes, poison);
 
         // The two launches the epilogue replaces, into cache `want`.
         let want = poisoned_cache(&rt, c, cap, 0x5a);
@@ -575,11 +578,7 @@ pub fn int4_qkv_epilogue_matches_rope_append() -> Result<Value, String> {
                 let (slot_b, pos_b) = (put_u32(&rt, &slot_of), put_u32(&rt, &pos));
                 let x: Vec<u16> = crate::int4::random_bf16(&mut rng, m * k);
                 let xb = put_u16(&rt, &x);
-                let alloc = |bytes: usize, poison: u8| {
-                    let b = rt.alloc(bytes).expect("alloc");
-                    unsafe { rt.fill_bytes(b.ptr(), poison, bytes) }.expect("poison");
-                    b
-                };
+                let alloc = |bytes: usize, poison: u8| poisoned(&rt, bytes, poison);
                 for (splits, wg) in [(0u32, false), (1, false), (0, true)] {
                     let what = format!(
                         "seed {seed}: m {m} group {group}{} {format:?} block {block} splits {splits}{}",
@@ -635,14 +634,8 @@ pub fn int4_qkv_epilogue_matches_rope_append() -> Result<Value, String> {
                     let t =
                         QkvRopeParams::from_epilogue(&e).ok_or("heads of 64 take the epilogue")?;
                     let tb = alloc(std::mem::size_of::<QkvRopeParams>(), 0);
-                    // SAFETY: a #[repr(C)] struct of pointers and integers, fully initialized.
-                    let bytes = unsafe {
-                        std::slice::from_raw_parts(
-                            (&t as *const QkvRopeParams).cast::<u8>(),
-                            std::mem::size_of::<QkvRopeParams>(),
-                        )
-                    };
-                    unsafe { rt.copy_htod(tb.ptr(), bytes) }.map_err(|e| e.to_string())?;
+                    unsafe { rt.copy_htod(tb.ptr(), QkvRopeParams::bytes(&[t])) }
+                        .map_err(|e| e.to_string())?;
                     unsafe { int4_gemm(&rt, &dw, &call(tb.as_ptr(), &q_got)) }
                         .map_err(|e| format!("{what}: epilogue: {e}"))?;
                     compare(
