@@ -23,7 +23,8 @@
 //       of the weight stream.
 // Programmatic dependent launch: each CTA lets the next kernel start launching at once and
 // queues its first ring of weight loads (no kernel on Stoke's stream writes weights or scales)
-// before griddepcontrol.wait; x and every write come after it.
+// before griddepcontrol.wait; x and every write come after it (x through load_u32_after_wait:
+// a non-coherent load of x was moved above the wait by ptxas).
 
 #include "ptx.cuh"
 #include "kv_row.cuh"
@@ -171,8 +172,8 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
     auto fill_x = [&](int s) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-            b0[s][nt] = load_u32(xr[nt]);
-            b1[s][nt] = load_u32(xr[nt] + 4);
+            b0[s][nt] = load_u32_after_wait(xr[nt]);
+            b1[s][nt] = load_u32_after_wait(xr[nt] + 4);
             xr[nt] += 8;
         }
     };

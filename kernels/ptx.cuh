@@ -67,7 +67,9 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p, u64 policy) {
     return r;
 }
 
-// Read-only loads through the non-coherent path.
+// Read-only loads through the non-coherent path: only for what no grid writes while this one
+// runs (weights, scales). ptxas may move such a load above griddepcontrol.wait, so what an
+// earlier kernel on the stream writes is read with load_u32_after_wait.
 __device__ __forceinline__ u32 load_u32(const u32* p) {
     u32 r;
     asm("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
@@ -76,6 +78,16 @@ __device__ __forceinline__ u32 load_u32(const u32* p) {
 __device__ __forceinline__ u32 load_u16(const u16* p) {
     u16 r;
     asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return r;
+}
+
+// A word the previous kernel on the stream wrote, read by a programmatically launched kernel
+// after griddepcontrol.wait: a coherent load through the L2 (.cg), which stays after the wait
+// (ptxas hoisted the non-coherent load_u32 above it, so the read could see the buffer before
+// the previous kernel wrote it), and no L1 line from before the wait can serve it.
+__device__ __forceinline__ u32 load_u32_after_wait(const u32* p) {
+    u32 r;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(r) : "l"(p));
     return r;
 }
 
