@@ -181,10 +181,16 @@ __device__ __forceinline__ void swap_units(const Int4GemmParams& p, u32 slab, u3
         fill_w(s);
         fill_x(s);
     };
-    // The weights first, then (after the previous kernel) x.
+    // The weights first, then (after the previous kernel) x. A whole ring unpredicated: with
+    // each load under its own `s < tiles`, ptxas moved half the ring below the wait.
+    if (tiles >= u32(KB)) {
 #pragma unroll
-    for (int s = 0; s < KB; ++s)
-        if (u32(s) < tiles) fill_w(s);
+        for (int s = 0; s < KB; ++s) fill_w(s);
+    } else {
+#pragma unroll
+        for (int s = 0; s < KB; ++s)
+            if (u32(s) < tiles) fill_w(s);
+    }
     griddep_wait();
 #pragma unroll
     for (int s = 0; s < KB; ++s)

@@ -350,13 +350,24 @@ pub fn decode_step_matches_reference() -> Result<Value, String> {
     all_passed(cases)
 }
 
+/// [`fused_step_matches_separate_launches`]'s bound on the fused step against the reference
+/// layout at the first decode step (relative to the logits' scale): the two round differently
+/// (the fold rounds `h * gain` to bf16 and scales the GEMM's sums by the row factor; the
+/// reference rounds the normalized row), and this random model amplifies one rounding through
+/// 30 layers; recorded 0.021-0.053 (H100), where the reference layout itself is 0.13-0.26 from
+/// the f32 reference at the first steps.
+const FUSED_FIRST_STEP: f64 = 0.1;
+/// The same over all 16 steps, each teacher-forced: no drift (recorded at most 0.126, INT4
+/// cache).
+const FUSED_ANY_STEP: f64 = 0.3;
+
 /// The step's fused launches (the norms folded into the W4A16 GEMMs, RoPE and the cache append
 /// in the q|k|v GEMM's epilogue, `Plan::fused_step`) against its reference layout, each
 /// graphed and eager, teacher-forced for 16 steps on a SmolLM2-shaped random Q4_1 model, batch
 /// 1, 3 and 8, every cache format: graphed equals eager in each layout (the same launches:
 /// every step's relative difference rounds to 0 at 1e-4), and the fused step stays within
-/// rounding of the reference layout at the first decode step (the random model amplifies
-/// rounding over later steps; `fused_vs_separate_per_step` reports each).
+/// rounding of the reference layout ([`FUSED_FIRST_STEP`], [`FUSED_ANY_STEP`];
+/// `fused_vs_separate_per_step` reports each step).
 pub fn fused_step_matches_separate_launches() -> Result<Value, String> {
     let cfg = SMOL_SHAPES;
     let path = std::env::temp_dir().join(format!("stoke-fused-{}.gguf", std::process::id()));
@@ -409,10 +420,13 @@ pub fn fused_step_matches_separate_launches() -> Result<Value, String> {
         if !(max(&sep_ge) == 0.0) {
             failures.push(format!("{what}: separate graphed vs eager {sep_ge:?}"));
         }
-        if !(first < 2e-2) {
+        if !(first < FUSED_FIRST_STEP) {
             failures.push(format!(
                 "{what}: fused vs separate at the first step {fused_sep:?}"
             ));
+        }
+        if !(max(&fused_sep) < FUSED_ANY_STEP) {
+            failures.push(format!("{what}: fused vs separate {fused_sep:?}"));
         }
         reports.push(json!({
             "batch": batch, "kv_cache": format!("{kv:?}"),
