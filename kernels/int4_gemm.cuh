@@ -203,38 +203,21 @@ __device__ __forceinline__ void store_pair(const Int4GemmParams& p, u32 r, u32 c
 
 // Each row's factor f (store_pair) for rows row0 .. row0 + rows - 1 into f[0 .. rows): the
 // product of row_scale and a folded norm's row factor, 1 without either. Every thread of the
-// CTA calls it; the caller synchronizes before reading f. Warp w takes rows w, w + warps, ...,
-// up to 8 of them at a time, and asks for all their slab sums before adding any: it runs at
-// the end of a GEMM whose weight stream keeps the memory system busy (with one round trip per
-// row in turn, the fold's consumers took 12 us longer per launch at 32 rows of the 8B shape).
+// CTA calls it; the caller synchronizes before reading f.
 __device__ __noinline__ void row_factors_of(const float* ss_in, const float* row_scale, u32 k, u32 stride, float eps,
                                             u32 row0, u32 rows, float* f) {
-    constexpr int R = 8;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    for (u32 base = warp; base < rows; base += R * warps) {
-        float s[R];
-#pragma unroll
-        for (int i = 0; i < R; ++i) s[i] = 0.0f;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (u32 r = warp; r < rows; r += blockDim.x >> 5) {
+        float v = 1.0f;
         if (ss_in != nullptr) {
-#pragma unroll 2
-            for (u32 j = lane; j < k / 64; j += 32) {
-                const float* col = ss_in + u64(j) * stride + row0;
+            float s = 0.0f;
+            for (u32 j = lane; j < k / 64; j += 32) s += __ldcg(ss_in + u64(j) * stride + row0 + r);
 #pragma unroll
-                for (int i = 0; i < R; ++i)
-                    if (base + i * warps < rows) s[i] += __ldcg(col + base + i * warps);
-            }
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            v = rsqrtf(s / float(k) + eps);
         }
-#pragma unroll
-        for (int i = 0; i < R; ++i) {
-            const u32 r = base + i * warps;
-            float v = s[i];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (r >= rows) continue;
-            float x = ss_in != nullptr ? rsqrtf(v / float(k) + eps) : 1.0f;
-            if (row_scale != nullptr) x *= row_scale[row0 + r];
-            if (lane == 0) f[r] = x;
-        }
+        if (row_scale != nullptr) v *= row_scale[row0 + r];
+        if (lane == 0) f[r] = v;
     }
 }
 __device__ __forceinline__ void row_factors(const Int4GemmParams& p, u32 row0, u32 rows, float* f) {

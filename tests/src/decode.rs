@@ -212,12 +212,11 @@ fn compare(
     let p = (p.as_slice(), chunk);
     let forced = forced_ids(steps, batch, vocab);
     let f = Some(forced.as_slice());
-    let stoke_model = load::<StokeCuda>(path, capacity)?;
+    let stoke_model = separate_step(&load::<StokeCuda>(path, capacity)?);
     let graphed = run(&stoke_model, p, steps, capacity, kv, false, f, stoke_stats)?;
     let eager = run(&stoke_model, p, steps, capacity, kv, true, f, stoke_stats)?;
     // The fused step (the norms folded, RoPE and the append in the q|k|v epilogue).
-    let mut fused_model = stoke_model.clone();
-    fused_model.plan.fused_step = true;
+    let fused_model = fused_step(&stoke_model);
     let fused = run(&fused_model, p, steps, capacity, kv, false, f, stoke_stats)?;
     drop(fused_model);
     // Greedy, ids taken one step late as generation takes them.
@@ -362,7 +361,7 @@ const FUSED_FIRST_STEP: f64 = 0.1;
 const FUSED_ANY_STEP: f64 = 0.3;
 
 /// The step's fused launches (the norms folded into the W4A16 GEMMs, RoPE and the cache append
-/// in the q|k|v GEMM's epilogue, `Plan::fused_step`) against its reference layout, each
+/// in the q|k|v GEMM's epilogue, `Plan::fused_step_rows`) against its reference layout, each
 /// graphed and eager, teacher-forced for 16 steps on a SmolLM2-shaped random Q4_1 model, batch
 /// 1, 3 and 8, every cache format: graphed equals eager in each layout (the same launches:
 /// every step's relative difference rounds to 0 at 1e-4), and the fused step stays within
@@ -374,7 +373,7 @@ pub fn fused_step_matches_separate_launches() -> Result<Value, String> {
     std::fs::write(&path, gguf_q4_1(&cfg, &weights(&cfg, true, 11))).map_err(|e| e.to_string())?;
     let capacity = 512;
     let steps = 16;
-    let separate = load::<StokeCuda>(&path, capacity)?;
+    let separate = separate_step(&load::<StokeCuda>(&path, capacity)?);
     let _ = std::fs::remove_file(&path);
     let fused = fused_step(&separate);
     let mut reports = Vec::new();
@@ -944,7 +943,7 @@ fn smol_bench(path: &Path, packed: bool) -> Result<Value, String> {
         stoke_llama::load::load_gguf::<StokeCuda>(path, &device, DType::BF16, 2048)
     }
     .map_err(|e| e.to_string())?;
-    let model = l.model.pinned();
+    let model = separate_step(&l.model.pinned());
     let mut points = Vec::new();
     // The fused launches apply to the packed INT4 projections; the bf16 model runs the
     // reference layout.
@@ -964,11 +963,19 @@ fn smol_bench(path: &Path, packed: bool) -> Result<Value, String> {
     Ok(json!(points))
 }
 
-/// `model` with the decode step's fused launches (the plan's `fused_step`: the norms folded
-/// into the W4A16 GEMMs, RoPE and the cache append in the q|k|v epilogue).
+/// `model` with the decode step's fused launches at every row count (the plan's
+/// `fused_step_rows`: the norms folded into the W4A16 GEMMs, RoPE and the cache append in the
+/// q|k|v epilogue).
 fn fused_step(model: &Llama<StokeCuda>) -> Llama<StokeCuda> {
     let mut m = model.clone();
-    m.plan.fused_step = true;
+    m.plan.fused_step_rows = usize::MAX;
+    m
+}
+
+/// `model` with the decode step's reference layout at every row count.
+fn separate_step(model: &Llama<StokeCuda>) -> Llama<StokeCuda> {
+    let mut m = model.clone();
+    m.plan.fused_step_rows = 0;
     m
 }
 
@@ -1016,21 +1023,24 @@ pub fn bench(copy_gbps: f64) -> Value {
             continue;
         }
         let cfg = stoke_llama::synthetic::llama_3_1_8b();
-        let model = stoke_llama::synthetic::random_int4_model::<StokeCuda>(
-            &cfg, 128, int4_head, 4300, 1, &device,
-        )
-        .pinned();
+        let model = separate_step(
+            &stoke_llama::synthetic::random_int4_model::<StokeCuda>(
+                &cfg, 128, int4_head, 4300, 1, &device,
+            )
+            .pinned(),
+        );
         let mut points = Vec::new();
         for (batch, ctx) in [(1, 1024), (8, 1024), (32, 4096)] {
             for kv in [KvCacheFormat::Bf16, KvCacheFormat::Int4] {
                 points.push(report(time_steps(&model, batch, ctx, kv, 50)));
             }
         }
-        // The same model with the fused step, at the ends of the range.
+        // The same model with the fused step.
         if !int4_head {
             let fused = fused_step(&model);
             for (batch, ctx, kv) in [
                 (1, 1024, KvCacheFormat::Bf16),
+                (8, 1024, KvCacheFormat::Int4),
                 (32, 4096, KvCacheFormat::Int4),
             ] {
                 let mut p = report(time_steps(&fused, batch, ctx, kv, 50));
@@ -1051,14 +1061,15 @@ pub fn bench(copy_gbps: f64) -> Value {
         )
         .pinned();
         let mut points = Vec::new();
+        // The model's own plan: the fused step at up to FUSED_STEP_ROWS rows.
         for (batch, ctx) in [(1, 1024), (8, 1024), (32, 4096)] {
-            points.push(report(time_steps(
-                &model,
-                batch,
-                ctx,
-                KvCacheFormat::Bf16,
-                50,
-            )));
+            let mut p = report(time_steps(&model, batch, ctx, KvCacheFormat::Bf16, 50));
+            p["norms"] = json!(if model.plan.fuses_step(batch) {
+                "fused"
+            } else {
+                "separate"
+            });
+            points.push(p);
         }
         layers70.push(json!({ "layers": layers, "points": points }));
     }

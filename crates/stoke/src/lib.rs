@@ -47,6 +47,6 @@ pub use fused::{
     FusedOps, linear_residual, linear_residual_rms_norm, linear_swiglu, output_head,
     residual_rms_norm, rms_norm,
 };
-pub use plan::{Plan, PrefillMode, WeightPlan, WeightRole};
+pub use plan::{FUSED_STEP_ROWS, Plan, PrefillMode, WeightPlan, WeightRole};
 pub use stoke::Stoke;
 pub use tensor::{StokeData, StokeTensor};

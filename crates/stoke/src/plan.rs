@@ -43,20 +43,39 @@ impl std::str::FromStr for PrefillMode {
 }
 
 /// A model's plan.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Plan {
     /// The projections' prefill mode (the output head always runs on bf16: its logits take its
     /// rounding directly).
     pub prefill: PrefillMode,
     /// The format of the KV cache decode attention reads.
     pub kv_format: KvCacheFormat,
-    /// The decode step's fused launches: each RMSNorm between two projections folded into the
+    /// The decode step's fused launches, for steps of up to this many rows (0: never;
+    /// default [`FUSED_STEP_ROWS`]): each RMSNorm between two projections folded into the
     /// projections' W4A16 GEMMs
     /// ([`FusedOps::linear_residual_rms_norm`](crate::FusedOps::linear_residual_rms_norm)) and,
     /// for heads of 64, RoPE with the cache append in the q|k|v GEMM's epilogue
-    /// ([`FusedOps::decode_qkv_attention`](crate::FusedOps::decode_qkv_attention)). Off (the
-    /// default): the step's reference layout, each of them a launch of its own.
-    pub fused_step: bool,
+    /// ([`FusedOps::decode_qkv_attention`](crate::FusedOps::decode_qkv_attention)). Larger
+    /// steps and prefills run the reference layout, each of them a launch of its own.
+    pub fused_step_rows: usize,
+}
+
+/// [`Plan::fused_step_rows`]' default: the fused step where it measured faster than the
+/// reference layout (docs/PERFORMANCE.md, "The fused step"): 1-8 rows, where the W4A16 GEMMs
+/// are the swapped kernels (SmolLM2 shape 0.89-0.99x the reference layout's step time at 1
+/// row, 0.89-0.92x at 8). At 32 rows the fold's consumers (the batched and warpgroup kernels)
+/// took longer than the RMSNorm launch they replace (SmolLM2 shape 1.04-1.10x; 8B shape at
+/// 32 rows, context 4096, 1.33x).
+pub const FUSED_STEP_ROWS: usize = 8;
+
+impl Default for Plan {
+    fn default() -> Self {
+        Self {
+            prefill: PrefillMode::default(),
+            kv_format: KvCacheFormat::default(),
+            fused_step_rows: FUSED_STEP_ROWS,
+        }
+    }
 }
 
 /// What a weight is to its model.
@@ -83,6 +102,12 @@ pub struct WeightPlan {
 }
 
 impl Plan {
+    /// Whether a decode step of `rows` rows runs the fused launches
+    /// ([`Plan::fused_step_rows`]).
+    pub fn fuses_step(&self, rows: usize) -> bool {
+        rows <= self.fused_step_rows
+    }
+
     /// The plan of a weight of `role`.
     pub fn weight(&self, role: WeightRole) -> WeightPlan {
         match role {
@@ -102,6 +127,18 @@ impl Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_plan_fuses_decode_steps_of_up_to_eight_rows() {
+        let plan = Plan::default();
+        assert!((1..=FUSED_STEP_ROWS).all(|rows| plan.fuses_step(rows)));
+        assert!(!plan.fuses_step(FUSED_STEP_ROWS + 1) && !plan.fuses_step(32));
+        let never = Plan {
+            fused_step_rows: 0,
+            ..plan
+        };
+        assert!((1..=64).all(|rows| !never.fuses_step(rows)));
+    }
 
     #[test]
     fn the_head_and_other_weights_stay_on_bf16() {

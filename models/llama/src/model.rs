@@ -623,18 +623,20 @@ impl<B: FusedOps> Llama<B> {
     /// `attend(layer, normed, qkv_proj)` as the q|k|v projection and the attention (RoPE, cache
     /// write, attention) before the o projection (so a prefill can write the cache from the
     /// projection's GEMM): attention, o projection with the residual, SwiGLU MLP with the
-    /// residual. Returns the last layer's output normed with the final gain.
+    /// residual. Returns the last layer's output normed with the final gain. `fused`: each
+    /// norm between two projections folded into them (a decode step the plan fuses).
     fn layers_forward<E>(
         &self,
         mut x: Tensor<B, 3>,
         mut normed: Tensor<B, 3>,
+        fused: bool,
         mut attend: impl FnMut(usize, Tensor<B, 3>, &Linear<B>) -> Result<Tensor<B, 3>, E>,
     ) -> Result<Tensor<B, 3>, E> {
         let eps = self.rms_norm_eps;
         // A residual projection and the norm of its output: folded into the GEMMs around the
-        // norm where the plan fuses the step.
+        // norm where the step is fused.
         let project_norm = |a: Tensor<B, 3>, proj: &Linear<B>, res: Tensor<B, 3>, gain| {
-            if self.plan.fused_step {
+            if fused {
                 stoke::linear_residual_rms_norm(a, proj, res, gain, eps)
             } else {
                 let s = stoke::linear_residual(a, proj, res);
@@ -661,9 +663,11 @@ impl<B: FusedOps> Llama<B> {
             self.layers[0].attn_norm.val(),
             self.rms_norm_eps,
         );
+        let [lanes, rows, _] = x.dims();
+        let fused = self.plan.fuses_step(lanes * rows);
         let normed = self
-            .layers_forward(x, normed, |l, normed, qkv_proj| {
-                Ok::<_, std::convert::Infallible>(if self.plan.fused_step {
+            .layers_forward(x, normed, fused, |l, normed, qkv_proj| {
+                Ok::<_, std::convert::Infallible>(if fused {
                     stoke::decode_qkv_attention::<B>(dec, l, normed, qkv_proj)
                 } else {
                     stoke::decode_attention::<B>(dec, l, qkv_proj.forward(normed))
@@ -868,7 +872,7 @@ impl<B: FusedOps> Llama<B> {
         let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [rows]), &device);
         let x = embed.select(0, ids).reshape([1, rows, hidden]);
         let normed = stoke::rms_norm(x.clone(), self.layers[0].attn_norm.val(), self.rms_norm_eps);
-        self.layers_forward(x, normed, |l, normed, qkv_proj| {
+        self.layers_forward(x, normed, false, |l, normed, qkv_proj| {
             stoke::prefill_qkv_attention::<B>(dec, l, normed, qkv_proj, seqs)
         })
     }
