@@ -365,7 +365,7 @@ const FUSED_ANY_STEP: f64 = 0.3;
 /// graphed and eager, teacher-forced for 16 steps on a SmolLM2-shaped random Q4_1 model, batch
 /// 1, 3 and 8, every cache format: graphed equals eager in each layout (the same launches:
 /// every step's relative difference rounds to 0 at 1e-4), and the fused step stays within
-/// rounding of the reference layout ([`FUSED_FIRST_STEP`], [`FUSED_ANY_STEP`];
+/// rounding of the reference layout (`FUSED_FIRST_STEP`, `FUSED_ANY_STEP`;
 /// `fused_vs_separate_per_step` reports each step).
 pub fn fused_step_matches_separate_launches() -> Result<Value, String> {
     let cfg = SMOL_SHAPES;
