@@ -23,6 +23,21 @@ pub const SMOL_SHAPES: Tiny = Tiny {
     eps: 1e-5,
 };
 
+/// A random-weight model with heads of 128 (the Llama-3.1-8B head size, GQA 4:1) and fewer,
+/// narrower layers: its q|k|v projection keeps `rope_append` in the fused step (a head spans
+/// two of the GEMM's 64-column slabs), and its norms fold into GEMMs with k = 1024.
+pub const HEADS_128: Tiny = Tiny {
+    vocab: 512,
+    hidden: 1024,
+    inter: 2816,
+    layers: 4,
+    heads: 8,
+    kv_heads: 2,
+    head_dim: 128,
+    theta: 500000.0,
+    eps: 1e-5,
+};
+
 /// What one run of `steps` decode steps gave: the ids of every sampling (prefill first) and,
 /// with `keep_logits`, the logits of each.
 pub struct Run {
@@ -362,76 +377,98 @@ const FUSED_ANY_STEP: f64 = 0.3;
 
 /// The step's fused launches (the norms folded into the W4A16 GEMMs, RoPE and the cache append
 /// in the q|k|v GEMM's epilogue, `Plan::fused_step_rows`) against its reference layout, each
-/// graphed and eager, teacher-forced for 16 steps on a SmolLM2-shaped random Q4_1 model, batch
-/// 1, 3 and 8, every cache format: graphed equals eager in each layout (the same launches:
+/// graphed and eager, teacher-forced for 16 steps: a SmolLM2-shaped random Q4_1 model at batch
+/// 1, 3, 8 and 32, every cache format, and a model with heads of 128 ([`HEADS_128`]) at batch
+/// 1, 8 and 32: graphed equals eager in each layout (the same launches:
 /// every step's relative difference rounds to 0 at 1e-4), and the fused step stays within
 /// rounding of the reference layout (`FUSED_FIRST_STEP`, `FUSED_ANY_STEP`;
 /// `fused_vs_separate_per_step` reports each step).
 pub fn fused_step_matches_separate_launches() -> Result<Value, String> {
-    let cfg = SMOL_SHAPES;
-    let path = std::env::temp_dir().join(format!("stoke-fused-{}.gguf", std::process::id()));
-    std::fs::write(&path, gguf_q4_1(&cfg, &weights(&cfg, true, 11))).map_err(|e| e.to_string())?;
-    let capacity = 512;
-    let steps = 16;
-    let separate = separate_step(&load::<StokeCuda>(&path, capacity)?);
-    let _ = std::fs::remove_file(&path);
-    let fused = fused_step(&separate);
+    let bf16 = KvCacheFormat::Bf16;
     let mut reports = Vec::new();
     let mut failures = Vec::new();
-    for (batch, kv) in [
-        (1, KvCacheFormat::Bf16),
-        (3, KvCacheFormat::Bf16),
-        (8, KvCacheFormat::Bf16),
-        (8, KvCacheFormat::Fp8),
-        (8, KvCacheFormat::Int4),
+    for (name, cfg, seed, cases) in [
+        (
+            "SmolLM2 shape",
+            SMOL_SHAPES,
+            11,
+            &[
+                (1, bf16),
+                (3, bf16),
+                (8, bf16),
+                (8, KvCacheFormat::Fp8),
+                (8, KvCacheFormat::Int4),
+                (32, bf16),
+            ][..],
+        ),
+        (
+            "heads of 128",
+            HEADS_128,
+            13,
+            &[
+                (1, bf16),
+                (8, KvCacheFormat::Int4),
+                (32, KvCacheFormat::Int4),
+            ][..],
+        ),
     ] {
-        let p = prompts(batch, 150, cfg.vocab);
-        let forced = forced_ids(steps, batch, cfg.vocab);
-        let f = Some(forced.as_slice());
-        let pc = (p.as_slice(), PREFILL_CHUNK);
-        let mut runs = Vec::new();
-        for (m, eager) in [
-            (&fused, false),
-            (&fused, true),
-            (&separate, false),
-            (&separate, true),
-        ] {
-            runs.push(run(m, pc, steps, capacity, kv, eager, f, stoke_stats)?);
+        let path = std::env::temp_dir().join(format!("stoke-fused-{}.gguf", std::process::id()));
+        std::fs::write(&path, gguf_q4_1(&cfg, &weights(&cfg, true, seed)))
+            .map_err(|e| e.to_string())?;
+        let capacity = 512;
+        let steps = 16;
+        let separate = separate_step(&load::<StokeCuda>(&path, capacity)?);
+        let _ = std::fs::remove_file(&path);
+        let fused = fused_step(&separate);
+        for &(batch, kv) in cases {
+            let p = prompts(batch, 150, cfg.vocab);
+            let forced = forced_ids(steps, batch, cfg.vocab);
+            let f = Some(forced.as_slice());
+            let pc = (p.as_slice(), PREFILL_CHUNK);
+            let mut runs = Vec::new();
+            for (m, eager) in [
+                (&fused, false),
+                (&fused, true),
+                (&separate, false),
+                (&separate, true),
+            ] {
+                runs.push(run(m, pc, steps, capacity, kv, eager, f, stoke_stats)?);
+            }
+            let per_step = |a: &Run, b: &Run| -> Vec<f64> {
+                a.logits
+                    .iter()
+                    .zip(&b.logits)
+                    .map(|(x, y)| (rel_err(x, y, cfg.vocab) * 1e4).round() / 1e4)
+                    .collect()
+            };
+            let max = |v: &[f64]| v.iter().copied().fold(0f64, f64::max);
+            let fused_ge = per_step(&runs[0], &runs[1]);
+            let sep_ge = per_step(&runs[2], &runs[3]);
+            let fused_sep = per_step(&runs[0], &runs[2]);
+            let what = format!("{name}, batch {batch}, {kv:?} cache");
+            // Index 0 is the prefill's sampling (the same launches in both layouts), 1 the
+            // first decode step.
+            let first = fused_sep.get(1).copied().unwrap_or(f64::INFINITY);
+            if !(max(&fused_ge) == 0.0) {
+                failures.push(format!("{what}: fused graphed vs eager {fused_ge:?}"));
+            }
+            if !(max(&sep_ge) == 0.0) {
+                failures.push(format!("{what}: separate graphed vs eager {sep_ge:?}"));
+            }
+            if !(first < FUSED_FIRST_STEP) {
+                failures.push(format!(
+                    "{what}: fused vs separate at the first step {fused_sep:?}"
+                ));
+            }
+            if !(max(&fused_sep) < FUSED_ANY_STEP) {
+                failures.push(format!("{what}: fused vs separate {fused_sep:?}"));
+            }
+            reports.push(json!({
+                "model": name, "batch": batch, "kv_cache": format!("{kv:?}"),
+                "fused_graphed_vs_eager": fused_ge, "separate_graphed_vs_eager": sep_ge,
+                "fused_vs_separate_per_step": fused_sep,
+            }));
         }
-        let per_step = |a: &Run, b: &Run| -> Vec<f64> {
-            a.logits
-                .iter()
-                .zip(&b.logits)
-                .map(|(x, y)| (rel_err(x, y, cfg.vocab) * 1e4).round() / 1e4)
-                .collect()
-        };
-        let max = |v: &[f64]| v.iter().copied().fold(0f64, f64::max);
-        let fused_ge = per_step(&runs[0], &runs[1]);
-        let sep_ge = per_step(&runs[2], &runs[3]);
-        let fused_sep = per_step(&runs[0], &runs[2]);
-        let what = format!("batch {batch}, {kv:?} cache");
-        // Index 0 is the prefill's sampling (the same launches in both layouts), 1 the first
-        // decode step.
-        let first = fused_sep.get(1).copied().unwrap_or(f64::INFINITY);
-        if !(max(&fused_ge) == 0.0) {
-            failures.push(format!("{what}: fused graphed vs eager {fused_ge:?}"));
-        }
-        if !(max(&sep_ge) == 0.0) {
-            failures.push(format!("{what}: separate graphed vs eager {sep_ge:?}"));
-        }
-        if !(first < FUSED_FIRST_STEP) {
-            failures.push(format!(
-                "{what}: fused vs separate at the first step {fused_sep:?}"
-            ));
-        }
-        if !(max(&fused_sep) < FUSED_ANY_STEP) {
-            failures.push(format!("{what}: fused vs separate {fused_sep:?}"));
-        }
-        reports.push(json!({
-            "batch": batch, "kv_cache": format!("{kv:?}"),
-            "fused_graphed_vs_eager": fused_ge, "separate_graphed_vs_eager": sep_ge,
-            "fused_vs_separate_per_step": fused_sep,
-        }));
     }
     if failures.is_empty() {
         Ok(json!(reports))
