@@ -203,21 +203,30 @@ __device__ __forceinline__ void store_pair(const Int4GemmParams& p, u32 r, u32 c
 
 // Each row's factor f (store_pair) for rows row0 .. row0 + rows - 1 into f[0 .. rows): the
 // product of row_scale and a folded norm's row factor, 1 without either. Every thread of the
-// CTA calls it; the caller synchronizes before reading f.
+// CTA calls it; the caller synchronizes before reading f. A warp takes 8 rows at a time: lane
+// 8q + i adds row i's sums of slabs q, q + 4, ..., so one warp load reads 8 consecutive rows
+// (one 32-byte sector) of 4 slabs, and two shuffles add the four lanes of a row.
 __device__ __noinline__ void row_factors_of(const float* ss_in, const float* row_scale, u32 k, u32 stride, float eps,
                                             u32 row0, u32 rows, float* f) {
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (u32 r = warp; r < rows; r += blockDim.x >> 5) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane >> 3;
+    const u32 slabs = k / 64;
+    for (u32 r8 = warp * 8; r8 < rows; r8 += (blockDim.x >> 5) * 8) {
+        const u32 r = r8 + (lane & 7);
         float v = 1.0f;
         if (ss_in != nullptr) {
             float s = 0.0f;
-            for (u32 j = lane; j < k / 64; j += 32) s += __ldcg(ss_in + u64(j) * stride + row0 + r);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (r < rows) {
+#pragma unroll 4
+                for (u32 j = q; j < slabs; j += 4) s += __ldcg(ss_in + u64(j) * stride + row0 + r);
+            }
+            s += __shfl_xor_sync(0xffffffffu, s, 8);
+            s += __shfl_xor_sync(0xffffffffu, s, 16);
             v = rsqrtf(s / float(k) + eps);
         }
-        if (row_scale != nullptr) v *= row_scale[row0 + r];
-        if (lane == 0) f[r] = v;
+        if (r < rows && q == 0) {
+            if (row_scale != nullptr) v *= row_scale[row0 + r];
+            f[r] = v;
+        }
     }
 }
 __device__ __forceinline__ void row_factors(const Int4GemmParams& p, u32 row0, u32 rows, float* f) {

@@ -227,6 +227,9 @@ fi
 if [ "$what" = decode ] && [ -z "${STOKE_NO_PEERS:-}" ]; then
   python3 scripts/peers/decode_torch.py "$out/torch-decode.json" 2>&1 | tee "$out/torch-decode.log" || status=1
 fi
+if [ "$what" = test ] && [[ " $* " == *" bf16_head_matches_reference "* ]] && [ -z "${STOKE_NO_PEERS:-}" ]; then
+  python3 scripts/peers/head_torch.py "$out/torch-head.json" 2>&1 | tee "$out/torch-head.log" || status=1
+fi
 if [ "$what" = test ] && [[ " $* " == *" fp8_gemm_matches_reference "* ]] && [ -z "${STOKE_NO_PEERS:-}" ]; then
   python3 scripts/peers/fp8_torch.py "$out/torch-fp8.json" 2>&1 | tee "$out/torch-fp8.log" || status=1
 fi

@@ -48,23 +48,23 @@ const MAX_ROWS: usize = 32;
 /// Allowed error of an output element, in units of 2^-8 times the largest magnitude of its row
 /// (the reference's): rounding to bf16 alone is at most 2^-8 of the element's magnitude; the
 /// margin covers f32 accumulation and the epilogue's f32 math.
-const TOLERANCE: f64 = 1.1;
+pub(crate) const TOLERANCE: f64 = 1.1;
 /// Relative (Frobenius) error allowed between `linear` on `Stoke<Cuda>` and on burn-cuda (each
 /// rounds its bf16 output once, about 1.1e-3 each), and of the paths that are not the kernel's
 /// against f64.
-const ROUTE_TOLERANCE: f64 = 2e-2;
+pub(crate) const ROUTE_TOLERANCE: f64 = 2e-2;
 /// 2^-8: the bound of bf16 rounding relative to the rounded value's magnitude.
 const BF16_HALF_ULP: f64 = 1.0 / 256.0;
 
 /// Random bf16 values (raw bits) uniform in `[-scale, scale)`.
-fn random_bits(rng: &mut StdRng, len: usize, scale: f32) -> Vec<u16> {
+pub(crate) fn random_bits(rng: &mut StdRng, len: usize, scale: f32) -> Vec<u16> {
     (0..len)
         .map(|_| bf16::from_f32(rng.random_range(-scale..scale)))
         .collect()
 }
 
 /// `x [rows, k] @ w [k, n]` in f64 over the bf16 values, rows split over the host's threads.
-fn reference_acc(x: &[u16], rows: usize, w: &[u16], k: usize, n: usize) -> Vec<f64> {
+pub(crate) fn reference_acc(x: &[u16], rows: usize, w: &[u16], k: usize, n: usize) -> Vec<f64> {
     let mut acc = vec![0f64; rows * n];
     let threads = std::thread::available_parallelism()
         .map_or(4, |t| t.get())
@@ -417,7 +417,7 @@ pub const BENCH_ROWS: &[usize] = &[1, 8, 32];
 /// Copies of a `[k, n]` bf16 weight (filled with one finite pattern: the speed does not depend
 /// on the values) spanning at least `min_bytes` in all, one at least, so that the L2 never
 /// serves the weights, as in a model.
-fn weight_copies(rt: &Arc<Runtime>, k: usize, n: usize, min_bytes: usize) -> Vec<DeviceBuffer> {
+pub(crate) fn weight_copies(rt: &Arc<Runtime>, k: usize, n: usize, min_bytes: usize) -> Vec<DeviceBuffer> {
     let bytes = k * n * 2;
     (0..min_bytes.div_ceil(bytes).max(1))
         .map(|_| {

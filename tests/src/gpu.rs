@@ -62,6 +62,10 @@ pub const CASES: &[(&str, Case)] = &[
         crate::dense::bf16_gemm_matches_reference,
     ),
     (
+        "bf16_head_matches_reference",
+        crate::head::bf16_head_matches_reference,
+    ),
+    (
         "rms_norm_then_int4_gemm_matches_synchronized",
         crate::pairs::rms_norm_then_int4_gemm_matches_synchronized,
     ),

@@ -22,6 +22,7 @@ pub mod dense;
 pub mod fp8;
 pub mod fp8_i4;
 pub mod gpu;
+pub mod head;
 pub mod int4;
 pub mod llama;
 pub mod loader_fuzz;

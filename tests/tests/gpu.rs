@@ -29,6 +29,7 @@ gpu_tests!(
     int4_qkv_epilogue_matches_rope_append,
     fused_step_matches_separate_launches,
     bf16_gemm_matches_reference,
+    bf16_head_matches_reference,
     rms_norm_then_int4_gemm_matches_synchronized,
     smollm2_int4_decode_matches_dequantized,
     smollm2_rtn_int4_decode_warpgroup_matches_simulated,

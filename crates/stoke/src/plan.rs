@@ -99,6 +99,9 @@ pub struct WeightPlan {
     /// For a norm's gain: the norm is deferred where its rows go to FP8 projections, which fold
     /// the gain into their weights (no normalized activation is written).
     pub fold_into_fp8: bool,
+    /// An output head: a bf16 head is kept as its rows `[n, k]` (one row per output column)
+    /// for the output-head kernel, which streams whole rows of it.
+    pub head: bool,
 }
 
 impl Plan {
@@ -113,13 +116,18 @@ impl Plan {
         match role {
             WeightRole::Projection => WeightPlan {
                 prefill: self.prefill,
-                fold_into_fp8: false,
+                ..WeightPlan::default()
             },
             WeightRole::NormGain { feeds_projections } => WeightPlan {
                 prefill: PrefillMode::Bf16,
                 fold_into_fp8: feeds_projections && self.prefill.is_fp8(),
+                ..WeightPlan::default()
             },
-            WeightRole::Head | WeightRole::Other => WeightPlan::default(),
+            WeightRole::Head => WeightPlan {
+                head: true,
+                ..WeightPlan::default()
+            },
+            WeightRole::Other => WeightPlan::default(),
         }
     }
 }
@@ -150,7 +158,14 @@ mod tests {
             plan.weight(WeightRole::Projection).prefill,
             PrefillMode::Fp8
         );
-        assert_eq!(plan.weight(WeightRole::Head), WeightPlan::default());
+        assert_eq!(
+            plan.weight(WeightRole::Head),
+            WeightPlan {
+                head: true,
+                ..WeightPlan::default()
+            }
+        );
+        assert_eq!(plan.weight(WeightRole::Head).prefill, PrefillMode::Bf16);
         assert!(
             plan.weight(WeightRole::NormGain {
                 feeds_projections: true

@@ -2,6 +2,7 @@
 //! Each module mirrors its kernel's `#[repr(C)]` parameter struct and picks entry points.
 
 pub mod bf16_gemm;
+pub mod bf16_head;
 pub mod decode_attention;
 pub mod embed;
 pub mod fp8_gemm;
@@ -123,6 +124,9 @@ fn int4_batched_entries() -> Vec<&'static str> {
 fn bf16_gemm_entries() -> Vec<&'static str> {
     bf16_gemm::ENTRY_POINTS.to_vec()
 }
+fn bf16_head_entries() -> Vec<&'static str> {
+    bf16_head::entry_points()
+}
 fn embed_entries() -> Vec<&'static str> {
     embed::ENTRY_POINTS.to_vec()
 }
@@ -175,6 +179,11 @@ pub const BF16_GEMM: KernelSource = KernelSource {
     source: bf16_gemm::SOURCE,
     entries: bf16_gemm_entries,
 };
+pub const BF16_HEAD: KernelSource = KernelSource {
+    file: "bf16_head.cu",
+    source: bf16_head::SOURCE,
+    entries: bf16_head_entries,
+};
 pub const EMBED: KernelSource = KernelSource {
     file: "embed.cu",
     source: embed::SOURCE,
@@ -222,6 +231,7 @@ pub const ALL: &[KernelSource] = &[
     DECODE_ATTENTION,
     EMBED,
     BF16_GEMM,
+    BF16_HEAD,
     SAMPLE,
     FP8_GEMM,
     FP8_QUANT,

@@ -293,6 +293,55 @@ impl<I: Backend> StokeData<I> for ResidentTensor<I> {
     }
 }
 
+/// An output head `[k, n]` (Burn's Linear layout) kept as its rows `[n, k]`, one row of `k`
+/// weights per output column (the layout a checkpoint stores a head in), pinned: the output-head
+/// kernel (`kernels/bf16_head.cu`) streams whole rows of it. Every other op sees `[k, n]` as a
+/// transposed view of the rows.
+pub struct HeadWeight<I: Backend> {
+    /// `[n, k]`, contiguous.
+    rows: I::FloatTensorPrimitive,
+    device: I::Device,
+    pin: Pin,
+}
+
+impl<I: Backend> std::fmt::Debug for HeadWeight<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HeadWeight({:?} rows, {:?})", self.rows.shape(), self.pin)
+    }
+}
+
+impl<I: Backend> HeadWeight<I> {
+    /// The rows' device address.
+    pub fn ptr(&self) -> u64 {
+        self.pin.ptr
+    }
+
+    /// `(k, n)`: the weight's input and output sizes.
+    pub fn k_n(&self) -> (usize, usize) {
+        let s = self.rows.shape();
+        (s.as_slice()[1], s.as_slice()[0])
+    }
+}
+
+impl<I: Backend> StokeData<I> for HeadWeight<I> {
+    fn shape(&self) -> Shape {
+        let (k, n) = self.k_n();
+        Shape::new([k, n])
+    }
+    fn dtype(&self) -> DType {
+        self.rows.dtype()
+    }
+    fn device(&self) -> I::Device {
+        self.device.clone()
+    }
+    fn materialize(&self) -> I::FloatTensorPrimitive {
+        I::float_swap_dims(self.rows.clone(), 0, 1)
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
 /// Pins a float primitive for Stoke's kernels (with the default plan); returns it unchanged
 /// where Stoke's kernels don't run or it is already Stoke-owned.
 pub fn pin_tensor<I: Backend>(t: StokeTensor<I>) -> StokeTensor<I> {
@@ -310,6 +359,9 @@ pub fn prepare_tensor<I: Backend>(
     if let Some(p) = t.downcast_ref::<crate::packed::PackedWeight<I>>() {
         return StokeTensor::owned(p.with_prefill(plan.prefill));
     }
+    if t.downcast_ref::<HeadWeight<I>>().is_some() {
+        return t;
+    }
     let inner = match t {
         StokeTensor::Inner(inner) => inner,
         StokeTensor::Owned(ref data) => match data.as_any().downcast_ref::<ResidentTensor<I>>() {
@@ -321,6 +373,22 @@ pub fn prepare_tensor<I: Backend>(
     let Some(rt) = runtime_for::<I>(&device) else {
         return StokeTensor::Inner(inner);
     };
+    if plan.head && inner.dtype() == DType::BF16 && inner.shape().num_dims() == 2 {
+        // The rows `[n, k]`: a contiguous transpose, made once; the `[k, n]` tensor is dropped
+        // with the model's old parameter.
+        let rows = to_cube::<I>(I::float_swap_dims(inner, 0, 1));
+        let rows = if rows.is_contiguous() {
+            rows
+        } else {
+            burn_cubecl::kernel::into_contiguous(rows)
+        };
+        let pin = Pin::new::<I>(&rt, rows.clone(), &device);
+        return StokeTensor::owned(HeadWeight::<I> {
+            rows: from_cube::<I>(rows),
+            device,
+            pin,
+        });
+    }
     let pin = Pin::new::<I>(&rt, to_cube::<I>(inner.clone()), &device);
     StokeTensor::owned(ResidentTensor::<I> {
         tensor: inner,

@@ -1,7 +1,8 @@
-//! `linear` on a pinned bf16 weight through the dense bf16 GEMM (`kernels/bf16_gemm.cu`), for
-//! decode-sized inputs (up to 64 rows: the kernel's 32 at a time).
+//! `linear` on a pinned bf16 weight through the dense bf16 GEMM (`kernels/bf16_gemm.cu`), and on
+//! an output head kept as its rows through the output-head kernel (`kernels/bf16_head.cu`), for
+//! decode-sized inputs (up to 64 rows: the kernels' 32 at a time).
 
-use super::bridge::{DeviceTensor, KernelInput, ResidentTensor, runtime_for};
+use super::bridge::{DeviceTensor, HeadWeight, KernelInput, ResidentTensor, runtime_for};
 use crate::tensor::{StokeData, StokeTensor};
 use burn_backend::{Backend, DType, TensorMetadata};
 use stoke_cuda::bf16::{Bf16Gemm, bf16_gemm};
@@ -85,5 +86,69 @@ pub(crate) fn try_dense_linear_with<I: Backend>(
         first += rows;
     }
     drop((x_in, res_in));
+    Some(StokeTensor::owned(out))
+}
+
+/// `x @ W` on the output-head kernel (`kernels/bf16_head.cu`) when `weight` is an output head
+/// kept as its rows ([`HeadWeight`]), `x` is bf16 `[.., k]` with 1 to 64 rows (a decode step's
+/// rows, or a prefill's last rows; above 32, two launches of up to 32) at a 16-byte aligned
+/// address, and Stoke's runtime runs on the device; `None` otherwise (the caller's reference
+/// path, on the rows' transposed view).
+pub(crate) fn try_head_linear<I: Backend>(
+    x: &StokeTensor<I>,
+    weight: &StokeTensor<I>,
+    epilogue: Epilogue,
+) -> Option<StokeTensor<I>> {
+    use stoke_cuda::bf16::{Bf16Head, bf16_head};
+    use stoke_cuda::kernels::bf16_head as head;
+    if epilogue != Epilogue::Plain {
+        return None;
+    }
+    let hw = weight.downcast_ref::<HeadWeight<I>>()?;
+    let (k, n) = hw.k_n();
+    if hw.dtype() != DType::BF16 || x.dtype() != DType::BF16 {
+        return None;
+    }
+    let shape = x.shape();
+    let dims = shape.as_slice();
+    if dims.last() != Some(&k) || k == 0 {
+        return None;
+    }
+    let m = shape.num_elements() / k;
+    let most = head::MAX_ROWS as usize;
+    if m == 0 || m > 2 * most || k > u32::MAX as usize || n > u32::MAX as usize {
+        return None;
+    }
+    if let Err(e) = head::check_shape(1, k as u32, n as u32) {
+        tracing::debug!("stoke output head [{k}, {n}]: {e}");
+        return None;
+    }
+    let device = super::float_device(x);
+    let rt = runtime_for::<I>(&device)?;
+    let x_in = KernelInput::resolve(&rt, x, &device);
+    if !x_in.ptr.is_multiple_of(16) {
+        return None;
+    }
+    let out = DeviceTensor::<I>::alloc(&rt, super::with_cols(dims, n), DType::BF16, device);
+    let mut first = 0usize;
+    while first < m {
+        let rows = (m - first).min(most);
+        let call = Bf16Head {
+            x: DevicePtr::new(x_in.ptr + (first * k * 2) as u64),
+            m: rows as u32,
+            k: k as u32,
+            n: n as u32,
+            w: DevicePtr::new(hw.ptr()),
+            out: DevicePtrMut::new(out.ptr() + (first * n * 2) as u64),
+        };
+        // SAFETY: x is pinned (or Stoke-owned) until the kernel is done, the rows are pinned for
+        // the life of the weight (released after Stoke's queued work), out is a Stoke buffer of
+        // m * n bf16; the launch's rows lie inside all three.
+        if let Err(e) = unsafe { bf16_head(&rt, &call, None) } {
+            panic!("stoke output head (bf16): {e}");
+        }
+        first += rows;
+    }
+    drop(x_in);
     Some(StokeTensor::owned(out))
 }

@@ -26,7 +26,7 @@ pub(crate) mod rms_norm;
 
 pub(crate) use crate::tensor::float_device;
 pub use bridge::{
-    DeviceTensor, ResidentTensor, pin, pin_module, pin_tensor, prepare, prepare_tensor,
+    DeviceTensor, HeadWeight, ResidentTensor, pin, pin_module, pin_tensor, prepare, prepare_tensor,
     runtime_for, runtime_status,
 };
 pub(crate) use bridge::{memory_cleanup, sync_device};
@@ -124,7 +124,8 @@ impl crate::device::Kernels for Gpu {
 
 /// `epilogue(x @ W)` on Stoke's GEMMs: the W4A16 kernels for a packed INT4 weight (decode
 /// rows), the persistent wgmma GEMM on the weight's bf16 or E4M3 copy (prefill rows), the
-/// dense bf16 kernel for a pinned bf16 weight (decode rows); `None` where none applies (the caller's reference path).
+/// dense bf16 kernel for a pinned bf16 weight (decode rows), the output-head kernel for a head
+/// kept as its rows (decode rows); `None` where none applies (the caller's reference path).
 /// `Residual` adds `residual`, `SwiGlu` returns `silu(g) * u` of interleaved columns.
 pub(crate) fn try_linear<I: burn_backend::Backend>(
     x: &crate::tensor::StokeTensor<I>,
@@ -135,6 +136,7 @@ pub(crate) fn try_linear<I: burn_backend::Backend>(
     int4_linear::try_linear_with(x, weight, epilogue, residual)
         .or_else(|| prefill_linear::try_prefill_linear_with(x, weight, epilogue, residual))
         .or_else(|| dense_linear::try_dense_linear_with(x, weight, epilogue, residual))
+        .or_else(|| dense_linear::try_head_linear(x, weight, epilogue))
 }
 
 /// `dims` (an input's `[.., k]`) with the last dimension set to `cols`: a GEMM output's shape.
