@@ -395,8 +395,9 @@ impl<B: FusedOps> Llama<B> {
     /// The model with `plan`: every weight made ready for the backend's kernels once, as the
     /// plan says for its role (`Stoke<Cuda>` resolves each weight's device pointer and keeps
     /// the plan with it: the projections' prefill mode, whether a norm's gain folds into the FP8
-    /// projections it feeds; the output head and the other weights stay on bf16); other
-    /// backends get the weights back unchanged.
+    /// projections it feeds; a bf16 output head is kept as its rows `[vocab, hidden]` for the
+    /// output-head kernel; the head and the other weights stay on bf16); other backends get the
+    /// weights back unchanged.
     pub fn prepared(mut self, plan: stoke::Plan) -> Self {
         use stoke::WeightRole;
         let w = |role| plan.weight(role);
