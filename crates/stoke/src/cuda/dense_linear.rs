@@ -89,11 +89,12 @@ pub(crate) fn try_dense_linear_with<I: Backend>(
     Some(StokeTensor::owned(out))
 }
 
-/// `x @ W` on the output-head kernel (`kernels/bf16_head.cu`) when `weight` is an output head
-/// kept as its rows ([`HeadWeight`]), `x` is bf16 `[.., k]` with 1 to 64 rows (a decode step's
-/// rows, or a prefill's last rows; above 32, two launches of up to 32) at a 16-byte aligned
-/// address, and Stoke's runtime runs on the device; `None` otherwise (the caller's reference
-/// path, on the rows' transposed view).
+/// `x @ W` when `weight` is an output head kept as its rows ([`HeadWeight`]), `x` is bf16
+/// `[.., k]` at a 16-byte aligned address and Stoke's runtime runs on the device: 1 to 64 rows
+/// (a decode step's rows, or a prefill's last rows) on the output-head kernel
+/// (`kernels/bf16_head.cu`; above 32, two launches of up to 32), more (every position's logits)
+/// on the prefill GEMM reading the rows as they are (`k` a multiple of 16, `n` even). `None`
+/// otherwise (the caller's reference path, on the rows' transposed view).
 pub(crate) fn try_head_linear<I: Backend>(
     x: &StokeTensor<I>,
     weight: &StokeTensor<I>,
@@ -116,7 +117,11 @@ pub(crate) fn try_head_linear<I: Backend>(
     }
     let m = shape.num_elements() / k;
     let most = head::MAX_ROWS as usize;
-    if m == 0 || m > 2 * most || k > u32::MAX as usize || n > u32::MAX as usize {
+    let prefill = m > 2 * most;
+    if m == 0 || m > u32::MAX as usize || k > u32::MAX as usize || n > u32::MAX as usize {
+        return None;
+    }
+    if prefill && (!k.is_multiple_of(16) || !n.is_multiple_of(2)) {
         return None;
     }
     if let Err(e) = head::check_shape(1, k as u32, n as u32) {
@@ -130,6 +135,27 @@ pub(crate) fn try_head_linear<I: Backend>(
         return None;
     }
     let out = DeviceTensor::<I>::alloc(&rt, super::with_cols(dims, n), DType::BF16, device);
+    if prefill {
+        use stoke_cuda::kernels::fp8_gemm::{Bf16TcGemm, Fp8Epilogue, bf16_tc_gemm};
+        let gemm = Bf16TcGemm {
+            a: DevicePtr::new(x_in.ptr),
+            w: DevicePtr::new(hw.ptr()),
+            epilogue: Fp8Epilogue::Plain {
+                out: DevicePtrMut::new(out.ptr()),
+            },
+            m: m as u32,
+            n: n as u32,
+            k: k as u32,
+            ldo: n as u32,
+        };
+        // SAFETY: as below; the GEMM reads m rows of x and the n rows of the weight and writes
+        // m * n bf16.
+        if let Err(e) = unsafe { bf16_tc_gemm(&rt, &gemm) } {
+            panic!("stoke output head (prefill GEMM): {e}");
+        }
+        drop(x_in);
+        return Some(StokeTensor::owned(out));
+    }
     let mut first = 0usize;
     while first < m {
         let rows = (m - first).min(most);
