@@ -417,7 +417,12 @@ pub const BENCH_ROWS: &[usize] = &[1, 8, 32];
 /// Copies of a `[k, n]` bf16 weight (filled with one finite pattern: the speed does not depend
 /// on the values) spanning at least `min_bytes` in all, one at least, so that the L2 never
 /// serves the weights, as in a model.
-pub(crate) fn weight_copies(rt: &Arc<Runtime>, k: usize, n: usize, min_bytes: usize) -> Vec<DeviceBuffer> {
+pub(crate) fn weight_copies(
+    rt: &Arc<Runtime>,
+    k: usize,
+    n: usize,
+    min_bytes: usize,
+) -> Vec<DeviceBuffer> {
     let bytes = k * n * 2;
     (0..min_bytes.div_ceil(bytes).max(1))
         .map(|_| {

@@ -14,9 +14,9 @@ use rand::rngs::StdRng;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use stoke_cuda::bf16::{Bf16Gemm, Bf16Head, bf16_gemm, bf16_head};
+use stoke_cuda::kernels::BF16_HEAD;
 use stoke_cuda::kernels::bf16_gemm::Epilogue;
 use stoke_cuda::kernels::bf16_head::{ENTRIES, Entry, Launch, MAX_ROWS, VARIANTS};
-use stoke_cuda::kernels::BF16_HEAD;
 use stoke_cuda::{DeviceBuffer, DevicePtr, GraphArena, Runtime};
 use stoke_formats::bf16;
 use stoke_formats::reference::relative_error;
@@ -175,7 +175,11 @@ fn kernel_cases(
                     worst_case = what.clone();
                 }
                 let (again, _) = run()?;
-                if !got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()) {
+                if !got
+                    .iter()
+                    .zip(&again)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+                {
                     return Err(format!("{what}: a second call gave other bits"));
                 }
                 let mut graphed = false;
@@ -193,14 +197,20 @@ fn kernel_cases(
                         .iter()
                         .map(|b| bf16::to_f32(*b) as f64)
                         .collect();
-                    if !got.iter().zip(&replayed).all(|(a, b)| a.to_bits() == b.to_bits()) {
+                    if !got
+                        .iter()
+                        .zip(&replayed)
+                        .all(|(a, b)| a.to_bits() == b.to_bits())
+                    {
                         return Err(format!("{what}: the graph replay gave other bits"));
                     }
                     graphed = true;
                 }
-                cases.push(json!({"m": m, "k": k, "n": n, "launch": launch_json(&launch),
+                cases.push(
+                    json!({"m": m, "k": k, "n": n, "launch": launch_json(&launch),
                     "error_row_half_ulps": err, "rel_err": relative_error(&got, want),
-                    "graph_replayed": graphed}));
+                    "graph_replayed": graphed}),
+                );
             }
         }
     }
@@ -260,8 +270,9 @@ pub fn head_route_matches_burn_cuda(seed: u64) -> Result<Value, String> {
             w_stoke.dims()
         ));
     }
-    let w_plain = Tensor::<PlainCuda, 2>::from_data(TensorData::new(to_f32(&w_kn), [k, n]), &device)
-        .cast(DType::BF16);
+    let w_plain =
+        Tensor::<PlainCuda, 2>::from_data(TensorData::new(to_f32(&w_kn), [k, n]), &device)
+            .cast(DType::BF16);
     let linear = Linear {
         weight: Param::from_tensor(w_stoke),
         bias: None,
@@ -280,7 +291,8 @@ pub fn head_route_matches_burn_cuda(seed: u64) -> Result<Value, String> {
             return Err(format!("{what}: the head ran on burn-cuda"));
         }
         let got = crate::f64s(y.into_data());
-        let plain = crate::f64s(burn::tensor::module::linear(xp, w_plain.clone(), None).into_data());
+        let plain =
+            crate::f64s(burn::tensor::module::linear(xp, w_plain.clone(), None).into_data());
         let want = reference(&x, m, &w_nk, k, n);
         let err_ref = row_scaled_error(&got, &want, n);
         let err_burn = relative_error(&got, &plain);
@@ -302,8 +314,9 @@ pub fn head_route_matches_burn_cuda(seed: u64) -> Result<Value, String> {
                         .cast(DType::BF16),
                 )),
             };
-            let xs = Tensor::<StokeCuda, 2>::from_data(TensorData::new(to_f32(&x), [m, k]), &device)
-                .cast(DType::BF16);
+            let xs =
+                Tensor::<StokeCuda, 2>::from_data(TensorData::new(to_f32(&x), [m, k]), &device)
+                    .cast(DType::BF16);
             let yb = crate::f64s(stoke::output_head(&with_bias, xs).into_data());
             let want_b: Vec<f64> = want
                 .iter()
@@ -312,7 +325,9 @@ pub fn head_route_matches_burn_cuda(seed: u64) -> Result<Value, String> {
                 .collect();
             let err_b = relative_error(&yb, &want_b);
             if !(err_b < crate::dense::ROUTE_TOLERANCE) {
-                return Err(format!("{what}: with a bias {err_b:.3e} from the reference"));
+                return Err(format!(
+                    "{what}: with a bias {err_b:.3e} from the reference"
+                ));
             }
             report["bias_rel_err"] = json!(err_b);
         }
@@ -409,9 +424,11 @@ pub fn bench(rt: &Arc<Runtime>, copy_gbps: f64) -> Value {
                     t.us,
                     100.0 * gbps / copy_gbps
                 );
-                rows.push(json!({"shape": name, "k": k, "n": n, "m": m, "kernel": "dense_k_n",
+                rows.push(
+                    json!({"shape": name, "k": k, "n": n, "m": m, "kernel": "dense_k_n",
                     "us": t.us, "gbps": gbps, "of_copy": gbps / copy_gbps,
-                    "of_read": read.us / t.us}));
+                    "of_read": read.us / t.us}),
+                );
             }
         }
         rows.push(json!({"shape": name, "k": k, "n": n, "read_ceiling": read.summary()}));

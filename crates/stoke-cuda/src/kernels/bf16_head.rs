@@ -167,10 +167,7 @@ pub fn plan(
                 m.to_string(),
             ));
         }
-        None => *ENTRIES
-            .iter()
-            .find(|e| m <= e.rows)
-            .expect("m <= MAX_ROWS"),
+        None => *ENTRIES.iter().find(|e| m <= e.rows).expect("m <= MAX_ROWS"),
     };
     let units = n.div_ceil(entry.unit_cols());
     let units_per_warp = units.div_ceil(resident_warps(entry).max(1));
@@ -238,7 +235,11 @@ mod tests {
         assert_eq!(l.units_per_warp, 2);
         assert_eq!(l.grid, (501, 1, 1));
         // Rows pick the entry point; every unit is covered exactly once.
-        for (m, name) in [(8, "bf16_head_m8"), (9, "bf16_head_m16"), (32, "bf16_head_m32")] {
+        for (m, name) in [
+            (8, "bf16_head_m8"),
+            (9, "bf16_head_m16"),
+            (32, "bf16_head_m32"),
+        ] {
             let l = plan(m, 576, 49152, None, |_| 132 * 8).unwrap();
             assert_eq!(l.entry.name, name);
             let units = 49152u32.div_ceil(l.entry.unit_cols());

@@ -306,7 +306,12 @@ pub struct HeadWeight<I: Backend> {
 
 impl<I: Backend> std::fmt::Debug for HeadWeight<I> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "HeadWeight({:?} rows, {:?})", self.rows.shape(), self.pin)
+        write!(
+            f,
+            "HeadWeight({:?} rows, {:?})",
+            self.rows.shape(),
+            self.pin
+        )
     }
 }
 
