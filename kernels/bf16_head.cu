@@ -8,8 +8,8 @@
 // loads in flight and nothing else to wait for: no shared memory, no split-K, no reduction
 // between warps.
 //
-// Entry points bf16_head_mROWS (ROWS 8, 16 or 32: the most rows of x the launch takes; NT =
-// ROWS / 8 n-tiles of the mma) take `Bf16HeadParams` by value. block = (128, 1, 1) (4 warps);
+// Entry points bf16_head_mROWS_sSW_pP_rR (ROWS 8, 16 or 32: the most rows of x the launch
+// takes, NT = ROWS / 8 n-tiles of the mma; SW, P and R below) take `Bf16HeadParams` by value. block = (128, 1, 1) (4 warps);
 // grid = (ceil(warps / 4), 1, 1).
 //
 // Work: a unit is SW strips of 16 output columns (16 SW rows of W) over all of k. Warp w takes
@@ -202,12 +202,13 @@ __device__ __forceinline__ void head(const Bf16HeadParams& p) {
         bf16_head::head<ROWS / 8, SW, P, R>(p);                                                      \
     }
 
-// (SW, P, R) per row count, and CTAs per SM for the launch bounds.
-BF16_HEAD_ENTRY(bf16_head_m8, 8, 2, 1, 4, 4)
-BF16_HEAD_ENTRY(bf16_head_m16, 16, 2, 1, 4, 3)
-BF16_HEAD_ENTRY(bf16_head_m32, 32, 4, 1, 2, 2)
-// Benchmark variants of the 8-row form (bf16_head_m8_sSW_pP_rR), timed beside it.
+// bf16_head_mROWS_sSW_pP_rR: up to ROWS rows, SW strips per unit, P 16-byte pieces per row and
+// step, a ring of R steps; the last argument is the CTAs per SM of the launch bounds. The plan
+// (crates/stoke-cuda/src/kernels/bf16_head.rs) picks among the first four; the last two are
+// timed beside them by the benchmark.
 BF16_HEAD_ENTRY(bf16_head_m8_s1_p2_r4, 8, 1, 2, 4, 4)
 BF16_HEAD_ENTRY(bf16_head_m8_s2_p2_r3, 8, 2, 2, 3, 3)
-BF16_HEAD_ENTRY(bf16_head_m8_s1_p1_r8, 8, 1, 1, 8, 4)
-BF16_HEAD_ENTRY(bf16_head_m8_s4_p1_r2, 8, 4, 1, 2, 4)
+BF16_HEAD_ENTRY(bf16_head_m16_s2_p1_r4, 16, 2, 1, 4, 3)
+BF16_HEAD_ENTRY(bf16_head_m32_s4_p1_r2, 32, 4, 1, 2, 2)
+BF16_HEAD_ENTRY(bf16_head_m16_s2_p2_r2, 16, 2, 2, 2, 3)
+BF16_HEAD_ENTRY(bf16_head_m32_s2_p2_r2, 32, 2, 2, 2, 2)

@@ -378,12 +378,20 @@ const FUSED_FIRST_STEP: f64 = 0.1;
 /// cache).
 const FUSED_ANY_STEP: f64 = 0.3;
 
+/// [`fused_step_matches_separate_launches`]' bound on a layout's graphed step against its eager
+/// step (relative to the logits' scale). The two launch the same kernels, but a W4A16 GEMM whose
+/// split-K clusters cannot all be resident at once adds its splits' partial sums with atomics,
+/// in arrival order: the model with heads of 128 differed by 0.0018-0.0197 per step at 1-32
+/// rows (H100, in both layouts; the SmolLM2 shape by 0). The ordering race of programmatic
+/// launches once fixed in the W4A16 swap kernels showed as 1.9-2.0.
+const GRAPHED_VS_EAGER: f64 = 0.05;
+
 /// The step's fused launches (the norms folded into the W4A16 GEMMs, RoPE and the cache append
 /// in the q|k|v GEMM's epilogue, `Plan::fused_step_rows`) against its reference layout, each
 /// graphed and eager, teacher-forced for 16 steps: a SmolLM2-shaped random Q4_1 model at batch
 /// 1, 3, 8 and 32, every cache format, and a model with heads of 128 ([`HEADS_128`]) at batch
-/// 1, 8 and 32: graphed equals eager in each layout (the same launches:
-/// every step's relative difference rounds to 0 at 1e-4), and the fused step stays within
+/// 1, 8 and 32: graphed matches eager in each layout (the same launches; `GRAPHED_VS_EAGER`),
+/// and the fused step stays within
 /// rounding of the reference layout (`FUSED_FIRST_STEP`, `FUSED_ANY_STEP`;
 /// `fused_vs_separate_per_step` reports each step).
 pub fn fused_step_matches_separate_launches() -> Result<Value, String> {
@@ -450,10 +458,10 @@ pub fn fused_step_matches_separate_launches() -> Result<Value, String> {
             // Index 0 is the prefill's sampling (the same launches in both layouts), 1 the
             // first decode step.
             let first = fused_sep.get(1).copied().unwrap_or(f64::INFINITY);
-            if !(max(&fused_ge) == 0.0) {
+            if !(max(&fused_ge) < GRAPHED_VS_EAGER) {
                 failures.push(format!("{what}: fused graphed vs eager {fused_ge:?}"));
             }
-            if !(max(&sep_ge) == 0.0) {
+            if !(max(&sep_ge) < GRAPHED_VS_EAGER) {
                 failures.push(format!("{what}: separate graphed vs eager {sep_ge:?}"));
             }
             if !(first < FUSED_FIRST_STEP) {

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use stoke_cuda::bf16::{Bf16Gemm, Bf16Head, bf16_gemm, bf16_head};
 use stoke_cuda::kernels::BF16_HEAD;
 use stoke_cuda::kernels::bf16_gemm::Epilogue;
-use stoke_cuda::kernels::bf16_head::{ENTRIES, Entry, Launch, MAX_ROWS, VARIANTS};
+use stoke_cuda::kernels::bf16_head::{ENTRIES, Entry, Launch, M8, MAX_ROWS, VARIANTS};
 use stoke_cuda::{DeviceBuffer, DevicePtr, GraphArena, Runtime};
 use stoke_formats::bf16;
 use stoke_formats::reference::relative_error;
@@ -183,7 +183,7 @@ fn kernel_cases(
                     return Err(format!("{what}: a second call gave other bits"));
                 }
                 let mut graphed = false;
-                if m == 8 && entry == ENTRIES[0] {
+                if m == 8 && entry == M8 {
                     unsafe { rt.fill_bytes(out.ptr(), 0xFF, out.bytes()) }
                         .map_err(|e| e.to_string())?;
                     let arena = GraphArena::new(rt);
@@ -344,7 +344,7 @@ pub const BENCH_SHAPES: &[(&str, usize, usize)] = &[
 pub const BENCH_ROWS: &[usize] = &[1, 8, 16, 32, 64];
 
 /// The head kernel on [`BENCH_SHAPES`] at [`BENCH_ROWS`] rows (64: two launches of 32, as the
-/// route makes them) and its variants at 1 and 8 rows; beside it the dense bf16 kernel on the
+/// route makes them) and the other entry points of each row tile (the variants among them); beside it the dense bf16 kernel on the
 /// same bytes read as `[k, n]` (up to 32 rows) and, once per shape, the fastest pure read of
 /// the weight's bytes. µs per call (CUDA events over a CUDA graph of back-to-back calls,
 /// weights rotated through >= 160 MB), GB/s of the weight bytes and their share of the copy rate.
@@ -398,9 +398,15 @@ pub fn bench(rt: &Arc<Runtime>, copy_gbps: f64) -> Value {
                     "of_read": read.us / t.us, "launch": launch_json(&launch)})
             };
             rows.push(time_entry(None, "head"));
-            if m <= 8 {
-                for v in VARIANTS {
-                    rows.push(time_entry(Some(v), v.name));
+            // The other entry points of the same row tile.
+            let tile = [8, 16, 32]
+                .into_iter()
+                .find(|&t| m.min(32) <= t)
+                .unwrap_or(32);
+            let planned = head_call(&weights[0], 0, m.min(32)).plan(rt, None).unwrap();
+            for e in ENTRIES.iter().chain(&VARIANTS).copied() {
+                if e.rows as usize == tile && e != planned.entry {
+                    rows.push(time_entry(Some(e), e.name));
                 }
             }
             if m <= 32 {
