@@ -181,8 +181,8 @@ pub fn plan(
         }
         None => match m {
             1 if k >= ONE_ROW_LONG_K => M8_ONE_ROW,
-            ..=8 => M8,
-            ..=16 => M16,
+            0..=8 => M8,
+            9..=16 => M16,
             _ => M32,
         },
     };
