@@ -96,7 +96,7 @@ fn launch_json(l: &Launch) -> Value {
 /// them poisoned before each call, at every row count of `ROWS` it takes, on each of `SHAPES`;
 /// every call run twice (bitwise the same), the plan's 8-row call of each shape also from a CUDA
 /// graph (bitwise the same as the eager call). Then the Burn-level route
-/// ([`head_route_matches_burn_cuda`]) and the benchmark ([`bench`]).
+/// ([`head_route_matches_burn_cuda`]) and the benchmark ([`bench()`]).
 pub fn bf16_head_matches_reference() -> Result<Value, String> {
     let rt = crate::gpu()?;
     let seed = crate::seed();
