@@ -204,11 +204,8 @@ __device__ __forceinline__ void head(const Bf16HeadParams& p) {
 
 // bf16_head_mROWS_sSW_pP_rR: up to ROWS rows, SW strips per unit, P 16-byte pieces per row and
 // step, a ring of R steps; the last argument is the CTAs per SM of the launch bounds. The plan
-// (crates/stoke-cuda/src/kernels/bf16_head.rs) picks among the first four; the last two are
-// timed beside them by the benchmark.
+// (crates/stoke-cuda/src/kernels/bf16_head.rs) picks among them.
 BF16_HEAD_ENTRY(bf16_head_m8_s1_p2_r4, 8, 1, 2, 4, 4)
 BF16_HEAD_ENTRY(bf16_head_m8_s2_p2_r3, 8, 2, 2, 3, 3)
 BF16_HEAD_ENTRY(bf16_head_m16_s2_p1_r4, 16, 2, 1, 4, 3)
 BF16_HEAD_ENTRY(bf16_head_m32_s4_p1_r2, 32, 4, 1, 2, 2)
-BF16_HEAD_ENTRY(bf16_head_m16_s2_p2_r2, 16, 2, 2, 2, 3)
-BF16_HEAD_ENTRY(bf16_head_m32_s2_p2_r2, 32, 2, 2, 2, 2)

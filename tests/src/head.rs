@@ -16,7 +16,7 @@ use std::sync::Arc;
 use stoke_cuda::bf16::{Bf16Gemm, Bf16Head, bf16_gemm, bf16_head};
 use stoke_cuda::kernels::BF16_HEAD;
 use stoke_cuda::kernels::bf16_gemm::Epilogue;
-use stoke_cuda::kernels::bf16_head::{ENTRIES, Entry, Launch, M8, MAX_ROWS, VARIANTS};
+use stoke_cuda::kernels::bf16_head::{ENTRIES, Entry, Launch, M8, MAX_ROWS};
 use stoke_cuda::{DeviceBuffer, DevicePtr, GraphArena, Runtime};
 use stoke_formats::bf16;
 use stoke_formats::reference::relative_error;
@@ -126,7 +126,7 @@ fn kernel_cases(
         let wb = put_u16(rt, &w);
         let xb = put_u16(rt, &x);
         let acc = reference(&x, max_rows, &w, k, n);
-        for entry in ENTRIES.iter().chain(&VARIANTS).copied() {
+        for entry in ENTRIES.iter().copied() {
             for &m in ROWS.iter().filter(|&&m| m <= entry.rows as usize) {
                 let want = &acc[..m * n];
                 let out = rt
@@ -344,7 +344,7 @@ pub const BENCH_SHAPES: &[(&str, usize, usize)] = &[
 pub const BENCH_ROWS: &[usize] = &[1, 8, 16, 32, 64];
 
 /// The head kernel on [`BENCH_SHAPES`] at [`BENCH_ROWS`] rows (64: two launches of 32, as the
-/// route makes them) and the other entry points of each row tile (the variants among them); beside it the dense bf16 kernel on the
+/// route makes them) and the other entry points of each row tile; beside it the dense bf16 kernel on the
 /// same bytes read as `[k, n]` (up to 32 rows) and, once per shape, the fastest pure read of
 /// the weight's bytes. µs per call (CUDA events over a CUDA graph of back-to-back calls,
 /// weights rotated through >= 160 MB), GB/s of the weight bytes and their share of the copy rate.
@@ -404,7 +404,7 @@ pub fn bench(rt: &Arc<Runtime>, copy_gbps: f64) -> Value {
                 .find(|&t| m.min(32) <= t)
                 .unwrap_or(32);
             let planned = head_call(&weights[0], 0, m.min(32)).plan(rt, None).unwrap();
-            for e in ENTRIES.iter().chain(&VARIANTS).copied() {
+            for e in ENTRIES.iter().copied() {
                 if e.rows as usize == tile && e != planned.entry {
                     rows.push(time_entry(Some(e), e.name));
                 }

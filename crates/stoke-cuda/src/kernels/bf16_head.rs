@@ -103,20 +103,14 @@ pub const M32: Entry = entry("bf16_head_m32_s4_p1_r2", 32, 4, 1, 2, 2);
 /// The entry points the plan picks from.
 pub const ENTRIES: [Entry; 4] = [M8_ONE_ROW, M8, M16, M32];
 
-/// Variants the benchmark times beside the plan's (no plan picks them).
-pub const VARIANTS: [Entry; 2] = [
-    entry("bf16_head_m16_s2_p2_r2", 16, 2, 2, 2, 3),
-    entry("bf16_head_m32_s2_p2_r2", 32, 2, 2, 2, 2),
-];
-
 /// Rows of at least this many values take [`M8_ONE_ROW`] for a single row of x: on an H100 it
 /// streamed the 8B and 70B heads (k = 4096, 8192) at 97.6-97.9% of the copy rate, against
 /// 89.8-90.6% for [`M8`]; SmolLM2's (k = 576: 5 steps a unit) at 70.9% against 95.7%.
 pub const ONE_ROW_LONG_K: u32 = 2048;
 
-/// Every `extern "C"` entry point in [`SOURCE`]: [`ENTRIES`], then [`VARIANTS`].
+/// Every `extern "C"` entry point in [`SOURCE`]: [`ENTRIES`].
 pub fn entry_points() -> Vec<&'static str> {
-    ENTRIES.iter().chain(&VARIANTS).map(|e| e.name).collect()
+    ENTRIES.iter().map(|e| e.name).collect()
 }
 
 /// One launch: the entry point, its grid and the units each warp takes.
@@ -230,17 +224,14 @@ mod tests {
 
     #[test]
     fn every_entry_is_instantiated_with_its_shape() {
-        for e in ENTRIES.iter().chain(&VARIANTS) {
+        for e in ENTRIES.iter() {
             let line = format!(
                 "BF16_HEAD_ENTRY({}, {}, {}, {}, {}, {})",
                 e.name, e.rows, e.strips, e.pieces, e.ring, e.min_ctas
             );
             assert!(SOURCE.contains(&line), "{line} not in bf16_head.cu");
         }
-        assert_eq!(
-            SOURCE.matches("\nBF16_HEAD_ENTRY(").count(),
-            ENTRIES.len() + VARIANTS.len()
-        );
+        assert_eq!(SOURCE.matches("\nBF16_HEAD_ENTRY(").count(), ENTRIES.len());
     }
 
     #[test]
@@ -270,6 +261,6 @@ mod tests {
         assert!(plan(33, 576, 100, None, |_| 1).is_err());
         assert!(plan(1, 580, 100, None, |_| 1).is_err());
         assert!(plan(1, 576, 0, None, |_| 1).is_err());
-        assert!(plan(9, 576, 100, Some(VARIANTS[0]), |_| 1).is_err());
+        assert!(plan(9, 576, 100, Some(M8), |_| 1).is_err());
     }
 }
