@@ -2,9 +2,10 @@
 //! reference over the same bf16 values, determinism and CUDA-graph capture, `linear` through a
 //! pinned bf16 weight against burn-cuda's, and the kernel's speed.
 
+use crate::gpu::is_stoke_output;
 use crate::int4::{put_u16, try_get_bf16};
 use crate::{PlainCuda, StokeCuda};
-use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{DType, Tensor, TensorData};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -264,16 +265,6 @@ fn kernel_cases(
         }
     }
     Ok((cases, worst, worst_case))
-}
-
-/// Whether a tensor is the output of a Stoke kernel (not the reference fallback).
-fn is_stoke_output<const D: usize>(t: &Tensor<StokeCuda, D>) -> bool {
-    match t.clone().into_primitive() {
-        TensorPrimitive::Float(p) => p
-            .downcast_ref::<stoke::cuda::DeviceTensor<burn_cuda::Cuda>>()
-            .is_some(),
-        _ => false,
-    }
 }
 
 /// `Tensor<Stoke<Cuda>>` linear through a pinned bf16 weight (`stoke::cuda::pin`): plain, with

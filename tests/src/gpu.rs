@@ -202,7 +202,7 @@ pub fn run(name: &str) -> Outcome {
 }
 
 /// Whether a tensor is the output of a Stoke kernel (not the reference fallback).
-fn is_stoke_output<const D: usize>(t: &Tensor<StokeCuda, D>) -> bool {
+pub(crate) fn is_stoke_output<const D: usize>(t: &Tensor<StokeCuda, D>) -> bool {
     match t.clone().into_primitive() {
         TensorPrimitive::Float(p) => p
             .downcast_ref::<stoke::cuda::DeviceTensor<burn_cuda::Cuda>>()

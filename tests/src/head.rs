@@ -6,6 +6,7 @@
 //! `scripts/peers/head_torch.py`).
 
 use crate::dense::{TOLERANCE, random_bits, row_scaled_error, weight_copies};
+use crate::gpu::is_stoke_output;
 use crate::int4::put_u16;
 use crate::{PlainCuda, StokeCuda};
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
@@ -215,16 +216,6 @@ fn kernel_cases(
         }
     }
     Ok((cases, worst, worst_case))
-}
-
-/// Whether a tensor is the output of a Stoke kernel (not the reference fallback).
-fn is_stoke_output<const D: usize>(t: &Tensor<StokeCuda, D>) -> bool {
-    match t.clone().into_primitive() {
-        TensorPrimitive::Float(p) => p
-            .downcast_ref::<stoke::cuda::DeviceTensor<burn_cuda::Cuda>>()
-            .is_some(),
-        _ => false,
-    }
 }
 
 /// A Burn `Linear` head `[k, n]` prepared with the head's plan: kept as its rows

@@ -9,6 +9,26 @@ use stoke_cuda::bf16::{Bf16Gemm, bf16_gemm};
 use stoke_cuda::kernels::bf16_gemm::{Epilogue, MAX_ROWS, check_shape};
 use stoke_cuda::{DevicePtr, DevicePtrMut};
 
+/// `(x's shape, its rows)` where `x` and a weight of `w_dtype` are bf16, `x` is `[.., k]` with
+/// at least one row, and the rows, `k` and `n` fit the kernels' `u32` sizes; `None` otherwise.
+fn bf16_rows<I: Backend>(
+    x: &StokeTensor<I>,
+    w_dtype: DType,
+    k: usize,
+    n: usize,
+) -> Option<(burn_backend::Shape, usize)> {
+    if w_dtype != DType::BF16 || x.dtype() != DType::BF16 {
+        return None;
+    }
+    let shape = x.shape();
+    if shape.as_slice().last() != Some(&k) || k == 0 {
+        return None;
+    }
+    let m = shape.num_elements() / k;
+    let fits = |v: usize| v <= u32::MAX as usize;
+    (m > 0 && fits(m) && fits(k) && fits(n)).then_some((shape, m))
+}
+
 /// `epilogue(x @ W)` on the dense kernel when `weight` is a pinned ([`ResidentTensor`]) bf16
 /// `[k, n]` weight the kernel takes (`k` and `n` multiples of 8, 16-byte aligned), `x` is bf16
 /// `[.., k]` with 1 to 64 rows (a decode step's rows; above 32, two launches of up to 32), and
@@ -26,16 +46,9 @@ pub(crate) fn try_dense_linear_with<I: Backend>(
     let &[k, n] = w_shape.as_slice() else {
         return None;
     };
-    if rw.dtype() != DType::BF16 || x.dtype() != DType::BF16 {
-        return None;
-    }
-    let shape = x.shape();
+    let (shape, m) = bf16_rows(x, rw.dtype(), k, n)?;
     let dims = shape.as_slice();
-    if dims.last() != Some(&k) || k == 0 {
-        return None;
-    }
-    let m = shape.num_elements() / k;
-    if m == 0 || m > 2 * MAX_ROWS as usize || k > u32::MAX as usize || n > u32::MAX as usize {
+    if m > 2 * MAX_ROWS as usize {
         return None;
     }
     let rows = m.min(MAX_ROWS as usize) as u32;
@@ -107,20 +120,10 @@ pub(crate) fn try_head_linear<I: Backend>(
     }
     let hw = weight.downcast_ref::<HeadWeight<I>>()?;
     let (k, n) = hw.k_n();
-    if hw.dtype() != DType::BF16 || x.dtype() != DType::BF16 {
-        return None;
-    }
-    let shape = x.shape();
+    let (shape, m) = bf16_rows(x, hw.dtype(), k, n)?;
     let dims = shape.as_slice();
-    if dims.last() != Some(&k) || k == 0 {
-        return None;
-    }
-    let m = shape.num_elements() / k;
     let most = head::MAX_ROWS as usize;
     let prefill = m > 2 * most;
-    if m == 0 || m > u32::MAX as usize || k > u32::MAX as usize || n > u32::MAX as usize {
-        return None;
-    }
     if prefill && (!k.is_multiple_of(16) || !n.is_multiple_of(2)) {
         return None;
     }
