@@ -5,7 +5,7 @@
 //! kernel, the same-size read ceiling and the copy rate (the PyTorch peer runs in the same call:
 //! `scripts/peers/head_torch.py`).
 
-use crate::dense::{TOLERANCE, random_bits, row_scaled_error, weight_copies};
+use crate::dense::{TOLERANCE, random_bits, reference_acc, row_scaled_error, weight_copies};
 use crate::gpu::is_stoke_output;
 use crate::int4::put_u16;
 use crate::{PlainCuda, StokeCuda};
@@ -36,47 +36,15 @@ const ROWS: &[usize] = &[1, 2, 3, 7, 8, 9, 16, 17, 31, 32];
 /// Bytes past the output that must stay poisoned.
 const GUARD_BYTES: usize = 256;
 
-/// `x [rows, k] @ w^T`, `w [n, k]`, in f64 over the bf16 values (`[rows, n]`), columns split
-/// over the host's threads.
-fn reference(x: &[u16], rows: usize, w: &[u16], k: usize, n: usize) -> Vec<f64> {
-    let xf: Vec<f64> = x[..rows * k]
-        .iter()
-        .map(|b| bf16::to_f32(*b) as f64)
-        .collect();
-    let threads = std::thread::available_parallelism().map_or(4, |t| t.get());
-    let per = n.div_ceil(threads).max(1);
-    // Column-major partial results: chunk c holds columns [c * per, ..) x rows.
-    let chunks: Vec<Vec<f64>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..n.div_ceil(per))
-            .map(|chunk| {
-                let xf = &xf;
-                s.spawn(move || {
-                    let cols = chunk * per..((chunk + 1) * per).min(n);
-                    let mut out = Vec::with_capacity(cols.len() * rows);
-                    for c in cols {
-                        let wr: Vec<f64> = w[c * k..(c + 1) * k]
-                            .iter()
-                            .map(|b| bf16::to_f32(*b) as f64)
-                            .collect();
-                        for r in 0..rows {
-                            let xr = &xf[r * k..(r + 1) * k];
-                            out.push(xr.iter().zip(&wr).map(|(a, b)| a * b).sum());
-                        }
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let mut acc = vec![0f64; rows * n];
-    for (chunk, out) in chunks.iter().enumerate() {
-        for (i, v) in out.iter().enumerate() {
-            let (c, r) = (chunk * per + i / rows, i % rows);
-            acc[r * n + c] = *v;
+/// `w [rows, cols]` transposed: `[cols, rows]`.
+fn transpose(w: &[u16], rows: usize, cols: usize) -> Vec<u16> {
+    let mut t = vec![0u16; rows * cols];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = w[r * cols + c];
         }
     }
-    acc
+    t
 }
 
 /// The buffer's 16-bit words, or the copy's error (a fault of an earlier kernel shows here).
@@ -126,7 +94,7 @@ fn kernel_cases(
         let x = random_bits(rng, max_rows * k, 2.0);
         let wb = put_u16(rt, &w);
         let xb = put_u16(rt, &x);
-        let acc = reference(&x, max_rows, &w, k, n);
+        let acc = reference_acc(&x, max_rows, &transpose(&w, n, k), k, n);
         for entry in ENTRIES.iter().copied() {
             for &m in ROWS.iter().filter(|&&m| m <= entry.rows as usize) {
                 let want = &acc[..m * n];
@@ -230,14 +198,8 @@ pub fn head_route_matches_burn_cuda(seed: u64) -> Result<Value, String> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x4ead);
     let device = Default::default();
     let to_f32 = |v: &[u16]| v.iter().map(|b| bf16::to_f32(*b)).collect::<Vec<f32>>();
-    // The head as Burn holds it, [k, n]; its rows [n, k] for the reference.
+    // The head as Burn holds it, [k, n].
     let w_kn = random_bits(&mut rng, k * n, 1.0 / (k as f32).sqrt());
-    let mut w_nk = vec![0u16; n * k];
-    for kk in 0..k {
-        for c in 0..n {
-            w_nk[c * k + kk] = w_kn[kk * n + c];
-        }
-    }
     let plan = stoke::Plan::default().weight(stoke::WeightRole::Head);
     let w_stoke = stoke::cuda::prepare(
         Tensor::<StokeCuda, 2>::from_data(TensorData::new(to_f32(&w_kn), [k, n]), &device)
@@ -284,7 +246,7 @@ pub fn head_route_matches_burn_cuda(seed: u64) -> Result<Value, String> {
         let got = crate::f64s(y.into_data());
         let plain =
             crate::f64s(burn::tensor::module::linear(xp, w_plain.clone(), None).into_data());
-        let want = reference(&x, m, &w_nk, k, n);
+        let want = reference_acc(&x, m, &w_kn, k, n);
         let err_ref = row_scaled_error(&got, &want, n);
         let err_burn = relative_error(&got, &plain);
         // Both Stoke paths round the f32 sums to bf16 once.

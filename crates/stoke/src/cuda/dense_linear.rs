@@ -29,6 +29,13 @@ fn bf16_rows<I: Backend>(
     (m > 0 && fits(m) && fits(k) && fits(n)).then_some((shape, m))
 }
 
+/// `(first row, rows)` of each launch that takes `m` rows at most `most` at a time.
+fn row_chunks(m: usize, most: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..m)
+        .step_by(most)
+        .map(move |first| (first, (m - first).min(most)))
+}
+
 /// `epilogue(x @ W)` on the dense kernel when `weight` is a pinned ([`ResidentTensor`]) bf16
 /// `[k, n]` weight the kernel takes (`k` and `n` multiples of 8, 16-byte aligned), `x` is bf16
 /// `[.., k]` with 1 to 64 rows (a decode step's rows; above 32, two launches of up to 32), and
@@ -75,9 +82,7 @@ pub(crate) fn try_dense_linear_with<I: Backend>(
     let out_shape = super::with_cols(dims, cols);
     let out = DeviceTensor::<I>::alloc(&rt, out_shape, DType::BF16, device);
     // Up to 32 rows per launch, each its own rows of x, out and the residual.
-    let mut first = 0usize;
-    while first < m {
-        let rows = (m - first).min(MAX_ROWS as usize);
+    for (first, rows) in row_chunks(m, MAX_ROWS as usize) {
         let call = Bf16Gemm {
             x: DevicePtr::new(x_in.ptr + (first * k * 2) as u64),
             m: rows as u32,
@@ -96,7 +101,6 @@ pub(crate) fn try_dense_linear_with<I: Backend>(
         if let Err(e) = unsafe { bf16_gemm(&rt, &call) } {
             panic!("stoke linear (bf16): {e}");
         }
-        first += rows;
     }
     drop((x_in, res_in));
     Some(StokeTensor::owned(out))
@@ -159,9 +163,7 @@ pub(crate) fn try_head_linear<I: Backend>(
         drop(x_in);
         return Some(StokeTensor::owned(out));
     }
-    let mut first = 0usize;
-    while first < m {
-        let rows = (m - first).min(most);
+    for (first, rows) in row_chunks(m, most) {
         let call = Bf16Head {
             x: DevicePtr::new(x_in.ptr + (first * k * 2) as u64),
             m: rows as u32,
@@ -176,8 +178,19 @@ pub(crate) fn try_head_linear<I: Backend>(
         if let Err(e) = unsafe { bf16_head(&rt, &call, None) } {
             panic!("stoke output head (bf16): {e}");
         }
-        first += rows;
     }
     drop(x_in);
     Some(StokeTensor::owned(out))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn row_chunks_cover_every_row_once() {
+        let chunks: Vec<_> = super::row_chunks(64, 32).collect();
+        assert_eq!(chunks, [(0, 32), (32, 32)]);
+        let chunks: Vec<_> = super::row_chunks(33, 32).collect();
+        assert_eq!(chunks, [(0, 32), (32, 1)]);
+        assert_eq!(super::row_chunks(5, 32).collect::<Vec<_>>(), [(0, 5)]);
+    }
 }
